@@ -319,3 +319,13 @@ def test_symlinked_artifact_is_not_followed(tmp_path):
     receipt = run_to_end(spec)
     assert receipt["start_error"].startswith("artifact_path: cannot open")
     assert target.read_bytes() == b""
+
+
+@pytest.mark.parametrize("payload", [b"", b"not json", b'{"attempt_id": "a"} trailing', b"[1]",
+                                     b'{"attempt_id": "a", "run_dir": "relative"}'])
+def test_unusable_spec_exits_two_and_writes_nothing(tmp_path, payload):
+    proc = subprocess.run([sys.executable, "-I", "-S", processes.WRAPPER_PATH], input=payload,
+                          capture_output=True, env={}, cwd=tmp_path, timeout=10)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(b"qlagent wrapper: ")
+    assert os.listdir(tmp_path) == []

@@ -22,12 +22,16 @@ Files in run_dir:
   wrapper.err    the wrapper's own errors (never sent to the agent through a pipe).
 
 Exit status: 0 once a receipt is written, 2 when the spec is unusable and no receipt can be written.
+
+It imports the C modules behind json and signal (_json, _signal) directly: the Python wrappers
+pull in re and enum, which cost +1.2 MiB private memory and +6 ms per run
+(bench/README_wrapper.md).
 """
 
-import json
+import _json
+import _signal
 import os
 import select
-import signal
 import sys
 import time
 
@@ -47,6 +51,50 @@ class SpecError(Exception):
     """A spec field is missing or out of range; the message names the field."""
 
 
+class _JsonContext:
+    # The attributes _json.make_scanner reads; NaN/Infinity are refused.
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    memo = None
+
+    @staticmethod
+    def parse_constant(name):
+        raise ValueError("%s is not allowed" % name)
+
+
+_scan = _json.make_scanner(_JsonContext())
+_WHITESPACE = " \t\r\n"
+
+
+def _loads(text):
+    start = len(text) - len(text.lstrip(_WHITESPACE))
+    try:
+        value, end = _scan(text, start)
+    except StopIteration:
+        raise ValueError("no JSON value") from None
+    if text[end:].strip(_WHITESPACE):
+        raise ValueError("extra data after the JSON value")
+    return value
+
+
+def _dumps(doc):
+    """Encode a flat dict of str → int | str | None (receipts and facts) as ASCII JSON bytes."""
+    parts = []
+    for key in sorted(doc):
+        value = doc[key]
+        if value is None:
+            text = "null"
+        elif isinstance(value, str):
+            text = _json.encode_basestring_ascii(value)
+        else:
+            text = str(int(value))
+        parts.append("%s: %s" % (_json.encode_basestring_ascii(key), text))
+    return ("{" + ", ".join(parts) + "}").encode("ascii")
+
+
 def _read_spec():
     chunks = []
     size = 0
@@ -59,8 +107,8 @@ def _read_spec():
             raise SpecError("spec: larger than %d bytes" % SPEC_LIMIT_BYTES)
         chunks.append(chunk)
     try:
-        spec = json.loads(b"".join(chunks))
-    except ValueError as exc:
+        spec = _loads(b"".join(chunks).decode("utf-8"))
+    except Exception as exc:  # _json raises ValueError subclasses, RecursionError, ...
         raise SpecError("spec: not valid JSON (%s)" % exc) from None
     if not isinstance(spec, dict):
         raise SpecError("spec: must be a JSON object")
@@ -130,7 +178,7 @@ class Wrapper:
         tmp = "%s.tmp.%d" % (path, os.getpid())
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, json.dumps(doc, sort_keys=True).encode("ascii"))
+            os.write(fd, _dumps(doc) if isinstance(doc, dict) else str(doc).encode("ascii"))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -150,11 +198,11 @@ class Wrapper:
             os.close(dfd)
 
     def consume(self, data):
-        """Account for one chunk; keep at most the remaining quota, drop the rest."""
+        """Account for one chunk (a memoryview into the read buffer); keep at most the remaining
+        quota in the Artifact, drop the rest."""
         self.bytes_total += len(data)
         if self.room > 0:
-            keep = data[:self.room] if len(data) > self.room else data
-            view = memoryview(keep)
+            view = data[:self.room]
             try:
                 while view:
                     n = os.write(self.art_fd, view)
@@ -180,7 +228,7 @@ def _on_term(signum, frame):
     _term_requested = True
     if _task_pid:
         try:
-            os.killpg(_task_pid, signal.SIGTERM)
+            os.killpg(_task_pid, _signal.SIGTERM)
         except OSError:
             pass
 
@@ -207,8 +255,8 @@ def _spawn(cfg, wfd):
                           (os.POSIX_SPAWN_DUP2, wfd, 2)],
             setpgroup=0,
             # Ignored dispositions survive exec: give the task the defaults back.
-            setsigdef=(signal.SIGINT, signal.SIGHUP, signal.SIGPIPE, signal.SIGTERM,
-                       signal.SIGCHLD, signal.SIGQUIT),
+            setsigdef=(_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE, _signal.SIGTERM,
+                       _signal.SIGCHLD, _signal.SIGQUIT),
             setsigmask=(),
         )
     finally:
@@ -243,8 +291,8 @@ def run(w, cfg):
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    signal.signal(signal.SIGCHLD, lambda s, f: None)  # only to wake poll through wakeup fd
+    _signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    _signal.signal(_signal.SIGCHLD, lambda s, f: None)  # only to wake poll through wakeup fd
 
     receipt["started_at_us"] = _now_us()
     try:
@@ -258,7 +306,7 @@ def run(w, cfg):
     os.close(wfd)
     _task_pid = pid
     if _term_requested:
-        _on_term(signal.SIGTERM, None)
+        _on_term(_signal.SIGTERM, None)
     try:
         w.write_file_atomic("task.pid", pid, False)
     except OSError as exc:
@@ -267,6 +315,8 @@ def run(w, cfg):
     poller = select.poll()
     poller.register(rfd, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
+    buf = bytearray(READ_CHUNK_BYTES)  # one buffer for the whole run: memory stays flat
+    view = memoryview(buf)
     eof = False
     status = None
     linger_deadline = None
@@ -296,17 +346,17 @@ def run(w, cfg):
                 except BlockingIOError:
                     pass
             elif not eof:
-                # Bounded reads (64 KiB at a time) and no line assembly: memory stays flat.
+                # Bounded reads into the one buffer, no line assembly (F8: never buffer a line).
                 for _ in range(16):
                     try:
-                        data = os.read(rfd, READ_CHUNK_BYTES)
+                        n = os.readv(rfd, [buf])
                     except BlockingIOError:
                         break
-                    if not data:
+                    if not n:
                         eof = True
                         poller.unregister(rfd)
                         break
-                    w.consume(data)
+                    w.consume(view[:n])
 
     os.close(rfd)
     if os.WIFSIGNALED(status):
@@ -317,9 +367,9 @@ def run(w, cfg):
 
 
 def main():
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_term)
+    for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE):
+        _signal.signal(sig, _signal.SIG_IGN)
+    _signal.signal(_signal.SIGTERM, _on_term)
     os.umask(0o077)
     try:
         spec = _read_spec()
