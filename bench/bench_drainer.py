@@ -65,7 +65,7 @@ def run_python_wrapper(spec):
 def run_sh_wrapper(spec):
     p = subprocess.Popen(["/bin/sh", "-c", SH_WRAPPER, "sh", spec["run_dir"], spec["artifact_path"],
                           str(spec["quota_bytes"]), *spec["argv"]], env=PATH_ENV, cwd="/",
-                         stdin=subprocess.DEVNULL, start_new_session=True)
+                         stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     assert p.wait() == 0
     with open(os.path.join(spec["run_dir"], "receipt.json")) as f:
         return json.load(f)
@@ -120,22 +120,23 @@ def sample_overhead(base, runner_cmd, label):
     else:
         p = subprocess.Popen(["/bin/sh", "-c", SH_WRAPPER, "sh", spec["run_dir"], spec["artifact_path"],
                               str(spec["quota_bytes"]), *spec["argv"]], env=PATH_ENV, cwd="/",
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+                             stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         root = p.pid
     deadline = time.monotonic() + 10
     while not os.path.exists(os.path.join(spec["run_dir"], "task.pid")) and time.monotonic() < deadline:
         time.sleep(0.005)
     task = int(open(os.path.join(spec["run_dir"], "task.pid")).read())
     time.sleep(0.5)  # steady state: the quota is reached and the drainer is discarding
-    peak_extra = peak_rss = peak_uss = 0
+    peak_extra = peak_rss = peak_uss = peak_dirty = 0
     for _ in range(20):
         wr = psutil.Process(root)
         members = [wr] + wr.children(recursive=True)
         extra = [m for m in members if m.pid != task]
         rss = sum(m.memory_info().rss for m in extra)
         uss = sum(m.memory_full_info().uss for m in extra)
+        dirty = sum(private_dirty(m.pid) for m in extra)
         peak_extra = max(peak_extra, len(extra))
-        peak_rss, peak_uss = max(peak_rss, rss), max(peak_uss, uss)
+        peak_rss, peak_uss, peak_dirty = max(peak_rss, rss), max(peak_uss, uss), max(peak_dirty, dirty)
         time.sleep(0.02)
     processes.kill_tree(task, root, 1.0)
     if runner_cmd == "python":
@@ -143,17 +144,29 @@ def sample_overhead(base, runner_cmd, label):
         h.close()
     else:
         p.wait()
-    return label, peak_extra, peak_rss, peak_uss
+    return label, peak_extra, peak_rss, peak_uss, peak_dirty
+
+
+def private_dirty(pid):
+    """Private_Dirty bytes (anonymous memory the process alone pays for) from smaps_rollup."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Private_Dirty:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return 0
 
 
 def overhead(base):
     rows = [sample_overhead(base, "python", "python3 -I -S wrapper.py (wrapper + drainer in one)"),
             sample_overhead(base, "sh", "POSIX sh wrapper (dash + drain subshell + head/cat)")]
     print("\n## Per-run overhead while draining `yes` past a 4 MiB quota")
-    print("| wrapper | extra PIDs | RSS MiB | USS (private) MiB |")
-    print("|---|---:|---:|---:|")
-    for label, extra, rss, uss in rows:
-        print(f"| {label} | {extra} | {rss / MiB:.1f} | {uss / MiB:.1f} |")
+    print("| wrapper | extra PIDs | RSS MiB | USS MiB | Private_Dirty MiB |")
+    print("|---|---:|---:|---:|---:|")
+    for label, extra, rss, uss, dirty in rows:
+        print(f"| {label} | {extra} | {rss / MiB:.1f} | {uss / MiB:.1f} | {dirty / MiB:.1f} |")
 
 
 def latency(base, rounds):
@@ -195,12 +208,21 @@ def latency(base, rounds):
         run_python_wrapper(spec)
         return time.perf_counter_ns() - t0
 
-    med = {}
-    for name, fn in (("posix_spawn", via_posix_spawn), ("wrapper", via_wrapper), ("sh", via_sh),
-                     ("true", true_round_trip), ("wrapper_true", wrapper_true_round_trip)):
+    def python_pass():
+        t0 = time.perf_counter_ns()
+        subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], env={}, check=True)
+        return time.perf_counter_ns() - t0
+
+    paths = {"posix_spawn": via_posix_spawn, "wrapper": via_wrapper, "sh": via_sh,
+             "true": true_round_trip, "wrapper_true": wrapper_true_round_trip, "pass": python_pass}
+    samples = {name: [] for name in paths}
+    for name, fn in paths.items():
         fn()  # warm caches
-        med[name] = statistics.median(fn() for _ in range(rounds)) / 1e6
-    print(f"\n## Dispatch→exec latency (median of {rounds}, ms)")
+    for _ in range(rounds):  # round-robin so machine noise hits every path alike
+        for name, fn in paths.items():
+            samples[name].append(fn())
+    med = {name: statistics.median(v) / 1e6 for name, v in samples.items()}
+    print(f"\n## Dispatch→exec latency (median of {rounds}, interleaved, ms)")
     print("| path | ms | vs bare posix_spawn |")
     print("|---|---:|---:|")
     print(f"| bare os.posix_spawn of `date +%s%N` (baseline) | {med['posix_spawn']:.2f} | 1.00x |")
@@ -210,6 +232,8 @@ def latency(base, rounds):
     print(f"| bare posix_spawn+wait of /bin/true (baseline) | {med['true']:.2f} | 1.00x |")
     print(f"| spawn_wrapper of /bin/true until receipt (fsyncs included) | {med['wrapper_true']:.2f} | "
           f"{med['wrapper_true'] / med['true']:.1f}x |")
+    print(f"| reference: `python3 -I -S -c pass` start+exit | {med['pass']:.2f} | "
+          f"{med['pass'] / med['true']:.1f}x |")
 
 
 def main():

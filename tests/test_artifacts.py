@@ -141,14 +141,14 @@ def small_fs(tmp_path):
 
 def test_edge_admission_on_a_real_small_filesystem(small_fs):
     alloc = ArtifactAllocator(str(small_fs / "artifacts"), EDGE)
-    first = alloc.admit(EDGE.log_bytes)
+    first = alloc.admit(EDGE.log_max_bytes)
     assert first.ok and first.free_bytes == 40 * MiB  # 40 - 32 reserve >= 4
     # Fill the filesystem until free - 32 MiB < 4 MiB (5 MiB + a bit used: 34.9 MiB free).
     with open(small_fs / "filler", "wb") as f:
         f.write(b"\0" * (5 * MiB + 4096))
-    adm = alloc.admit(EDGE.log_bytes)
+    adm = alloc.admit(EDGE.log_max_bytes)
     assert not adm.ok and adm.reason == "low_space"
-    assert adm.free_bytes - EDGE.reserve_bytes < EDGE.log_bytes
+    assert adm.free_bytes - EDGE.fs_reserve_bytes < EDGE.log_max_bytes
     assert not (small_fs / "artifacts").exists()  # admission creates nothing
     with pytest.raises(ArtifactError):
         alloc.allocate(new_id(), adm)
@@ -206,3 +206,22 @@ def test_prune_never_deletes_outside_its_root(tmp_path):
     with pytest.raises(ArtifactError, match="entries.path"):
         alloc.prune(0, 0, [(new_id(), "t", str(victim), 1)])
     assert victim.read_bytes() == b"keep"
+
+
+def test_f1_thousand_echo_hi_runs_keep_the_log_folder_bounded(tmp_path):
+    alloc = roomy(tmp_path, total=1 * MiB)
+    live = []
+    most_files = 0
+    for minute in range(1000):
+        attempt = new_id()
+        path = alloc.allocate(attempt, alloc.admit(4096))
+        with open(path, "wb") as f:
+            f.write(b"hi\n")
+        live.append((attempt, "echo-hi", path, minute))
+        gone = {r.attempt_id for r in alloc.prune(keep_per_task=20, max_total_bytes=1 * MiB, entries=live)}
+        live = [e for e in live if e[0] not in gone]
+        files = sum(len(os.listdir(d.path)) for d in os.scandir(tmp_path / "artifacts"))
+        most_files = max(most_files, files)
+    assert most_files == 20
+    assert [e[3] for e in live] == list(range(980, 1000))
+    assert alloc.used_bytes() == 20 * 3

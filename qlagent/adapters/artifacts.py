@@ -29,19 +29,20 @@ class ArtifactError(ValueError):
 
 @dataclass(frozen=True)
 class ArtifactLimits:
-    """Profile numbers the allocator needs, in bytes: ``log_bytes`` (one log's quota),
-    ``reserve_bytes`` (free space that must remain on the filesystem) and ``total_bytes``
-    (all Artifacts under the root together). Any object with these three attributes works
-    (e.g. a core.profiles Profile)."""
+    """Profile numbers the allocator needs, in bytes: ``log_max_bytes`` (one log's quota),
+    ``fs_reserve_bytes`` (free space that must remain on the filesystem) and
+    ``artifact_total_bytes`` (all Artifacts under the root together). The names are those of
+    core.profiles.Profile, so a Profile can be passed wherever ArtifactLimits is."""
 
-    log_bytes: int
-    reserve_bytes: int
-    total_bytes: int
+    log_max_bytes: int
+    fs_reserve_bytes: int
+    artifact_total_bytes: int
 
 
-# ADR-0071 §5 table (log, reserve); the total is this module's choice: 16 full logs.
-EDGE = ArtifactLimits(log_bytes=4 * MiB, reserve_bytes=32 * MiB, total_bytes=64 * MiB)
-STANDALONE = ArtifactLimits(log_bytes=64 * MiB, reserve_bytes=256 * MiB, total_bytes=1024 * MiB)
+# ADR-0071 §5 table (log, reserve); total = 16 full logs, as in core.profiles.
+EDGE = ArtifactLimits(log_max_bytes=4 * MiB, fs_reserve_bytes=32 * MiB, artifact_total_bytes=64 * MiB)
+STANDALONE = ArtifactLimits(log_max_bytes=64 * MiB, fs_reserve_bytes=256 * MiB,
+                            artifact_total_bytes=1024 * MiB)
 
 
 @dataclass(frozen=True)
@@ -99,15 +100,15 @@ def _open_private_dir(name: str, dir_fd: int | None, shown: str) -> int:
 
 class ArtifactAllocator:
     """Allocates private log Artifacts under ``root`` for one Profile's ``limits``
-    (ArtifactLimits or any object with log_bytes / reserve_bytes / total_bytes).
+    (ArtifactLimits or a core.profiles.Profile).
     ``runs_root`` (default: ``<root>/../runs``) holds the wrapper's run directories."""
 
     def __init__(self, root: str, limits, runs_root: str | None = None):
         self.root = os.path.abspath(root)
         self.runs_root = os.path.abspath(runs_root or os.path.join(os.path.dirname(self.root), "runs"))
-        self.log_bytes = int(limits.log_bytes)
-        self.reserve_bytes = int(limits.reserve_bytes)
-        self.total_bytes = int(limits.total_bytes)
+        self.log_bytes = int(limits.log_max_bytes)
+        self.reserve_bytes = int(limits.fs_reserve_bytes)
+        self.total_bytes = int(limits.artifact_total_bytes)
 
     def artifact_path(self, attempt_id: str) -> str:
         """Deterministic path of an Attempt's log (pure; creates nothing)."""
