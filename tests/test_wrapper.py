@@ -329,3 +329,19 @@ def test_unusable_spec_exits_two_and_writes_nothing(tmp_path, payload):
     assert proc.returncode == 2
     assert proc.stderr.startswith(b"qlagent wrapper: ")
     assert os.listdir(tmp_path) == []
+
+
+def test_missing_cwd_gives_start_error_naming_cwd(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"], cwd=str(tmp_path / "gone"))
+    receipt = run_to_end(spec)
+    assert receipt["start_error"] == f"cwd: cannot enter {tmp_path / 'gone'} (No such file or directory)"
+    assert log_bytes(spec) == b"" and processes.read_task_pid(spec["run_dir"]) is None
+
+
+def test_oversized_spec_is_refused_before_anything_starts(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/true"], env={"BIG": "x" * (1 << 20)})
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match="spec: .* bytes of JSON, limit 1048576"):
+        processes.spawn_wrapper(spec)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+    assert os.listdir(spec["run_dir"]) == []

@@ -23,6 +23,8 @@ WRAPPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launche
 
 RECEIPT_FIELDS = ("attempt_id", "exit_code", "signal", "start_error", "started_at_us", "ended_at_us",
                   "bytes_total", "bytes_kept", "bytes_dropped", "peak_rss_bytes", "cpu_time_us")
+# The wrapper refuses a larger spec (launcher/wrapper.py SPEC_LIMIT_BYTES).
+SPEC_LIMIT_BYTES = 1 << 20
 # A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.
 _FACT_LIMIT_BYTES = 65536
 _CREATE_TIME_TOLERANCE_S = 0.01
@@ -67,9 +69,12 @@ def spawn_wrapper(spec: dict, python: str = sys.executable) -> WrapperHandle:
     stdout/stderr /dev/null, and send ``spec`` (the wrapper contract's JSON document, which may
     hold secret plaintext) through its stdin pipe, then close the pipe.
 
-    Raises WrapperSpawnError when the interpreter cannot be started or exits before reading the spec.
+    Raises ValueError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
+    WrapperSpawnError when the interpreter cannot be started or exits before reading the spec.
     """
     payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
+    if len(payload) > SPEC_LIMIT_BYTES:
+        raise ValueError(f"spec: {len(payload)} bytes of JSON, limit {SPEC_LIMIT_BYTES}")
     try:
         popen = subprocess.Popen([python, "-I", "-S", WRAPPER_PATH], stdin=subprocess.PIPE,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={},

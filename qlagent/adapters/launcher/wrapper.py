@@ -246,7 +246,10 @@ def _resolve(argv0, env):
 def _spawn(cfg, wfd):
     """Start the task in its own process group; stdin /dev/null, stdout+stderr the FIFO."""
     path = _resolve(cfg["argv"][0], cfg["env"])
-    os.chdir(cfg["cwd"])  # posix_spawn has no chdir action; the wrapper only uses absolute paths
+    try:
+        os.chdir(cfg["cwd"])  # posix_spawn has no chdir action; the wrapper only uses absolute paths
+    except OSError as exc:
+        raise SpecError("cwd: cannot enter %s (%s)" % (cfg["cwd"], exc.strerror)) from None
     try:
         return os.posix_spawn(
             path, cfg["argv"], cfg["env"],
@@ -297,10 +300,13 @@ def run(w, cfg):
     receipt["started_at_us"] = _now_us()
     try:
         pid = _spawn(cfg, wfd)
-    except OSError as exc:
+    except (OSError, SpecError) as exc:
         os.close(wfd)
         os.close(rfd)
-        receipt["start_error"] = "exec %s: %s" % (cfg["argv"][0], exc.strerror or exc)
+        if isinstance(exc, SpecError):
+            receipt["start_error"] = str(exc)
+        else:
+            receipt["start_error"] = "exec %s: %s" % (cfg["argv"][0], exc.strerror or exc)
         receipt["ended_at_us"] = _now_us()
         return receipt
     os.close(wfd)
