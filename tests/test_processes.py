@@ -61,7 +61,7 @@ def test_hang_is_killed_within_grace_plus_one_second(tmp_path):
     began = time.monotonic()
     report = processes.kill_tree(task, handle.pid, grace)
     assert time.monotonic() - began < grace + 1.0
-    assert report.survivors == [] and task in report.terminated and task in report.killed
+    assert report.survivors == [] and task in report.terminated and task in report.killed, report
     assert handle.popen.wait(10) == 0
     assert processes.read_receipt(spec["run_dir"])["signal"] == signal.SIGKILL
 

@@ -175,21 +175,22 @@ def _created(proc: psutil.Process) -> float:
 
 
 def _signal_all(task_pgid: int, owned: bool, procs: dict[int, psutil.Process], sig: int) -> list[int]:
-    grouped = False
+    in_group = set()
     if owned:
+        for pid in procs:  # before killpg: a member may die and be reaped at once
+            try:
+                if os.getpgid(pid) == task_pgid:
+                    in_group.add(pid)
+            except ProcessLookupError:
+                continue
         try:
             os.killpg(task_pgid, sig)  # atomic for the group, including children forked meanwhile
-            grouped = True
         except (ProcessLookupError, PermissionError):
-            pass
-    sent = []
+            in_group = set()
+    sent = sorted(in_group)
     for pid, proc in procs.items():
-        try:
-            if grouped and os.getpgid(pid) == task_pgid:
-                sent.append(pid)  # already reached by killpg; a second signal would be a new event
-                continue
-        except ProcessLookupError:
-            continue
+        if pid in in_group:
+            continue  # already reached by killpg; a second signal would be a new event
         try:
             proc.send_signal(sig)  # psutil checks the start time: a reused PID is not signalled
             sent.append(pid)
