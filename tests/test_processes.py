@@ -142,7 +142,9 @@ def test_tree_figures_sum_the_task_tree(tmp_path):
     wait_for(lambda: processes.tree_figures(handle.pid)[2] == 3, what="three processes")
     rss, cpu_us, count = processes.tree_figures(handle.pid)
     assert rss > 3 * 100_000 and cpu_us >= 0 and count == 3
-    processes.kill_tree(processes.read_task_pid(spec["run_dir"]), handle.pid, 0.5)
+    # Without task.pid (None) the wrapper's only child is taken as the task.
+    report = processes.kill_tree(None, handle.pid, 0.5)
+    assert report.survivors == [] and len(report.terminated) == 3
     assert handle.popen.wait(10) == 0
     assert processes.tree_figures(handle.pid) == (0, 0, 0)
 

@@ -208,7 +208,7 @@ def _wait_gone(procs: dict[int, psutil.Process], deadline: float) -> dict[int, p
         time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
 
 
-def kill_tree(task_pgid: int, wrapper_pid: int, grace_s: float,
+def kill_tree(task_pgid: int | None, wrapper_pid: int, grace_s: float,
               started_after: float | None = None) -> KillReport:
     """Stop every process of a run: SIGTERM to the task's process group and to every descendant
     of the wrapper (also those that escaped the group with setsid), SIGKILL to whatever is left
@@ -217,13 +217,22 @@ def kill_tree(task_pgid: int, wrapper_pid: int, grace_s: float,
     Never signals the wrapper (it must still write the receipt) or this process. The wrapper's
     descendants are snapshotted BEFORE signalling, because children of a killed parent are
     re-parented out of the tree, and re-scanned before SIGKILL. ``task_pgid`` is the PID in
-    run_dir/task.pid. killpg() is used only while a group member is in the wrapper's tree (a
+    run_dir/task.pid; None (task.pid not written yet) takes the wrapper's only child, the task.
+    killpg() is used only while a group member is in the wrapper's tree (a
     PID number freed and reused for a stranger's group is never hit); otherwise group members
     are signalled one by one, and ``started_after`` (epoch seconds, the run's start) excludes
     members older than the run. Raises ValueError for a PID <= 1.
     """
-    if task_pgid <= 1 or wrapper_pid <= 1:
+    if wrapper_pid <= 1 or (task_pgid is not None and task_pgid <= 1):
         raise ValueError("task_pgid/wrapper_pid: must be a process ID > 1")
+    if task_pgid is None:
+        try:
+            kids = psutil.Process(wrapper_pid).children()
+        except psutil.NoSuchProcess:
+            kids = []
+        if not kids:
+            return KillReport([], [], [], 0.0)  # no task was started, or the wrapper is gone
+        task_pgid = kids[0].pid
     start = time.monotonic()
     snapshot, owned = _targets(task_pgid, wrapper_pid, started_after, {})
     terminated = _signal_all(task_pgid, owned, snapshot, signal.SIGTERM)

@@ -413,18 +413,18 @@ def main():
     receipt["bytes_total"] = w.bytes_total
     receipt["bytes_kept"] = w.bytes_kept
     receipt["bytes_dropped"] = w.bytes_total - w.bytes_kept
+    # FIFO first: once the receipt exists the run directory is final.
+    try:
+        os.unlink(w.fifo_path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        w.log_error("output.fifo not removed: %s" % exc)
     try:
         w.write_file_atomic("receipt.json", receipt, False)
     except OSError as exc:
         w.log_error("receipt not written: %s" % exc)
         return 1
-    finally:
-        try:
-            os.unlink(w.fifo_path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            w.log_error("output.fifo not removed: %s" % exc)
     return 0
 
 
