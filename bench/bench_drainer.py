@@ -77,38 +77,49 @@ def timed(fn):
     return time.perf_counter() - t0
 
 
-def throughput(base, mib):
+def throughput(base, mib, repeats=3):
     n = mib * MiB
     src = ["/usr/bin/head", "-c", str(n), "/dev/zero"]
     fifo = os.path.join(base, "cat.fifo")
     os.mkfifo(fifo, 0o600)
     out = os.path.join(base, "cat.out")
-    cat_s = timed(lambda: subprocess.run(
-        ["/bin/sh", "-c", f'head -c {n} /dev/zero > "{fifo}" & cat "{fifo}" > "{out}"; wait'], check=True))
-    os.unlink(out)
-    cat_null_s = timed(lambda: subprocess.run(
-        ["/bin/sh", "-c", f'head -c {n} /dev/zero > "{fifo}" & cat "{fifo}" > /dev/null; wait'], check=True))
-    rows = [("cat through a FIFO to a file (baseline)", cat_s, None),
-            ("cat through a FIFO to /dev/null", cat_null_s, None)]
-    for label, quota in (("python wrapper, quota > output (all kept)", n + MiB),
-                         ("python wrapper, edge quota 4 MiB (rest dropped)", 4 * MiB)):
-        spec = new_run(base, quota, src)
-        s = timed(lambda: run_python_wrapper(spec))
-        r = processes.read_receipt(spec["run_dir"])
-        assert r["bytes_total"] == n and r["bytes_kept"] == min(n, quota), r
-        os.unlink(spec["artifact_path"])
-        rows.append((label, s, n))
-    for label, quota in (("sh wrapper, quota > output", n + MiB), ("sh wrapper, quota 4 MiB", 4 * MiB)):
-        spec = new_run(base, quota, src)
-        s = timed(lambda: run_sh_wrapper(spec))
-        assert os.path.getsize(spec["artifact_path"]) == min(n, quota)
-        os.unlink(spec["artifact_path"])
-        rows.append((label, s, n))
-    print(f"\n## Drainer throughput: {mib} MiB of output")
+
+    def cat(dest):
+        def go():
+            subprocess.run(["/bin/sh", "-c", f'head -c {n} /dev/zero > "{fifo}" & cat "{fifo}" > "{dest}"; wait'],
+                           check=True)
+            if dest != "/dev/null":
+                os.unlink(dest)
+        return go
+
+    def wrapper(runner, quota):
+        def go():
+            spec = new_run(base, quota, src)
+            runner(spec)
+            assert os.path.getsize(spec["artifact_path"]) == min(n, quota)
+            if runner is run_python_wrapper:
+                r = processes.read_receipt(spec["run_dir"])
+                assert r["bytes_total"] == n and r["bytes_kept"] == min(n, quota), r
+            os.unlink(spec["artifact_path"])
+        return go
+
+    paths = [("cat through a FIFO to a file (baseline)", cat(out)),
+             ("cat through a FIFO to /dev/null", cat("/dev/null")),
+             ("python wrapper, quota > output (all kept)", wrapper(run_python_wrapper, n + MiB)),
+             ("python wrapper, edge quota 4 MiB (rest dropped)", wrapper(run_python_wrapper, 4 * MiB)),
+             ("sh wrapper, quota > output", wrapper(run_sh_wrapper, n + MiB)),
+             ("sh wrapper, quota 4 MiB", wrapper(run_sh_wrapper, 4 * MiB))]
+    times = {label: [] for label, _ in paths}
+    for _ in range(repeats):  # interleaved: page cache and writeback hit every path alike
+        for label, fn in paths:
+            times[label].append(timed(fn))
+    med = {label: statistics.median(v) for label, v in times.items()}
+    base_s = med[paths[0][0]]
+    print(f"\n## Drainer throughput: {mib} MiB of output (median of {repeats}, interleaved)")
     print("| path | seconds | MiB/s | time vs cat-to-file |")
     print("|---|---:|---:|---:|")
-    for label, s, _ in rows:
-        print(f"| {label} | {s:.3f} | {mib / s:.0f} | {s / cat_s:.2f}x |")
+    for label, _ in paths:
+        print(f"| {label} | {med[label]:.3f} | {mib / med[label]:.0f} | {med[label] / base_s:.2f}x |")
 
 
 def sample_overhead(base, runner_cmd, label):
