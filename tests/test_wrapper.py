@@ -345,3 +345,16 @@ def test_oversized_spec_is_refused_before_anything_starts(tmp_path):
         processes.spawn_wrapper(spec)
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     assert os.listdir(spec["run_dir"]) == []
+
+
+def test_artifact_that_is_not_a_regular_file_is_refused(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo out"])
+    os.unlink(spec["artifact_path"])
+    os.mkfifo(spec["artifact_path"], 0o600)
+    opener = os.open(spec["artifact_path"], os.O_RDONLY | os.O_NONBLOCK)  # lets the open succeed
+    try:
+        receipt = run_to_end(spec)
+    finally:
+        os.close(opener)
+    assert receipt["start_error"] == "artifact_path: not a regular file"
+    assert processes.read_task_pid(spec["run_dir"]) is None

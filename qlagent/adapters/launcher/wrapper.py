@@ -32,6 +32,7 @@ import _json
 import _signal
 import os
 import select
+import stat
 import sys
 import time
 
@@ -273,13 +274,18 @@ def run(w, cfg):
                "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None}
     try:
         w.art_fd = os.open(cfg["artifact_path"], os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-        w.quota = cfg["quota_bytes"]
-        # The agent creates the file empty; anything already there counts against the quota.
-        w.room = max(0, w.quota - os.fstat(w.art_fd).st_size)
+        st = os.fstat(w.art_fd)
     except OSError as exc:
         receipt["start_error"] = "artifact_path: cannot open (%s)" % exc.strerror
         receipt["ended_at_us"] = _now_us()
         return receipt
+    if not stat.S_ISREG(st.st_mode):
+        receipt["start_error"] = "artifact_path: not a regular file"
+        receipt["ended_at_us"] = _now_us()
+        return receipt
+    w.quota = cfg["quota_bytes"]
+    # The agent creates the file empty; anything already there counts against the quota.
+    w.room = max(0, w.quota - st.st_size)
     try:
         os.mkfifo(w.fifo_path, 0o600)
         # Read end first and non-blocking, so opening the write end never blocks and EOF only
@@ -299,6 +305,8 @@ def run(w, cfg):
 
     receipt["started_at_us"] = _now_us()
     try:
+        if _term_requested:
+            raise SpecError("terminated before the task was started")
         pid = _spawn(cfg, wfd)
     except (OSError, SpecError) as exc:
         os.close(wfd)
