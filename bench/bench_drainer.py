@@ -122,9 +122,9 @@ def throughput(base, mib, repeats=3):
         print(f"| {label} | {med[label]:.3f} | {mib / med[label]:.0f} | {med[label] / base_s:.2f}x |")
 
 
-def sample_overhead(base, runner_cmd, label):
-    """Start a wrapper around an endless `yes`, sample its session while it drains."""
-    spec = new_run(base, 4 * MiB, ["/usr/bin/yes", "0123456789abcdef"])
+def sample_overhead(base, runner_cmd, label, argv=("/usr/bin/yes", "0123456789abcdef")):
+    """Start a wrapper around an endless producer, sample its session while it drains."""
+    spec = new_run(base, 4 * MiB, list(argv))
     if runner_cmd == "python":
         h = processes.spawn_wrapper(spec)
         root = h.pid
@@ -172,8 +172,10 @@ def private_dirty(pid):
 
 def overhead(base):
     rows = [sample_overhead(base, "python", "python3 -I -S wrapper.py (wrapper + drainer in one)"),
+            sample_overhead(base, "python", "python wrapper, endless line without newline (F8)",
+                            ("/bin/sh", "-c", "exec tr '\\0' x < /dev/zero")),
             sample_overhead(base, "sh", "POSIX sh wrapper (dash + drain subshell + head/cat)")]
-    print("\n## Per-run overhead while draining `yes` past a 4 MiB quota")
+    print("\n## Per-run overhead while draining past a 4 MiB quota (`yes` unless noted)")
     print("| wrapper | extra PIDs | RSS MiB | USS MiB | Private_Dirty MiB |")
     print("|---|---:|---:|---:|---:|")
     for label, extra, rss, uss, dirty in rows:

@@ -358,3 +358,26 @@ def test_artifact_that_is_not_a_regular_file_is_refused(tmp_path):
         os.close(opener)
     assert receipt["start_error"] == "artifact_path: not a regular file"
     assert processes.read_task_pid(spec["run_dir"]) is None
+
+
+def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
+    small = tmp_path / "flash"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a 1 MiB tmpfs is not permitted here: {mounted.stderr.strip()}")
+    try:
+        spec = make_spec(tmp_path, ["/bin/sh", "-c", "head -c 3000000 /dev/zero; exit 4"])
+        os.unlink(spec["artifact_path"])
+        spec["artifact_path"] = str(small / "a.log")
+        os.close(os.open(spec["artifact_path"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        receipt = run_to_end(spec)
+        assert receipt["exit_code"] == 4  # ENOSPC on the log never reaches the task
+        assert receipt["bytes_total"] == 3000000
+        assert 0 < receipt["bytes_kept"] == os.path.getsize(spec["artifact_path"]) <= 1048576
+        assert processes.read_truncation(spec["run_dir"]) is None  # not a quota truncation
+        with open(os.path.join(spec["run_dir"], "wrapper.err")) as f:
+            assert "artifact write failed" in f.read()
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
