@@ -294,6 +294,8 @@ def test_sigint_sighup_sigpipe_to_the_wrapper_are_ignored(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; echo done"])
     handle = processes.spawn_wrapper(spec)
     wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
+    wrapper = psutil.Process(handle.pid)
+    assert wrapper.environ() == {} and wrapper.cwd() == "/"  # nothing of the agent's leaks in
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         os.kill(handle.pid, sig)
     go.touch()
