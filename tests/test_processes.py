@@ -44,13 +44,31 @@ def output(spec):
         return f.read()
 
 
-def live_sleeps(args, since):
+def run_sleeps(wrapper_pid, args):
+    """The `sleep N` processes below this run's wrapper (other runs on the machine ignored)."""
+    try:
+        kids = psutil.Process(wrapper_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
     found = []
-    for p in psutil.process_iter(["cmdline", "create_time", "status"]):
-        if (p.info["cmdline"] in [["sleep", a] for a in args] and p.info["create_time"] >= since
-                and p.info["status"] != psutil.STATUS_ZOMBIE):
-            found.append(p)
+    for p in kids:
+        try:
+            if p.cmdline() in [["sleep", a] for a in args]:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
     return found
+
+
+def alive(procs):
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def test_hang_is_killed_within_grace_plus_one_second(tmp_path):
@@ -67,31 +85,31 @@ def test_hang_is_killed_within_grace_plus_one_second(tmp_path):
 
 
 def test_spawn_tree_leaves_no_process_of_the_run_alive(tmp_path):
-    since = time.time() - 1
     spec, handle = start(tmp_path, ["/bin/sh", os.path.join(FIXTURES, "spawn-tree.sh")])
     wait_for(lambda: output(spec) == b"spawned\n", what="spawned")
-    wait_for(lambda: len(live_sleeps(("300", "301", "302"), since)) == 3, what="three sleeps")
-    escaped = live_sleeps(("301",), since)[0]
+    sleeps = wait_for(lambda: (lambda f: f if len(f) == 3 else None)(
+        run_sleeps(handle.pid, ("300", "301", "302"))), what="three sleeps")
+    escaped = [p for p in sleeps if p.cmdline() == ["sleep", "301"]][0]
     task = processes.read_task_pid(spec["run_dir"])
     assert os.getpgid(escaped.pid) != task  # setsid took it out of the task's group
     report = processes.kill_tree(task, handle.pid, grace_s=1.0)
     assert report.survivors == []
     assert escaped.pid in report.terminated
-    assert live_sleeps(("300", "301", "302"), since) == []
+    assert alive(sleeps) == []
     assert handle.popen.wait(10) == 0
     assert processes.read_receipt(spec["run_dir"])["signal"] == signal.SIGTERM
 
 
 def test_f2_cancel_kills_setsid_grandchild_and_returns_within_grace_plus_one(tmp_path):
-    since = time.time() - 1
     spec, handle = start(tmp_path, ["/bin/sh", "-c",
                                     "sleep 310 & setsid sleep 311 & echo up; sleep 312; wait"])
-    wait_for(lambda: len(live_sleeps(("310", "311", "312"), since)) == 3, what="three sleeps")
+    sleeps = wait_for(lambda: (lambda f: f if len(f) == 3 else None)(
+        run_sleeps(handle.pid, ("310", "311", "312"))), what="three sleeps")
     # The setsid grandchild's parent dies from SIGTERM first; the snapshot must still reach it.
     began = time.monotonic()
     report = processes.kill_tree(processes.read_task_pid(spec["run_dir"]), handle.pid, grace_s=0.5)
     assert time.monotonic() - began < 1.5
-    assert report.survivors == [] and live_sleeps(("310", "311", "312"), since) == []
+    assert report.survivors == [] and alive(sleeps) == []
     assert handle.popen.wait(10) == 0  # the wrapper itself was spared and wrote its receipt
     assert processes.read_receipt(spec["run_dir"]) is not None
 
