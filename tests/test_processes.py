@@ -60,6 +60,12 @@ def run_sleeps(wrapper_pid, args):
     return found
 
 
+def reap_leftovers(procs):
+    """After a failed assertion: do not leave the run's sleeps behind on the machine."""
+    for p in alive(procs):
+        p.kill()
+
+
 def alive(procs):
     out = []
     for p in procs:
@@ -92,10 +98,13 @@ def test_spawn_tree_leaves_no_process_of_the_run_alive(tmp_path):
     escaped = [p for p in sleeps if p.cmdline() == ["sleep", "301"]][0]
     task = processes.read_task_pid(spec["run_dir"])
     assert os.getpgid(escaped.pid) != task  # setsid took it out of the task's group
-    report = processes.kill_tree(task, handle.pid, grace_s=1.0)
-    assert report.survivors == []
-    assert escaped.pid in report.terminated
-    assert alive(sleeps) == []
+    try:
+        report = processes.kill_tree(task, handle.pid, grace_s=1.0)
+        assert report.survivors == []
+        assert escaped.pid in report.terminated
+        assert alive(sleeps) == []
+    finally:
+        reap_leftovers(sleeps)
     assert handle.popen.wait(10) == 0
     assert processes.read_receipt(spec["run_dir"])["signal"] == signal.SIGTERM
 
@@ -107,9 +116,12 @@ def test_f2_cancel_kills_setsid_grandchild_and_returns_within_grace_plus_one(tmp
         run_sleeps(handle.pid, ("310", "311", "312"))), what="three sleeps")
     # The setsid grandchild's parent dies from SIGTERM first; the snapshot must still reach it.
     began = time.monotonic()
-    report = processes.kill_tree(processes.read_task_pid(spec["run_dir"]), handle.pid, grace_s=0.5)
-    assert time.monotonic() - began < 1.5
-    assert report.survivors == [] and alive(sleeps) == []
+    try:
+        report = processes.kill_tree(processes.read_task_pid(spec["run_dir"]), handle.pid, grace_s=0.5)
+        assert time.monotonic() - began < 1.5
+        assert report.survivors == [] and alive(sleeps) == []
+    finally:
+        reap_leftovers(sleeps)
     assert handle.popen.wait(10) == 0  # the wrapper itself was spared and wrote its receipt
     assert processes.read_receipt(spec["run_dir"]) is not None
 
