@@ -52,6 +52,10 @@ _UTC = timezone.utc
 _EPOCH = datetime(1970, 1, 1, tzinfo=_UTC)
 _US = timedelta(microseconds=1)
 _SECOND_US = 1_000_000
+_NAIVE_EPOCH = datetime(1970, 1, 1)
+# Offset changes are found by probing every 6 hours: no zone changes its offset twice
+# within 6 hours.
+_PROBE_US = 6 * 3600 * _SECOND_US
 
 _ALIASES = {
     "@hourly": "0 * * * *",
@@ -312,29 +316,80 @@ def _local_to_us(naive: datetime, zone: ZoneInfo) -> int:
     return hi * _SECOND_US
 
 
+def _naive(us: int) -> datetime:
+    return _NAIVE_EPOCH + timedelta(microseconds=us)
+
+
+def _naive_us(dt: datetime) -> int:
+    return (dt - _NAIVE_EPOCH) // _US
+
+
+def _offset_us(zone: ZoneInfo, us: int) -> int:
+    return _from_us(us).astimezone(zone).utcoffset() // _US
+
+
+def _change_after(zone: ZoneInfo, start: int, end: int, offset: int) -> int | None:
+    """First instant in (start, end] whose UTC offset is not ``offset`` (that of ``start``)."""
+    lo = start
+    while lo < end:
+        hi = min(lo + _PROBE_US, end)
+        if _offset_us(zone, hi) != offset:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if _offset_us(zone, mid) == offset:
+                    lo = mid
+                else:
+                    hi = mid
+            return hi
+        lo = hi
+    return None
+
+
+def _change_before(zone: ZoneInfo, start: int, end: int, offset: int) -> int | None:
+    """Last instant in [start, end) whose UTC offset is not ``offset`` (that of ``end``)."""
+    hi = end
+    while hi > start:
+        lo = max(hi - _PROBE_US, start)
+        if _offset_us(zone, lo) != offset:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if _offset_us(zone, mid) == offset:
+                    hi = mid
+                else:
+                    lo = mid
+            return lo
+        hi = lo
+    return None
+
+
 def _next_one(schedule: Schedule, after_us: int, zone: ZoneInfo) -> int | None:
-    after = _from_us(after_us).astimezone(zone)
     try:
         if schedule.fixed_time:
-            it = CronSim(schedule.expr, after.replace(tzinfo=None))
+            it = CronSim(schedule.expr, _from_us(after_us).astimezone(zone).replace(tzinfo=None))
             while True:
                 us = _local_to_us(next(it), zone)
                 # Candidates on the first pass of a repeated hour may lie before `after`.
                 if us > after_us:
                     return us
-        it = CronSim(schedule.expr, after)
+        # Real-clock schedules: between two offset changes local time is UTC + a constant,
+        # so match naive local time segment by segment. (cronsim's own zone-aware stepping
+        # adds whole hours in UTC and misses matches in zones with 30-minute DST.)
+        start = bound = after_us
+        offset = _offset_us(zone, after_us)
         while True:
-            us = _to_us(next(it))
-            if us > after_us:
-                return us
+            found = _naive_us(next(CronSim(schedule.expr, _naive(bound + offset)))) - offset
+            change = _change_after(zone, start, found, offset)
+            if change is None:
+                return found
+            start, bound, offset = change, change - 1, _offset_us(zone, change)
     except (StopIteration, OverflowError):
         return None
 
 
 def _prev_one(schedule: Schedule, at_us: int, zone: ZoneInfo) -> int | None:
-    now = _from_us(at_us - at_us % _SECOND_US + _SECOND_US).astimezone(zone)
     try:
         if schedule.fixed_time:
+            now = _from_us(at_us - at_us % _SECOND_US + _SECOND_US).astimezone(zone)
             # On the second pass of a repeated hour, local times up to the end of the
             # repeated span map (first pass) to instants before `at_us`.
             start = now.replace(tzinfo=None) + (now.replace(fold=0).utcoffset() - now.utcoffset())
@@ -343,11 +398,17 @@ def _prev_one(schedule: Schedule, at_us: int, zone: ZoneInfo) -> int | None:
                 us = _local_to_us(next(it), zone)
                 if us <= at_us:
                     return us
-        it = CronSim(schedule.expr, now, reverse=True)
+        end = bound = at_us
+        offset = _offset_us(zone, at_us)
         while True:
-            us = _to_us(next(it))
-            if us <= at_us:
-                return us
+            local = bound + offset
+            top = _naive(local - local % _SECOND_US + _SECOND_US)
+            found = _naive_us(next(CronSim(schedule.expr, top, reverse=True))) - offset
+            change = _change_before(zone, found, end, offset)
+            if change is None:
+                return found
+            end = bound = change
+            offset = _offset_us(zone, change)
     except (StopIteration, OverflowError):
         return None
 
