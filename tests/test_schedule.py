@@ -214,7 +214,7 @@ def test_valid_timezones(name):
 
 @pytest.mark.parametrize("name", [
     "", "Mars/Olympus_Mons", "../../etc/passwd", "/etc/localtime", "Europe/" + "x" * 80, 5, None,
-    "Europe/Berlin\x00"])
+    "Europe/Berlin\x00", "right/Europe/Berlin"])
 def test_bad_timezones_name_the_field(name):
     with pytest.raises(ScheduleError) as err:
         validate_timezone(name)

@@ -269,13 +269,17 @@ def validate_timezone(name: str) -> str:
     """Return ``name`` if it is a loadable IANA timezone key (e.g. ``Europe/Berlin``).
 
     Raises ``ScheduleError(field="timezone")`` for a non-string, an empty or over-long name
-    (``MAX_TIMEZONE_BYTES`` = 64), a path (absolute, ``..``) or an unknown key.
+    (``MAX_TIMEZONE_BYTES`` = 64), a path (absolute, ``..``), a leap-second ``right/`` zone
+    or an unknown key.
     """
     if not isinstance(name, str) or not name:
         raise _field_error("timezone", "must be a non-empty IANA name such as 'Europe/Berlin'")
     if len(name.encode("utf-8", "surrogatepass")) > MAX_TIMEZONE_BYTES:
         raise _field_error(
             "timezone", f"longer than {MAX_TIMEZONE_BYTES} bytes", MAX_TIMEZONE_BYTES)
+    if name.startswith("right/"):
+        # "right/" zones count leap seconds, which Python's datetime does not.
+        raise _field_error("timezone", f"{name!r} counts leap seconds; use {name[6:]!r}")
     try:
         ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
@@ -413,6 +417,18 @@ def _prev_one(schedule: Schedule, at_us: int, zone: ZoneInfo) -> int | None:
         return None
 
 
+def _merged_next(items: Sequence[Schedule], after_us: int, zone: ZoneInfo) -> int | None:
+    fires = [f for s in items if s.kind == "cron"
+             if (f := _next_one(s, after_us, zone)) is not None]
+    return min(fires) if fires else None
+
+
+def _merged_prev(items: Sequence[Schedule], at_us: int, zone: ZoneInfo) -> int | None:
+    fires = [f for s in items if s.kind == "cron"
+             if (f := _prev_one(s, at_us, zone)) is not None]
+    return max(fires) if fires else None
+
+
 def next_fire(schedule: Schedule | Sequence[Schedule], after_utc_us: int,
               tz: str | None) -> int | None:
     """Next fire instant strictly after ``after_utc_us``, in µs since the epoch (UTC).
@@ -423,11 +439,8 @@ def next_fire(schedule: Schedule | Sequence[Schedule], after_utc_us: int,
     fire by clock. Returns None if nothing fires in the next 50 years. Raises
     ``ScheduleError(field="timezone")`` for an unknown zone.
     """
-    zone = _zone(tz)
     items = (schedule,) if isinstance(schedule, Schedule) else schedule
-    fires = [f for s in items if s.kind == "cron"
-             if (f := _next_one(s, after_utc_us, zone)) is not None]
-    return min(fires) if fires else None
+    return _merged_next(items, after_utc_us, _zone(tz))
 
 
 def prev_fire(schedule: Schedule | Sequence[Schedule], at_or_before_utc_us: int,
@@ -436,11 +449,8 @@ def prev_fire(schedule: Schedule | Sequence[Schedule], at_or_before_utc_us: int,
 
     Same conventions as ``next_fire``; several schedules merge to the latest of them.
     """
-    zone = _zone(tz)
     items = (schedule,) if isinstance(schedule, Schedule) else schedule
-    fires = [f for s in items if s.kind == "cron"
-             if (f := _prev_one(s, at_or_before_utc_us, zone)) is not None]
-    return max(fires) if fires else None
+    return _merged_prev(items, at_or_before_utc_us, _zone(tz))
 
 
 def plan_due(schedules: Sequence[Schedule], tz: str | None, last_instant_us: int | None,
@@ -459,25 +469,26 @@ def plan_due(schedules: Sequence[Schedule], tz: str | None, last_instant_us: int
     idempotency key); calling with the returned cursor returns no Run for that instant.
     Raises ``ScheduleError(field="timezone")`` for an unknown zone.
     """
+    zone = _zone(tz)
     last = now_us if last_instant_us is None else last_instant_us
     clock_back = 0 if observed_wall_us is None else max(0, observed_wall_us - now_us)
     due = None
     missed = 0
     if now_us > last:
-        latest = prev_fire(schedules, now_us, tz)
+        latest = _merged_prev(schedules, now_us, zone)
         if latest is not None and latest > last:
             due = latest
-            cursor = next_fire(schedules, last, tz)
+            cursor = _merged_next(schedules, last, zone)
             while cursor is not None and cursor < due and missed < MAX_MISSED_COUNT:
                 missed += 1
-                cursor = next_fire(schedules, cursor, tz)
+                cursor = _merged_next(schedules, cursor, zone)
     new_last = max(last, now_us)
     return Plan(
         due_us=due,
         missed=missed,
         last_instant_us=new_last,
         observed_wall_us=now_us,
-        wake_us=next_fire(schedules, new_last, tz),
+        wake_us=_merged_next(schedules, new_last, zone),
         clock_back_us=clock_back,
     )
 
