@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
@@ -296,7 +297,8 @@ def test_hourly_job_follows_the_real_clock(tz, spring, autumn):
     assert len(repeated) == 2 and repeated[0] != repeated[1]  # both passes, two offsets
 
 
-def _transitions(tz: str, year: int = 2026):
+@functools.lru_cache(maxsize=None)
+def _transitions(tz: str, year: int = 2026) -> tuple[int, ...]:
     zone = ZoneInfo(tz)
     t = us(year, 1, 1)
     out = []
@@ -307,7 +309,7 @@ def _transitions(tz: str, year: int = 2026):
         if off != prev:
             out.append(t)
         prev = off
-    return out
+    return tuple(out)
 
 
 def _oracle(minutes: set[int], hours: set[int], fixed: bool, zone, start_us, end_us):

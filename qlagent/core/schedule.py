@@ -27,9 +27,8 @@ a 6-field fixed time in a gap and fire it twice in a repeated hour).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Literal, Sequence
+from typing import Literal, NamedTuple, Sequence
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
@@ -98,8 +97,7 @@ class ScheduleError(ValueError):
         self.limit = limit
 
 
-@dataclass(frozen=True, slots=True)
-class Schedule:
+class Schedule(NamedTuple):
     """One parsed schedule line.
 
     ``kind`` is ``"cron"``, ``"boot"`` or ``"once"``. For ``cron``, ``expr`` is the
@@ -114,8 +112,7 @@ class Schedule:
     fixed_time: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(NamedTuple):
     """What ``plan_due`` decided for one Task at one wall-clock reading.
 
     - ``due_us``: the scheduled instant (µs, UTC) to create ONE Run for now, or None;
@@ -474,21 +471,23 @@ def plan_due(schedules: Sequence[Schedule], tz: str | None, last_instant_us: int
     clock_back = 0 if observed_wall_us is None else max(0, observed_wall_us - now_us)
     due = None
     missed = 0
-    if now_us > last:
-        latest = _merged_prev(schedules, now_us, zone)
-        if latest is not None and latest > last:
-            due = latest
-            cursor = _merged_next(schedules, last, zone)
-            while cursor is not None and cursor < due and missed < MAX_MISSED_COUNT:
-                missed += 1
-                cursor = _merged_next(schedules, cursor, zone)
-    new_last = max(last, now_us)
+    upcoming = _merged_next(schedules, last, zone)
+    while upcoming is not None and upcoming <= now_us:
+        if due is not None:
+            missed += 1
+        due = upcoming
+        if missed == MAX_MISSED_COUNT:
+            # A long forward step: jump to the latest instant instead of walking to it.
+            due = _merged_prev(schedules, now_us, zone)
+            upcoming = _merged_next(schedules, now_us, zone)
+            break
+        upcoming = _merged_next(schedules, due, zone)
     return Plan(
         due_us=due,
         missed=missed,
-        last_instant_us=new_last,
+        last_instant_us=max(last, now_us),
         observed_wall_us=now_us,
-        wake_us=_merged_next(schedules, new_last, zone),
+        wake_us=upcoming,
         clock_back_us=clock_back,
     )
 
