@@ -515,3 +515,9 @@ def test_planner_never_repeats_and_fires_at_most_one_per_call(tz, lines, start, 
         assert plan.last_instant_us >= before
         assert plan.wake_us > plan.last_instant_us
     assert c.runs == sorted(set(c.runs))
+
+
+def test_one_schedule_or_a_list_is_the_same():
+    one = parse_schedule("*/20 * * * * *")
+    assert plan_due(one, "UTC", T0, T0, T0 + 45 * S) == plan_due([one], "UTC", T0, T0, T0 + 45 * S)
+    assert next_fire(one, T0, "UTC") == next_fire((one,), T0, "UTC") == T0 + 20 * S

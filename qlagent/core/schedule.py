@@ -414,6 +414,11 @@ def _prev_one(schedule: Schedule, at_us: int, zone: ZoneInfo) -> int | None:
         return None
 
 
+def _items(schedules: Schedule | Sequence[Schedule]) -> Sequence[Schedule]:
+    # A Schedule is itself a tuple: never iterate its fields as if they were schedules.
+    return (schedules,) if isinstance(schedules, Schedule) else schedules
+
+
 def _merged_next(items: Sequence[Schedule], after_us: int, zone: ZoneInfo) -> int | None:
     fires = [f for s in items if s.kind == "cron"
              if (f := _next_one(s, after_us, zone)) is not None]
@@ -436,8 +441,7 @@ def next_fire(schedule: Schedule | Sequence[Schedule], after_utc_us: int,
     fire by clock. Returns None if nothing fires in the next 50 years. Raises
     ``ScheduleError(field="timezone")`` for an unknown zone.
     """
-    items = (schedule,) if isinstance(schedule, Schedule) else schedule
-    return _merged_next(items, after_utc_us, _zone(tz))
+    return _merged_next(_items(schedule), after_utc_us, _zone(tz))
 
 
 def prev_fire(schedule: Schedule | Sequence[Schedule], at_or_before_utc_us: int,
@@ -446,11 +450,10 @@ def prev_fire(schedule: Schedule | Sequence[Schedule], at_or_before_utc_us: int,
 
     Same conventions as ``next_fire``; several schedules merge to the latest of them.
     """
-    items = (schedule,) if isinstance(schedule, Schedule) else schedule
-    return _merged_prev(items, at_or_before_utc_us, _zone(tz))
+    return _merged_prev(_items(schedule), at_or_before_utc_us, _zone(tz))
 
 
-def plan_due(schedules: Sequence[Schedule], tz: str | None, last_instant_us: int | None,
+def plan_due(schedules: Schedule | Sequence[Schedule], tz: str | None, last_instant_us: int | None,
              observed_wall_us: int | None, now_us: int) -> Plan:
     """Decide which scheduled instant of ONE Task gets a Run at wall-clock ``now_us`` (µs).
 
@@ -467,6 +470,7 @@ def plan_due(schedules: Sequence[Schedule], tz: str | None, last_instant_us: int
     Raises ``ScheduleError(field="timezone")`` for an unknown zone.
     """
     zone = _zone(tz)
+    schedules = _items(schedules)
     last = now_us if last_instant_us is None else last_instant_us
     clock_back = 0 if observed_wall_us is None else max(0, observed_wall_us - now_us)
     due = None
