@@ -115,8 +115,8 @@ def test_bad_lines_are_refused_naming_the_field(line, field, words):
     with pytest.raises(ScheduleError) as err:
         parse_schedule(line)
     assert err.value.field == field
-    assert words in err.value.message
-    assert field in str(err.value)
+    assert words in err.value.detail
+    assert str(err.value) == f"{field}: {err.value.detail}"
 
 
 def test_range_errors_carry_the_limit():
@@ -124,6 +124,9 @@ def test_range_errors_carry_the_limit():
         parse_schedule("61 * * * *")
     assert err.value.limit == "0-59"
     assert isinstance(err.value, ValueError)
+    assert (err.value.code, err.value.exit_code) == ("invalid_input", 2)
+    assert err.value.to_dict() == {"code": "invalid_input", "field": "minute", "limit": "0-59",
+                                   "message": "minute: minute 61 out of range 0-59"}
 
 
 def test_line_length_is_bounded():
@@ -134,7 +137,7 @@ def test_line_length_is_bounded():
     with pytest.raises(ScheduleError) as err:
         parse_schedule(long)
     assert (err.value.field, err.value.limit) == ("schedule", MAX_SCHEDULE_LINE_BYTES)
-    assert "256" in err.value.message
+    assert "256" in err.value.detail
 
 
 def test_schedules_per_task_are_bounded_and_errors_say_which_line():
@@ -142,13 +145,18 @@ def test_schedules_per_task_are_bounded_and_errors_say_which_line():
     assert len(parse_schedules(lines)) == MAX_SCHEDULES_PER_TASK
     with pytest.raises(ScheduleError) as err:
         parse_schedules(lines + ["59 * * * *"])
-    assert (err.value.field, err.value.limit) == ("schedules", MAX_SCHEDULES_PER_TASK)
+    assert (err.value.field, err.value.limit) == ("schedule", MAX_SCHEDULES_PER_TASK)
     with pytest.raises(ScheduleError) as err:
         parse_schedules(["0 * * * *", "0 0 * * 9"])
-    assert err.value.field == "schedules[1].day-of-week"
+    assert err.value.field == "schedule[1].day-of-week"
+    assert str(err.value) == "schedule[1].day-of-week: day-of-week 9 out of range 0-7"
     with pytest.raises(ScheduleError) as err:
-        parse_schedules("0 * * * *")
-    assert err.value.field == "schedules"
+        parse_schedules(["0 * * * *", "1 2 3 4 5 6 7"])
+    assert err.value.field == "schedule[1]"
+    for bad in ("0 * * * *", []):
+        with pytest.raises(ScheduleError) as err:
+            parse_schedules(bad)
+        assert err.value.field == "schedule"
 
 
 def test_aliases_expand_to_cron():
@@ -188,7 +196,7 @@ def test_boot_and_once_never_fire_by_clock():
     assert next_fire(mixed, T0, "UTC") == T0 + HOUR
     with pytest.raises(ScheduleError) as err:
         parse_schedules(["@once", "0 * * * *"])
-    assert err.value.field == "schedules"
+    assert err.value.field == "schedule"
 
 
 def test_keys():

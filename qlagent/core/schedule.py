@@ -33,6 +33,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
 
+from .errors import ValidationError
+
 MAX_SCHEDULE_LINE_BYTES = 256
 """Longest accepted schedule line, in UTF-8 bytes."""
 
@@ -82,19 +84,18 @@ _NAMES = {
 }
 
 
-class ScheduleError(ValueError):
-    """A schedule line, schedule list or timezone was refused.
+class ScheduleError(ValidationError, ValueError):
+    """A schedule line, schedule list or timezone was refused (code ``invalid_input``, exit 2).
 
-    ``field`` names what is wrong (``minute``, ``day-of-week``, ``schedule``, ``schedules``,
-    ``schedules[2].hour``, ``timezone``); ``limit`` is the bound broken, when there is one
-    (bytes, a count, or a range such as ``"0-59"``).
+    ``field`` names what is wrong (``minute``, ``day-of-week``, ``schedule``, ``schedule[2]``,
+    ``schedule[2].hour``, ``timezone``); ``limit`` is the bound broken, when there is one
+    (bytes, a count, or a range such as ``"0-59"``); ``message`` is ``"<field>: <detail>"``
+    (the ``ValidationError`` convention) and ``detail`` the text without the field.
     """
 
     def __init__(self, field: str, message: str, limit: int | str | None = None) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.limit = limit
+        super().__init__(field, message, limit=limit)
+        self.detail = message
 
 
 class Schedule(NamedTuple):
@@ -103,7 +104,7 @@ class Schedule(NamedTuple):
     ``kind`` is ``"cron"``, ``"boot"`` or ``"once"``. For ``cron``, ``expr`` is the
     normalised 6-field expression (seconds first) handed to cronsim and ``fixed_time``
     says whether Debian's DST rule applies (see the module docstring); ``source`` is the
-    line as written (stripped).
+    line with its whitespace collapsed to single spaces (what a definition stores).
     """
 
     kind: Literal["cron", "boot", "once"]
@@ -237,28 +238,29 @@ def parse_schedule(line: str) -> Schedule:
 
 
 def parse_schedules(lines: Sequence[str]) -> tuple[Schedule, ...]:
-    """Parse all schedule lines of one Task.
+    """Parse all schedule lines of one Task (the task file's ``schedule`` key).
 
     At most ``MAX_SCHEDULES_PER_TASK`` (16) lines; ``@once`` (manual only) cannot be combined
-    with other lines. Raises ``ScheduleError`` with ``field`` ``schedules`` or
-    ``schedules[i].<field>`` (i counted from 0).
+    with other lines. Raises ``ScheduleError`` with ``field`` ``schedule`` (the list),
+    ``schedule[i]`` (a whole line) or ``schedule[i].<cron field>``, i counted from 0.
     """
     if isinstance(lines, str):
-        raise _field_error("schedules", "must be a list of lines, not one string")
+        raise _field_error("schedule", "must be a list of lines, not one string")
+    if not lines:
+        raise _field_error("schedule", "no schedule lines; use '@once' for manual-only tasks")
     if len(lines) > MAX_SCHEDULES_PER_TASK:
         raise _field_error(
-            "schedules", f"{len(lines)} schedules, more than {MAX_SCHEDULES_PER_TASK}",
+            "schedule", f"{len(lines)} schedules, more than {MAX_SCHEDULES_PER_TASK}",
             MAX_SCHEDULES_PER_TASK)
     parsed = []
     for i, line in enumerate(lines):
         try:
             parsed.append(parse_schedule(line))
         except ScheduleError as exc:
-            raise ScheduleError(
-                field=f"schedules[{i}].{exc.field}", message=exc.message, limit=exc.limit
-            ) from None
+            where = f"schedule[{i}]" if exc.field == "schedule" else f"schedule[{i}].{exc.field}"
+            raise ScheduleError(field=where, message=exc.detail, limit=exc.limit) from None
     if len(parsed) > 1 and any(s.kind == "once" for s in parsed):
-        raise _field_error("schedules", "@once (manual only) cannot be combined with other lines")
+        raise _field_error("schedule", "@once (manual only) cannot be combined with other lines")
     return tuple(parsed)
 
 
