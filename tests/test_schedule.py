@@ -186,6 +186,7 @@ def test_boot_and_once_never_fire_by_clock():
     boot = parse_schedules(["@boot"])
     once = parse_schedules(["@once"])
     assert has_boot(boot) and not has_boot(once)
+    assert parse_schedule(" @BOOT ") == boot[0] and parse_schedule("@Daily").source == "@daily"
     assert next_fire(boot, T0, "UTC") is None
     assert prev_fire(once, T0, "UTC") is None
     plan = plan_due(boot, "UTC", T0, T0, T0 + 10 * HOUR)

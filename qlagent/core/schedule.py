@@ -207,13 +207,14 @@ def parse_schedule(line: str) -> Schedule:
     if source.startswith("@"):
         word = source.lower()
         if word == "@boot":
-            return Schedule(kind="boot", source=source)
+            return Schedule(kind="boot", source=word)
         if word == "@once":
-            return Schedule(kind="once", source=source)
+            return Schedule(kind="once", source=word)
         if word not in _ALIASES:
             raise _field_error(
                 "schedule", f"unknown {source!r}; use @boot, @once, "
                 + ", ".join(_ALIASES) + " or 5/6 cron fields")
+        source = word
         parts = _ALIASES[word].split()
     else:
         parts = source.upper().split()
