@@ -9,7 +9,11 @@ import uuid
 import pytest
 
 from qlagent.adapters import artifacts
-from qlagent.adapters.artifacts import EDGE, MiB, ArtifactAllocator, ArtifactError, ArtifactLimits
+import msgspec
+
+from qlagent.adapters.artifacts import ArtifactAllocator, ArtifactExistsError, UnsafeDirectoryError
+from qlagent.core.errors import ValidationError
+from qlagent.core.profiles import EDGE, MiB
 
 
 def mode(path):
@@ -22,7 +26,8 @@ def new_id():
 
 def roomy(tmp_path, total=64 * MiB):
     # Reserve 0 so the test machine's own free space never decides the outcome.
-    return ArtifactAllocator(str(tmp_path / "artifacts"), ArtifactLimits(4 * MiB, 0, total))
+    profile = msgspec.structs.replace(EDGE, fs_reserve_bytes=0, artifact_total_bytes=total)
+    return ArtifactAllocator(str(tmp_path / "artifacts"), profile)
 
 
 def test_allocate_creates_private_deterministic_file(tmp_path):
@@ -42,9 +47,10 @@ def test_existing_file_is_refused_not_reused(tmp_path):
     path = alloc.allocate(attempt, alloc.admit(MiB))
     with open(path, "wb") as f:
         f.write(b"old")
-    with pytest.raises(ArtifactError) as err:
+    with pytest.raises(ArtifactExistsError) as err:
         alloc.allocate(attempt, alloc.admit(MiB))
-    assert err.value.code == "exists" and err.value.field == "attempt_id"
+    assert err.value.code == "artifact_exists" and err.value.field == "attempt_id"
+    assert err.value.exit_code == 3
     with open(path, "rb") as f:
         assert f.read() == b"old"
 
@@ -57,9 +63,8 @@ def test_symlinked_log_file_is_refused_and_target_untouched(tmp_path):
     shard.mkdir(mode=0o700, exist_ok=True)
     target = tmp_path / "victim"
     os.symlink(target, shard / f"{attempt}.log")
-    with pytest.raises(ArtifactError) as err:
+    with pytest.raises(ArtifactExistsError):
         alloc.allocate(attempt, alloc.admit(MiB))
-    assert err.value.code == "exists"
     assert not target.exists()
 
 
@@ -68,7 +73,7 @@ def test_symlinked_root_is_refused(tmp_path):
     real.mkdir(mode=0o700)
     os.symlink(real, tmp_path / "artifacts")
     alloc = roomy(tmp_path)
-    with pytest.raises(ArtifactError) as err:
+    with pytest.raises(UnsafeDirectoryError) as err:
         alloc.allocate(new_id(), alloc.admit(MiB))
     assert err.value.code == "unsafe_directory" and err.value.field == "artifact root"
     assert os.listdir(real) == []
@@ -81,7 +86,7 @@ def test_symlinked_shard_is_refused(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     os.symlink(elsewhere, tmp_path / "artifacts" / attempt[:2])
-    with pytest.raises(ArtifactError) as err:
+    with pytest.raises(UnsafeDirectoryError) as err:
         alloc.allocate(attempt, alloc.admit(MiB))
     assert err.value.field == "artifact shard"
     assert os.listdir(elsewhere) == []
@@ -95,18 +100,18 @@ def test_wrong_mode_on_own_directory_is_fixed_foreign_owner_refused(tmp_path):
     alloc.allocate(new_id(), alloc.admit(MiB))
     assert mode(root) == 0o700
     os.chown(root, 65534, 65534)
-    with pytest.raises(ArtifactError, match="owned by uid 65534"):
+    with pytest.raises(UnsafeDirectoryError, match="owned by uid 65534"):
         alloc.allocate(new_id(), alloc.admit(MiB))
 
 
 def test_bad_attempt_id_and_missing_admission_are_refused_with_nothing_created(tmp_path):
     alloc = roomy(tmp_path)
     for bad in ("../../etc/passwd", "ABCDEF00-0000-4000-8000-000000000000", ""):
-        with pytest.raises(ArtifactError, match="attempt_id: must be a lowercase canonical UUID4"):
+        with pytest.raises(ValidationError, match="attempt_id: must be a lowercase canonical UUID4"):
             alloc.allocate(bad, alloc.admit(MiB))
-    with pytest.raises(ArtifactError, match="admission: allocation needs a granted admission"):
+    with pytest.raises(ValidationError, match="admission: allocation needs a granted admission"):
         alloc.allocate(new_id(), artifacts.Admission(False, "low_space", 0, 0, MiB))
-    with pytest.raises(ArtifactError, match="attempt_quota_bytes"):
+    with pytest.raises(ValidationError, match="attempt_quota_bytes"):
         alloc.admit(0)
     assert not (tmp_path / "artifacts").exists()
 
@@ -150,7 +155,7 @@ def test_edge_admission_on_a_real_small_filesystem(small_fs):
     assert not adm.ok and adm.reason == "low_space"
     assert adm.free_bytes - EDGE.fs_reserve_bytes < EDGE.log_max_bytes
     assert not (small_fs / "artifacts").exists()  # admission creates nothing
-    with pytest.raises(ArtifactError):
+    with pytest.raises(ValidationError):
         alloc.allocate(new_id(), adm)
     assert not (small_fs / "artifacts").exists()
 
@@ -164,7 +169,7 @@ def test_run_dir_is_private_idempotent_and_refuses_symlinks(tmp_path):
     assert alloc.run_dir(attempt) == path
     other = new_id()
     os.symlink(tmp_path, tmp_path / "runs" / other)
-    with pytest.raises(ArtifactError, match="run directory"):
+    with pytest.raises(UnsafeDirectoryError, match="run directory"):
         alloc.run_dir(other)
 
 
@@ -203,7 +208,7 @@ def test_prune_never_deletes_outside_its_root(tmp_path):
     alloc = roomy(tmp_path)
     victim = tmp_path / "victim.log"
     victim.write_bytes(b"keep")
-    with pytest.raises(ArtifactError, match="entries.path"):
+    with pytest.raises(ValidationError, match="entries.path"):
         alloc.prune(0, 0, [(new_id(), "t", str(victim), 1)])
     assert victim.read_bytes() == b"keep"
 

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from qlagent.adapters import processes
+from qlagent.core.errors import ValidationError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "router-tasks")
 PATH_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
@@ -180,8 +181,9 @@ def test_tree_figures_sum_the_task_tree(tmp_path):
 
 
 def test_spawn_wrapper_with_a_missing_interpreter_raises(tmp_path):
-    with pytest.raises(processes.WrapperSpawnError, match="python: cannot start wrapper"):
+    with pytest.raises(processes.WrapperSpawnError, match="python: cannot start wrapper") as err:
         processes.spawn_wrapper({"attempt_id": "x"}, python=str(tmp_path / "no-python"))
+    assert err.value.code == "launch_failed" and err.value.exit_code == 5
 
 
 def test_readers_return_none_before_and_name_the_field_when_malformed(tmp_path):
@@ -198,5 +200,5 @@ def test_readers_return_none_before_and_name_the_field_when_malformed(tmp_path):
     (run_dir / "task.pid").write_text("1")
     with pytest.raises(processes.RunFileError, match="task.pid"):
         processes.read_task_pid(str(run_dir))
-    with pytest.raises(ValueError, match="task_pgid/wrapper_pid"):
+    with pytest.raises(ValidationError, match="task_pgid/wrapper_pid"):
         processes.kill_tree(1, 12345, 0.1)

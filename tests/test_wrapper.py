@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from qlagent.adapters import processes
+from qlagent.core.errors import ValidationError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "router-tasks")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -343,8 +344,9 @@ def test_missing_cwd_gives_start_error_naming_cwd(tmp_path):
 def test_oversized_spec_is_refused_before_anything_starts(tmp_path):
     spec = make_spec(tmp_path, ["/bin/true"], env={"BIG": "x" * (1 << 20)})
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(ValueError, match="spec: .* bytes of JSON, limit 1048576"):
+    with pytest.raises(ValidationError, match="spec: .* bytes of JSON, over the limit") as err:
         processes.spawn_wrapper(spec)
+    assert err.value.limit == 1048576 and err.value.field == "spec"
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     assert os.listdir(spec["run_dir"]) == []
 

@@ -14,35 +14,23 @@ import re
 import stat
 from dataclasses import dataclass
 
-MiB = 1024 * 1024
+from qlagent.core.errors import ConflictError, UnavailableError, ValidationError
+from qlagent.core.profiles import Profile
+
 _ATTEMPT_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
-class ArtifactError(ValueError):
-    """Bad input or an unsafe directory; ``code`` is stable, ``field`` names the culprit."""
+class UnsafeDirectoryError(UnavailableError):
+    """An Artifact or run directory is a symlink, not a directory, or owned by another user;
+    ``field`` names which one (artifact root, artifact shard, runs root, run directory)."""
 
-    def __init__(self, code: str, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.code = code
-        self.field = field
+    code = "unsafe_directory"
 
 
-@dataclass(frozen=True)
-class ArtifactLimits:
-    """Profile numbers the allocator needs, in bytes: ``log_max_bytes`` (one log's quota),
-    ``fs_reserve_bytes`` (free space that must remain on the filesystem) and
-    ``artifact_total_bytes`` (all Artifacts under the root together). The names are those of
-    core.profiles.Profile, so a Profile can be passed wherever ArtifactLimits is."""
+class ArtifactExistsError(ConflictError):
+    """The Attempt's log file is already there (field attempt_id): it is never reused or followed."""
 
-    log_max_bytes: int
-    fs_reserve_bytes: int
-    artifact_total_bytes: int
-
-
-# ADR-0071 §5 table (log, reserve); total = 16 full logs, as in core.profiles.
-EDGE = ArtifactLimits(log_max_bytes=4 * MiB, fs_reserve_bytes=32 * MiB, artifact_total_bytes=64 * MiB)
-STANDALONE = ArtifactLimits(log_max_bytes=64 * MiB, fs_reserve_bytes=256 * MiB,
-                            artifact_total_bytes=1024 * MiB)
+    code = "artifact_exists"
 
 
 @dataclass(frozen=True)
@@ -72,7 +60,7 @@ class Pruned:
 
 def _check_attempt_id(attempt_id: str) -> str:
     if not isinstance(attempt_id, str) or not _ATTEMPT_ID.match(attempt_id):
-        raise ArtifactError("bad_input", "attempt_id", "must be a lowercase canonical UUID4")
+        raise ValidationError("attempt_id", "must be a lowercase canonical UUID4")
     return attempt_id
 
 
@@ -87,28 +75,27 @@ def _open_private_dir(name: str, dir_fd: int | None, shown: str) -> int:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         # ELOOP: a symlink; ENOTDIR: a file or a symlink to one.
-        raise ArtifactError("unsafe_directory", shown,
-                            f"not a real directory ({exc.strerror})") from None
+        raise UnsafeDirectoryError(f"{shown}: not a real directory ({exc.strerror})", field=shown) from None
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         os.close(fd)
-        raise ArtifactError("unsafe_directory", shown, f"owned by uid {st.st_uid}, not {os.geteuid()}")
+        raise UnsafeDirectoryError(f"{shown}: owned by uid {st.st_uid}, not {os.geteuid()}", field=shown)
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.fchmod(fd, 0o700)
     return fd
 
 
 class ArtifactAllocator:
-    """Allocates private log Artifacts under ``root`` for one Profile's ``limits``
-    (ArtifactLimits or a core.profiles.Profile).
+    """Allocates private log Artifacts under ``root`` within ``profile``'s log_max_bytes,
+    fs_reserve_bytes and artifact_total_bytes (core.profiles, ADR-0071 §5).
     ``runs_root`` (default: ``<root>/../runs``) holds the wrapper's run directories."""
 
-    def __init__(self, root: str, limits, runs_root: str | None = None):
+    def __init__(self, root: str, profile: Profile, runs_root: str | None = None):
         self.root = os.path.abspath(root)
         self.runs_root = os.path.abspath(runs_root or os.path.join(os.path.dirname(self.root), "runs"))
-        self.log_bytes = int(limits.log_max_bytes)
-        self.reserve_bytes = int(limits.fs_reserve_bytes)
-        self.total_bytes = int(limits.artifact_total_bytes)
+        self.log_bytes = profile.log_max_bytes
+        self.reserve_bytes = profile.fs_reserve_bytes
+        self.total_bytes = profile.artifact_total_bytes
 
     def artifact_path(self, attempt_id: str) -> str:
         """Deterministic path of an Attempt's log (pure; creates nothing)."""
@@ -135,10 +122,10 @@ class ArtifactAllocator:
         bytes minus the profile reserve must cover one full log, and the Artifacts already under
         the root plus this log must stay within the total quota. Creates nothing; the root's
         filesystem is measured (its nearest existing ancestor before the first allocation).
-        Raises ArtifactError (field attempt_quota_bytes) for a non-positive quota."""
+        Raises ValidationError (field attempt_quota_bytes) for a non-positive quota."""
         if (not isinstance(attempt_quota_bytes, int) or isinstance(attempt_quota_bytes, bool)
                 or attempt_quota_bytes <= 0):
-            raise ArtifactError("bad_input", "attempt_quota_bytes", "must be an integer > 0")
+            raise ValidationError("attempt_quota_bytes", "must be an integer > 0", limit=self.log_bytes)
         probe = self.root
         while not os.path.exists(probe):
             probe = os.path.dirname(probe)
@@ -157,11 +144,11 @@ class ArtifactAllocator:
 
     def allocate(self, attempt_id: str, admission: Admission) -> str:
         """Create the Attempt's empty log file (0600, O_CREAT|O_EXCL|O_NOFOLLOW) after a granted
-        admission and return its absolute path. Raises ArtifactError: ``not_admitted``
-        (field admission), ``bad_input`` (attempt_id), ``unsafe_directory`` (root or shard is a
-        symlink / not ours), ``exists`` (the file is already there: never reused or followed)."""
+        admission and return its absolute path. Raises ValidationError (field admission: not
+        granted; field attempt_id), UnsafeDirectoryError (root or shard is a symlink / not ours),
+        ArtifactExistsError (the file is already there)."""
         if not isinstance(admission, Admission) or not admission.ok:
-            raise ArtifactError("not_admitted", "admission", "allocation needs a granted admission")
+            raise ValidationError("admission", "allocation needs a granted admission")
         path = self.artifact_path(attempt_id)
         root_fd = _open_private_dir(self.root, None, "artifact root")
         try:
@@ -172,7 +159,7 @@ class ArtifactAllocator:
             fd = os.open(attempt_id + ".log", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600, dir_fd=shard_fd)
         except FileExistsError:
-            raise ArtifactError("exists", "attempt_id", f"artifact {path} already exists") from None
+            raise ArtifactExistsError(f"attempt_id: artifact {path} already exists", field="attempt_id") from None
         finally:
             os.close(shard_fd)
         try:
@@ -183,7 +170,7 @@ class ArtifactAllocator:
 
     def run_dir(self, attempt_id: str) -> str:
         """Create (or re-check) ``<runs_root>/<attempt_id>`` with mode 0700 and return its path.
-        Raises ArtifactError for a bad attempt_id or a symlinked / foreign directory."""
+        Raises ValidationError (attempt_id) or UnsafeDirectoryError (symlinked / foreign)."""
         _check_attempt_id(attempt_id)
         runs_fd = _open_private_dir(self.runs_root, None, "runs root")
         try:
@@ -198,16 +185,16 @@ class ArtifactAllocator:
 
         ``entries`` is an iterable of (attempt_id, task_id, path, ended_at) from the caller's
         store; ended_at None means the Attempt is live and its log is never touched, and a path
-        that is not this allocator's path for that Attempt is never deleted (ArtifactError
-        ``bad_input``, field entries.path, before anything is removed). Work is bounded by
+        that is not this allocator's path for that Attempt is never deleted (ValidationError,
+        field entries.path, raised before anything is removed). Work is bounded by
         len(entries). Returns what was deleted, oldest first; the caller drops its metadata.
         """
         if keep_per_task < 0 or max_total_bytes < 0:
-            raise ArtifactError("bad_input", "keep_per_task/max_total_bytes", "must be >= 0")
+            raise ValidationError("keep_per_task/max_total_bytes", "must be >= 0")
         ended = []
         for attempt_id, task_id, path, ended_at in entries:
             if os.path.abspath(path) != self.artifact_path(attempt_id):
-                raise ArtifactError("bad_input", "entries.path", f"{path} is not the artifact of {attempt_id}")
+                raise ValidationError("entries.path", f"{path} is not the artifact of {attempt_id}")
             if ended_at is not None:
                 ended.append((ended_at, attempt_id, task_id, path))
         ended.sort(reverse=True)  # newest first

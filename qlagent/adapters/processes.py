@@ -8,7 +8,6 @@ signal it without hitting the wrapper.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -18,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import psutil
+
+from qlagent.core.errors import QlError, UnavailableError, ValidationError
 
 WRAPPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "wrapper.py")
 
@@ -30,16 +31,19 @@ _FACT_LIMIT_BYTES = 65536
 _CREATE_TIME_TOLERANCE_S = 0.01
 
 
-class WrapperSpawnError(OSError):
+class WrapperSpawnError(UnavailableError):
     """The wrapper could not be started or did not accept its spec (e.g. python missing)."""
 
+    code = "launch_failed"
 
-class RunFileError(ValueError):
-    """receipt.json or truncated.json exists but is not a valid document; ``field`` names the fault."""
+
+class RunFileError(QlError):
+    """receipt.json, truncated.json or task.pid exists but is not valid; ``field`` names the fault."""
+
+    code = "run_file_invalid"
 
     def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+        super().__init__(f"{field_name}: {message}", field=field_name)
 
 
 @dataclass
@@ -69,30 +73,31 @@ def spawn_wrapper(spec: dict, python: str = sys.executable) -> WrapperHandle:
     stdout/stderr /dev/null, and send ``spec`` (the wrapper contract's JSON document, which may
     hold secret plaintext) through its stdin pipe, then close the pipe.
 
-    Raises ValueError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
+    Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
     WrapperSpawnError when the interpreter cannot be started or exits before reading the spec.
     """
     payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
     if len(payload) > SPEC_LIMIT_BYTES:
-        raise ValueError(f"spec: {len(payload)} bytes of JSON, limit {SPEC_LIMIT_BYTES}")
+        raise ValidationError("spec", f"{len(payload)} bytes of JSON, over the limit",
+                              limit=SPEC_LIMIT_BYTES)
     try:
         popen = subprocess.Popen([python, "-I", "-S", WRAPPER_PATH], stdin=subprocess.PIPE,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={},
                                  cwd="/", start_new_session=True, close_fds=True)
     except OSError as exc:
-        raise WrapperSpawnError(exc.errno, f"python: cannot start wrapper ({exc.strerror})") from None
+        raise WrapperSpawnError(f"python: cannot start wrapper ({exc.strerror})", field="python") from None
     try:
         popen.stdin.write(payload)
         popen.stdin.close()
     except BrokenPipeError:
         popen.wait()
-        raise WrapperSpawnError(errno.EPIPE, "wrapper exited before reading its spec") from None
+        raise WrapperSpawnError("wrapper exited before reading its spec") from None
     try:
         create_time = psutil.Process(popen.pid).create_time()
     except psutil.NoSuchProcess:
         # Already gone (and not reaped yet is impossible here): identity cannot be recorded.
         popen.wait()
-        raise WrapperSpawnError(errno.ESRCH, "wrapper exited at once") from None
+        raise WrapperSpawnError("wrapper exited at once") from None
     try:
         pidfd = os.pidfd_open(popen.pid)
     except (AttributeError, OSError):
@@ -110,7 +115,7 @@ def process_matches(pid: int, create_time: float) -> bool:
         proc = psutil.Process(pid)
         return (abs(proc.create_time() - create_time) < _CREATE_TIME_TOLERANCE_S
                 and proc.status() != psutil.STATUS_ZOMBIE)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):  # ValueError: pid < 0
         return False
 
 
@@ -221,10 +226,10 @@ def kill_tree(task_pgid: int | None, wrapper_pid: int, grace_s: float,
     killpg() is used only while a group member is in the wrapper's tree (a
     PID number freed and reused for a stranger's group is never hit); otherwise group members
     are signalled one by one, and ``started_after`` (epoch seconds, the run's start) excludes
-    members older than the run. Raises ValueError for a PID <= 1.
+    members older than the run. Raises ValidationError for a PID <= 1.
     """
     if wrapper_pid <= 1 or (task_pgid is not None and task_pgid <= 1):
-        raise ValueError("task_pgid/wrapper_pid: must be a process ID > 1")
+        raise ValidationError("task_pgid/wrapper_pid", "must be a process ID > 1")
     if task_pgid is None:
         try:
             kids = psutil.Process(wrapper_pid).children()
