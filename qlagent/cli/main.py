@@ -61,7 +61,10 @@ class Ctx:
 
     def poke_service(self) -> None:
         """Tell a running service that the queue changed, so a new Run starts at once."""
-        from ..service.control import poke
+        try:
+            from ..service.control import poke
+        except ModuleNotFoundError:     # a build without the service package: nobody to tell
+            return
         poke(self.settings.control_socket)
 
 
