@@ -8,7 +8,7 @@ import threading
 
 import msgspec
 import pytest
-from qlcli import cli, ok, workdir  # noqa: F401  (fixture)
+from qlcli import cli, workdir  # noqa: F401  (fixture)
 
 from qlagent.adapters.sqlite import definitions as defs
 from qlagent.adapters.sqlite import migrations
