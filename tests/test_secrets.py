@@ -33,6 +33,12 @@ def leaks(blob: bytes) -> list[str]:
     return [k for k, v in forms.items() if v in blob]
 
 
+def test_leak_detector_finds_each_form():
+    assert leaks(b"..." + SECRET + b"...") == ["raw", "distinctive-part"]
+    assert leaks(SECRET.hex().encode()) == ["hex"]
+    assert leaks(json.dumps({"v": SECRET.decode()}).encode()) == ["json-escaped", "distinctive-part"]
+
+
 def test_key_file_created_by_init_is_0600_outside_the_database(state):
     key = os.path.join(state, "secret.key")
     st = os.lstat(key)
