@@ -61,10 +61,7 @@ class Ctx:
 
     def poke_service(self) -> None:
         """Tell a running service that the queue changed, so a new Run starts at once."""
-        try:
-            from ..service.control import poke
-        except ModuleNotFoundError:     # a build without the service package: nobody to tell
-            return
+        from ..service.control import poke
         poke(self.settings.control_socket)
 
 
