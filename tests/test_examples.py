@@ -13,6 +13,7 @@ import pytest
 from qlcli import js, ok, state, workdir  # noqa: F401  (fixtures)
 
 from qlagent.application.definitions import DefinitionWriter
+from qlagent.core.limits import DEFAULT_PATH
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "router-tasks.toml")
@@ -67,11 +68,11 @@ def test_schedules_timeouts_secrets_and_network_follow_the_readme():
         return p[n].definition
     assert d("heartbeat").schedules == ("* * * * *",)
     assert d("backup-config").schedules == ("30 3 * * *",)
-    assert p["backup-config"].recipe.public == {"BACKUP_DIR": "/tmp/qlagent-backup"}
+    assert p["backup-config"].recipe.public == {"BACKUP_DIR": "/tmp/qlagent-backup", "PATH": DEFAULT_PATH}
     assert d("wan-check").schedules == ("*/5 * * * *",) and d("wan-check").network.require == "default_route"
     assert d("ddns-update").schedules == ("*/10 * * * *",) and d("ddns-update").network.require == "default_route"
     assert p["ddns-update"].recipe.secret_refs == {"DDNS_TOKEN": "ddns_token"}
-    assert p["ddns-update"].recipe.public == {}
+    assert p["ddns-update"].recipe.public == {"PATH": DEFAULT_PATH}
     for manual in ("chatty", "no-newline", "hang", "spawn-tree"):
         assert d(manual).schedules == ("@once",), manual
     assert d("hang").timeout_ms == 2000
@@ -104,7 +105,7 @@ def test_inlined_scripts_run_from_anywhere(name, workdir):
         os.mkdir(src)
         with open(os.path.join(src, "network"), "w") as f:
             f.write("config interface 'wan'\n")
-        env = {"BACKUP_DIR": os.path.join(workdir, "backups"), "CONFIG_DIR": src}
+        env.update(BACKUP_DIR=os.path.join(workdir, "backups"), CONFIG_DIR=src)
     r = _sh(p.definition.execution.script, env, workdir)
     out = r.stdout.decode()
     if name == "fail":
