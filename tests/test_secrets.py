@@ -119,7 +119,15 @@ def test_empty_value_is_refused(state):
 
 def test_missing_or_unsafe_key_file_is_a_clear_error(state):
     key = os.path.join(state, "secret.key")
+
+    def doctor_key_check():
+        p = cli(state, "doctor", "--json")
+        check = [c for c in json.loads(p.stdout)["checks"] if c["name"] == "key file"][0]
+        return p.returncode, check["ok"], check["detail"]
+    assert doctor_key_check()[:2] == (0, True)
     os.chmod(key, 0o644)
+    rc, good, detail = doctor_key_check()
+    assert (rc, good) == (5, False) and "0600" in detail
     p = cli(state, "secret", "set", "tok", stdin=SECRET)
     assert p.returncode == 5 and b"0600" in p.stderr and b"Traceback" not in p.stderr
     os.chmod(key, 0o600)

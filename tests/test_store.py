@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -91,6 +92,10 @@ def test_altered_or_unknown_history_is_refused(db, workdir, tamper, words):
     err = p.stderr.decode()
     assert "Traceback" not in err and all(w in err for w in words) and len(err.strip().splitlines()) == 1
     assert count(db, "tasks") == tasks_before
+    p = cli(os.path.dirname(db), "doctor", "--json")
+    assert p.returncode == 5
+    schema = [c for c in json.loads(p.stdout)["checks"] if c["name"] == "schema"][0]
+    assert schema["ok"] is False and all(w in schema["detail"] for w in words)
 
 
 def test_capability_rows_exist_only_after_their_migration(db, monkeypatch):
