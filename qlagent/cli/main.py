@@ -150,7 +150,9 @@ def cmd_task_add(ctx: Ctx) -> int:
 
 
 def cmd_task_edit(ctx: Ctx) -> int:
-    from ..application.definitions import DefinitionWriter
+    from ..application.definitions import DefinitionWriter, check_fence
+    check_fence(ctx.args.expect_revision, ctx.args.expect_digest, revision_field="--expect-revision",
+                digest_field="--expect-digest")
     prepared = DefinitionWriter.prepare_file(_load_toml(ctx.args.file))
     if len(prepared) != 1:
         raise E.ValidationError("task", f"`task edit` takes a file with exactly one [[task]], got {len(prepared)}")
@@ -477,7 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     except E.QlError as e:
         if args.json:
             sys.stdout.buffer.write(msgspec.json.encode({"error": e.to_dict()}) + b"\n")
-        print(f"qlagent: error: {e}", file=sys.stderr)
+        msg = str(e)
+        if e.limit is not None and str(e.limit) not in msg:     # every refusal names its limit
+            msg += f" (limit {e.limit})"
+        print(f"qlagent: error: {msg}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130
