@@ -230,6 +230,9 @@ def cmd_secret_set(ctx: Ctx) -> int:
     from ..application.secrets import SecretService
     from ..core.definitions import check_secret_name
     from ..core.limits import MAX_SECRET_VALUE
+    if ctx.args.stray:
+        raise E.ValidationError("value", "give the secret on stdin (`qlagent secret set NAME < file`), never as an "
+                                "argument: command lines are visible to every user")
     name = check_secret_name(ctx.args.name)
     if sys.stdin.isatty():
         value = getpass.getpass(f"value for {name}: ").encode()
@@ -427,7 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
         add(task, nm, fn, f"{nm} a task").add_argument("name")
 
     sec = sub.add_parser("secret", help="encrypted secrets").add_subparsers(dest="sub", required=True, metavar="SUB")
-    add(sec, "set", cmd_secret_set, "store a secret; the value is read from stdin, never argv").add_argument("name")
+    ss = add(sec, "set", cmd_secret_set, "store a secret; the value is read from stdin, never argv")
+    ss.add_argument("name")
+    # Swallow stray words so argparse never echoes a value typed on the command line.
+    ss.add_argument("stray", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     add(sec, "ls", cmd_secret_ls, "list secret names (never values)")
     add(sec, "rm", cmd_secret_rm, "remove a secret").add_argument("name")
 
