@@ -1,0 +1,383 @@
+"""The bounded HTTP server over real loopback/unix sockets (issue 5 §1, ADR-0376 §4 edge limits)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.client
+import json
+import os
+import socket
+import stat
+import threading
+import time
+from dataclasses import replace
+
+import psutil
+import pytest
+
+from qlagent.http.routing import Router
+from qlagent.http.server import FileRange, HttpLimits, HttpServer, Request, Response
+
+FILE_SIZE = 50 * 1024 * 1024
+
+
+def _router(files: dict[str, str]) -> Router:
+    r = Router()
+    r.add("GET", "/hello", lambda req, p: Response.json(200, {"hello": "world"}))
+    r.add("POST", "/echo", lambda req, p: Response.json(200, {"len": len(req.body), "body": req.body.decode()}))
+    r.add("GET", "/items/{itemId}", lambda req, p: Response.json(200, {"itemId": p["itemId"], "q": req.query}))
+
+    def boom(req: Request, p: dict[str, str]) -> Response:
+        raise RuntimeError("secret-detail /etc/qlagent/key")
+
+    def bad_header(req: Request, p: dict[str, str]) -> Response:
+        return Response(200, [("X-Evil", "a\r\nSet-Cookie: x=1")], b"")
+
+    def file_range(req: Request, p: dict[str, str]) -> Response:
+        fd = os.open(files["big"], os.O_RDONLY)
+        return Response(200, [("Content-Type", "application/octet-stream")],
+                        file=FileRange(fd, int(req.query["offset"]), int(req.query["length"])))
+
+    r.add("GET", "/boom", boom)
+    r.add("GET", "/bad-header", bad_header)
+    r.add("GET", "/file", file_range)
+    return r
+
+
+@contextlib.contextmanager
+def running(limits: HttpLimits, files: dict[str, str] | None = None, unix_path: str | None = None):
+    srv = HttpServer(limits, _router(files or {}))
+    host, port = srv.listen_tcp("127.0.0.1", 0)
+    if unix_path:
+        srv.listen_unix(unix_path)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_s": 0.05}, daemon=True)
+    t.start()
+    assert srv.ready.wait(5)
+    try:
+        yield srv, port
+    finally:
+        srv.stop()
+        t.join(5)
+        assert not t.is_alive()
+
+
+@pytest.fixture
+def edge():
+    limits = replace(HttpLimits.edge(), read_timeout_s=0.5)
+    with running(limits) as (srv, port):
+        yield srv, port
+
+
+def connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    return s
+
+
+def read_response(sock: socket.socket, method: str = "GET") -> http.client.HTTPResponse:
+    resp = http.client.HTTPResponse(sock, method=method)
+    resp.begin()
+    resp.body = resp.read()  # type: ignore[attr-defined]
+    return resp
+
+
+def raw(port: int, data: bytes) -> http.client.HTTPResponse:
+    with connect(port) as s:
+        s.sendall(data)
+        return read_response(s)
+
+
+def assert_healthy(srv: HttpServer, port: int) -> None:
+    """A fresh request succeeds and nothing stays counted in flight."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    c.request("GET", "/hello")
+    r = c.getresponse()
+    assert (r.status, json.loads(r.read())) == (200, {"hello": "world"})
+    c.close()
+    deadline = time.monotonic() + 5
+    while srv.in_flight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert srv.in_flight == 0
+
+
+def error_body(resp: http.client.HTTPResponse) -> dict:
+    assert resp.getheader("Content-Type") == "application/json"
+    body = json.loads(resp.body)  # type: ignore[attr-defined]
+    assert set(body) >= {"code", "message"}
+    return body
+
+
+def test_fifth_concurrent_request_gets_503_with_retry_after_and_no_queue(edge):
+    srv, port = edge
+    held = []
+    for i in range(4):  # four requests in flight: head parsed, body still arriving
+        s = connect(port)
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
+        held.append(s)
+    deadline = time.monotonic() + 5
+    while srv.in_flight < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert srv.in_flight == 4
+    busy = raw(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert busy.status == 503
+    assert busy.getheader("Retry-After") == "1"
+    assert busy.getheader("Connection") == "close"
+    assert error_body(busy)["code"] == "server_busy"
+    assert "4" in error_body(busy)["message"]
+    assert srv.in_flight == 4  # refused, not queued
+    for s in held:  # the held requests still complete normally
+        s.sendall(b"67890")
+        r = read_response(s)
+        assert r.status == 200 and json.loads(r.body) == {"len": 10, "body": "1234567890"}
+        s.close()
+    assert_healthy(srv, port)
+
+
+def test_body_over_limit_gets_413_before_body_is_read(edge):
+    srv, port = edge
+    r = raw(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 600\r\n\r\n" + b"a" * 600)
+    assert r.status == 413
+    body = error_body(r)
+    assert body["code"] == "body_too_large" and "512" in body["message"] and "600" in body["message"]
+    # Exactly at the limit is accepted.
+    r = raw(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 512\r\n\r\n" + b"b" * 512)
+    assert r.status == 200 and json.loads(r.body)["len"] == 512
+    assert_healthy(srv, port)
+
+
+def test_chunked_body_is_refused_with_411(edge):
+    srv, port = edge
+    r = raw(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    assert r.status == 411 and error_body(r)["code"] == "length_required"
+    r = raw(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\nhello")
+    assert r.status == 400
+    assert_healthy(srv, port)
+
+
+def test_too_many_or_too_large_headers_get_431(edge):
+    srv, port = edge
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(33))
+    r = raw(port, b"GET /hello HTTP/1.1\r\n" + many + b"\r\n")
+    assert r.status == 431 and "32" in error_body(r)["message"]
+    ok = b"".join(b"X-H%d: v\r\n" % i for i in range(32))
+    assert raw(port, b"GET /hello HTTP/1.1\r\n" + ok + b"\r\n").status == 200
+    big = b"X-Big: " + b"v" * 9000 + b"\r\n"
+    r = raw(port, b"GET /hello HTTP/1.1\r\n" + big + b"\r\n")
+    assert r.status == 431 and "8192" in error_body(r)["message"]
+    assert_healthy(srv, port)
+
+
+def test_long_request_line_gets_414(edge):
+    srv, port = edge
+    r = raw(port, b"GET /hello?x=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert r.status == 414 and error_body(r)["code"] == "request_line_too_long"
+    assert_healthy(srv, port)
+
+
+@pytest.mark.parametrize("line, status", [
+    (b"GARBAGE", 400),
+    (b"GET /hello", 400),
+    (b"GET  /hello HTTP/1.1", 400),
+    (b"GET hello HTTP/1.1", 400),
+    (b"G(T /hello HTTP/1.1", 400),
+    (b"GET /hel\xfflo HTTP/1.1", 400),
+    (b"GET /hello HTTP/2.0", 505),
+    (b"GET /hello?a=1&a=2 HTTP/1.1", 400),
+    (b"GET /hello?%ff=1 HTTP/1.1", 400),
+])
+def test_malformed_request_line_gets_clean_4xx(edge, line, status):
+    srv, port = edge
+    r = raw(port, line + b"\r\nHost: x\r\n\r\n")
+    assert r.status == status
+    assert b"Traceback" not in r.body
+    assert_healthy(srv, port)
+
+
+def test_malformed_header_gets_400(edge):
+    srv, port = edge
+    for bad in (b"NoColon\r\n", b" folded: x\r\n", b"Bad Name: x\r\n", b"X: a\x01b\r\n",
+                b"Content-Length: 1\r\nContent-Length: 2\r\n", b"Content-Length: -1\r\n"):
+        r = raw(port, b"GET /hello HTTP/1.1\r\n" + bad + b"\r\n")
+        assert r.status == 400, bad
+    assert_healthy(srv, port)
+
+
+def test_slow_client_gets_408_within_the_timeout(edge):
+    srv, port = edge
+    with connect(port) as s:
+        t0 = time.monotonic()
+        s.sendall(b"GET /hello HTTP/1.1\r\nHost: x\r\n")  # head never finished
+        r = read_response(s)
+        elapsed = time.monotonic() - t0
+    assert r.status == 408 and error_body(r)["code"] == "request_timeout"
+    assert elapsed < 0.5 + 1.5
+    with connect(port) as s:  # trickling does not extend the deadline
+        t0 = time.monotonic()
+        s.sendall(b"POST /echo HTTP/1.1\r\nContent-Length: 100\r\n\r\n")
+        for _ in range(4):
+            time.sleep(0.15)
+            with contextlib.suppress(OSError):
+                s.sendall(b"x")
+        r = read_response(s)
+        assert r.status == 408 and time.monotonic() - t0 < 2.0
+    assert_healthy(srv, port)
+
+
+def test_silent_connection_is_closed_without_response(edge):
+    srv, port = edge
+    with connect(port) as s:
+        assert s.recv(100) == b""  # closed after read_timeout, no bytes at all
+    assert_healthy(srv, port)
+
+
+def test_handler_exception_and_bad_header_give_500_without_traceback(edge):
+    srv, port = edge
+    for path in ("/boom", "/bad-header"):
+        r = raw(port, b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert r.status == 500
+        assert error_body(r) == {"code": "internal_error", "message": "internal error"}
+        text = r.body + str(r.headers).encode()
+        assert b"Traceback" not in text and b"secret-detail" not in text and b"Set-Cookie" not in text
+    assert_healthy(srv, port)
+
+
+def test_router_404_405_and_path_params(edge):
+    srv, port = edge
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    c.request("GET", "/nope")
+    r = c.getresponse()
+    assert r.status == 404 and json.loads(r.read())["code"] == "not_found"
+    c.request("DELETE", "/hello")
+    r = c.getresponse()
+    assert r.status == 405 and json.loads(r.read())["code"] == "method_not_allowed"
+    assert r.getheader("Allow") == "GET, HEAD"
+    c.request("GET", "/items/a%20b?x=1&y=")
+    r = c.getresponse()
+    assert json.loads(r.read()) == {"itemId": "a b", "q": {"x": "1", "y": ""}}
+    c.request("HEAD", "/hello")
+    r = c.getresponse()
+    assert r.status == 200 and r.read() == b"" and int(r.getheader("Content-Length")) > 0
+    c.close()
+
+
+def test_keep_alive_reuses_one_connection_and_is_bounded():
+    limits = replace(HttpLimits.edge(), max_requests_per_connection=3)
+    with running(limits) as (srv, port):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        socks, conn_headers = [], []
+        for i in range(3):
+            c.request("POST", "/echo", body=b"n%d" % i)
+            socks.append(c.sock)
+            r = c.getresponse()
+            assert json.loads(r.read())["body"] == "n%d" % i
+            conn_headers.append(r.getheader("Connection"))
+        assert socks[0] is socks[1] is socks[2] and socks[0] is not None
+        assert conn_headers == ["keep-alive", "keep-alive", "close"]
+        c.close()
+        # Pipelined requests in one write are answered in order.
+        with connect(port) as s:
+            s.sendall(b"GET /items/1 HTTP/1.1\r\n\r\nGET /items/2 HTTP/1.1\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        first, second = data.split(b"HTTP/1.1 200 OK")[1:]
+        assert b'"itemId":"1"' in first and b"keep-alive" in first
+        assert b'"itemId":"2"' in second and b"Connection: close" in second
+        assert_healthy(srv, port)
+
+
+def test_connection_limit_refuses_with_503():
+    limits = replace(HttpLimits.edge(), max_connections=3, read_timeout_s=2.0)
+    with running(limits) as (srv, port):
+        idle = [connect(port) for _ in range(3)]
+        deadline = time.monotonic() + 5
+        while srv.connections < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        r = raw(port, b"GET /hello HTTP/1.1\r\n\r\n")
+        assert r.status == 503 and error_body(r)["code"] == "too_many_connections"
+        assert r.getheader("Retry-After") == "1"
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 5
+        while srv.connections and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert_healthy(srv, port)
+
+
+def test_unix_socket_is_0660_and_serves(tmp_path):
+    path = str(tmp_path / "api.sock")
+    with running(HttpLimits.edge(), unix_path=path) as (srv, port):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(b"GET /items/u HTTP/1.1\r\nHost: x\r\n\r\n")
+            r = read_response(s)
+            assert r.status == 200 and json.loads(r.body)["itemId"] == "u"
+    assert not os.path.exists(path)  # removed on close
+
+
+def test_unix_socket_refuses_to_replace_a_regular_file(tmp_path):
+    path = tmp_path / "not-a-socket"
+    path.write_text("keep me")
+    srv = HttpServer(HttpLimits.edge(), Router())
+    with pytest.raises(FileExistsError, match="not a socket"):
+        srv.listen_unix(str(path))
+    assert path.read_text() == "keep me"
+    srv.close()
+
+
+def test_limits_validate_their_fields():
+    with pytest.raises(ValueError, match="max_in_flight"):
+        HttpLimits(max_in_flight=0, max_body_bytes=1, max_connections=1)
+    with pytest.raises(ValueError, match="read_timeout_s"):
+        HttpLimits(max_in_flight=1, max_body_bytes=1, max_connections=1, read_timeout_s=0)
+
+
+def _sha256_file(path: str, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length:
+            chunk = f.read(min(length, 1 << 20))
+            h.update(chunk)
+            length -= len(chunk)
+    return h.hexdigest()
+
+
+def test_file_range_sends_exact_bytes_without_rss_growing_by_the_file(tmp_path):
+    big = str(tmp_path / "big.log")
+    block = os.urandom(1 << 20)
+    with open(big, "wb") as f:
+        for i in range(FILE_SIZE >> 20):
+            f.write(bytes([i]) + block[1:])
+    offset, length = 1_000_003, 48_000_000
+    expected = _sha256_file(big, offset, length)
+    proc = psutil.Process()
+    with running(HttpLimits.edge(), files={"big": big}) as (srv, port):
+        rss_before = proc.memory_info().rss
+        with connect(port) as s:
+            s.sendall(b"GET /file?offset=%d&length=%d HTTP/1.1\r\nHost: x\r\n\r\n" % (offset, length))
+            resp = http.client.HTTPResponse(s, method="GET")
+            resp.begin()
+            assert resp.status == 200 and int(resp.getheader("Content-Length")) == length
+            h, got, rss_peak = hashlib.sha256(), 0, rss_before
+            while chunk := resp.read(1 << 16):
+                h.update(chunk)
+                got += len(chunk)
+                if got % (1 << 20) < (1 << 16):  # sample the peak about once per MiB
+                    rss_peak = max(rss_peak, proc.memory_info().rss)
+        assert got == length and h.hexdigest() == expected
+        # Generous: the 48 MB range must never have been held in memory, even briefly.
+        assert rss_peak - rss_before < 16 * 1024 * 1024
+        assert_healthy(srv, port)
+        before_fds = len(os.listdir("/proc/self/fd"))
+        # A client that disconnects mid-range does not leak the file descriptor.
+        with connect(port) as s:
+            s.sendall(b"GET /file?offset=0&length=%d HTTP/1.1\r\nHost: x\r\n\r\n" % FILE_SIZE)
+            s.recv(1000)
+        deadline = time.monotonic() + 5
+        while (srv.connections or len(os.listdir("/proc/self/fd")) > before_fds) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.connections == 0 and len(os.listdir("/proc/self/fd")) <= before_fds
+        assert_healthy(srv, port)
