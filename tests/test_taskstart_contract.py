@@ -188,7 +188,7 @@ def _is_uuid(text: str) -> bool:
 
 def _mutations(req: ts.TaskStartRequest):
     d = msgspec.structs.asdict(req)
-    junk = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=False), st.text(max_size=70),
+    junk = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=70),
                      st.lists(st.integers(), max_size=2))
     return st.one_of(
         st.tuples(st.just("schema"), st.text(max_size=40).filter(lambda s: s != ts.SCHEMA)),
