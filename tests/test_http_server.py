@@ -286,6 +286,23 @@ def test_keep_alive_reuses_one_connection_and_is_bounded():
         assert_healthy(srv, port)
 
 
+def test_deep_pipelining_is_answered_in_order_without_growing_the_stack():
+    limits = replace(HttpLimits.standalone(), max_requests_per_connection=2000)
+    with running(limits) as (srv, port):
+        with connect(port) as s:
+            n = 1500  # far deeper than the recursion limit if each answer nested the next
+            s.sendall(b"".join(b"GET /items/%d HTTP/1.1\r\n\r\n" % i for i in range(n - 1))
+                      + b"GET /items/last HTTP/1.1\r\nConnection: close\r\n\r\n")
+            data = bytearray()
+            while chunk := s.recv(1 << 16):
+                data += chunk
+        answers = bytes(data).split(b"HTTP/1.1 200 OK")[1:]
+        assert len(answers) == n
+        assert all(b'"itemId":"%d"' % i in a for i, a in enumerate(answers[:-1]))
+        assert b'"itemId":"last"' in answers[-1]
+        assert_healthy(srv, port)
+
+
 def test_connection_limit_refuses_with_503():
     limits = replace(HttpLimits.edge(), max_connections=3, read_timeout_s=2.0)
     with running(limits) as (srv, port):
@@ -381,3 +398,86 @@ def test_file_range_sends_exact_bytes_without_rss_growing_by_the_file(tmp_path):
             time.sleep(0.01)
         assert srv.connections == 0 and len(os.listdir("/proc/self/fd")) <= before_fds
         assert_healthy(srv, port)
+
+
+# -- bearer auth and the permission table over a real route (issue 5 §2) ------------------------
+
+class DictTokens:
+    """In-memory TokenPort with the store's semantics (the SQLite one is the lead's)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, tuple[str, str]] = {}
+        self.bindings: dict[tuple[str, str], tuple[str, int]] = {}
+
+    def lookup_token(self, digest: str) -> tuple[str, str] | None:
+        return self.tokens.get(digest)
+
+    def latest_binding(self, project_id: str, subject: str) -> tuple[str, int] | None:
+        return self.bindings.get((project_id, subject))
+
+
+def test_bearer_auth_and_permissions_over_http():
+    from qlagent.http import auth
+
+    port_ = DictTokens()
+    tokens = {}
+    for subject, role in [("ops", "operator"), ("eve", "viewer"), ("own", "owner"), ("gone", None)]:
+        tok = auth.new_token()
+        assert tok.startswith("qlt_") and len(tok) == 47 and auth.parse_bearer(f"Bearer {tok}") == tok
+        port_.tokens[auth.token_digest(tok)] = ("p1", subject)
+        if role:
+            port_.bindings[("p1", subject)] = (role, 3)
+        tokens[subject] = tok
+    other = auth.new_token()
+    port_.tokens[auth.token_digest(other)] = ("p2", "ops")
+    assert auth.token_digest(tokens["ops"]) == hashlib.sha256(tokens["ops"].encode()).hexdigest()
+
+    def guarded(permission):
+        def fn(req, p):
+            try:
+                who = auth.authorize(req.headers, port_, p["projectId"], permission)
+            except auth.AuthError as exc:
+                hdrs = [("WWW-Authenticate", "Bearer")] if exc.status == 401 else None
+                return Response.json(exc.status, {"code": exc.code, "message": exc.message}, hdrs)
+            return Response.json(200, {"subject": who.subject, "role": who.role, "v": who.binding_version})
+        return fn
+
+    router = Router()
+    router.add("POST", "/api/v3/projects/{projectId}/tasks/{taskId}/runs", guarded("run.start"))
+    router.add("GET", "/api/v3/projects/{projectId}/tasks/{taskId}", guarded("task.read"))
+    srv = HttpServer(HttpLimits.edge(), router)
+    _, port = srv.listen_tcp("127.0.0.1", 0)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_s": 0.05}, daemon=True)
+    t.start()
+    srv.ready.wait(5)
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+
+        def call(method, project, token=None, scheme="Bearer"):
+            hdrs = {"Authorization": f"{scheme} {token}"} if token else {}
+            path = f"/api/v3/projects/{project}/tasks/t1" + ("/runs" if method == "POST" else "")
+            c.request(method, path, body=b"{}" if method == "POST" else None, headers=hdrs)
+            r = c.getresponse()
+            return r.status, json.loads(r.read()), r.getheader("WWW-Authenticate")
+
+        assert call("POST", "p1", tokens["ops"])[:2] == (200, {"subject": "ops", "role": "operator", "v": 3})
+        assert call("POST", "p1", tokens["own"])[0] == 200
+        status, body, www = call("POST", "p1")
+        assert (status, body["code"], www) == (401, "unauthorized", "Bearer")
+        assert call("POST", "p1", tokens["ops"], scheme="Basic")[0] == 401
+        assert call("POST", "p1", "qlt_" + "x" * 43)[0] == 401  # well-formed, unknown
+        assert call("POST", "p1", tokens["ops"] + "x")[0] == 401  # malformed
+        assert call("POST", "p1", tokens["eve"])[:2][0] == 403  # viewer cannot start
+        assert call("GET", "p1", tokens["eve"])[0] == 200  # but can read
+        assert call("GET", "p1", tokens["gone"])[1]["code"] == "permission_denied"  # no binding
+        assert call("GET", "p1", other)[:2][1]["code"] == "not_found"  # other Project: 404
+        assert call("GET", "p1", other)[0] == 404
+        del port_.tokens[auth.token_digest(tokens["ops"])]  # revoked
+        assert call("POST", "p1", tokens["ops"])[0] == 401
+        c.close()
+    finally:
+        srv.stop()
+        t.join(5)
+    assert {p: auth.allowed("viewer", p) for p in auth.PERMISSIONS} == {
+        "run.start": False, "run.cancel": False, "task.read": True, "run.read": True, "log.read": True}
+    assert all(auth.allowed(r, p) for r in ("owner", "admin", "operator") for p in auth.PERMISSIONS)

@@ -304,6 +304,7 @@ class HttpServer:
                 self._on_readable(conn)
             elif mask & selectors.EVENT_WRITE and conn.state == _WRITE:
                 self._flush(conn)
+                self._advance(conn)  # pipelined requests that waited for this response
         except OSError:
             self._close(conn)
 
@@ -439,12 +440,15 @@ class HttpServer:
         self._advance(conn)
 
     def _advance(self, conn: _Conn) -> None:
-        """Parse what is buffered; dispatch when a whole request is there."""
-        try:
-            if conn.state == _HEAD:
-                if not self._parse_head(conn):
+        """Answer every complete request buffered, in order, until one is incomplete or its
+        response blocks. A loop, not recursion: pipelining must not deepen the stack."""
+        while conn in self._conns and conn.state in (_HEAD, _BODY) and conn.buf:
+            if not conn.started:
+                conn.started = True
+                conn.deadline = time.monotonic() + self.limits.read_timeout_s
+            try:
+                if conn.state == _HEAD and not self._parse_head(conn):
                     return
-            if conn.state == _BODY:
                 if len(conn.buf) < conn.body_needed:
                     return
                 req = conn.request
@@ -452,8 +456,8 @@ class HttpServer:
                 req.body = bytes(conn.buf[: conn.body_needed])
                 del conn.buf[: conn.body_needed]
                 self._dispatch(conn, req)
-        except _HttpError as exc:
-            self._fail(conn, exc.status, exc.code, exc.message)
+            except _HttpError as exc:
+                self._fail(conn, exc.status, exc.code, exc.message)
 
     def _parse_head(self, conn: _Conn) -> bool:
         lim = self.limits
@@ -697,10 +701,6 @@ class HttpServer:
         conn.started = False
         conn.deadline = time.monotonic() + self.limits.idle_timeout_s
         self._watch(conn, selectors.EVENT_READ)
-        if conn.buf:  # pipelined bytes already received
-            conn.started = True
-            conn.deadline = time.monotonic() + self.limits.read_timeout_s
-            self._advance(conn)
 
     def _linger(self, conn: _Conn) -> None:
         # Half-close and drain what the client still sends, so the kernel does not answer
