@@ -481,3 +481,33 @@ def test_bearer_auth_and_permissions_over_http():
     assert {p: auth.allowed("viewer", p) for p in auth.PERMISSIONS} == {
         "run.start": False, "run.cancel": False, "task.read": True, "run.read": True, "log.read": True}
     assert all(auth.allowed(r, p) for r in ("owner", "admin", "operator") for p in auth.PERMISSIONS)
+
+
+def test_fd_exhaustion_pauses_accept_instead_of_spinning_and_recovers(caplog):
+    import resource
+
+    limits = replace(HttpLimits.edge(), read_timeout_s=5.0)
+    with running(limits) as (srv, port):
+        c0 = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        c0.request("GET", "/hello")
+        assert c0.getresponse().read()
+        spare = [socket.socket() for _ in range(3)]  # client fds exist before the cap
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1, hard))
+        try:
+            for s in spare:
+                s.settimeout(5)
+                s.connect(("127.0.0.1", port))  # completes in the kernel backlog
+                s.sendall(b"GET /hello HTTP/1.1\r\nConnection: close\r\n\r\n")
+            time.sleep(0.3)  # the window in which a spinning accept would storm the log
+            storms = [r for r in caplog.records if "accept failed" in r.getMessage()]
+            assert 1 <= len(storms) <= 2  # paused for 0.5 s, not retried in a busy loop
+            c0.request("GET", "/hello")  # open connections are still served
+            assert c0.getresponse().status == 200
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for s in spare:  # every backlogged client is answered once fds are back
+            assert read_response(s).status == 200
+            s.close()
+        c0.close()
+        assert_healthy(srv, port)

@@ -56,6 +56,7 @@ _RECV_BYTES = 16384
 _LINGER_S = 1.0
 _LINGER_BYTES = 65536
 _ACCEPTS_PER_EVENT = 16
+_ACCEPT_PAUSE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,7 @@ class HttpServer:
         self.limits = limits
         self.handler = handler
         self._listeners: list[_Listener] = []
+        self._paused: list[tuple[float, _Listener]] = []
         self._conns: set[_Conn] = set()
         self._in_flight = 0
         self._selector: selectors.BaseSelector | None = None
@@ -307,12 +309,23 @@ class HttpServer:
                 self._advance(conn)  # pipelined requests that waited for this response
         except OSError:
             self._close(conn)
+        except Exception:  # a server bug must cost one connection, never the agent's loop
+            log.exception("http connection %s failed", conn.peer)
+            self._close(conn)
 
     def timeouts(self, now: float) -> float | None:
         """Expire connections whose deadline (monotonic seconds) passed: a partial request gets
         408 and close, an idle keep-alive closes silently, a stalled write aborts. Returns the
-        earliest remaining deadline, or None when there are no connections."""
+        earliest remaining deadline, or None when nothing is pending. A listener paused after
+        a failed accept (EMFILE) is re-armed here."""
         earliest: float | None = None
+        for until, lst in list(self._paused):
+            if until <= now:
+                self._paused.remove((until, lst))
+                if self._selector is not None and lst in self._listeners:
+                    self._selector.register(lst.sock, selectors.EVENT_READ, (self, lst))
+            elif earliest is None or until < earliest:
+                earliest = until
         for conn in list(self._conns):
             if conn.deadline <= now:
                 self._expire(conn, now)
@@ -376,6 +389,7 @@ class HttpServer:
                 except OSError:
                     pass
         self._listeners.clear()
+        self._paused.clear()
 
     # -- accept ------------------------------------------------------------------------------
     def _accept(self, lst: _Listener) -> None:
@@ -384,8 +398,12 @@ class HttpServer:
                 sock, addr = lst.sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and friends: keep serving the open connections
-                log.warning("accept failed: %s", exc)
+            except OSError as exc:
+                # EMFILE and friends: a level-triggered listener would spin, so pause it briefly
+                # and keep serving the open connections.
+                log.warning("accept failed, pausing the listener for %g s: %s", _ACCEPT_PAUSE_S, exc)
+                self._unregister(lst.sock)
+                self._paused.append((time.monotonic() + _ACCEPT_PAUSE_S, lst))
                 return
             sock.setblocking(False)
             if len(self._conns) >= self.limits.max_connections and not self._evict_idle():
