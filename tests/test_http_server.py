@@ -17,7 +17,17 @@ import psutil
 import pytest
 
 from qlagent.http.routing import Router
-from qlagent.http.server import FileRange, HttpLimits, HttpServer, Request, Response
+from qlagent.http.server import (
+    FileRange,
+    HttpError,
+    HttpLimits,
+    HttpServer,
+    Request,
+    Response,
+    byte_range,
+    content_range,
+    parse_listen,
+)
 
 FILE_SIZE = 50 * 1024 * 1024
 
@@ -39,6 +49,22 @@ def _router(files: dict[str, str]) -> Router:
         return Response(200, [("Content-Type", "application/octet-stream")],
                         file=FileRange(fd, int(req.query["offset"]), int(req.query["length"])))
 
+    def log_read(req: Request, p: dict[str, str]) -> Response:
+        fd = os.open(files["log"], os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            offset, length, partial = byte_range(req, size, 1024)
+        except HttpError:
+            os.close(fd)
+            raise
+        headers = [("Content-Type", "application/octet-stream"), ("X-Qlagent-Log-Truncated", "true")]
+        if partial:
+            headers.append(("Content-Range", content_range(offset, length, size)))
+        return Response(206 if partial else 200, headers, file=FileRange(fd, offset, length))
+
+    r.add("GET", "/log", log_read)
+    r.add("GET", "/raise", lambda req, p: (_ for _ in ()).throw(
+        HttpError(409, "conflict_here", "explained", [("X-Why", "test")], field="f")))
     r.add("GET", "/boom", boom)
     r.add("GET", "/bad-header", bad_header)
     r.add("GET", "/file", file_range)
@@ -433,12 +459,8 @@ def test_bearer_auth_and_permissions_over_http():
     assert auth.token_digest(tokens["ops"]) == hashlib.sha256(tokens["ops"].encode()).hexdigest()
 
     def guarded(permission):
-        def fn(req, p):
-            try:
-                who = auth.authorize(req.headers, port_, p["projectId"], permission)
-            except auth.AuthError as exc:
-                hdrs = [("WWW-Authenticate", "Bearer")] if exc.status == 401 else None
-                return Response.json(exc.status, {"code": exc.code, "message": exc.message}, hdrs)
+        def fn(req, p):  # AuthError propagates: the server answers it as JSON
+            who = auth.authorize(req.headers, port_, p["projectId"], permission)
             return Response.json(200, {"subject": who.subject, "role": who.role, "v": who.binding_version})
         return fn
 
@@ -511,3 +533,54 @@ def test_fd_exhaustion_pauses_accept_instead_of_spinning_and_recovers(caplog):
             s.close()
         c0.close()
         assert_healthy(srv, port)
+
+
+def test_log_style_reads_offset_limit_range_and_raw_bytes(tmp_path):
+    log = tmp_path / "run.log"
+    content = bytes(range(256)) * 10 + b"\xff\xfe not utf-8"  # 2572 bytes
+    log.write_bytes(content)
+    with running(HttpLimits.edge(), files={"log": str(log)}) as (srv, port):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+
+        def get(path, headers=None):
+            c.request("GET", path, headers=headers or {})
+            r = c.getresponse()
+            return r.status, r.read(), r
+
+        status, body, r = get("/log")
+        assert status == 200 and body == content[:1024]  # bounded by the 1024-byte limit
+        assert r.getheader("X-Qlagent-Log-Truncated") == "true"
+        assert get("/log?offset=2560&limit=100")[1] == content[2560:]  # raw, non-UTF-8 intact
+        assert get("/log?offset=9999")[:2] == (200, b"")  # past the end: empty, not an error
+        status, body, r = get("/log", {"Range": "bytes=10-19"})
+        assert (status, body, r.getheader("Content-Range")) == (206, content[10:20], "bytes 10-19/2572")
+        status, body, r = get("/log", {"Range": "bytes=-5"})
+        assert (status, body, r.getheader("Content-Range")) == (206, content[-5:], "bytes 2567-2571/2572")
+        assert get("/log", {"Range": "bytes=2000-"})[1] == content[2000:]
+        status, body, r = get("/log", {"Range": "bytes=5000-"})
+        assert status == 416 and r.getheader("Content-Range") == "bytes */2572"
+        assert json.loads(body)["code"] == "range_not_satisfiable"
+        for bad in ("bytes=5-1", "items=0-1", "bytes=0-1,3-4", "bytes=x-", "bytes=-"):
+            status, body, _ = get("/log", {"Range": bad})
+            assert status == 400 and json.loads(body)["field"] == "Range", bad
+        for q in ("limit=0", "limit=1025", "offset=-1", "offset=x"):
+            status, body, _ = get("/log?" + q)
+            assert status == 400 and json.loads(body)["field"] == q.split("=")[0], q
+        status, body, r = get("/raise")
+        assert status == 409 and r.getheader("X-Why") == "test"
+        assert json.loads(body) == {"code": "conflict_here", "message": "explained", "field": "f"}
+        c.close()
+        assert_healthy(srv, port)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("127.0.0.1:8717", ("127.0.0.1", 8717)), ("[::1]:80", ("::1", 80)), ("host:65535", ("host", 65535)),
+])
+def test_parse_listen_accepts(text, expected):
+    assert parse_listen(text) == expected
+
+
+@pytest.mark.parametrize("text", ["127.0.0.1", ":80", "h:0", "h:65536", "h:-1", "h:8x", ""])
+def test_parse_listen_rejects_naming_the_key(text):
+    with pytest.raises(ValueError, match="http.listen must be HOST:PORT with port 1..65535"):
+        parse_listen(text)

@@ -12,6 +12,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
+from qlagent.http.server import HttpError
+
 TOKEN_PREFIX = "qlt_"
 _TOKEN_RE = re.compile(r"qlt_[A-Za-z0-9_-]{43}")
 
@@ -37,16 +39,14 @@ class TokenPort(Protocol):
         """(role, binding_version) of the subject's latest active RoleBinding in the Project."""
 
 
-class AuthError(Exception):
-    """Authentication/authorisation failure: ``status`` 401 ``unauthorized``, 403
-    ``permission_denied`` or 404 ``not_found`` (another Project's resources are not
-    revealed), with ``code`` and ``message``."""
+class AuthError(HttpError):
+    """Authentication/authorisation failure, answered by the server as JSON when a route lets
+    it propagate: ``status`` 401 ``unauthorized`` (with ``WWW-Authenticate: Bearer``), 403
+    ``permission_denied`` or 404 ``not_found`` (another Project's resources are not revealed)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
+        super().__init__(status, code, message,
+                         [("WWW-Authenticate", "Bearer")] if status == 401 else None)
 
 
 @dataclass(frozen=True, slots=True)

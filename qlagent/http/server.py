@@ -14,8 +14,8 @@ bench/README_http.md for the RSS measurement that ruled out h11. Every resource 
 * more than ``max_connections`` sockets: an idle keep-alive connection is evicted, or the new
   one is answered 503 and closed.
 
-The handler is synchronous and runs on the loop thread; an exception in it becomes a generic
-500 JSON body (the traceback goes to the ``qlagent.http`` logger only, never to the client).
+The handler is synchronous and runs on the loop thread; it may raise :class:`HttpError` for a
+JSON error answer. Any other exception in it becomes a generic 500 JSON body (the traceback goes to the ``qlagent.http`` logger only, never to the client).
 """
 
 from __future__ import annotations
@@ -167,12 +167,86 @@ def json_error(status: int, code: str, message: str, headers: list[tuple[str, st
     return Response.json(status, body, headers)
 
 
-class _HttpError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+class HttpError(Exception):
+    """Raise from a handler (or a helper it calls) to answer a JSON error: ``status``, stable
+    ``code``, ``message`` naming the field and the limit, extra body members (e.g.
+    ``field="limit"``) and extra ``headers``. The server turns it into :func:`json_error`."""
+
+    def __init__(self, status: int, code: str, message: str,
+                 headers: list[tuple[str, str]] | None = None, **extra: str) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = headers
+        self.extra = extra
+
+    def response(self) -> Response:
+        """The JSON error response for this error."""
+        return json_error(self.status, self.code, self.message, self.headers, **self.extra)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT`` (config ``http.listen``, ``serve --listen``) → (host, port).
+    Raises ValueError naming ``http.listen`` and the rule (port 1..65535, host required)."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"http.listen must be HOST:PORT with port 1..65535, got {text!r}")
+    return host, int(port)
+
+
+def query_int(request: Request, name: str, default: int, minimum: int, maximum: int) -> int:
+    """Integer query parameter ``name`` in ``minimum..maximum`` (``default`` when absent).
+    Raises HttpError 400 ``bad_query`` naming the parameter and its range."""
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or len(raw) > 19 or not minimum <= int(raw) <= maximum:
+        raise HttpError(400, "bad_query", f"{name} must be an integer in {minimum}..{maximum}",
+                        field=name)
+    return int(raw)
+
+
+def byte_range(request: Request, size: int, max_length: int) -> tuple[int, int, bool]:
+    """The slice of a ``size``-byte file a read asks for, bounded by ``max_length`` bytes.
+
+    ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` (one range) wins over the ``offset`` /
+    ``limit`` query parameters (defaults 0 and ``max_length``). Returns ``(offset, length,
+    partial)``; ``partial`` means answer 206 with :func:`content_range`. Raises HttpError 400
+    ``bad_query``/``bad_range`` for malformed input and 416 ``range_not_satisfiable`` (with
+    ``Content-Range: bytes */size``) for a Range starting at or beyond ``size``. An offset at or
+    beyond the end via the query gives length 0 (a tail reader polls that way).
+    """
+    header = request.headers.get("range")
+    if header is None:
+        offset = query_int(request, "offset", 0, 0, 2**62)
+        limit = query_int(request, "limit", max_length, 1, max_length)
+        start = min(offset, size)
+        return start, min(limit, size - start), False
+    unit, _, spec = header.partition("=")
+    first, dash, last = spec.strip().partition("-")
+    if unit.strip().lower() != "bytes" or not dash or "," in spec or not (first or last) \
+            or not (first.isdigit() or not first) or not (last.isdigit() or not last):
+        raise HttpError(400, "bad_range", "Range must be one bytes=a-b, bytes=a- or bytes=-n",
+                        field="Range")
+    if first:
+        start = int(first)
+        end = min(int(last), size - 1) if last else size - 1
+        if last and int(last) < start:
+            raise HttpError(400, "bad_range", "Range end is before its start", field="Range")
+    else:
+        start, end = max(0, size - int(last)), size - 1
+    if start >= size:
+        raise HttpError(416, "range_not_satisfiable", f"Range starts beyond the {size} bytes",
+                        [("Content-Range", f"bytes */{size}")])
+    return start, min(end - start + 1, max_length), True
+
+
+def content_range(offset: int, length: int, size: int) -> str:
+    """``Content-Range`` value of a 206 answer: ``bytes a-b/size``."""
+    return f"bytes {offset}-{offset + length - 1}/{size}"
 
 
 # Connection states.
@@ -474,7 +548,7 @@ class HttpServer:
                 req.body = bytes(conn.buf[: conn.body_needed])
                 del conn.buf[: conn.body_needed]
                 self._dispatch(conn, req)
-            except _HttpError as exc:
+            except HttpError as exc:
                 self._fail(conn, exc.status, exc.code, exc.message)
 
     def _parse_head(self, conn: _Conn) -> bool:
@@ -489,17 +563,17 @@ class HttpServer:
         line_end = buf.find(b"\r\n", 0, lim.max_request_line_bytes + 2)
         if line_end < 0:
             if len(buf) > lim.max_request_line_bytes:
-                raise _HttpError(414, "request_line_too_long",
+                raise HttpError(414, "request_line_too_long",
                                  f"request line exceeds {lim.max_request_line_bytes} bytes")
             return False
         head_end = buf.find(b"\r\n\r\n", line_end)
         if head_end < 0:
             if len(buf) - line_end - 2 > lim.max_header_bytes:
-                raise _HttpError(431, "headers_too_large",
+                raise HttpError(431, "headers_too_large",
                                  f"header block exceeds {lim.max_header_bytes} bytes")
             return False
         if head_end - line_end > lim.max_header_bytes:
-            raise _HttpError(431, "headers_too_large",
+            raise HttpError(431, "headers_too_large",
                              f"header block exceeds {lim.max_header_bytes} bytes")
         line = bytes(buf[:line_end])
         block = bytes(buf[line_end + 2: head_end + 2])
@@ -512,18 +586,18 @@ class HttpServer:
     def _parse_request_line(self, line: bytes, peer: str) -> Request:
         parts = line.split(b" ")
         if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]):
-            raise _HttpError(400, "bad_request", "malformed request line")
+            raise HttpError(400, "bad_request", "malformed request line")
         method, target, version = parts
         if version not in (b"HTTP/1.1", b"HTTP/1.0"):
             if version.startswith(b"HTTP/") and len(version) == 8:
-                raise _HttpError(505, "http_version_not_supported", "only HTTP/1.0 and HTTP/1.1")
-            raise _HttpError(400, "bad_request", "malformed request line")
+                raise HttpError(505, "http_version_not_supported", "only HTTP/1.0 and HTTP/1.1")
+            raise HttpError(400, "bad_request", "malformed request line")
         if not _ORIGIN_FORM.fullmatch(target):
-            raise _HttpError(400, "bad_request", "request target must be an origin-form ASCII path")
+            raise HttpError(400, "bad_request", "request target must be an origin-form ASCII path")
         target_s = target.decode("ascii")
         path, _, query = target_s.partition("?")
         if "#" in target_s:
-            raise _HttpError(400, "bad_request", "request target must not carry a fragment")
+            raise HttpError(400, "bad_request", "request target must not carry a fragment")
         return Request(method.decode("ascii"), target_s, path, self._parse_query(query), {}, b"",
                        peer, version.decode("ascii"))
 
@@ -534,36 +608,36 @@ class HttpServer:
             pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=True,
                                            errors="strict", max_num_fields=self.limits.max_query_params)
         except (ValueError, UnicodeDecodeError):
-            raise _HttpError(400, "bad_query",
+            raise HttpError(400, "bad_query",
                              f"query must be key=value pairs of UTF-8, at most "
                              f"{self.limits.max_query_params} parameters") from None
         out: dict[str, str] = {}
         for key, value in pairs:
             if key in out:
-                raise _HttpError(400, "bad_query", f"query parameter {key!r} appears more than once")
+                raise HttpError(400, "bad_query", f"query parameter {key!r} appears more than once")
             out[key] = value
         return out
 
     def _parse_headers(self, block: bytes) -> dict[str, str]:
         lines = block.split(b"\r\n")[:-1] if block else []
         if len(lines) > self.limits.max_header_count:
-            raise _HttpError(431, "too_many_headers",
+            raise HttpError(431, "too_many_headers",
                              f"more than {self.limits.max_header_count} header fields")
         headers: dict[str, str] = {}
         for raw in lines:
             name, sep, value = raw.partition(b":")
             if not sep or not _TOKEN.fullmatch(name):
-                raise _HttpError(400, "bad_request", "malformed header field")
+                raise HttpError(400, "bad_request", "malformed header field")
             if _CTL.search(value):
-                raise _HttpError(400, "bad_request", "control character in a header value")
+                raise HttpError(400, "bad_request", "control character in a header value")
             text = value.strip(b" \t").decode("latin-1")
             key = name.decode("ascii").lower()
             if key in headers:
                 if key == "content-length" and headers[key] != text:
-                    raise _HttpError(400, "bad_request", "conflicting Content-Length fields")
+                    raise HttpError(400, "bad_request", "conflicting Content-Length fields")
                 if key in ("content-length", "host", "authorization"):
                     if key != "content-length":
-                        raise _HttpError(400, "bad_request", f"{key} appears more than once")
+                        raise HttpError(400, "bad_request", f"{key} appears more than once")
                     continue
                 headers[key] = headers[key] + ", " + text
             else:
@@ -576,21 +650,21 @@ class HttpServer:
         cl = req.headers.get("content-length")
         if te is not None:
             if cl is not None:
-                raise _HttpError(400, "bad_request", "both Transfer-Encoding and Content-Length")
+                raise HttpError(400, "bad_request", "both Transfer-Encoding and Content-Length")
             if "chunked" in te.lower():
-                raise _HttpError(411, "length_required",
+                raise HttpError(411, "length_required",
                                  "chunked request bodies are not accepted; send Content-Length")
-            raise _HttpError(400, "bad_request", "unsupported Transfer-Encoding")
+            raise HttpError(400, "bad_request", "unsupported Transfer-Encoding")
         length = 0
         if cl is not None:
             if not cl.isdigit() or len(cl) > 19:
-                raise _HttpError(400, "bad_request", "Content-Length must be a decimal integer")
+                raise HttpError(400, "bad_request", "Content-Length must be a decimal integer")
             length = int(cl)
         if length > lim.max_body_bytes:
-            raise _HttpError(413, "body_too_large",
+            raise HttpError(413, "body_too_large",
                              f"request body is {length} bytes; the limit is {lim.max_body_bytes} bytes")
         if self._in_flight >= lim.max_in_flight:
-            raise _HttpError(503, "server_busy",
+            raise HttpError(503, "server_busy",
                              f"at most {lim.max_in_flight} requests in flight; retry after 1 s")
         self._in_flight += 1
         conn.in_flight = True
@@ -609,6 +683,8 @@ class HttpServer:
             resp = self.handler(req)
             if not isinstance(resp, Response):
                 raise TypeError(f"handler returned {type(resp).__name__}, not Response")
+        except HttpError as exc:
+            resp = exc.response()
         except Exception:
             log.exception("handler failed for %s %s", req.method, req.path)
             resp = json_error(500, "internal_error", "internal error")
