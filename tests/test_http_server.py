@@ -35,7 +35,7 @@ FILE_SIZE = 50 * 1024 * 1024
 def _router(files: dict[str, str]) -> Router:
     r = Router()
     r.add("GET", "/hello", lambda req, p: Response.json(200, {"hello": "world"}))
-    r.add("POST", "/echo", lambda req, p: Response.json(200, {"len": len(req.body), "body": req.body.decode()}))
+    r.add("POST", "/echo", lambda req, p: Response.json(200, {"len": len(req.body), "body": req.body.decode(errors="replace")}))
     r.add("GET", "/items/{itemId}", lambda req, p: Response.json(200, {"itemId": p["itemId"], "q": req.query}))
 
     def boom(req: Request, p: dict[str, str]) -> Response:
@@ -584,3 +584,59 @@ def test_parse_listen_accepts(text, expected):
 def test_parse_listen_rejects_naming_the_key(text):
     with pytest.raises(ValueError, match="http.listen must be HOST:PORT with port 1..65535"):
         parse_listen(text)
+
+
+# -- fuzz: whatever arrives, the answer is a clean status and the server bug log stays empty -----
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_request_line = st.one_of(
+    st.sampled_from([b"GET /hello HTTP/1.1", b"POST /echo HTTP/1.1", b"GET /items/%ff HTTP/1.1",
+                     b"HEAD /hello HTTP/1.0", b"GET /items/x?a=1&b HTTP/1.1", b"\x00\xff", b""]),
+    st.builds(lambda method, target: method + b" " + target + b" HTTP/1.1",
+              st.sampled_from([b"GET", b"POST", b"HEAD", b"PUT"]),
+              st.one_of(st.binary(max_size=20), st.text(max_size=20).map(lambda t: b"/" + t.encode()))),
+    st.binary(max_size=40),
+)
+_header = st.one_of(
+    st.sampled_from([b"Content-Length: 3", b"Content-Length: 99999", b"Transfer-Encoding: chunked",
+                     b"Connection: close", b"Expect: 100-continue", b"Host: x", b" folded", b"\x00: \xff"]),
+    st.builds(lambda name, value: name + b": " + value,
+              st.sampled_from([b"Content-Length", b"Transfer-Encoding", b"Connection", b"Expect",
+                               b"Range", b"Host", b"X-A"]),
+              st.one_of(st.binary(max_size=12), st.text(max_size=12).map(str.encode))),
+    st.binary(max_size=30),
+)
+_request = st.builds(lambda line, headers, body: line + b"\r\n" + b"".join(h + b"\r\n" for h in headers)
+                     + b"\r\n" + body,
+                     _request_line, st.lists(_header, max_size=8), st.binary(max_size=16))
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    limits = replace(HttpLimits.edge(), read_timeout_s=0.5)
+    with running(limits) as (srv, port):
+        yield srv, port
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(_request, min_size=1, max_size=3))
+def test_fuzzed_requests_get_clean_answers(fuzz_server, caplog, requests):
+    srv, port = fuzz_server
+    caplog.clear()
+    with connect(port) as s:
+        s.sendall(b"".join(requests))
+        s.shutdown(socket.SHUT_WR)
+        data = bytearray()
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                data += chunk
+    statuses = [int(part[:3]) for part in bytes(data).split(b"HTTP/1.1 ")[1:] if part[:3].isdigit()]
+    assert all(st_ in (100, 200, 400, 404, 405, 408, 411, 413, 414, 431, 505) for st_ in statuses), statuses
+    assert b"Traceback" not in data
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    deadline = time.monotonic() + 5
+    while srv.in_flight and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert srv.in_flight == 0
