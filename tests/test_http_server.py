@@ -67,6 +67,7 @@ def _router(files: dict[str, str]) -> Router:
         HttpError(409, "conflict_here", "explained", [("X-Why", "test")], field="f")))
     r.add("GET", "/boom", boom)
     r.add("GET", "/bad-header", bad_header)
+    r.add("GET", "/framing-header", lambda req, p: Response(200, [("Content-Length", "1")], b"ab"))
     r.add("GET", "/file", file_range)
     return r
 
@@ -258,7 +259,7 @@ def test_silent_connection_is_closed_without_response(edge):
 
 def test_handler_exception_and_bad_header_give_500_without_traceback(edge):
     srv, port = edge
-    for path in ("/boom", "/bad-header"):
+    for path in ("/boom", "/bad-header", "/framing-header"):
         r = raw(port, b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n\r\n")
         assert r.status == 500
         assert error_body(r) == {"code": "internal_error", "message": "internal error"}
@@ -640,3 +641,46 @@ def test_fuzzed_requests_get_clean_answers(fuzz_server, caplog, requests):
     while srv.in_flight and time.monotonic() < deadline:
         time.sleep(0.002)
     assert srv.in_flight == 0
+
+
+def test_driven_by_a_foreign_selectors_loop_next_to_other_fds():
+    """The agent's own loop: one selector, an HTTP listener plus unrelated fds (here a pipe)."""
+    import selectors
+
+    srv = HttpServer(replace(HttpLimits.edge(), read_timeout_s=0.3), _router({}))
+    _, port = srv.listen_tcp("127.0.0.1", 0)
+    sel = selectors.DefaultSelector()
+    r_fd, w_fd = os.pipe()
+    sel.register(r_fd, selectors.EVENT_READ, "agent-pipe")
+    srv.register(sel)
+    results: dict[str, object] = {}
+
+    def client():
+        with connect(port) as s:
+            s.sendall(b"GET /items/loop HTTP/1.1\r\nHost: x\r\n\r\n")
+            results["ok"] = read_response(s).status
+        with connect(port) as s:  # a slow client, expired only through timeouts()
+            s.sendall(b"GET /hello HTTP/1.1\r\n")
+            results["slow"] = read_response(s).status
+        os.write(w_fd, b"done")
+
+    t = threading.Thread(target=client)
+    t.start()
+    foreign = []
+    try:
+        while not foreign:
+            deadline = srv.timeouts(time.monotonic())
+            timeout = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            for key, mask in sel.select(timeout):
+                if srv.owns(key):
+                    srv.handle_event(key, mask)
+                else:
+                    foreign.append((key.data, os.read(r_fd, 10)))
+    finally:
+        t.join(5)
+        srv.close()
+        sel.close()
+        os.close(r_fd)
+        os.close(w_fd)
+    assert results == {"ok": 200, "slow": 408}
+    assert foreign == [("agent-pipe", b"done")]

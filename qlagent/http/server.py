@@ -53,6 +53,7 @@ _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 _RECV_BYTES = 16384
+_FRAMING_HEADERS = frozenset({"content-length", "connection", "transfer-encoding", "date"})
 _LINGER_S = 1.0
 _LINGER_BYTES = 65536
 _ACCEPTS_PER_EVENT = 16
@@ -143,7 +144,8 @@ class FileRange:
 @dataclass(slots=True)
 class Response:
     """``status`` with ``headers`` (name, value) and either ``body`` bytes or a ``file`` range.
-    The server adds Content-Length, Date and Connection."""
+    The server adds Content-Length, Date and Connection; a handler that sets one of those (or
+    Transfer-Encoding, or a header with CR/LF) gets a logged 500 instead."""
 
     status: int
     headers: list[tuple[str, str]] = field(default_factory=list)
@@ -738,6 +740,8 @@ class HttpServer:
         for name, value in resp.headers:
             if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
                 raise ValueError(f"CR/LF in response header {name!r}")
+            if name.lower() in _FRAMING_HEADERS:
+                raise ValueError(f"response header {name!r} is set by the server")
             lines.append(f"{name}: {value}")
         lines.append(f"Content-Length: {length}")
         lines.append(f"Date: {self._date()}")
