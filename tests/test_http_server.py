@@ -223,7 +223,8 @@ def test_malformed_request_line_gets_clean_4xx(edge, line, status):
 def test_malformed_header_gets_400(edge):
     srv, port = edge
     for bad in (b"NoColon\r\n", b" folded: x\r\n", b"Bad Name: x\r\n", b"X: a\x01b\r\n",
-                b"Content-Length: 1\r\nContent-Length: 2\r\n", b"Content-Length: -1\r\n"):
+                b"Content-Length: 1\r\nContent-Length: 2\r\n", b"Content-Length: -1\r\n",
+                b"Content-Length: \xb2\r\n"):  # latin-1 superscript two: isdigit() but not int()
         r = raw(port, b"GET /hello HTTP/1.1\r\n" + bad + b"\r\n")
         assert r.status == 400, bad
     assert_healthy(srv, port)
@@ -561,10 +562,10 @@ def test_log_style_reads_offset_limit_range_and_raw_bytes(tmp_path):
         status, body, r = get("/log", {"Range": "bytes=5000-"})
         assert status == 416 and r.getheader("Content-Range") == "bytes */2572"
         assert json.loads(body)["code"] == "range_not_satisfiable"
-        for bad in ("bytes=5-1", "items=0-1", "bytes=0-1,3-4", "bytes=x-", "bytes=-"):
+        for bad in ("bytes=5-1", "items=0-1", "bytes=0-1,3-4", "bytes=x-", "bytes=-", "bytes=\u00b2-"):
             status, body, _ = get("/log", {"Range": bad})
             assert status == 400 and json.loads(body)["field"] == "Range", bad
-        for q in ("limit=0", "limit=1025", "offset=-1", "offset=x"):
+        for q in ("limit=0", "limit=1025", "offset=-1", "offset=x", "limit=%C2%B2"):
             status, body, _ = get("/log?" + q)
             assert status == 400 and json.loads(body)["field"] == q.split("=")[0], q
         status, body, r = get("/raise")
@@ -581,7 +582,7 @@ def test_parse_listen_accepts(text, expected):
     assert parse_listen(text) == expected
 
 
-@pytest.mark.parametrize("text", ["127.0.0.1", ":80", "h:0", "h:65536", "h:-1", "h:8x", ""])
+@pytest.mark.parametrize("text", ["127.0.0.1", ":80", "h:0", "h:65536", "h:-1", "h:8x", "", "h:\u00b2"])
 def test_parse_listen_rejects_naming_the_key(text):
     with pytest.raises(ValueError, match="http.listen must be HOST:PORT with port 1..65535"):
         parse_listen(text)

@@ -188,13 +188,18 @@ class HttpError(Exception):
         return json_error(self.status, self.code, self.message, self.headers, **self.extra)
 
 
+def _decimal(text: str) -> bool:
+    # str.isdigit() alone accepts "²" and other Unicode digits that int() then refuses.
+    return text.isascii() and text.isdigit()
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[IPv6]:PORT`` (config ``http.listen``, ``serve --listen``) → (host, port).
     Raises ValueError naming ``http.listen`` and the rule (port 1..65535, host required)."""
     host, sep, port = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not host or not _decimal(port) or not 1 <= int(port) <= 65535:
         raise ValueError(f"http.listen must be HOST:PORT with port 1..65535, got {text!r}")
     return host, int(port)
 
@@ -205,7 +210,7 @@ def query_int(request: Request, name: str, default: int, minimum: int, maximum: 
     raw = request.query.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or len(raw) > 19 or not minimum <= int(raw) <= maximum:
+    if not _decimal(raw) or len(raw) > 19 or not minimum <= int(raw) <= maximum:
         raise HttpError(400, "bad_query", f"{name} must be an integer in {minimum}..{maximum}",
                         field=name)
     return int(raw)
@@ -230,7 +235,7 @@ def byte_range(request: Request, size: int, max_length: int) -> tuple[int, int, 
     unit, _, spec = header.partition("=")
     first, dash, last = spec.strip().partition("-")
     if unit.strip().lower() != "bytes" or not dash or "," in spec or not (first or last) \
-            or not (first.isdigit() or not first) or not (last.isdigit() or not last):
+            or not (_decimal(first) or not first) or not (_decimal(last) or not last):
         raise HttpError(400, "bad_range", "Range must be one bytes=a-b, bytes=a- or bytes=-n",
                         field="Range")
     if first:
@@ -265,15 +270,14 @@ class _Listener:
 
 class _Conn:
     __slots__ = ("sock", "peer", "buf", "state", "deadline", "in_flight", "served", "request",
-                 "body_needed", "out", "file", "close_after", "head_only", "registered_mask",
-                 "started")
+                 "body_needed", "out", "file", "close_after", "registered_mask", "started")
 
-    def __init__(self, sock: socket.socket, peer: str, now: float, idle_timeout: float) -> None:
+    def __init__(self, sock: socket.socket, peer: str, now: float, first_byte_timeout: float) -> None:
         self.sock = sock
         self.peer = peer
         self.buf = bytearray()
         self.state = _HEAD
-        self.deadline = now + idle_timeout
+        self.deadline = now + first_byte_timeout
         self.started = False  # first byte of the current request seen
         self.in_flight = False
         self.served = 0
@@ -282,7 +286,6 @@ class _Conn:
         self.out = memoryview(b"")
         self.file: FileRange | None = None
         self.close_after = False
-        self.head_only = False
         self.registered_mask = 0
 
 
@@ -659,7 +662,7 @@ class HttpServer:
             raise HttpError(400, "bad_request", "unsupported Transfer-Encoding")
         length = 0
         if cl is not None:
-            if not cl.isdigit() or len(cl) > 19:
+            if not _decimal(cl) or len(cl) > 19:
                 raise HttpError(400, "bad_request", "Content-Length must be a decimal integer")
             length = int(cl)
         if length > lim.max_body_bytes:
