@@ -116,19 +116,22 @@ def test_malformed_body_rejected(raw):
 
 
 def test_errors_vocabulary_and_wire_shape():
-    assert ts.TaskStartError.not_found().to_wire() == {"code": "task_not_found",
+    from qlagent.core.errors import QlError
+
+    assert issubclass(ts.TaskStartError, QlError)
+    assert ts.TaskStartError.not_found().to_dict() == {"code": "task_not_found",
                                                         "message": "task not found in this project"}
     for reason in sorted(ts.FENCE_REASONS):
         err = ts.TaskStartError.fence_rejected(reason)
         assert (err.status, err.code, err.reason, err.exit_code) == (409, "task_start_fence_rejected", reason, 3)
-        assert err.to_wire()["reason"] == reason
+        assert err.to_dict()["reason"] == reason
     assert ts.FENCE_REASONS == {"authorization_changed", "definition_changed", "task_disabled",
                                 "task_not_executable", "mutation_conflict"}
     with pytest.raises(ValueError):
         ts.TaskStartError.fence_rejected("because")
     un = ts.TaskStartError.unavailable()
     assert (un.status, un.code, un.exit_code) == (503, "task_start_unavailable", 5)
-    inv = rejected(body(mutationId="x")).to_wire()
+    inv = rejected(body(mutationId="x")).to_dict()
     assert set(inv) == {"code", "message", "field"}
 
 

@@ -14,6 +14,8 @@ from typing import Literal
 
 import msgspec
 
+from qlagent.core.errors import QlError
+
 SCHEMA = "qinglong/task-start@v1"
 REVISION_MIN = 1
 REVISION_MAX = 2_147_483_647
@@ -54,7 +56,7 @@ class TaskStartRequest(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     expectedContentDigest: str
 
 
-class TaskStartError(Exception):
+class TaskStartError(QlError):
     """A Task Start failure with its HTTP status and stable code (ADR-0376 §3).
 
     Attributes: ``status`` (400/404/409/503), ``code`` (one of the four codes), ``field`` (the
@@ -71,15 +73,12 @@ class TaskStartError(Exception):
         field: str | None = None,
         reason: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, field=field, code=code)
         self.status = status
-        self.code = code
-        self.message = message
-        self.field = field
         self.reason = reason
         self.exit_code = _EXIT_CODES.get(status, 1)
 
-    def to_wire(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, object]:
         """The JSON error body: ``{"code", "message"}`` plus ``field`` / ``reason`` when set."""
         body: dict[str, object] = {"code": self.code, "message": self.message}
         if self.field is not None:

@@ -35,6 +35,8 @@ from typing import Callable
 
 import msgspec
 
+from qlagent.core.profiles import EDGE, STANDALONE, Profile
+
 log = logging.getLogger("qlagent.http")
 
 _REASONS = {
@@ -97,16 +99,26 @@ class HttpLimits:
                 raise ValueError(f"HttpLimits.{name} must be > 0 seconds, got {getattr(self, name)}")
 
     @classmethod
+    def for_profile(cls, profile: Profile) -> HttpLimits:
+        """Limits of a core Profile: its ``http_in_flight`` and ``http_body_bytes`` (ADR-0376 §4),
+        with connections and header bounds scaled to it (edge: 16 connections, 8 KiB / 32
+        headers; other profiles: 64 connections, 16 KiB / 64 headers)."""
+        if profile.name == "edge":
+            return cls(max_in_flight=profile.http_in_flight, max_body_bytes=profile.http_body_bytes,
+                       max_connections=16, max_requests_per_connection=32)
+        return cls(max_in_flight=profile.http_in_flight, max_body_bytes=profile.http_body_bytes,
+                   max_connections=64, max_header_bytes=16384, max_header_count=64,
+                   max_query_params=32)
+
+    @classmethod
     def edge(cls) -> HttpLimits:
         """Edge profile (ADR-0376 §4): 4 in flight, 512-byte bodies, 16 connections."""
-        return cls(max_in_flight=4, max_body_bytes=512, max_connections=16,
-                   max_requests_per_connection=32)
+        return cls.for_profile(EDGE)
 
     @classmethod
     def standalone(cls) -> HttpLimits:
-        """Standalone profile: 16 in flight, 64 KiB bodies, 64 connections, 16 KiB headers."""
-        return cls(max_in_flight=16, max_body_bytes=65536, max_connections=64,
-                   max_header_bytes=16384, max_header_count=64, max_query_params=32)
+        """Standalone profile: in flight and body bound from core.profiles, 64 connections."""
+        return cls.for_profile(STANDALONE)
 
 
 @dataclass(slots=True)
