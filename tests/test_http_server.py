@@ -685,3 +685,49 @@ def test_driven_by_a_foreign_selectors_loop_next_to_other_fds():
         os.close(w_fd)
     assert results == {"ok": 200, "slow": 408}
     assert foreign == [("agent-pipe", b"done")]
+
+
+def test_begin_drain_finishes_in_flight_requests_and_refuses_new_ones():
+    import selectors
+
+    srv = HttpServer(HttpLimits.edge(), _router({}))
+    _, port = srv.listen_tcp("127.0.0.1", 0)
+    sel = selectors.DefaultSelector()
+    srv.register(sel)
+
+    def drive(until):
+        deadline = time.monotonic() + 5
+        while not until() and time.monotonic() < deadline:
+            srv.timeouts(time.monotonic())
+            for key, mask in sel.select(0.05):
+                srv.handle_event(key, mask)
+        assert until()
+
+    idle = connect(port)
+    idle.sendall(b"GET /hello HTTP/1.1\r\n\r\n")
+    busy = connect(port)
+    busy.sendall(b"POST /echo HTTP/1.1\r\nContent-Length: 4\r\n\r\nab")
+    import select
+
+    drive(lambda: srv.in_flight == 1 and select.select([idle], [], [], 0)[0])
+    assert read_response(idle).status == 200
+    srv.begin_drain()
+    assert idle.recv(10) == b""  # idle keep-alive closed at once
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1)
+    busy.sendall(b"cd")
+    result = {}
+    def reader():
+        result["r"] = read_response(busy)
+        busy.close()  # so the server's lingering close ends at once
+
+    t = threading.Thread(target=reader)
+    t.start()
+    drive(lambda: srv.connections == 0)
+    t.join(5)
+    r = result["r"]
+    assert r.status == 200 and r.getheader("Connection") == "close"
+    assert json.loads(r.body) == {"len": 4, "body": "abcd"}
+    srv.close()
+    sel.close()
+    idle.close()

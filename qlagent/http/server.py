@@ -457,6 +457,17 @@ class HttpServer:
             self._wake_r.close()
             self._wake_w.close()
 
+    def begin_drain(self) -> None:
+        """Start a graceful stop (SIGTERM): close the listeners, close idle keep-alive
+        connections, and answer every request still in progress with ``Connection: close``.
+        Keep driving the loop until :attr:`connections` is 0 or the drain deadline passes,
+        then call :meth:`close`."""
+        self._stopping = True
+        self._close_listeners()
+        for conn in list(self._conns):
+            if conn.state == _HEAD and not conn.started:
+                self._close(conn)
+
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return (callable from any thread)."""
         self._stopping = True
@@ -470,6 +481,9 @@ class HttpServer:
         """Close every connection and listener (a unix socket file is removed)."""
         for conn in list(self._conns):
             self._close(conn)
+        self._close_listeners()
+
+    def _close_listeners(self) -> None:
         for lst in self._listeners:
             path = lst.sock.getsockname() if lst.unix else None
             self._unregister(lst.sock)
@@ -496,12 +510,16 @@ class HttpServer:
                 self._unregister(lst.sock)
                 self._paused.append((time.monotonic() + _ACCEPT_PAUSE_S, lst))
                 return
-            sock.setblocking(False)
-            if len(self._conns) >= self.limits.max_connections and not self._evict_idle():
-                self._refuse(sock)
+            try:
+                sock.setblocking(False)
+                if len(self._conns) >= self.limits.max_connections and not self._evict_idle():
+                    self._refuse(sock)
+                    continue
+                if not lst.unix:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # the peer reset before we looked at it
+                sock.close()
                 continue
-            if not lst.unix:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer = "unix" if lst.unix else f"{addr[0]}:{addr[1]}"
             conn = _Conn(sock, peer, time.monotonic(), self.limits.read_timeout_s)
             self._conns.add(conn)
