@@ -11,8 +11,10 @@ import socket
 import stat
 import threading
 import time
+import uuid
 from dataclasses import replace
 
+import msgspec
 import psutil
 import pytest
 
@@ -731,3 +733,84 @@ def test_begin_drain_finishes_in_flight_requests_and_refuses_new_ones():
     srv.close()
     sel.close()
     idle.close()
+
+
+# -- the Task Start wire contract carried over the real server (ADR-0376 §1/§3) ------------------
+
+def test_task_start_wire_errors_and_replay_over_http():
+    from qlagent.core import errors, taskstart as ts
+    from qlagent.http.routing import documented_routes
+
+    created: dict[str, ts.TaskStartResult] = {}
+
+    def start(req: Request, p: dict[str, str]) -> Response:
+        body = ts.decode_task_start(req.body)
+        if p["taskId"] == "missing":
+            raise ts.TaskStartError.not_found()
+        if p["taskId"] == "disabled":
+            raise errors.FenceRejected("task_disabled", "task start rejected: task_disabled")
+        if p["taskId"] == "down":
+            raise ts.TaskStartError.unavailable()
+        if p["taskId"] == "broken":
+            raise errors.QlError("sqlite said something private")
+        prior = created.get(body.mutationId)
+        if prior is not None:
+            if prior.taskRevision != body.expectedRevision:
+                raise ts.TaskStartError.fence_rejected("mutation_conflict")
+            return Response.json(200, msgspec.structs.replace(prior, outcome="existing"))
+        res = ts.TaskStartResult.build(
+            outcome="accepted", run_id=str(uuid.uuid4()), attempt_id=str(uuid.uuid4()),
+            event_ids=(str(uuid.uuid4()), str(uuid.uuid4())), task_revision=body.expectedRevision,
+            content_digest=body.expectedContentDigest, state="queued", created_at_us=1_786_528_800_000_000)
+        created[body.mutationId] = res
+        return Response.json(res.status, res)
+
+    router = Router()
+    for method, template in sorted(documented_routes()):  # the documented table registers cleanly
+        router.add(method, template, start if method == "POST" and template.endswith("/runs")
+                   else (lambda req, p: Response.json(200, {})))
+    assert set(router.routes()) == documented_routes()
+    srv = HttpServer(HttpLimits.edge(), router)
+    _, port = srv.listen_tcp("127.0.0.1", 0)
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_s": 0.05}, daemon=True)
+    t.start()
+    srv.ready.wait(5)
+    mid = str(uuid.uuid4())
+    good = {"schema": ts.SCHEMA, "mutationId": mid, "expectedRevision": 3, "expectedContentDigest": "c" * 64}
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+
+        def post(task, doc=None, raw_body=None):
+            payload = raw_body if raw_body is not None else json.dumps(doc or good).encode()
+            c.request("POST", f"/api/v3/projects/p1/tasks/{task}/runs", body=payload,
+                      headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            return r.status, json.loads(r.read()), r
+
+        status, first, _ = post("t1")
+        assert status == 202 and first["outcome"] == "accepted" and first["taskSnapshotRef"] == "qltd:v1:3:" + "c" * 64
+        status, again, _ = post("t1")
+        assert status == 200 and again == dict(first, outcome="existing")  # same persisted identities
+        status, body, _ = post("t1", dict(good, expectedRevision=4))
+        assert (status, body["code"], body["reason"]) == (409, "task_start_fence_rejected", "mutation_conflict")
+        status, body, _ = post("t1", dict(good, mutationId=mid.upper()))
+        assert (status, body["code"], body["field"]) == (400, "invalid_task_start_request", "mutationId")
+        status, body, _ = post("t1", dict(good, runId=mid))
+        assert (status, body["field"]) == (400, "runId")
+        status, body, _ = post("t1", dict(good, expectedContentDigest="C" * 64))
+        assert (status, body["field"]) == (400, "expectedContentDigest")
+        status, body, _ = post("t1", raw_body=b'{"schema":"' + b"x" * 580 + b'"}')  # 600 bytes
+        assert (status, body["code"]) == (413, "body_too_large")
+        status, body, _ = post("missing")
+        assert (status, body["code"]) == (404, "task_not_found")
+        status, body, _ = post("disabled")
+        assert (status, body["code"], body["reason"]) == (409, "task_start_fence_rejected", "task_disabled")
+        status, body, r = post("down")
+        assert (status, body["code"], r.getheader("Retry-After")) == (503, "task_start_unavailable", "1")
+        status, body, _ = post("broken")
+        assert (status, body) == (500, {"code": "internal_error", "message": "internal error"})
+        assert len(created) == 1  # nothing else was "written"
+        c.close()
+    finally:
+        srv.stop()
+        t.join(5)

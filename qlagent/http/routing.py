@@ -5,14 +5,28 @@ Templates are literal segments and ``{name}`` segments, e.g.
 segment and is percent-decoded (so ``%2F`` never splits a segment). Unknown path → 404
 ``not_found``; known path, other method → 405 ``method_not_allowed`` with ``Allow``. ``HEAD``
 falls back to the ``GET`` route (the server drops the body).
+
+A route may raise any ``core.errors.QlError`` (store and contract errors): it is answered as
+JSON ``err.to_dict()`` with :func:`status_for` (``Retry-After: 1`` on 503); an internal error
+(exit code 1) answers a generic 500 and is logged, never echoed.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import urllib.parse
+from importlib import resources
 from typing import Callable
 
+from qlagent.core.errors import QlError
 from qlagent.http.server import Request, Response, json_error
+
+log = logging.getLogger("qlagent.http")
+
+# CLI exit code → HTTP status (docs/ARCHITECTURE.md conventions).
+_STATUS_BY_EXIT = {2: 400, 3: 409, 4: 404, 5: 503}
 
 RouteFn = Callable[[Request, dict[str, str]], Response]
 
@@ -99,5 +113,38 @@ class Router:
                 params = {k: urllib.parse.unquote(v, errors="strict") for k, v in raw.items()}
             except UnicodeDecodeError:
                 return json_error(400, "bad_request", "path parameters must be UTF-8")
-            return fn(request, params)
+            try:
+                return fn(request, params)
+            except QlError as err:
+                return error_response(err)
         return json_error(404, "not_found", f"no route for {request.path[:200]}")
+
+
+def status_for(err: QlError) -> int:
+    """HTTP status of a core error: its own ``status`` (TaskStartError) or by exit code —
+    2→400, 3→409, 4→404, 5→503, anything else 500."""
+    status = getattr(err, "status", None)
+    return status if isinstance(status, int) else _STATUS_BY_EXIT.get(err.exit_code, 500)
+
+
+def error_response(err: QlError) -> Response:
+    """JSON answer for a core error (see :func:`status_for`); 500s carry no detail."""
+    status = status_for(err)
+    if status >= 500 and status != 503:
+        log.error("route failed: %s (%s)", err.code, err)
+        return json_error(500, "internal_error", "internal error")
+    headers = [("Retry-After", "1")] if status == 503 else None
+    return Response.json(status, err.to_dict(), headers)
+
+
+@functools.cache
+def openapi_document() -> bytes:
+    """The OpenAPI 3.1 document shipped as package data (served at ``/api/v3/openapi.json``)."""
+    return resources.files("qlagent.http").joinpath("openapi.json").read_bytes()
+
+
+def documented_routes() -> set[tuple[str, str]]:
+    """Every (METHOD, path template) the OpenAPI document describes; compare with
+    :meth:`Router.routes` to prove the wiring serves exactly what is documented."""
+    doc = json.loads(openapi_document())
+    return {(method.upper(), path) for path, item in doc["paths"].items() for method in item}
