@@ -17,6 +17,8 @@ from dataclasses import replace
 import msgspec
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qlagent.http.routing import Router
 from qlagent.http.server import (
@@ -592,8 +594,6 @@ def test_parse_listen_rejects_naming_the_key(text):
 
 # -- fuzz: whatever arrives, the answer is a clean status and the server bug log stays empty -----
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 _request_line = st.one_of(
     st.sampled_from([b"GET /hello HTTP/1.1", b"POST /echo HTTP/1.1", b"GET /items/%ff HTTP/1.1",
@@ -814,3 +814,19 @@ def test_task_start_wire_errors_and_replay_over_http():
     finally:
         srv.stop()
         t.join(5)
+
+
+def test_router_refuses_bad_or_ambiguous_templates():
+    r = Router()
+    r.add("GET", "/a/{x}/b", lambda req, p: Response(204))
+    for method, template, match in [
+        ("GET", "a/b", "must start with '/'"),
+        ("GET", "/a/{1x}", "bad parameter name"),
+        ("GET", "/a/x{y}", "whole segment"),
+        ("GET", "/a/{y}/b", "overlaps"),
+        ("get", "/a/{x}/b", "already registered"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            r.add(method, template, lambda req, p: Response(204))
+    r.add("POST", "/a/{x}/b", lambda req, p: Response(204))
+    assert r.routes() == [("GET", "/a/{x}/b"), ("POST", "/a/{x}/b")]
