@@ -353,6 +353,22 @@ def test_connection_limit_refuses_with_503():
         assert_healthy(srv, port)
 
 
+def test_connection_limit_evicts_an_idle_keep_alive_first():
+    limits = replace(HttpLimits.edge(), max_connections=2, read_timeout_s=2.0)
+    with running(limits) as (srv, port):
+        served = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        served.request("GET", "/hello")
+        assert served.getresponse().read()  # now an idle keep-alive
+        silent = connect(port)  # never sent a byte: not evictable
+        deadline = time.monotonic() + 5
+        while srv.connections < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert raw(port, b"GET /hello HTTP/1.1\r\nConnection: close\r\n\r\n").status == 200
+        assert served.sock.recv(10) == b""  # the idle keep-alive made room
+        silent.close()
+        served.close()
+
+
 def test_unix_socket_is_0660_and_serves(tmp_path):
     path = str(tmp_path / "api.sock")
     with running(HttpLimits.edge(), unix_path=path) as (srv, port):
