@@ -67,7 +67,7 @@ class Service:
     def __init__(self, settings: Settings, *, listen: str | None = None, exit_after_s: float | None = None,
                  inline_run: str | None = None, clock_us=now_us) -> None:
         self.settings = settings
-        self.log = Journal()
+        self.log = Journal(min_priority="info" if inline_run is None else "warning")
         self.notify = Notifier() if inline_run is None else _NoNotify()
         self.inline_run = inline_run
         self._listen = listen
