@@ -233,3 +233,25 @@ def test_any_mutated_field_is_rejected_naming_it(data):
 
 def test_uuid4_strings_are_canonical():
     assert ts.decode_task_start(body(mutationId=str(uuid.uuid4())))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    outcome=st.sampled_from(["accepted", "existing"]),
+    ids=st.lists(st.uuids().map(str), min_size=4, max_size=4),
+    revision=st.integers(ts.REVISION_MIN, ts.REVISION_MAX),
+    digest=hex64,
+    created=st.integers(0, 4_102_444_800_000_000),  # up to 2100-01-01 in µs
+)
+def test_results_and_errors_conform_to_the_openapi_document(outcome, ids, revision, digest, created):
+    jsonschema = pytest.importorskip("jsonschema")  # comes with schemathesis (test extra)
+    schemas = json.loads(resources.files("qlagent.http").joinpath("openapi.json").read_text())["components"]["schemas"]
+    res = ts.TaskStartResult.build(outcome=outcome, run_id=ids[0], attempt_id=ids[1], event_ids=(ids[2], ids[3]),
+                                   task_revision=revision, content_digest=digest, state="queued",
+                                   created_at_us=created)
+    jsonschema.Draft202012Validator(schemas["TaskStartResult"]).validate(json.loads(msgspec.json.encode(res)))
+    errors = [ts.TaskStartError.not_found(), ts.TaskStartError.unavailable(),
+              ts.TaskStartError.fence_rejected("definition_changed"),
+              rejected(body(expectedRevision=revision + 2**31))]
+    for err in errors:
+        jsonschema.Draft202012Validator(schemas["Error"]).validate(err.to_dict())
