@@ -49,7 +49,7 @@ def _router(files: dict[str, str]) -> Router:
         return Response(200, [("X-Evil", "a\r\nSet-Cookie: x=1")], b"")
 
     def file_range(req: Request, p: dict[str, str]) -> Response:
-        fd = os.open(files["big"], os.O_RDONLY)
+        fd = os.open(files[req.query.get("name", "big")], os.O_RDONLY)
         return Response(200, [("Content-Type", "application/octet-stream")],
                         file=FileRange(fd, int(req.query["offset"]), int(req.query["length"])))
 
@@ -397,6 +397,17 @@ def test_limits_validate_their_fields():
         HttpLimits(max_in_flight=0, max_body_bytes=1, max_connections=1)
     with pytest.raises(ValueError, match="read_timeout_s"):
         HttpLimits(max_in_flight=1, max_body_bytes=1, max_connections=1, read_timeout_s=0)
+
+
+def test_file_range_of_an_unspliceable_file_falls_back_to_bounded_copies():
+    path = "/proc/self/limits"  # sendfile() answers EINVAL for it; pread() works
+    with open(path, "rb") as f:
+        content = f.read()
+    limits = replace(HttpLimits.edge(), send_chunk_bytes=100)  # several chunks
+    with running(limits, files={"proc": path}) as (srv, port):
+        r = raw(port, b"GET /file?name=proc&offset=7&length=%d HTTP/1.1\r\n\r\n" % (len(content) - 10))
+        assert r.status == 200 and r.body == content[7:-3]
+        assert_healthy(srv, port)
 
 
 def _sha256_file(path: str, offset: int, length: int) -> str:

@@ -141,7 +141,8 @@ class Request:
 @dataclass(slots=True)
 class FileRange:
     """``length`` bytes of the open file ``fd`` from ``offset``, sent with ``os.sendfile`` in
-    chunks of at most ``HttpLimits.send_chunk_bytes``. The server owns ``fd`` once the response
+    chunks of at most ``HttpLimits.send_chunk_bytes`` (``pread`` + ``send`` of such chunks when
+    the file cannot be spliced). The server owns ``fd`` once the response
     is returned and closes it when the response ends (sent or aborted)."""
 
     fd: int
@@ -282,7 +283,8 @@ class _Listener:
 
 class _Conn:
     __slots__ = ("sock", "peer", "buf", "state", "deadline", "in_flight", "served", "request",
-                 "body_needed", "out", "file", "close_after", "registered_mask", "started")
+                 "body_needed", "out", "file", "copy_file", "close_after", "registered_mask",
+                 "started")
 
     def __init__(self, sock: socket.socket, peer: str, now: float, first_byte_timeout: float) -> None:
         self.sock = sock
@@ -297,6 +299,7 @@ class _Conn:
         self.body_needed = 0
         self.out = memoryview(b"")
         self.file: FileRange | None = None
+        self.copy_file = False  # sendfile refused this file: pread + send instead
         self.close_after = False
         self.registered_mask = 0
 
@@ -762,6 +765,7 @@ class HttpServer:
         conn.file = resp.file if resp.file is not None and resp.file.length > 0 else None
         if resp.file is not None and conn.file is None:
             os.close(resp.file.fd)
+        conn.copy_file = False
         conn.close_after = close
         conn.state = _WRITE
         conn.deadline = time.monotonic() + self.limits.write_timeout_s
@@ -798,8 +802,19 @@ class HttpServer:
                 progressed = True
             while conn.file is not None:
                 f = conn.file
-                n = os.sendfile(conn.sock.fileno(), f.fd, f.offset,
-                                min(f.length, self.limits.send_chunk_bytes))
+                count = min(f.length, self.limits.send_chunk_bytes)
+                if conn.copy_file:
+                    chunk = os.pread(f.fd, count, f.offset)
+                    n = conn.sock.send(chunk) if chunk else 0
+                else:
+                    try:
+                        n = os.sendfile(conn.sock.fileno(), f.fd, f.offset, count)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                            raise
+                        # procfs and some FUSE files cannot be spliced: copy bounded chunks.
+                        conn.copy_file = True
+                        continue
                 if n == 0:  # file shrank under us: the promised length cannot be kept
                     log.warning("file range ended early; aborting response to %s", conn.peer)
                     self._close(conn)
