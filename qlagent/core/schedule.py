@@ -28,7 +28,7 @@ a 6-field fixed time in a gap and fire it twice in a repeated hour).
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
-from typing import Literal, NamedTuple, Sequence
+from typing import Iterator, Literal, NamedTuple, Sequence
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from cronsim import CronSim, CronSimError
@@ -52,6 +52,7 @@ IDEMPOTENCY_PREFIX = "ql3:schedule:v1"
 _UTC = timezone.utc
 _EPOCH = datetime(1970, 1, 1, tzinfo=_UTC)
 _US = timedelta(microseconds=1)
+_MINUTE = timedelta(minutes=1)
 _SECOND_US = 1_000_000
 _NAIVE_EPOCH = datetime(1970, 1, 1)
 # Offset changes are found by probing every 6 hours: no zone changes its offset twice
@@ -102,7 +103,8 @@ class Schedule(NamedTuple):
     """One parsed schedule line.
 
     ``kind`` is ``"cron"``, ``"boot"`` or ``"once"``. For ``cron``, ``expr`` is the
-    normalised 6-field expression (seconds first) handed to cronsim and ``fixed_time``
+    classic 5-field expression handed to cronsim, ``seconds`` the sorted seconds of the
+    minute it fires at (the 6-field dialect's first field; ``(0,)`` for 5 fields), and ``fixed_time``
     says whether Debian's DST rule applies (see the module docstring); ``source`` is the
     line with its whitespace collapsed to single spaces (what a definition stores).
     """
@@ -111,6 +113,7 @@ class Schedule(NamedTuple):
     source: str
     expr: str = ""
     fixed_time: bool = False
+    seconds: tuple[int, ...] = ()
 
 
 class Plan(NamedTuple):
@@ -226,7 +229,7 @@ def parse_schedule(line: str) -> Schedule:
             "day-of-week) or 6 (second first)", "5-6")
     for field, text in zip(_FIELDS_6, parts):
         _check_field(field, text)
-    expr = " ".join(parts)
+    expr = " ".join(parts[1:])
     try:
         CronSim(expr, datetime(2000, 1, 1))
     except CronSimError as exc:
@@ -235,7 +238,47 @@ def parse_schedule(line: str) -> Schedule:
         field = named if named in _RANGES else "schedule"
         raise _field_error(field, f"{field} in {source!r} never matches or is malformed") from None
     fixed = not parts[1].startswith("*") and not parts[2].startswith("*")
-    return Schedule(kind="cron", source=source, expr=expr, fixed_time=fixed)
+    return Schedule(kind="cron", source=source, expr=expr, fixed_time=fixed, seconds=_expand_seconds(parts[0]))
+
+
+def _expand_seconds(text: str) -> tuple[int, ...]:
+    """The seconds a (validated) seconds field names: ``*``, ``N``, ``A-B``, with ``/STEP``."""
+    out: set[int] = set()
+    for term in text.split(","):
+        base, _, step = term.partition("/")
+        if base == "*":
+            lo, hi = 0, 59
+        elif "-" in base:
+            lo, hi = (int(x) for x in base.split("-"))
+        else:
+            lo = int(base)
+            hi = 59 if step else lo
+        out.update(range(lo, hi + 1, int(step) if step else 1))
+    return tuple(sorted(out))
+
+
+def _minute_matches(expr: str, minute: datetime) -> bool:
+    return next(CronSim(expr, minute - _MINUTE)) == minute
+
+
+def _cron(schedule: Schedule, start: datetime, reverse: bool = False) -> Iterator[datetime]:
+    """Naive local times matching ``schedule``, strictly after ``start`` (strictly before it
+    with ``reverse``), at second precision.
+
+    cronsim walks the classic five fields and we add the seconds: Debian 13 ships cronsim
+    2.6, which has no seconds field, and this way every cronsim ≥ 2.6 behaves alike (it is
+    only ever given minute-aligned times, where its versions agree).
+    """
+    secs = schedule.seconds if not reverse else tuple(reversed(schedule.seconds))
+    minute = start.replace(second=0, microsecond=0)
+    if _minute_matches(schedule.expr, minute):
+        for sec in secs:
+            t = minute + timedelta(seconds=sec)
+            if (t < start) if reverse else (t > start):
+                yield t
+    for m in CronSim(schedule.expr, minute, reverse=reverse):
+        for sec in secs:
+            yield m + timedelta(seconds=sec)
 
 
 def parse_schedules(lines: Sequence[str]) -> tuple[Schedule, ...]:
@@ -369,7 +412,7 @@ def _change_before(zone: ZoneInfo, start: int, end: int, offset: int) -> int | N
 def _next_one(schedule: Schedule, after_us: int, zone: ZoneInfo) -> int | None:
     try:
         if schedule.fixed_time:
-            it = CronSim(schedule.expr, _from_us(after_us).astimezone(zone).replace(tzinfo=None))
+            it = _cron(schedule, _from_us(after_us).astimezone(zone).replace(tzinfo=None))
             while True:
                 us = _local_to_us(next(it), zone)
                 # Candidates on the first pass of a repeated hour may lie before `after`.
@@ -381,7 +424,7 @@ def _next_one(schedule: Schedule, after_us: int, zone: ZoneInfo) -> int | None:
         start = bound = after_us
         offset = _offset_us(zone, after_us)
         while True:
-            found = _naive_us(next(CronSim(schedule.expr, _naive(bound + offset)))) - offset
+            found = _naive_us(next(_cron(schedule, _naive(bound + offset)))) - offset
             change = _change_after(zone, start, found, offset)
             if change is None:
                 return found
@@ -397,7 +440,7 @@ def _prev_one(schedule: Schedule, at_us: int, zone: ZoneInfo) -> int | None:
             # On the second pass of a repeated hour, local times up to the end of the
             # repeated span map (first pass) to instants before `at_us`.
             start = now.replace(tzinfo=None) + (now.replace(fold=0).utcoffset() - now.utcoffset())
-            it = CronSim(schedule.expr, start, reverse=True)
+            it = _cron(schedule, start, reverse=True)
             while True:
                 us = _local_to_us(next(it), zone)
                 if us <= at_us:
@@ -407,7 +450,7 @@ def _prev_one(schedule: Schedule, at_us: int, zone: ZoneInfo) -> int | None:
         while True:
             local = bound + offset
             top = _naive(local - local % _SECOND_US + _SECOND_US)
-            found = _naive_us(next(CronSim(schedule.expr, top, reverse=True))) - offset
+            found = _naive_us(next(_cron(schedule, top, reverse=True))) - offset
             change = _change_before(zone, found, end, offset)
             if change is None:
                 return found
