@@ -1,0 +1,106 @@
+"""Numbered, checksummed migrations of the local store (ADR-0071 §2).
+
+Files ``migrations/NNNN_name.sql`` are applied in number order, each inside its own
+``BEGIN IMMEDIATE`` transaction together with its row in ``schema_migrations`` (version, name,
+SHA-256 of the file). Start-up refuses a database whose history names a migration this build
+does not know or whose checksum differs: that database was written by another build or edited.
+Capabilities are declared by their own migration after the DDL they depend on is durable
+(ADR-0071 §2 "DDL 与 capability 分步").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sqlite3
+import time
+from importlib import resources
+
+import msgspec
+
+from ...core.errors import StoreIntegrityError, UnavailableError
+
+_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+# Readiness: the capabilities this build needs before it may dispatch (ADR-0071 §2).
+REQUIRED_CAPABILITIES = {"local-control-core": 3, "local_dispatch_plan": 1}
+
+
+class Migration(msgspec.Struct, frozen=True):
+    version: int
+    name: str
+    sql: str
+    checksum: str
+
+
+def known_migrations() -> list[Migration]:
+    """The migrations shipped with this build, in order. Raises RuntimeError on a gap."""
+    out = []
+    for entry in resources.files(__package__).joinpath("migrations").iterdir():
+        m = _NAME.match(entry.name)
+        if m:
+            sql = entry.read_text(encoding="utf-8")
+            out.append(Migration(int(m.group(1)), m.group(2), sql, hashlib.sha256(sql.encode()).hexdigest()))
+    out.sort(key=lambda x: x.version)
+    return out
+
+
+def _history(conn: sqlite3.Connection) -> list[tuple[int, str, str]]:
+    conn.execute("""CREATE TABLE IF NOT EXISTS schema_migrations (
+        version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum TEXT NOT NULL,
+        applied_at_us INTEGER NOT NULL)""")
+    return [tuple(r) for r in conn.execute("SELECT version, name, checksum FROM schema_migrations ORDER BY version")]
+
+
+def verify_history(conn: sqlite3.Connection, known: list[Migration]) -> list[Migration]:
+    """Check the recorded history against ``known``; return the migrations still to apply.
+
+    Raises StoreIntegrityError naming the first unknown or altered migration.
+    """
+    by_version = {m.version: m for m in known}
+    applied = _history(conn)
+    for version, name, checksum in applied:
+        m = by_version.get(version)
+        if m is None:
+            raise StoreIntegrityError(
+                f"database history has migration {version:04d}_{name} which this qlagent does not know; "
+                "it was written by a newer or different build — refusing to start")
+        if m.checksum != checksum or m.name != name:
+            raise StoreIntegrityError(
+                f"migration {version:04d}_{name} in the database differs from this build's "
+                f"(checksum {checksum[:12]}… vs {m.checksum[:12]}…) — refusing to start")
+    done = {v for v, _, _ in applied}
+    return [m for m in known if m.version not in done]
+
+
+def migrate(conn: sqlite3.Connection) -> list[str]:
+    """Verify history, then apply pending migrations in order; return the names applied.
+
+    Each migration and its history row commit together or not at all.
+    """
+    pending = verify_history(conn, known_migrations())
+    applied = []
+    for m in pending:
+        try:
+            conn.executescript(
+                "BEGIN IMMEDIATE;\n" + m.sql +
+                f"\n;INSERT INTO schema_migrations(version, name, checksum, applied_at_us) "
+                f"VALUES ({m.version}, '{m.name}', '{m.checksum}', {time.time_ns() // 1000});\nCOMMIT;")
+        except sqlite3.Error as e:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise UnavailableError(f"migration {m.version:04d}_{m.name} failed: {e}") from None
+        applied.append(f"{m.version:04d}_{m.name}")
+    return applied
+
+
+def check_capabilities(conn: sqlite3.Connection) -> dict[str, int]:
+    """Readiness: return the declared capabilities; raise UnavailableError if one is missing."""
+    try:
+        caps = {r[0]: r[1] for r in conn.execute("SELECT name, version FROM capabilities")}
+    except sqlite3.OperationalError:
+        caps = {}
+    for name, version in REQUIRED_CAPABILITIES.items():
+        if caps.get(name, 0) < version:
+            raise UnavailableError(f"store capability {name}:{version} is missing (have {caps.get(name)})")
+    return caps

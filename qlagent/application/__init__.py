@@ -1,0 +1,1 @@
+"""Use cases wired over the store. Entry points (CLI, HTTP, service) call only these."""

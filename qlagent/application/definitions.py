@@ -1,0 +1,61 @@
+"""The frozen definition writer: the only way definitions change (ADR-0071 §1 "冻结 writer facade").
+
+It appends Task revisions, execution revisions and context recipes; it cannot launch,
+read candidates or touch Runs other than cancelling queued ones of a disabled/removed Task.
+"""
+
+from __future__ import annotations
+
+from ..adapters.sqlite import definitions as defs
+from ..adapters.sqlite import runs as runs_repo
+from ..core.definitions import PreparedTask, parse_task_file, prepare_task
+from ..core.models import TaskHead
+from .store import LocalStore, now_us
+
+
+class DefinitionWriter:
+    __slots__ = ("_store",)
+
+    def __init__(self, store: LocalStore) -> None:
+        self._store = store
+
+    def __setattr__(self, name, value):
+        if hasattr(self, "_store"):
+            raise AttributeError("DefinitionWriter is frozen")
+        object.__setattr__(self, name, value)
+
+    @staticmethod
+    def prepare_file(data: dict) -> list[PreparedTask]:
+        """Validate a whole task file (pure); ValidationError names ``task[i].field``."""
+        return [prepare_task(t, i) for i, t in enumerate(parse_task_file(data))]
+
+    def add(self, prepared: list[PreparedTask]) -> list[TaskHead]:
+        """Create every Task of a file in ONE transaction: all or nothing."""
+        pid = self._store.project.project_id
+        return self._store.write(lambda c: [defs.add_task(c, pid, p, now_us()) for p in prepared])
+
+    def edit(self, name: str, expected_revision: int, expected_digest: str, prepared: PreparedTask) -> TaskHead:
+        """Fenced edit (revision+1); ConflictError(definition_changed) on a stale fence."""
+        pid = self._store.project.project_id
+        return self._store.write(lambda c: defs.edit_task(c, pid, name, expected_revision, expected_digest,
+                                                          prepared, now_us()))
+
+    def set_enabled(self, name: str, enabled: bool) -> tuple[TaskHead, int]:
+        """Enable/disable; disabling cancels the Task's queued Runs. Returns (head, cancelled)."""
+        pid = self._store.project.project_id
+
+        def tx(c):
+            head = defs.set_enabled(c, pid, name, enabled, now_us())
+            n = 0 if enabled else runs_repo.cancel_queued_for_task(c, head.task_id, "local:cli", "task_disabled",
+                                                                  now_us())
+            return head, n
+        return self._store.write(tx)
+
+    def remove(self, name: str) -> tuple[TaskHead, int]:
+        """Soft-delete; cancels queued Runs. Returns (last head, cancelled)."""
+        pid = self._store.project.project_id
+
+        def tx(c):
+            head = defs.remove_task(c, pid, name, now_us())
+            return head, runs_repo.cancel_queued_for_task(c, head.task_id, "local:cli", "task_removed", now_us())
+        return self._store.write(tx)

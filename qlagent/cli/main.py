@@ -1,0 +1,492 @@
+"""``qlagent`` command line. Wiring only: parse, call an application use case, print.
+
+Exit codes (stable, documented in README): 0 ok, 1 internal error, 2 usage or bad input,
+3 conflict, 4 not found, 5 unavailable, 6 ``run start --wait``: the Run did not succeed.
+Every read command takes ``--json``. Secret values are never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import sys
+import tomllib
+
+import msgspec
+
+from ..core import errors as E
+
+
+def _print_json(obj) -> None:
+    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(obj), indent=2) + b"\n")
+    sys.stdout.flush()
+
+
+def _fmt_us(us: int | None) -> str:
+    if us is None:
+        return "-"
+    import datetime as dt
+    return dt.datetime.fromtimestamp(us / 1e6, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for r in [header, *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
+
+
+class Ctx:
+    """Lazily opened settings and store for one CLI invocation."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self._store = None
+        from ..service.config import resolve
+        self.settings = resolve(args.config, state_dir=args.state_dir, profile=args.profile)
+
+    @property
+    def store(self):
+        if self._store is None:
+            if not os.path.exists(self.settings.db_path) and self.args.command != "init":
+                raise E.UnavailableError(f"no store at {self.settings.db_path}; run `qlagent init` first",
+                                         code="not_initialised")
+            from ..application.store import LocalStore
+            self._store = LocalStore(self.settings.db_path, self.args.project or self.settings.config.project)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    def poke_service(self) -> None:
+        """Tell a running service that the queue changed, so a new Run starts at once."""
+        from ..service.control import poke
+        poke(self.settings.control_socket)
+
+
+def _load_toml(path: str) -> dict:
+    from ..core.limits import MAX_TASK_FILE_BYTES
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TASK_FILE_BYTES + 1)
+    except OSError as e:
+        raise E.ValidationError("file", f"cannot read {path}: {e.strerror}") from None
+    if len(raw) > MAX_TASK_FILE_BYTES:
+        raise E.ValidationError("file", f"{path} is larger than {MAX_TASK_FILE_BYTES} bytes", limit=MAX_TASK_FILE_BYTES)
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise E.ValidationError("file", f"{path}: {e}") from None
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+def cmd_init(ctx: Ctx) -> int:
+    from ..adapters.secretbox import create_key_file
+    s = ctx.settings
+    os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
+    store = ctx.store
+    created = create_key_file(s.key_file)
+    if ctx.args.json:
+        _print_json({"stateDir": s.state_dir, "database": s.db_path, "keyFile": s.key_file,
+                     "keyCreated": created, "migrationsApplied": store.applied, "profile": s.profile.name})
+    else:
+        print(f"state directory  {s.state_dir}")
+        print(f"database         {s.db_path} ({len(store.applied)} migrations applied)")
+        print(f"secret key file  {s.key_file} ({'created' if created else 'kept'})")
+        print(f"profile          {s.profile.name}")
+    return 0
+
+
+def cmd_doctor(ctx: Ctx) -> int:
+    from ..service.doctor import run_checks
+    checks = run_checks(ctx.settings)
+    bad = [c for c in checks if not c["ok"]]
+    if ctx.args.json:
+        _print_json({"ok": not bad, "checks": checks})
+    else:
+        for c in checks:
+            print(f"{'ok  ' if c['ok'] else 'FAIL'}  {c['name']:<14} {c['detail']}")
+    return E.EXIT_UNAVAILABLE if bad else 0
+
+
+def cmd_config_check(ctx: Ctx) -> int:
+    s = ctx.settings
+    out = {"configFile": s.config_path, "profile": s.profile.name, "stateDir": s.state_dir,
+           "artifactDir": s.artifact_dir, "config": msgspec.to_builtins(s.config)}
+    if ctx.args.json:
+        _print_json(out)
+    else:
+        print(f"config ok: {s.config_path or '(defaults, no file)'}; profile {s.profile.name}; state {s.state_dir}")
+    return 0
+
+
+def _next_fires(head, count: int = 3) -> list[int]:
+    from ..application.schedules import upcoming
+    return upcoming(head.definition, count)
+
+
+def _head_json(h, with_next: bool = True) -> dict:
+    d = {"taskId": h.task_id, "name": h.name, "revision": h.revision, "contentDigest": h.content_digest,
+         "enabled": h.enabled, "schedules": list(h.definition.schedules), "timezone": h.definition.timezone,
+         "definition": msgspec.to_builtins(h.definition)}
+    if with_next:
+        d["nextFires"] = [_fmt_us(u) for u in _next_fires(h)]
+    return d
+
+
+def cmd_task_add(ctx: Ctx) -> int:
+    from ..application.definitions import DefinitionWriter
+    prepared = DefinitionWriter.prepare_file(_load_toml(ctx.args.file))
+    heads = DefinitionWriter(ctx.store).add(prepared)
+    ctx.poke_service()
+    if ctx.args.json:
+        _print_json([_head_json(h, False) for h in heads])
+    else:
+        for h in heads:
+            print(f"added {h.name} revision {h.revision} {h.content_digest}")
+    return 0
+
+
+def cmd_task_edit(ctx: Ctx) -> int:
+    from ..application.definitions import DefinitionWriter
+    prepared = DefinitionWriter.prepare_file(_load_toml(ctx.args.file))
+    if len(prepared) != 1:
+        raise E.ValidationError("task", f"`task edit` takes a file with exactly one [[task]], got {len(prepared)}")
+    h = DefinitionWriter(ctx.store).edit(ctx.args.name, ctx.args.expect_revision, ctx.args.expect_digest,
+                                         prepared[0])
+    ctx.poke_service()
+    if ctx.args.json:
+        _print_json(_head_json(h, False))
+    else:
+        print(f"{h.name} now at revision {h.revision} {h.content_digest}")
+    return 0
+
+
+def cmd_task_ls(ctx: Ctx) -> int:
+    from ..adapters.sqlite import definitions as defs
+    pid = ctx.store.project.project_id
+    heads = ctx.store.read(lambda c: defs.list_heads(c, pid))
+    if ctx.args.json:
+        _print_json([_head_json(h) for h in heads])
+        return 0
+    rows = []
+    for h in heads:
+        nf = _next_fires(h, 1)
+        rows.append([h.name, str(h.revision), h.content_digest[:12], "yes" if h.enabled else "no",
+                     " | ".join(h.definition.schedules), _fmt_us(nf[0]) if nf else "-"])
+    _table(rows, ["NAME", "REV", "DIGEST", "ENABLED", "SCHEDULE", "NEXT"])
+    return 0
+
+
+def cmd_task_show(ctx: Ctx) -> int:
+    from ..adapters.sqlite import definitions as defs
+    pid = ctx.store.project.project_id
+    h = ctx.store.read(lambda c: defs.get_head(c, pid, ctx.args.name))
+    skipped = ctx.store.read(lambda c: c.execute("SELECT skipped_fires FROM tasks WHERE task_id = ?",
+                                                 (h.task_id,)).fetchone()[0])
+    d = _head_json(h)
+    d["skippedFires"] = skipped
+    if ctx.args.json:
+        _print_json(d)
+        return 0
+    df = h.definition
+    ex = df.execution
+    print(f"name          {h.name}  ({h.task_id})")
+    print(f"revision      {h.revision}")
+    print(f"digest        {h.content_digest}")
+    print(f"enabled       {'yes' if h.enabled else 'no'}")
+    print(f"schedules     {' | '.join(df.schedules)}  (timezone {df.timezone or 'system'})")
+    print(f"next fires    {', '.join(d['nextFires']) or '-'}")
+    print(f"command       {' '.join(ex.argv) if ex.kind == 'local_process' else ex.shell + ' -c <script>'}")
+    print(f"timeout       {df.timeout_ms / 1000:g} s (grace {df.grace_ms / 1000:g} s); concurrency {df.concurrency}; "
+          f"retry {df.retry.max_attempts}x")
+    print(f"network       {df.network.require}{':' + df.network.interface if df.network.interface else ''}")
+    print(f"recipe        {df.recipe_ref}")
+    print(f"skipped fires {skipped}")
+    return 0
+
+
+def cmd_task_enable(ctx: Ctx, enabled: bool) -> int:
+    from ..application.definitions import DefinitionWriter
+    h, n = DefinitionWriter(ctx.store).set_enabled(ctx.args.name, enabled)
+    ctx.poke_service()
+    print(f"{h.name} {'enabled' if enabled else 'disabled'}" + (f"; {n} queued run(s) cancelled" if n else ""))
+    return 0
+
+
+def cmd_task_rm(ctx: Ctx) -> int:
+    from ..application.definitions import DefinitionWriter
+    h, n = DefinitionWriter(ctx.store).remove(ctx.args.name)
+    ctx.poke_service()
+    print(f"{h.name} removed" + (f"; {n} queued run(s) cancelled" if n else ""))
+    return 0
+
+
+def cmd_secret_set(ctx: Ctx) -> int:
+    from ..application.secrets import SecretService
+    from ..core.definitions import check_secret_name
+    from ..core.limits import MAX_SECRET_VALUE
+    name = check_secret_name(ctx.args.name)
+    if sys.stdin.isatty():
+        value = getpass.getpass(f"value for {name}: ").encode()
+    else:
+        value = sys.stdin.buffer.read(MAX_SECRET_VALUE + 2)
+        if value.endswith(b"\n"):      # `echo token |` adds one newline; it is not part of the secret
+            value = value[:-1]
+    if len(value) > MAX_SECRET_VALUE:
+        raise E.ValidationError("value", f"longer than {MAX_SECRET_VALUE} bytes", limit=MAX_SECRET_VALUE)
+    if not value:
+        raise E.ValidationError("value", "is empty")
+    if b"\x00" in value:
+        raise E.ValidationError("value", "contains a NUL byte", limit="no NUL")
+    SecretService(ctx.store, ctx.settings.key_file).set(name, value)
+    print(f"secret {name} stored ({len(value)} bytes, encrypted)")
+    return 0
+
+
+def cmd_secret_ls(ctx: Ctx) -> int:
+    from ..application.secrets import SecretService
+    names = SecretService(ctx.store, ctx.settings.key_file).names()
+    if ctx.args.json:
+        _print_json([{"name": n, "updatedAt": _fmt_us(u)} for n, u in names])
+    else:
+        _table([[n, _fmt_us(u)] for n, u in names], ["NAME", "UPDATED"])
+    return 0
+
+
+def cmd_secret_rm(ctx: Ctx) -> int:
+    from ..application.secrets import SecretService
+    SecretService(ctx.store, ctx.settings.key_file).remove(ctx.args.name)
+    print(f"secret {ctx.args.name} removed")
+    return 0
+
+
+def _run_json(run, attempts=None, events=None) -> dict:
+    d = msgspec.to_builtins(run)
+    if attempts is not None:
+        d["attempts"] = msgspec.to_builtins(attempts)
+    if events is not None:
+        d["events"] = msgspec.to_builtins(events)
+    return d
+
+
+def cmd_run_start(ctx: Ctx) -> int:
+    from ..application.runs import RunService
+    created = RunService(ctx.store).start(ctx.args.task)
+    ctx.poke_service()
+    if not ctx.args.wait:
+        if ctx.args.json:
+            _print_json(msgspec.to_builtins(created))
+        else:
+            print(created.run_id)
+        return 0
+    from ..application.waiter import wait_for_run
+    run = wait_for_run(ctx.settings, ctx.store, created.run_id, ctx.args.timeout)
+    if ctx.args.json:
+        _print_json(_run_json(run))
+    else:
+        print(f"{run.run_id} {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
+              + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
+    return 0 if run.state == "succeeded" else E.EXIT_RUN_FAILED
+
+
+def cmd_run_ls(ctx: Ctx) -> int:
+    from ..application.runs import RunService
+    runs, nxt = RunService(ctx.store).list(task=ctx.args.task, state=ctx.args.state, limit=ctx.args.limit,
+                                           cursor=ctx.args.cursor)
+    if ctx.args.json:
+        _print_json({"runs": msgspec.to_builtins(runs), "nextCursor": nxt})
+        return 0
+    _table([[r.run_id, r.task_name, r.state, r.trigger_type, _fmt_us(r.created_at_us),
+             "-" if r.exit_code is None else str(r.exit_code)] for r in runs],
+           ["RUN", "TASK", "STATE", "TRIGGER", "CREATED", "EXIT"])
+    if nxt:
+        print(f"(more: --cursor {nxt})")
+    return 0
+
+
+def cmd_run_show(ctx: Ctx) -> int:
+    from ..application.runs import RunService
+    svc = RunService(ctx.store)
+    run = svc.get(ctx.args.run)
+    attempts, events = svc.attempts(run.run_id), svc.events(run.run_id)
+    if ctx.args.json:
+        _print_json(_run_json(run, attempts, events))
+        return 0
+    print(f"run       {run.run_id}")
+    print(f"task      {run.task_name} ({run.task_snapshot_ref})")
+    print(f"state     {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
+          + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
+    print(f"trigger   {run.trigger_type} by {run.requested_by}; created {_fmt_us(run.created_at_us)}")
+    for a in attempts:
+        print(f"attempt   #{a.attempt_no} {a.state} kept={a.bytes_kept} dropped={a.bytes_dropped}"
+              f"{' TRUNCATED' if a.truncated else ''} peak_rss={a.peak_rss_bytes} cpu_us={a.cpu_time_us}"
+              + (f" reason={a.failure_reason}" if a.failure_reason else ""))
+    for e in events:
+        print(f"event     {e.sequence:>3} {_fmt_us(e.created_at_us)} {e.type} {msgspec.json.encode(e.payload).decode()}")
+    return 0
+
+
+def cmd_run_logs(ctx: Ctx) -> int:
+    from ..application.runs import MAX_LOG_READ, RunService, read_log_range
+    svc = RunService(ctx.store)
+    run = svc.get(ctx.args.run)
+    path, fact = svc.log_source(run.run_id)
+    offset, remaining = ctx.args.offset, ctx.args.limit
+    out = sys.stdout.buffer
+    while remaining is None or remaining > 0:
+        chunk, size = read_log_range(path, offset, min(MAX_LOG_READ, remaining or MAX_LOG_READ))
+        if not chunk:
+            break
+        out.write(chunk)
+        offset += len(chunk)
+        if remaining is not None:
+            remaining -= len(chunk)
+    out.flush()
+    if fact and sys.stderr.isatty():
+        print(f"\n[log truncated at {fact['quotaBytes']} bytes; {fact['bytesDropped']} bytes dropped]", file=sys.stderr)
+    return 0
+
+
+def cmd_run_cancel(ctx: Ctx) -> int:
+    from ..application.cancel import request_cancel
+    run = request_cancel(ctx.store, ctx.args.run, "local:cli")
+    ctx.poke_service()
+    print(f"{run.run_id} {run.state}" + (" (cancel requested)" if run.state not in ("cancelled",) else ""))
+    return 0
+
+
+def cmd_token_create(ctx: Ctx) -> int:
+    from ..application.tokens import create_token
+    token = create_token(ctx.store, ctx.args.project or ctx.settings.config.project, ctx.args.subject, ctx.args.role)
+    print(token)
+    return 0
+
+
+def cmd_token_revoke(ctx: Ctx) -> int:
+    from ..application.tokens import revoke_token
+    revoke_token(ctx.store, ctx.args.token_id)
+    print(f"token {ctx.args.token_id} revoked")
+    return 0
+
+
+def cmd_role_set(ctx: Ctx) -> int:
+    from ..application.tokens import set_role
+    v = set_role(ctx.store, ctx.args.project or ctx.settings.config.project, ctx.args.subject,
+                 None if ctx.args.role == "none" else ctx.args.role)
+    print(f"{ctx.args.subject}: {ctx.args.role} (bindingVersion {v})")
+    return 0
+
+
+def cmd_serve(ctx: Ctx) -> int:
+    from ..service.main import serve
+    return serve(ctx.settings, ctx.args)
+
+
+# ---- parser ----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory (env QLAGENT_STATE_DIR)")
+    common.add_argument("--config", default=argparse.SUPPRESS, help="config file (env QLAGENT_CONFIG)")
+    common.add_argument("--profile", default=argparse.SUPPRESS, choices=["edge", "standalone"])
+    common.add_argument("--project", default=argparse.SUPPRESS, help="Project name (default: 'default')")
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+
+    p = argparse.ArgumentParser(prog="qlagent", parents=[common],
+                                description="Schedule and run tasks on routers and edge boxes.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(parent, name, fn, help_, **kw):
+        sp = parent.add_parser(name, parents=[common], help=help_, **kw)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    add(sub, "init", cmd_init, "create the state directory, database and secret key file")
+    add(sub, "doctor", cmd_doctor, "check schema, capability, integrity, key file and free space")
+    cfg = sub.add_parser("config", help="configuration").add_subparsers(dest="sub", required=True, metavar="SUB")
+    add(cfg, "check", cmd_config_check, "validate the config file and print the resolved settings")
+
+    task = sub.add_parser("task", help="task definitions").add_subparsers(dest="sub", required=True, metavar="SUB")
+    a = add(task, "add", cmd_task_add, "add every [[task]] of a TOML file")
+    a.add_argument("-f", "--file", required=True)
+    add(task, "ls", cmd_task_ls, "list tasks")
+    s = add(task, "show", cmd_task_show, "show a task's head, digest and next fire times")
+    s.add_argument("name")
+    e = add(task, "edit", cmd_task_edit, "fenced edit: appends revision+1")
+    e.add_argument("name")
+    e.add_argument("-f", "--file", required=True)
+    e.add_argument("--expect-revision", type=int, required=True, help="the head revision you read")
+    e.add_argument("--expect-digest", required=True, help="the head contentDigest you read")
+    for nm, fn in (("enable", lambda c: cmd_task_enable(c, True)), ("disable", lambda c: cmd_task_enable(c, False)),
+                   ("rm", cmd_task_rm)):
+        add(task, nm, fn, f"{nm} a task").add_argument("name")
+
+    sec = sub.add_parser("secret", help="encrypted secrets").add_subparsers(dest="sub", required=True, metavar="SUB")
+    add(sec, "set", cmd_secret_set, "store a secret; the value is read from stdin, never argv").add_argument("name")
+    add(sec, "ls", cmd_secret_ls, "list secret names (never values)")
+    add(sec, "rm", cmd_secret_rm, "remove a secret").add_argument("name")
+
+    run = sub.add_parser("run", help="runs").add_subparsers(dest="sub", required=True, metavar="SUB")
+    st = add(run, "start", cmd_run_start, "start a task now (Task Start semantics)")
+    st.add_argument("task")
+    st.add_argument("--wait", action="store_true", help="wait for the end; exit 6 unless it succeeded")
+    st.add_argument("--timeout", type=float, default=None, help="--wait at most this many seconds")
+    ls = add(run, "ls", cmd_run_ls, "list runs, newest first")
+    ls.add_argument("--task")
+    ls.add_argument("--state")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--cursor")
+    add(run, "show", cmd_run_show, "show a run, its attempts and events").add_argument("run")
+    lg = add(run, "logs", cmd_run_logs, "print a run's log (bounded reads)")
+    lg.add_argument("run")
+    lg.add_argument("--offset", type=int, default=0)
+    lg.add_argument("--limit", type=int, default=None)
+    add(run, "cancel", cmd_run_cancel, "cancel a queued or running run").add_argument("run")
+
+    tok = sub.add_parser("token", help="API bearer tokens").add_subparsers(dest="sub", required=True, metavar="SUB")
+    tc = add(tok, "create", cmd_token_create, "create a token (printed once) and bind the subject's role")
+    tc.add_argument("--subject", required=True)
+    tc.add_argument("--role", required=True, choices=["owner", "admin", "operator", "viewer"])
+    add(tok, "revoke", cmd_token_revoke, "revoke a token by its ID").add_argument("token_id")
+    role = sub.add_parser("role", help="role bindings").add_subparsers(dest="sub", required=True, metavar="SUB")
+    rs = add(role, "set", cmd_role_set, "bind a subject's role in the project ('none' revokes)")
+    rs.add_argument("subject")
+    rs.add_argument("role", choices=["owner", "admin", "operator", "viewer", "none"])
+
+    sv = add(sub, "serve", cmd_serve, "run the agent (systemd Type=notify service)")
+    sv.add_argument("--listen", default=None, help="HTTP HOST:PORT (overrides http.listen)")
+    sv.add_argument("--exit-after", type=float, default=None, help="drain and exit after this many seconds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for k in ("state_dir", "config", "profile", "project"):
+        if not hasattr(args, k):
+            setattr(args, k, None)
+    if not hasattr(args, "json"):
+        args.json = False
+    ctx = None
+    try:
+        ctx = Ctx(args)
+        return args.fn(ctx)
+    except E.QlError as e:
+        if args.json:
+            sys.stdout.buffer.write(msgspec.json.encode({"error": e.to_dict()}) + b"\n")
+        print(f"qlagent: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    finally:
+        if ctx is not None:
+            ctx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Task definition input (TOML) → validated TaskDefinition, ContextRecipe and digests.
+
+Pure: takes already-parsed TOML data, returns frozen records. Every refusal is a
+ValidationError naming the field (``task[2].env.QL3_X``) and the limit; nothing is written.
+Rules: ADR-0071 §2 (absolute bounded argv or allowlisted shell, POSIX env names, ``QL3_*``
+reserved, recipe separate from SecretRefs), kernel MAX_ARG_STRLEN for each argv/env string.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+import msgspec
+
+from . import limits as L
+from .canonical import content_digest, recipe_ref
+from .errors import ValidationError
+from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, RetryPolicy,
+                     TaskDefinition)
+from .schedule import ScheduleError, parse_schedule, validate_timezone
+
+POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")   # Linux IFNAMSIZ - 1
+
+
+class RetryInput(msgspec.Struct, forbid_unknown_fields=True):
+    max_attempts: int = 1
+    backoff_s: float = 10
+
+
+class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
+    """One ``[[task]]`` table of a task file (see README "Defining tasks")."""
+
+    name: str
+    schedule: str | list[str] = "@once"
+    timezone: str | None = None
+    command: list[str] | None = None
+    shell: str | None = None
+    script: str | None = None
+    cwd: str = "/"
+    timeout_s: float = 3600
+    grace_s: float = 5
+    concurrency: str = "single"
+    retry: RetryInput = msgspec.field(default_factory=RetryInput)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    network: str = "none"
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    secrets: dict[str, str] = msgspec.field(default_factory=dict)
+    enabled: bool = True
+    priority: int = 0
+    description: str = ""
+
+
+class TaskFile(msgspec.Struct, forbid_unknown_fields=True):
+    task: list[TaskInput]
+
+
+class PreparedTask(msgspec.Struct, frozen=True):
+    """A validated definition ready for the definition writer."""
+
+    definition: TaskDefinition
+    content_digest: str
+    recipe: ContextRecipe
+    recipe_ref: str
+    execution_digest: str
+    enabled: bool
+
+
+def _utf8_len(s: str) -> int:
+    return len(s.encode("utf-8", "surrogatepass"))
+
+
+def _no_nul(field: str, value: str) -> None:
+    if "\x00" in value:
+        raise ValidationError(field, "contains a NUL byte", limit="no NUL")
+
+
+def _ms(field: str, seconds: float, lo: float, hi: float) -> int:
+    if isinstance(seconds, bool) or not (lo <= seconds <= hi):
+        raise ValidationError(field, f"{seconds!r} is outside {lo}..{hi} seconds", limit=f"{lo}..{hi}")
+    return round(seconds * 1000)
+
+
+def parse_task_file(data: dict) -> list[TaskInput]:
+    """Convert parsed TOML (``{"task": [...]}``) into TaskInput records.
+
+    Raises ValidationError naming the offending path for unknown fields or wrong types, or
+    when the file holds more than ``MAX_TASKS_PER_FILE`` tasks or a name twice.
+    """
+    try:
+        tf = msgspec.convert(data, TaskFile, strict=True)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        path = msg.rsplit("- at `", 1)[1].rstrip("`") if "- at `" in msg else "task file"
+        path = path[2:] if path.startswith("$.") else path
+        named = re.search(r"field `([^`]+)`", msg)
+        if named:
+            path = f"{path}.{named.group(1)}"
+        raise ValidationError(path, msg.split(" - at ")[0]) from None
+    if not tf.task:
+        raise ValidationError("task", "the file defines no [[task]]")
+    if len(tf.task) > L.MAX_TASKS_PER_FILE:
+        raise ValidationError("task", f"{len(tf.task)} tasks in one file", limit=L.MAX_TASKS_PER_FILE)
+    seen: set[str] = set()
+    for i, t in enumerate(tf.task):
+        if t.name in seen:
+            raise ValidationError(f"task[{i}].name", f"duplicate task name {t.name!r} in this file")
+        seen.add(t.name)
+    return tf.task
+
+
+def prepare_recipe(prefix: str, env: dict[str, str], secrets: dict[str, str]) -> tuple[ContextRecipe, str]:
+    """Validate and canonicalise a context recipe; return it and its ``localctx:sha256:`` ref.
+
+    Limits: POSIX names, ``QL3_*`` reserved, no NUL, each ``KEY=VALUE`` entry ≤ MAX_ARG_STRLEN
+    (131072) bytes with its NUL, at most MAX_ENV_ENTRIES entries and MAX_ENV_TOTAL bytes in all
+    (SecretRefs counted at MAX_SECRET_VALUE since their values are unknown here).
+    """
+    if len(env) + len(secrets) > L.MAX_ENV_ENTRIES:
+        raise ValidationError(f"{prefix}env", f"{len(env) + len(secrets)} entries", limit=L.MAX_ENV_ENTRIES)
+    total = 0
+    public: dict[str, str] = {}
+    for key, value in env.items():
+        _check_env_name(f"{prefix}env.{key}", key)
+        if key in secrets:
+            raise ValidationError(f"{prefix}env.{key}", "is also a secret; a name is either public or secret")
+        _no_nul(f"{prefix}env.{key}", value)
+        value = unicodedata.normalize("NFC", value)
+        entry = _utf8_len(key) + 1 + _utf8_len(value) + 1
+        if entry > L.MAX_ARG_STRLEN:
+            raise ValidationError(f"{prefix}env.{key}",
+                                  f"entry is {entry} bytes; the kernel's per-string limit is {L.MAX_ARG_STRLEN}",
+                                  limit=L.MAX_ARG_STRLEN)
+        total += entry
+        public[key] = value
+    refs: dict[str, str] = {}
+    for key, name in secrets.items():
+        _check_env_name(f"{prefix}secrets.{key}", key)
+        _check_secret_name(f"{prefix}secrets.{key}", name)
+        total += _utf8_len(key) + 2 + L.MAX_SECRET_VALUE
+        refs[key] = name
+    if total > L.MAX_ENV_TOTAL:
+        raise ValidationError(f"{prefix}env", f"environment needs up to {total} bytes", limit=L.MAX_ENV_TOTAL)
+    recipe = ContextRecipe(public=dict(sorted(public.items())), secret_refs=dict(sorted(refs.items())))
+    return recipe, recipe_ref(content_digest(recipe_document(recipe)))
+
+
+def recipe_document(recipe: ContextRecipe) -> dict:
+    """The canonical document a recipe digest covers."""
+    return {"public": recipe.public, "secretRefs": recipe.secret_refs}
+
+
+def _check_env_name(field: str, key: str) -> None:
+    if not POSIX_ENV_NAME.match(key):
+        raise ValidationError(field, "not a POSIX environment name ([A-Za-z_][A-Za-z0-9_]*)")
+    if key.upper().startswith(L.RESERVED_ENV_PREFIX):
+        raise ValidationError(field, f"names starting with {L.RESERVED_ENV_PREFIX} are reserved for the agent")
+
+
+def _check_secret_name(field: str, name: str) -> None:
+    if not (1 <= len(name) <= L.MAX_SECRET_NAME) or not SECRET_NAME.match(name):
+        raise ValidationError(field, f"secret name must be 1..{L.MAX_SECRET_NAME} of [A-Za-z0-9_.-]",
+                              limit=L.MAX_SECRET_NAME)
+
+
+def check_secret_name(name: str) -> str:
+    """Validate a Secret name for ``secret set/rm``; raises ValidationError(field="name")."""
+    _check_secret_name("name", name)
+    return name
+
+
+def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
+    """Validate the launch spec (ADR-0071 §2): absolute bounded argv or allowlisted shell."""
+    _no_nul(f"{prefix}cwd", t.cwd)
+    if not t.cwd.startswith("/") or _utf8_len(t.cwd) > L.MAX_PATH_BYTES:
+        raise ValidationError(f"{prefix}cwd", "must be an absolute path", limit=L.MAX_PATH_BYTES)
+    if t.command is not None and (t.shell is not None or t.script is not None):
+        raise ValidationError(f"{prefix}command", "give either command or shell+script, not both")
+    if t.command is not None:
+        argv = t.command
+        if not argv:
+            raise ValidationError(f"{prefix}command", "argv is empty")
+        if len(argv) > L.MAX_ARGV_COUNT:
+            raise ValidationError(f"{prefix}command", f"{len(argv)} arguments", limit=L.MAX_ARGV_COUNT)
+        total = 0
+        for i, a in enumerate(argv):
+            _no_nul(f"{prefix}command[{i}]", a)
+            n = _utf8_len(a) + 1
+            if n > L.MAX_ARG_STRLEN:
+                raise ValidationError(f"{prefix}command[{i}]", f"argument is {n} bytes", limit=L.MAX_ARG_STRLEN)
+            total += n
+        if total > L.MAX_ARGV_TOTAL:
+            raise ValidationError(f"{prefix}command", f"argv is {total} bytes in all", limit=L.MAX_ARGV_TOTAL)
+        if not argv[0].startswith("/"):
+            raise ValidationError(f"{prefix}command[0]", f"{argv[0]!r} is not an absolute path")
+        return ExecutionSpec(kind="local_process", argv=tuple(argv), cwd=t.cwd)
+    if t.shell is None or t.script is None:
+        raise ValidationError(f"{prefix}command", "missing: give command = [absolute argv] or shell + script")
+    if t.shell not in L.SHELL_ALLOWLIST:
+        raise ValidationError(f"{prefix}shell", f"{t.shell!r} is not in the allowlist {list(L.SHELL_ALLOWLIST)}")
+    _no_nul(f"{prefix}script", t.script)
+    if not t.script.strip():
+        raise ValidationError(f"{prefix}script", "is empty")
+    if _utf8_len(t.script) > L.MAX_SCRIPT_BYTES:
+        raise ValidationError(f"{prefix}script", f"{_utf8_len(t.script)} bytes", limit=L.MAX_SCRIPT_BYTES)
+    return ExecutionSpec(kind="shell", shell=t.shell, script=t.script, cwd=t.cwd)
+
+
+def _network(prefix: str, value: str) -> NetworkRequirement:
+    if value in ("none", "default_route"):
+        return NetworkRequirement(require=value)
+    if value.startswith("interface:") and IFACE_NAME.match(value[10:]):
+        return NetworkRequirement(require="interface", interface=value[10:])
+    raise ValidationError(f"{prefix}network", "expected 'none', 'default_route' or 'interface:NAME' (1..15 chars)")
+
+
+def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
+    """Validate one TaskInput and compute its contentDigest (canonical JSON, see core.canonical).
+
+    Raises ValidationError naming ``task[i].<field>`` and the limit.
+    """
+    p = f"task[{index}]." if index is not None else ""
+    if not (1 <= len(t.name) <= L.MAX_TASK_NAME) or not TASK_NAME.match(t.name):
+        raise ValidationError(f"{p}name", f"must be 1..{L.MAX_TASK_NAME} of [a-z0-9._-], starting alphanumeric",
+                              limit=L.MAX_TASK_NAME)
+    lines = [t.schedule] if isinstance(t.schedule, str) else list(t.schedule)
+    if not lines:
+        raise ValidationError(f"{p}schedule", "empty; use '@once' for manual-only tasks")
+    schedules = []
+    for i, line in enumerate(lines):
+        try:
+            schedules.append(parse_schedule(line).text)
+        except ScheduleError as e:
+            raise ValidationError(f"{p}schedule[{i}].{e.field}", str(e), limit=getattr(e, "limit", None)) from None
+    tz = None
+    if t.timezone is not None:
+        try:
+            tz = validate_timezone(t.timezone)
+        except ScheduleError as e:
+            raise ValidationError(f"{p}timezone", str(e)) from None
+    timeout_ms = _ms(f"{p}timeout_s", t.timeout_s, 1, L.MAX_TIMEOUT_S)
+    grace_ms = _ms(f"{p}grace_s", t.grace_s, 0, 300)
+    if t.concurrency not in ("single", "parallel"):
+        raise ValidationError(f"{p}concurrency", "expected 'single' or 'parallel'")
+    if not (1 <= t.retry.max_attempts <= L.MAX_RETRY_ATTEMPTS):
+        raise ValidationError(f"{p}retry.max_attempts", f"{t.retry.max_attempts} outside 1..{L.MAX_RETRY_ATTEMPTS}",
+                              limit=L.MAX_RETRY_ATTEMPTS)
+    backoff_ms = _ms(f"{p}retry.backoff_s", t.retry.backoff_s, 0, L.MAX_RETRY_BACKOFF_S)
+    if len(t.labels) > L.MAX_LABELS:
+        raise ValidationError(f"{p}labels", f"{len(t.labels)} labels", limit=L.MAX_LABELS)
+    for k, v in t.labels.items():
+        if _utf8_len(k) > L.MAX_LABEL_BYTES or _utf8_len(v) > L.MAX_LABEL_BYTES or "\x00" in k + v:
+            raise ValidationError(f"{p}labels.{k}", "label too long or contains NUL", limit=L.MAX_LABEL_BYTES)
+    if not (-1000 <= t.priority <= 1000):
+        raise ValidationError(f"{p}priority", f"{t.priority} outside -1000..1000", limit="-1000..1000")
+    if len(t.description) > 1024:
+        raise ValidationError(f"{p}description", "longer than 1024 characters", limit=1024)
+    execution = prepare_execution(p, t)
+    recipe, rref = prepare_recipe(p, t.env, t.secrets)
+    definition = TaskDefinition(
+        name=t.name, description=t.description, schedules=tuple(schedules), timezone=tz,
+        timeout_ms=timeout_ms, grace_ms=grace_ms, concurrency=t.concurrency,
+        retry=RetryPolicy(max_attempts=t.retry.max_attempts, backoff_ms=backoff_ms),
+        labels=dict(sorted(t.labels.items())), network=_network(p, t.network),
+        priority=t.priority, execution=execution, recipe_ref=rref,
+    )
+    return PreparedTask(definition=definition, content_digest=definition_digest(definition),
+                        recipe=recipe, recipe_ref=rref,
+                        execution_digest=content_digest(execution_document(execution, rref)),
+                        enabled=t.enabled)
+
+
+def definition_document(d: TaskDefinition) -> dict:
+    """The canonical document a Task's contentDigest covers (``enabled`` is head state, not content)."""
+    return msgspec.to_builtins(d)
+
+
+def execution_document(e: ExecutionSpec, rref: str) -> dict:
+    """The canonical document of an execution revision (its digest is the execution digest)."""
+    doc = msgspec.to_builtins(e)
+    doc["recipeRef"] = rref
+    return doc
+
+
+def definition_digest(d: TaskDefinition) -> str:
+    """contentDigest: lowercase hex SHA-256 of the canonical definition document."""
+    return content_digest(definition_document(d))

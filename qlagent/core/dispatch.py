@@ -1,0 +1,105 @@
+"""Records that flow between the dispatcher, the materialiser, the coordinator and the store
+(ADR-0071 §3–4). Pure data; secret plaintext only ever sits in ``LaunchCommand.env``, which
+lives in the materialiser's and coordinator's call stack and is never persisted or logged."""
+
+from __future__ import annotations
+
+import msgspec
+
+from .models import ContextRecipe, ExecutionSpec, RetryPolicy
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """One dispatch candidate: identity plus its keyset sort key."""
+
+    run_id: str
+    attempt_id: str
+    project_id: str
+    task_id: str
+    task_revision: int
+    version: int
+    priority: int
+    created_at_us: int
+    attempt_created_at_us: int
+
+    def key(self) -> tuple:
+        return (self.priority, self.created_at_us, self.attempt_created_at_us, self.attempt_id)
+
+
+class Plan(msgspec.Struct, frozen=True):
+    """The pinned, immutable facts a launch needs (no secret values)."""
+
+    execution: ExecutionSpec
+    recipe: ContextRecipe
+    timeout_ms: int
+    grace_ms: int
+    retry: RetryPolicy
+    concurrency: str
+    network_require: str
+    network_interface: str | None
+    task_name: str
+
+
+class Finish(msgspec.Struct, frozen=True):
+    """What the coordinator learned about an ended Attempt."""
+
+    attempt_state: str                 # from core.states.outcome, or "lost"
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    bytes_kept: int | None = None
+    bytes_dropped: int | None = None
+    peak_rss_bytes: int | None = None
+    cpu_time_us: int | None = None
+    failure_reason: str | None = None
+    ended_at_us: int | None = None
+
+
+class LiveAttempt(msgspec.Struct, frozen=True):
+    run_id: str
+    attempt_id: str
+    task_id: str
+    task_revision: int
+    state: str
+    wrapper_pid: int | None
+    wrapper_start_time: float | None
+    task_pgid: int | None
+    deadline_at_us: int | None
+    artifact_path: str | None
+    cancel_requested: bool
+
+
+class LaunchCommand(msgspec.Struct, frozen=True):
+    """ADR-0071 §4 step 8: everything the coordinator needs to start one Attempt.
+
+    ``env`` is the frozen environment (recipe values, secret plaintext, ``QL3_*`` identity);
+    it must never be logged, persisted or put in an error.
+    """
+
+    candidate: Candidate
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+    artifact_path: str
+    quota_bytes: int
+    timeout_ms: int
+    grace_ms: int
+    retry: RetryPolicy
+
+    def __repr__(self) -> str:      # keep secret values out of any accidental repr/traceback
+        return f"LaunchCommand(run={self.candidate.run_id}, attempt={self.candidate.attempt_id})"
+
+
+class DispatchResult(msgspec.Struct, frozen=True):
+    """Small, low-cardinality outcome of one dispatcher pass (ADR-0071 §3).
+
+    ``status``: ``activated`` | ``no_candidate`` | ``more`` (this page was all skipped; another
+    page exists) | ``unavailable`` | ``launch_failed`` | ``limited`` (a global admission limit).
+    ``reason`` is a short code (``secret_missing``, ``low_space``, ``concurrency`` …), never text
+    that could carry user data. ``rows_read`` is the page size read (≤ page + 1).
+    """
+
+    status: str
+    reason: str | None = None
+    run_id: str | None = None
+    rows_read: int = 0
+    skipped: int = 0

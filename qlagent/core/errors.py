@@ -1,0 +1,91 @@
+"""Error vocabulary shared by every layer.
+
+Each error carries a stable ``code`` (what an API returns), the ``field`` it is about (for bad
+input), an optional ``limit`` and a process ``exit_code`` for the CLI:
+0 ok, 1 internal, 2 usage/bad input, 3 conflict, 4 not found, 5 unavailable, 6 run did not succeed.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_CONFLICT = 3
+EXIT_NOT_FOUND = 4
+EXIT_UNAVAILABLE = 5
+EXIT_RUN_FAILED = 6
+
+
+class QlError(Exception):
+    """Base of every expected error. ``str(err)`` is one line fit for an operator."""
+
+    code = "internal"
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str, *, field: str | None = None, limit: object = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.limit = limit
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict:
+        d = {"code": self.code, "message": self.message}
+        if self.field is not None:
+            d["field"] = self.field
+        if self.limit is not None:
+            d["limit"] = self.limit
+        return d
+
+
+class ValidationError(QlError):
+    """Bad input: names the field and the limit; nothing has been written."""
+
+    code = "invalid_input"
+    exit_code = EXIT_USAGE
+
+    def __init__(self, field: str, message: str, *, limit: object = None) -> None:
+        super().__init__(f"{field}: {message}", field=field, limit=limit)
+
+
+class ConflictError(QlError):
+    """A fence or an append-only rule refused the write; nothing has been written."""
+
+    code = "conflict"
+    exit_code = EXIT_CONFLICT
+
+
+class NotFoundError(QlError):
+    code = "not_found"
+    exit_code = EXIT_NOT_FOUND
+
+
+class UnavailableError(QlError):
+    """The store, a capability or a resource is not there (yet); retry later."""
+
+    code = "unavailable"
+    exit_code = EXIT_UNAVAILABLE
+
+
+class StoreIntegrityError(UnavailableError):
+    """The database's migration history is unknown or altered; start-up refuses it."""
+
+    code = "store_integrity"
+
+
+class FenceRejected(ConflictError):
+    """ADR-0376 §3 ``task_start_fence_rejected`` with a ``reason``: authorization_changed,
+    definition_changed, task_disabled, task_not_executable or mutation_conflict."""
+
+    code = "task_start_fence_rejected"
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d["reason"] = self.reason
+        return d

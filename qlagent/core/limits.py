@@ -1,0 +1,32 @@
+"""Hard limits from the seeds and the kernel, in one place (each enforced and tested at its edge).
+
+Sizes are bytes unless named otherwise.
+"""
+
+REVISION_MIN = 1
+REVISION_MAX = 2_147_483_647            # ADR-0376 §1: revision 1..2^31-1
+
+DIGEST_HEX_LEN = 64                     # lowercase hex SHA-256
+
+# Kernel MAX_ARG_STRLEN: one argv string or one "KEY=VALUE" env entry, NUL included.
+MAX_ARG_STRLEN = 131_072
+MAX_ARGV_COUNT = 256                    # execution revision argv entries
+MAX_ARGV_TOTAL = 131_072                # all argv strings together, NULs included
+MAX_SCRIPT_BYTES = 65_536               # inline /bin/sh or /bin/bash script
+MAX_ENV_ENTRIES = 256                   # context recipe public values + SecretRefs
+MAX_ENV_TOTAL = 1_048_576               # the whole frozen environment, NULs included
+MAX_PATH_BYTES = 4_096                  # cwd and other paths
+
+MAX_TASK_NAME = 64
+MAX_LABELS = 32
+MAX_LABEL_BYTES = 128
+MAX_SECRET_NAME = 64
+MAX_SECRET_VALUE = 65_536
+MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_RETRY_ATTEMPTS = 10
+MAX_RETRY_BACKOFF_S = 24 * 3600
+MAX_TASKS_PER_FILE = 1_000
+MAX_TASK_FILE_BYTES = 4 * 1_048_576
+
+SHELL_ALLOWLIST = ("/bin/sh", "/bin/bash")
+RESERVED_ENV_PREFIX = "QL3_"

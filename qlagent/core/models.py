@@ -1,0 +1,174 @@
+"""Domain records (msgspec Structs). Pure data: no I/O, no store access.
+
+Times are integer µs since the Unix epoch; durations in definitions are integer milliseconds.
+JSON field names are camelCase (the wire and ``--json`` shape).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+ROLES = ("owner", "admin", "operator", "viewer")
+# ADR-0376 §2: run.start needs owner/admin/operator; viewers read only.
+START_ROLES = frozenset({"owner", "admin", "operator"})
+
+
+class Base(msgspec.Struct, rename="camel", frozen=True, kw_only=True):
+    pass
+
+
+class Project(Base):
+    project_id: str
+    name: str
+    project_version: int
+    active: bool
+
+
+class RoleBinding(Base):
+    """A subject's role in a Project; the latest active bindingVersion wins (ADR-0376 §2)."""
+
+    project_id: str
+    subject: str
+    role: str
+    binding_version: int
+
+
+class RetryPolicy(Base):
+    max_attempts: int = 1          # 1 = no retry
+    backoff_ms: int = 10_000       # before attempt n+1: backoff_ms * 2**(n-1)
+
+
+class NetworkRequirement(Base):
+    """``none``; ``default_route`` (an IPv4 or IPv6 default route); ``interface`` (named link up)."""
+
+    require: str = "none"
+    interface: str | None = None
+
+
+class ExecutionSpec(Base):
+    """Launch spec of one Task revision (ADR-0071 §2).
+
+    ``kind`` is ``local_process`` (absolute, bounded ``argv``) or ``shell`` (``shell`` from the
+    allowlist runs ``script`` inline as ``shell -c script``).
+    """
+
+    kind: str
+    argv: tuple[str, ...] = ()
+    shell: str | None = None
+    script: str | None = None
+    cwd: str = "/"
+
+    def launch_argv(self) -> list[str]:
+        """The argv handed to execve."""
+        if self.kind == "shell":
+            return [self.shell, "-c", self.script]
+        return list(self.argv)
+
+
+class ContextRecipe(Base):
+    """Immutable environment description ``localctx:sha256:<digest>`` (ADR-0071 §2).
+
+    ``public`` holds plain values; ``secret_refs`` maps an environment name to a SecretRef (the
+    name of a stored Secret). Secret values never appear here.
+    """
+
+    public: dict[str, str]
+    secret_refs: dict[str, str]
+
+
+class TaskDefinition(Base):
+    """One revision of a Task: everything its contentDigest covers."""
+
+    name: str
+    description: str
+    schedules: tuple[str, ...]
+    timezone: str | None
+    timeout_ms: int
+    grace_ms: int
+    concurrency: str               # "single" (default) or "parallel"
+    retry: RetryPolicy
+    labels: dict[str, str]
+    network: NetworkRequirement
+    priority: int
+    execution: ExecutionSpec
+    recipe_ref: str
+
+
+class TaskHead(Base):
+    """The current head of a Task as reads return it."""
+
+    task_id: str
+    project_id: str
+    name: str
+    revision: int
+    content_digest: str
+    enabled: bool
+    definition: TaskDefinition
+    created_at_us: int
+    updated_at_us: int
+
+
+class Run(Base):
+    run_id: str
+    project_id: str
+    task_id: str
+    task_name: str
+    task_revision: int
+    task_snapshot_ref: str
+    state: str
+    priority: int
+    execution_origin: str
+    execution_owner: str
+    trigger_type: str
+    requested_by: str
+    scheduled_for_us: int | None
+    version: int
+    event_sequence: int
+    cancel_requested: bool
+    latest_attempt_id: str | None
+    exit_code: int | None
+    exit_signal: int | None
+    created_at_us: int
+    updated_at_us: int
+    ended_at_us: int | None
+
+
+class Attempt(Base):
+    attempt_id: str
+    run_id: str
+    attempt_no: int
+    state: str
+    executor_type: str
+    exit_code: int | None
+    exit_signal: int | None
+    bytes_kept: int | None
+    bytes_dropped: int | None
+    truncated: bool
+    peak_rss_bytes: int | None
+    cpu_time_us: int | None
+    failure_reason: str | None
+    created_at_us: int
+    started_at_us: int | None
+    ended_at_us: int | None
+
+
+class RunEvent(Base):
+    """Append-only, per-Run sequence. Payloads hold digests, fences and figures, never command,
+    environment, SecretRef or output."""
+
+    run_id: str
+    sequence: int
+    event_id: str
+    type: str
+    actor: str
+    payload: dict
+    created_at_us: int
+
+
+class TruncationFact(Base):
+    """Write-once record that the log quota was reached: byte counts only."""
+
+    attempt_id: str
+    quota_bytes: int
+    bytes_kept: int
+    bytes_dropped: int | None

@@ -1,0 +1,88 @@
+"""Ports: what the dispatcher and the coordinator need from the outside world (ADR-0071 §1).
+
+Adapters (SQLite, filesystem, processes) implement these; the application wires them. The
+dispatcher and coordinator see nothing else — no connection, no path, no Popen.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .dispatch import Candidate, Finish, LiveAttempt, Plan
+from .models import RetryPolicy
+
+
+class DispatchStore(Protocol):
+    def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
+        """Up to ``limit + 1`` candidates in keyset order after ``after``."""
+
+    def reread(self, c: Candidate) -> bool:
+        """Is the exact candidate still queued with the same version and claimed Attempt?"""
+
+    def load_plan(self, c: Candidate) -> tuple[Plan | None, str | None]:
+        """Pinned execution revision + recipe, or (None, ``revision_missing``/``recipe_missing``)."""
+
+    def resolve_secrets(self, project_id: str, names: list[str]) -> dict[str, bytes]:
+        """Plaintext of each de-duplicated SecretRef; raises UnavailableError(secret_missing …)."""
+
+    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None) -> None:
+        """End a candidate that can never launch as it stands (no Artifact, no process)."""
+
+
+class ArtifactPort(Protocol):
+    def admit(self, quota_bytes: int) -> str | None:
+        """None if one full log fits above the reserve and within the total quota, else a reason."""
+
+    def allocate(self, attempt_id: str) -> str:
+        """Create the private log file; raises FileExistsError if it exists (a race was lost)."""
+
+    def discard(self, path: str) -> None:
+        """Remove a log file this pass created but could not use."""
+
+
+class Admission(Protocol):
+    def global_block(self) -> str | None:
+        """A reason no Run may start now (draining, concurrency, pids, memory), or None."""
+
+    def run_block(self, c: Candidate, plan: Plan) -> str | None:
+        """A reason this Run must wait (single_instance, network), or None."""
+
+
+class ExecutionStore(Protocol):
+    def claim_starting(self, c: Candidate, artifact_path: str) -> bool: ...
+    def mark_running(self, c: Candidate, wrapper_pid: int, wrapper_start: float, deadline_us: int) -> None: ...
+    def set_task_pgid(self, attempt_id: str, pgid: int) -> None: ...
+    def finish(self, run_id: str, attempt_id: str, f: Finish, truncation: dict | None,
+               retry: RetryPolicy | None) -> str: ...
+    def live_attempts(self) -> list[LiveAttempt]: ...
+    def cancel_requested(self) -> set[str]:
+        """Attempt IDs of live Runs whose cancellation was requested."""
+    def retry_policy(self, task_id: str, revision: int) -> RetryPolicy | None: ...
+    def timing(self, task_id: str, revision: int) -> tuple[int, int]: ...
+
+
+class ProcessPort(Protocol):
+    """Launcher wrapper processes (``adapters.processes``)."""
+
+    def spawn(self, attempt_id: str, argv: tuple[str, ...], env: dict[str, str], cwd: str, artifact_path: str,
+              quota_bytes: int) -> tuple[int, float]:
+        """Start the wrapper in its own session; returns (pid, create_time). Raises OSError."""
+
+    def watch(self, pid: int) -> int | None:
+        """A pidfd that becomes readable when ``pid`` exits, or None where pidfds are missing."""
+
+    def alive(self, pid: int, create_time: float) -> bool:
+        """Is this exact process (PID-reuse safe) still running?"""
+
+    def reap(self, pid: int) -> None:
+        """Collect the exit status if ``pid`` is our child (no zombie)."""
+
+    def signal_run(self, attempt_id: str, wrapper_pid: int | None, sig: int) -> int:
+        """Signal the task's process group and every descendant of the wrapper (never the
+        wrapper itself); returns how many processes were signalled."""
+
+    def collect(self, attempt_id: str) -> tuple[dict | None, dict | None]:
+        """(completion receipt, truncation fact) left by the wrapper, or None for each."""
+
+    def cleanup(self, attempt_id: str) -> None:
+        """Remove the run directory once its facts are in the store."""

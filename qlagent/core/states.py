@@ -1,0 +1,66 @@
+"""The Run/Attempt state machine (pure). Every transition the coordinator makes is checked here.
+
+Run:     queued → starting → running → succeeded | failed | timed_out | cancelled | lost
+         queued → cancelled;  starting → failed (launch failure);  any live → queued (retry,
+         with a new claimed Attempt).
+Attempt: claimed → starting → running → succeeded | failed | timed_out | cancelled | lost;
+         claimed → cancelled;  starting|running → start_failed (the wrapper could not exec the task).
+"""
+
+from __future__ import annotations
+
+RUN_LIVE = frozenset({"queued", "starting", "running"})
+RUN_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
+ATTEMPT_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed"})
+
+_RUN = {
+    "queued": {"starting", "cancelled"},
+    "starting": {"running", "failed", "queued", "cancelled", "lost"},
+    "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "queued"},
+}
+_ATTEMPT = {
+    "claimed": {"starting", "cancelled"},
+    "starting": {"running", "start_failed", "lost", "cancelled"},
+    "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed"},
+}
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+def check_run(src: str, dst: str) -> None:
+    """Raise IllegalTransition unless Run ``src → dst`` is allowed."""
+    if dst not in _RUN.get(src, ()):
+        raise IllegalTransition(f"run {src} → {dst}")
+
+
+def check_attempt(src: str, dst: str) -> None:
+    """Raise IllegalTransition unless Attempt ``src → dst`` is allowed."""
+    if dst not in _ATTEMPT.get(src, ()):
+        raise IllegalTransition(f"attempt {src} → {dst}")
+
+
+def outcome(exit_code: int | None, signal: int | None, start_error: str | None, kill_reason: str | None) -> str:
+    """Terminal Attempt state from a completion receipt and why the agent signalled (if it did).
+
+    ``kill_reason`` is ``timeout``, ``cancel`` or ``shutdown``: a task the agent stopped ends
+    ``timed_out``/``cancelled`` whatever its exit status; otherwise exit 0 → succeeded.
+    """
+    if start_error is not None:
+        return "start_failed"
+    if kill_reason == "timeout":
+        return "timed_out"
+    if kill_reason in ("cancel", "shutdown"):
+        return "cancelled"
+    return "succeeded" if exit_code == 0 and signal is None else "failed"
+
+
+def retryable(attempt_state: str) -> bool:
+    """Attempts that a retry policy may follow with a new Attempt (not after a cancel or success)."""
+    return attempt_state in ("failed", "timed_out", "lost", "start_failed")
+
+
+def backoff_ms(base_ms: int, attempt_no: int) -> int:
+    """Delay before attempt ``attempt_no + 1``: ``base * 2**(attempt_no-1)``, capped at 1 day."""
+    return min(base_ms * (2 ** max(0, attempt_no - 1)), 86_400_000)

@@ -1,0 +1,101 @@
+"""Launch-plan materialisation in the fixed order of ADR-0071 §4.
+
+1 re-read the exact candidate → 2 pinned execution revision → 3 context recipe →
+4 de-duplicated secrets → 5 merged, frozen, bounded environment → 6 statvfs capacity and
+profile quota/reserve → 7 private log Artifact → 8 (the caller) start command to the
+coordinator. Nothing exists on disk or in the process table before step 7; any refusal
+before it leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..core import limits as L
+from ..core.dispatch import Candidate, LaunchCommand, Plan
+from ..core.errors import UnavailableError
+from ..core.ports import Admission, ArtifactPort, DispatchStore
+from ..core.profiles import Profile
+
+
+class Prepared(msgspec.Struct, frozen=True):
+    """Outcome of one materialisation.
+
+    ``kind``: ``ready`` (``command`` set), ``skip`` (race lost or the Run must wait: try the
+    next candidate) or ``unavailable`` (report to the caller; nothing was created).
+    """
+
+    kind: str
+    reason: str | None = None
+    command: LaunchCommand | None = None
+
+
+def identity_env(c: Candidate, plan: Plan) -> dict[str, str]:
+    """The ``QL3_*`` run identity every task sees (names reserved by ADR-0071 §2)."""
+    return {"QL3_RUN_ID": c.run_id, "QL3_ATTEMPT_ID": c.attempt_id, "QL3_PROJECT_ID": c.project_id,
+            "QL3_TASK_ID": c.task_id, "QL3_TASK_NAME": plan.task_name, "QL3_TASK_REVISION": str(c.task_revision)}
+
+
+def freeze_env(public: dict[str, str], secrets: dict[str, str], identity: dict[str, str]) -> dict[str, str]:
+    """Step 5: merge recipe values, secret values and identity; enforce the kernel's bounds.
+
+    Raises UnavailableError(code="env_too_large") — without the offending value — when an
+    entry passes MAX_ARG_STRLEN or the whole passes MAX_ENV_TOTAL.
+    """
+    env = {**public, **secrets, **identity}
+    total = 0
+    for k, v in env.items():
+        n = len(k.encode()) + len(v.encode("utf-8", "surrogateescape")) + 2
+        if n > L.MAX_ARG_STRLEN:
+            raise UnavailableError(f"environment entry {k} is {n} bytes (limit {L.MAX_ARG_STRLEN})",
+                                   code="env_too_large", field=k)
+        total += n
+    if total > L.MAX_ENV_TOTAL:
+        raise UnavailableError(f"environment is {total} bytes (limit {L.MAX_ENV_TOTAL})", code="env_too_large")
+    return dict(sorted(env.items()))
+
+
+class Materializer:
+    """Turns one candidate into a LaunchCommand, or says why not (see module docstring)."""
+
+    def __init__(self, store: DispatchStore, artifacts: ArtifactPort, admission: Admission, profile: Profile) -> None:
+        self._store = store
+        self._artifacts = artifacts
+        self._admission = admission
+        self._profile = profile
+
+    def discard(self, artifact_path: str) -> None:
+        """Remove a log file allocated by a pass that then lost the claim race."""
+        self._artifacts.discard(artifact_path)
+
+    def prepare(self, c: Candidate) -> Prepared:
+        if not self._store.reread(c):                                   # 1
+            return Prepared("skip", "race_lost")
+        plan, missing = self._store.load_plan(c)                        # 2, 3
+        if plan is None:
+            self._store.fail_unlaunched(c, missing, None)
+            return Prepared("unavailable", missing)
+        blocked = self._admission.run_block(c, plan)
+        if blocked:
+            return Prepared("skip", blocked)
+        try:
+            plain = self._store.resolve_secrets(c.project_id, list(plan.recipe.secret_refs.values()))   # 4
+            secret_env = {env: plain[name].decode("utf-8", "surrogateescape")
+                          for env, name in plan.recipe.secret_refs.items()}
+            del plain
+            env = freeze_env(plan.recipe.public, secret_env, identity_env(c, plan))                    # 5
+        except UnavailableError as e:
+            self._store.fail_unlaunched(c, e.code, plan.retry)
+            return Prepared("unavailable", e.code)
+        quota = self._profile.log_max_bytes
+        refused = self._artifacts.admit(quota)                          # 6
+        if refused:
+            return Prepared("unavailable", refused)
+        try:
+            path = self._artifacts.allocate(c.attempt_id)               # 7
+        except FileExistsError:
+            return Prepared("skip", "race_lost")
+        return Prepared("ready", command=LaunchCommand(
+            candidate=c, argv=tuple(plan.execution.launch_argv()), env=env, cwd=plan.execution.cwd,
+            artifact_path=path, quota_bytes=quota, timeout_ms=plan.timeout_ms, grace_ms=plan.grace_ms,
+            retry=plan.retry))

@@ -1,0 +1,192 @@
+"""LocalExecutionCoordinator: the only owner of Attempt/Run transitions after dispatch.
+
+It starts a launcher wrapper for a LaunchCommand (after winning the claimed → starting CAS),
+consumes completion receipts, enforces timeouts (SIGTERM to the task's process group and every
+escaped descendant, SIGKILL after the grace), carries out cancellation and the shutdown drain,
+and reconciles every starting/running Attempt on restart: receipt → ingest; wrapper alive
+(PID + start time) → re-attach; otherwise → ``lost``. It has no timer or thread: the service
+loop asks ``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+from ..core import states
+from ..core.dispatch import Finish, LaunchCommand
+from ..core.ports import ExecutionStore, ProcessPort
+
+POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
+
+
+class LiveRun:
+    """In-memory view of one running Attempt (the store stays the authority)."""
+
+    __slots__ = ("run_id", "attempt_id", "task_id", "revision", "wrapper_pid", "create_time", "pidfd",
+                 "deadline_us", "grace_us", "kill_reason", "kill_at_us", "retry")
+
+    def __init__(self, run_id, attempt_id, task_id, revision, wrapper_pid, create_time, pidfd, deadline_us,
+                 grace_us, retry) -> None:
+        self.run_id, self.attempt_id, self.task_id, self.revision = run_id, attempt_id, task_id, revision
+        self.wrapper_pid, self.create_time, self.pidfd = wrapper_pid, create_time, pidfd
+        self.deadline_us, self.grace_us, self.retry = deadline_us, grace_us, retry
+        self.kill_reason: str | None = None
+        self.kill_at_us: int | None = None
+
+
+class LocalExecutionCoordinator:
+    def __init__(self, store: ExecutionStore, procs: ProcessPort, clock_us: Callable[[], int],
+                 log: Callable[..., None] = lambda *a, **k: None) -> None:
+        self._store = store
+        self._procs = procs
+        self._now = clock_us
+        self._log = log
+        self.live: dict[str, LiveRun] = {}
+
+    # ---- start ---------------------------------------------------------------------------
+    def start(self, cmd: LaunchCommand) -> tuple[str, str | None]:
+        """ADR-0071 §4 step 8. Returns ("activated", None), ("race_lost", None) or
+        ("launch_failed", reason). Spawns at most once per Attempt: the CAS comes first."""
+        c = cmd.candidate
+        if not self._store.claim_starting(c, cmd.artifact_path):
+            return "race_lost", None
+        try:
+            pid, ctime = self._procs.spawn(c.attempt_id, cmd.argv, cmd.env, cmd.cwd, cmd.artifact_path,
+                                           cmd.quota_bytes)
+        except OSError as e:
+            reason = f"spawn_failed:{e.errno}"
+            self._store.finish(c.run_id, c.attempt_id, Finish("start_failed", failure_reason=reason), None, cmd.retry)
+            self._log("err", "run.launch_failed", run=c.run_id, reason=reason)
+            return "launch_failed", reason
+        now = self._now()
+        deadline = now + cmd.timeout_ms * 1000
+        self._store.mark_running(c, pid, ctime, deadline)
+        self.live[c.attempt_id] = LiveRun(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
+                                          self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry)
+        self._log("info", "run.started", run=c.run_id, attempt=c.attempt_id, pid=pid)
+        return "activated", None
+
+    # ---- completion ----------------------------------------------------------------------
+    def on_exit(self, attempt_id: str) -> str | None:
+        """The wrapper ended: ingest its receipt and truncation fact; returns the Run state."""
+        lr = self.live.pop(attempt_id, None)
+        if lr is None:
+            return None
+        self._procs.reap(lr.wrapper_pid)
+        receipt, trunc = self._procs.collect(attempt_id)
+        if receipt is None:
+            # Wrapper died without a receipt: stop whatever it left and call the Attempt lost.
+            self._procs.signal_run(attempt_id, None, signal.SIGKILL)
+            f = Finish("lost", failure_reason="wrapper_died")
+        else:
+            f = self._finish_from_receipt(receipt, lr.kill_reason)
+        retry = lr.retry or self._store.retry_policy(lr.task_id, lr.revision)
+        state = self._store.finish(lr.run_id, attempt_id, f, trunc, retry)
+        self._procs.cleanup(attempt_id)
+        if lr.pidfd is not None:
+            os.close(lr.pidfd)
+        self._log("info" if state == "succeeded" else "warning", f"run.{state}", run=lr.run_id,
+                  exit=f.exit_code, signal=f.exit_signal)
+        return state
+
+    @staticmethod
+    def _finish_from_receipt(r: dict, kill_reason: str | None) -> Finish:
+        st = states.outcome(r.get("exit_code"), r.get("signal"), r.get("start_error"), kill_reason)
+        return Finish(st, exit_code=r.get("exit_code"), exit_signal=r.get("signal"), bytes_kept=r.get("bytes_kept"),
+                      bytes_dropped=r.get("bytes_dropped"), peak_rss_bytes=r.get("peak_rss_bytes"),
+                      cpu_time_us=r.get("cpu_time_us"), ended_at_us=r.get("ended_at_us"),
+                      failure_reason=("exec_failed" if r.get("start_error") else kill_reason))
+
+    # ---- time, cancellation, shutdown ----------------------------------------------------
+    def _stop(self, lr: LiveRun, reason: str, now: int, grace_us: int | None = None) -> None:
+        if lr.kill_reason is None:
+            lr.kill_reason = reason
+            lr.kill_at_us = now + (lr.grace_us if grace_us is None else grace_us)
+            n = self._procs.signal_run(lr.attempt_id, lr.wrapper_pid, signal.SIGTERM)
+            self._log("notice", "run.stopping", run=lr.run_id, reason=reason, signalled=n)
+
+    def tick(self) -> None:
+        """Enforce deadlines and SIGKILL escalations that are due; poll exits without pidfd."""
+        now = self._now()
+        for lr in list(self.live.values()):
+            if lr.kill_at_us is not None and now >= lr.kill_at_us:
+                self._procs.signal_run(lr.attempt_id, lr.wrapper_pid, signal.SIGKILL)
+                lr.kill_at_us = None
+            elif lr.kill_reason is None and lr.deadline_us is not None and now >= lr.deadline_us:
+                self._stop(lr, "timeout", now)
+            if lr.pidfd is None and not self._procs.alive(lr.wrapper_pid, lr.create_time):
+                self.on_exit(lr.attempt_id)
+
+    def next_wakeup_us(self) -> int | None:
+        """The earliest instant ``tick`` has work (deadline, escalation or a pidfd-less poll)."""
+        times = []
+        for lr in self.live.values():
+            if lr.kill_at_us is not None:
+                times.append(lr.kill_at_us)
+            elif lr.kill_reason is None and lr.deadline_us is not None:
+                times.append(lr.deadline_us)
+            if lr.pidfd is None:
+                times.append(self._now() + POLL_WITHOUT_PIDFD_US)
+        return min(times) if times else None
+
+    def sweep_cancels(self) -> int:
+        """Start stopping every live Run whose cancellation was requested; returns how many."""
+        wanted = self._store.cancel_requested()
+        now = self._now()
+        n = 0
+        for aid in wanted:
+            lr = self.live.get(aid)
+            if lr is not None and lr.kill_reason is None:
+                self._stop(lr, "cancel", now)
+                n += 1
+        return n
+
+    def stop_all(self, reason: str, grace_us: int) -> None:
+        """Shutdown drain's last step: stop every live Run (SIGTERM now, SIGKILL after grace)."""
+        now = self._now()
+        for lr in list(self.live.values()):
+            self._stop(lr, reason, now, grace_us)
+
+    def pidfds(self) -> dict[int, str]:
+        """pidfd → attempt ID, for the service loop's selector."""
+        return {lr.pidfd: aid for aid, lr in self.live.items() if lr.pidfd is not None}
+
+    # ---- restart recovery ----------------------------------------------------------------
+    def recover(self) -> dict[str, int]:
+        """Reconcile every starting/running Attempt left by a previous agent (see module doc).
+
+        Returns counts ``{"ingested", "reattached", "lost"}``.
+        """
+        counts = {"ingested": 0, "reattached": 0, "lost": 0}
+        cancels = self._store.cancel_requested()
+        for la in self._store.live_attempts():
+            if la.attempt_id in self.live:
+                continue
+            receipt, trunc = self._procs.collect(la.attempt_id)
+            alive = la.wrapper_pid is not None and self._procs.alive(la.wrapper_pid, la.wrapper_start_time or 0.0)
+            if receipt is not None and not alive:
+                self._store.finish(la.run_id, la.attempt_id, self._finish_from_receipt(receipt, None), trunc,
+                                   self._store.retry_policy(la.task_id, la.task_revision))
+                self._procs.cleanup(la.attempt_id)
+                counts["ingested"] += 1
+            elif alive:
+                _, grace_ms = self._store.timing(la.task_id, la.task_revision)
+                lr = LiveRun(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.wrapper_pid,
+                             la.wrapper_start_time, self._procs.watch(la.wrapper_pid), la.deadline_at_us,
+                             grace_ms * 1000, None)
+                self.live[la.attempt_id] = lr
+                if la.attempt_id in cancels:
+                    self._stop(lr, "cancel", self._now())
+                counts["reattached"] += 1
+            else:
+                self._procs.signal_run(la.attempt_id, None, signal.SIGKILL)
+                self._store.finish(la.run_id, la.attempt_id, Finish("lost", failure_reason="agent_restart"), None,
+                                   self._store.retry_policy(la.task_id, la.task_revision))
+                self._procs.cleanup(la.attempt_id)
+                counts["lost"] += 1
+        return counts
+
+    def __repr__(self) -> str:
+        return f"LocalExecutionCoordinator(live={len(self.live)})"

@@ -1,0 +1,140 @@
+"""Agent configuration: ``/etc/qlagent/qlagent.toml`` validated strictly with msgspec.
+
+Precedence (lowest → highest): built-in defaults, the config file (``--config`` or
+``QLAGENT_CONFIG``, default ``/etc/qlagent/qlagent.toml`` if it exists), environment
+(``QLAGENT_STATE_DIR``, ``QLAGENT_PROFILE``), command-line flags. Unknown keys are errors
+that name the key. Durations in seconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+
+import msgspec
+
+from ..core.errors import ValidationError
+from ..core.profiles import Profile, get_profile
+
+DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
+DEFAULT_HTTP_PORT = 7380
+
+
+class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    listen: str | None = None              # "HOST:PORT"; None keeps TCP off
+    unix_socket: str | None = None
+    max_in_flight: int | None = None       # default: the Profile's
+    max_body_bytes: int | None = None      # default: the Profile's
+    read_timeout_s: float = 5.0
+
+
+class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    keep_per_task: int = 20                # newest log Artifacts kept per Task
+    max_total_bytes: int | None = None     # default: the Profile's artifact_total_bytes
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    profile: str = "edge"
+    project: str = "default"
+    state_dir: str | None = None
+    artifact_dir: str | None = None
+    secret_key_file: str | None = None
+    drain_grace_s: float = 20.0
+    kill_grace_s: float = 5.0
+    max_concurrent_runs: int | None = None
+    http: HttpConfig | None = None
+    retention: RetentionConfig = RetentionConfig()
+
+
+class Settings(msgspec.Struct, frozen=True):
+    """Resolved configuration with every path absolute."""
+
+    config: Config
+    config_path: str | None
+    profile: Profile
+    state_dir: str
+    db_path: str
+    artifact_dir: str
+    runs_dir: str
+    key_file: str
+    control_socket: str
+
+
+def default_state_dir() -> str:
+    """``/var/lib/qlagent`` for root, else ``$XDG_STATE_HOME/qlagent`` (``~/.local/state/qlagent``)."""
+    if os.geteuid() == 0:
+        return "/var/lib/qlagent"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "qlagent")
+
+
+def load_config(path: str | None) -> tuple[Config, str | None]:
+    """Parse and validate a config file (``path=None``: the default if present, else defaults).
+
+    Raises ValidationError naming the file and key for unknown keys, wrong types or bad values.
+    """
+    explicit = path is not None
+    path = path or os.environ.get("QLAGENT_CONFIG") or DEFAULT_CONFIG
+    explicit = explicit or "QLAGENT_CONFIG" in os.environ
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if explicit:
+            raise ValidationError("config", f"{path} does not exist") from None
+        return Config(), None
+    except tomllib.TOMLDecodeError as e:
+        raise ValidationError("config", f"{path}: {e}") from None
+    try:
+        cfg = msgspec.convert(data, Config, strict=True)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = re.search(r"field `([^`]+)`", msg)
+        at = msg.rsplit("- at `$", 1)[1].rstrip("`").lstrip(".") if "- at `$" in msg else ""
+        key = ".".join(x for x in (at, m.group(1) if m else "") if x) or "config"
+        raise ValidationError(key, f"{path}: {msg.split(' - at ')[0]}") from None
+    validate(cfg)
+    return cfg, path
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` or ``"[v6]:PORT"`` → (host, port); ValidationError(field="http.listen")."""
+    m = re.match(r"^\[([0-9a-fA-F:.]+)\]:(\d+)$", value) or re.match(r"^([^:\[\]]+):(\d+)$", value)
+    if not m or not (0 <= int(m.group(2)) <= 65535):
+        raise ValidationError("http.listen", f"{value!r} is not HOST:PORT")
+    return m.group(1), int(m.group(2))
+
+
+def validate(cfg: Config) -> None:
+    get_profile(cfg.profile)
+    if not (0 <= cfg.drain_grace_s <= 600):
+        raise ValidationError("drain_grace_s", f"{cfg.drain_grace_s} outside 0..600 seconds", limit="0..600")
+    if not (0 <= cfg.kill_grace_s <= 60):
+        raise ValidationError("kill_grace_s", f"{cfg.kill_grace_s} outside 0..60 seconds", limit="0..60")
+    if cfg.max_concurrent_runs is not None and not (1 <= cfg.max_concurrent_runs <= 64):
+        raise ValidationError("max_concurrent_runs", "outside 1..64", limit="1..64")
+    if cfg.retention.keep_per_task < 1:
+        raise ValidationError("retention.keep_per_task", "must be at least 1")
+    if cfg.http is not None and cfg.http.listen is not None:
+        parse_listen(cfg.http.listen)
+    for key in ("state_dir", "artifact_dir", "secret_key_file"):
+        v = getattr(cfg, key)
+        if v is not None and not os.path.isabs(v):
+            raise ValidationError(key, f"{v!r} must be an absolute path")
+
+
+def resolve(config_path: str | None = None, *, state_dir: str | None = None, profile: str | None = None) -> Settings:
+    """Load the config and apply environment and flag overrides; see the module docstring."""
+    cfg, used = load_config(config_path)
+    prof_name = profile or os.environ.get("QLAGENT_PROFILE") or cfg.profile
+    if prof_name != cfg.profile:
+        cfg = msgspec.structs.replace(cfg, profile=prof_name)
+        validate(cfg)
+    sd = os.path.abspath(state_dir or os.environ.get("QLAGENT_STATE_DIR") or cfg.state_dir or default_state_dir())
+    return Settings(config=cfg, config_path=used, profile=get_profile(prof_name), state_dir=sd,
+                    db_path=os.path.join(sd, "qlagent.db"),
+                    artifact_dir=cfg.artifact_dir or os.path.join(sd, "artifacts"),
+                    runs_dir=os.path.join(sd, "runs"),
+                    key_file=cfg.secret_key_file or os.path.join(sd, "secret.key"),
+                    control_socket=os.path.join(sd, "control.sock"))
