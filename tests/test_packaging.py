@@ -279,8 +279,8 @@ def test_uci_http_listen_and_quoting(uci_env):
 
 @pytest.mark.parametrize("option,value,message", [
     ("profile", "huge", "option profile must be edge or standalone, got 'huge'"),
-    ("drain_grace_s", "20s", "option drain_grace_s must be a whole number of seconds 0..3600, got '20s'"),
-    ("drain_grace_s", "9999", "option drain_grace_s must be a whole number of seconds 0..3600, got '9999'"),
+    ("drain_grace_s", "20s", "option drain_grace_s must be a whole number of seconds 0..600, got '20s'"),
+    ("drain_grace_s", "9999", "option drain_grace_s must be a whole number of seconds 0..600, got '9999'"),
     ("state_dir", "relative/dir", "option state_dir must be an absolute path, got 'relative/dir'"),
     ("http_listen", "localhost", "option http_listen must be host:port or empty, got 'localhost'"),
 ])
