@@ -144,6 +144,9 @@ def prepare_recipe(prefix: str, env: dict[str, str], secrets: dict[str, str]) ->
         refs[key] = name
     if total > L.MAX_ENV_TOTAL:
         raise ValidationError(f"{prefix}env", f"environment needs up to {total} bytes", limit=L.MAX_ENV_TOTAL)
+    # A task gets a conventional PATH unless its recipe sets one: it is part of the recipe (and
+    # so of the digest), never inherited from the agent's own environment.
+    public.setdefault("PATH", L.DEFAULT_PATH)
     recipe = ContextRecipe(public=dict(sorted(public.items())), secret_refs=dict(sorted(refs.items())))
     return recipe, recipe_ref(content_digest(recipe_document(recipe)))
 
@@ -232,7 +235,7 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
     schedules = []
     for i, line in enumerate(lines):
         try:
-            schedules.append(parse_schedule(line).text)
+            schedules.append(" ".join(parse_schedule(line).source.split()))
         except ScheduleError as e:
             raise ValidationError(f"{p}schedule[{i}].{e.field}", str(e), limit=getattr(e, "limit", None)) from None
     tz = None

@@ -30,3 +30,4 @@ MAX_TASK_FILE_BYTES = 4 * 1_048_576
 
 SHELL_ALLOWLIST = ("/bin/sh", "/bin/bash")
 RESERVED_ENV_PREFIX = "QL3_"
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -17,7 +17,7 @@ class ScheduleError(ValueError):
 
 class Schedule:
     def __init__(self, text: str):
-        self.text = text
+        self.source = text
 
 
 def parse_schedule(line: str) -> Schedule:
@@ -43,9 +43,9 @@ def validate_timezone(name: str) -> str:
 
 
 def next_fire(schedule: Schedule, after_utc_us: int, tz: str | None):
-    if schedule.text.startswith("@"):
+    if schedule.source.startswith("@"):
         return None
     z = zoneinfo.ZoneInfo(tz) if tz else timezone.utc
     start = datetime.fromtimestamp(after_utc_us / 1e6, z)
-    it = CronSim(schedule.text, start)
+    it = CronSim(schedule.source, start)
     return int(next(it).timestamp() * 1e6)

@@ -1,10 +1,10 @@
 """The Run/Attempt state machine (pure). Every transition the coordinator makes is checked here.
 
 Run:     queued → starting → running → succeeded | failed | timed_out | cancelled | lost
-         queued → cancelled;  starting → failed (launch failure);  any live → queued (retry,
+         queued → cancelled;  queued → failed (its plan can never launch: secret or revision missing);  starting → failed (launch failure);  any live → queued (retry,
          with a new claimed Attempt).
 Attempt: claimed → starting → running → succeeded | failed | timed_out | cancelled | lost;
-         claimed → cancelled;  starting|running → start_failed (the wrapper could not exec the task).
+         claimed → cancelled | start_failed;  starting|running → start_failed (the wrapper could not exec the task).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ RUN_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost
 ATTEMPT_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed"})
 
 _RUN = {
-    "queued": {"starting", "cancelled"},
+    "queued": {"starting", "cancelled", "failed"},
     "starting": {"running", "failed", "queued", "cancelled", "lost"},
     "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "queued"},
 }
 _ATTEMPT = {
-    "claimed": {"starting", "cancelled"},
+    "claimed": {"starting", "cancelled", "start_failed"},
     "starting": {"running", "start_failed", "lost", "cancelled"},
     "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed"},
 }

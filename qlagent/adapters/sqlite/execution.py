@@ -169,10 +169,16 @@ def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Fi
     attempt_no = a[1]
     if (retry is not None and states.retryable(f.attempt_state) and run[1] is None
             and attempt_no < retry.max_attempts):
-        new_id_ = _new_attempt(conn, run_id, attempt_no + 1, now_us + states.backoff_ms(retry.backoff_ms, attempt_no) * 1000,
-                               now_us)
-        seq = _bump(conn, run_id, run[0], "queued", None, now_us, latest_attempt_id=new_id_,
-                    latest_attempt_created_at_us=now_us)
+        new_id_ = _new_attempt(conn, run_id, attempt_no + 1,
+                               now_us + states.backoff_ms(retry.backoff_ms, attempt_no) * 1000, now_us)
+        if run[0] == "queued":      # never left the queue (unlaunchable): only the Attempt changes
+            conn.execute("UPDATE runs SET version = version + 1, event_sequence = event_sequence + 1, "
+                         "latest_attempt_id = ?, latest_attempt_created_at_us = ?, updated_at_us = ? "
+                         "WHERE run_id = ?", (new_id_, now_us, now_us, run_id))
+            seq = conn.execute("SELECT event_sequence FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
+        else:
+            seq = _bump(conn, run_id, run[0], "queued", None, now_us, latest_attempt_id=new_id_,
+                        latest_attempt_created_at_us=now_us)
         append_event(conn, run_id, seq, "run.retry_queued", "coordinator", {**figures, "nextAttemptId": new_id_}, now_us)
         return "queued"
     run_state = "failed" if f.attempt_state == "start_failed" else f.attempt_state
@@ -207,10 +213,10 @@ def live_attempts(conn: sqlite3.Connection) -> list[LiveAttempt]:
         "JOIN runs r ON r.run_id = a.run_id WHERE a.state IN ('starting','running')")]
 
 
-def claimed_with_artifact(conn: sqlite3.Connection) -> list[str]:
-    """Artifact paths of Attempts still claimed (a crash between allocation and claim left them)."""
-    return [r[0] for r in conn.execute(
-        "SELECT artifact_path FROM attempts WHERE state = 'claimed' AND artifact_path IS NOT NULL")]
+def claimed_attempt_ids(conn: sqlite3.Connection) -> list[str]:
+    """Attempts still claimed: a crash between Artifact allocation and the claim may have left
+    their (deterministic) log file behind, which recovery removes."""
+    return [r[0] for r in conn.execute("SELECT attempt_id FROM attempts WHERE state = 'claimed'")]
 
 
 def request_cancel(conn: sqlite3.Connection, run_id: str, actor: str, now_us: int) -> str:

@@ -1,0 +1,39 @@
+"""``run start --wait``: wait for a Run to end, through the service or on our own.
+
+With a service running (it holds the state directory's lock) the CLI only watches the store.
+Without one, the CLI runs the same engine in-process until the Run ends — the store stays the
+single authority either way.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..core.errors import UnavailableError
+from ..core.models import Run
+from .runs import RunService
+
+POLL_S = 0.2   # the CLI's own wait; the agent itself never polls
+
+
+def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
+    """Block until ``run_id`` is terminal; returns it. UnavailableError on timeout."""
+    from ..service.main import Service, service_running
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    svc = RunService(store)
+    if not service_running(settings.state_dir):
+        store.close()       # the inline engine opens its own authority on the same file
+        Service(settings, inline_run=run_id).run()
+        from .store import LocalStore
+        reopened = LocalStore(settings.db_path, settings.config.project)
+        try:
+            return RunService(reopened).get(run_id)
+        finally:
+            reopened.close()
+    while True:
+        run = svc.get(run_id)
+        if run.state not in ("queued", "starting", "running"):
+            return run
+        if deadline is not None and time.monotonic() >= deadline:
+            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s} s", code="wait_timeout")
+        time.sleep(POLL_S)

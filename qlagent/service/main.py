@@ -1,0 +1,395 @@
+"""``qlagent serve``: one selectors main loop that is idle when idle.
+
+It sleeps until the next of: a cron due time, a run deadline or kill escalation, a retry
+backoff, the watchdog ping, a wrapper exit (pidfd), a control-socket poke, an HTTP request, a
+netlink event or a signal — no fixed-interval polling. After each wake-up it fires due
+schedules, sweeps cancellations, enforces deadlines and calls the dispatcher until it reports
+no candidate or a limit. systemd: READY=1 after migrations, capability check and recovery;
+WATCHDOG=1 only after a healthy iteration; STOPPING=1 then a bounded drain on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import selectors
+import signal
+import socket
+import time
+
+from ..application.engine import Engine
+from ..application.schedules import system_timezone
+from ..application.store import LocalStore, now_us
+from ..core.errors import QlError
+from . import control
+from .budget import BudgetMeter
+from .config import Settings, parse_listen, resolve
+from .journal import Journal
+from .notify import Notifier
+from .scheduler import Scheduler
+
+MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each activates ≤ 1 Run)
+CAPACITY_REASONS = {"low_space", "artifact_quota_full", "quota_too_large"}
+RECHECK_BLOCKED_US = 10_000_000    # re-try admission this long after a capacity/budget refusal
+
+
+class ServiceLock:
+    """``state_dir/service.lock`` held with flock while a service (or inline runner) owns it."""
+
+    def __init__(self, state_dir: str) -> None:
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        self.path = os.path.join(state_dir, "service.lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def try_acquire(self) -> bool:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def service_running(state_dir: str) -> bool:
+    """True if a service holds the state directory's lock."""
+    lock = ServiceLock(state_dir)
+    try:
+        if lock.try_acquire():
+            return False
+        return True
+    finally:
+        lock.close()
+
+
+class Service:
+    def __init__(self, settings: Settings, *, listen: str | None = None, exit_after_s: float | None = None,
+                 inline_run: str | None = None, clock_us=now_us) -> None:
+        self.settings = settings
+        self.log = Journal()
+        self.notify = Notifier() if inline_run is None else _NoNotify()
+        self.inline_run = inline_run
+        self._listen = listen
+        self._exit_after_s = exit_after_s
+        self._now = clock_us
+        self.sel = selectors.DefaultSelector()
+        self.stop_requested = False
+        self.reload_requested = False
+        self.poked = True
+        self.draining = False
+        self.drain_deadline_us: int | None = None
+        self.kill_deadline_us: int | None = None
+        self.recheck_us: int | None = None
+        self.exit_at_us: int | None = None
+        self.http = None
+        self.netgate = None
+        self._signals: list[int] = []
+        self._last_extend_us = 0
+
+    # ---- start-up --------------------------------------------------------------------------
+    def _open(self) -> None:
+        s = self.settings
+        self.store = LocalStore(s.db_path, s.config.project)
+        self.budget = BudgetMeter(s.profile) if self.inline_run is None else None
+        max_conc = s.config.max_concurrent_runs or s.profile.max_concurrent_runs
+        self.engine = Engine(self.store, profile=s.profile, artifact_dir=s.artifact_dir, runs_dir=s.runs_dir,
+                             key_file=s.key_file, max_concurrent=max_conc, log=self.log, budget=self.budget,
+                             clock_us=self._now)
+        self.scheduler = Scheduler(self.store, system_timezone(), self._now, self.log)
+
+    def _install_signals(self) -> None:
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        self._sig_r, self._sig_w = r, w
+        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda n, f: self._signals.append(n))
+        self.sel.register(r, selectors.EVENT_READ, ("signal", None))
+
+    def _network_needed(self) -> bool:
+        from ..adapters.sqlite import definitions as defs
+        heads = self.store.read(lambda c: defs.list_heads(c, None))
+        return any(h.enabled and h.definition.network.require != "none" for h in heads)
+
+    def _ensure_netgate(self) -> None:
+        """Import pyroute2 (≈18 MB) only once some enabled task needs the network gate."""
+        if self.netgate is not None or not self._network_needed():
+            return
+        from .netgate import NetworkGate
+        self.netgate = NetworkGate()
+        self.engine.admission.network = self.netgate
+        self.sel.register(self.netgate.fileno(), selectors.EVENT_READ, ("netlink", None))
+        self.log("info", "netgate.started", default_route=self.netgate.satisfied("default_route", None))
+
+    def _start_http(self) -> None:
+        cfg = self.settings.config.http
+        listen = self._listen or (cfg.listen if cfg else None)
+        unix = cfg.unix_socket if cfg else None
+        if not listen and not unix:
+            return
+        from ..http.service import HttpSurface     # the optional surface: imported only when on
+        self.http = HttpSurface(self.settings, self.store, self.engine, self.log, on_change=self._poke_self)
+        if listen:
+            host, port = parse_listen(listen)
+            self.http.listen_tcp(host, port)
+        if unix:
+            self.http.listen_unix(unix)
+        self.http.register(self.sel)
+        self.log("info", "http.listening", address=listen, unix=unix)
+
+    def _poke_self(self) -> None:
+        self.poked = True
+
+    # ---- main loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        lock = ServiceLock(self.settings.state_dir)
+        if not lock.try_acquire():
+            self.log("err", "service.already_running", state_dir=self.settings.state_dir)
+            lock.close()
+            return 1
+        try:
+            return self._run()
+        except QlError as e:
+            self.log("err", "service.failed", code=e.code, error=str(e))
+            return 1
+        finally:
+            lock.close()
+
+    def _run(self) -> int:
+        started = self._now()
+        self._open()
+        counts = self.engine.recover() if self.inline_run is None else {}
+        if self.inline_run is None:
+            self.ctl = control.bind(self.settings.control_socket)
+            self.sel.register(self.ctl, selectors.EVENT_READ, ("control", None))
+            self._install_signals()
+            self.scheduler.reload()
+            self.scheduler.fire_boot(started)
+            self._ensure_netgate()
+            self._start_http()
+        if self._exit_after_s is not None:
+            self.exit_at_us = started + int(self._exit_after_s * 1e6)
+        self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
+                 recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get("lost"))
+        self.notify.ready(self._status())
+        try:
+            while True:
+                self._iteration()
+                if self._done():
+                    break
+        finally:
+            self._close()
+        self.log("info", "service.stopped")
+        return 0
+
+    def _done(self) -> bool:
+        if self.inline_run is not None:
+            from ..application.runs import RunService
+            return RunService(self.store).get(self.inline_run).state not in ("queued", "starting", "running")
+        return self.draining and self.engine.live_count() == 0
+
+    def _close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+        if self.netgate is not None:
+            self.netgate.close()
+        if self.inline_run is None:
+            try:
+                os.unlink(self.settings.control_socket)
+            except OSError:
+                pass
+            signal.set_wakeup_fd(-1)
+        self.store.close()
+
+    def _timeout_s(self) -> float | None:
+        now = self._now()
+        times = [t for t in (
+            None if self.draining else self.scheduler.next_wake_us,
+            self.engine.next_wakeup_us(), self.notify.next_ping_us(now), self.drain_deadline_us,
+            self.kill_deadline_us, self.recheck_us, self.exit_at_us,
+            self.http.next_timeout_us(now) if self.http is not None else None,
+            (self._last_extend_us + 5_000_000) if self.draining else None,
+        ) if t is not None]
+        if self.poked:
+            return 0
+        if not times:
+            return None
+        return max(0.0, (min(times) - now) / 1e6)
+
+    def _iteration(self) -> None:
+        for key, mask in self.sel.select(self._timeout_s()):
+            kind, data = key.data
+            if kind == "signal":
+                self._drain_signal_fd()
+            elif kind == "control":
+                control.drain(self.ctl)
+                self.poked = True
+            elif kind == "pidfd":
+                self.sel.unregister(key.fileobj)
+                state = self.engine.on_exit(data)
+                if state is not None:
+                    self._after_run_end()
+            elif kind == "netlink":
+                if self.netgate.process():
+                    self.poked = True
+            elif kind == "http":
+                self.http.handle_event(key, mask)
+        self._handle_signals()
+        now = self._now()
+        if self.exit_at_us is not None and now >= self.exit_at_us and not self.draining:
+            self.stop_requested = True
+        if self.stop_requested and not self.draining:
+            self._begin_drain(now)
+        if self.reload_requested:
+            self._reload()
+        poked, self.poked = self.poked, False
+        if not self.draining and self.inline_run is None:
+            nw = self.scheduler.next_wake_us
+            if poked or nw is None or now >= nw:
+                self.scheduler.fire_due()
+        if poked:
+            self.engine.sweep_cancels()
+        self.engine.tick()
+        if self.draining:
+            self._drain_step(now)
+        else:
+            self._dispatch(now)
+        self._sync_pidfds()
+        if self.http is not None:
+            self.http.tick(now)
+        self.notify.ping_if_due(self._now())       # only reached after a healthy iteration
+        self.notify.status(self._status())
+
+    def _drain_signal_fd(self) -> None:
+        try:
+            while self._sig_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _handle_signals(self) -> None:
+        sigs, self._signals = self._signals, []
+        for s in sigs:
+            if s in (signal.SIGTERM, signal.SIGINT):
+                self.stop_requested = True
+            elif s == signal.SIGHUP:
+                self.reload_requested = True
+
+    def _reload(self) -> None:
+        self.reload_requested = False
+        self.notify.reloading()
+        try:
+            new = resolve(self.settings.config_path, state_dir=self.settings.state_dir,
+                          profile=self.settings.profile.name)
+            self.settings = new
+            self.engine.admission.max_concurrent = new.config.max_concurrent_runs or new.profile.max_concurrent_runs
+            self.log("info", "config.reloaded", file=new.config_path)
+        except QlError as e:
+            self.log("err", "config.reload_failed", error=str(e))
+        n = self.scheduler.reload()
+        self._ensure_netgate()
+        self.notify.send("READY=1")
+        self.log("info", "schedule.reloaded", tasks=n)
+        self.poked = True
+
+    def _dispatch(self, now: int) -> None:
+        self.recheck_us = None
+        for _ in range(MAX_PASSES_PER_WAKE):
+            r = self.engine.dispatcher.dispatch_once()
+            if r.status == "activated":
+                continue
+            if r.status == "more":
+                continue
+            if r.status == "unavailable" and r.reason not in CAPACITY_REASONS:
+                self.log("warning", "run.unavailable", run=r.run_id, reason=r.reason)
+                continue
+            if r.status == "unavailable" or (r.status == "limited" and r.reason in ("pids", "memory")):
+                self.log("warning", "dispatch.refused", reason=r.reason)
+                self.recheck_us = now + RECHECK_BLOCKED_US
+            elif r.status == "launch_failed":
+                self.log("err", "run.launch_failed", run=r.run_id, reason=r.reason)
+            break
+        if self.scheduler.created or self.scheduler.skipped:
+            self.scheduler.created = self.scheduler.skipped = 0
+
+    def _sync_pidfds(self) -> None:
+        registered = {k.fileobj for k in self.sel.get_map().values() if k.data[0] == "pidfd"}
+        for fd, aid in self.engine.pidfds().items():
+            if fd not in registered:
+                self.sel.register(fd, selectors.EVENT_READ, ("pidfd", aid))
+
+    def _after_run_end(self) -> None:
+        r = self.settings.config.retention
+        p = self.settings.profile
+        total = r.max_total_bytes or max(p.log_max_bytes, p.artifact_total_bytes - p.log_max_bytes * p.max_concurrent_runs)
+        pruned = self.engine.prune(r.keep_per_task, total)
+        if pruned:
+            self.log("info", "retention.pruned", logs=pruned)
+        self.poked = True          # a slot is free: dispatch again
+
+    # ---- drain -----------------------------------------------------------------------------
+    def _begin_drain(self, now: int) -> None:
+        self.draining = True
+        self.engine.admission.draining = True
+        grace = self.settings.config.drain_grace_s
+        self.drain_deadline_us = now + int(grace * 1e6)
+        self.notify.stopping()
+        self._extend(now)
+        self.log("notice", "service.draining", live=self.engine.live_count(), grace_s=grace)
+
+    def _extend(self, now: int) -> None:
+        cfg = self.settings.config
+        left_us = max(0, (self.drain_deadline_us or now) - now) + int((cfg.kill_grace_s + 5) * 1e6)
+        self.notify.extend_timeout(left_us)
+        self._last_extend_us = now
+
+    def _drain_step(self, now: int) -> None:
+        if self.engine.live_count() == 0:
+            return
+        if now - self._last_extend_us >= 5_000_000:
+            self._extend(now)
+        if self.drain_deadline_us is not None and now >= self.drain_deadline_us:
+            self.drain_deadline_us = None
+            kill_grace = self.settings.config.kill_grace_s
+            self.log("notice", "service.drain_expired", cancelling=self.engine.live_count())
+            self.engine.stop_all("shutdown", kill_grace)
+            self.kill_deadline_us = now + int((kill_grace + 2) * 1e6)
+        elif self.kill_deadline_us is not None and now >= self.kill_deadline_us:
+            # Everything got SIGKILL; a wrapper that still has not exited is not worth waiting for.
+            self.log("err", "service.drain_abandoned", live=self.engine.live_count())
+            self.engine.abandon_all()
+
+    def _status(self) -> str:
+        queued = self.store.read(lambda c: c.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0])
+        nw = self.scheduler.next_wake_us
+        parts = [f"running={self.engine.live_count()}", f"queued={queued}",
+                 "next=" + (time.strftime("%H:%M:%S", time.gmtime(nw / 1e6)) + "Z" if nw else "-")]
+        if self.budget is not None:
+            u = self.budget.usage(self.engine.live_pids())
+            parts.append(f"mem={u.rss_bytes // 1048576}/{self.settings.profile.memory_bytes // 1048576}MiB "
+                         f"pids={u.pids}/{self.settings.profile.pids}")
+        block = self.engine.admission.last_block
+        if block and block != "draining":
+            parts.append(f"blocked={block}")
+        if self.draining:
+            parts.append("draining")
+        return " ".join(parts)
+
+
+class _NoNotify:
+    def ready(self, status): pass
+    def status(self, status): pass
+    def stopping(self): pass
+    def extend_timeout(self, usec): pass
+    def reloading(self): pass
+    def send(self, *lines): pass
+    def next_ping_us(self, now_us): return None
+    def ping_if_due(self, now_us): return False
+
+
+def serve(settings: Settings, args) -> int:
+    """Entry of ``qlagent serve``; returns the process exit code (0 after a clean drain)."""
+    return Service(settings, listen=getattr(args, "listen", None),
+                   exit_after_s=getattr(args, "exit_after", None)).run()
