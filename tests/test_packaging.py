@@ -304,3 +304,73 @@ def test_shellcheck_clean():
     out = subprocess.run(["shellcheck", "-S", "style", *[str(REPO / s) for s in SHELL_SCRIPTS]],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
+
+
+# --- stop-post (ExecStopPost) in a real cgroup -------------------------------------------
+
+V1_SYSTEMD = Path("/sys/fs/cgroup/systemd")
+
+
+@pytest.fixture
+def unit_cgroup():
+    """A fresh cgroup in the v1 name=systemd hierarchy, standing in for qlagent.service's."""
+    if os.geteuid() != 0 or not (V1_SYSTEMD / "cgroup.procs").exists():
+        pytest.skip("needs root and the cgroup v1 name=systemd hierarchy at /sys/fs/cgroup/systemd")
+    cg = V1_SYSTEMD / f"qlagent-stoppost-{os.getpid()}"
+    cg.mkdir()
+    yield cg
+    for pid in (cg / "cgroup.procs").read_text().split():
+        try:
+            os.kill(int(pid), 9)
+        except ProcessLookupError:
+            pass
+    for _ in range(100):
+        try:
+            cg.rmdir()
+            break
+        except OSError:
+            import time
+            time.sleep(0.05)
+
+
+def spawn_in(cg: Path, argv: list[str]) -> subprocess.Popen:
+    def enter():
+        with open(cg / "cgroup.procs", "w") as f:
+            f.write("0")
+    # Like a run: its own session, so nothing but an explicit kill reaches it.
+    return subprocess.Popen(argv, preexec_fn=enter, start_new_session=True)
+
+
+def stop_post(cg: Path, result: str) -> subprocess.CompletedProcess:
+    def enter():
+        with open(cg / "cgroup.procs", "w") as f:
+            f.write("0")
+    return subprocess.run(["sh", str(REPO / "systemd" / "stop-post")], preexec_fn=enter, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", "SERVICE_RESULT": result}, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("result", ["watchdog", "signal", "exit-code", "core-dump"])
+def test_stop_post_keeps_runs_when_a_restart_follows(unit_cgroup, result):
+    run = spawn_in(unit_cgroup, ["sleep", "60"])
+    try:
+        assert stop_post(unit_cgroup, result).returncode == 0
+        assert run.poll() is None, f"SERVICE_RESULT={result} must leave the run for the restarted agent"
+    finally:
+        run.kill()
+        run.wait()
+
+
+@pytest.mark.parametrize("result", ["success", "timeout"])
+def test_stop_post_ends_every_run_process_on_a_real_stop(unit_cgroup, result):
+    polite = spawn_in(unit_cgroup, ["sleep", "60"])
+    # Ignores SIGTERM: only the SIGKILL after the 5 s grace ends it.
+    stubborn = spawn_in(unit_cgroup, ["sh", "-c", "trap '' TERM; while :; do sleep 0.2; done"])
+    outsider = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert stop_post(unit_cgroup, result).returncode == 0
+        assert polite.wait(timeout=5) == -15
+        assert stubborn.wait(timeout=5) == -9
+        assert outsider.poll() is None, "a process outside the unit's cgroup must not be touched"
+    finally:
+        outsider.kill()
+        outsider.wait()
