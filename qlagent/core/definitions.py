@@ -18,7 +18,7 @@ from .canonical import content_digest, recipe_ref
 from .errors import ValidationError
 from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, RetryPolicy,
                      TaskDefinition)
-from .schedule import ScheduleError, parse_schedule, validate_timezone
+from .schedule import ScheduleError, parse_schedules, validate_timezone
 
 POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -230,20 +230,16 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
         raise ValidationError(f"{p}name", f"must be 1..{L.MAX_TASK_NAME} of [a-z0-9._-], starting alphanumeric",
                               limit=L.MAX_TASK_NAME)
     lines = [t.schedule] if isinstance(t.schedule, str) else list(t.schedule)
-    if not lines:
-        raise ValidationError(f"{p}schedule", "empty; use '@once' for manual-only tasks")
-    schedules = []
-    for i, line in enumerate(lines):
-        try:
-            schedules.append(" ".join(parse_schedule(line).source.split()))
-        except ScheduleError as e:
-            raise ValidationError(f"{p}schedule[{i}].{e.field}", str(e), limit=getattr(e, "limit", None)) from None
+    try:
+        schedules = [" ".join(s.source.split()) for s in parse_schedules(lines)]
+    except ScheduleError as e:
+        raise ValidationError(f"{p}{e.field}", e.detail, limit=e.limit) from None
     tz = None
     if t.timezone is not None:
         try:
             tz = validate_timezone(t.timezone)
         except ScheduleError as e:
-            raise ValidationError(f"{p}timezone", str(e)) from None
+            raise ValidationError(f"{p}timezone", e.detail) from None
     timeout_ms = _ms(f"{p}timeout_s", t.timeout_s, 1, L.MAX_TIMEOUT_S)
     grace_ms = _ms(f"{p}grace_s", t.grace_s, 0, 300)
     if t.concurrency not in ("single", "parallel"):

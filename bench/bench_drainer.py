@@ -1,0 +1,269 @@
+"""Bench for the launcher wrapper (issue 3 item 4 and bench lines): drainer throughput vs `cat`
+through a FIFO, per-run overhead (extra PIDs, wrapper RSS/USS) of `python3 -I -S wrapper.py`
+vs a POSIX sh wrapper, and dispatch→exec latency of spawn_wrapper vs a bare os.posix_spawn.
+Every figure is printed with its baseline measured in the same run.
+
+Usage: python3 bench/bench_drainer.py [--mib 256] [--rounds 15]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from qlagent.adapters import processes  # noqa: E402
+
+MiB = 1024 * 1024
+PATH_ENV = {"PATH": "/usr/bin:/bin"}
+
+# The alternative measured against: the same job in POSIX sh (dash). Drains with head (quota)
+# then cat (discard), so it needs extra processes and cannot count bytes_total, time the
+# truncation fact, bound the linger or read the task's rusage.
+SH_WRAPPER = r"""
+rd=$1; art=$2; q=$3; shift 3
+mkfifo -m 600 "$rd/output.fifo"
+{ head -c "$q" >> "$art"; cat > /dev/null; } < "$rd/output.fifo" &
+drain=$!
+set -m
+"$@" > "$rd/output.fifo" 2>&1 < /dev/null &
+task=$!
+echo "$task" > "$rd/task.pid"
+wait "$task"; code=$?
+wait "$drain"
+printf '{"exit_code":%d,"bytes_kept":%d}' "$code" "$(wc -c < "$art")" > "$rd/receipt.tmp"
+mv "$rd/receipt.tmp" "$rd/receipt.json"
+rm -f "$rd/output.fifo"
+"""
+
+
+def new_run(base, quota, argv, linger=1.0):
+    attempt = str(uuid.uuid4())
+    run_dir = os.path.join(base, attempt)
+    os.mkdir(run_dir, 0o700)
+    artifact = os.path.join(base, attempt + ".log")
+    os.close(os.open(artifact, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return {"attempt_id": attempt, "argv": argv, "env": PATH_ENV, "cwd": "/", "run_dir": run_dir,
+            "artifact_path": artifact, "quota_bytes": quota, "linger_s": linger}
+
+
+def run_python_wrapper(spec):
+    h = processes.spawn_wrapper(spec)
+    assert h.popen.wait() == 0
+    h.close()
+    return processes.read_receipt(spec["run_dir"])
+
+
+def run_sh_wrapper(spec):
+    p = subprocess.Popen(["/bin/sh", "-c", SH_WRAPPER, "sh", spec["run_dir"], spec["artifact_path"],
+                          str(spec["quota_bytes"]), *spec["argv"]], env=PATH_ENV, cwd="/",
+                         stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    assert p.wait() == 0
+    with open(os.path.join(spec["run_dir"], "receipt.json")) as f:
+        return json.load(f)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def throughput(base, mib, repeats=3):
+    n = mib * MiB
+    src = ["/usr/bin/head", "-c", str(n), "/dev/zero"]
+    fifo = os.path.join(base, "cat.fifo")
+    os.mkfifo(fifo, 0o600)
+    out = os.path.join(base, "cat.out")
+
+    def cat(dest):
+        def go():
+            subprocess.run(["/bin/sh", "-c", f'head -c {n} /dev/zero > "{fifo}" & cat "{fifo}" > "{dest}"; wait'],
+                           check=True)
+            if dest != "/dev/null":
+                os.unlink(dest)
+        return go
+
+    def wrapper(runner, quota):
+        def go():
+            spec = new_run(base, quota, src)
+            runner(spec)
+            assert os.path.getsize(spec["artifact_path"]) == min(n, quota)
+            if runner is run_python_wrapper:
+                r = processes.read_receipt(spec["run_dir"])
+                assert r["bytes_total"] == n and r["bytes_kept"] == min(n, quota), r
+            os.unlink(spec["artifact_path"])
+        return go
+
+    paths = [("cat through a FIFO to a file (baseline)", cat(out)),
+             ("cat through a FIFO to /dev/null", cat("/dev/null")),
+             ("python wrapper, quota > output (all kept)", wrapper(run_python_wrapper, n + MiB)),
+             ("python wrapper, edge quota 4 MiB (rest dropped)", wrapper(run_python_wrapper, 4 * MiB)),
+             ("sh wrapper, quota > output", wrapper(run_sh_wrapper, n + MiB)),
+             ("sh wrapper, quota 4 MiB", wrapper(run_sh_wrapper, 4 * MiB))]
+    times = {label: [] for label, _ in paths}
+    for _ in range(repeats):  # interleaved: page cache and writeback hit every path alike
+        for label, fn in paths:
+            times[label].append(timed(fn))
+    med = {label: statistics.median(v) for label, v in times.items()}
+    base_s = med[paths[0][0]]
+    print(f"\n## Drainer throughput: {mib} MiB of output (median of {repeats}, interleaved)")
+    print("| path | seconds | MiB/s | time vs cat-to-file |")
+    print("|---|---:|---:|---:|")
+    for label, _ in paths:
+        print(f"| {label} | {med[label]:.3f} | {mib / med[label]:.0f} | {med[label] / base_s:.2f}x |")
+
+
+def sample_overhead(base, runner_cmd, label, argv=("/usr/bin/yes", "0123456789abcdef")):
+    """Start a wrapper around an endless producer, sample its session while it drains."""
+    spec = new_run(base, 4 * MiB, list(argv))
+    if runner_cmd == "python":
+        h = processes.spawn_wrapper(spec)
+        root = h.pid
+    else:
+        p = subprocess.Popen(["/bin/sh", "-c", SH_WRAPPER, "sh", spec["run_dir"], spec["artifact_path"],
+                              str(spec["quota_bytes"]), *spec["argv"]], env=PATH_ENV, cwd="/",
+                             stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        root = p.pid
+    deadline = time.monotonic() + 10
+    while not os.path.exists(os.path.join(spec["run_dir"], "task.pid")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    task = int(open(os.path.join(spec["run_dir"], "task.pid")).read())
+    time.sleep(0.5)  # steady state: the quota is reached and the drainer is discarding
+    peak_extra = peak_rss = peak_uss = peak_dirty = 0
+    for _ in range(20):
+        wr = psutil.Process(root)
+        members = [wr] + wr.children(recursive=True)
+        extra = [m for m in members if m.pid != task]
+        rss = sum(m.memory_info().rss for m in extra)
+        uss = sum(m.memory_full_info().uss for m in extra)
+        dirty = sum(private_dirty(m.pid) for m in extra)
+        peak_extra = max(peak_extra, len(extra))
+        peak_rss, peak_uss, peak_dirty = max(peak_rss, rss), max(peak_uss, uss), max(peak_dirty, dirty)
+        time.sleep(0.02)
+    processes.kill_tree(task, root, 1.0)
+    if runner_cmd == "python":
+        h.popen.wait()
+        h.close()
+    else:
+        p.wait()
+    return label, peak_extra, peak_rss, peak_uss, peak_dirty
+
+
+def private_dirty(pid):
+    """Private_Dirty bytes (anonymous memory the process alone pays for) from smaps_rollup."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Private_Dirty:"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+def overhead(base):
+    rows = [sample_overhead(base, "python", "python3 -I -S wrapper.py (wrapper + drainer in one)"),
+            sample_overhead(base, "python", "python wrapper, endless line without newline (F8)",
+                            ("/bin/sh", "-c", "exec tr '\\0' x < /dev/zero")),
+            sample_overhead(base, "sh", "POSIX sh wrapper (dash + drain subshell + head/cat)")]
+    print("\n## Per-run overhead while draining past a 4 MiB quota (`yes` unless noted)")
+    print("| wrapper | extra PIDs | RSS MiB | USS MiB | Private_Dirty MiB |")
+    print("|---|---:|---:|---:|---:|")
+    for label, extra, rss, uss, dirty in rows:
+        print(f"| {label} | {extra} | {rss / MiB:.1f} | {uss / MiB:.1f} | {dirty / MiB:.1f} |")
+
+
+def latency(base, rounds):
+    """dispatch→exec: from the call to the moment the task prints its clock (date +%s%N)."""
+    argv = ["/bin/date", "+%s%N"]
+
+    def via_posix_spawn():
+        r, w = os.pipe()
+        t0 = time.time_ns()
+        pid = os.posix_spawn(argv[0], argv, PATH_ENV, file_actions=[(os.POSIX_SPAWN_DUP2, w, 1)])
+        os.close(w)
+        out = os.read(r, 64)
+        os.close(r)
+        os.waitpid(pid, 0)
+        return int(out) - t0
+
+    def via_wrapper():
+        spec = new_run(base, 4096, argv)
+        t0 = time.time_ns()
+        run_python_wrapper(spec)
+        with open(spec["artifact_path"]) as f:
+            return int(f.read()) - t0
+
+    def via_sh():
+        spec = new_run(base, 4096, argv)
+        t0 = time.time_ns()
+        run_sh_wrapper(spec)
+        with open(spec["artifact_path"]) as f:
+            return int(f.read()) - t0
+
+    def true_round_trip():
+        t0 = time.perf_counter_ns()
+        os.waitpid(os.posix_spawn("/bin/true", ["/bin/true"], {}), 0)
+        return time.perf_counter_ns() - t0
+
+    def wrapper_true_round_trip():
+        spec = new_run(base, 4096, ["/bin/true"])
+        t0 = time.perf_counter_ns()
+        run_python_wrapper(spec)
+        return time.perf_counter_ns() - t0
+
+    def python_pass():
+        t0 = time.perf_counter_ns()
+        subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], env={}, check=True)
+        return time.perf_counter_ns() - t0
+
+    paths = {"posix_spawn": via_posix_spawn, "wrapper": via_wrapper, "sh": via_sh,
+             "true": true_round_trip, "wrapper_true": wrapper_true_round_trip, "pass": python_pass}
+    samples = {name: [] for name in paths}
+    for name, fn in paths.items():
+        fn()  # warm caches
+    for _ in range(rounds):  # round-robin so machine noise hits every path alike
+        for name, fn in paths.items():
+            samples[name].append(fn())
+    med = {name: statistics.median(v) / 1e6 for name, v in samples.items()}
+    print(f"\n## Dispatch→exec latency (median of {rounds}, interleaved, ms)")
+    print("| path | ms | vs bare posix_spawn |")
+    print("|---|---:|---:|")
+    print(f"| bare os.posix_spawn of `date +%s%N` (baseline) | {med['posix_spawn']:.2f} | 1.00x |")
+    print(f"| spawn_wrapper (python -I -S) → task exec | {med['wrapper']:.2f} | "
+          f"{med['wrapper'] / med['posix_spawn']:.1f}x |")
+    print(f"| sh wrapper → task exec | {med['sh']:.2f} | {med['sh'] / med['posix_spawn']:.1f}x |")
+    print(f"| bare posix_spawn+wait of /bin/true (baseline) | {med['true']:.2f} | 1.00x |")
+    print(f"| spawn_wrapper of /bin/true until receipt (fsyncs included) | {med['wrapper_true']:.2f} | "
+          f"{med['wrapper_true'] / med['true']:.1f}x |")
+    print(f"| reference: `python3 -I -S -c pass` start+exit | {med['pass']:.2f} | "
+          f"{med['pass'] / med['true']:.1f}x |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=256, help="MiB pushed through the drainer")
+    ap.add_argument("--rounds", type=int, default=15, help="latency samples per path")
+    args = ap.parse_args()
+    base = tempfile.mkdtemp(prefix="qlagent-bench-")
+    try:
+        print(f"python {sys.version.split()[0]}, {os.uname().release}, {os.cpu_count()} CPUs, "
+              f"tmp on {base}")
+        throughput(base, args.mib)
+        overhead(base)
+        latency(base, args.rounds)
+    finally:
+        shutil.rmtree(base)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Private log Artifacts: deterministic paths, statvfs admission, retention (ADR-0071 §5,
+issue 3 item 3).
+
+Layout: ``<root>/<first 2 hex of the Attempt ID>/<attempt_id>.log``; root and shard directories
+0700, files 0600 regular files created with O_CREAT|O_EXCL|O_NOFOLLOW; run directories
+``<runs_root>/<attempt_id>`` (0700) for the launcher wrapper. A symlinked root, shard or runs
+directory, or one owned by another user, is refused; a wrong mode on our own directory is fixed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+
+from qlagent.core.errors import ConflictError, UnavailableError, ValidationError
+from qlagent.core.profiles import Profile
+
+_ATTEMPT_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+
+
+class UnsafeDirectoryError(UnavailableError):
+    """An Artifact or run directory is a symlink, not a directory, or owned by another user;
+    ``field`` names which one (artifact root, artifact shard, runs root, run directory)."""
+
+    code = "unsafe_directory"
+
+
+class ArtifactExistsError(ConflictError):
+    """The Attempt's log file is already there (field attempt_id): it is never reused or followed."""
+
+    code = "artifact_exists"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Result of ArtifactAllocator.admit: ``ok``; ``reason`` (a short stable code, None when ok:
+    quota_too_large | low_space | artifact_quota_full); ``free_bytes`` (statvfs
+    f_bavail*f_frsize), ``used_bytes`` (sum of Artifact sizes under the root) and ``quota_bytes``
+    (the attempt's log quota)."""
+
+    ok: bool
+    reason: str | None
+    free_bytes: int
+    used_bytes: int
+    quota_bytes: int
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """One log removed by ArtifactAllocator.prune: its Attempt ID, path, size in bytes (0 when
+    it was already gone) and the rule that removed it: ``per_task`` or ``total_bytes``."""
+
+    attempt_id: str
+    path: str
+    bytes: int
+    rule: str
+
+
+def _check_attempt_id(attempt_id: str) -> str:
+    if not isinstance(attempt_id, str) or not _ATTEMPT_ID.match(attempt_id):
+        raise ValidationError("attempt_id", "must be a lowercase canonical UUID4")
+    return attempt_id
+
+
+def _open_private_dir(name: str, dir_fd: int | None, shown: str) -> int:
+    """mkdir 0700 if missing, then open it without following a symlink and make sure it is
+    ours with mode 0700. Returns an O_DIRECTORY fd."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        # ELOOP: a symlink; ENOTDIR: a file or a symlink to one.
+        raise UnsafeDirectoryError(f"{shown}: not a real directory ({exc.strerror})", field=shown) from None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise UnsafeDirectoryError(f"{shown}: owned by uid {st.st_uid}, not {os.geteuid()}", field=shown)
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+class ArtifactAllocator:
+    """Allocates private log Artifacts under ``root`` within ``profile``'s log_max_bytes,
+    fs_reserve_bytes and artifact_total_bytes (core.profiles, ADR-0071 §5).
+    ``runs_root`` (default: ``<root>/../runs``) holds the wrapper's run directories."""
+
+    def __init__(self, root: str, profile: Profile, runs_root: str | None = None):
+        self.root = os.path.abspath(root)
+        self.runs_root = os.path.abspath(runs_root or os.path.join(os.path.dirname(self.root), "runs"))
+        self.log_bytes = profile.log_max_bytes
+        self.reserve_bytes = profile.fs_reserve_bytes
+        self.total_bytes = profile.artifact_total_bytes
+
+    def artifact_path(self, attempt_id: str) -> str:
+        """Deterministic path of an Attempt's log (pure; creates nothing)."""
+        _check_attempt_id(attempt_id)
+        return os.path.join(self.root, attempt_id[:2], attempt_id + ".log")
+
+    def used_bytes(self) -> int:
+        """Sum of the sizes of the regular files in the shard directories, in bytes."""
+        total = 0
+        try:
+            shards = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return 0
+        for shard in shards:
+            if not shard.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(shard.path):
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+        return total
+
+    def admit(self, attempt_quota_bytes: int) -> Admission:
+        """Capacity admission before anything is created (ADR-0071 §4 step 6, §5): statvfs free
+        bytes minus the profile reserve must cover one full log, and the Artifacts already under
+        the root plus this log must stay within the total quota. Creates nothing; the root's
+        filesystem is measured (its nearest existing ancestor before the first allocation).
+        Raises ValidationError (field attempt_quota_bytes) for a non-positive quota."""
+        if (not isinstance(attempt_quota_bytes, int) or isinstance(attempt_quota_bytes, bool)
+                or attempt_quota_bytes <= 0):
+            raise ValidationError("attempt_quota_bytes", "must be an integer > 0", limit=self.log_bytes)
+        probe = self.root
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        vfs = os.statvfs(probe)
+        free = vfs.f_bavail * vfs.f_frsize
+        used = self.used_bytes()
+        if attempt_quota_bytes > self.log_bytes:
+            reason = "quota_too_large"
+        elif free - self.reserve_bytes < attempt_quota_bytes:
+            reason = "low_space"
+        elif used + attempt_quota_bytes > self.total_bytes:
+            reason = "artifact_quota_full"
+        else:
+            reason = None
+        return Admission(reason is None, reason, free, used, attempt_quota_bytes)
+
+    def allocate(self, attempt_id: str, admission: Admission) -> str:
+        """Create the Attempt's empty log file (0600, O_CREAT|O_EXCL|O_NOFOLLOW) after a granted
+        admission and return its absolute path. Raises ValidationError (field admission: not
+        granted; field attempt_id), UnsafeDirectoryError (root or shard is a symlink / not ours),
+        ArtifactExistsError (the file is already there)."""
+        if not isinstance(admission, Admission) or not admission.ok:
+            raise ValidationError("admission", "allocation needs a granted admission")
+        path = self.artifact_path(attempt_id)
+        root_fd = _open_private_dir(self.root, None, "artifact root")
+        try:
+            shard_fd = _open_private_dir(attempt_id[:2], root_fd, "artifact shard")
+        finally:
+            os.close(root_fd)
+        try:
+            fd = os.open(attempt_id + ".log", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600, dir_fd=shard_fd)
+        except FileExistsError:
+            raise ArtifactExistsError(f"attempt_id: artifact {path} already exists", field="attempt_id") from None
+        finally:
+            os.close(shard_fd)
+        try:
+            os.fchmod(fd, 0o600)  # exact mode whatever the umask
+        finally:
+            os.close(fd)
+        return path
+
+    def run_dir(self, attempt_id: str) -> str:
+        """Create (or re-check) ``<runs_root>/<attempt_id>`` with mode 0700 and return its path.
+        Raises ValidationError (attempt_id) or UnsafeDirectoryError (symlinked / foreign)."""
+        _check_attempt_id(attempt_id)
+        runs_fd = _open_private_dir(self.runs_root, None, "runs root")
+        try:
+            os.close(_open_private_dir(attempt_id, runs_fd, "run directory"))
+        finally:
+            os.close(runs_fd)
+        return os.path.join(self.runs_root, attempt_id)
+
+    def prune(self, keep_per_task: int, max_total_bytes: int, entries) -> list[Pruned]:
+        """Retention: delete the oldest ended logs so that each task keeps at most
+        ``keep_per_task`` logs and all ended logs together take at most ``max_total_bytes``.
+
+        ``entries`` is an iterable of (attempt_id, task_id, path, ended_at) from the caller's
+        store; ended_at None means the Attempt is live and its log is never touched, and a path
+        that is not this allocator's path for that Attempt is never deleted (ValidationError,
+        field entries.path, raised before anything is removed). Work is bounded by
+        len(entries). Returns what was deleted, oldest first; the caller drops its metadata.
+        """
+        if keep_per_task < 0 or max_total_bytes < 0:
+            raise ValidationError("keep_per_task/max_total_bytes", "must be >= 0")
+        ended = []
+        for attempt_id, task_id, path, ended_at in entries:
+            if os.path.abspath(path) != self.artifact_path(attempt_id):
+                raise ValidationError("entries.path", f"{path} is not the artifact of {attempt_id}")
+            if ended_at is not None:
+                ended.append((ended_at, attempt_id, task_id, path))
+        ended.sort(reverse=True)  # newest first
+        per_task: dict[str, int] = {}
+        doomed: list[tuple[tuple, str]] = []
+        kept = []
+        for item in ended:
+            count = per_task.get(item[2], 0)
+            if count >= keep_per_task:
+                doomed.append((item, "per_task"))
+            else:
+                per_task[item[2]] = count + 1
+                kept.append((item, _size(item[3])))
+        total = sum(size for _, size in kept)
+        while kept and total > max_total_bytes:
+            item, size = kept.pop()  # oldest of the survivors
+            total -= size
+            doomed.append((item, "total_bytes"))
+        removed = []
+        for (ended_at, attempt_id, _task, path), rule in sorted(doomed):
+            size = _size(path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                size = 0
+            removed.append(Pruned(attempt_id, path, size, rule))
+        return removed
+
+
+def _size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,338 @@
+"""Spawn the per-run launcher wrapper, recognise it after a restart, kill run trees (ADR-0071 §5,
+issue 3 items 4-6, ARCHITECTURE.md "Launcher wrapper contract").
+
+The wrapper runs in its own session so that it and the task survive an agent crash; the task
+runs in its own process group (pgid = task PID, written to run_dir/task.pid) so the agent can
+signal it without hitting the wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from qlagent.core.errors import QlError, UnavailableError, ValidationError
+
+WRAPPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "wrapper.py")
+
+RECEIPT_FIELDS = ("attempt_id", "exit_code", "signal", "start_error", "started_at_us", "ended_at_us",
+                  "bytes_total", "bytes_kept", "bytes_dropped", "peak_rss_bytes", "cpu_time_us")
+# The wrapper refuses a larger spec (launcher/wrapper.py SPEC_LIMIT_BYTES).
+SPEC_LIMIT_BYTES = 1 << 20
+# A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.
+_FACT_LIMIT_BYTES = 65536
+_CREATE_TIME_TOLERANCE_S = 0.01
+
+
+class WrapperSpawnError(UnavailableError):
+    """The wrapper could not be started or did not accept its spec (e.g. python missing)."""
+
+    code = "launch_failed"
+
+
+class RunFileError(QlError):
+    """receipt.json, truncated.json or task.pid exists but is not valid; ``field`` names the fault."""
+
+    code = "run_file_invalid"
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}", field=field_name)
+
+
+@dataclass
+class WrapperHandle:
+    """A started wrapper: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
+    it identifies the process across PID reuse), ``pidfd`` (an fd readable when the wrapper
+    exits, or None where os.pidfd_open is unavailable) and the Popen used to reap it."""
+
+    pid: int
+    create_time: float
+    pidfd: int | None
+    popen: subprocess.Popen = field(repr=False)
+
+    def poll(self) -> int | None:
+        """Reap the wrapper if it has exited; returns its exit status (0 = receipt written) or None."""
+        return self.popen.poll()
+
+    def close(self) -> None:
+        """Release the pidfd (the wrapper keeps running)."""
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def spawn_wrapper(spec: dict, python: str = sys.executable) -> WrapperHandle:
+    """Start ``python -I -S wrapper.py`` in a new session with an empty environment, cwd "/",
+    stdout/stderr /dev/null, and send ``spec`` (the wrapper contract's JSON document, which may
+    hold secret plaintext) through its stdin pipe, then close the pipe.
+
+    Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
+    WrapperSpawnError when the interpreter cannot be started or exits before reading the spec.
+    """
+    payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
+    if len(payload) > SPEC_LIMIT_BYTES:
+        raise ValidationError("spec", f"{len(payload)} bytes of JSON, over the limit",
+                              limit=SPEC_LIMIT_BYTES)
+    try:
+        popen = subprocess.Popen([python, "-I", "-S", WRAPPER_PATH], stdin=subprocess.PIPE,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={},
+                                 cwd="/", start_new_session=True, close_fds=True)
+    except OSError as exc:
+        raise WrapperSpawnError(f"python: cannot start wrapper ({exc.strerror})", field="python") from None
+    try:
+        popen.stdin.write(payload)
+        popen.stdin.close()
+    except BrokenPipeError:
+        popen.wait()
+        raise WrapperSpawnError("wrapper exited before reading its spec") from None
+    try:
+        create_time = psutil.Process(popen.pid).create_time()
+    except psutil.NoSuchProcess:
+        # Already gone (and not reaped yet is impossible here): identity cannot be recorded.
+        popen.wait()
+        raise WrapperSpawnError("wrapper exited at once") from None
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    return WrapperHandle(popen.pid, create_time, pidfd, popen)
+
+
+def process_matches(pid: int, create_time: float) -> bool:
+    """True if ``pid`` is a live (not zombie) process started at ``create_time`` (psutil seconds).
+
+    A PID reused by another process has another start time, so recovery never re-attaches to
+    a stranger (issue 3 item 5: "PID and start time match").
+    """
+    try:
+        proc = psutil.Process(pid)
+        return (abs(proc.create_time() - create_time) < _CREATE_TIME_TOLERANCE_S
+                and proc.status() != psutil.STATUS_ZOMBIE)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):  # ValueError: pid < 0
+        return False
+
+
+@dataclass
+class KillReport:
+    """Outcome of kill_tree: PIDs sent SIGTERM, PIDs that needed SIGKILL, PIDs still alive at
+    the end (empty on success), and the elapsed wall time in seconds."""
+
+    terminated: list[int]
+    killed: list[int]
+    survivors: list[int]
+    elapsed_s: float
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _descendants(wrapper_pid: int) -> dict[int, psutil.Process]:
+    try:
+        kids = psutil.Process(wrapper_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return {}
+    return {p.pid: p for p in kids}
+
+
+def _group_members(pgid: int) -> dict[int, psutil.Process]:
+    members = {}
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                members[proc.pid] = proc
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return members
+
+
+def _targets(task_pgid: int, wrapper_pid: int, started_after: float | None,
+             known: dict[int, psutil.Process]) -> tuple[dict[int, psutil.Process], bool]:
+    """Live processes of the run and whether the group is proven ours (a member is in the tree)."""
+    tree = _descendants(wrapper_pid)
+    group = _group_members(task_pgid)
+    owned = any(pid in tree for pid in group)
+    if started_after is not None:
+        group = {pid: p for pid, p in group.items() if _created(p) >= started_after}
+    found = dict(known)
+    found.update(tree)
+    found.update(group)
+    for pid in (wrapper_pid, os.getpid()):
+        found.pop(pid, None)
+    return {pid: p for pid, p in found.items() if _alive(p)}, owned
+
+
+def _created(proc: psutil.Process) -> float:
+    try:
+        return proc.create_time()
+    except psutil.NoSuchProcess:
+        return 0.0
+
+
+def _signal_all(task_pgid: int, owned: bool, procs: dict[int, psutil.Process], sig: int) -> list[int]:
+    in_group = set()
+    if owned:
+        for pid in procs:  # before killpg: a member may die and be reaped at once
+            try:
+                if os.getpgid(pid) == task_pgid:
+                    in_group.add(pid)
+            except ProcessLookupError:
+                continue
+        try:
+            os.killpg(task_pgid, sig)  # atomic for the group, including children forked meanwhile
+        except (ProcessLookupError, PermissionError):
+            in_group = set()
+    sent = sorted(in_group)
+    for pid, proc in procs.items():
+        if pid in in_group:
+            continue  # already reached by killpg; a second signal would be a new event
+        try:
+            proc.send_signal(sig)  # psutil checks the start time: a reused PID is not signalled
+            sent.append(pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return sent
+
+
+def _wait_gone(procs: dict[int, psutil.Process], deadline: float) -> dict[int, psutil.Process]:
+    pending = dict(procs)
+    while True:
+        pending = {pid: p for pid, p in pending.items() if _alive(p)}
+        if not pending or time.monotonic() >= deadline:
+            return pending
+        time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+
+
+def kill_tree(task_pgid: int | None, wrapper_pid: int, grace_s: float,
+              started_after: float | None = None) -> KillReport:
+    """Stop every process of a run: SIGTERM to the task's process group and to every descendant
+    of the wrapper (also those that escaped the group with setsid), SIGKILL to whatever is left
+    after ``grace_s`` seconds. Returns within grace_s + ~1 s (issue 3 item 5; field report F2).
+
+    Never signals the wrapper (it must still write the receipt) or this process. The wrapper's
+    descendants are snapshotted BEFORE signalling, because children of a killed parent are
+    re-parented out of the tree, and re-scanned before SIGKILL. ``task_pgid`` is the PID in
+    run_dir/task.pid; None (task.pid not written yet) takes the wrapper's only child, the task.
+    killpg() is used only while a group member is in the wrapper's tree (a
+    PID number freed and reused for a stranger's group is never hit); otherwise group members
+    are signalled one by one, and ``started_after`` (epoch seconds, the run's start) excludes
+    members older than the run. Raises ValidationError for a PID <= 1.
+    """
+    if wrapper_pid <= 1 or (task_pgid is not None and task_pgid <= 1):
+        raise ValidationError("task_pgid/wrapper_pid", "must be a process ID > 1")
+    if task_pgid is None:
+        try:
+            kids = psutil.Process(wrapper_pid).children()
+        except psutil.NoSuchProcess:
+            kids = []
+        if not kids:
+            return KillReport([], [], [], 0.0)  # no task was started, or the wrapper is gone
+        task_pgid = kids[0].pid
+    start = time.monotonic()
+    snapshot, owned = _targets(task_pgid, wrapper_pid, started_after, {})
+    terminated = _signal_all(task_pgid, owned, snapshot, signal.SIGTERM)
+    # Re-scan right away: a child forked just before its parent got SIGTERM is caught too.
+    more, owned_now = _targets(task_pgid, wrapper_pid, started_after, snapshot)
+    terminated += _signal_all(task_pgid, False, {p: v for p, v in more.items() if p not in snapshot},
+                              signal.SIGTERM)
+    owned = owned or owned_now
+    pending = _wait_gone(more, start + grace_s)
+    if pending:
+        pending, owned_now = _targets(task_pgid, wrapper_pid, started_after, pending)
+        killed = _signal_all(task_pgid, owned or owned_now, pending, signal.SIGKILL)
+    else:
+        killed = []
+    survivors = _wait_gone(pending, time.monotonic() + 0.8)
+    return KillReport(sorted(set(terminated)), sorted(killed), sorted(survivors),
+                      time.monotonic() - start)
+
+
+def tree_figures(wrapper_pid: int) -> tuple[int, int, int]:
+    """Per-run figures of the task tree under the wrapper (the wrapper itself excluded):
+    (summed RSS in bytes, summed CPU time in µs including reaped children, process count).
+    Returns (0, 0, 0) when the wrapper is gone. Issue 3 item 6."""
+    rss = cpu_us = count = 0
+    for proc in _descendants(wrapper_pid).values():
+        try:
+            with proc.oneshot():
+                mem = proc.memory_info()
+                times = proc.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss += mem.rss
+        cpu_us += int((times.user + times.system + times.children_user + times.children_system) * 1e6)
+        count += 1
+    return rss, cpu_us, count
+
+
+def _read_fact(path: str, name: str) -> dict | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        raw = os.read(fd, _FACT_LIMIT_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > _FACT_LIMIT_BYTES:
+        raise RunFileError(name, f"larger than {_FACT_LIMIT_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise RunFileError(name, f"not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise RunFileError(name, "must be a JSON object")
+    return doc
+
+
+def read_receipt(run_dir: str) -> dict | None:
+    """The wrapper's completion receipt (run_dir/receipt.json) with exactly RECEIPT_FIELDS,
+    or None if it is not written yet. Raises RunFileError naming the missing field otherwise."""
+    doc = _read_fact(os.path.join(run_dir, "receipt.json"), "receipt.json")
+    if doc is None:
+        return None
+    for name in RECEIPT_FIELDS:
+        if name not in doc:
+            raise RunFileError(f"receipt.json.{name}", "missing")
+    return {name: doc[name] for name in RECEIPT_FIELDS}
+
+
+def read_truncation(run_dir: str) -> dict | None:
+    """The truncation fact (run_dir/truncated.json): {"quota_bytes": int, "bytes_kept": int},
+    or None if the quota was never exceeded. Raises RunFileError on a malformed fact."""
+    doc = _read_fact(os.path.join(run_dir, "truncated.json"), "truncated.json")
+    if doc is None:
+        return None
+    out = {}
+    for name in ("quota_bytes", "bytes_kept"):
+        value = doc.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise RunFileError(f"truncated.json.{name}", "must be an integer >= 0")
+        out[name] = value
+    return out
+
+
+def read_task_pid(run_dir: str) -> int | None:
+    """The task PID (= its process group ID) from run_dir/task.pid, or None before the spawn."""
+    try:
+        with open(os.path.join(run_dir, "task.pid"), "rb") as f:
+            raw = f.read(32)
+    except FileNotFoundError:
+        return None
+    try:
+        pid = int(raw)
+    except ValueError:
+        raise RunFileError("task.pid", "not an integer") from None
+    if pid <= 1:
+        raise RunFileError("task.pid", "must be a process ID > 1")
+    return pid
