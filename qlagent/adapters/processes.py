@@ -257,6 +257,38 @@ def kill_tree(task_pgid: int | None, wrapper_pid: int, grace_s: float,
                       time.monotonic() - start)
 
 
+def signal_tree(task_pgid: int | None, wrapper_pid: int | None, sig: int, started_after: float | None,
+                known: dict[int, psutil.Process]) -> list[int]:
+    """One non-blocking step of ``kill_tree`` for a loop that must not wait: send ``sig`` to the
+    task's process group, every descendant of the wrapper and every process in ``known``
+    (processes seen by an earlier step, which a dead parent may have re-parented out of the
+    tree). ``known`` is updated with what this step found, so a later SIGKILL still reaches an
+    escaped grandchild. ``wrapper_pid`` None (the wrapper is gone) signals the group's members
+    started after ``started_after`` one by one. Never signals the wrapper or this process.
+    Returns the PIDs signalled.
+    """
+    tree = _descendants(wrapper_pid) if wrapper_pid else {}
+    if task_pgid is None and tree:
+        task_pgid = min(tree)  # the wrapper's first child is the task (task.pid not yet written)
+    group = _group_members(task_pgid) if task_pgid and task_pgid > 1 else {}
+    owned = any(pid in tree for pid in group)
+    if started_after is not None:
+        group = {pid: p for pid, p in group.items() if _created(p) >= started_after}
+    found = {**known, **tree, **group}
+    for pid in (wrapper_pid, os.getpid()):
+        found.pop(pid, None)
+    live = {pid: p for pid, p in found.items() if _alive(p)}
+    known.update(live)
+    if not live:
+        return []
+    return _signal_all(task_pgid or 0, owned and bool(task_pgid), live, sig)
+
+
+def default_python() -> str:
+    """The interpreter for the wrapper: this one, or the system python3 when embedded."""
+    return sys.executable or "/usr/bin/python3"
+
+
 def tree_figures(wrapper_pid: int) -> tuple[int, int, int]:
     """Per-run figures of the task tree under the wrapper (the wrapper itself excluded):
     (summed RSS in bytes, summed CPU time in µs including reaped children, process count).

@@ -6,11 +6,32 @@ read candidates or touch Runs other than cancelling queued ones of a disabled/re
 
 from __future__ import annotations
 
+import re
+
 from ..adapters.sqlite import definitions as defs
 from ..adapters.sqlite import runs as runs_repo
+from ..core import limits as L
 from ..core.definitions import PreparedTask, parse_task_file, prepare_task
+from ..core.errors import ValidationError
 from ..core.models import TaskHead
 from .store import LocalStore, now_us
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_fence(revision: int, digest: str, *, revision_field: str = "expectedRevision",
+                digest_field: str = "expectedDigest") -> None:
+    """Refuse a malformed fence as bad input before any store access (ADR-0376 §1).
+
+    ``revision`` must be 1..2147483647 and ``digest`` 64 lowercase hex characters; raises
+    ValidationError naming the field and the limit.
+    """
+    if isinstance(revision, bool) or not (L.REVISION_MIN <= revision <= L.REVISION_MAX):
+        raise ValidationError(revision_field, f"{revision} is outside {L.REVISION_MIN}..{L.REVISION_MAX}",
+                              limit=f"{L.REVISION_MIN}..{L.REVISION_MAX}")
+    if not _DIGEST.match(digest):
+        raise ValidationError(digest_field, f"{digest!r} is not {L.DIGEST_HEX_LEN} lowercase hex characters",
+                              limit=L.DIGEST_HEX_LEN)
 
 
 class DefinitionWriter:
@@ -35,7 +56,9 @@ class DefinitionWriter:
         return self._store.write(lambda c: [defs.add_task(c, pid, p, now_us()) for p in prepared])
 
     def edit(self, name: str, expected_revision: int, expected_digest: str, prepared: PreparedTask) -> TaskHead:
-        """Fenced edit (revision+1); ConflictError(definition_changed) on a stale fence."""
+        """Fenced edit (revision+1); ConflictError(definition_changed) on a stale fence,
+        ValidationError for a malformed fence (see ``check_fence``)."""
+        check_fence(expected_revision, expected_digest)
         pid = self._store.project.project_id
         return self._store.write(lambda c: defs.edit_task(c, pid, name, expected_revision, expected_digest,
                                                           prepared, now_us()))

@@ -11,9 +11,10 @@ import os
 import shutil
 
 from ..adapters import processes
-from ..adapters.artifacts import ArtifactAllocator, ArtifactError
+from ..adapters.artifacts import ArtifactAllocator, ArtifactExistsError
 from ..adapters.sqlite import execution as ex
 from ..core.dispatch import Candidate, Plan
+from ..core.errors import QlError
 from ..core.profiles import Profile
 from ..dispatch.dispatcher import LocalRunDispatcher
 from ..dispatch.materializer import Materializer
@@ -39,10 +40,8 @@ class ArtifactAdapter:
     def allocate(self, attempt_id: str) -> str:
         try:
             return self._a.allocate(attempt_id, self._admission)
-        except ArtifactError as e:
-            if e.code == "exists":
-                raise FileExistsError(e.field) from None
-            raise
+        except ArtifactExistsError:
+            raise FileExistsError(attempt_id) from None
 
     def discard(self, path: str) -> None:
         try:
@@ -70,8 +69,8 @@ class ProcessAdapter:
                 "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": WRAPPER_LINGER_S}
         try:
             h = processes.spawn_wrapper(spec, self._python)
-        except ValueError as e:          # spec over its bound: report as a launch failure
-            raise OSError(7, str(e)) from None
+        except QlError as e:              # spec over its bound or no interpreter: a launch failure
+            raise OSError(getattr(e, "errno", None) or 7, e.code) from None
         self._handles[h.pid] = h
         self._started[attempt_id] = h.create_time
         return h.pid, h.create_time

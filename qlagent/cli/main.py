@@ -150,7 +150,9 @@ def cmd_task_add(ctx: Ctx) -> int:
 
 
 def cmd_task_edit(ctx: Ctx) -> int:
-    from ..application.definitions import DefinitionWriter
+    from ..application.definitions import DefinitionWriter, check_fence
+    check_fence(ctx.args.expect_revision, ctx.args.expect_digest, revision_field="--expect-revision",
+                digest_field="--expect-digest")
     prepared = DefinitionWriter.prepare_file(_load_toml(ctx.args.file))
     if len(prepared) != 1:
         raise E.ValidationError("task", f"`task edit` takes a file with exactly one [[task]], got {len(prepared)}")
@@ -228,6 +230,9 @@ def cmd_secret_set(ctx: Ctx) -> int:
     from ..application.secrets import SecretService
     from ..core.definitions import check_secret_name
     from ..core.limits import MAX_SECRET_VALUE
+    if ctx.args.stray:
+        raise E.ValidationError("value", "give the secret on stdin (`qlagent secret set NAME < file`), never as an "
+                                "argument: command lines are visible to every user")
     name = check_secret_name(ctx.args.name)
     if sys.stdin.isatty():
         value = getpass.getpass(f"value for {name}: ").encode()
@@ -425,7 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
         add(task, nm, fn, f"{nm} a task").add_argument("name")
 
     sec = sub.add_parser("secret", help="encrypted secrets").add_subparsers(dest="sub", required=True, metavar="SUB")
-    add(sec, "set", cmd_secret_set, "store a secret; the value is read from stdin, never argv").add_argument("name")
+    ss = add(sec, "set", cmd_secret_set, "store a secret; the value is read from stdin, never argv")
+    ss.add_argument("name")
+    # Swallow stray words so argparse never echoes a value typed on the command line.
+    ss.add_argument("stray", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     add(sec, "ls", cmd_secret_ls, "list secret names (never values)")
     add(sec, "rm", cmd_secret_rm, "remove a secret").add_argument("name")
 
@@ -477,7 +485,10 @@ def main(argv: list[str] | None = None) -> int:
     except E.QlError as e:
         if args.json:
             sys.stdout.buffer.write(msgspec.json.encode({"error": e.to_dict()}) + b"\n")
-        print(f"qlagent: error: {e}", file=sys.stderr)
+        msg = str(e)
+        if e.limit is not None and str(e.limit) not in msg:     # every refusal names its limit
+            msg += f" (limit {e.limit})"
+        print(f"qlagent: error: {msg}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

@@ -13,7 +13,7 @@ import msgspec
 
 from ..core import limits as L
 from ..core.dispatch import Candidate, LaunchCommand, Plan
-from ..core.errors import UnavailableError
+from ..core.errors import QlError, UnavailableError
 from ..core.ports import Admission, ArtifactPort, DispatchStore
 from ..core.profiles import Profile
 
@@ -95,6 +95,8 @@ class Materializer:
             path = self._artifacts.allocate(c.attempt_id)               # 7
         except FileExistsError:
             return Prepared("skip", "race_lost")
+        except QlError as e:                                            # unsafe artifact directory
+            return Prepared("unavailable", e.code)
         return Prepared("ready", command=LaunchCommand(
             candidate=c, argv=tuple(plan.execution.launch_argv()), env=env, cwd=plan.execution.cwd,
             artifact_path=path, quota_bytes=quota, timeout_ms=plan.timeout_ms, grace_ms=plan.grace_ms,

@@ -67,7 +67,7 @@ class Service:
     def __init__(self, settings: Settings, *, listen: str | None = None, exit_after_s: float | None = None,
                  inline_run: str | None = None, clock_us=now_us) -> None:
         self.settings = settings
-        self.log = Journal()
+        self.log = Journal(min_priority="info" if inline_run is None else "warning")
         self.notify = Notifier() if inline_run is None else _NoNotify()
         self.inline_run = inline_run
         self._listen = listen
@@ -220,6 +220,9 @@ class Service:
 
     def _iteration(self) -> None:
         for key, mask in self.sel.select(self._timeout_s()):
+            if self.http is not None and self.http.owns(key):
+                self.http.handle_event(key, mask)
+                continue
             kind, data = key.data
             if kind == "signal":
                 self._drain_signal_fd()
@@ -234,8 +237,6 @@ class Service:
             elif kind == "netlink":
                 if self.netgate.process():
                     self.poked = True
-            elif kind == "http":
-                self.http.handle_event(key, mask)
         self._handle_signals()
         now = self._now()
         if self.exit_at_us is not None and now >= self.exit_at_us and not self.draining:

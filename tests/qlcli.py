@@ -1,0 +1,58 @@
+"""Helpers for tests that drive the real ``qlagent`` CLI in a subprocess over a real state dir.
+
+State directories live on tmpfs (``/dev/shm``) when it is writable: the SQLite files are real,
+only the fsync cost of a slow disk is avoided so each CLI call stays ~0.2 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+
+def cli(state: str, *args: str, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m qlagent.cli.main --state-dir STATE ARGS``; never inherits QLAGENT_* vars."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    base.update(env or {})
+    return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, *args],
+                          input=stdin, capture_output=True, env=base, timeout=60)
+
+
+def ok(state: str, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    p = cli(state, *args, stdin=stdin)
+    assert p.returncode == 0, (args, p.stdout, p.stderr)
+    assert b"Traceback" not in p.stderr
+    return p
+
+
+def js(state: str, *args: str):
+    return json.loads(ok(state, *args, "--json").stdout)
+
+
+def rows(state: str, table: str) -> int:
+    with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
+        return c.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+@pytest.fixture
+def workdir():
+    """A fresh directory on tmpfs if available (else the system temp dir), removed afterwards."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    d = tempfile.mkdtemp(prefix="qlagent-test-", dir=base)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def state(workdir):
+    """An initialised state directory."""
+    s = os.path.join(workdir, "state")
+    ok(s, "init")
+    return s
