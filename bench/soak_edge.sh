@@ -7,13 +7,15 @@
 #
 # Usage: bench/soak_edge.sh            (root; cgroup v1 memory+pids mounted rw)
 # Env:   SOAK_SECONDS (300)  IDLE_SECONDS (15)  PYTHON (python3)
-#        SOAK_HTTP_PATH (/v1/runs?limit=4) the GET the HTTP clients repeat
+#        SOAK_HTTP (1) 0 runs without the HTTP surface and its 4 clients
+#        SOAK_HTTP_PATH (/api/v3/projects/default/runs?limit=4) the GET the HTTP clients repeat
 set -euo pipefail
 
 SOAK_SECONDS=${SOAK_SECONDS:-300}
 IDLE_SECONDS=${IDLE_SECONDS:-15}
 PYTHON=${PYTHON:-python3}
-HTTP_PATH=${SOAK_HTTP_PATH:-/v1/runs?limit=4}
+HTTP=${SOAK_HTTP:-1}
+HTTP_PATH=${SOAK_HTTP_PATH:-/api/v3/projects/default/runs?limit=4}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 NAME=qlagent-soak-$$
 MEM=/sys/fs/cgroup/memory/$NAME
@@ -45,9 +47,8 @@ cat > "$WORK/qlagent.toml" <<TOML
 profile = "edge"
 state_dir = "$WORK/state"
 drain_grace_s = 5
-[http]
-listen = "127.0.0.1:$PORT"
 TOML
+[ "$HTTP" = 1 ] && printf '[http]\nlisten = "127.0.0.1:%s"\n' "$PORT" >> "$WORK/qlagent.toml"
 ql() { "$PYTHON" -c 'import sys; from qlagent.cli.main import main; sys.exit(main())' "$@"; }
 
 # Task set: 50 cron tasks spread over the minute, 4 chatty (fixture chatty.sh:
@@ -115,7 +116,8 @@ for i in 1 2 3 4; do   # 4 chatty runs kept in flight
     BG+=($!)
 done
 ql run start gated >/dev/null
-"$PYTHON" - "$PORT" "$HTTP_PATH" "$TOKEN" "$END" > "$WORK/http.log" <<'PY' &
+[ "$HTTP" = 1 ] || echo "HTTP off (SOAK_HTTP=0)" > "$WORK/http.log"
+[ "$HTTP" = 1 ] && "$PYTHON" - "$PORT" "$HTTP_PATH" "$TOKEN" "$END" > "$WORK/http.log" <<'PY' &
 import http.client, sys, threading, time, collections
 port, path, token, end = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 counts = collections.Counter()
