@@ -1,0 +1,376 @@
+"""Fast checks of what users install: the .deb, the .ipk, the unit and the scripts.
+
+The packages are built from this checkout by the real build scripts (packaging/build-deb,
+openwrt/build-ipk) and inspected with the real tools (dpkg-deb, tar, shellcheck,
+systemd-analyze, lintian).  A check is skipped only when its tool is absent.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+UNIT = REPO / "systemd" / "qlagent.service"
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+DEB_DEPENDS = [
+    "python3 (>= 3.11)",
+    "python3-msgspec",
+    "python3-psutil",
+    "python3-sdnotify",
+    "python3-cronsim",
+    "python3-pyroute2",
+    "python3-cryptography",
+]
+SHELL_SCRIPTS = [
+    "packaging/build-deb",
+    "packaging/e2e-systemd",
+    "packaging/debian/postinst",
+    "packaging/debian/prerm",
+    "packaging/debian/postrm",
+    "systemd/stop-post",
+    "openwrt/build-ipk",
+    "openwrt/files/qlagent.init",
+    "openwrt/files/qlagent-uci2toml",
+    "openwrt/files/postinst",
+    "openwrt/files/prerm",
+    "bench/soak_edge.sh",
+]
+
+
+def unit_entries(path: Path) -> dict[str, dict[str, list[str]]]:
+    """systemd unit → {section: {key: [values in order]}} (keys may repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current = None
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        current.setdefault(key, []).append(value)
+    return sections
+
+
+@pytest.fixture(scope="module")
+def deb(tmp_path_factory) -> Path:
+    """The .deb built by packaging/build-deb from a clean clone of this checkout's HEAD
+    plus the working tree's packaging files (so uncommitted edits are tested too)."""
+    clone = tmp_path_factory.mktemp("clone") / "qlagent"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    for sub in ("packaging", "systemd", "qlagent"):
+        shutil.rmtree(clone / sub, ignore_errors=True)
+        shutil.copytree(REPO / sub, clone / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    out = subprocess.run([str(clone / "packaging" / "build-deb")], check=True, capture_output=True, text=True)
+    path = Path(out.stdout.strip())
+    assert path == clone / "dist" / f"qlagent_{VERSION}_all.deb"
+    return path
+
+
+@pytest.fixture(scope="module")
+def deb_tree(deb, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("debroot")
+    subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ipk(tmp_path_factory) -> Path:
+    out = subprocess.run([str(REPO / "openwrt" / "build-ipk")], check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip())
+
+
+def control_fields(text: str) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    key = None
+    for line in text.splitlines():
+        if line.startswith((" ", "\t")) and key:
+            fields[key] += "\n" + line.strip()
+        elif ":" in line:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+# --- systemd unit ----------------------------------------------------------
+
+def test_unit_is_notify_with_watchdog_budget_and_drain_consistent_stop_timeout():
+    svc = unit_entries(UNIT)["Service"]
+    assert svc["Type"] == ["notify"] and svc["NotifyAccess"] == ["main"]
+    assert svc["ExecStart"] == ["/usr/bin/qlagent serve --config /etc/qlagent/qlagent.toml"]
+    assert svc["Restart"] == ["on-failure"] and int(svc["WatchdogSec"][0]) > 0
+    assert svc["MemoryMax"] == ["128M"] and svc["TasksMax"] == ["64"]
+    assert svc["User"] == ["qlagent"] and svc["StateDirectory"] == ["qlagent"]
+    # KillMode=process keeps runs across watchdog/crash restarts; stop-post ends them on a real stop.
+    assert svc["KillMode"] == ["process"] and svc["ExecStopPost"] == ["/usr/lib/qlagent/stop-post"]
+    grace = tomllib.loads((REPO / "packaging" / "qlagent.toml").read_text())["drain_grace_s"]
+    assert int(svc["TimeoutStopSec"][0]) >= grace + 10
+
+
+def test_unit_hardening_keys():
+    svc = unit_entries(UNIT)["Service"]
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "ProtectKernelTunables",
+                "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups", "RestrictSUIDSGID"):
+        assert svc[key] == ["yes"], key
+    assert svc["ProtectSystem"] == ["strict"]
+    assert svc["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
+    assert svc["CapabilityBoundingSet"] == [""]
+
+
+def test_standalone_dropin_raises_the_budget():
+    svc = unit_entries(REPO / "systemd" / "standalone.conf")["Service"]
+    assert svc == {"MemoryMax": ["256M"], "TasksMax": ["256"]}
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_and_security_exposure(deb_tree, tmp_path):
+    # The installed tree plus the host's own units (targets the unit orders against), so that
+    # verify also checks that ExecStart/ExecStopPost exist and are executable in the package.
+    root = tmp_path / "root"
+    shutil.copytree(deb_tree, root, symlinks=True)
+    host_units = Path("/usr/lib/systemd/system") if Path("/usr/lib/systemd/system/sysinit.target").exists() \
+        else Path("/lib/systemd/system")
+    shutil.copytree(host_units, root / "usr/lib/systemd/system", symlinks=True, dirs_exist_ok=True)
+    verify = subprocess.run(["systemd-analyze", "verify", f"--root={root}", "qlagent.service"],
+                            capture_output=True, text=True)
+    problems = [l for l in verify.stderr.splitlines() if "qlagent.service" in l]
+    assert verify.returncode == 0 and not problems, verify.stderr
+    unit = deb_tree / "usr/lib/systemd/system/qlagent.service"
+    sec = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)], capture_output=True, text=True)
+    line = next(l for l in sec.stdout.splitlines() if "Overall exposure level" in l)
+    exposure = float(line.split(":")[1].split()[0])
+    assert exposure <= 3.0, line
+
+
+# --- Debian package ----------------------------------------------------------
+
+def test_deb_control_depends_and_conffile(deb):
+    fields = control_fields(subprocess.run(["dpkg-deb", "-f", str(deb)], check=True, capture_output=True, text=True).stdout)
+    assert fields["Package"] == "qlagent" and fields["Version"] == VERSION and fields["Architecture"] == "all"
+    depends = [d.strip() for d in fields["Depends"].split(",")]
+    for dep in DEB_DEPENDS:
+        assert dep in depends
+    conffiles = subprocess.run(["dpkg-deb", "-I", str(deb), "conffiles"], check=True, capture_output=True, text=True).stdout
+    assert conffiles.split() == ["/etc/qlagent/qlagent.toml"]
+
+
+def test_deb_tree(deb_tree):
+    for rel in ("usr/bin/qlagent", "usr/lib/qlagent/stop-post"):
+        assert os.access(deb_tree / rel, os.X_OK), rel
+    for rel in ("usr/lib/python3/dist-packages/qlagent/__init__.py",
+                "usr/lib/python3/dist-packages/qlagent/adapters/sqlite/migrations/0001_core.sql",
+                "usr/lib/systemd/system/qlagent.service", "usr/lib/sysusers.d/qlagent.conf",
+                "usr/lib/tmpfiles.d/qlagent.conf", "usr/share/doc/qlagent/copyright",
+                "usr/share/doc/qlagent/changelog.gz", "usr/share/qlagent/standalone.conf"):
+        assert (deb_tree / rel).is_file(), rel
+    assert not list(deb_tree.rglob("__pycache__")), "bytecode must be built at install time, not shipped"
+    config = tomllib.loads((deb_tree / "etc/qlagent/qlagent.toml").read_text())
+    assert config == {"profile": "edge", "state_dir": "/var/lib/qlagent",
+                      "artifact_dir": "/var/lib/qlagent/artifacts", "drain_grace_s": 20}
+    assert "u qlagent" in (deb_tree / "usr/lib/sysusers.d/qlagent.conf").read_text()
+
+
+def test_deb_maintainer_scripts_start_stop_purge(deb, tmp_path):
+    subprocess.run(["dpkg-deb", "-e", str(deb), str(tmp_path)], check=True)
+    postinst = (tmp_path / "postinst").read_text()
+    assert "systemd-sysusers qlagent.conf" in postinst and "deb-systemd-invoke" in postinst
+    assert "[ -d /run/systemd/system ]" in postinst  # no start inside a chroot
+    assert "deb-systemd-invoke stop qlagent.service" in (tmp_path / "prerm").read_text()
+    postrm = (tmp_path / "postrm").read_text()
+    purge = postrm[postrm.index('"$1" = purge'):]
+    assert "rm -rf /var/lib/qlagent" in purge
+
+
+@pytest.mark.skipif(not shutil.which("lintian"), reason="lintian not installed (apt-get install lintian)")
+def test_lintian_reports_no_errors(deb):
+    out = subprocess.run(["lintian", "--fail-on", "error", str(deb)], capture_output=True, text=True)
+    errors = [l for l in out.stdout.splitlines() if l.startswith("E:")]
+    assert out.returncode == 0 and not errors, out.stdout + out.stderr
+
+
+# --- OpenWrt package -----------------------------------------------------------
+
+def test_ipk_layout_and_control(ipk):
+    assert ipk.name == f"qlagent_{VERSION}_all.ipk"
+    with tarfile.open(ipk, "r:gz") as outer:
+        assert outer.getnames() == ["./debian-binary", "./data.tar.gz", "./control.tar.gz"]
+        assert outer.extractfile("./debian-binary").read() == b"2.0\n"
+        control_tgz = outer.extractfile("./control.tar.gz").read()
+        data_tgz = outer.extractfile("./data.tar.gz").read()
+    with tarfile.open(fileobj=io.BytesIO(control_tgz), mode="r:gz") as ctl:
+        names = set(ctl.getnames())
+        assert {"./control", "./conffiles", "./postinst", "./prerm"} <= names
+        fields = control_fields(ctl.extractfile("./control").read().decode())
+        conffiles = ctl.extractfile("./conffiles").read().decode().split()
+    assert fields["Package"] == "qlagent" and fields["Version"] == VERSION and fields["Architecture"] == "all"
+    depends = [d.strip() for d in fields["Depends"].split(",")]
+    assert {"python3-light", "python3-sqlite3", "python3-msgspec", "python3-psutil", "python3-cronsim",
+            "python3-sdnotify", "python3-pyroute2", "python3-cryptography"} <= set(depends)
+    assert fields["Require-User"] == "qlagent=377:qlagent=377"
+    assert conffiles == ["/etc/config/qlagent"]
+    with tarfile.open(fileobj=io.BytesIO(data_tgz), mode="r:gz") as data:
+        members = {m.name: m for m in data.getmembers()}
+    for path, mode in (("./etc/init.d/qlagent", 0o755), ("./usr/bin/qlagent", 0o755),
+                       ("./usr/libexec/qlagent-uci2toml", 0o755), ("./etc/config/qlagent", 0o600),
+                       ("./usr/lib/qlagent/python/qlagent/__init__.py", 0o644)):
+        assert members[path].mode == mode, path
+        assert members[path].uid == 0 and members[path].gid == 0, path
+    assert not any("__pycache__" in n for n in members)
+
+
+def test_ipk_build_is_reproducible(ipk, tmp_path):
+    first = ipk.read_bytes()
+    out = subprocess.run([str(REPO / "openwrt" / "build-ipk")], check=True, capture_output=True, text=True)
+    assert Path(out.stdout.strip()).read_bytes() == first
+
+
+def test_init_script_procd_contract():
+    init = (REPO / "openwrt" / "files" / "qlagent.init").read_text()
+    assert init.startswith("#!/bin/sh /etc/rc.common\n") and "USE_PROCD=1" in init
+    for needle in ("procd_set_param respawn", "procd_set_param stdout 1", "procd_set_param stderr 1",
+                   'procd_set_param term_timeout "$((drain + 10))"', "procd_add_reload_trigger qlagent",
+                   'procd_set_param file "$CONF"'):
+        assert needle in init, needle
+
+
+# --- UCI → TOML -------------------------------------------------------------------
+
+@pytest.fixture
+def uci_env(tmp_path):
+    """`uci` does not run off OpenWrt: a stand-in answers `uci -q get qlagent.main.X` from
+    UCI_X environment variables (unset → exit 1, like uci for a missing option)."""
+    stub = tmp_path / "uci"
+    stub.write_text('#!/bin/sh\n[ "$1" = -q ] && shift\n[ "$1" = get ] || exit 1\nopt=${2##*.}\n'
+                    'eval "isset=\\${UCI_$opt+x}"\n[ -n "$isset" ] || exit 1\neval "printf \'%s\\n\' \\"\\$UCI_$opt\\""\n')
+    stub.chmod(0o755)
+    return {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+
+
+def uci2toml(env, **options):
+    env = dict(env, **{f"UCI_{k}": v for k, v in options.items()})
+    return subprocess.run(["sh", str(REPO / "openwrt" / "files" / "qlagent-uci2toml")], env=env,
+                          capture_output=True, text=True)
+
+
+def test_uci_defaults_map_to_agent_config(uci_env):
+    out = uci2toml(uci_env)
+    assert out.returncode == 0, out.stderr
+    assert tomllib.loads(out.stdout) == {"profile": "edge", "state_dir": "/etc/qlagent/state",
+                                         "artifact_dir": "/etc/qlagent/state/artifacts", "drain_grace_s": 20}
+
+
+def test_uci_http_listen_and_quoting(uci_env):
+    out = uci2toml(uci_env, profile="standalone", state_dir='/mnt/usb/q"l\\a', http_listen="127.0.0.1:7380",
+                   drain_grace_s="5")
+    config = tomllib.loads(out.stdout)
+    assert config["http"] == {"listen": "127.0.0.1:7380"}
+    assert config["state_dir"] == '/mnt/usb/q"l\\a' and config["artifact_dir"] == '/mnt/usb/q"l\\a/artifacts'
+    assert config["profile"] == "standalone" and config["drain_grace_s"] == 5
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("profile", "huge", "option profile must be edge or standalone, got 'huge'"),
+    ("drain_grace_s", "20s", "option drain_grace_s must be a whole number of seconds 0..600, got '20s'"),
+    ("drain_grace_s", "9999", "option drain_grace_s must be a whole number of seconds 0..600, got '9999'"),
+    ("state_dir", "relative/dir", "option state_dir must be an absolute path, got 'relative/dir'"),
+    ("http_listen", "localhost", "option http_listen must be host:port or empty, got 'localhost'"),
+])
+def test_uci_bad_value_names_the_option_and_prints_nothing(uci_env, option, value, message):
+    out = uci2toml(uci_env, **{option: value})
+    assert out.returncode == 2 and out.stdout == ""
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+# --- shell scripts ----------------------------------------------------------------
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS)
+def test_shell_script_parses(script):
+    path = REPO / script
+    shell = "bash" if path.read_text().startswith("#!/bin/bash") else "sh"
+    subprocess.run([shell, "-n", str(path)], check=True)
+
+
+@pytest.mark.skipif(not shutil.which("shellcheck"), reason="shellcheck not installed (apt-get install shellcheck)")
+def test_shellcheck_clean():
+    out = subprocess.run(["shellcheck", "-S", "style", *[str(REPO / s) for s in SHELL_SCRIPTS]],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+# --- stop-post (ExecStopPost) in a real cgroup -------------------------------------------
+
+V1_SYSTEMD = Path("/sys/fs/cgroup/systemd")
+
+
+@pytest.fixture
+def unit_cgroup():
+    """A fresh cgroup in the v1 name=systemd hierarchy, standing in for qlagent.service's."""
+    if os.geteuid() != 0 or not (V1_SYSTEMD / "cgroup.procs").exists():
+        pytest.skip("needs root and the cgroup v1 name=systemd hierarchy at /sys/fs/cgroup/systemd")
+    cg = V1_SYSTEMD / f"qlagent-stoppost-{os.getpid()}"
+    cg.mkdir()
+    yield cg
+    for pid in (cg / "cgroup.procs").read_text().split():
+        try:
+            os.kill(int(pid), 9)
+        except ProcessLookupError:
+            pass
+    for _ in range(100):
+        try:
+            cg.rmdir()
+            break
+        except OSError:
+            import time
+            time.sleep(0.05)
+
+
+def spawn_in(cg: Path, argv: list[str]) -> subprocess.Popen:
+    def enter():
+        with open(cg / "cgroup.procs", "w") as f:
+            f.write("0")
+    # Like a run: its own session, so nothing but an explicit kill reaches it.
+    return subprocess.Popen(argv, preexec_fn=enter, start_new_session=True)
+
+
+def stop_post(cg: Path, result: str) -> subprocess.CompletedProcess:
+    def enter():
+        with open(cg / "cgroup.procs", "w") as f:
+            f.write("0")
+    return subprocess.run(["sh", str(REPO / "systemd" / "stop-post")], preexec_fn=enter, timeout=30,
+                          env={"PATH": "/usr/bin:/bin", "SERVICE_RESULT": result}, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("result", ["watchdog", "signal", "exit-code", "core-dump"])
+def test_stop_post_keeps_runs_when_a_restart_follows(unit_cgroup, result):
+    run = spawn_in(unit_cgroup, ["sleep", "60"])
+    try:
+        assert stop_post(unit_cgroup, result).returncode == 0
+        assert run.poll() is None, f"SERVICE_RESULT={result} must leave the run for the restarted agent"
+    finally:
+        run.kill()
+        run.wait()
+
+
+@pytest.mark.parametrize("result", ["success", "timeout"])
+def test_stop_post_ends_every_run_process_on_a_real_stop(unit_cgroup, result):
+    polite = spawn_in(unit_cgroup, ["sleep", "60"])
+    # Ignores SIGTERM: only the SIGKILL after the 5 s grace ends it.
+    stubborn = spawn_in(unit_cgroup, ["sh", "-c", "trap '' TERM; while :; do sleep 0.2; done"])
+    outsider = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert stop_post(unit_cgroup, result).returncode == 0
+        assert polite.wait(timeout=5) == -15
+        assert stubborn.wait(timeout=5) == -9
+        assert outsider.poll() is None, "a process outside the unit's cgroup must not be touched"
+    finally:
+        outsider.kill()
+        outsider.wait()
