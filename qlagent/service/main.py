@@ -131,13 +131,14 @@ class Service:
             return
         from ..http.service import HttpSurface     # the optional surface: imported only when on
         self.http = HttpSurface(self.settings, self.store, self.engine, self.log, on_change=self._poke_self)
+        bound = None
         if listen:
             host, port = parse_listen(listen)
-            self.http.listen_tcp(host, port)
+            bound = "%s:%d" % self.http.listen_tcp(host, port)[:2]
         if unix:
             self.http.listen_unix(unix)
         self.http.register(self.sel)
-        self.log("info", "http.listening", address=listen, unix=unix)
+        self.log("info", "http.listening", address=bound, unix=unix)
 
     def _poke_self(self) -> None:
         self.poked = True
@@ -337,6 +338,8 @@ class Service:
         grace = self.settings.config.drain_grace_s
         self.drain_deadline_us = now + int(grace * 1e6)
         self.notify.stopping()
+        if self.http is not None:
+            self.http.begin_drain()     # stop accepting; requests in progress still finish
         self._extend(now)
         self.log("notice", "service.draining", live=self.engine.live_count(), grace_s=grace)
 
