@@ -87,7 +87,7 @@ def _param_value(p: dict, known: dict) -> st.SearchStrategy[str]:
     name = p["name"]
     options = []
     if name in known and p["in"] == "path":
-        options.append(st.sampled_from(known[name]))
+        options += [st.sampled_from(known[name])] * 3     # mostly real identities, so 2xx paths run
     if name == "runId":
         options.append(st.uuids().map(str))
     if schema.get("type") == "integer":
@@ -126,12 +126,12 @@ def requests(draw, known: dict):
               .map(lambda d: json.dumps(d).encode())))
     elif method == "POST" and draw(st.booleans()):
         body = b""
-    auth = draw(st.sampled_from(["op", "viewer", None, "bogus"]))
+    auth = draw(st.sampled_from(["op", "op", "viewer", None, "bogus"]))
     target = path + ("?" + urllib.parse.urlencode(query) if query else "")
     return method, target, op, headers, body, auth
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=800, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                     HealthCheck.too_slow])
 @given(data=st.data())
 def test_live_answers_conform_to_the_openapi_document(live, data):
