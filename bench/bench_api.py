@@ -6,7 +6,8 @@ One run measures, with the same client (4 client processes, one keep-alive conne
   state directory, bearer token from ``qlagent token create``:
   ``POST /api/v3/projects/default/tasks/bench/runs`` (a new mutationId per request: every
   request is a real ADR-0376 transaction that creates a queued Run, Attempt and two RunEvents;
-  the agent also dispatches and runs them) and ``GET .../runs/{runId}``;
+  the agent also dispatches and runs them), ``GET .../runs/{runId}``, and an exact Task Start
+  replay (one mutationId per client: the full ADR-0376 transaction answering 200, no new Run);
 * **baseline** — a trivial stdlib ``ThreadingHTTPServer`` answering the same methods and paths
   with a fixed JSON body (no store, no auth).
 
@@ -95,15 +96,17 @@ def _client(port: int, kind: str, target: str, token: str, digest: str, seconds:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     headers = {"Authorization": f"Bearer {token}"}
     lat, bad = array.array("q"), 0
+    fixed = str(uuid.uuid4())      # "replay": one mutationId per client, so all but one are 200
     go.wait()
     stop = time.perf_counter() + seconds
     while time.perf_counter() < stop:
         body = None
-        if kind == "start":
-            body = json.dumps({"schema": "qinglong/task-start@v1", "mutationId": str(uuid.uuid4()),
+        if kind in ("start", "replay"):
+            body = json.dumps({"schema": "qinglong/task-start@v1",
+                               "mutationId": fixed if kind == "replay" else str(uuid.uuid4()),
                                "expectedRevision": 1, "expectedContentDigest": digest}).encode()
         t0 = time.perf_counter_ns()
-        c.request("POST" if kind == "start" else "GET", target, body=body, headers=headers)
+        c.request("GET" if kind == "read" else "POST", target, body=body, headers=headers)
         r = c.getresponse()
         r.read()
         lat.append(time.perf_counter_ns() - t0)
@@ -166,7 +169,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_agent(clients: int, seconds: float, mode: str) -> tuple[dict, dict, float]:
+def run_agent(clients: int, seconds: float, mode: str) -> tuple[dict, dict, dict, float]:
     root = tempfile.mkdtemp(prefix="qlagent-bench-api-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     state = os.path.join(root, "state")
     try:
@@ -195,7 +198,8 @@ def run_agent(clients: int, seconds: float, mode: str) -> tuple[dict, dict, floa
             run_id = json.loads(c.getresponse().read())["items"][0]["runId"]
             c.close()
             read = load(port, "read", f"/api/v3/projects/default/runs/{run_id}", token, digest, clients, seconds, proc)
-            return start, read, idle
+            replay = load(port, "replay", start_path, token, digest, clients, seconds, proc)
+            return start, read, replay, idle
         finally:
             agent.terminate()
             agent.wait(60)
@@ -203,7 +207,7 @@ def run_agent(clients: int, seconds: float, mode: str) -> tuple[dict, dict, floa
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_baseline(clients: int, seconds: float) -> tuple[dict, dict]:
+def run_baseline(clients: int, seconds: float) -> tuple[dict, dict, dict]:
     child = subprocess.Popen([sys.executable, __file__, "--baseline"], stdout=subprocess.PIPE, cwd=ROOT,
                              env=CHILD_ENV)
     try:
@@ -213,7 +217,7 @@ def run_baseline(clients: int, seconds: float) -> tuple[dict, dict]:
         load(port, "start", path, "x", "0" * 64, clients, min(0.5, seconds), proc)
         start = load(port, "start", path, "x", "0" * 64, clients, seconds, proc)
         read = load(port, "read", "/api/v3/projects/default/runs/x", "x", "0" * 64, clients, seconds, proc)
-        return start, read
+        return start, read, start
     finally:
         child.terminate()
         child.wait(10)
@@ -229,16 +233,18 @@ def main() -> None:
     if a.baseline:
         baseline()
         return
-    a_start, a_read, idle = run_agent(a.clients, a.seconds, a.mode)
-    b_start, b_read = run_baseline(a.clients, a.seconds)
+    a_start, a_read, a_replay, idle = run_agent(a.clients, a.seconds, a.mode)
+    b_start, b_read, b_post = run_baseline(a.clients, a.seconds)
     print(f"{a.clients} clients, {a.seconds:g} s per workload, mode {a.mode}; agent idle RSS {idle:.1f} MiB")
     print(f"{'workload':<22}{'req/s':>9}{'p50 µs':>10}{'p99 µs':>10}{'non-2xx':>9}{'RSS MiB':>9}"
           f"{'tree MiB':>10}{'PIDs':>6}")
     for name, r in (("agent Task Start", a_start), ("baseline POST", b_start),
-                    ("agent Run read", a_read), ("baseline GET", b_read)):
+                    ("agent Run read", a_read), ("baseline GET", b_read),
+                    ("agent Start replay", a_replay)):
         print(f"{name:<22}{r['rps']:>9.0f}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}{r['non2xx']:>9}"
               f"{r['rss_mib']:>9.1f}{r['tree_rss_mib']:>10.1f}{r['pids']:>6}")
-    for name, a_, b_ in (("Task Start", a_start, b_start), ("Run read", a_read, b_read)):
+    for name, a_, b_ in (("Task Start", a_start, b_start), ("Run read", a_read, b_read),
+                         ("Start replay (200)", a_replay, b_post)):
         print(f"ratio agent/baseline {name}: req/s {a_['rps'] / b_['rps']:.2f}x, "
               f"p50 {a_['p50_us'] / b_['p50_us']:.2f}x, p99 {a_['p99_us'] / b_['p99_us']:.2f}x")
 
