@@ -666,3 +666,53 @@ def test_headless_serve_imports_no_http_module(workdir):  # noqa: F811
                          capture_output=True, env=env_, timeout=60)
     doc = json.loads(out.stdout)
     assert doc["code"] == 0 and "qlagent.http.service" in doc["http"], out.stderr
+
+
+def test_http_config_overrides_stay_within_the_profile_bounds(workdir):  # noqa: F811
+    from qlagent.core.errors import ValidationError
+    from qlagent.http.service import limits_for
+    from qlagent.service.config import resolve
+
+    def settings(body: str, profile: str = "edge"):
+        path = os.path.join(workdir, "c.toml")
+        with open(path, "w") as f:
+            f.write(f'profile = "{profile}"\n[http]\n{body}\n')
+        return resolve(path, state_dir=os.path.join(workdir, "s"))
+
+    lim = limits_for(settings("max_in_flight = 2\nmax_body_bytes = 300\nread_timeout_s = 2.5"))
+    assert (lim.max_in_flight, lim.max_body_bytes, lim.read_timeout_s) == (2, 300, 2.5)
+    assert limits_for(settings("")).max_in_flight == 4 and limits_for(settings("")).max_body_bytes == 512
+    assert limits_for(settings("max_in_flight = 32", "standalone")).max_in_flight == 32
+    for body, field in (("max_in_flight = 5", "http.max_in_flight"), ("max_body_bytes = 513", "http.max_body_bytes"),
+                        ("max_in_flight = 0", "http.max_in_flight"), ("read_timeout_s = 0", "http.read_timeout_s")):
+        with pytest.raises(ValidationError) as exc:
+            limits_for(settings(body))
+        assert exc.value.field == field
+        assert ("edge" if field != "http.read_timeout_s" else "seconds") in str(exc.value)
+
+
+def test_unix_socket_from_config_serves_the_api(workdir):  # noqa: F811
+    state = os.path.join(workdir, "state")
+    sock = os.path.join(workdir, "api.sock")
+    cfg = os.path.join(workdir, "c.toml")
+    with open(cfg, "w") as f:
+        f.write(f'[http]\nunix_socket = "{sock}"\n')
+    ok(state, "init")
+    env_ = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "--config", cfg, "serve"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env_)
+    try:
+        for line in proc.stderr:
+            if b"service.ready" in line:
+                break
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(sock)
+            s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 200 ") and b'"status":"ready"' in data
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert not os.path.exists(sock)     # removed at close
