@@ -7,11 +7,13 @@ import hashlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -198,9 +200,8 @@ def start_body(revision: int, digest: str, mutation_id: str | None = None, **ext
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env():
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    import tempfile
     root = tempfile.mkdtemp(prefix="qlagent-api-", dir=base)
     state = os.path.join(root, "state")
     ok(state, "init")
@@ -218,7 +219,6 @@ def env(tmp_path_factory):
     agent = Agent(state)
     yield agent, state, tokens, root
     agent.stop()
-    import shutil
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -131,8 +131,8 @@ def requests(draw, known: dict):
     return method, target, op, headers, body, auth
 
 
-@settings(max_examples=800, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                    HealthCheck.too_slow])
+@settings(max_examples=800, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_live_answers_conform_to_the_openapi_document(live, data):
     agent, toks, known = live
