@@ -12,7 +12,7 @@ import sqlite3
 
 import msgspec
 
-from ...core.canonical import snapshot_ref
+from ...core.canonical import sha256_hex, snapshot_ref
 from ...core.errors import FenceRejected, NotFoundError, UnavailableError, ValidationError
 from ...core.ids import new_id
 from ...core.models import START_ROLES, Attempt, Run, RunEvent, TaskHead
@@ -137,11 +137,12 @@ def task_start(conn: sqlite3.Connection, *, project: str, task: str, subject: st
                             f"task is at revision {head.revision} with digest {head.content_digest}")
     if not head.enabled:
         raise FenceRejected("task_disabled", "the task is disabled")
-    ex = conn.execute("SELECT kind, execution_digest FROM execution_revisions WHERE task_id = ? AND revision = ?",
-                      (head.task_id, head.revision)).fetchone()
+    ex = conn.execute("SELECT kind, execution_digest, spec_json FROM execution_revisions "
+                      "WHERE task_id = ? AND revision = ?", (head.task_id, head.revision)).fetchone()
     if ex is None:
         raise FenceRejected("task_not_executable", "the task revision has no published execution revision")
-    if ex[0] not in ("local_process", "shell"):
+    # ADR-0376 §2 "digest 正确": the stored spec must hash to its execution digest (fail closed).
+    if ex[0] not in ("local_process", "shell") or sha256_hex(ex[2].encode()) != ex[1]:
         raise UnavailableError("execution revision is corrupt", code="task_start_unavailable")
     return create_run(conn, head=head, origin="manual", trigger_type="task_start", idempotency_key=key,
                       requested_by=subject, now_us=now_us,
