@@ -19,12 +19,6 @@ SCRIPT = REPO / "packaging" / "e2e-systemd"
 
 pytestmark = [pytest.mark.slow, pytest.mark.systemd]
 
-SCHEDULE_CHECKS = {
-    "task: 'qlagent task add -f' accepted 'tick' (6 fields, every 5 s)",
-    "task: 'tick' (*/5 * * * * *) ran twice on schedule within 16 s",
-    "journal: lines about tick's Runs in 'journalctl -u qlagent' carry PRIORITY",
-}
-CRONSIM_26_REFUSAL = "schedule in '*/5 * * * * *' never matches or is malformed"
 
 
 def test_deb_under_real_systemd():
@@ -37,12 +31,5 @@ def test_deb_under_real_systemd():
     checks = [line for line in proc.stdout.splitlines() if " PASS " in line or " FAIL " in line]
     failed = {line.split(" FAIL ", 1)[1].strip() for line in checks if " FAIL " in line}
     assert len(checks) >= 17, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # Known agent bug, reported to the lead: Debian 13 ships python3-cronsim 2.6, which has no
-    # seconds field, and core/schedule.py hands cronsim 6 fields for every cron line, so the
-    # agent refuses every cron schedule on trixie.  Only the three checks of the scheduled task
-    # may fail, and only with that exact refusal in the output; anything else fails the test.
-    if failed and failed <= SCHEDULE_CHECKS and CRONSIM_26_REFUSAL in proc.stdout + proc.stderr:
-        pytest.xfail("agent refuses cron schedules with Debian 13's python3-cronsim 2.6 "
-                     "(no seconds field): " + "; ".join(sorted(failed)))
     assert proc.returncode == 0 and not failed and "ALL CHECKS PASSED" in proc.stdout, \
         proc.stdout[-4000:] + proc.stderr[-2000:]
