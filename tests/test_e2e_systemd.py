@@ -20,7 +20,6 @@ SCRIPT = REPO / "packaging" / "e2e-systemd"
 pytestmark = [pytest.mark.slow, pytest.mark.systemd]
 
 
-
 def test_deb_under_real_systemd():
     if os.geteuid() != 0:
         pytest.skip("needs root: namespaces, cgroups and debootstrap")
