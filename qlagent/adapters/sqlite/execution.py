@@ -85,14 +85,22 @@ def load_plan(conn: sqlite3.Connection, task_id: str, revision: int) -> tuple[Pl
                 task_name=definition["name"]), None
 
 
+# SQLite uses the partial index runs_by_state only when the query repeats its WHERE term
+# verbatim; without it both counts scan every Run ever stored (the whole table, or the Task's
+# whole history) on every dispatcher pass, so a pass would grow with the backlog.
+_LIVE = "state IN ('queued','starting','running') AND state IN ('starting','running')"
+
+
 def task_live_count(conn: sqlite3.Connection, task_id: str) -> int:
-    """Runs of the Task that are starting or running (single-instance admission)."""
-    return conn.execute("SELECT count(*) FROM runs WHERE task_id = ? AND state IN ('starting','running')",
+    """Runs of the Task that are starting or running (single-instance admission); reads only
+    live Runs, never the Task's history."""
+    return conn.execute(f"SELECT count(*) FROM runs INDEXED BY runs_by_state WHERE {_LIVE} AND task_id = ?",
                         (task_id,)).fetchone()[0]
 
 
 def active_count(conn: sqlite3.Connection) -> int:
-    return conn.execute("SELECT count(*) FROM runs WHERE state IN ('starting','running')").fetchone()[0]
+    """Runs starting or running (the global concurrency limit); reads only live Runs."""
+    return conn.execute(f"SELECT count(*) FROM runs WHERE {_LIVE}").fetchone()[0]
 
 
 def _bump(conn, run_id: str, src: str, dst: str, version: int | None, now_us: int, **cols) -> int | None:
