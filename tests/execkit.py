@@ -22,6 +22,7 @@ from qlagent.application.definitions import DefinitionWriter
 from qlagent.application.engine import Engine
 from qlagent.application.runs import RunService
 from qlagent.application.secrets import SecretService
+from qlagent.adapters.secretbox import create_key_file
 from qlagent.application.store import LocalStore
 from qlagent.core.profiles import EDGE
 from qlagent.service import control
@@ -70,6 +71,8 @@ class Bench:
         self.artifact_dir = artifact_dir or os.path.join(root, "artifacts")
         self.runs_dir = os.path.join(root, "runs")
         self.key_file = os.path.join(os.path.dirname(self.db_path), "secret.key")
+        os.makedirs(os.path.dirname(self.db_path), exist_ok=True)
+        create_key_file(self.key_file)
         self.store = LocalStore(self.db_path)
         self.log_lines: list[tuple] = []
         self.engine = Engine(self.store, profile=profile, artifact_dir=self.artifact_dir, runs_dir=self.runs_dir,
