@@ -178,6 +178,7 @@ class Agent:
         with open(self.config, "w") as f:
             f.write(f'profile = "{profile}"\ndrain_grace_s = 0\nkill_grace_s = 1\n' + config)
         self.proc: subprocess.Popen | None = None
+        self.logs: list[str] = []
         self.cli("init")
 
     def env(self, extra: dict | None = None) -> dict:
@@ -198,10 +199,17 @@ class Agent:
         path = write_toml(os.path.join(self.root, f"tasks-{time.monotonic_ns()}.toml"), list(tasks))
         self.cli("task", "add", "-f", path)
 
-    def serve(self, exit_after: float = 60, env: dict | None = None) -> subprocess.Popen:
+    def serve(self, exit_after: float = 60, env: dict | None = None, prefix: tuple = ()) -> subprocess.Popen:
+        """Start ``qlagent serve --exit-after`` (under ``prefix``, e.g. ``ip netns exec NS``)
+        and return once its control socket is bound (migrations and recovery are done)."""
         self.log_path = os.path.join(self.root, f"serve-{time.monotonic_ns()}.log")
+        self.logs.append(self.log_path)
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state, "serve",
+        try:
+            os.unlink(os.path.join(self.state, "control.sock"))
+        except FileNotFoundError:
+            pass
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state, "serve",
                                       "--exit-after", str(exit_after)], stdout=log, stderr=subprocess.STDOUT,
                                      env=self.env(env), cwd=REPO)
         log.close()
@@ -260,5 +268,9 @@ class Agent:
         self.proc.wait()
 
     def journal(self) -> bytes:
-        with open(self.log_path, "rb") as f:
-            return f.read()
+        """Everything every ``serve`` of this Agent wrote (stdout and stderr)."""
+        out = b""
+        for p in self.logs:
+            with open(p, "rb") as f:
+                out += f.read()
+        return out
