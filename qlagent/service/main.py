@@ -65,11 +65,13 @@ def service_running(state_dir: str) -> bool:
 
 class Service:
     def __init__(self, settings: Settings, *, listen: str | None = None, exit_after_s: float | None = None,
-                 inline_run: str | None = None, clock_us=now_us) -> None:
+                 inline_run: str | None = None, inline_timeout_s: float | None = None, clock_us=now_us) -> None:
         self.settings = settings
         self.log = Journal(min_priority="info" if inline_run is None else "warning")
         self.notify = Notifier() if inline_run is None else _NoNotify()
         self.inline_run = inline_run
+        self._inline_timeout_s = inline_timeout_s
+        self.inline_deadline_us: int | None = None
         self._listen = listen
         self._exit_after_s = exit_after_s
         self._now = clock_us
@@ -167,8 +169,11 @@ class Service:
             self._install_signals()
             self.scheduler.reload()
             self.scheduler.fire_boot(started)
-            self._ensure_netgate()
             self._start_http()
+        # Inline too: without the gate a network-gated Run could never start (nor end the wait).
+        self._ensure_netgate()
+        if self._inline_timeout_s is not None:
+            self.inline_deadline_us = started + int(self._inline_timeout_s * 1e6)
         if self._exit_after_s is not None:
             self.exit_at_us = started + int(self._exit_after_s * 1e6)
         self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
@@ -187,6 +192,8 @@ class Service:
     def _done(self) -> bool:
         if self.inline_run is not None:
             from ..application.runs import RunService
+            if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us:
+                return True    # the wait timed out; a live wrapper carries on and a service ingests it
             return RunService(self.store).get(self.inline_run).state not in ("queued", "starting", "running")
         return self.draining and self.engine.live_count() == 0
 
@@ -208,7 +215,7 @@ class Service:
         times = [t for t in (
             None if self.draining else self.scheduler.next_wake_us,
             self.engine.next_wakeup_us(), self.notify.next_ping_us(now), self.drain_deadline_us,
-            self.kill_deadline_us, self.recheck_us, self.exit_at_us,
+            self.kill_deadline_us, self.recheck_us, self.exit_at_us, self.inline_deadline_us,
             self.http.next_timeout_us(now) if self.http is not None else None,
             (self._last_extend_us + 5_000_000) if self.draining else None,
         ) if t is not None]
