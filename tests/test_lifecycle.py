@@ -448,3 +448,19 @@ def test_per_run_figures_are_stored_on_the_attempt(root):
     assert att["cpu_time_us"] >= 300_000
     assert hashlib.sha256(json.dumps(show).encode()).hexdigest()      # shown by `run show --json`
     assert show["attempts"][0]["peakRssBytes"] == att["peak_rss_bytes"]
+
+
+def test_inline_wait_honours_timeout_and_network_gate(root, netns):
+    """`run start --wait` with no service runs the engine inline: a network-gated task starts
+    when the route exists, and with no route the CLI gives up after --timeout (exit 5) instead
+    of waiting forever; the Run stays queued for a service."""
+    a = Agent(root)
+    a.add(*[t for t in router_tasks(root) if t["name"] == "wan-check"])
+    p = a.cli("run", "start", "wan-check", "--wait", "--timeout", "10", timeout=20)
+    assert p.stdout.split()[1] == b"succeeded"
+    p = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "qlagent.cli.main", "--state-dir",
+                        a.state, "run", "start", "wan-check", "--wait", "--timeout", "1"], capture_output=True,
+                       env=a.env(), cwd=REPO, timeout=20)
+    assert p.returncode == 5 and b"still queued after 1.0 s" in p.stderr, p.stderr
+    with a.db() as c:
+        assert c.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0] == 1
