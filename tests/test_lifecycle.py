@@ -464,3 +464,57 @@ def test_inline_wait_honours_timeout_and_network_gate(root, netns):
     assert p.returncode == 5 and b"still queued after 1.0 s" in p.stderr, p.stderr
     with a.db() as c:
         assert c.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0] == 1
+
+
+def test_deadline_and_cancel_survive_an_agent_restart(root):
+    """A re-attached Run keeps its deadline (F3 across F5) and a cancel requested while no agent
+    ran is carried out by the next one; both trees die, with SIGKILL after the grace."""
+    a = Agent(root)
+    stubborn = "trap '' INT TERM; sleep 30"
+    a.add(task("late", command=["/bin/sh", "-c", stubborn], timeout_s=2),
+          task("cancelme", command=["/bin/sh", "-c", stubborn], timeout_s=60))
+    a.serve()
+    late, cancel = a.start("late"), a.start("cancelme")
+    for r in (late, cancel):
+        a.wait(r, ("running",))
+    a.kill()
+    a.cli("run", "cancel", cancel)                           # recorded while no agent runs
+    a.serve()
+    try:
+        runs = {r: a.wait(r) for r in (late, cancel)}
+    finally:
+        assert a.stop() == 0
+    assert runs[late]["state"] == "timed_out"
+    assert secs(a.attempts(late)[0]) <= 2 + GRACE_S + 1.5
+    assert runs[cancel]["state"] == "cancelled"
+    for r in (late, cancel):
+        none_left(r)
+
+
+def test_pid_budget_holds_back_the_next_run(root):
+    """Edge: 64 PIDs for the whole service tree. A run holding ~62 processes leaves no room for
+    another wrapper + task: the next Run waits (dispatch.refused pids) until the first ends."""
+    a = Agent(root)
+    a.add(task("forky", "i=0; while [ $i -lt 62 ]; do sleep 30 & i=$((i+1)); done; wait\n", timeout_s=60),
+          task("next", "echo next\n"))
+    a.serve()
+    try:
+        big = a.start("forky")
+        a.wait(big, ("running",))
+        end = time.monotonic() + 5
+        while len(procs_with_env("QL3_RUN_ID", big)) < 63:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        nxt = a.start("next")
+        end = time.monotonic() + 5
+        while b"dispatch.refused" not in a.journal():
+            assert time.monotonic() < end, a.journal()[-2000:]
+            time.sleep(0.02)
+        assert b"pids" in a.journal().split(b"dispatch.refused", 1)[1][:200]
+        assert a.run(nxt)["state"] == "queued"
+        a.cli("run", "cancel", big)
+        assert a.wait(big)["state"] == "cancelled"
+        assert a.wait(nxt)["state"] == "succeeded"
+    finally:
+        assert a.stop() == 0
+    none_left(big)
