@@ -318,6 +318,10 @@ class Service:
             elif r.status == "launch_failed":
                 self.log("err", "run.launch_failed", run=r.run_id, reason=r.reason)
             break
+        else:
+            # Passes left (more pages or more Runs): go on next iteration, after other events,
+            # instead of sleeping until an unrelated wake-up while Runs wait behind the cursor.
+            self.poked = True
         if self.scheduler.created or self.scheduler.skipped:
             self.scheduler.created = self.scheduler.skipped = 0
 
