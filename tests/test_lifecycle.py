@@ -518,3 +518,33 @@ def test_pid_budget_holds_back_the_next_run(root):
     finally:
         assert a.stop() == 0
     none_left(big)
+
+
+def test_service_walks_past_a_long_blocked_backlog(root):
+    """300 queued Runs of a single-instance Task whose Run is live (75 edge pages, more than one
+    wake-up's worth of passes) sit ahead of another Task's Run: the service keeps walking the
+    keyset pages and starts that Run without waiting for an unrelated event."""
+    a = Agent(root)
+    a.add(task("single", "sleep 30\n", timeout_s=60), task("other", "echo other\n"))
+    a.serve()
+    try:
+        first = a.start("single")
+        a.wait(first, ("running",))
+        from qlagent.adapters.sqlite import definitions as defs
+        from qlagent.adapters.sqlite import runs as runs_repo
+        from qlagent.application.store import LocalStore
+        other = LocalStore(os.path.join(a.state, "qlagent.db"))
+
+        def tx(c):
+            head = defs.get_head(c, other.project.project_id, "single")
+            for i in range(300):
+                runs_repo.create_run(c, head=head, origin="manual", trigger_type="cli",
+                                     idempotency_key=f"test:blocked:{i}", requested_by="test", now_us=1_000 + i)
+        other.write(tx)
+        other.close()
+        behind = a.start("other")                    # pokes the service once
+        assert a.wait(behind, timeout_s=10)["state"] == "succeeded"
+        a.cli("run", "cancel", first)
+        a.wait(first)
+    finally:
+        assert a.stop() == 0
