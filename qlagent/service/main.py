@@ -162,7 +162,9 @@ class Service:
     def _run(self) -> int:
         started = self._now()
         self._open()
-        counts = self.engine.recover() if self.inline_run is None else {}
+        # Inline too (it holds the service lock): a Run left by an interrupted or timed-out
+        # `run start --wait` is ingested, re-attached or lost instead of staying live forever.
+        counts = self.engine.recover()
         if self.inline_run is None:
             self.ctl = control.bind(self.settings.control_socket)
             self.sel.register(self.ctl, selectors.EVENT_READ, ("control", None))
