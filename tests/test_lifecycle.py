@@ -558,7 +558,7 @@ def test_inline_wait_after_an_interrupted_one_recovers_the_first_run(root):
     a.add(task("one", command=["/bin/sh", "-c", "sleep 0.8; exit 4"]))
     p = a.cli("run", "start", "one", "--wait", "--timeout", "0.2", check=False)
     assert p.returncode == 5 and b"still running" in p.stderr
-    first = p.stderr.split()[2].decode()
+    first = p.stderr.split()[3].decode()
     p = a.cli("run", "start", "one", "--wait", "--timeout", "10", check=False, timeout=20)
     assert p.returncode == 6 and b"failed exit=4" in p.stdout
     assert (a.run(first)["state"], a.run(first)["exit_code"]) == ("failed", 4)
