@@ -563,3 +563,23 @@ def test_inline_wait_after_an_interrupted_one_recovers_the_first_run(root):
     assert p.returncode == 6 and b"failed exit=4" in p.stdout
     assert (a.run(first)["state"], a.run(first)["exit_code"]) == ("failed", 4)
     none_left(first)
+
+
+def test_orphan_holding_the_output_does_not_keep_the_run_alive(root):
+    """The main process exits 0 while a background child still holds the FIFO open for 30 s:
+    the Run ends succeeded after the wrapper's linger (2 s), not after 30 s."""
+    a = Agent(root)
+    a.add(task("bg", command=["/bin/sh", "-c", "sleep 30 & echo started; exit 0"], timeout_s=60))
+    a.serve()
+    try:
+        rid = a.start("bg")
+        t0 = time.monotonic()
+        run = a.wait(rid)
+        waited = time.monotonic() - t0
+    finally:
+        assert a.stop() == 0
+        for p in procs_with_env("QL3_RUN_ID", rid):     # the orphan outlives a succeeded Run (see report)
+            p.kill()
+    assert (run["state"], run["exit_code"]) == ("succeeded", 0)
+    assert waited < 2.0 + 3.0, waited
+    assert log_bytes(a, rid) == b"started\n"
