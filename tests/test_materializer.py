@@ -196,7 +196,8 @@ def test_secret_plaintext_never_leaves_the_launch(root):
         missing = a.start("missing")
         assert a.wait(missing)["state"] == "failed"
         sleeper = a.start("sleeper")
-        att = a.wait(sleeper, ("running",)) and a.attempts(sleeper)[0]
+        a.wait(sleeper, ("running",))
+        att = a.attempts(sleeper)[0]
         wrapper = psutil.Process(att["wrapper_pid"])
         assert SECRET.decode() not in " ".join(wrapper.cmdline())
         with open(f"/proc/{wrapper.pid}/environ", "rb") as f:
