@@ -16,6 +16,7 @@ import socket
 import sqlite3
 import subprocess
 import tempfile
+import time
 
 import psutil
 import pytest
@@ -222,3 +223,43 @@ def test_secret_plaintext_never_leaves_the_launch(root):
     for s in (SECRET, OTHER):
         assert s not in everything
         assert s.decode() not in reasons + payloads
+
+
+def test_symlinked_artifact_root_is_refused_without_spinning(root):
+    """An artifact root that is a symlink is refused (unsafe_directory): no file appears behind
+    the link, no process starts, the Run waits, and the service neither spins nor floods its
+    journal retrying it."""
+    target = os.path.join(root, "elsewhere")
+    os.makedirs(target)
+    link = os.path.join(root, "artifacts-link")
+    os.symlink(target, link)
+    a = Agent(root, config=f'artifact_dir = "{link}"\n')
+    a.add(task("t", "echo hi\n"))
+    a.serve()
+    try:
+        rid = a.start("t")
+        end = time.monotonic() + 5
+        while b"dispatch.refused" not in a.journal() and b"run.unavailable" not in a.journal():
+            assert time.monotonic() < end, a.journal()
+            time.sleep(0.02)
+        cpu0 = psutil.Process(a.proc.pid).cpu_times()
+        time.sleep(1.0)     # nothing to await: the point is that the service stays idle
+        cpu1 = psutil.Process(a.proc.pid).cpu_times()
+        assert a.run(rid)["state"] == "queued"
+        assert os.listdir(target) == []
+        assert (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system) < 0.3
+        assert a.journal().count(b"unsafe_directory") <= 2
+    finally:
+        assert a.stop() == 0
+
+
+def test_read_only_artifact_filesystem_is_unavailable_not_an_exception(root, small_tmpfs):
+    """Flash remounted read-only (space is fine, creating the log fails with EROFS): the pass
+    returns ``unavailable`` instead of raising into the service loop; nothing starts."""
+    subprocess.run(["mount", "-o", "remount,ro", small_tmpfs], check=True)
+    b = Bench(os.path.join(root, "s"), artifact_dir=os.path.join(small_tmpfs, "artifacts"))
+    b.add(task("t", "echo hi\n"))
+    rid = b.start("t")
+    unavailable_pass(b, "artifact_unwritable")
+    assert b.run(rid).state == "queued"
+    b.close()

@@ -64,12 +64,12 @@ class ProcessAdapter:
         return os.path.join(self._alloc.runs_root, attempt_id)
 
     def spawn(self, attempt_id, argv, env, cwd, artifact_path, quota_bytes) -> tuple[int, float]:
-        run_dir = self._alloc.run_dir(attempt_id)
-        spec = {"attempt_id": attempt_id, "argv": list(argv), "env": env, "cwd": cwd, "run_dir": run_dir,
-                "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": WRAPPER_LINGER_S}
         try:
+            run_dir = self._alloc.run_dir(attempt_id)
+            spec = {"attempt_id": attempt_id, "argv": list(argv), "env": env, "cwd": cwd, "run_dir": run_dir,
+                    "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": WRAPPER_LINGER_S}
             h = processes.spawn_wrapper(spec, self._python)
-        except QlError as e:              # spec over its bound or no interpreter: a launch failure
+        except QlError as e:              # unsafe run dir, spec over its bound, no interpreter: a launch failure
             raise OSError(getattr(e, "errno", None) or 7, e.code) from None
         self._handles[h.pid] = h
         self._started[attempt_id] = h.create_time

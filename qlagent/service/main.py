@@ -29,7 +29,9 @@ from .notify import Notifier
 from .scheduler import Scheduler
 
 MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each activates ≤ 1 Run)
-CAPACITY_REASONS = {"low_space", "artifact_quota_full", "quota_too_large"}
+# Refusals that leave the Run queued (the next pass would meet the same candidate): stop
+# dispatching and re-check later instead of retrying it in a loop.
+CAPACITY_REASONS = {"low_space", "artifact_quota_full", "quota_too_large", "unsafe_directory", "artifact_unwritable"}
 RECHECK_BLOCKED_US = 10_000_000    # re-try admission this long after a capacity/budget refusal
 
 
