@@ -156,7 +156,7 @@ class Engine:
     def __init__(self, store: LocalStore, *, profile: Profile, artifact_dir: str, runs_dir: str, key_file: str,
                  max_concurrent: int, log=lambda *a, **k: None, budget=None, network=None,
                  clock_us=now_us) -> None:
-        self.store = store
+        self._store = store
         self._x = SqliteExecutionStore(store, key_file, clock_us)
         self._alloc = ArtifactAllocator(artifact_dir, profile, runs_root=runs_dir)
         self._procs = ProcessAdapter(self._alloc)
@@ -214,10 +214,10 @@ class Engine:
 
     def prune(self, keep_per_task: int, max_total_bytes: int) -> int:
         """Retention: delete the oldest ended logs beyond the rule; returns how many."""
-        entries = self.store.read(ex.retention_entries)
+        entries = self._store.read(ex.retention_entries)
         removed = self._alloc.prune(keep_per_task, max_total_bytes, entries)
         if removed:
-            self.store.write(lambda c: ex.forget_artifacts(c, [r.attempt_id for r in removed]))
+            self._store.write(lambda c: ex.forget_artifacts(c, [r.attempt_id for r in removed]))
         return len(removed)
 
     @property
