@@ -279,13 +279,16 @@ def test_global_limit_is_a_limited_result(root):
 
 def test_engine_exposes_no_coordinator_launcher_or_candidate_read(root):
     """ADR-0071 verification 7: walk every public attribute of the Engine (two levels deep):
-    nothing reachable is the coordinator, the process adapter or the store port, and no method
+    nothing reachable is the coordinator, the process adapter, the store port or the raw store
+    (whose read() would reach the candidate query), and no method
     named like a launch or candidate read is reachable without an underscore."""
     b = Bench(os.path.join(root, "s"))
     from qlagent.application.engine import ProcessAdapter
     from qlagent.application.execution_store import SqliteExecutionStore
     from qlagent.execution.coordinator import LocalExecutionCoordinator
-    forbidden_types = (LocalExecutionCoordinator, ProcessAdapter, SqliteExecutionStore)
+    from qlagent.adapters.sqlite.authority import SqliteAuthority
+    from qlagent.application.store import LocalStore
+    forbidden_types = (LocalExecutionCoordinator, ProcessAdapter, SqliteExecutionStore, LocalStore, SqliteAuthority)
     forbidden_names = {"candidate_page", "reread", "load_plan", "claim_starting", "spawn", "start", "launch",
                        "coordinator", "launcher", "materializer", "resolve_secrets"}
 
