@@ -305,7 +305,8 @@ def cmd_run_ls(ctx: Ctx) -> int:
         _print_json({"runs": msgspec.to_builtins(runs), "nextCursor": nxt})
         return 0
     _table([[r.run_id, r.task_name, r.state, r.trigger_type, _fmt_us(r.created_at_us),
-             "-" if r.exit_code is None else str(r.exit_code)] for r in runs],
+             str(r.exit_code) if r.exit_code is not None else f"sig{r.exit_signal}" if r.exit_signal else "-"]
+            for r in runs],
            ["RUN", "TASK", "STATE", "TRIGGER", "CREATED", "EXIT"])
     if nxt:
         print(f"(more: --cursor {nxt})")

@@ -231,6 +231,9 @@ class Service:
 
     def _iteration(self) -> None:
         for key, mask in self.sel.select(self._timeout_s()):
+            if self.http is not None and self.http.owns(key):
+                self.http.handle_event(key, mask)
+                continue
             kind, data = key.data
             if kind == "signal":
                 self._drain_signal_fd()
@@ -245,8 +248,6 @@ class Service:
             elif kind == "netlink":
                 if self.netgate.process():
                     self.poked = True
-            elif kind == "http":
-                self.http.handle_event(key, mask)
         self._handle_signals()
         now = self._now()
         if self.exit_at_us is not None and now >= self.exit_at_us and not self.draining:

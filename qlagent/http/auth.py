@@ -1,0 +1,114 @@
+"""Bearer tokens and the run/read permission table (issue 5 §2, ADR-0376 §2 Policy fence).
+
+Tokens look like ``qlt_`` + ``secrets.token_urlsafe(32)``; only ``token_digest(token)`` (SHA-256
+hex) is stored. The store implements :class:`TokenPort`; this module never touches storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+from qlagent.http.server import HttpError
+
+TOKEN_PREFIX = "qlt_"
+_TOKEN_RE = re.compile(r"qlt_[A-Za-z0-9_-]{43}")
+
+RUN_ROLES = frozenset({"owner", "admin", "operator"})
+READ_ROLES = RUN_ROLES | {"viewer"}
+ROLES = READ_ROLES
+PERMISSIONS: Mapping[str, frozenset[str]] = {
+    "run.start": RUN_ROLES,
+    "run.cancel": RUN_ROLES,
+    "task.read": READ_ROLES,
+    "run.read": READ_ROLES,
+    "log.read": READ_ROLES,
+}
+
+
+class TokenPort(Protocol):
+    """Store side of authentication (implemented by the SQLite repository)."""
+
+    def lookup_token(self, digest: str) -> tuple[str, str] | None:
+        """(project_id, subject) of an active, unrevoked token with this SHA-256 hex digest."""
+
+    def latest_binding(self, project_id: str, subject: str) -> tuple[str, int] | None:
+        """(role, binding_version) of the subject's latest active RoleBinding in the Project."""
+
+
+class AuthError(HttpError):
+    """Authentication/authorisation failure, answered by the server as JSON when a route lets
+    it propagate: ``status`` 401 ``unauthorized`` (with ``WWW-Authenticate: Bearer``), 403
+    ``permission_denied`` or 404 ``not_found`` (another Project's resources are not revealed)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(status, code, message,
+                         [("WWW-Authenticate", "Bearer")] if status == 401 else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """An authenticated subject with the RoleBinding read at admission; ``binding_version``
+    is the Policy fence re-checked inside the Task Start transaction (ADR-0376 §2)."""
+
+    project_id: str
+    subject: str
+    role: str
+    binding_version: int
+
+
+def new_token() -> str:
+    """A fresh bearer token: ``qlt_`` + 43 URL-safe characters (256 bits of entropy)."""
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def token_digest(token: str) -> str:
+    """SHA-256 hex digest of the token's UTF-8 bytes: the only form ever stored."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def parse_bearer(header: str | None) -> str:
+    """Token from an ``Authorization: Bearer <token>`` value. Raises AuthError 401 when the
+    header is missing, uses another scheme, or the token is not ``qlt_`` + 43 characters."""
+    if not header:
+        raise AuthError(401, "unauthorized", "missing Authorization: Bearer token")
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        raise AuthError(401, "unauthorized", "Authorization scheme must be Bearer")
+    token = token.strip()
+    if not _TOKEN_RE.fullmatch(token):
+        raise AuthError(401, "unauthorized", "malformed bearer token")
+    return token
+
+
+def allowed(role: str, permission: str) -> bool:
+    """True when ``role`` grants ``permission``. Raises KeyError for an unknown permission."""
+    return role in PERMISSIONS[permission]
+
+
+def authorize(headers: Mapping[str, str], port: TokenPort, project_id: str, permission: str) -> Principal:
+    """Authenticate the request headers and check ``permission`` in ``project_id``.
+
+    Raises AuthError: 401 (no/bad/unknown/revoked token), 404 (token of another Project, so a
+    foreign Project's existence is not confirmed), 403 (no active RoleBinding or its role lacks
+    ``permission``).
+    """
+    if permission not in PERMISSIONS:
+        raise KeyError(permission)
+    token = parse_bearer(headers.get("authorization"))
+    found = port.lookup_token(token_digest(token))
+    if found is None:
+        raise AuthError(401, "unauthorized", "unknown or revoked token")
+    token_project, subject = found
+    if token_project != project_id:
+        raise AuthError(404, "not_found", "not found in this project")
+    binding = port.latest_binding(project_id, subject)
+    if binding is None:
+        raise AuthError(403, "permission_denied", f"no active role binding grants {permission}")
+    role, version = binding
+    if not allowed(role, permission):
+        raise AuthError(403, "permission_denied", f"role {role!r} does not grant {permission}")
+    return Principal(project_id, subject, role, version)

@@ -1,0 +1,150 @@
+"""Tiny router: method + path template → ``fn(request, params) -> Response``.
+
+Templates are literal segments and ``{name}`` segments, e.g.
+``/api/v3/projects/{projectId}/tasks/{taskId}/runs``. A parameter matches one non-empty path
+segment and is percent-decoded (so ``%2F`` never splits a segment). Unknown path → 404
+``not_found``; known path, other method → 405 ``method_not_allowed`` with ``Allow``. ``HEAD``
+falls back to the ``GET`` route (the server drops the body).
+
+A route may raise any ``core.errors.QlError`` (store and contract errors): it is answered as
+JSON ``err.to_dict()`` with :func:`status_for` (``Retry-After: 1`` on 503); an internal error
+(exit code 1) answers a generic 500 and is logged, never echoed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import urllib.parse
+from importlib import resources
+from typing import Callable
+
+from qlagent.core.errors import QlError
+from qlagent.http.server import Request, Response, json_error
+
+log = logging.getLogger("qlagent.http")
+
+# CLI exit code → HTTP status (docs/ARCHITECTURE.md conventions).
+_STATUS_BY_EXIT = {2: 400, 3: 409, 4: 404, 5: 503}
+
+RouteFn = Callable[[Request, dict[str, str]], Response]
+
+
+class _Route:
+    __slots__ = ("template", "parts", "methods")
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        self.parts = _split_template(template)
+        self.methods: dict[str, RouteFn] = {}
+
+    def match(self, segments: list[str]) -> dict[str, str] | None:
+        if len(segments) != len(self.parts):
+            return None
+        params: dict[str, str] = {}
+        for (is_param, text), seg in zip(self.parts, segments):
+            if is_param:
+                if not seg:
+                    return None
+                params[text] = seg
+            elif seg != text:
+                return None
+        return params
+
+
+def _split_template(template: str) -> list[tuple[bool, str]]:
+    if not template.startswith("/"):
+        raise ValueError(f"route template must start with '/': {template!r}")
+    parts: list[tuple[bool, str]] = []
+    for seg in template.split("/")[1:]:
+        if seg.startswith("{") and seg.endswith("}"):
+            name = seg[1:-1]
+            if not name.isidentifier():
+                raise ValueError(f"bad parameter name {name!r} in {template!r}")
+            parts.append((True, name))
+        elif "{" in seg or "}" in seg:
+            raise ValueError(f"a parameter must be a whole segment in {template!r}")
+        else:
+            parts.append((False, seg))
+    return parts
+
+
+class Router:
+    """Route table; an instance is the ``handler`` given to :class:`HttpServer`."""
+
+    def __init__(self) -> None:
+        self._routes: list[_Route] = []
+
+    def add(self, method: str, template: str, fn: RouteFn) -> None:
+        """Register ``fn`` for ``method`` on ``template``. Raises ValueError for a malformed
+        template or a duplicate (method, template)."""
+        method = method.upper()
+        route = next((r for r in self._routes if r.template == template), None)
+        if route is None:
+            route = _Route(template)
+            for other in self._routes:
+                if [p[0] or p[1] for p in other.parts] == [p[0] or p[1] for p in route.parts]:
+                    raise ValueError(f"{template!r} overlaps {other.template!r}")
+            self._routes.append(route)
+        if method in route.methods:
+            raise ValueError(f"{method} {template} is already registered")
+        route.methods[method] = fn
+
+    def routes(self) -> list[tuple[str, str]]:
+        """Every registered (method, template), in registration order."""
+        return [(m, r.template) for r in self._routes for m in r.methods]
+
+    def __call__(self, request: Request) -> Response:
+        segments = request.path.split("/")[1:]
+        for route in self._routes:
+            raw = route.match(segments)
+            if raw is None:
+                continue
+            fn = route.methods.get(request.method)
+            if fn is None and request.method == "HEAD":
+                fn = route.methods.get("GET")
+            if fn is None:
+                allow = sorted(route.methods) + (["HEAD"] if "GET" in route.methods else [])
+                return json_error(405, "method_not_allowed",
+                                  f"{request.method} is not allowed on {route.template}",
+                                  [("Allow", ", ".join(allow))])
+            try:
+                params = {k: urllib.parse.unquote(v, errors="strict") for k, v in raw.items()}
+            except UnicodeDecodeError:
+                return json_error(400, "bad_request", "path parameters must be UTF-8")
+            try:
+                return fn(request, params)
+            except QlError as err:
+                return error_response(err)
+        return json_error(404, "not_found", f"no route for {request.path[:200]}")
+
+
+def status_for(err: QlError) -> int:
+    """HTTP status of a core error: its own ``status`` (TaskStartError) or by exit code —
+    2→400, 3→409, 4→404, 5→503, anything else 500."""
+    status = getattr(err, "status", None)
+    return status if isinstance(status, int) else _STATUS_BY_EXIT.get(err.exit_code, 500)
+
+
+def error_response(err: QlError) -> Response:
+    """JSON answer for a core error (see :func:`status_for`); 500s carry no detail."""
+    status = status_for(err)
+    if status >= 500 and status != 503:
+        log.error("route failed: %s (%s)", err.code, err)
+        return json_error(500, "internal_error", "internal error")
+    headers = [("Retry-After", "1")] if status == 503 else None
+    return Response.json(status, err.to_dict(), headers)
+
+
+@functools.cache
+def openapi_document() -> bytes:
+    """The OpenAPI 3.1 document shipped as package data (served at ``/api/v3/openapi.json``)."""
+    return resources.files("qlagent.http").joinpath("openapi.json").read_bytes()
+
+
+def documented_routes() -> set[tuple[str, str]]:
+    """Every (METHOD, path template) the OpenAPI document describes; compare with
+    :meth:`Router.routes` to prove the wiring serves exactly what is documented."""
+    doc = json.loads(openapi_document())
+    return {(method.upper(), path) for path, item in doc["paths"].items() for method in item}
