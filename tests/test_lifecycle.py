@@ -147,7 +147,7 @@ def test_router_tasks_behave_as_their_readme_says(root):
         none_left(r)
 
 
-NETNS = "qltest-wan"
+NETNS = f"qltest-wan-{os.getpid()}"
 
 
 @pytest.fixture
