@@ -64,12 +64,12 @@ class ProcessAdapter:
         return os.path.join(self._alloc.runs_root, attempt_id)
 
     def spawn(self, attempt_id, argv, env, cwd, artifact_path, quota_bytes) -> tuple[int, float]:
-        run_dir = self._alloc.run_dir(attempt_id)
-        spec = {"attempt_id": attempt_id, "argv": list(argv), "env": env, "cwd": cwd, "run_dir": run_dir,
-                "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": WRAPPER_LINGER_S}
         try:
+            run_dir = self._alloc.run_dir(attempt_id)
+            spec = {"attempt_id": attempt_id, "argv": list(argv), "env": env, "cwd": cwd, "run_dir": run_dir,
+                    "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": WRAPPER_LINGER_S}
             h = processes.spawn_wrapper(spec, self._python)
-        except QlError as e:              # spec over its bound or no interpreter: a launch failure
+        except QlError as e:              # unsafe run dir, spec over its bound, no interpreter: a launch failure
             raise OSError(getattr(e, "errno", None) or 7, e.code) from None
         self._handles[h.pid] = h
         self._started[attempt_id] = h.create_time
@@ -156,7 +156,7 @@ class Engine:
     def __init__(self, store: LocalStore, *, profile: Profile, artifact_dir: str, runs_dir: str, key_file: str,
                  max_concurrent: int, log=lambda *a, **k: None, budget=None, network=None,
                  clock_us=now_us) -> None:
-        self.store = store
+        self._store = store
         self._x = SqliteExecutionStore(store, key_file, clock_us)
         self._alloc = ArtifactAllocator(artifact_dir, profile, runs_root=runs_dir)
         self._procs = ProcessAdapter(self._alloc)
@@ -214,10 +214,10 @@ class Engine:
 
     def prune(self, keep_per_task: int, max_total_bytes: int) -> int:
         """Retention: delete the oldest ended logs beyond the rule; returns how many."""
-        entries = self.store.read(ex.retention_entries)
+        entries = self._store.read(ex.retention_entries)
         removed = self._alloc.prune(keep_per_task, max_total_bytes, entries)
         if removed:
-            self.store.write(lambda c: ex.forget_artifacts(c, [r.attempt_id for r in removed]))
+            self._store.write(lambda c: ex.forget_artifacts(c, [r.attempt_id for r in removed]))
         return len(removed)
 
     @property

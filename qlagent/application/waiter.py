@@ -23,13 +23,16 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
     svc = RunService(store)
     if not service_running(settings.state_dir):
         store.close()       # the inline engine opens its own authority on the same file
-        Service(settings, inline_run=run_id).run()
+        Service(settings, inline_run=run_id, inline_timeout_s=timeout_s).run()
         from .store import LocalStore
         reopened = LocalStore(settings.db_path, settings.config.project)
         try:
-            return RunService(reopened).get(run_id)
+            run = RunService(reopened).get(run_id)
         finally:
             reopened.close()
+        if run.state in ("queued", "starting", "running"):
+            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s} s", code="wait_timeout")
+        return run
     while True:
         run = svc.get(run_id)
         if run.state not in ("queued", "starting", "running"):

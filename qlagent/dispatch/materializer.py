@@ -97,6 +97,8 @@ class Materializer:
             return Prepared("skip", "race_lost")
         except QlError as e:                                            # unsafe artifact directory
             return Prepared("unavailable", e.code)
+        except OSError:                     # read-only, out of inodes, no permission: the Run waits
+            return Prepared("unavailable", "artifact_unwritable")
         return Prepared("ready", command=LaunchCommand(
             candidate=c, argv=tuple(plan.execution.launch_argv()), env=env, cwd=plan.execution.cwd,
             artifact_path=path, quota_bytes=quota, timeout_ms=plan.timeout_ms, grace_ms=plan.grace_ms,

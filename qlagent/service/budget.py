@@ -31,8 +31,12 @@ def _cgroup_v1_file(controller: str, name: str) -> str | None:
             for line in f:
                 _, ctrls, path = line.rstrip("\n").split(":", 2)
                 if controller in ctrls.split(","):
+                    # Only a cgroup named for the agent (systemd's qlagent.service, procd's
+                    # services/qlagent) is its own: a container's or a CI job's cgroup would
+                    # charge every stranger in it to the edge budget and block all Runs.
                     p = f"/sys/fs/cgroup/{controller}{path}/{name}"
-                    return p if path not in ("", "/") and os.path.exists(p) else None
+                    own = "qlagent" in os.path.basename(path)
+                    return p if own and os.path.exists(p) else None
     except OSError:
         return None
     return None

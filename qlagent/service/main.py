@@ -29,7 +29,9 @@ from .notify import Notifier
 from .scheduler import Scheduler
 
 MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each activates ≤ 1 Run)
-CAPACITY_REASONS = {"low_space", "artifact_quota_full", "quota_too_large"}
+# Refusals that leave the Run queued (the next pass would meet the same candidate): stop
+# dispatching and re-check later instead of retrying it in a loop.
+CAPACITY_REASONS = {"low_space", "artifact_quota_full", "quota_too_large", "unsafe_directory", "artifact_unwritable"}
 RECHECK_BLOCKED_US = 10_000_000    # re-try admission this long after a capacity/budget refusal
 
 
@@ -65,11 +67,13 @@ def service_running(state_dir: str) -> bool:
 
 class Service:
     def __init__(self, settings: Settings, *, listen: str | None = None, exit_after_s: float | None = None,
-                 inline_run: str | None = None, clock_us=now_us) -> None:
+                 inline_run: str | None = None, inline_timeout_s: float | None = None, clock_us=now_us) -> None:
         self.settings = settings
         self.log = Journal(min_priority="info" if inline_run is None else "warning")
         self.notify = Notifier() if inline_run is None else _NoNotify()
         self.inline_run = inline_run
+        self._inline_timeout_s = inline_timeout_s
+        self.inline_deadline_us: int | None = None
         self._listen = listen
         self._exit_after_s = exit_after_s
         self._now = clock_us
@@ -161,15 +165,20 @@ class Service:
     def _run(self) -> int:
         started = self._now()
         self._open()
-        counts = self.engine.recover() if self.inline_run is None else {}
+        # Inline too (it holds the service lock): a Run left by an interrupted or timed-out
+        # `run start --wait` is ingested, re-attached or lost instead of staying live forever.
+        counts = self.engine.recover()
         if self.inline_run is None:
             self.ctl = control.bind(self.settings.control_socket)
             self.sel.register(self.ctl, selectors.EVENT_READ, ("control", None))
             self._install_signals()
             self.scheduler.reload()
             self.scheduler.fire_boot(started)
-            self._ensure_netgate()
             self._start_http()
+        # Inline too: without the gate a network-gated Run could never start (nor end the wait).
+        self._ensure_netgate()
+        if self._inline_timeout_s is not None:
+            self.inline_deadline_us = started + int(self._inline_timeout_s * 1e6)
         if self._exit_after_s is not None:
             self.exit_at_us = started + int(self._exit_after_s * 1e6)
         self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
@@ -188,6 +197,8 @@ class Service:
     def _done(self) -> bool:
         if self.inline_run is not None:
             from ..application.runs import RunService
+            if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us:
+                return True    # the wait timed out; a live wrapper carries on and a service ingests it
             return RunService(self.store).get(self.inline_run).state not in ("queued", "starting", "running")
         return self.draining and self.engine.live_count() == 0
 
@@ -209,7 +220,7 @@ class Service:
         times = [t for t in (
             None if self.draining else self.scheduler.next_wake_us,
             self.engine.next_wakeup_us(), self.notify.next_ping_us(now), self.drain_deadline_us,
-            self.kill_deadline_us, self.recheck_us, self.exit_at_us,
+            self.kill_deadline_us, self.recheck_us, self.exit_at_us, self.inline_deadline_us,
             self.http.next_timeout_us(now) if self.http is not None else None,
             (self._last_extend_us + 5_000_000) if self.draining else None,
         ) if t is not None]
@@ -320,6 +331,10 @@ class Service:
             elif r.status == "launch_failed":
                 self.log("err", "run.launch_failed", run=r.run_id, reason=r.reason)
             break
+        else:
+            # Passes left (more pages or more Runs): go on next iteration, after other events,
+            # instead of sleeping until an unrelated wake-up while Runs wait behind the cursor.
+            self.poked = True
         if self.scheduler.created or self.scheduler.skipped:
             self.scheduler.created = self.scheduler.skipped = 0
 

@@ -25,10 +25,15 @@ _CAND = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_
          "WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL "
          "AND a.state = 'claimed' AND a.executor_type = 'local_process' "
          "AND (a.not_before_us IS NULL OR a.not_before_us <= ?) ")
-# Keyset "after (p, c, ac, id)" for ORDER BY priority DESC, created ASC, attempt created ASC, attempt id ASC.
-_AFTER = ("AND (r.priority < ? OR (r.priority = ? AND (r.created_at_us > ? OR (r.created_at_us = ? AND "
-          "(r.latest_attempt_created_at_us > ? OR (r.latest_attempt_created_at_us = ? AND r.latest_attempt_id > ?)))))) ")
 _ORDER = "ORDER BY r.priority DESC, r.created_at_us, r.latest_attempt_created_at_us, r.latest_attempt_id LIMIT ?"
+# Keyset "after (p, c, ac, id)" for ORDER BY priority DESC, created ASC, attempt created ASC, attempt id ASC.
+# One OR-chained predicate cannot seek the index (SQLite would scan from the first queued Run
+# up to the cursor: an OFFSET in disguise), so the page is the union of two index seeks:
+# the rest of priority p after (c, ac, id) as a row value, then the priorities below p.
+_AFTER = ("SELECT * FROM (" + _CAND + "AND r.priority = ? AND (r.created_at_us, r.latest_attempt_created_at_us, "
+          "r.latest_attempt_id) > (?, ?, ?) ORDER BY r.created_at_us, r.latest_attempt_created_at_us, "
+          "r.latest_attempt_id LIMIT ?) UNION ALL SELECT * FROM (" + _CAND + "AND r.priority < ? " + _ORDER + ") "
+          "ORDER BY priority DESC, created_at_us, latest_attempt_created_at_us, latest_attempt_id LIMIT ?")
 
 
 def candidate_page(conn: sqlite3.Connection, limit: int, after: tuple | None, now_us: int) -> list[Candidate]:
@@ -37,7 +42,7 @@ def candidate_page(conn: sqlite3.Connection, limit: int, after: tuple | None, no
         rows = conn.execute(_CAND + _ORDER, (now_us, limit + 1))
     else:
         p, c, ac, aid = after
-        rows = conn.execute(_CAND + _AFTER + _ORDER, (now_us, p, p, c, c, ac, ac, aid, limit + 1))
+        rows = conn.execute(_AFTER, (now_us, p, c, ac, aid, limit + 1, now_us, p, limit + 1, limit + 1))
     return [Candidate(*r) for r in rows]
 
 
@@ -85,14 +90,22 @@ def load_plan(conn: sqlite3.Connection, task_id: str, revision: int) -> tuple[Pl
                 task_name=definition["name"]), None
 
 
+# SQLite uses the partial index runs_by_state only when the query repeats its WHERE term
+# verbatim; without it both counts scan every Run ever stored (the whole table, or the Task's
+# whole history) on every dispatcher pass, so a pass would grow with the backlog.
+_LIVE = "state IN ('queued','starting','running') AND state IN ('starting','running')"
+
+
 def task_live_count(conn: sqlite3.Connection, task_id: str) -> int:
-    """Runs of the Task that are starting or running (single-instance admission)."""
-    return conn.execute("SELECT count(*) FROM runs WHERE task_id = ? AND state IN ('starting','running')",
+    """Runs of the Task that are starting or running (single-instance admission); reads only
+    live Runs, never the Task's history."""
+    return conn.execute(f"SELECT count(*) FROM runs INDEXED BY runs_by_state WHERE {_LIVE} AND task_id = ?",
                         (task_id,)).fetchone()[0]
 
 
 def active_count(conn: sqlite3.Connection) -> int:
-    return conn.execute("SELECT count(*) FROM runs WHERE state IN ('starting','running')").fetchone()[0]
+    """Runs starting or running (the global concurrency limit); reads only live Runs."""
+    return conn.execute(f"SELECT count(*) FROM runs WHERE {_LIVE}").fetchone()[0]
 
 
 def _bump(conn, run_id: str, src: str, dst: str, version: int | None, now_us: int, **cols) -> int | None:

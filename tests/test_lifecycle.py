@@ -1,0 +1,581 @@
+"""Run lifecycle end to end through a real ``qlagent serve`` subprocess (or ``run start --wait``)
+with real wrapper processes, FIFOs and log files (issue 3 items 4-6 and its acceptance).
+
+Covers every router-task fixture (examples/router-tasks.toml), field reports F1 (log quota and
+retention), F2 (cancel kills every process of the run), F3 (timeout on every start path),
+F5 (agent SIGKILLed mid-run: the task and its log carry on; after restart the real exit status
+from the receipt, or a re-attach; no second spawn; nothing left running), F9 (1 MiB line
+byte-exact), the retry policy, single-instance and global concurrency, and per-run figures.
+Durations are asserted only as behaviour bounds (≈ timeout + grace, never the task's 30 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+
+import psutil
+import pytest
+from execkit import REPO, Agent, file_bytes_under, procs_with_env, task
+
+from qlagent.core.profiles import EDGE, MiB
+
+GRACE_S = 1
+
+
+@pytest.fixture
+def root():
+    d = tempfile.mkdtemp(prefix="qlagent-life-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def secs(a) -> float:
+    return (a["ended_at_us"] - a["started_at_us"]) / 1e6
+
+
+def log_bytes(a: Agent, run_id: str) -> bytes:
+    return a.cli("run", "logs", run_id).stdout
+
+
+def none_left(run_id: str) -> None:
+    left = procs_with_env("QL3_RUN_ID", run_id)
+    for p in left:
+        p.kill()
+    assert left == [], [(p.pid, p.cmdline()) for p in left]
+
+
+def event(a: Agent, run_id: str, type_: str):
+    with a.db() as c:
+        return c.execute("SELECT * FROM run_events WHERE run_id = ? AND type = ? ORDER BY sequence",
+                         (run_id, type_)).fetchall()
+
+
+def router_tasks(root: str) -> list[dict]:
+    """examples/router-tasks.toml as shipped, with test-sized grace, a private backup dir and
+    manual starts (the test starts every task by hand; cron firing is tested elsewhere)."""
+    with open(os.path.join(REPO, "examples", "router-tasks.toml"), "rb") as f:
+        tasks = tomllib.load(f)["task"]
+    conf = os.path.join(root, "conf")
+    os.makedirs(conf)
+    with open(os.path.join(conf, "network"), "w") as f:
+        f.write("config interface 'lan'\n")
+    for t in tasks:
+        t["grace_s"] = GRACE_S
+        t["schedule"] = "@once"
+        if t["name"] == "backup-config":
+            t["env"] = {"BACKUP_DIR": os.path.join(root, "backup"), "CONFIG_DIR": conf}
+    return tasks
+
+
+def default_route_iface() -> str | None:
+    with open("/proc/net/route") as f:
+        next(f)
+        for line in f:
+            iface, dest, _gw, flags = line.split()[:4]
+            if dest == "00000000" and int(flags, 16) & 0x2:
+                return iface
+    return None
+
+
+def test_router_tasks_behave_as_their_readme_says(root):
+    a = Agent(root, config="max_concurrent_runs = 8\n")
+    a.add(*router_tasks(root))
+    token = b"ddns-T0KEN-0f3a9c2b"
+    a.cli("secret", "set", "ddns_token", stdin=token)
+    a.serve()
+    try:
+        ids = {n: a.start(n) for n in ("heartbeat", "backup-config", "wan-check", "ddns-update", "chatty",
+                                       "no-newline", "hang", "fail")}
+        slow1 = a.start("slow")
+        a.wait(slow1, ("running",))
+        slow2 = a.start("slow")
+        spawn = a.start("spawn-tree")
+        ended = {n: a.wait(r) for n, r in ids.items()}
+        # slow: single instance; the second Run waits while the first lives.
+        assert a.run(slow1)["state"] == "running" and a.run(slow2)["state"] == "queued"
+        a.wait(spawn, ("running",))
+        assert b"spawned" in log_bytes(a, spawn)
+        a.cli("run", "cancel", spawn)
+        a.cli("run", "cancel", slow1)
+        assert a.wait(spawn)["state"] == "cancelled"
+        assert a.wait(slow1)["state"] == "cancelled"
+        a.wait(slow2, ("running",))
+        assert a.run(slow1)["ended_at_us"] <= a.attempts(slow2)[0]["started_at_us"]
+        a.cli("run", "cancel", slow2)
+        assert a.wait(slow2)["state"] == "cancelled"
+        logs = {n: log_bytes(a, r) for n, r in ids.items()}
+    finally:
+        assert a.stop() == 0
+    state = {n: r["state"] for n, r in ended.items()}
+    assert state == {"heartbeat": "succeeded", "backup-config": "succeeded", "wan-check": "succeeded",
+                     "ddns-update": "succeeded", "chatty": "succeeded", "no-newline": "succeeded",
+                     "hang": "timed_out", "fail": "failed"}
+    # heartbeat: a timestamp and the load, a small log.
+    assert logs["heartbeat"].startswith(b"heartbeat 20") and b"load=" in logs["heartbeat"]
+    assert len(logs["heartbeat"]) < 200
+    # backup-config: an archive of CONFIG_DIR in BACKUP_DIR.
+    (archive,) = os.listdir(os.path.join(root, "backup"))
+    assert subprocess.run(["tar", "-tzf", os.path.join(root, "backup", archive)], capture_output=True,
+                          check=True).stdout.split() == [b"./", b"./network"]
+    # wan-check: JSON naming the interface of the default route.
+    assert json.loads(logs["wan-check"])["default_route"]["interface"] == default_route_iface()
+    # ddns-update: only the token's length is printed; the token is nowhere in the agent's files.
+    assert logs["ddns-update"].startswith(f"ddns: token present ({len(token)} chars)".encode())
+    assert token not in file_bytes_under(a.state) + a.journal()
+    # chatty on edge: exactly the quota, one truncation fact, exit code 0.
+    assert len(logs["chatty"]) == EDGE.log_max_bytes == 4194304
+    assert logs["chatty"].startswith(b"line 0 0123456789")
+    (fact,) = a.truncations(ids["chatty"])
+    assert (fact["quota_bytes"], fact["bytes_kept"]) == (4194304, 4194304) and fact["bytes_dropped"] > 5 * MiB
+    assert ended["chatty"]["exit_code"] == 0
+    # no-newline (F9): one 1 MiB line, byte-exact, read back through `run logs`.
+    assert logs["no-newline"] == b"x" * 1048576 and a.truncations(ids["no-newline"]) == []
+    # hang: timed out within timeout + grace (it ignores TERM, so SIGKILL after the grace).
+    h = a.attempts(ids["hang"])[0]
+    assert 2.0 <= secs(h) <= 2 + GRACE_S + 1.5, secs(h)
+    # fail: exit code 3 recorded.
+    assert (ended["fail"]["exit_code"], a.attempts(ids["fail"])[0]["exit_code"]) == (3, 3)
+    for r in (*ids.values(), spawn, slow1, slow2):
+        none_left(r)
+
+
+NETNS = f"qltest-wan-{os.getpid()}"
+
+
+@pytest.fixture
+def netns():
+    subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+    if subprocess.run(["ip", "netns", "add", NETNS], capture_output=True).returncode != 0:
+        pytest.skip("cannot create a network namespace here")
+    subprocess.run(["ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up"], check=True)
+    yield NETNS
+    subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)
+
+
+def test_wan_check_does_not_start_without_a_default_route(root, netns):
+    a = Agent(root)
+    a.add(*[t for t in router_tasks(root) if t["name"] == "wan-check"])
+    a.serve(prefix=("ip", "netns", "exec", netns))
+    try:
+        rid = a.start("wan-check")
+        a.poke()
+        time.sleep(1.0)   # nothing to await: the point is that no event happens
+        assert a.run(rid)["state"] == "queued" and event(a, rid, "run.starting") == []
+        for cmd in ("link add wan0 type veth peer name wan1", "addr add 10.9.0.2/24 dev wan0", "link set wan0 up",
+                    "link set wan1 up", "route add default via 10.9.0.1 dev wan0"):
+            subprocess.run(["ip", "netns", "exec", netns, "ip", *cmd.split()], check=True)
+        assert a.wait(rid, timeout_s=10)["state"] == "succeeded"     # the netlink event wakes it
+        assert json.loads(log_bytes(a, rid))["default_route"] == {"interface": "wan0", "gateway": "10.9.0.1"}
+    finally:
+        assert a.stop() == 0
+
+
+def test_f1_yes_is_cut_at_exactly_4_mib_and_ends_timed_out(root):
+    a = Agent(root)
+    a.add(task("yes", command=["/usr/bin/yes", "0123456789abcdef"], timeout_s=1.5))
+    a.serve()
+    try:
+        rid = a.start("yes")
+        run = a.wait(rid)
+    finally:
+        assert a.stop() == 0
+    assert run["state"] == "timed_out"
+    (att,) = a.attempts(rid)
+    assert os.path.getsize(att["artifact_path"]) == 4194304
+    with open(att["artifact_path"], "rb") as f:
+        assert f.read(34) == b"0123456789abcdef\n0123456789abcdef\n"
+    (fact,) = a.truncations(rid)
+    assert (fact["quota_bytes"], fact["bytes_kept"]) == (4194304, 4194304)
+    assert att["bytes_dropped"] > 0 and att["bytes_kept"] == 4194304
+    assert secs(att) <= 1.5 + GRACE_S + 1.5
+    none_left(rid)
+
+
+def test_f1_retention_keeps_the_log_folder_bounded(root):
+    """F1 asks for 1000 per-minute runs; 15 short runs prove the same bound (each is a real
+    process tree, and the rule is a count per Task, so any count above it shows the pruning)."""
+    a = Agent(root, config="[retention]\nkeep_per_task = 3\n")
+    a.add(task("hi", "echo hi\n", concurrency="parallel"))
+    a.serve()
+    try:
+        from qlagent.application.runs import RunService
+        from qlagent.application.store import LocalStore
+        other = LocalStore(os.path.join(a.state, "qlagent.db"))    # a second writer, like the CLI
+        ids = [RunService(other).start("hi").run_id for _ in range(15)]
+        other.close()
+        a.poke()
+        for r in ids:
+            assert a.wait(r)["state"] == "succeeded"
+        a.wait(ids[-1])
+    finally:
+        assert a.stop() == 0
+    logs = [f for d, _, fs in os.walk(os.path.join(a.state, "artifacts")) for f in fs]
+    assert len(logs) == 3
+    with a.db() as c:
+        kept = c.execute("SELECT count(*) FROM attempts WHERE artifact_path IS NOT NULL").fetchone()[0]
+    assert kept == 3
+    assert log_bytes(a, ids[-1]) == b"hi\n"
+
+
+def test_f2_cancel_leaves_no_process_of_the_run(root):
+    a = Agent(root)
+    a.add(task("tree", command=["/bin/sh", "-c", "sleep 300 & setsid sleep 301 & sleep 302; wait"],
+               timeout_s=60),
+          task("stubborn", command=["/bin/sh", "-c", "trap '' INT TERM; sleep 300 & setsid sleep 301 & "
+                                    "sleep 302; wait"], timeout_s=60))
+    a.serve()
+    try:
+        ids = [a.start("tree"), a.start("stubborn")]
+        for r in ids:
+            a.wait(r, ("running",))
+            end = time.monotonic() + 5
+            while len(procs_with_env("QL3_RUN_ID", r)) < 4:      # sh + three sleeps are up
+                assert time.monotonic() < end
+                time.sleep(0.02)
+        for r in ids:
+            a.cli("run", "cancel", r)
+        runs = [a.wait(r) for r in ids]
+    finally:
+        assert a.stop() == 0
+    for r, run in zip(ids, runs):
+        assert run["state"] == "cancelled"
+        asked = event(a, r, "run.cancel_requested")[0]["created_at_us"]
+        done = event(a, r, "run.cancelled")[0]["created_at_us"]
+        assert (done - asked) / 1e6 <= GRACE_S + 1.0, (done - asked) / 1e6
+        none_left(r)
+
+
+def test_f3_timeout_holds_on_schedule_by_hand_and_inline(root):
+    script = ["/bin/sh", "-c", "trap '' INT TERM; sleep 30"]
+    a = Agent(root)
+    a.add(task("f3cron", command=script, timeout_s=2, schedule="* * * * * *"),
+          task("f3hand", command=script, timeout_s=2))
+    a.serve()
+    try:
+        hand = a.start("f3hand")
+        end = time.monotonic() + 5
+        while True:
+            with a.db() as c:
+                row = c.execute("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = 'f3cron' "
+                                "ORDER BY r.created_at_us LIMIT 1").fetchone()
+            if row:
+                break
+            assert time.monotonic() < end, "the every-second schedule did not fire"
+            time.sleep(0.05)
+        cron = row[0]
+        runs = {"cron": a.wait(cron), "hand": a.wait(hand)}
+        a.cli("task", "disable", "f3cron")
+    finally:
+        assert a.stop() == 0
+    # Third path: `run start --wait` with no service, the CLI's inline engine.
+    p = a.cli("run", "start", "f3hand", "--wait", check=False)
+    assert p.returncode == 6 and b"timed_out" in p.stdout
+    inline = p.stdout.split()[0].decode()
+    runs["inline"] = a.run(inline)
+    for path, run in runs.items():
+        assert run["state"] == "timed_out", path
+        (att,) = a.attempts(run["run_id"])
+        assert 2.0 <= secs(att) <= 2 + GRACE_S + 1.5, (path, secs(att))
+        assert att["exit_signal"] == signal.SIGKILL
+        none_left(run["run_id"])
+    assert runs["cron"]["trigger_type"] == "cron" and runs["hand"]["trigger_type"] != "cron"
+
+
+def spawns(root: str) -> list[str]:
+    try:
+        with open(os.path.join(root, "spawns")) as f:
+            return f.read().split()
+    except FileNotFoundError:
+        return []
+
+
+def test_f5_agent_killed_mid_run_log_keeps_filling_and_receipt_gives_real_exit(root):
+    a = Agent(root)
+    # ~6 MB in 100 kB steps over ~1.5 s, then exit 7: the log reaches the 4 MiB quota with no agent.
+    a.add(task("chatty", f'echo "$QL3_ATTEMPT_ID" >> {root}/spawns\n'
+                         "i=0; while [ $i -lt 60 ]; do head -c 100000 /dev/zero | tr '\\0' a; sleep 0.025; "
+                         "i=$((i+1)); done; exit 7\n", timeout_s=30))
+    a.serve()
+    rid = a.start("chatty")
+    a.wait(rid, ("running",))
+    att = a.attempts(rid)[0]
+    end = time.monotonic() + 5
+    while os.path.getsize(att["artifact_path"]) == 0:
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    a.kill()                                                   # SIGKILL the agent
+    at_kill = os.path.getsize(att["artifact_path"])
+    assert at_kill < 4194304
+    wrapper = psutil.Process(att["wrapper_pid"])
+    end = time.monotonic() + 10
+    while wrapper.is_running() and wrapper.status() != psutil.STATUS_ZOMBIE:   # task ends on its own
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    assert os.path.getsize(att["artifact_path"]) == 4194304    # it kept filling, up to the quota
+    assert a.run(rid)["state"] == "running"                    # nobody has told the store yet
+    a.serve()
+    try:
+        run = a.wait(rid)
+    finally:
+        assert a.stop() == 0
+    assert (run["state"], run["exit_code"]) == ("failed", 7)   # the REAL exit status, from the receipt
+    assert len(a.attempts(rid)) == 1 and spawns(root) == [att["attempt_id"]]
+    (fact,) = a.truncations(rid)
+    assert fact["bytes_kept"] == 4194304
+    none_left(rid)
+
+
+def test_f5_agent_killed_then_restarted_reattaches_a_live_task(root):
+    a = Agent(root)
+    a.add(task("sleepy", f'echo "$QL3_ATTEMPT_ID" >> {root}/spawns\nsleep 1.5\nexit 5\n', timeout_s=30))
+    a.serve()
+    rid = a.start("sleepy")
+    a.wait(rid, ("running",))
+    a.kill()
+    a.serve()                                                  # while the task still sleeps
+    try:
+        assert b"service.ready" in a.journal()
+        run = a.wait(rid)
+    finally:
+        assert a.stop() == 0
+    assert (run["state"], run["exit_code"]) == ("failed", 5)
+    assert len(a.attempts(rid)) == 1 and len(spawns(root)) == 1
+    none_left(rid)
+
+
+def test_f5_wrapper_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
+    """Agent SIGKILLed and the wrapper killed too (no receipt will ever come): after restart the
+    Run ends ``lost`` and the task the wrapper left behind is killed — nothing runs forever."""
+    a = Agent(root)
+    a.add(task("orphan", "sleep 60\n", timeout_s=120))
+    a.serve()
+    rid = a.start("orphan")
+    a.wait(rid, ("running",))
+    end = time.monotonic() + 5
+    while not procs_with_env("QL3_RUN_ID", rid):
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    a.kill()
+    os.kill(a.attempts(rid)[0]["wrapper_pid"], signal.SIGKILL)
+    assert procs_with_env("QL3_RUN_ID", rid)                   # the task is still there
+    a.serve()
+    try:
+        run = a.wait(rid)
+    finally:
+        assert a.stop() == 0
+    assert run["state"] == "lost"
+    end = time.monotonic() + 3
+    while procs_with_env("QL3_RUN_ID", rid):
+        assert time.monotonic() < end, "the orphaned task survived recovery"
+        time.sleep(0.05)
+
+
+def test_retry_policy(root):
+    flaky = os.path.join(root, "flaky")
+    a = Agent(root)
+    a.add(task("bad", "exit 1\n", retry={"max_attempts": 3, "backoff_s": 0.2}),
+          task("good", "true\n", retry={"max_attempts": 3, "backoff_s": 0.2}),
+          task("flaky", f'echo x >> {flaky}\n[ "$(wc -l < {flaky})" -ge 2 ]\n',
+               retry={"max_attempts": 3, "backoff_s": 0.2}))
+    a.serve()
+    try:
+        bad, good, fl = a.start("bad"), a.start("good"), a.start("flaky")
+        runs = {r: a.wait(r) for r in (bad, good, fl)}
+    finally:
+        assert a.stop() == 0
+    assert runs[bad]["state"] == "failed" and runs[bad]["exit_code"] == 1
+    atts = a.attempts(bad)
+    assert [x["state"] for x in atts] == ["failed"] * 3
+    # Backoff 0.2 s then 0.4 s (exponential) between an Attempt's end and the next one's start.
+    gaps = [(atts[i + 1]["started_at_us"] - atts[i]["ended_at_us"]) / 1e6 for i in range(2)]
+    assert gaps[0] >= 0.2 and gaps[1] >= 0.4, gaps
+    assert len(event(a, bad, "run.retry_queued")) == 2
+    assert runs[good]["state"] == "succeeded" and len(a.attempts(good)) == 1
+    assert runs[fl]["state"] == "succeeded" and [x["state"] for x in a.attempts(fl)] == ["failed", "succeeded"]
+
+
+def overlap(intervals: list[tuple[int, int]]) -> int:
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    best = cur = 0
+    for _, d in points:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def test_single_instance_and_global_limit(root):
+    a = Agent(root, config="max_concurrent_runs = 2\n")
+    a.add(task("single", "sleep 0.4\n", concurrency="single"),
+          task("par", "sleep 0.4\n", concurrency="parallel"))
+    a.serve()
+    try:
+        singles = [a.start("single") for _ in range(2)]
+        pars = [a.start("par") for _ in range(4)]
+        runs = [a.wait(r) for r in singles + pars]
+    finally:
+        assert a.stop() == 0
+    assert all(r["state"] == "succeeded" for r in runs)
+    iv = {r: (a.attempts(r)[0]["started_at_us"], a.attempts(r)[0]["ended_at_us"]) for r in singles + pars}
+    assert overlap([iv[r] for r in singles]) == 1              # never two live Runs of one Task
+    assert overlap(list(iv.values())) == 2                     # never more than the global limit
+
+
+def test_per_run_figures_are_stored_on_the_attempt(root):
+    a = Agent(root)
+    a.add(task("hungry", command=[sys.executable, "-I", "-S", "-c",
+                                  "b = bytearray(48 << 20)\nimport time\nt = time.process_time()\n"
+                                  "while time.process_time() - t < 0.3: pass\n"]))
+    a.serve()
+    try:
+        rid = a.start("hungry")
+        assert a.wait(rid)["state"] == "succeeded"
+        show = json.loads(a.cli("run", "show", rid, "--json").stdout)
+    finally:
+        assert a.stop() == 0
+    (att,) = a.attempts(rid)
+    assert att["peak_rss_bytes"] >= 48 * MiB
+    assert att["cpu_time_us"] >= 300_000
+    assert show["attempts"][0]["peakRssBytes"] == att["peak_rss_bytes"]     # shown by `run show --json`
+
+
+def test_inline_wait_honours_timeout_and_network_gate(root, netns):
+    """`run start --wait` with no service runs the engine inline: a network-gated task starts
+    when the route exists, and with no route the CLI gives up after --timeout (exit 5) instead
+    of waiting forever; the Run stays queued for a service."""
+    a = Agent(root)
+    a.add(*[t for t in router_tasks(root) if t["name"] == "wan-check"])
+    p = a.cli("run", "start", "wan-check", "--wait", "--timeout", "10", timeout=20)
+    assert p.stdout.split()[1] == b"succeeded"
+    p = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "qlagent.cli.main", "--state-dir",
+                        a.state, "run", "start", "wan-check", "--wait", "--timeout", "1"], capture_output=True,
+                       env=a.env(), cwd=REPO, timeout=20)
+    assert p.returncode == 5 and b"still queued after 1.0 s" in p.stderr, p.stderr
+    with a.db() as c:
+        assert c.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0] == 1
+
+
+def test_deadline_and_cancel_survive_an_agent_restart(root):
+    """A re-attached Run keeps its deadline (F3 across F5) and a cancel requested while no agent
+    ran is carried out by the next one; both trees die, with SIGKILL after the grace."""
+    a = Agent(root)
+    stubborn = "trap '' INT TERM; sleep 30"
+    a.add(task("late", command=["/bin/sh", "-c", stubborn], timeout_s=2),
+          task("cancelme", command=["/bin/sh", "-c", stubborn], timeout_s=60))
+    a.serve()
+    late, cancel = a.start("late"), a.start("cancelme")
+    for r in (late, cancel):
+        a.wait(r, ("running",))
+    a.kill()
+    a.cli("run", "cancel", cancel)                           # recorded while no agent runs
+    a.serve()
+    try:
+        runs = {r: a.wait(r) for r in (late, cancel)}
+    finally:
+        assert a.stop() == 0
+    assert runs[late]["state"] == "timed_out"
+    assert secs(a.attempts(late)[0]) <= 2 + GRACE_S + 1.5
+    assert runs[cancel]["state"] == "cancelled"
+    for r in (late, cancel):
+        none_left(r)
+
+
+def test_pid_budget_holds_back_the_next_run(root):
+    """Edge: 64 PIDs for the whole service tree. A run holding ~62 processes leaves no room for
+    another wrapper + task: the next Run waits (dispatch.refused pids) until the first ends."""
+    a = Agent(root)
+    a.add(task("forky", "i=0; while [ $i -lt 62 ]; do sleep 30 & i=$((i+1)); done; wait\n", timeout_s=60),
+          task("next", "echo next\n"))
+    a.serve()
+    try:
+        big = a.start("forky")
+        a.wait(big, ("running",))
+        end = time.monotonic() + 5
+        while len(procs_with_env("QL3_RUN_ID", big)) < 63:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        nxt = a.start("next")
+        end = time.monotonic() + 5
+        while b"dispatch.refused" not in a.journal():
+            assert time.monotonic() < end, a.journal()[-2000:]
+            time.sleep(0.02)
+        assert b"pids" in a.journal().split(b"dispatch.refused", 1)[1][:200]
+        assert a.run(nxt)["state"] == "queued"
+        a.cli("run", "cancel", big)
+        assert a.wait(big)["state"] == "cancelled"
+        assert a.wait(nxt)["state"] == "succeeded"
+    finally:
+        assert a.stop() == 0
+    none_left(big)
+
+
+def test_service_walks_past_a_long_blocked_backlog(root):
+    """300 queued Runs of a single-instance Task whose Run is live (75 edge pages, more than one
+    wake-up's worth of passes) sit ahead of another Task's Run: the service keeps walking the
+    keyset pages and starts that Run without waiting for an unrelated event."""
+    a = Agent(root)
+    a.add(task("single", "sleep 30\n", timeout_s=60), task("other", "echo other\n"))
+    a.serve()
+    try:
+        first = a.start("single")
+        a.wait(first, ("running",))
+        from qlagent.adapters.sqlite import definitions as defs
+        from qlagent.adapters.sqlite import runs as runs_repo
+        from qlagent.application.store import LocalStore
+        other = LocalStore(os.path.join(a.state, "qlagent.db"))
+
+        def tx(c):
+            head = defs.get_head(c, other.project.project_id, "single")
+            for i in range(300):
+                runs_repo.create_run(c, head=head, origin="manual", trigger_type="cli",
+                                     idempotency_key=f"test:blocked:{i}", requested_by="test", now_us=1_000 + i)
+        other.write(tx)
+        other.close()
+        behind = a.start("other")                    # pokes the service once
+        assert a.wait(behind, timeout_s=10)["state"] == "succeeded"
+        a.cli("run", "cancel", first)
+        a.wait(first)
+    finally:
+        assert a.stop() == 0
+
+
+def test_inline_wait_after_an_interrupted_one_recovers_the_first_run(root):
+    """`run start --wait --timeout` gives up while its task still runs (the wrapper carries on);
+    the next inline `run start --wait` of that single-instance Task re-attaches the first Run,
+    lets it finish with its real status, then runs its own."""
+    a = Agent(root)
+    a.add(task("one", command=["/bin/sh", "-c", "sleep 0.8; exit 4"]))
+    p = a.cli("run", "start", "one", "--wait", "--timeout", "0.2", check=False)
+    assert p.returncode == 5 and b"still running" in p.stderr
+    first = p.stderr.split()[3].decode()
+    p = a.cli("run", "start", "one", "--wait", "--timeout", "10", check=False, timeout=20)
+    assert p.returncode == 6 and b"failed exit=4" in p.stdout
+    assert (a.run(first)["state"], a.run(first)["exit_code"]) == ("failed", 4)
+    none_left(first)
+
+
+def test_orphan_holding_the_output_does_not_keep_the_run_alive(root):
+    """The main process exits 0 while a background child still holds the FIFO open for 30 s:
+    the Run ends succeeded after the wrapper's linger (2 s), not after 30 s."""
+    a = Agent(root)
+    a.add(task("bg", command=["/bin/sh", "-c", "sleep 30 & echo started; exit 0"], timeout_s=60))
+    a.serve()
+    try:
+        rid = a.start("bg")
+        t0 = time.monotonic()
+        run = a.wait(rid)
+        waited = time.monotonic() - t0
+    finally:
+        assert a.stop() == 0
+        for p in procs_with_env("QL3_RUN_ID", rid):     # a succeeded Run's background child is left alone
+            p.kill()
+    assert (run["state"], run["exit_code"]) == ("succeeded", 0)
+    assert waited < 2.0 + 3.0, waited
+    assert log_bytes(a, rid) == b"started\n"
