@@ -126,7 +126,7 @@ class Admission:
         self.network = network            # service.netgate.NetworkGate or None
         self.draining = False
         self.last_block: str | None = None
-        self.extra_roots: list[int] = []
+        self.live_roots = lambda: []          # wrappers re-attached after a restart: not our children
 
     def global_block(self) -> str | None:
         reason = None
@@ -135,7 +135,7 @@ class Admission:
         elif self._x.active_count() >= self.max_concurrent:
             reason = "concurrency"
         elif self.budget is not None:
-            reason = self.budget.block_reason(self.extra_roots)
+            reason = self.budget.block_reason(self.live_roots())
         self.last_block = reason
         return reason
 
@@ -162,6 +162,7 @@ class Engine:
         self._procs = ProcessAdapter(self._alloc)
         self._coordinator = LocalExecutionCoordinator(self._x, self._procs, clock_us, log)
         self.admission = Admission(self._x, profile, max_concurrent, budget, network)
+        self.admission.live_roots = self.live_pids
         self.dispatcher = LocalRunDispatcher(
             self._x, Materializer(self._x, ArtifactAdapter(self._alloc), self.admission, profile),
             self._coordinator, self.admission, profile.dispatch_page)
@@ -176,7 +177,6 @@ class Engine:
             except FileNotFoundError:
                 pass
         counts = self._coordinator.recover()
-        self.admission.extra_roots = [lr.wrapper_pid for lr in self._coordinator.live.values()]
         return counts
 
     def pidfds(self) -> dict[int, str]:

@@ -258,12 +258,19 @@ def list_attempts(conn: sqlite3.Connection, run_id: str) -> list[Attempt]:
 
 
 def latest_artifact(conn: sqlite3.Connection, run_id: str) -> tuple[str | None, dict | None]:
-    """(artifact path of the latest Attempt that has one, its truncation fact or None)."""
+    """(artifact path of the latest Attempt that has one, its truncation fact or None).
+
+    Raises NotFoundError(code ``log_not_found``) when the Run wrote output whose log retention
+    has since deleted (an empty log and a never-started Run give (None, None)).
+    """
     row = conn.execute("SELECT a.attempt_id, a.artifact_path, f.quota_bytes, f.bytes_kept, f.bytes_dropped "
                        "FROM attempts a LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id "
                        "WHERE a.run_id = ? AND a.artifact_path IS NOT NULL ORDER BY a.attempt_no DESC LIMIT 1",
                        (run_id,)).fetchone()
     if row is None:
+        if conn.execute("SELECT 1 FROM attempts WHERE run_id = ? AND ended_at_us IS NOT NULL "
+                        "AND bytes_kept > 0 LIMIT 1", (run_id,)).fetchone():
+            raise NotFoundError("the log of this run was pruned by retention", code="log_not_found")
         return None, None
     fact = None if row[2] is None else {"quotaBytes": row[2], "bytesKept": row[3], "bytesDropped": row[4]}
     return row[1], fact
