@@ -15,6 +15,7 @@ import os
 import selectors
 import signal
 import socket
+import sqlite3
 import time
 
 from ..application.engine import Engine
@@ -176,7 +177,16 @@ class Service:
         self.notify.ready(self._status())
         try:
             while True:
-                self._iteration()
+                try:
+                    self._iteration()
+                except sqlite3.OperationalError as e:
+                    # Another process held the store past busy_timeout: this iteration did not
+                    # complete (so no WATCHDOG=1 was sent); retry everything on the next one.
+                    if "locked" not in str(e) and "busy" not in str(e):
+                        raise
+                    self.log("warning", "store.busy", error=str(e))
+                    self.poked = True
+                    continue
                 if self._done():
                     break
         finally:
