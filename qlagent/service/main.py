@@ -78,6 +78,7 @@ class Service:
         self.stop_requested = False
         self.reload_requested = False
         self.poked = True
+        self.defs_changed = False          # a CLI/HTTP poke: Task definitions may have changed
         self.draining = False
         self.drain_deadline_us: int | None = None
         self.kill_deadline_us: int | None = None
@@ -141,7 +142,7 @@ class Service:
         self.log("info", "http.listening", address=listen, unix=unix)
 
     def _poke_self(self) -> None:
-        self.poked = True
+        self.poked = self.defs_changed = True
 
     # ---- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -235,7 +236,7 @@ class Service:
                 self._drain_signal_fd()
             elif kind == "control":
                 control.drain(self.ctl)
-                self.poked = True
+                self.poked = self.defs_changed = True
             elif kind == "pidfd":
                 self.sel.unregister(key.fileobj)
                 state = self.engine.on_exit(data)
@@ -255,6 +256,12 @@ class Service:
         if self.reload_requested:
             self._reload()
         poked, self.poked = self.poked, False
+        if self.defs_changed and not self.draining:
+            # A Task added, edited or re-enabled by the CLI must be scheduled (and gated) now,
+            # not only after a SIGHUP.
+            self.defs_changed = False
+            self.scheduler.reload()
+            self._ensure_netgate()
         if not self.draining and self.inline_run is None:
             nw = self.scheduler.next_wake_us
             if poked or nw is None or now >= nw:
