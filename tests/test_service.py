@@ -368,3 +368,21 @@ command = ["/bin/sleep", "5"]
         assert 1 <= len(runs_of(state, "f4")) <= 2
     finally:
         assert stop(p) == 0
+
+
+def test_a_task_added_while_serving_is_scheduled_without_sighup(state, workdir):  # noqa: F811
+    listener = NotifyListener(workdir)
+    p = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path))
+    try:
+        listener.wait_for(lambda m: m == "READY=1")
+        add_tasks(state, workdir, '''
+[[task]]
+name = "late"
+schedule = "* * * * * *"
+concurrency = "parallel"
+command = ["/bin/true"]
+''')
+        wait_until(lambda: len(runs_of(state, "late")) >= 2, timeout=5)
+    finally:
+        assert stop(p) == 0
+        listener.close()
