@@ -386,3 +386,42 @@ command = ["/bin/true"]
     finally:
         assert stop(p) == 0
         listener.close()
+
+
+def test_clock_steps_through_the_store_cursor(state, workdir):  # noqa: F811
+    """A router without RTC: the persisted cursor makes a forward jump give one catch-up Run and
+    a backward jump repeat nothing — across a scheduler restart (a new Scheduler on the store)."""
+    from qlagent.application.store import LocalStore
+    from qlagent.service.scheduler import Scheduler
+    add_tasks(state, workdir, '''
+[[task]]
+name = "minutely"
+schedule = "* * * * *"
+concurrency = "parallel"
+command = ["/bin/true"]
+''')
+    t = 1_800_000_000 * 1_000_000
+    now = [t - 1_000_000]
+    dbp = os.path.join(state, "qlagent.db")
+
+    def fire_with_new_scheduler():
+        store = LocalStore(dbp, "default")
+        try:
+            s = Scheduler(store, "UTC", lambda: now[0])
+            s.reload()
+            return s.fire_due()
+        finally:
+            store.close()
+
+    assert fire_with_new_scheduler() == 0
+    now[0] = t + 600 * 1_000_000 + 5_000_000        # forward 10 minutes (a late NTP sync)
+    assert fire_with_new_scheduler() == 1            # one catch-up, not ten
+    now[0] = t + 100_000                             # back again, below the cursor
+    assert fire_with_new_scheduler() == 0
+    now[0] = t + 300 * 1_000_000 + 100_000           # instants already passed once: not repeated
+    assert fire_with_new_scheduler() == 0
+    now[0] = t + 660 * 1_000_000 + 100_000           # past the cursor: resumes
+    assert fire_with_new_scheduler() == 1
+    with db(state) as c:
+        got = [r[0] for r in c.execute("SELECT scheduled_for_us FROM runs ORDER BY scheduled_for_us")]
+    assert got == [t + 600 * 1_000_000, t + 660 * 1_000_000]
