@@ -124,6 +124,9 @@ command = ["/bin/sleep", "30"]
 [[task]]
 name = "b"
 command = ["/bin/sleep", "30"]
+[[task]]
+name = "c"
+command = ["/bin/true"]
 ''')
     p = start_serve(state, env=clean_env(QLAGENT_CONFIG=cfg))
     try:
@@ -135,9 +138,17 @@ command = ["/bin/sleep", "30"]
         _config(workdir, QUICK_STOP + "max_concurrent_runs = 2\n")
         p.send_signal(signal.SIGHUP)
         wait_until(lambda: runs_of(state, "b")[0][1] == "running", timeout=5)
+        # a broken file on reload: refused with the key named, the running config kept
+        _config(workdir, QUICK_STOP + "max_concurent_runs = 3\n")
+        p.send_signal(signal.SIGHUP)
+        ok(state, "run", "start", "c")
+        time.sleep(0.5)
+        assert p.poll() is None and runs_of(state, "c")[0][1] == "queued"     # still limited to 2
     finally:
         assert stop(p) == 0
-    assert b"config.reloaded" in p.stderr.read()
+    err = p.stderr.read()
+    assert b"config.reloaded" in err
+    assert re.search(rb"config.reload_failed .*max_concurent_runs", err)
 
 
 # ---- CLI and the running service (§1, §2) ------------------------------------------------------
