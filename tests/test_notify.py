@@ -120,7 +120,8 @@ command = ["/bin/sleep", "60"]
         assert p.poll() is None
     finally:
         assert stop(p) == 0
-    assert b"Traceback" not in p.stderr.read()
+    err = p.stderr.read()
+    assert b"store.busy" in err and b"Traceback" not in err
 
 
 def test_drain_gives_live_runs_their_grace_then_cancels(state, workdir, listener):  # noqa: F811
