@@ -99,7 +99,10 @@ schedule = "* * * * * *"
 concurrency = "single"
 command = ["/bin/sleep", "60"]
 ''')
-    p = start_serve(state, env=_env(listener, WATCHDOG_USEC=1_000_000))
+    cfg = os.path.join(workdir, "qlagent.toml")
+    with open(cfg, "w") as f:
+        f.write("drain_grace_s = 0\nkill_grace_s = 1\n")
+    p = start_serve(state, env=_env(listener, WATCHDOG_USEC=1_000_000, QLAGENT_CONFIG=cfg))
     try:
         listener.wait_for(_is("READY=1"))
         wait_until(lambda: runs_of(state, "tick") and runs_of(state, "tick")[0][1] == "running")
