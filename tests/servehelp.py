@@ -9,55 +9,68 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 from qlcli import ok
 
 
 class NotifyListener:
-    """A bound unix DATAGRAM socket collecting sd_notify messages as (monotonic time, line)."""
+    """A bound unix DATAGRAM socket collecting sd_notify messages as (monotonic time, line).
+
+    A thread reads it continuously, as systemd does: an unread socket fills after
+    ``net.unix.max_dgram_qlen`` (10) datagrams and the agent's next notify would block.
+    """
 
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, "notify.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
+        self.sock.settimeout(0.05)
         self.messages: list[tuple[float, str]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._reader, daemon=True)
+        self._thread.start()
 
-    def _recv(self, timeout: float) -> bool:
-        self.sock.settimeout(max(timeout, 0.001))
-        try:
-            data = self.sock.recv(65536)
-        except (TimeoutError, socket.timeout):
-            return False
-        t = time.monotonic()
-        for line in data.decode().split("\n"):
-            if line:
-                self.messages.append((t, line))
-        return True
+    def _reader(self) -> None:
+        while not self._closed:
+            try:
+                data = self.sock.recv(65536)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            t = time.monotonic()
+            with self._cond:
+                self.messages.extend((t, line) for line in data.decode().split("\n") if line)
+                self._cond.notify_all()
 
     def wait_for(self, predicate, timeout: float = 10.0) -> tuple[float, str]:
         """Block until a message satisfying ``predicate(line)`` arrives; returns (time, line)."""
         seen = 0
         deadline = time.monotonic() + timeout
-        while True:
-            for t, line in self.messages[seen:]:
-                if predicate(line):
-                    return t, line
-            seen = len(self.messages)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no matching notify message in {timeout} s; got {self.lines()[-20:]}")
-            self._recv(left)
+        with self._cond:
+            while True:
+                for t, line in self.messages[seen:]:
+                    if predicate(line):
+                        return t, line
+                seen = len(self.messages)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"no matching notify message in {timeout} s; got {self.lines()[-20:]}")
+                self._cond.wait(left)
 
     def collect(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            self._recv(left)
+        """Let ``seconds`` pass while the reader keeps collecting."""
+        time.sleep(seconds)
 
     def lines(self) -> list[str]:
-        return [m for _, m in self.messages]
+        return [m for _, m in list(self.messages)]
 
     def close(self) -> None:
+        self._closed = True
+        self._thread.join()
         self.sock.close()
 
 
