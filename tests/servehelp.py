@@ -18,8 +18,8 @@ from qlcli import ok
 class NotifyListener:
     """A bound unix DATAGRAM socket collecting sd_notify messages as (monotonic time, line).
 
-    A thread reads it continuously, as systemd does: an unread socket fills after
-    ``net.unix.max_dgram_qlen`` (10) datagrams and the agent's next notify would block.
+    A thread reads it continuously, as systemd does, so a test that is busy elsewhere never
+    leaves the agent's datagrams queued (past ``net.unix.max_dgram_qlen`` a send blocks).
     """
 
     def __init__(self, directory: str) -> None:
