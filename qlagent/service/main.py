@@ -15,6 +15,7 @@ import os
 import selectors
 import signal
 import socket
+import sqlite3
 import time
 
 from ..application.engine import Engine
@@ -81,6 +82,7 @@ class Service:
         self.stop_requested = False
         self.reload_requested = False
         self.poked = True
+        self.defs_changed = False          # a CLI/HTTP poke: Task definitions may have changed
         self.draining = False
         self.drain_deadline_us: int | None = None
         self.kill_deadline_us: int | None = None
@@ -145,7 +147,7 @@ class Service:
         self.log("info", "http.listening", address=bound, unix=unix)
 
     def _poke_self(self) -> None:
-        self.poked = True
+        self.poked = self.defs_changed = True
 
     # ---- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -186,7 +188,16 @@ class Service:
         self.notify.ready(self._status())
         try:
             while True:
-                self._iteration()
+                try:
+                    self._iteration()
+                except sqlite3.OperationalError as e:
+                    # Another process held the store past busy_timeout: this iteration did not
+                    # complete (so no WATCHDOG=1 was sent); retry everything on the next one.
+                    if "locked" not in str(e) and "busy" not in str(e):
+                        raise
+                    self.log("warning", "store.busy", error=str(e))
+                    self.poked = True
+                    continue
                 if self._done():
                     break
         finally:
@@ -243,7 +254,7 @@ class Service:
                 self._drain_signal_fd()
             elif kind == "control":
                 control.drain(self.ctl)
-                self.poked = True
+                self.poked = self.defs_changed = True
             elif kind == "pidfd":
                 self.sel.unregister(key.fileobj)
                 state = self.engine.on_exit(data)
@@ -265,6 +276,12 @@ class Service:
         if self.reload_requested:
             self._reload()
         poked, self.poked = self.poked, False
+        if self.defs_changed and not self.draining:
+            # A Task added, edited or re-enabled by the CLI must be scheduled (and gated) now,
+            # not only after a SIGHUP.
+            self.defs_changed = False
+            self.scheduler.reload()
+            self._ensure_netgate()
         if not self.draining and self.inline_run is None:
             nw = self.scheduler.next_wake_us
             if poked or nw is None or now >= nw:

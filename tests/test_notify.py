@@ -1,0 +1,189 @@
+"""systemd notify protocol of ``qlagent serve`` over a real unix datagram NOTIFY_SOCKET (issue 4 §3).
+
+READY=1 only after recovery, WATCHDOG=1 at half of WATCHDOG_USEC and never while the main loop
+is wedged on the store, STATUS= one line, STOPPING=1 and a bounded drain on SIGTERM, nothing
+at all without NOTIFY_SOCKET, and no pings when WATCHDOG_PID names another process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import time
+
+import pytest
+
+from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
+from servehelp import NotifyListener, add_tasks, clean_env, db, runs_of, start_serve, stop, wait_until
+
+
+@pytest.fixture
+def listener(workdir):  # noqa: F811
+    n = NotifyListener(workdir)
+    yield n
+    n.close()
+
+
+def _env(listener, **extra):
+    return clean_env(NOTIFY_SOCKET=listener.path, **extra)
+
+
+def _is(prefix):
+    return lambda line: line.startswith(prefix)
+
+
+def test_ready_only_after_recovery_of_a_previous_agents_runs(state, workdir, listener):  # noqa: F811
+    add_tasks(state, workdir, '''
+[[task]]
+name = "short"
+command = ["/bin/sleep", "1"]
+[[task]]
+name = "long"
+command = ["/bin/sleep", "30"]
+''')
+    first = start_serve(state, env=clean_env())
+    try:
+        ok(state, "run", "start", "short")
+        ok(state, "run", "start", "long")
+        wait_until(lambda: [r[1] for r in runs_of(state, "short") + runs_of(state, "long")] == ["running"] * 2)
+    finally:
+        first.kill()             # the agent dies; its wrappers live on
+        first.wait()
+    # "short" ends while no agent runs: its receipt waits on disk, the Run still says running.
+    time.sleep(1.5)
+    assert runs_of(state, "short")[0][1] == "running"
+
+    p = start_serve(state, env=_env(listener))
+    try:
+        listener.wait_for(_is("READY=1"))
+        # At READY the previous agent's Runs are reconciled already: the finished one ingested
+        # from its receipt, the live one re-attached (counted as running in STATUS).
+        assert runs_of(state, "short")[0][1] == "succeeded"
+        assert runs_of(state, "long")[0][1] == "running"
+        status = [m for m in listener.lines() if m.startswith("STATUS=")][0]
+        assert "running=1" in status
+        ok(state, "run", "cancel", runs_of(state, "long")[0][0])
+        wait_until(lambda: runs_of(state, "long")[0][1] == "cancelled")
+    finally:
+        assert stop(p) == 0
+
+
+def test_watchdog_cadence_status_line_and_sigterm(state, listener):  # noqa: F811
+    p = start_serve(state, env=_env(listener, WATCHDOG_USEC=1_000_000))
+    try:
+        t_ready, _ = listener.wait_for(_is("READY=1"))
+        listener.collect(3.0)
+        pings = [t for t, m in listener.messages if m == "WATCHDOG=1" and t_ready + 0.25 <= t <= t_ready + 3.25]
+        # every 0.5 s over 3 s: 6 expected; loose bounds, a cadence of 1 s or a busy loop fail
+        assert 5 <= len(pings) <= 8, len(pings)
+        statuses = [m for m in listener.lines() if m.startswith("STATUS=")]
+        assert statuses and all("\n" not in s for s in statuses)
+        assert re.match(r"STATUS=running=0 queued=0 next=\S+", statuses[-1]), statuses[-1]
+        p.send_signal(signal.SIGTERM)
+        listener.wait_for(_is("STOPPING=1"))
+        assert p.wait(10) == 0
+    finally:
+        stop(p)
+    assert b"Traceback" not in p.stderr.read()
+
+
+def test_no_watchdog_while_the_store_is_wedged(state, workdir, listener):  # noqa: F811
+    # An every-second single-instance Task whose Run stays live: each second the loop writes
+    # (skipped fire + schedule cursor), so a held write lock wedges the loop's store operation.
+    add_tasks(state, workdir, '''
+[[task]]
+name = "tick"
+schedule = "* * * * * *"
+concurrency = "single"
+command = ["/bin/sleep", "60"]
+''')
+    cfg = os.path.join(workdir, "qlagent.toml")
+    with open(cfg, "w") as f:
+        f.write("drain_grace_s = 0\nkill_grace_s = 1\n")
+    p = start_serve(state, env=_env(listener, WATCHDOG_USEC=1_000_000, QLAGENT_CONFIG=cfg))
+    try:
+        listener.wait_for(_is("READY=1"))
+        wait_until(lambda: runs_of(state, "tick") and runs_of(state, "tick")[0][1] == "running")
+        listener.wait_for(lambda m: m == "WATCHDOG=1")
+        # A write lock held past the store's busy_timeout (5 s) wedges the loop's next write.
+        c = sqlite3.connect(os.path.join(state, "qlagent.db"), isolation_level=None, timeout=10)
+        c.execute("BEGIN IMMEDIATE")
+        locked_at = time.monotonic()
+        listener.collect(7.0)
+        c.execute("ROLLBACK")
+        c.close()
+        released_at = time.monotonic()
+        # the wedge starts at the next second boundary (≤ 1 s) and lasts until the release
+        during = [t for t, m in listener.messages if m == "WATCHDOG=1" and locked_at + 1.6 < t < released_at]
+        assert during == [], f"{len(during)} pings while the loop was wedged"
+        # the loop recovers once the store answers again, and pings resume
+        listener.collect(1.5)
+        assert [t for t, m in listener.messages if m == "WATCHDOG=1" and t > released_at]
+        assert p.poll() is None
+    finally:
+        assert stop(p) == 0
+    err = p.stderr.read()
+    assert b"store.busy" in err and b"Traceback" not in err
+
+
+def test_drain_gives_live_runs_their_grace_then_cancels(state, workdir, listener):  # noqa: F811
+    cfg = os.path.join(workdir, "qlagent.toml")
+    with open(cfg, "w") as f:
+        f.write("drain_grace_s = 2\nkill_grace_s = 1\n")
+    add_tasks(state, workdir, '''
+[[task]]
+name = "stubborn"
+shell = "/bin/sh"
+script = "trap '' TERM INT; while :; do sleep 1; done"
+[[task]]
+name = "quick"
+command = ["/bin/sleep", "1"]
+''')
+    p = start_serve(state, env=_env(listener, QLAGENT_CONFIG=cfg))
+    try:
+        listener.wait_for(_is("READY=1"))
+        ok(state, "run", "start", "stubborn")
+        ok(state, "run", "start", "quick")
+        wait_until(lambda: [r[1] for r in runs_of(state, "stubborn") + runs_of(state, "quick")] == ["running"] * 2)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        listener.wait_for(_is("STOPPING=1"))
+        _, ext = listener.wait_for(_is("EXTEND_TIMEOUT_USEC="))
+        assert int(ext.split("=")[1]) >= 2_000_000          # at least the grace is asked for
+        # inside the grace a live Run is left alone: the quick one finishes normally
+        wait_until(lambda: runs_of(state, "quick")[0][1] == "succeeded", timeout=1.8)
+        assert runs_of(state, "stubborn")[0][1] == "running"
+        assert p.wait(2 + 1 + 4) == 0                         # grace + kill grace + a little
+        elapsed = time.monotonic() - t0
+        assert elapsed >= 1.9, elapsed                        # it did wait out the grace
+    finally:
+        stop(p)
+    assert runs_of(state, "stubborn")[0][1] == "cancelled"
+    with db(state) as c:
+        assert c.execute("SELECT count(*) FROM runs WHERE state IN ('queued','starting','running')").fetchone()[0] == 0
+
+
+def test_without_notify_socket_nothing_is_sent_and_serve_works(state, workdir, listener):  # noqa: F811
+    add_tasks(state, workdir, '''
+[[task]]
+name = "boot"
+schedule = "@boot"
+command = ["/bin/true"]
+''')
+    p = start_serve(state, "--exit-after", "1.5", env=clean_env(WATCHDOG_USEC=100_000))
+    assert p.wait(15) == 0
+    listener.collect(0.2)
+    assert listener.messages == []
+    assert runs_of(state, "boot")[0][1] == "succeeded"
+
+
+def test_watchdog_pid_of_another_process_disables_pings(state, listener):  # noqa: F811
+    p = start_serve(state, env=_env(listener, WATCHDOG_USEC=200_000, WATCHDOG_PID=1))
+    try:
+        listener.wait_for(_is("READY=1"))
+        listener.collect(1.5)
+        assert "WATCHDOG=1" not in listener.lines()
+    finally:
+        assert stop(p) == 0
