@@ -8,10 +8,10 @@ Project and name as associated data, so a row copied under another name does not
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 
+from ..core.canonical import sha256_hex
 from ..core.errors import UnavailableError
 
 KEY_BYTES = 32
@@ -64,7 +64,7 @@ class SecretBox:
             self._key = os.read(fd, KEY_BYTES)
         finally:
             os.close(fd)
-        self.key_id = hashlib.sha256(b"qlagent-key-id" + self._key).hexdigest()[:16]
+        self.key_id = sha256_hex(b"qlagent-key-id" + self._key)[:16]
 
     def _aead(self):
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM

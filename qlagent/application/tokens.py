@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
-import secrets
-
 from ..adapters.sqlite import policy
+from ..core.tokens import new_token, token_digest
 from .store import LocalStore, now_us
-
-TOKEN_PREFIX = "qlt_"
-
-
-def token_digest(token: str) -> str:
-    """SHA-256 hex of a bearer token (what the database keeps)."""
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def create_token(store: LocalStore, project: str, subject: str, role: str) -> str:
     """Bind ``role`` for ``subject`` and mint a token for it; returns the token (shown once)."""
-    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    token = new_token()
 
     def tx(c):
         proj = policy.ensure_project(c, project, now_us())

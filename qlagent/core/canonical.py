@@ -8,10 +8,19 @@ that differ only in key order, whitespace or Unicode normal form get the same di
 
 from __future__ import annotations
 
-import hashlib
 import unicodedata
 
 import msgspec
+
+# The interpreter's built-in SHA-256 rather than hashlib: hashlib loads OpenSSL's libcrypto,
+# about 4 MiB of resident memory the agent never otherwise needs (bench/README.md, idle RSS).
+try:
+    from _sha2 import sha256          # CPython ≥ 3.12
+except ImportError:
+    try:
+        from _sha256 import sha256    # CPython 3.11
+    except ImportError:
+        from hashlib import sha256
 
 _encoder = msgspec.json.Encoder(order="sorted")
 
@@ -44,7 +53,7 @@ def canonical_json(value) -> bytes:
 
 def sha256_hex(data: bytes) -> str:
     """Lowercase hex SHA-256 of ``data`` (64 characters)."""
-    return hashlib.sha256(data).hexdigest()
+    return sha256(data).hexdigest()
 
 
 def content_digest(value) -> str:

@@ -6,15 +6,13 @@ hex) is stored. The store implements :class:`TokenPort`; this module never touch
 
 from __future__ import annotations
 
-import hashlib
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Mapping, Protocol
 
+from qlagent.core.tokens import TOKEN_PREFIX, new_token, token_digest  # noqa: F401  (re-exported)
 from qlagent.http.server import HttpError
 
-TOKEN_PREFIX = "qlt_"
 _TOKEN_RE = re.compile(r"qlt_[A-Za-z0-9_-]{43}")
 
 RUN_ROLES = frozenset({"owner", "admin", "operator"})
@@ -58,16 +56,6 @@ class Principal:
     subject: str
     role: str
     binding_version: int
-
-
-def new_token() -> str:
-    """A fresh bearer token: ``qlt_`` + 43 URL-safe characters (256 bits of entropy)."""
-    return TOKEN_PREFIX + secrets.token_urlsafe(32)
-
-
-def token_digest(token: str) -> str:
-    """SHA-256 hex digest of the token's UTF-8 bytes: the only form ever stored."""
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
 def parse_bearer(header: str | None) -> str:

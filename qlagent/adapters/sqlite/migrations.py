@@ -10,7 +10,6 @@ Capabilities are declared by their own migration after the DDL they depend on is
 
 from __future__ import annotations
 
-import hashlib
 import re
 import sqlite3
 import time
@@ -18,6 +17,7 @@ from importlib import resources
 
 import msgspec
 
+from ...core.canonical import sha256_hex
 from ...core.errors import StoreIntegrityError, UnavailableError
 
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
@@ -40,7 +40,7 @@ def known_migrations() -> list[Migration]:
         m = _NAME.match(entry.name)
         if m:
             sql = entry.read_text(encoding="utf-8")
-            out.append(Migration(int(m.group(1)), m.group(2), sql, hashlib.sha256(sql.encode()).hexdigest()))
+            out.append(Migration(int(m.group(1)), m.group(2), sql, sha256_hex(sql.encode())))
     out.sort(key=lambda x: x.version)
     return out
 
