@@ -1,7 +1,7 @@
 """Foundation footprint: peak RSS (and wall time) of importing each core module and of the CLI's
 ``task ls`` over 1,000 tasks, against ``python -c pass`` measured in the same run.
 
-Usage: ``python3 bench/bench_foundation.py [--runs N] [--write bench/README_foundation.md]``
+Usage: ``python3 bench/bench_foundation.py [--runs N] [--write bench/results/foundation.md]``
 
 Peak RSS is the child's ``ru_maxrss`` from ``os.wait4`` (KiB on Linux, printed as MiB); each
 figure is the median of N runs. Ratios are against the baseline of this run, so figures from
@@ -99,7 +99,7 @@ def main() -> None:
             f.write("# Foundation footprint (bench/bench_foundation.py)\n\n"
                     "Peak RSS of a fresh interpreter importing each `qlagent.core` module, and of the CLI's\n"
                     "`task ls` over a store of 1,000 tasks, against `python -c pass` measured in the same run.\n"
-                    "Regenerate: `python3 bench/bench_foundation.py --write bench/README_foundation.md`.\n\n"
+                    "Regenerate: `python3 bench/bench_foundation.py --write bench/results/foundation.md`.\n\n"
                     + table + "\n")
 
 

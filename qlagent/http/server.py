@@ -1,7 +1,7 @@
 """Bounded HTTP/1.1 server on ``selectors``, driven by the agent's single main loop.
 
 Stdlib only (``selectors``, ``socket``, ``os.sendfile``) plus msgspec for JSON; see
-bench/README_http.md for the RSS measurement that ruled out h11. Every resource is bounded by
+bench/results/http.md for the RSS measurement that ruled out h11. Every resource is bounded by
 :class:`HttpLimits` (ADR-0376 §4: edge keeps 4 requests in flight and 512-byte mutation bodies):
 
 * a request is *in flight* from the moment its head is parsed until its response is fully

@@ -25,7 +25,7 @@ Exit status: 0 once a receipt is written, 2 when the spec is unusable and no rec
 
 It imports the C modules behind json and signal (_json, _signal) directly: the Python wrappers
 pull in re and enum, which cost +1.2 MiB private memory and +6 ms per run
-(bench/README_wrapper.md).
+(bench/results/wrapper.md).
 """
 
 import _json
