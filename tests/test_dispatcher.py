@@ -220,15 +220,33 @@ def test_stale_reread_loses_the_claim_and_does_not_spawn(root):
     b.close()
 
 
-def test_blocked_page_does_not_starve_runs_behind_it(root):
-    """Edge page = 4. A single-instance Task has one live Run and six queued ones ahead of a
-    parallel Task's Run: passes walk past the blocked page (keyset cursor) and start it."""
+def test_single_instance_backlog_is_left_out_of_the_page(root):
+    """A single-instance Task with a live Run: its six queued Runs are not candidates at all
+    (filtered in the candidate query), so a parallel Task's Run behind them starts at once."""
     b = Bench(os.path.join(root, "s"), profile=EDGE)
     b.add(task("single", "sleep 30\n", concurrency="single"), recording_task(root, "other"))
     first = bulk_queued(b, "single", [(0, 1_000, 1_000)])[0]
     r = b.engine.dispatcher.dispatch_once()
     assert r.status == "activated" and r.run_id == first
     blocked = bulk_queued(b, "single", [(0, 2_000 + i, 2_000 + i) for i in range(6)])
+    (behind,) = bulk_queued(b, "other", [(0, 9_000, 9_000)])
+    res = check_result(b.engine.dispatcher.dispatch_once(), EDGE.dispatch_page)
+    assert (res.status, res.run_id, res.skipped) == ("activated", behind, 0)
+    assert all(b.run(i).state == "queued" for i in blocked)
+    b.drive(lambda: b.run(behind).state == "succeeded")
+    from qlagent.application.cancel import request_cancel
+    request_cancel(b.store, first, "test")
+    assert b.wait_run(first, 10).state == "cancelled"
+    b.close()
+
+
+def test_blocked_page_does_not_starve_runs_behind_it(root):
+    """Edge page = 4. Six network-gated Runs wait (no gate answers here) ahead of an ungated
+    Run: passes walk past the blocked page with the keyset cursor and start it."""
+    b = Bench(os.path.join(root, "s"), profile=EDGE)
+    b.add(task("gated", "true\n", concurrency="parallel", network="default_route"),
+          recording_task(root, "other"))
+    blocked = bulk_queued(b, "gated", [(0, 2_000 + i, 2_000 + i) for i in range(6)])
     (behind,) = bulk_queued(b, "other", [(0, 9_000, 9_000)])
     seen = []
     for _ in range(4):
@@ -240,9 +258,6 @@ def test_blocked_page_does_not_starve_runs_behind_it(root):
     assert res.run_id == behind
     assert all(b.run(i).state == "queued" for i in blocked)
     b.drive(lambda: b.run(behind).state == "succeeded")
-    from qlagent.application.cancel import request_cancel
-    request_cancel(b.store, first, "test")
-    assert b.wait_run(first, 10).state == "cancelled"
     b.close()
 
 

@@ -24,7 +24,13 @@ _CAND = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_
          "JOIN task_revisions tr ON tr.task_id = r.task_id AND tr.revision = r.task_revision "
          "WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL "
          "AND a.state = 'claimed' AND a.executor_type = 'local_process' "
-         "AND (a.not_before_us IS NULL OR a.not_before_us <= ?) ")
+         "AND (a.not_before_us IS NULL OR a.not_before_us <= ?) "
+         # A single-instance Task with a live Run cannot start another: leave its queued Runs
+         # out of the page here (cheap, in SQLite) instead of materialising and skipping each
+         # one; admission re-checks it at activation.
+         "AND NOT (json_extract(tr.definition_json, '$.concurrency') = 'single' AND EXISTS ("
+         "SELECT 1 FROM runs l INDEXED BY runs_by_state WHERE l.state IN ('queued','starting','running') "
+         "AND l.state IN ('starting','running') AND l.task_id = r.task_id)) ")
 _ORDER = "ORDER BY r.priority DESC, r.created_at_us, r.latest_attempt_created_at_us, r.latest_attempt_id LIMIT ?"
 # Keyset "after (p, c, ac, id)" for ORDER BY priority DESC, created ASC, attempt created ASC, attempt id ASC.
 # One OR-chained predicate cannot seek the index (SQLite would scan from the first queued Run
