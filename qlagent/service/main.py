@@ -92,6 +92,7 @@ class Service:
         self.netgate = None
         self._signals: list[int] = []
         self._last_extend_us = 0
+        self._refusal: str | None = None
 
     # ---- start-up --------------------------------------------------------------------------
     def _open(self) -> None:
@@ -342,18 +343,29 @@ class Service:
             if r.status == "unavailable" and r.reason not in CAPACITY_REASONS:
                 self.log("warning", "run.unavailable", run=r.run_id, reason=r.reason)
                 continue
+            refused = None
             if r.status == "unavailable" or (r.status == "limited" and r.reason in ("pids", "memory")):
-                self.log("warning", "dispatch.refused", reason=r.reason)
+                refused = r.reason
                 self.recheck_us = now + RECHECK_BLOCKED_US
             elif r.status == "launch_failed":
                 self.log("err", "run.launch_failed", run=r.run_id, reason=r.reason)
+            self._note_refusal(refused)
             break
         else:
             # Passes left (more pages or more Runs): go on next iteration, after other events,
             # instead of sleeping until an unrelated wake-up while Runs wait behind the cursor.
             self.poked = True
-        if self.scheduler.created or self.scheduler.skipped:
-            self.scheduler.created = self.scheduler.skipped = 0
+
+    def _note_refusal(self, reason: str | None) -> None:
+        """Log entering and leaving a capacity/budget refusal once each (STATUS shows it while
+        it lasts), not at every re-check: a router's log must not fill with the same line."""
+        if reason == self._refusal:
+            return
+        if reason is None:
+            self.log("notice", "dispatch.admitting", after=self._refusal)
+        else:
+            self.log("warning", "dispatch.refused", reason=reason)
+        self._refusal = reason
 
     def _sync_pidfds(self) -> None:
         registered = {k.fileobj for k in self.sel.get_map().values() if k.data[0] == "pidfd"}
