@@ -53,15 +53,7 @@ ql() { "$PYTHON" -c 'import sys; from qlagent.cli.main import main; sys.exit(mai
 
 # Task set: 50 cron tasks spread over the minute, 4 chatty (fixture chatty.sh:
 # ~9.7 MB stdout + stderr progress), one gated on an interface that never exists.
-cp /work/shared/fixtures/router-tasks/chatty.sh "$WORK/chatty.sh" 2>/dev/null || cat > "$WORK/chatty.sh" <<'SH'
-#!/bin/sh
-i=0
-while [ $i -lt 200000 ]; do
-  echo "line $i 0123456789abcdefghijklmnopqrstuvwxyz"
-  [ $((i % 100)) -eq 0 ] && echo "progress $i" >&2
-  i=$((i + 1))
-done
-SH
+cp "$(dirname "$0")/../examples/router-tasks/chatty.sh" "$WORK/chatty.sh"
 chmod 0755 "$WORK/chatty.sh"
 {
     for i in $(seq 0 49); do

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 
 import pytest
 

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import time
-import uuid
 
 import psutil
 import pytest
@@ -14,29 +13,11 @@ import pytest
 from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "router-tasks")
-PATH_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+from wrapkit import FIXTURES, make_spec, wait_for  # noqa: E402
 
 
 def start(tmp_path, argv, linger=0.5):
-    attempt_id = str(uuid.uuid4())
-    run_dir = tmp_path / attempt_id
-    run_dir.mkdir(mode=0o700)
-    artifact = tmp_path / (attempt_id + ".log")
-    os.close(os.open(artifact, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    spec = {"attempt_id": attempt_id, "argv": argv, "env": PATH_ENV, "cwd": "/",
-            "run_dir": str(run_dir), "artifact_path": str(artifact), "quota_bytes": 1 << 20,
-            "linger_s": linger}
+    spec = make_spec(tmp_path, argv, quota=1 << 20, linger=linger)
     return spec, processes.spawn_wrapper(spec)
 
 

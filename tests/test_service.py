@@ -11,7 +11,6 @@ import re
 import signal
 import time
 
-import pytest
 
 from qlcli import cli, js, ok, rows, state, workdir  # noqa: F401  (fixtures)
 from servehelp import (NotifyListener, add_tasks, clean_env, db, runs_of, start_serve, stop,

@@ -1,5 +1,5 @@
 """The launcher wrapper with real processes, a real FIFO and real files (issue 3 item 4;
-field reports F1, F9; fixtures in tests/fixtures/router-tasks)."""
+field reports F1, F9; fixtures in examples/router-tasks)."""
 
 import json
 import os
@@ -7,7 +7,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 import uuid
 
 import psutil
@@ -16,31 +15,7 @@ import pytest
 from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "router-tasks")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EDGE_LOG = 4194304
-PATH_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def make_spec(tmp_path, argv, env=None, quota=EDGE_LOG, linger=0.5, cwd="/"):
-    attempt_id = str(uuid.uuid4())
-    run_dir = tmp_path / "runs" / attempt_id
-    run_dir.mkdir(parents=True, mode=0o700)
-    artifact = tmp_path / (attempt_id + ".log")
-    os.close(os.open(artifact, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    return {"attempt_id": attempt_id, "argv": argv, "env": PATH_ENV if env is None else env,
-            "cwd": cwd, "run_dir": str(run_dir), "artifact_path": str(artifact),
-            "quota_bytes": quota, "linger_s": linger}
+from wrapkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, wait_for  # noqa: E402
 
 
 def run_to_end(spec, timeout=30.0):
