@@ -233,10 +233,20 @@ def test_single_instance_backlog_is_left_out_of_the_page(root):
     res = check_result(b.engine.dispatcher.dispatch_once(), EDGE.dispatch_page)
     assert (res.status, res.run_id, res.skipped) == ("activated", behind, 0)
     assert all(b.run(i).state == "queued" for i in blocked)
+    held = lambda: b.store.read(lambda c: c.execute(  # noqa: E731
+        "SELECT count(*) FROM runs WHERE held = 1").fetchone()[0])
+    assert held() == 6
     b.drive(lambda: b.run(behind).state == "succeeded")
     from qlagent.application.cancel import request_cancel
     request_cancel(b.store, first, "test")
     assert b.wait_run(first, 10).state == "cancelled"
+    # The live Run ended: its Task's queue is released and the oldest held Run starts next.
+    assert held() == 0
+    res = check_result(b.engine.dispatcher.dispatch_once(), EDGE.dispatch_page)
+    assert (res.status, res.run_id) == ("activated", blocked[0])
+    assert held() == 5
+    request_cancel(b.store, blocked[0], "test")
+    b.wait_run(blocked[0], 10)
     b.close()
 
 

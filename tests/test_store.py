@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import subprocess
+import sys
 import threading
 
 import msgspec
@@ -221,3 +223,24 @@ def test_authority_runs_every_operation_on_its_own_thread(store):
     assert names == {"sqlite-authority"}
     with pytest.raises(RuntimeError, match="nested"):
         store.read(lambda c: store.read(lambda c2: 1))
+
+
+def test_cli_never_migrates_under_a_running_service(db, monkeypatch, tmp_path):
+    """Only `init` and the service migrate: a newer CLI refuses (exit 5, one clear line) a store
+    whose schema is behind instead of changing it under an older running agent."""
+    every = migrations.known_migrations()
+    monkeypatch.setattr(migrations, "known_migrations", lambda: every[:-1])
+    LocalStore(db).close()                                # an "older" agent's store
+    monkeypatch.undo()
+    state = os.path.dirname(db)
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "task", "ls"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 5 and "Traceback" not in p.stderr, p.stderr
+    assert "migration" in p.stderr and "qlagent init" in p.stderr
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT max(version) FROM schema_migrations").fetchone()[0] == every[-2].version
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "init"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT max(version) FROM schema_migrations").fetchone()[0] == every[-1].version

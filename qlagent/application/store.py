@@ -6,6 +6,7 @@ import time
 
 from ..adapters.sqlite import migrations, policy
 from ..adapters.sqlite.authority import SqliteAuthority
+from ..core.errors import UnavailableError
 from ..core.models import Project
 
 
@@ -16,6 +17,10 @@ def now_us() -> int:
 
 class LocalStore:
     """The migrated, capability-checked SQLite authority plus the active Project.
+
+    Only the service (and ``init``) migrate (``migrate=True``); other CLI commands open with
+    ``migrate=False`` and refuse a store whose schema is behind, so a newer CLI never changes
+    the schema under an older running service.
 
     Raises StoreIntegrityError for an unknown/altered migration history and UnavailableError
     if the file cannot be opened or a required capability is missing.
@@ -28,7 +33,12 @@ class LocalStore:
                 self.applied = self.authority.raw(migrations.migrate)
             else:
                 self.applied = []
-                self.authority.raw(lambda c: migrations.verify_history(c, migrations.known_migrations()))
+                pending = self.authority.raw(lambda c: migrations.verify_history(c, migrations.known_migrations()))
+                if pending:
+                    raise UnavailableError(
+                        f"the store at {db_path} needs {len(pending)} migration(s) from this qlagent; "
+                        "restart the service (it migrates at start) or run `qlagent init`",
+                        code="store_not_migrated")
             self.capabilities = self.authority.read(migrations.check_capabilities)
             self.project: Project = self.authority.write(lambda c: policy.ensure_project(c, project, now_us()))
         except BaseException:

@@ -52,7 +52,8 @@ class Ctx:
                 raise E.UnavailableError(f"no store at {self.settings.db_path}; run `qlagent init` first",
                                          code="not_initialised")
             from ..application.store import LocalStore
-            self._store = LocalStore(self.settings.db_path, self.args.project or self.settings.config.project)
+            self._store = LocalStore(self.settings.db_path, self.args.project or self.settings.config.project,
+                                     migrate=self.args.command == "init")
         return self._store
 
     def close(self) -> None:

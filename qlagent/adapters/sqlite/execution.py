@@ -15,7 +15,7 @@ import msgspec
 from ...core import states
 from ...core.dispatch import Candidate, Finish, LiveAttempt, Plan
 from ...core.models import ContextRecipe, ExecutionSpec, RetryPolicy
-from .runs import append_event
+from .runs import append_event, set_holds
 
 
 _CAND = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_revision, r.version, r.priority, "
@@ -24,13 +24,7 @@ _CAND = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_
          "JOIN task_revisions tr ON tr.task_id = r.task_id AND tr.revision = r.task_revision "
          "WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL "
          "AND a.state = 'claimed' AND a.executor_type = 'local_process' "
-         "AND (a.not_before_us IS NULL OR a.not_before_us <= ?) "
-         # A single-instance Task with a live Run cannot start another: leave its queued Runs
-         # out of the page here (cheap, in SQLite) instead of materialising and skipping each
-         # one; admission re-checks it at activation.
-         "AND NOT (json_extract(tr.definition_json, '$.concurrency') = 'single' AND EXISTS ("
-         "SELECT 1 FROM runs l INDEXED BY runs_by_state WHERE l.state IN ('queued','starting','running') "
-         "AND l.state IN ('starting','running') AND l.task_id = r.task_id)) ")
+         "AND (a.not_before_us IS NULL OR a.not_before_us <= ?) AND r.held = 0 ")
 _ORDER = "ORDER BY r.priority DESC, r.created_at_us, r.latest_attempt_created_at_us, r.latest_attempt_id LIMIT ?"
 # Keyset "after (p, c, ac, id)" for ORDER BY priority DESC, created ASC, attempt created ASC, attempt id ASC.
 # One OR-chained predicate cannot seek the index (SQLite would scan from the first queued Run
@@ -142,7 +136,10 @@ def claim_starting(conn: sqlite3.Connection, c: Candidate, artifact_path: str, n
                     "WHERE attempt_id = ? AND state = 'claimed'", (artifact_path, c.attempt_id)).rowcount == 0:
         raise sqlite3.IntegrityError("attempt was not claimed")  # rolls the Run CAS back too
     append_event(conn, c.run_id, seq, "run.starting", "dispatcher", {"attemptId": c.attempt_id}, now_us)
+    set_holds(conn, c.task_id)
     return True
+
+
 
 
 def mark_running(conn: sqlite3.Connection, run_id: str, attempt_id: str, wrapper_pid: int, wrapper_start: float,
@@ -171,7 +168,7 @@ def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Fi
     lost and start_failed Attempts unless cancellation was requested.
     """
     a = conn.execute("SELECT state, attempt_no FROM attempts WHERE attempt_id = ?", (attempt_id,)).fetchone()
-    run = conn.execute("SELECT state, cancel_requested_at_us FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    run = conn.execute("SELECT state, cancel_requested_at_us, task_id FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if a is None or a[0] in states.ATTEMPT_TERMINAL:
         return run[0]
     states.check_attempt(a[0], f.attempt_state)
@@ -199,11 +196,13 @@ def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Fi
             seq = _bump(conn, run_id, run[0], "queued", None, now_us, latest_attempt_id=new_id_,
                         latest_attempt_created_at_us=now_us)
         append_event(conn, run_id, seq, "run.retry_queued", "coordinator", {**figures, "nextAttemptId": new_id_}, now_us)
+        set_holds(conn, run[2])
         return "queued"
     run_state = "failed" if f.attempt_state == "start_failed" else f.attempt_state
     seq = _bump(conn, run_id, run[0], run_state, None, now_us, exit_code=f.exit_code, exit_signal=f.exit_signal,
                 ended_at_us=ended)
     append_event(conn, run_id, seq, f"run.{run_state}", "coordinator", figures, now_us)
+    set_holds(conn, run[2])
     return run_state
 
 

@@ -51,6 +51,18 @@ def live_run_count(conn: sqlite3.Connection, task_id: str) -> int:
                         (task_id,)).fetchone()[0]
 
 
+def set_holds(conn: sqlite3.Connection, task_id: str) -> None:
+    """Recompute ``runs.held`` for a Task's queued single-instance Runs after one of its Runs
+    was created, started or ended: held (out of the dispatch index) while the Task has a
+    starting/running Run, released when it has none. Equality seeks on runs_by_task_state
+    only, so the cost is the number of Runs whose flag changes. Admission still re-checks."""
+    live = conn.execute("SELECT EXISTS (SELECT 1 FROM runs WHERE task_id = ?1 AND state = 'starting') "
+                        "OR EXISTS (SELECT 1 FROM runs WHERE task_id = ?1 AND state = 'running')",
+                        (task_id,)).fetchone()[0]
+    conn.execute("UPDATE runs SET held = ?1 WHERE task_id = ?2 AND state = 'queued' AND single_instance = 1 "
+                 "AND held = ?3", (int(live), task_id, int(not live)))
+
+
 def create_run(conn: sqlite3.Connection, *, head: TaskHead, origin: str, trigger_type: str,
                idempotency_key: str, requested_by: str, now_us: int, scheduled_for_us: int | None = None,
                fences: dict | None = None) -> CreatedRun:
@@ -67,10 +79,11 @@ def create_run(conn: sqlite3.Connection, *, head: TaskHead, origin: str, trigger
     conn.execute(
         "INSERT INTO runs(run_id, project_id, task_id, task_revision, task_snapshot_ref, state, priority, "
         "execution_origin, execution_owner, trigger_type, idempotency_key, requested_by, scheduled_for_us, "
-        "version, event_sequence, latest_attempt_id, latest_attempt_created_at_us, created_at_us, updated_at_us) "
-        "VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, 'runtime', ?, ?, ?, ?, 2, 2, ?, ?, ?, ?)",
+        "version, event_sequence, latest_attempt_id, latest_attempt_created_at_us, created_at_us, updated_at_us, "
+        "single_instance) VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, 'runtime', ?, ?, ?, ?, 2, 2, ?, ?, ?, ?, ?)",
         (run_id, head.project_id, head.task_id, head.revision, ref, priority, origin, trigger_type,
-         idempotency_key, requested_by, scheduled_for_us, attempt_id, now_us, now_us, now_us))
+         idempotency_key, requested_by, scheduled_for_us, attempt_id, now_us, now_us, now_us,
+         int(head.definition.concurrency == "single")))
     conn.execute("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, created_at_us) "
                  "VALUES (?, ?, 1, 'claimed', 'local_process', ?)", (attempt_id, run_id, now_us))
     exec_digest = conn.execute("SELECT execution_digest FROM execution_revisions WHERE task_id = ? AND revision = ?",
@@ -83,6 +96,7 @@ def create_run(conn: sqlite3.Connection, *, head: TaskHead, origin: str, trigger
     e1 = append_event(conn, run_id, 1, "run.created", requested_by, created, now_us)
     e2 = append_event(conn, run_id, 2, "run.queued", requested_by,
                       {"attemptId": attempt_id, "executorType": "local_process"}, now_us)
+    set_holds(conn, head.task_id)
     return CreatedRun(run_id=run_id, attempt_id=attempt_id, event_ids=(e1, e2), task_revision=head.revision,
                       task_snapshot_ref=ref, state="queued", created_at_us=now_us)
 
