@@ -253,6 +253,30 @@ def test_f2_cancel_leaves_no_process_of_the_run(root):
         none_left(r)
 
 
+def test_f2_wrapper_killed_leaves_no_process_of_the_run(root):
+    """The launcher wrapper itself is killed (an OOM kill on a router): the Run ends lost and
+    every process it started — the setsid grandchild that lost its parent too — is stopped."""
+    a = Agent(root)
+    a.add(task("tree", command=["/bin/sh", "-c", "sleep 300 & setsid sleep 301 & sleep 302; wait"],
+               timeout_s=60))
+    a.serve()
+    try:
+        r = a.start("tree")
+        a.wait(r, ("running",))
+        end = time.monotonic() + 5
+        while len(procs_with_env("QL3_RUN_ID", r)) < 4:
+            assert time.monotonic() < end
+            time.sleep(0.02)
+        with a.db() as c:
+            wrapper = c.execute("SELECT wrapper_pid FROM attempts WHERE run_id = ?", (r,)).fetchone()[0]
+        os.kill(wrapper, signal.SIGKILL)
+        run = a.wait(r)
+    finally:
+        assert a.stop() == 0
+    assert run["state"] == "lost"
+    none_left(r)
+
+
 def test_f3_timeout_holds_on_schedule_by_hand_and_inline(root):
     script = ["/bin/sh", "-c", "trap '' INT TERM; sleep 30"]
     a = Agent(root)

@@ -284,6 +284,30 @@ def signal_tree(task_pgid: int | None, wrapper_pid: int | None, sig: int, starte
     return _signal_all(task_pgid or 0, owned and bool(task_pgid), live, sig)
 
 
+def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
+    """Processes whose environment carries ``QL3_ATTEMPT_ID=<attempt_id>``: every process a run
+    started and that kept the environment it was given, even one that escaped the process
+    group with setsid and lost its parent (the wrapper died). Reads /proc/<pid>/environ of this
+    user's processes; used only on the rare paths where the wrapper's tree is gone."""
+    marker = f"\0QL3_ATTEMPT_ID={attempt_id}\0".encode()
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = b"\0" + f.read()
+        except OSError:
+            continue
+        if marker in env:
+            try:
+                found[int(entry.name)] = psutil.Process(int(entry.name))
+            except psutil.NoSuchProcess:
+                continue
+    found.pop(os.getpid(), None)
+    return found
+
+
 def default_python() -> str:
     """The interpreter for the wrapper: this one, or the system python3 when embedded."""
     return sys.executable or "/usr/bin/python3"

@@ -99,6 +99,10 @@ class ProcessAdapter:
         except processes.RunFileError:
             pgid = None
         known = self._known.setdefault(attempt_id, {})
+        if wrapper_pid is None:
+            # The wrapper is gone (died, or a previous agent's run is lost): its tree can no
+            # longer be walked, so find the run's processes by their QL3_ATTEMPT_ID.
+            known.update(processes.find_by_attempt(attempt_id))
         return len(processes.signal_tree(pgid, wrapper_pid, sig, self._started.get(attempt_id), known))
 
     def collect(self, attempt_id: str) -> tuple[dict | None, dict | None]:

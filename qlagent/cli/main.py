@@ -11,7 +11,6 @@ import argparse
 import getpass
 import os
 import sys
-import tomllib
 
 import msgspec
 
@@ -67,18 +66,9 @@ class Ctx:
 
 
 def _load_toml(path: str) -> dict:
+    from ..adapters.tomlfile import read_toml
     from ..core.limits import MAX_TASK_FILE_BYTES
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TASK_FILE_BYTES + 1)
-    except OSError as e:
-        raise E.ValidationError("file", f"cannot read {path}: {e.strerror}") from None
-    if len(raw) > MAX_TASK_FILE_BYTES:
-        raise E.ValidationError("file", f"{path} is larger than {MAX_TASK_FILE_BYTES} bytes", limit=MAX_TASK_FILE_BYTES)
-    try:
-        return tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise E.ValidationError("file", f"{path}: {e}") from None
+    return read_toml(path, "file", MAX_TASK_FILE_BYTES)
 
 
 # ---- commands --------------------------------------------------------------------------------

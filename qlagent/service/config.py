@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 
 import msgspec
 
+from ..adapters.tomlfile import read_toml
 from ..core.errors import ValidationError
 from ..core.profiles import Profile, get_profile
 
 DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
 DEFAULT_HTTP_PORT = 7380
+MAX_CONFIG_BYTES = 65_536      # a config file is a few hundred bytes; refuse anything that is not
 
 
 class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -77,15 +78,9 @@ def load_config(path: str | None) -> tuple[Config, str | None]:
     explicit = path is not None
     path = path or os.environ.get("QLAGENT_CONFIG") or DEFAULT_CONFIG
     explicit = explicit or "QLAGENT_CONFIG" in os.environ
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        if explicit:
-            raise ValidationError("config", f"{path} does not exist") from None
+    if not explicit and not os.path.exists(path):
         return Config(), None
-    except tomllib.TOMLDecodeError as e:
-        raise ValidationError("config", f"{path}: {e}") from None
+    data = read_toml(path, "config", MAX_CONFIG_BYTES)
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:

@@ -171,10 +171,12 @@ class Service:
         # Inline too (it holds the service lock): a Run left by an interrupted or timed-out
         # `run start --wait` is ingested, re-attached or lost instead of staying live forever.
         counts = self.engine.recover()
+        # Inline too: `run cancel` pokes this socket, and Ctrl-C/SIGTERM of the waiting CLI
+        # cancels what it launched instead of leaving Runs live with nobody watching them.
+        self.ctl = control.bind(self.settings.control_socket)
+        self.sel.register(self.ctl, selectors.EVENT_READ, ("control", None))
+        self._install_signals()
         if self.inline_run is None:
-            self.ctl = control.bind(self.settings.control_socket)
-            self.sel.register(self.ctl, selectors.EVENT_READ, ("control", None))
-            self._install_signals()
             self.scheduler.reload()
             self.scheduler.fire_boot(started)
             self._start_http()
@@ -211,7 +213,10 @@ class Service:
             from ..application.runs import RunService
             if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us:
                 return True    # the wait timed out; a live wrapper carries on and a service ingests it
-            return RunService(self.store).get(self.inline_run).state not in ("queued", "starting", "running")
+            if self.engine.live_count():
+                return False   # a Run this process launched (ours or one queued before it) is still live
+            return self.draining or \
+                RunService(self.store).get(self.inline_run).state not in ("queued", "starting", "running")
         return self.draining and self.engine.live_count() == 0
 
     def _close(self) -> None:
@@ -219,12 +224,11 @@ class Service:
             self.http.close()
         if self.netgate is not None:
             self.netgate.close()
-        if self.inline_run is None:
-            try:
-                os.unlink(self.settings.control_socket)
-            except OSError:
-                pass
-            signal.set_wakeup_fd(-1)
+        try:
+            os.unlink(self.settings.control_socket)
+        except OSError:
+            pass
+        signal.set_wakeup_fd(-1)
         self.store.close()
 
     def _timeout_s(self) -> float | None:
@@ -386,7 +390,8 @@ class Service:
     def _begin_drain(self, now: int) -> None:
         self.draining = True
         self.engine.admission.draining = True
-        grace = self.settings.config.drain_grace_s
+        # An interrupted `run start --wait` stops its Runs at once; the service gives them a grace.
+        grace = self.settings.config.drain_grace_s if self.inline_run is None else 0
         self.drain_deadline_us = now + int(grace * 1e6)
         self.notify.stopping()
         if self.http is not None:
