@@ -203,3 +203,29 @@ def test_256_argv_entries_pass(store):
     argv = json.dumps(["/bin/echo"] + ["a"] * 255)
     ok(state, "task", "add", "-f", write(d, f'[[task]]\nname = "edge-argv"\ncommand = {argv}\n'))
     assert len(js(state, "task", "show", "edge-argv")["definition"]["execution"]["argv"]) == 256
+
+
+# ---- operator files that are not what they should be ---------------------------------------
+
+def test_task_file_nested_too_deeply(store):
+    refused(store, add(store, task('command = ["/bin/true"]\nlabels = { a = ' + "[" * 100_000 + "]" * 100_000
+                                   + " }")), "file", "too deeply")
+
+
+def test_task_file_that_is_a_directory(store):
+    refused(store, ["task", "add", "-f", store[1]], "file", "cannot read")
+
+
+def test_config_file_over_its_size_limit(store):
+    refused(store, ["--config", "/dev/zero", "config", "check"], "config", "65536")
+
+
+def test_config_file_nested_too_deeply(store):
+    p = os.path.join(store[1], "deep.toml")
+    with open(p, "w") as f:
+        f.write("labels = " + "{a = " * 3000 + "1" + "}" * 3000 + "\n")
+    refused(store, ["--config", p, "config", "check"], "config", "too deeply")
+
+
+def test_config_path_that_is_a_directory(store):
+    refused(store, ["--config", store[1], "config", "check"], "config", "cannot read")

@@ -603,3 +603,32 @@ def test_orphan_holding_the_output_does_not_keep_the_run_alive(root):
     assert (run["state"], run["exit_code"]) == ("succeeded", 0)
     assert waited < 2.0 + 3.0, waited
     assert log_bytes(a, rid) == b"started\n"
+
+
+def test_wait_without_a_service_answers_cancel_and_interruption(root):
+    """`run start --wait` with no service is the service for its Runs: `run cancel` stops the
+    tree within grace + 1 s, and SIGTERM/Ctrl-C of the waiting CLI cancels what it launched."""
+    a = Agent(root)
+    a.add(task("sl", command=["/bin/sh", "-c", "sleep 300 & setsid sleep 301 & wait"], timeout_s=120))
+    for interrupt in (False, True):
+        waiter = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", a.state,
+                                   "run", "start", "sl", "--wait"],
+                                  env=a.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        end = time.monotonic() + 10
+        while True:
+            runs = json.loads(a.cli("run", "ls", "--json").stdout)["runs"]
+            live = [r for r in runs if r["state"] == "running"]
+            if live and len(procs_with_env("QL3_RUN_ID", live[0]["runId"])) >= 3:
+                break
+            assert time.monotonic() < end, runs
+            time.sleep(0.05)
+        rid = live[0]["runId"]
+        t0 = time.monotonic()
+        if interrupt:
+            waiter.send_signal(signal.SIGTERM)
+        else:
+            a.cli("run", "cancel", rid)
+        assert waiter.wait(timeout=GRACE_S + 5) == 6          # the Run did not succeed
+        assert time.monotonic() - t0 <= GRACE_S + 1.5
+        assert json.loads(a.cli("run", "show", rid, "--json").stdout)["state"] == "cancelled"
+        none_left(rid)
