@@ -127,7 +127,7 @@ def test_edit_cannot_rename(loaded, workdir):
     head = js(loaded, "task", "show", "alpha")
     f = write(workdir, "r.toml", '[[task]]\nname = "other"\ncommand = ["/bin/true"]\n')
     p = cli(loaded, "task", "edit", "alpha", "-f", f, "--expect-revision", "1", "--expect-digest", head["contentDigest"])
-    assert p.returncode == 3 and b"name" in p.stderr
+    assert p.returncode == 2 and b"name" in p.stderr      # bad input: a rename is not an edit
     assert rows(loaded, "task_revisions") == 3
 
 
@@ -215,3 +215,26 @@ def test_usage_errors_exit_2(state):
     assert p.returncode == 2 and b"Traceback" not in p.stderr
     p = cli(state, "task", "edit", "alpha", "-f", "x.toml", "--expect-revision", "one", "--expect-digest", "0" * 64)
     assert p.returncode == 2 and b"--expect-revision" in p.stderr
+
+
+def test_reads_never_create_a_project(state):
+    """A mistyped --project is 'not found' for a read, and nothing is written; a malformed
+    project name is bad input."""
+    before = rows(state, "projects")
+    p = cli(state, "--project", "readtypo", "task", "ls")
+    assert p.returncode == 4 and b"readtypo" in p.stderr
+    p = cli(state, "--project", "Bad Proj!", "secret", "rm", "x")
+    assert p.returncode == 2 and b"project" in p.stderr and b"Traceback" not in p.stderr
+    assert rows(state, "projects") == before
+
+
+def test_token_revoke_by_id_or_token_and_ls(state):
+    p = ok(state, "token", "create", "--subject", "ops", "--role", "viewer")
+    token = p.stdout.decode().strip()
+    assert token.startswith("qlt_") and "\n" not in token          # the token alone on stdout
+    listed = js(state, "token", "ls")
+    assert [t["subject"] for t in listed] == ["ops"] and token not in json.dumps(listed)
+    assert listed[0]["tokenId"].encode() in p.stderr
+    ok(state, "token", "revoke", token)                            # by the token itself
+    assert js(state, "token", "ls")[0]["revokedAtUs"] is not None
+    assert cli(state, "token", "revoke", "no-such-id").returncode == 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from ..adapters.sqlite import definitions as defs
+from ..adapters.sqlite import execution as ex
 from ..adapters.sqlite import runs as runs_repo
 from ..core import limits as L
 from ..core.definitions import PreparedTask, parse_task_file, prepare_task
@@ -74,11 +75,17 @@ class DefinitionWriter:
             return head, n
         return self._store.write(tx)
 
-    def remove(self, name: str) -> tuple[TaskHead, int]:
-        """Soft-delete; cancels queued Runs. Returns (last head, cancelled)."""
+    def remove(self, name: str) -> tuple[TaskHead, int, int]:
+        """Soft-delete; cancels queued Runs and asks live ones to stop (a removed Task must not
+        keep running unseen). Returns (last head, queued cancelled, live asked to stop)."""
         pid = self._store.project.project_id
 
         def tx(c):
             head = defs.remove_task(c, pid, name, now_us())
-            return head, runs_repo.cancel_queued_for_task(c, head.task_id, "local:cli", "task_removed", now_us())
+            queued = runs_repo.cancel_queued_for_task(c, head.task_id, "local:cli", "task_removed", now_us())
+            live = [r[0] for r in c.execute("SELECT run_id FROM runs WHERE task_id = ? AND state IN "
+                                            "('starting','running')", (head.task_id,))]
+            for run_id in live:
+                ex.request_cancel(c, run_id, "local:cli", now_us())
+            return head, queued, len(live)
         return self._store.write(tx)

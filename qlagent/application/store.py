@@ -26,7 +26,8 @@ class LocalStore:
     if the file cannot be opened or a required capability is missing.
     """
 
-    def __init__(self, db_path: str, project: str = "default", *, migrate: bool = True) -> None:
+    def __init__(self, db_path: str, project: str = "default", *, migrate: bool = True,
+                 create_project: bool = True) -> None:
         self.authority = SqliteAuthority(db_path)
         try:
             if migrate:
@@ -40,7 +41,10 @@ class LocalStore:
                         "restart the service (it migrates at start) or run `qlagent init`",
                         code="store_not_migrated")
             self.capabilities = self.authority.read(migrations.check_capabilities)
-            self.project: Project = self.authority.write(lambda c: policy.ensure_project(c, project, now_us()))
+            if create_project:
+                self.project: Project = self.authority.write(lambda c: policy.ensure_project(c, project, now_us()))
+            else:       # a read must not write: an unknown (or mistyped) Project is an error
+                self.project = self.authority.read(lambda c: policy.get_project(c, project))
         except BaseException:
             self.authority.close()
             raise

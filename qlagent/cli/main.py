@@ -35,6 +35,11 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
 
 
+# Reads never create a Project: a mistyped --project is "not found", not an empty new tenant.
+READ_COMMANDS = {("task", "ls"), ("task", "show"), ("run", "ls"), ("run", "show"), ("run", "logs"),
+                 ("secret", "ls"), ("token", "ls")}
+
+
 class Ctx:
     """Lazily opened settings and store for one CLI invocation."""
 
@@ -51,8 +56,11 @@ class Ctx:
                 raise E.UnavailableError(f"no store at {self.settings.db_path}; run `qlagent init` first",
                                          code="not_initialised")
             from ..application.store import LocalStore
-            self._store = LocalStore(self.settings.db_path, self.args.project or self.settings.config.project,
-                                     migrate=self.args.command == "init")
+            a = self.args
+            reads = (a.command in ("doctor", "config")
+                     or (a.command, getattr(a, "sub", None)) in READ_COMMANDS)
+            self._store = LocalStore(self.settings.db_path, a.project or self.settings.config.project,
+                                     migrate=a.command == "init", create_project=not reads)
         return self._store
 
     def close(self) -> None:
@@ -211,9 +219,10 @@ def cmd_task_enable(ctx: Ctx, enabled: bool) -> int:
 
 def cmd_task_rm(ctx: Ctx) -> int:
     from ..application.definitions import DefinitionWriter
-    h, n = DefinitionWriter(ctx.store).remove(ctx.args.name)
+    h, n, live = DefinitionWriter(ctx.store).remove(ctx.args.name)
     ctx.poke_service()
-    print(f"{h.name} removed" + (f"; {n} queued run(s) cancelled" if n else ""))
+    print(f"{h.name} removed" + (f"; {n} queued run(s) cancelled" if n else "")
+          + (f"; {live} running run(s) asked to stop" if live else ""))
     return 0
 
 
@@ -229,8 +238,11 @@ def cmd_secret_set(ctx: Ctx) -> int:
         value = getpass.getpass(f"value for {name}: ").encode()
     else:
         value = sys.stdin.buffer.read(MAX_SECRET_VALUE + 2)
-        if value.endswith(b"\n"):      # `echo token |` adds one newline; it is not part of the secret
-            value = value[:-1]
+        # `echo token |` adds one newline (a file from Windows, CRLF): not part of the secret.
+        for end in (b"\r\n", b"\n"):
+            if value.endswith(end):
+                value = value[:-len(end)]
+                break
     if len(value) > MAX_SECRET_VALUE:
         raise E.ValidationError("value", f"longer than {MAX_SECRET_VALUE} bytes", limit=MAX_SECRET_VALUE)
     if not value:
@@ -332,6 +344,10 @@ def cmd_run_logs(ctx: Ctx) -> int:
     run = svc.get(ctx.args.run)
     path, fact = svc.log_source(run.run_id)
     offset, remaining = ctx.args.offset, ctx.args.limit
+    if offset < 0:
+        raise E.ValidationError("offset", f"{offset} is negative; it must be ≥ 0")
+    if remaining is not None and remaining < 1:
+        raise E.ValidationError("limit", f"{remaining} must be ≥ 1 (omit it to read to the end)", limit="≥ 1")
     out = sys.stdout.buffer
     while remaining is None or remaining > 0:
         chunk, size = read_log_range(path, offset, min(MAX_LOG_READ, remaining or MAX_LOG_READ))
@@ -357,8 +373,21 @@ def cmd_run_cancel(ctx: Ctx) -> int:
 
 def cmd_token_create(ctx: Ctx) -> int:
     from ..application.tokens import create_token
-    token = create_token(ctx.store, ctx.args.project or ctx.settings.config.project, ctx.args.subject, ctx.args.role)
-    print(token)
+    token, token_id = create_token(ctx.store, ctx.args.project or ctx.settings.config.project, ctx.args.subject,
+                                   ctx.args.role)
+    print(token)                    # alone on stdout: `TOKEN=$(qlagent token create …)`
+    print(f"token id {token_id} (for `qlagent token revoke`); the token is not shown again", file=sys.stderr)
+    return 0
+
+
+def cmd_token_ls(ctx: Ctx) -> int:
+    from ..application.tokens import list_tokens
+    rows = list_tokens(ctx.store)
+    if ctx.args.json:
+        _print_json(rows)
+    else:
+        _table([[r["tokenId"], r["subject"], _fmt_us(r["createdAtUs"]), _fmt_us(r["revokedAtUs"])] for r in rows],
+               ["TOKEN ID", "SUBJECT", "CREATED", "REVOKED"])
     return 0
 
 
@@ -450,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     tc = add(tok, "create", cmd_token_create, "create a token (printed once) and bind the subject's role")
     tc.add_argument("--subject", required=True)
     tc.add_argument("--role", required=True, choices=["owner", "admin", "operator", "viewer"])
-    add(tok, "revoke", cmd_token_revoke, "revoke a token by its ID").add_argument("token_id")
+    add(tok, "revoke", cmd_token_revoke, "revoke a token (by its ID, or the token itself)").add_argument("token_id")
+    add(tok, "ls", cmd_token_ls, "list tokens of the project (IDs and subjects, never the tokens)")
     role = sub.add_parser("role", help="role bindings").add_subparsers(dest="sub", required=True, metavar="SUB")
     rs = add(role, "set", cmd_role_set, "bind a subject's role in the project ('none' revokes)")
     rs.add_argument("subject")

@@ -24,6 +24,7 @@ POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")   # Linux IFNAMSIZ - 1
+PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
 class RetryInput(msgspec.Struct, forbid_unknown_fields=True):
@@ -167,6 +168,13 @@ def _check_secret_name(field: str, name: str) -> None:
     if not (1 <= len(name) <= L.MAX_SECRET_NAME) or not SECRET_NAME.match(name):
         raise ValidationError(field, f"secret name must be 1..{L.MAX_SECRET_NAME} of [A-Za-z0-9_.-]",
                               limit=L.MAX_SECRET_NAME)
+
+
+def check_project_name(name: str) -> str:
+    """A Project name: 1..64 of [a-z0-9._-], starting alphanumeric; ValidationError(field=project)."""
+    if not isinstance(name, str) or not PROJECT_NAME.match(name):
+        raise ValidationError("project", f"{name!r} is not 1..64 of [a-z0-9._-] starting alphanumeric", limit=64)
+    return name
 
 
 def check_secret_name(name: str) -> str:

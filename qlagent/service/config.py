@@ -14,6 +14,7 @@ import re
 import msgspec
 
 from ..adapters.tomlfile import read_toml
+from ..core.definitions import check_project_name
 from ..core.errors import ValidationError
 from ..core.profiles import Profile, get_profile
 
@@ -103,6 +104,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 def validate(cfg: Config) -> None:
     get_profile(cfg.profile)
+    check_project_name(cfg.project)
     if not (0 <= cfg.drain_grace_s <= 600):
         raise ValidationError("drain_grace_s", f"{cfg.drain_grace_s} outside 0..600 seconds", limit="0..600")
     if not (0 <= cfg.kill_grace_s <= 60):

@@ -21,7 +21,7 @@ import time
 from ..application.engine import Engine
 from ..application.schedules import system_timezone
 from ..application.store import LocalStore, now_us
-from ..core.errors import QlError
+from ..core.errors import EXIT_UNAVAILABLE, QlError
 from . import control
 from .budget import BudgetMeter
 from .config import Settings, parse_listen, resolve
@@ -154,9 +154,10 @@ class Service:
     def run(self) -> int:
         lock = ServiceLock(self.settings.state_dir)
         if not lock.try_acquire():
-            self.log("err", "service.already_running", state_dir=self.settings.state_dir)
+            self.log("err", "service.already_running", state_dir=self.settings.state_dir,
+                     hint="a qlagent serve, or a `run start --wait` without a service, holds service.lock")
             lock.close()
-            return 1
+            return EXIT_UNAVAILABLE
         try:
             return self._run()
         except QlError as e:

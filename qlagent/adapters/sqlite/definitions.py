@@ -12,7 +12,7 @@ import msgspec
 
 from ...core.canonical import canonical_json
 from ...core.definitions import PreparedTask, execution_document, recipe_document
-from ...core.errors import ConflictError, NotFoundError
+from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
 from ...core.limits import REVISION_MAX
 from ...core.models import TaskDefinition, TaskHead
@@ -103,7 +103,7 @@ def edit_task(conn: sqlite3.Connection, project_id: str, name_or_id: str, expect
             f"{expected_revision} ({expected_digest[:12]}…); re-read it and retry",
             code="definition_changed")
     if prepared.definition.name != head.name:
-        raise ConflictError("a task edit cannot change the task's name", field="name", code="rename_refused")
+        raise ValidationError("name", f"a task edit cannot rename {head.name!r}; add a new task and remove this one")
     if prepared.content_digest == head.content_digest:
         return head
     if head.revision >= REVISION_MAX:

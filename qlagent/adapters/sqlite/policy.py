@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
+from ...core.definitions import check_project_name
 from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
 from ...core.models import ROLES, Project, RoleBinding
@@ -13,9 +14,11 @@ LOCAL_SUBJECT = "local:cli"
 
 
 def ensure_project(conn: sqlite3.Connection, name: str, now_us: int) -> Project:
-    """Return Project ``name``, creating it (with ``local:cli`` as owner) if missing. Write txn."""
+    """Return Project ``name``, creating it (with ``local:cli`` as owner) if missing. Write txn.
+    Raises ValidationError for a malformed name."""
     row = conn.execute("SELECT * FROM projects WHERE name = ?", (name,)).fetchone()
     if row is None:
+        check_project_name(name)
         pid = new_id()
         conn.execute("INSERT INTO projects(project_id, name, project_version, active, created_at_us) "
                      "VALUES (?, ?, 1, 1, ?)", (pid, name, now_us))
