@@ -3,7 +3,8 @@
 systemd enforces MemoryMax/TasksMax; procd on OpenWrt enforces neither, so the agent refuses
 new activations itself when the tree is near its budget (a reason code in STATUS and an event).
 Figures come from the service's cgroup when it has one of its own (pids.current,
-memory usage), else from walking the process tree with psutil.
+memory.stat total_rss), else from walking the process tree with psutil (PSS, so pages the
+agent and the wrappers share are not counted once per process).
 """
 
 from __future__ import annotations
@@ -67,6 +68,21 @@ def _read_int(path: str | None) -> int | None:
         return None
 
 
+def _pss(p: psutil.Process) -> int:
+    """Proportional set size: the agent and every wrapper map the same interpreter, and RSS
+    would count those shared pages once per process (4 runs looked like 80 MiB more than they
+    are). PSS shares them out, so the tree's sum is what the box really spends."""
+    try:
+        return p.memory_full_info().pss
+    except (psutil.AccessDenied, AttributeError):
+        try:
+            return p.memory_info().rss
+        except psutil.Error:
+            return 0
+    except psutil.Error:
+        return 0
+
+
 class BudgetMeter:
     """Reads the service tree's use; ``extra_roots`` are re-attached wrappers (not our children)."""
 
@@ -93,10 +109,7 @@ class BudgetMeter:
                     continue
             total = 0
             for p in procs:
-                try:
-                    total += p.memory_info().rss
-                except psutil.Error:
-                    continue
+                total += _pss(p)
             pids = pids if pids is not None else len(procs)
             rss = rss if rss is not None else total
         return Usage(rss, pids)
