@@ -64,6 +64,16 @@ class Rig:
                                      idempotency_key=f"bench:{name}:{base}:{i}", requested_by="bench", now_us=base + i)
         self.store.write(tx)
 
+    def stop_live_and_close(self) -> None:
+        """Cancel every live Run, wait for their wrappers, close the store."""
+        from qlagent.application.cancel import request_cancel
+        for (rid,) in self.store.read(lambda c: c.execute("SELECT run_id FROM runs WHERE state IN "
+                                                          "('starting','running')").fetchall()):
+            request_cancel(self.store, rid, "bench")
+        self.engine.sweep_cancels()
+        self.reap_all()
+        self.store.close()
+
     def reap_all(self, timeout_s: float = 30) -> None:
         sel = selectors.DefaultSelector()
         for fd, aid in self.engine.pidfds().items():
@@ -149,14 +159,7 @@ def bench_passes(base: str, backlog: int, passes: int) -> dict:
     rig.store.authority.raw(lambda c: c.set_progress_handler(count, 1))
     rig.engine.dispatcher.dispatch_once()
     rig.store.authority.raw(lambda c: c.set_progress_handler(None, 1))
-    # Stop the blocker and the activated runs.
-    from qlagent.application.cancel import request_cancel
-    for (rid,) in rig.store.read(lambda c: c.execute("SELECT run_id FROM runs WHERE state IN "
-                                                     "('starting','running')").fetchall()):
-        request_cancel(rig.store, rid, "bench")
-    rig.engine.sweep_cancels()
-    rig.reap_all()
-    rig.store.close()
+    rig.stop_live_and_close()
     return {"wait_pass_us": statistics.median(waits), "act_pass_us": statistics.median(acts),
             "vm_steps": steps[0]}
 
@@ -184,13 +187,7 @@ def bench_held(base: str, backlog: int) -> dict:
         passes.append((time.perf_counter_ns() - t0) / 1e3)
     pass_steps = steps[0] // 50
     rig.store.authority.raw(lambda c: c.set_progress_handler(None, 1))
-    from qlagent.application.cancel import request_cancel
-    for (rid,) in rig.store.read(lambda c: c.execute("SELECT run_id FROM runs WHERE state IN "
-                                                     "('starting','running')").fetchall()):
-        request_cancel(rig.store, rid, "bench")
-    rig.engine.sweep_cancels()
-    rig.reap_all()
-    rig.store.close()
+    rig.stop_live_and_close()
     return {"pass_us": statistics.median(passes), "pass_steps": pass_steps, "hold_steps": hold_steps}
 
 
