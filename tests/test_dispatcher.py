@@ -16,6 +16,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 
 import pytest
 from execkit import Bench, task
@@ -357,4 +358,29 @@ def test_keyset_cursor_seeks_instead_of_scanning_to_the_cursor(root):
         assert [c.key() for c in page] == keys[pos + 1:pos + 6]     # the right rows, in order
         cost[pos] = steps[0]
     assert max(cost.values()) < 2 * cost[10] + 100, cost
+    b.close()
+
+
+def test_recovery_ingests_a_receipt_of_an_attempt_left_starting(root):
+    """The agent died after the claim (Attempt `starting`) but before it recorded the wrapper;
+    the wrapper ran and left its receipt. The next agent ingests it — it must not refuse the
+    transition and crash at start-up (a restart loop under systemd)."""
+    b = Bench(os.path.join(root, "s"), profile=EDGE)
+    b.add(recording_task(root, "t"))
+    rid = b.start("t")
+    assert b.engine.dispatcher.dispatch_once().status == "activated"
+    aid = b.attempts(rid)[0].attempt_id
+    receipt = os.path.join(b.runs_dir, aid, "receipt.json")
+    end = time.monotonic() + 10
+    while not os.path.exists(receipt):
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    b.engine.abandon_all()                         # this agent "dies" without ingesting
+    b.store.write(lambda c: (c.execute("UPDATE runs SET state = 'starting' WHERE run_id = ?", (rid,)),
+                             c.execute("UPDATE attempts SET state = 'starting', wrapper_pid = NULL "
+                                       "WHERE attempt_id = ?", (aid,))))
+    counts = b.engine.recover()                    # the next agent's start-up
+    assert counts["ingested"] == 1
+    run = b.run(rid)
+    assert (run.state, run.exit_code) == ("succeeded", 0)
     b.close()

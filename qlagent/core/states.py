@@ -15,12 +15,14 @@ ATTEMPT_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "
 
 _RUN = {
     "queued": {"starting", "cancelled", "failed"},
-    "starting": {"running", "failed", "queued", "cancelled", "lost"},
+    # starting → a terminal state: the agent died between the claim and recording the wrapper,
+    # and recovery finds the wrapper's receipt.
+    "starting": {"running", "succeeded", "failed", "timed_out", "queued", "cancelled", "lost"},
     "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "queued"},
 }
 _ATTEMPT = {
     "claimed": {"starting", "cancelled", "start_failed"},
-    "starting": {"running", "start_failed", "lost", "cancelled"},
+    "starting": {"running", "succeeded", "failed", "timed_out", "start_failed", "lost", "cancelled"},
     "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed"},
 }
 
