@@ -156,11 +156,12 @@ def _group_members(pgid: int) -> dict[int, psutil.Process]:
     return members
 
 
-def _targets(task_pgid: int, wrapper_pid: int, started_after: float | None,
+def _targets(task_pgid: int | None, wrapper_pid: int | None, started_after: float | None,
              known: dict[int, psutil.Process]) -> tuple[dict[int, psutil.Process], bool]:
-    """Live processes of the run and whether the group is proven ours (a member is in the tree)."""
-    tree = _descendants(wrapper_pid)
-    group = _group_members(task_pgid)
+    """Live processes of the run and whether the group is proven ours (a member is in the tree).
+    A missing (None) wrapper or group contributes nothing; PIDs ≤ 1 are never looked at."""
+    tree = _descendants(wrapper_pid) if wrapper_pid and wrapper_pid > 1 else {}
+    group = _group_members(task_pgid) if task_pgid and task_pgid > 1 else {}
     owned = any(pid in tree for pid in group)
     if started_after is not None:
         group = {pid: p for pid, p in group.items() if _created(p) >= started_after}
@@ -267,17 +268,10 @@ def signal_tree(task_pgid: int | None, wrapper_pid: int | None, sig: int, starte
     started after ``started_after`` one by one. Never signals the wrapper or this process.
     Returns the PIDs signalled.
     """
-    tree = _descendants(wrapper_pid) if wrapper_pid else {}
-    if task_pgid is None and tree:
-        task_pgid = min(tree)  # the wrapper's first child is the task (task.pid not yet written)
-    group = _group_members(task_pgid) if task_pgid and task_pgid > 1 else {}
-    owned = any(pid in tree for pid in group)
-    if started_after is not None:
-        group = {pid: p for pid, p in group.items() if _created(p) >= started_after}
-    found = {**known, **tree, **group}
-    for pid in (wrapper_pid, os.getpid()):
-        found.pop(pid, None)
-    live = {pid: p for pid, p in found.items() if _alive(p)}
+    if task_pgid is None and wrapper_pid and wrapper_pid > 1:
+        kids = _descendants(wrapper_pid)
+        task_pgid = min(kids) if kids else None   # the wrapper's first child is the task
+    live, owned = _targets(task_pgid, wrapper_pid, started_after, known)
     known.update(live)
     if not live:
         return []
@@ -311,24 +305,6 @@ def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
 def default_python() -> str:
     """The interpreter for the wrapper: this one, or the system python3 when embedded."""
     return sys.executable or "/usr/bin/python3"
-
-
-def tree_figures(wrapper_pid: int) -> tuple[int, int, int]:
-    """Per-run figures of the task tree under the wrapper (the wrapper itself excluded):
-    (summed RSS in bytes, summed CPU time in µs including reaped children, process count).
-    Returns (0, 0, 0) when the wrapper is gone. Issue 3 item 6."""
-    rss = cpu_us = count = 0
-    for proc in _descendants(wrapper_pid).values():
-        try:
-            with proc.oneshot():
-                mem = proc.memory_info()
-                times = proc.cpu_times()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        rss += mem.rss
-        cpu_us += int((times.user + times.system + times.children_user + times.children_system) * 1e6)
-        count += 1
-    return rss, cpu_us, count
 
 
 def _read_fact(path: str, name: str) -> dict | None:

@@ -163,12 +163,3 @@ class RunEvent(Base):
     actor: str
     payload: dict
     created_at_us: int
-
-
-class TruncationFact(Base):
-    """Write-once record that the log quota was reached: byte counts only."""
-
-    attempt_id: str
-    quota_bytes: int
-    bytes_kept: int
-    bytes_dropped: int | None

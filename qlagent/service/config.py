@@ -24,7 +24,7 @@ MAX_CONFIG_BYTES = 65_536      # a config file is a few hundred bytes; refuse an
 
 
 class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    listen: str | None = None              # "HOST:PORT"; None keeps TCP off
+    listen: str = f"127.0.0.1:{DEFAULT_HTTP_PORT}"   # "HOST:PORT"; "" keeps TCP off (unix socket only)
     unix_socket: str | None = None
     max_in_flight: int | None = None       # default: the Profile's
     max_body_bytes: int | None = None      # default: the Profile's
@@ -113,7 +113,7 @@ def validate(cfg: Config) -> None:
         raise ValidationError("max_concurrent_runs", "outside 1..64", limit="1..64")
     if cfg.retention.keep_per_task < 1:
         raise ValidationError("retention.keep_per_task", "must be at least 1")
-    if cfg.http is not None and cfg.http.listen is not None:
+    if cfg.http is not None and cfg.http.listen:
         parse_listen(cfg.http.listen)
     for key in ("state_dir", "artifact_dir", "secret_key_file"):
         v = getattr(cfg, key)

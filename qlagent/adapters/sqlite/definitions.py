@@ -145,13 +145,6 @@ def list_heads(conn: sqlite3.Connection, project_id: str | None = None) -> list[
     return [_head(r) for r in rows]
 
 
-def get_revision(conn: sqlite3.Connection, task_id: str, revision: int) -> tuple[str, TaskDefinition] | None:
-    """(contentDigest, definition) of a pinned revision, or None."""
-    row = conn.execute("SELECT content_digest, definition_json FROM task_revisions WHERE task_id = ? AND revision = ?",
-                       (task_id, revision)).fetchone()
-    return (row[0], _dec.decode(row[1])) if row else None
-
-
 def set_enabled(conn: sqlite3.Connection, project_id: str, name_or_id: str, enabled: bool, now_us: int) -> TaskHead:
     """Enable or disable a Task (head state, not content: the revision does not change)."""
     head = get_head(conn, project_id, name_or_id)

@@ -12,6 +12,7 @@ import sqlite3
 
 import msgspec
 
+from ...core import states
 from ...core.canonical import sha256_hex, snapshot_ref
 from ...core.errors import FenceRejected, NotFoundError, UnavailableError, ValidationError
 from ...core.ids import new_id
@@ -20,8 +21,6 @@ from . import definitions as defs
 from . import policy
 
 _enc = msgspec.json.Encoder(order="sorted")
-LIVE_STATES = ("queued", "starting", "running")
-TERMINAL_STATES = ("succeeded", "failed", "timed_out", "cancelled", "lost")
 
 
 class CreatedRun(msgspec.Struct, frozen=True, rename="camel"):
@@ -229,7 +228,7 @@ def list_runs(conn: sqlite3.Connection, project_id: str, *, task_id: str | None 
     """
     if not (1 <= limit <= MAX_PAGE):
         raise ValidationError("limit", f"{limit} outside 1..{MAX_PAGE}", limit=MAX_PAGE)
-    if state is not None and state not in LIVE_STATES + TERMINAL_STATES:
+    if state is not None and state not in states.RUN_LIVE | states.RUN_TERMINAL:
         raise ValidationError("state", f"unknown state {state!r}")
     where, args = ["r.project_id = ?"], [project_id]
     if task_id:
