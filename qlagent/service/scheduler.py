@@ -57,10 +57,23 @@ class Scheduler:
         now = self._now()
         created = 0
         wake: list[int] = []
+        # One read of every cursor; a write transaction only for a Task that has an instant due,
+        # no cursor yet, or a clock that stepped back (recorded and logged once). Writing every cursor at every wake-up would be a write per Task per
+        # wake on a router's flash, for nothing: between due instants the cursor decides nothing.
+        cursors = self._store.read(lambda c: {r[0]: (r[1], r[2]) for r in c.execute(
+            "SELECT task_id, last_instant_us, observed_wall_us FROM schedule_cursors")})
         for head, scheds in self._tasks:
             if not any(s.kind == "cron" for s in scheds):
                 continue
             tz = head.definition.timezone or self._tz
+            cur = cursors.get(head.task_id)
+            if cur is not None:
+                plan = sch.plan_due(scheds, tz, cur[0], cur[1], now)
+                if plan.due_us is None and plan.clock_back_us <= 1_000_000:
+                    if plan.wake_us is not None:
+                        wake.append(plan.wake_us)
+                    continue
+            # Planned again inside the transaction: another loop may have moved the cursor.
             created += self._store.write(lambda c, h=head, s=scheds, z=tz: self._plan_task(c, h, s, z, now, wake))
         self.next_wake_us = min(wake) if wake else None
         return created
