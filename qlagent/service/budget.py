@@ -10,6 +10,7 @@ agent and the wrappers share are not counted once per process).
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 
@@ -91,8 +92,21 @@ class BudgetMeter:
         self._me = psutil.Process()
         self._pids_file = _cgroup_v1_file("pids", "pids.current")
         self._mem_file = _cgroup_v1_file("memory", "memory.stat")
+        self._last: tuple[float, Usage] | None = None
+
+    def recent(self, max_age_s: float, extra_roots: list[int] = ()) -> Usage:
+        """The figures measured within ``max_age_s`` (by an admission check in the same loop
+        iteration), else fresh ones: STATUS need not walk the tree a second time."""
+        if self._last is not None and time.monotonic() - self._last[0] <= max_age_s:
+            return self._last[1]
+        return self.usage(extra_roots)
 
     def usage(self, extra_roots: list[int] = ()) -> Usage:
+        u = self._measure(extra_roots)
+        self._last = (time.monotonic(), u)
+        return u
+
+    def _measure(self, extra_roots: list[int]) -> Usage:
         pids = _read_int(self._pids_file)
         rss = _read_rss(self._mem_file)
         if pids is None or rss is None:

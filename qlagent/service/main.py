@@ -428,7 +428,7 @@ class Service:
         parts = [f"running={self.engine.live_count()}", f"queued={queued}",
                  "next=" + (time.strftime("%H:%M:%S", time.gmtime(nw / 1e6)) + "Z" if nw else "-")]
         if self.budget is not None:
-            u = self.budget.usage(self.engine.live_pids())
+            u = self.budget.recent(0.5, self.engine.live_pids())
             parts.append(f"mem={u.rss_bytes // 1048576}/{self.settings.profile.memory_bytes // 1048576}MiB "
                          f"pids={u.pids}/{self.settings.profile.pids}")
         block = self.engine.admission.last_block
