@@ -1,0 +1,128 @@
+"""``qlagent import qinglong``: read a 2.x panel, plan, and apply the plan in ONE transaction.
+
+Re-running is idempotent: a cron whose Task content is unchanged adds no revision; a changed
+one appends exactly one (fenced by the head read in the same transaction); a Task whose name
+is taken by a Task not imported from the same 2.x cron id is left alone and reported; nothing
+is ever deleted. Secrets are created, updated (value differs) or left (same value).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..adapters import qinglong as source
+from ..adapters.secretbox import SecretBox
+from ..adapters.sqlite import definitions as defs
+from ..adapters.sqlite import secrets as rows
+from ..core.errors import NotFoundError
+from ..core.qinglong import ID_LABEL, ImportPlan, QlPanel, plan_import, script_paths
+from .store import LocalStore, now_us
+
+
+class TaskOutcome(msgspec.Struct, frozen=True, rename="camel"):
+    cron_id: int
+    cron_name: str
+    task: str
+    action: str                      # created | revised | unchanged | name_taken
+    revision: int | None
+    enabled: bool | None
+    notes: tuple[str, ...] = ()
+
+
+class SecretOutcome(msgspec.Struct, frozen=True, rename="camel"):
+    env: str
+    secret: str
+    source: str
+    parts: int
+    bytes: int
+    action: str                      # created | updated | unchanged
+
+
+class ImportReport(msgspec.Struct, frozen=True, rename="camel"):
+    """What ``import qinglong`` did (or, with ``dry_run``, would do). No secret value in it."""
+
+    database: str
+    scripts_dir: str
+    dry_run: bool
+    env_scope: str
+    tasks: tuple[TaskOutcome, ...]
+    skipped: tuple[dict, ...]
+    renamed: tuple[dict, ...]
+    secrets: tuple[SecretOutcome, ...]
+    skipped_variables: tuple[dict, ...]
+    config_other_lines: int
+
+
+class _DryRun(Exception):
+    def __init__(self, result) -> None:
+        self.result = result
+
+
+def read_and_plan(path: str, *, scripts_dir: str | None, prefix: str,
+                  env_scope: str) -> tuple[QlPanel, ImportPlan]:
+    """Read the 2.x panel (read-only) and compute the plan; touches nothing of ours.
+
+    Raises ValidationError (bad path, not 2.x, corrupt, unreadable scripts dir, bad option)
+    or UnavailableError (the 2.x database is locked or kept changing)."""
+    panel = source.read_panel(path, scripts_dir)
+    present = source.readable_files(script_paths(panel.crons, panel.scripts_dir))
+    return panel, plan_import(panel, present, source.find_tools(), prefix=prefix, env_scope=env_scope)
+
+
+def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportPlan, *, env_scope: str,
+                 dry_run: bool) -> ImportReport:
+    """Write the plan in one transaction (all or nothing); ``dry_run`` rolls it back.
+
+    Raises UnavailableError if Secrets are to be stored and the key file is missing.
+    """
+    pid = store.project.project_id
+    box = SecretBox(key_file) if plan.secrets else None
+
+    def tx(c):
+        now = now_us()
+        tasks = []
+        for t in plan.tasks:
+            try:
+                head = defs.get_head(c, pid, t.name)
+            except NotFoundError:
+                head = None
+            if head is None:
+                h, action = defs.add_task(c, pid, t.prepared, now), "created"
+            elif head.definition.labels.get(ID_LABEL) != str(t.cron_id):
+                tasks.append(TaskOutcome(t.cron_id, t.cron_name, t.name, "name_taken", None, None, t.notes))
+                continue
+            elif head.content_digest == t.prepared.content_digest:
+                h, action = head, "unchanged"
+            else:
+                h = defs.edit_task(c, pid, head.task_id, head.revision, head.content_digest, t.prepared, now)
+                action = "revised"
+            tasks.append(TaskOutcome(t.cron_id, t.cron_name, t.name, action, h.revision, h.enabled, t.notes))
+        secrets = []
+        for s in plan.secrets:
+            old = rows.get_ciphertexts(c, pid, [s.secret]).get(s.secret)
+            if old is not None and box.open(pid, s.secret, old) == s.value:
+                action = "unchanged"
+            else:
+                rows.put_secret(c, pid, s.secret, box.seal(pid, s.secret, s.value), box.key_id, now)
+                action = "created" if old is None else "updated"
+            secrets.append(SecretOutcome(s.env, s.secret, s.source, s.parts, len(s.value), action))
+        if dry_run:
+            raise _DryRun((tasks, secrets))
+        return tasks, secrets
+
+    try:
+        tasks, secrets = store.write(tx)
+    except _DryRun as d:
+        tasks, secrets = d.result
+    names = {c.id: c.name for c in panel.crons}
+    return ImportReport(
+        database=panel.database, scripts_dir=panel.scripts_dir, dry_run=dry_run, env_scope=env_scope,
+        tasks=tuple(tasks),
+        skipped=tuple({"cronId": s.cron_id, "cronName": s.cron_name, "task": s.name, "reason": s.reason}
+                      for s in plan.skipped),
+        renamed=tuple({"cronId": t.cron_id, "from": names.get(t.cron_id, ""), "to": t.name}
+                      for t in plan.tasks if t.name != names.get(t.cron_id)),
+        secrets=tuple(secrets),
+        skipped_variables=tuple({"name": v.name, "source": v.source, "line": v.line, "reason": v.reason}
+                                for v in plan.skipped_variables),
+        config_other_lines=plan.config_other_lines)
