@@ -452,3 +452,65 @@ def test_js_cron_uses_node_when_present(state, workdir):
     report = js(state, "import", "qinglong", data)
     argv = js(state, "task", "show", report["tasks"][0]["task"])["definition"]["execution"]["argv"]
     assert argv[0].endswith("/node") and argv[1] == os.path.join(data, "scripts", "a.js")
+
+
+# ---- limits at their edges ------------------------------------------------------------------------
+
+def test_variable_count_and_size_limits_at_their_edge():
+    cron = QlCron(id=1, name="a", command="task a.py", schedule="* * * * *")
+    full = [QlEnv(id=i, name=f"V{i:03d}", value=b"v", enabled=True) for i in range(256)]
+    assert len(_plan(full, [cron]).tasks[0].prepared.recipe.secret_refs) == 256
+    with pytest.raises(Exception, match="257 variables"):
+        _plan([*full, QlEnv(id=999, name="W", value=b"v", enabled=True)], [cron])
+    # 16 entries of 3 + 2 + 65275 bytes = MAX_ENV_TOTAL - ENV_RESERVE exactly.
+    edge = [QlEnv(id=i, name=f"V{i:02d}", value=b"v" * 65_275, enabled=True) for i in range(16)]
+    assert len(_plan(edge, [cron]).secrets) == 16
+    edge[0] = QlEnv(id=0, name="V00", value=b"v" * 65_276, enabled=True)
+    with pytest.raises(Exception, match="1044480"):
+        _plan(edge, [cron])
+
+
+def test_cron_count_limit_at_its_edge():
+    crons = [QlCron(id=i, name="maintenance", command="ql update", schedule="0 1 * * *") for i in range(1, 1001)]
+    assert len(_plan([], crons).skipped) == 1000
+    with pytest.raises(Exception, match="1001 crons"):
+        _plan([], [*crons, QlCron(id=1001, name="x", command="ql update", schedule="0 1 * * *")])
+
+
+def test_config_and_env_row_limits_at_their_edge(workdir):
+    from qlagent.adapters.qinglong import MAX_ENV_ROWS, read_config, read_database
+    from qlagent.core.errors import ValidationError
+    from qlagent.core.qinglong import MAX_CONFIG_BYTES
+    conf = os.path.join(workdir, "config.sh")
+    with open(conf, "wb") as f:
+        f.write(b"export A=1\n" + b"#" * (MAX_CONFIG_BYTES - 12) + b"\n")
+    assert [e.name for e in read_config(conf).exports] == ["A"]
+    with open(conf, "ab") as f:
+        f.write(b"\n")
+    with pytest.raises(ValidationError, match="1048576"):
+        read_config(conf)
+    data = make_panel(workdir, [], [{"name": "K", "value": "v", "position": i} for i in range(MAX_ENV_ROWS)])
+    db = os.path.join(data, "db", "database.sqlite")
+    assert len(read_database(db)[1]) == MAX_ENV_ROWS
+    with sqlite3.connect(db) as c:
+        c.execute("INSERT INTO Envs (name, value) VALUES ('K', 'v')")
+    with pytest.raises(ValidationError, match="10000"):
+        read_database(db)
+
+
+def test_hot_journal_of_a_crashed_writer_is_rolled_back_in_a_private_copy(state, workdir):
+    crons = [{"name": f"c{i}", "command": "task dup.py", "schedule": "0 1 * * *", "log_path": "x" * 3000}
+             for i in range(200)]
+    data = make_panel(workdir, crons, [], scripts=SCRIPTS)
+    db = os.path.join(data, "db", "database.sqlite")
+    # A 2.x writer dies mid-transaction after spilling changed pages into the file: a hot journal.
+    crash = ("import os, sqlite3, sys\nc = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+             "c.execute('PRAGMA cache_size=1')\nc.execute('BEGIN')\n"
+             "c.execute(\"UPDATE Crontabs SET name = 'torn', log_path = hex(randomblob(1600))\")\n"
+             "os.kill(os.getpid(), 9)\n")
+    subprocess.run([sys.executable, "-c", crash, db], timeout=60)
+    assert os.path.getsize(db + "-journal") > 0
+    before = tree(data)
+    report = js(state, "import", "qinglong", data)
+    assert tree(data) == before                                   # the journal is not rolled back in place
+    assert sorted(t["cronName"] for t in report["tasks"]) == sorted(f"c{i}" for i in range(200))

@@ -302,12 +302,14 @@ def parse_config_sh(data: bytes) -> QlConfig:
     unnamed: list[ConfigRefusal] = []
     other = 0
     i, n = 0, len(text)
+    line, counted = 1, 0
     while i < n:
         while i < n and text[i] in " \t;":
             i += 1
         if i >= n:
             break
-        line = text.count("\n", 0, i) + 1
+        line += text.count("\n", counted, i)
+        counted = i
         if text[i] == "\n":
             i += 1
             continue
