@@ -153,7 +153,7 @@ def test_import_maps_every_case_and_leaves_the_2x_files_unchanged(state, panel, 
     assert "'?'" in skipped[7] and "day-of-month" in skipped[7]
     assert "missing.py" in skipped[8] and "isSystem" in skipped[9] and "'conc'" in skipped[10]
     assert set(skipped) == {5, 7, 8, 9, 10}
-    renamed = {r["cronId"]: r["to"] for r in report["renamed"]}
+    renamed = {r["cronId"]: r["task"] for r in report["renamed"]}
     assert renamed[1] == sign and renamed[3] == "dup-3" and renamed[6] == "with-before"
 
     scripts = os.path.join(panel, "scripts")
@@ -228,10 +228,12 @@ def test_rerun_is_idempotent_and_a_changed_cron_appends_one_revision(state, pane
     ok(state, "task", "add", "-f", os.path.join(workdir, "own.toml"))
     with sqlite3.connect(os.path.join(panel, "db", "database.sqlite")) as c:
         c.execute("INSERT INTO Crontabs (name, command, schedule) VALUES ('new one', 'task dup.py', '0 5 * * *')")
-    third = {t["cronId"]: t for t in js(state, "import", "qinglong", panel)["tasks"]}
+    report = js(state, "import", "qinglong", panel)
+    third = {t["cronId"]: t for t in report["tasks"]}
     assert third[2]["action"] == "revised" and third[2]["revision"] == 2
-    assert third[11]["action"] == "name_taken" and third[11]["revision"] is None
-    assert {t["action"] for i, t in third.items() if i not in (2, 11)} == {"unchanged"}
+    assert {t["action"] for i, t in third.items() if i != 2} == {"unchanged"} and 11 not in third
+    taken = {k["cronId"]: k["reason"] for k in report["skipped"]}[11]
+    assert "'new-one' exists and was not imported from this cron" in taken
     assert js(state, "task", "show", "dup")["revision"] == 2
     assert js(state, "task", "show", "off")["revision"] == 1         # deleted in 2.x: kept here
     assert js(state, "task", "show", "new-one")["definition"]["execution"]["argv"] == ["/bin/true"]

@@ -9,10 +9,11 @@ The 2.x database is never opened in a way that could change it or its directory:
 - without ``-wal``/``-journal`` beside it: opened ``mode=ro&immutable=1`` (SQLite then creates
   no ``-wal``/``-shm`` and takes no lock; a plain ``mode=ro`` open of a WAL database creates
   both);
-- with a non-empty ``-wal`` or ``-journal`` (a live panel, or one that crashed): the file and
-  its side file are copied into a private 0700 temporary directory, the copy is opened (SQLite
-  replays the WAL / rolls back the journal there) and removed; a copy during which any of them
-  changed is retried, COPY_TRIES times, then refused (``source_busy``).
+- with a non-empty ``-wal`` or ``-journal`` (a live panel, or one that crashed), or on a file
+  system without OFD locks: the file and its side files are copied into a private 0700
+  temporary directory, the copy is opened (SQLite replays the WAL / rolls back the journal
+  there) and removed; a copy during which any of them changed (inode, size, mtime) is retried,
+  COPY_TRIES times, then refused (``source_busy``).
 Returns the plain facts of ``core.qinglong``; nothing here decides what is imported.
 """
 
@@ -100,7 +101,9 @@ def _setlk(fd: int, kind: int, start: int, length: int) -> None:
     fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi", kind, os.SEEK_SET, start, length, 0))
 
 
-def _shared_lock(fd: int, db: str) -> None:
+def _shared_lock(fd: int, db: str) -> bool:
+    """Hold SQLite's SHARED lock (as an OFD lock); False where the file system has no such
+    locks (some network file systems): the caller then reads a verified private copy."""
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
         try:
@@ -109,10 +112,13 @@ def _shared_lock(fd: int, db: str) -> None:
                 _setlk(fd, fcntl.F_RDLCK, SHARED_FIRST, SHARED_SIZE)
             finally:
                 _setlk(fd, fcntl.F_UNLCK, PENDING_BYTE, 1)
-            return
+            return True
         except OSError as e:
+            if e.errno in (errno.EINVAL, errno.ENOLCK, errno.EOPNOTSUPP):
+                return False
             if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+                raise UnavailableError(f"{db} cannot be locked for reading: {e.strerror}", code="source_locked",
+                                       field="database") from None
         if time.monotonic() >= deadline:
             raise UnavailableError(f"{db} is locked by another process (the 2.x panel is writing); stop the panel "
                                    f"or retry (waited {LOCK_WAIT_S:g} s)", code="source_locked", field="database")
@@ -203,9 +209,9 @@ def read_database(db: str) -> tuple[tuple[QlCron, ...], tuple[QlEnv, ...]]:
     try:
         if os.pread(fd, len(HEADER), 0) != HEADER:
             raise ValidationError("database", f"{db} is not a SQLite database")
-        _shared_lock(fd, db)
+        locked = _shared_lock(fd, db)
         sides = [db + "-wal", db + "-journal"]
-        if not any(s and s[1] > 0 for s in _stats(sides)):
+        if locked and not any(s and s[1] > 0 for s in _stats(sides)):
             return _open_and_query(f"file:{urllib.parse.quote(db)}?mode=ro&immutable=1", db)
         tmp = tempfile.mkdtemp(prefix="qlagent-qinglong-")
         try:

@@ -23,10 +23,30 @@ class TaskOutcome(msgspec.Struct, frozen=True, rename="camel"):
     cron_id: int
     cron_name: str
     task: str
-    action: str                      # created | revised | unchanged | name_taken
-    revision: int | None
-    enabled: bool | None
+    action: str                      # created | revised | unchanged
+    revision: int
+    enabled: bool
     notes: tuple[str, ...] = ()
+
+
+class SkippedOutcome(msgspec.Struct, frozen=True, rename="camel"):
+    cron_id: int
+    cron_name: str
+    task: str                        # the name it maps to
+    reason: str
+
+
+class Renamed(msgspec.Struct, frozen=True, rename="camel"):
+    cron_id: int
+    cron_name: str
+    task: str
+
+
+class VariableOutcome(msgspec.Struct, frozen=True, rename="camel"):
+    name: str
+    source: str                      # envs | config.sh
+    line: int | None                 # in config.sh
+    reason: str
 
 
 class SecretOutcome(msgspec.Struct, frozen=True, rename="camel"):
@@ -46,10 +66,10 @@ class ImportReport(msgspec.Struct, frozen=True, rename="camel"):
     dry_run: bool
     env_scope: str
     tasks: tuple[TaskOutcome, ...]
-    skipped: tuple[dict, ...]
-    renamed: tuple[dict, ...]
+    skipped: tuple[SkippedOutcome, ...]
+    renamed: tuple[Renamed, ...]
     secrets: tuple[SecretOutcome, ...]
-    skipped_variables: tuple[dict, ...]
+    skipped_variables: tuple[VariableOutcome, ...]
     config_other_lines: int
 
 
@@ -80,7 +100,7 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
 
     def tx(c):
         now = now_us()
-        tasks = []
+        tasks, taken = [], []
         for t in plan.tasks:
             try:
                 head = defs.get_head(c, pid, t.name)
@@ -89,7 +109,9 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
             if head is None:
                 h, action = defs.add_task(c, pid, t.prepared, now), "created"
             elif head.definition.labels.get(ID_LABEL) != str(t.cron_id):
-                tasks.append(TaskOutcome(t.cron_id, t.cron_name, t.name, "name_taken", None, None, t.notes))
+                taken.append(SkippedOutcome(t.cron_id, t.cron_name, t.name,
+                                            f"task {t.name!r} exists and was not imported from this cron; "
+                                            "use --prefix"))
                 continue
             elif head.content_digest == t.prepared.content_digest:
                 h, action = head, "unchanged"
@@ -107,22 +129,18 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
                 action = "created" if old is None else "updated"
             secrets.append(SecretOutcome(s.env, s.secret, s.source, s.parts, len(s.value), action))
         if dry_run:
-            raise _DryRun((tasks, secrets))
-        return tasks, secrets
+            raise _DryRun((tasks, taken, secrets))
+        return tasks, taken, secrets
 
     try:
-        tasks, secrets = store.write(tx)
+        tasks, taken, secrets = store.write(tx)
     except _DryRun as d:
-        tasks, secrets = d.result
-    names = {c.id: c.name for c in panel.crons}
+        tasks, taken, secrets = d.result
+    skipped = [SkippedOutcome(k.cron_id, k.cron_name, k.name, k.reason) for k in plan.skipped] + taken
     return ImportReport(
         database=panel.database, scripts_dir=panel.scripts_dir, dry_run=dry_run, env_scope=env_scope,
-        tasks=tuple(tasks),
-        skipped=tuple({"cronId": s.cron_id, "cronName": s.cron_name, "task": s.name, "reason": s.reason}
-                      for s in plan.skipped),
-        renamed=tuple({"cronId": t.cron_id, "from": names.get(t.cron_id, ""), "to": t.name}
-                      for t in plan.tasks if t.name != names.get(t.cron_id)),
+        tasks=tuple(tasks), skipped=tuple(sorted(skipped, key=lambda k: k.cron_id)),
+        renamed=tuple(Renamed(t.cron_id, t.cron_name, t.name) for t in plan.tasks if t.name != t.cron_name),
         secrets=tuple(secrets),
-        skipped_variables=tuple({"name": v.name, "source": v.source, "line": v.line, "reason": v.reason}
-                                for v in plan.skipped_variables),
+        skipped_variables=tuple(VariableOutcome(v.name, v.source, v.line, v.reason) for v in plan.skipped_variables),
         config_other_lines=plan.config_other_lines)

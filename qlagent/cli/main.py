@@ -417,30 +417,26 @@ def cmd_import_qinglong(ctx: Ctx) -> int:
     if a.json:
         _print_json(report)
         return 0
-    done = [t for t in report.tasks if t.action != "name_taken"]
-    taken = [t for t in report.tasks if t.action == "name_taken"]
-    print(f"{'dry run, nothing written: ' if a.dry_run else ''}{len(done)} cron(s) imported from {report.database} "
-          f"(scripts {report.scripts_dir})")
-    for t in done:
+    print(f"{'dry run, nothing written: ' if a.dry_run else ''}{len(report.tasks)} cron(s) imported from "
+          f"{report.database} (scripts {report.scripts_dir})")
+    for t in report.tasks:
         print(f"  {t.action:<9} {t.task} rev {t.revision}{'' if t.enabled else ' (disabled)'}  <- cron {t.cron_id} "
               f"{t.cron_name!r}" + "".join(f"; {n}" for n in t.notes))
-    skipped = [(s["cronId"], s["cronName"], s["reason"]) for s in report.skipped]
-    skipped += [(t.cron_id, t.cron_name, f"task {t.task!r} exists and was not imported from this cron; "
-                 "use --prefix") for t in taken]
-    if skipped:
-        print(f"{len(skipped)} cron(s) skipped:")
-        for cid, cname, reason in skipped:
-            print(f"  cron {cid} {cname!r}: {reason}")
+    if report.skipped:
+        print(f"{len(report.skipped)} cron(s) skipped:")
+        for k in report.skipped:
+            print(f"  cron {k.cron_id} {k.cron_name!r}: {k.reason}")
     if report.renamed:
         print(f"{len(report.renamed)} renamed:")
         for r in report.renamed:
-            print(f"  cron {r['cronId']} {r['from']!r} -> {r['to']}")
-    print(f"{len(report.secrets)} Secret(s), {'referenced by every imported task' if a.env_scope == 'all' else 'not referenced (--env-scope none)'}:")
+            print(f"  cron {r.cron_id} {r.cron_name!r} -> {r.task}")
+    scope = "referenced by every imported task" if a.env_scope == "all" else "not referenced (--env-scope none)"
+    print(f"{len(report.secrets)} Secret(s), {scope}:")
     for s in report.secrets:
         print(f"  {s.action:<9} {s.secret} -> ${s.env} ({s.bytes} bytes, {s.parts} part(s) from {s.source})")
     for v in report.skipped_variables:
-        where = f"config.sh line {v['line']}" if v["line"] else v["source"]
-        print(f"  not imported: {v['name']} ({where}): {v['reason']}")
+        where = f"config.sh line {v.line}" if v.line else v.source
+        print(f"  not imported: {v.name} ({where}): {v.reason}")
     return 0
 
 
