@@ -406,7 +406,7 @@ def test_names_are_valid_deterministic_and_collisions_keep_their_cron():
 
 
 def _plan(envs, crons=(), scope="all"):
-    panel = QlPanel(database="/d/db/database.sqlite", scripts_dir="/d/scripts", data_dir="/d", crons=tuple(crons),
+    panel = QlPanel(database="/d/db/database.sqlite", scripts_dir="/d/scripts", crons=tuple(crons),
                     envs=tuple(envs), config=QlConfig())
     tools = Toolset(interpreters={"python3": "/usr/bin/python3", "bash": "/bin/bash"}, bash_shell=True)
     return plan_import(panel, frozenset({"/d/scripts/a.py", "/d/scripts/b.js"}), tools, env_scope=scope)

@@ -236,10 +236,10 @@ def read_database(db: str) -> tuple[tuple[QlCron, ...], tuple[QlEnv, ...]]:
 
 def read_panel(path: str, scripts_dir: str | None = None) -> QlPanel:
     """Everything an import needs from a 2.x data directory (see ``locate``, ``read_database``)."""
-    db, data_dir, scripts, config = locate(path, scripts_dir)
+    db, _, scripts, config = locate(path, scripts_dir)
     conf = read_config(config)
     crons, envs = read_database(db)
-    return QlPanel(database=db, scripts_dir=scripts, data_dir=data_dir, crons=crons, envs=envs, config=conf)
+    return QlPanel(database=db, scripts_dir=scripts, crons=crons, envs=envs, config=conf)
 
 
 def readable_files(paths: frozenset[str]) -> frozenset[str]:

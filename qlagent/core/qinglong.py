@@ -112,7 +112,6 @@ class QlConfig(msgspec.Struct, frozen=True):
     exports: tuple[ConfigExport, ...] = ()
     refused: tuple[ConfigRefusal, ...] = ()
     other_lines: int = 0
-    present: bool = False
 
 
 class QlPanel(msgspec.Struct, frozen=True):
@@ -120,7 +119,6 @@ class QlPanel(msgspec.Struct, frozen=True):
 
     database: str
     scripts_dir: str
-    data_dir: str | None
     crons: tuple[QlCron, ...]
     envs: tuple[QlEnv, ...]
     config: QlConfig
@@ -343,7 +341,7 @@ def parse_config_sh(data: bytes) -> QlConfig:
         exports[name] = ConfigExport(line=line, name=name, value=value.encode("utf-8", "surrogateescape"))
     return QlConfig(exports=tuple(exports.values()),
                     refused=tuple(sorted([*refused.values(), *unnamed], key=lambda r: r.line)),
-                    other_lines=other, present=True)
+                    other_lines=other)
 
 
 # ---- names -----------------------------------------------------------------------------------
@@ -376,8 +374,8 @@ def base_name(cron_name: str, script: str | None) -> str:
 
 
 def _fit(prefix: str, base: str, suffix: str = "") -> str:
-    room = L.MAX_TASK_NAME - len(prefix) - len(suffix)
-    return (prefix + base[:room].rstrip("-._") + suffix) if room > 0 else (prefix + suffix)[:L.MAX_TASK_NAME]
+    # prefix ≤ 32 and suffix ≤ 13 characters leave base at least 19 of the 64.
+    return prefix + base[:L.MAX_TASK_NAME - len(prefix) - len(suffix)].rstrip("-._") + suffix
 
 
 def assign_names(crons: tuple[QlCron, ...], prefix: str, scripts: dict[int, str | None]) -> dict[int, str]:
