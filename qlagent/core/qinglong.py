@@ -425,7 +425,8 @@ def parse_command(command: str, scripts_dir: str) -> _Command | str:
     except ValueError as e:
         return f"cannot split the command: {e}"
     if words[0] == "ql":
-        return f"panel-internal command ({' '.join(['ql', *words[1:2]])}): the 2.x panel's own maintenance; not imported"
+        what = " ".join(words[:2])
+        return f"panel-internal command ({what}): the 2.x panel's own maintenance; not imported"
     if words[0] == "task":
         words = words[1:]
         if not words:
@@ -444,8 +445,10 @@ def parse_command(command: str, scripts_dir: str) -> _Command | str:
     for b in builtins:
         if b == "now":
             notes.append("`now` dropped: qlagent adds no random delay")
-        else:
+        elif b in PANEL_OPTIONS:
             return f"task option {b!r} is a 2.x panel feature (it splits variables per account); add it by hand"
+        else:
+            return f"task option {b!r} is a 2.x panel option; add it by hand"
     return _Command(script=_script_path(script, scripts_dir), ext=ext, args=tuple(args), notes=tuple(notes))
 
 
