@@ -234,6 +234,7 @@ def test_rerun_is_idempotent_and_a_changed_cron_appends_one_revision(state, pane
     assert {t["action"] for i, t in third.items() if i != 2} == {"unchanged"} and 11 not in third
     taken = {k["cronId"]: k["reason"] for k in report["skipped"]}[11]
     assert "'new-one' exists and was not imported from this cron" in taken
+    assert {s["env"]: s["action"] for s in report["secrets"]}["JD_COOKIE"] == "updated"
     assert js(state, "task", "show", "dup")["revision"] == 2
     assert js(state, "task", "show", "off")["revision"] == 1         # deleted in 2.x: kept here
     assert js(state, "task", "show", "new-one")["definition"]["execution"]["argv"] == ["/bin/true"]
@@ -282,6 +283,7 @@ def test_serve_runs_imported_sh_and_py_crons_with_the_byte_exact_2x_value(state,
         assert f.read().splitlines()[:3] == ["before", "script", "after"]
     for task in ("py", "ordered"):
         assert "succeeded" in {s for _, s in runs_of(state, task)}
+        assert {r["triggerType"] for r in js(state, "run", "ls", "--task", task)["runs"]} == {"cron"}
     assert sha(os.path.join(data, "db", "database.sqlite")) == db_hash
 
 
@@ -392,6 +394,13 @@ def test_config_sh_is_read_as_shell_words_without_a_shell():
     # The last export of a name decides, as in a shell.
     assert {e.name: e.value for e in parse_config_sh(b"export X=1\nexport X=2\n").exports} == {"X": b"2"}
     assert not parse_config_sh(b"export X=1\nexport X=$(id)\n").exports
+    # An export that runs only on a condition (or in a function) is reported, not imported.
+    guarded = parse_config_sh(b'if [ -z "$X" ]; then\n  export B=2\nfi\nexport C=3\nfoo() {\n  export D=4\n}\n'
+                              b'echo "all done"\nfor x in 1; do echo; done\nexport E=5\n')
+    assert [e.name for e in guarded.exports] == ["C", "E"]
+    assert {r.name: r.reason for r in guarded.refused} == {
+        "B": "inside an if, case, loop or function: it may not run", "D": "inside an if, case, loop or function: "
+        "it may not run"}
 
 
 def test_names_are_valid_deterministic_and_collisions_keep_their_cron():

@@ -283,6 +283,17 @@ def _skip_statement(text: str, i: int) -> int:
 
 
 _EXPORT = re.compile(r"export[ \t]+([^ \t\n=;#]+)=")
+_QUOTED = re.compile(r"'[^']*'|\"(?:\\.|[^\"\\])*\"", re.S)
+_OPENERS = re.compile(r"(?<![\w-])(?:if|case|for|while|until|select|\{)(?![\w-])|\(\)")
+_CLOSERS = re.compile(r"(?<![\w-])(?:fi|esac|done|\})(?![\w-])")
+
+
+def _depth_change(statement: str) -> int:
+    """How many compound commands (if/case/loops, function bodies) a skipped statement opens
+    minus closes; quoted text and comments do not count."""
+    code = _QUOTED.sub("", statement).split("#", 1)[0]
+    # A function header `name() {` opens one body: count the `()`, not also its `{`.
+    return len(_OPENERS.findall(code)) - (1 if "()" in code and "{" in code else 0) - len(_CLOSERS.findall(code))
 
 
 def parse_config_sh(data: bytes) -> QlConfig:
@@ -290,8 +301,9 @@ def parse_config_sh(data: bytes) -> QlConfig:
 
     Values are shell words (``"…"`` with ``\\$ \\` \\" \\\\`` and line-continuation escapes,
     ``'…'`` literal, bare with backslash escapes) decoded byte-exact (non-UTF-8 bytes kept).
-    A value needing evaluation, an invalid name, an unterminated quote or a second word
-    after the value makes a ConfigRefusal; the LAST export of a name decides (shell order).
+    A value needing evaluation, an invalid name, an unterminated quote, a second word after
+    the value or an export inside an if/case/loop/function body makes a ConfigRefusal; the
+    LAST export of a name decides (shell order).
     Other lines (comments, plain assignments, functions) are only counted.
     """
     text = data.decode("utf-8", "surrogateescape")
@@ -300,7 +312,7 @@ def parse_config_sh(data: bytes) -> QlConfig:
     unnamed: list[ConfigRefusal] = []
     other = 0
     i, n = 0, len(text)
-    line, counted = 1, 0
+    line, counted, depth = 1, 0, 0
     while i < n:
         while i < n and text[i] in " \t;":
             i += 1
@@ -313,14 +325,18 @@ def parse_config_sh(data: bytes) -> QlConfig:
             continue
         m = _EXPORT.match(text, i)
         if not m:
+            end = _skip_statement(text, i)
             if text[i] != "#":
                 other += 1
-            i = _skip_statement(text, i)
+                depth = max(0, depth + _depth_change(text[i:end]))
+            i = end
             continue
         name = m.group(1)
         try:
             if not POSIX_ENV_NAME.match(name):
                 raise _Refused("not a POSIX environment name")
+            if depth:
+                raise _Refused("inside an if, case, loop or function: it may not run")
             value, j = _word(text, m.end())
             k = j
             while k < n and text[k] in " \t":
