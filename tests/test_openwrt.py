@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 FILES = REPO / "openwrt" / "qlagent" / "files"
 STANDIN = Path(__file__).resolve().parent / "openwrt_standin"
 BUSYBOX = shutil.which("busybox")
+BUSYBOX_APPLETS = ("basename", "cat", "chmod", "env", "head", "mkdir", "mktemp", "mv", "rm", "sed", "tail")
 
 pytestmark = pytest.mark.skipif(BUSYBOX is None, reason="busybox not installed (tests/run installs it)")
 
@@ -41,8 +42,12 @@ class Router:
         self.cgroup = root / "no-cgroup"
         self.calls = root / "procd.calls"
         self.logread = root / "logread"
-        for d in (self.uci, self.conf_dir):
+        self.applets = root / "busybox-bin"
+        for d in (self.uci, self.conf_dir, self.applets):
             d.mkdir()
+        # The router's userland: busybox applets, not this machine's coreutils.
+        for applet in BUSYBOX_APPLETS:
+            (self.applets / applet).symlink_to(BUSYBOX)
         self.set(state_dir=str(root / "state"))
 
     def set(self, **options: str) -> None:
@@ -54,7 +59,7 @@ class Router:
             (self.uci / k).unlink()
 
     def env(self) -> dict[str, str]:
-        return {"PATH": f"{STANDIN}:{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin",
+        return {"PATH": f"{STANDIN}:{self.applets}:{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin",
                 "UCI_DIR": str(self.uci), "PROCD_CALLS": str(self.calls), "LOGREAD": str(self.logread),
                 "QLAGENT_CONF_DIR": str(self.conf_dir), "QLAGENT_CGROUP_ROOT": str(self.cgroup),
                 "QLAGENT_UCI2TOML": str(FILES / "qlagent-uci2toml")}
