@@ -139,3 +139,27 @@ def test_scripts_run_by_path_keep_their_source_in_the_package():
                     assert script.is_file(), script
                     run_by_path.add(str(script.parent.relative_to(REPO)))
     assert run_by_path == {kept}
+
+
+def test_feed_packages_satisfy_the_agents_requirements():
+    """openwrt/python-*: a PyPI source pinned by hash, a package and its -src split, and a version
+    that satisfies the requirement in pyproject.toml; qlagent's PKG_VERSION is the project's."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    assert re.search(r"^PKG_VERSION:=(.+)$", MAKEFILE.read_text(), re.M).group(1) == project["version"]
+    feed = sorted((REPO / "openwrt").glob("python-*/Makefile"))
+    assert [m.parent.name for m in feed] == ["python-cronsim", "python-msgspec"]
+    for mk in feed:
+        text = mk.read_text()
+        var = lambda name: re.search(rf"^{name}:=(.+)$", text, re.M).group(1)  # noqa: E731
+        name, version = var("PYPI_NAME"), var("PKG_VERSION")
+        assert re.fullmatch(r"[0-9a-f]{64}", var("PKG_HASH")), mk
+        assert version in wanted[name].specifier, f"{mk}: {name} {version} does not satisfy {wanted[name]}"
+        for line in (f"$(eval $(call Py3Package,python3-{name}))", f"$(eval $(call BuildPackage,python3-{name}))",
+                     f"$(eval $(call BuildPackage,python3-{name}-src))"):
+            assert line in text, (mk, line)
+        assert f"+python3-{name}" in MAKEFILE.read_text()
