@@ -3,7 +3,7 @@
 A missing Secret, execution revision or context recipe, and low space on a real small tmpfs,
 each end a pass ``unavailable`` with no log file, no run directory and no child process; the
 Run's failure is recorded with a reason code and without secret text. The task's environment is
-exactly the recipe, the secrets, ``QL3_*`` and the recipe's PATH, whatever the agent's own
+exactly the run user's HOME/USER/LOGNAME/SHELL, the recipe, the secrets, ``QL3_*`` and the recipe's PATH, whatever the agent's own
 environment holds. Secret plaintext is never in the DB, WAL, events, errors, journal, wrapper
 argv/environment or run files (byte search, with a positive control).
 """
@@ -142,7 +142,7 @@ def env_lines(data: bytes) -> dict[str, str]:
 
 
 def expected_env_keys(recipe: set[str]) -> set[str]:
-    return recipe | {"PATH", "QL3_RUN_ID", "QL3_ATTEMPT_ID", "QL3_PROJECT_ID", "QL3_TASK_ID", "QL3_TASK_NAME",
+    return recipe | {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "QL3_RUN_ID", "QL3_ATTEMPT_ID", "QL3_PROJECT_ID", "QL3_TASK_ID", "QL3_TASK_NAME",
                      "QL3_TASK_REVISION"}
 
 

@@ -159,7 +159,7 @@ def test_kill_tree_without_task_pid_takes_the_wrappers_child(tmp_path):
 
 
 def test_spawn_wrapper_with_a_missing_interpreter_raises(tmp_path):
-    with pytest.raises(processes.WrapperSpawnError, match="python: cannot start wrapper") as err:
+    with pytest.raises(processes.WrapperSpawnError, match=r"no-python: cannot start the shim: ENOENT ") as err:
         processes.spawn_wrapper({"attempt_id": "x"}, python=str(tmp_path / "no-python"))
     assert err.value.code == "launch_failed" and err.value.exit_code == 5
 

@@ -8,8 +8,10 @@ signal it without hitting the wrapper.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -23,7 +25,13 @@ from qlagent.core.errors import QlError, UnavailableError, ValidationError
 WRAPPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "wrapper.py")
 
 RECEIPT_FIELDS = ("attempt_id", "exit_code", "signal", "start_error", "started_at_us", "ended_at_us",
-                  "bytes_total", "bytes_kept", "bytes_dropped", "peak_rss_bytes", "cpu_time_us")
+                  "bytes_total", "bytes_kept", "bytes_dropped", "peak_rss_bytes", "cpu_time_us", "orphans_stopped")
+# Fields a receipt written by an older launcher lacks (a Run that was live across an upgrade).
+_RECEIPT_OPTIONAL = frozenset({"orphans_stopped"})
+# The launcher reports the exec's outcome within its start-up time (~10 ms; seconds on a loaded
+# router). Past this bound the agent records the Run running and lets the receipt tell.
+START_STATUS_TIMEOUT_S = 30.0
+_STATUS_LIMIT_BYTES = 1024
 # The wrapper refuses a larger spec (launcher/wrapper.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
 # A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.
@@ -50,12 +58,15 @@ class RunFileError(QlError):
 class WrapperHandle:
     """A started wrapper: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
     it identifies the process across PID reuse), ``pidfd`` (an fd readable when the wrapper
-    exits, or None where os.pidfd_open is unavailable) and the Popen used to reap it."""
+    exits, or None where os.pidfd_open is unavailable), the Popen used to reap it and
+    ``start_error``: None once the task was exec'd (or the status did not come in
+    START_STATUS_TIMEOUT_S), else the launcher's reason."""
 
     pid: int
     create_time: float
     pidfd: int | None
     popen: subprocess.Popen = field(repr=False)
+    start_error: str | None = None
 
     def poll(self) -> int | None:
         """Reap the wrapper if it has exited; returns its exit status (0 = receipt written) or None."""
@@ -68,10 +79,42 @@ class WrapperHandle:
             self.pidfd = None
 
 
-def spawn_wrapper(spec: dict, python: str = sys.executable) -> WrapperHandle:
+def _read_status(popen: subprocess.Popen, timeout_s: float) -> str | None:
+    """The launcher's start status line (see launcher/wrapper.py): None for ``ok`` or no answer
+    within ``timeout_s``; the reason for ``err <reason>`` or an exit before any status."""
+    fd = popen.stdout.fileno()
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while b"\n" not in data and len(data) < _STATUS_LIMIT_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, _STATUS_LIMIT_BYTES)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        popen.stdout.close()
+    line = data.split(b"\n", 1)[0].decode("utf-8", "replace")
+    if line == "ok":
+        return None
+    if line.startswith("err "):
+        return line[4:]
+    try:
+        status = popen.wait(5)
+    except subprocess.TimeoutExpired:
+        status = None
+    return f"shim: exited with status {status} before starting the task"
+
+
+def spawn_wrapper(spec: dict, python: str = sys.executable,
+                  status_timeout_s: float = START_STATUS_TIMEOUT_S) -> WrapperHandle:
     """Start ``python -I -S wrapper.py`` in a new session with an empty environment, cwd "/",
-    stdout/stderr /dev/null, and send ``spec`` (the wrapper contract's JSON document, which may
-    hold secret plaintext) through its stdin pipe, then close the pipe.
+    stderr /dev/null, and send ``spec`` (the wrapper contract's JSON document, which may
+    hold secret plaintext) through its stdin pipe, then close the pipe; then wait (at most
+    ``status_timeout_s`` seconds) for its start status on stdout, so the caller learns whether
+    the task was exec'd before it records the Run running (``WrapperHandle.start_error``).
 
     Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
     WrapperSpawnError when the interpreter cannot be started or exits before reading the spec.
@@ -82,27 +125,35 @@ def spawn_wrapper(spec: dict, python: str = sys.executable) -> WrapperHandle:
                               limit=SPEC_LIMIT_BYTES)
     try:
         popen = subprocess.Popen([python, "-I", "-S", WRAPPER_PATH], stdin=subprocess.PIPE,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={},
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={},
                                  cwd="/", start_new_session=True, close_fds=True)
     except OSError as exc:
-        raise WrapperSpawnError(f"python: cannot start wrapper ({exc.strerror})", field="python") from None
+        raise WrapperSpawnError(f"python {python}: cannot start the shim: {errno_text(exc)}",
+                                field="python") from None
     try:
         popen.stdin.write(payload)
         popen.stdin.close()
     except BrokenPipeError:
+        popen.stdout.close()
         popen.wait()
-        raise WrapperSpawnError("wrapper exited before reading its spec") from None
+        raise WrapperSpawnError("shim: exited before reading its spec") from None
+    start_error = _read_status(popen, status_timeout_s)
     try:
         create_time = psutil.Process(popen.pid).create_time()
     except psutil.NoSuchProcess:
-        # Already gone (and not reaped yet is impossible here): identity cannot be recorded.
-        popen.wait()
-        raise WrapperSpawnError("wrapper exited at once") from None
+        # Already reaped by _read_status after a start failure: no identity to record.
+        create_time = 0.0
     try:
         pidfd = os.pidfd_open(popen.pid)
     except (AttributeError, OSError):
         pidfd = None
-    return WrapperHandle(popen.pid, create_time, pidfd, popen)
+    return WrapperHandle(popen.pid, create_time, pidfd, popen, start_error)
+
+
+def errno_text(exc: OSError) -> str:
+    """``ENOENT (No such file or directory)``: the errno name and its text, never invented."""
+    name = errno.errorcode.get(exc.errno, f"errno {exc.errno}") if exc.errno else "no errno"
+    return f"{name} ({exc.strerror or os.strerror(exc.errno or 0)})"
 
 
 def process_matches(pid: int, create_time: float) -> bool:
@@ -334,9 +385,9 @@ def read_receipt(run_dir: str) -> dict | None:
     if doc is None:
         return None
     for name in RECEIPT_FIELDS:
-        if name not in doc:
+        if name not in doc and name not in _RECEIPT_OPTIONAL:
             raise RunFileError(f"receipt.json.{name}", "missing")
-    return {name: doc[name] for name in RECEIPT_FIELDS}
+    return {name: doc.get(name) for name in RECEIPT_FIELDS}
 
 
 def read_truncation(run_dir: str) -> dict | None:

@@ -8,21 +8,32 @@ reads) plus the lifecycle hooks the service loop needs (exits, ticks, recovery, 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 
 from ..adapters import processes
-from ..adapters.artifacts import ArtifactAllocator, ArtifactExistsError
+from ..adapters.artifacts import ArtifactAllocator, ArtifactExistsError, UnsafeDirectoryError
 from ..adapters.sqlite import execution as ex
-from ..core.dispatch import Candidate, Plan
-from ..core.errors import QlError
+from ..core.dispatch import Candidate, LaunchCommand, Plan
+from ..core.errors import QlError, StartError
 from ..core.profiles import Profile
 from ..dispatch.dispatcher import LocalRunDispatcher
 from ..dispatch.materializer import Materializer
-from ..execution.coordinator import LocalExecutionCoordinator
+from ..execution.coordinator import LocalExecutionCoordinator, start_code
 from .execution_store import SqliteExecutionStore
 from .store import LocalStore, now_us
 
 WRAPPER_LINGER_S = 2.0
+
+
+def baseline_env(uid: int | None = None) -> dict[str, str]:
+    """HOME, USER, LOGNAME and SHELL of the run user's passwd entry (the agent's effective uid),
+    as cron and systemd give them; {} when the uid has no entry. A recipe value overrides each."""
+    try:
+        pw = pwd.getpwuid(os.geteuid() if uid is None else uid)
+    except KeyError:
+        return {}
+    return {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell or "/bin/sh"}
 
 
 class ArtifactAdapter:
@@ -40,8 +51,8 @@ class ArtifactAdapter:
     def allocate(self, attempt_id: str) -> str:
         try:
             return self._a.allocate(attempt_id, self._admission)
-        except ArtifactExistsError:
-            raise FileExistsError(attempt_id) from None
+        except ArtifactExistsError as e:
+            raise StartError(e.message, code="artifact_unusable") from None
 
     def discard(self, path: str) -> None:
         try:
@@ -63,14 +74,24 @@ class ProcessAdapter:
     def _run_dir(self, attempt_id: str) -> str:
         return os.path.join(self._alloc.runs_root, attempt_id)
 
-    def spawn(self, attempt_id, argv, env, cwd, artifact_path, quota_bytes) -> tuple[int, float]:
+    def spawn(self, cmd: LaunchCommand) -> tuple[int, float]:
+        attempt_id = cmd.candidate.attempt_id
         try:
             run_dir = self._alloc.run_dir(attempt_id)
-            spec = {"attempt_id": attempt_id, "argv": list(argv), "env": env, "cwd": cwd, "run_dir": run_dir,
-                    "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": WRAPPER_LINGER_S}
+        except UnsafeDirectoryError as e:
+            raise StartError(e.message, code="run_dir_unsafe") from None
+        spec = {"attempt_id": attempt_id, "argv": list(cmd.argv), "env": cmd.env, "cwd": cmd.cwd,
+                "run_dir": run_dir, "artifact_path": cmd.artifact_path, "quota_bytes": cmd.quota_bytes,
+                "linger_s": WRAPPER_LINGER_S, "umask": cmd.umask, "grace_s": cmd.grace_ms / 1000,
+                "keep_orphans": cmd.keep_orphans}
+        try:
             h = processes.spawn_wrapper(spec, self._python)
-        except QlError as e:              # unsafe run dir, spec over its bound, no interpreter: a launch failure
-            raise OSError(getattr(e, "errno", None) or 7, e.code) from None
+        except QlError as e:              # spec over its bound, no interpreter
+            raise StartError(f"shim: {e.message}", code="shim_failed") from None
+        if h.start_error is not None:
+            h.popen.wait()                # it writes its receipt and exits at once
+            h.close()
+            raise StartError(h.start_error, code=start_code(h.start_error))
         self._handles[h.pid] = h
         self._started[attempt_id] = h.create_time
         return h.pid, h.create_time
@@ -168,7 +189,8 @@ class Engine:
         self.admission = Admission(self._x, profile, max_concurrent, budget, network)
         self.admission.live_roots = self.live_pids
         self.dispatcher = LocalRunDispatcher(
-            self._x, Materializer(self._x, ArtifactAdapter(self._alloc), self.admission, profile),
+            self._x, Materializer(self._x, ArtifactAdapter(self._alloc), self.admission, profile,
+                                  baseline=baseline_env(), log=log),
             self._coordinator, self.admission, profile.dispatch_page)
         self._log = log
 

@@ -36,8 +36,9 @@ class SqliteExecutionStore:
     def resolve_secrets(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         return self._s.read(lambda conn: resolve_secrets(conn, self._key_file, project_id, names))
 
-    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None) -> None:
-        f = Finish("start_failed", failure_reason=reason)
+    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
+                        start_error: str | None = None) -> None:
+        f = Finish("start_failed", failure_reason=reason, start_error=start_error)
         self._s.write(lambda conn: ex.finish_attempt(conn, c.run_id, c.attempt_id, f, retry, self._now())
                       if ex.reread_candidate(conn, c) else None)
 

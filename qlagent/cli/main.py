@@ -332,7 +332,10 @@ def cmd_run_show(ctx: Ctx) -> int:
     for a in attempts:
         print(f"attempt   #{a.attempt_no} {a.state} kept={a.bytes_kept} dropped={a.bytes_dropped}"
               f"{' TRUNCATED' if a.truncated else ''} peak_rss={a.peak_rss_bytes} cpu_us={a.cpu_time_us}"
+              + (f" orphans_stopped={a.orphans_stopped}" if a.orphans_stopped else "")
               + (f" reason={a.failure_reason}" if a.failure_reason else ""))
+        if a.start_error:
+            print(f"          could not start: {a.start_error}")
     for e in events:
         print(f"event     {e.sequence:>3} {_fmt_us(e.created_at_us)} {e.type} {msgspec.json.encode(e.payload).decode()}")
     return 0

@@ -69,6 +69,16 @@ class UnavailableError(QlError):
     exit_code = EXIT_UNAVAILABLE
 
 
+class StartError(QlError):
+    """The task of a Run could not be started (ProcessPort.spawn). ``message`` is the reason:
+    paths and errno names, at most limits.MAX_START_ERROR characters, never the environment;
+    ``code`` is the Attempt's failure reason (exec_failed, cwd_unusable, artifact_unusable,
+    run_dir_unsafe, shim_failed)."""
+
+    code = "shim_failed"
+    exit_code = EXIT_UNAVAILABLE
+
+
 class StoreIntegrityError(UnavailableError):
     """The database's migration history is unknown or altered; start-up refuses it."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .dispatch import Candidate, Finish, LiveAttempt, Plan
+from .dispatch import Candidate, Finish, LaunchCommand, LiveAttempt, Plan
 from .models import RetryPolicy
 
 
@@ -25,8 +25,10 @@ class DispatchStore(Protocol):
     def resolve_secrets(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         """Plaintext of each de-duplicated SecretRef; raises UnavailableError(secret_missing …)."""
 
-    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None) -> None:
-        """End a candidate that can never launch as it stands (no Artifact, no process)."""
+    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
+                        start_error: str | None = None) -> None:
+        """End a candidate that can never launch as it stands (no process): Attempt
+        ``start_failed`` with ``reason`` (a code) and ``start_error`` (the bounded text)."""
 
 
 class ArtifactPort(Protocol):
@@ -34,7 +36,10 @@ class ArtifactPort(Protocol):
         """None if one full log fits above the reserve and within the total quota, else a reason."""
 
     def allocate(self, attempt_id: str) -> str:
-        """Create the private log file; raises FileExistsError if it exists (a race was lost)."""
+        """Create the private log file. Raises errors.StartError (code artifact_unusable) when
+        something is already at its path: the dispatcher is the only allocator of an Attempt's
+        path and recovery removes its own leftovers, so this is never a race, and the Run
+        could never start."""
 
     def discard(self, path: str) -> None:
         """Remove a log file this pass created but could not use."""
@@ -64,9 +69,10 @@ class ExecutionStore(Protocol):
 class ProcessPort(Protocol):
     """Launcher wrapper processes (``adapters.processes``)."""
 
-    def spawn(self, attempt_id: str, argv: tuple[str, ...], env: dict[str, str], cwd: str, artifact_path: str,
-              quota_bytes: int) -> tuple[int, float]:
-        """Start the wrapper in its own session; returns (pid, create_time). Raises OSError."""
+    def spawn(self, cmd: LaunchCommand) -> tuple[int, float]:
+        """Start the launcher in its own session and wait for its start status; returns
+        (pid, create_time) once the task was exec'd. Raises errors.StartError with the reason
+        when it was not (nothing of the Run is left running; the run directory remains)."""
 
     def watch(self, pid: int) -> int | None:
         """A pidfd that becomes readable when ``pid`` exits, or None where pidfds are missing."""

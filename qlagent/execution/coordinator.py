@@ -14,11 +14,25 @@ import os
 import signal
 from collections.abc import Callable
 
+from ..core import limits as L
 from ..core import states
 from ..core.dispatch import Finish, LaunchCommand
+from ..core.errors import StartError
 from ..core.ports import ExecutionStore, ProcessPort
 
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
+# A receipt's start_error begins with what could not be used (launcher/wrapper.py).
+_START_CODES = {"cwd": "cwd_unusable", "exec": "exec_failed", "artifact_path": "artifact_unusable"}
+
+
+def start_code(start_error: str) -> str:
+    """The Attempt failure reason (a code) for a launcher start_error text."""
+    return _START_CODES.get(start_error.split(" ", 1)[0], "shim_failed")
+
+
+def bounded(text: str) -> str:
+    """A start-failure reason cut to limits.MAX_START_ERROR characters."""
+    return text if len(text) <= L.MAX_START_ERROR else text[:L.MAX_START_ERROR - 3] + "..."
 
 
 class LiveRun:
@@ -48,18 +62,22 @@ class LocalExecutionCoordinator:
     # ---- start ---------------------------------------------------------------------------
     def start(self, cmd: LaunchCommand) -> tuple[str, str | None]:
         """ADR-0071 §4 step 8. Returns ("activated", None), ("race_lost", None) or
-        ("launch_failed", reason). Spawns at most once per Attempt: the CAS comes first."""
+        ("launch_failed", reason code). Spawns at most once per Attempt: the CAS comes first.
+        The Run is recorded running only once the launcher reported the exec; a start failure
+        ends the Attempt ``start_failed`` with its reason (a ``run.start_failed`` RunEvent and a
+        warning), and there is no ``run.running`` event."""
         c = cmd.candidate
         if not self._store.claim_starting(c, cmd.artifact_path):
             return "race_lost", None
         try:
-            pid, ctime = self._procs.spawn(c.attempt_id, cmd.argv, cmd.env, cmd.cwd, cmd.artifact_path,
-                                           cmd.quota_bytes)
-        except OSError as e:
-            reason = f"spawn_failed:{e.errno}"
-            self._store.finish(c.run_id, c.attempt_id, Finish("start_failed", failure_reason=reason), None, cmd.retry)
-            self._log("err", "run.launch_failed", run=c.run_id, reason=reason)
-            return "launch_failed", reason
+            pid, ctime = self._procs.spawn(cmd)
+        except StartError as e:
+            text = bounded(str(e))
+            self._store.finish(c.run_id, c.attempt_id, Finish("start_failed", failure_reason=e.code,
+                                                              start_error=text), None, cmd.retry)
+            self._procs.cleanup(c.attempt_id)
+            self._log("warning", "run.start_failed", run=c.run_id, attempt=c.attempt_id, reason=e.code, error=text)
+            return "launch_failed", e.code
         now = self._now()
         deadline = now + cmd.timeout_ms * 1000
         self._store.mark_running(c, pid, ctime, deadline)
@@ -87,17 +105,23 @@ class LocalExecutionCoordinator:
         self._procs.cleanup(attempt_id)
         if lr.pidfd is not None:
             os.close(lr.pidfd)
+        if f.start_error:
+            self._log("warning", "run.start_failed", run=lr.run_id, attempt=attempt_id, reason=f.failure_reason,
+                      error=f.start_error)
         self._log("info" if state == "succeeded" else "warning", f"run.{state}", run=lr.run_id,
-                  exit=f.exit_code, signal=f.exit_signal)
+                  exit=f.exit_code, signal=f.exit_signal, orphans=f.orphans_stopped)
         return state
 
     @staticmethod
     def _finish_from_receipt(r: dict, kill_reason: str | None) -> Finish:
-        st = states.outcome(r.get("exit_code"), r.get("signal"), r.get("start_error"), kill_reason)
+        error = r.get("start_error")
+        error = bounded(error) if isinstance(error, str) else None
+        st = states.outcome(r.get("exit_code"), r.get("signal"), error, kill_reason)
         return Finish(st, exit_code=r.get("exit_code"), exit_signal=r.get("signal"), bytes_kept=r.get("bytes_kept"),
                       bytes_dropped=r.get("bytes_dropped"), peak_rss_bytes=r.get("peak_rss_bytes"),
                       cpu_time_us=r.get("cpu_time_us"), ended_at_us=r.get("ended_at_us"),
-                      failure_reason=("exec_failed" if r.get("start_error") else kill_reason))
+                      failure_reason=(start_code(error) if error else kill_reason), start_error=error,
+                      orphans_stopped=r.get("orphans_stopped"))
 
     # ---- time, cancellation, shutdown ----------------------------------------------------
     def _stop(self, lr: LiveRun, reason: str, now: int, grace_us: int | None = None) -> None:

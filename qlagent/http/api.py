@@ -74,7 +74,8 @@ def _attempt_json(a: Attempt) -> dict:
     return {"attemptId": a.attempt_id, "attemptNo": a.attempt_no, "state": a.state,
             "executorType": a.executor_type, "exitCode": a.exit_code, "signal": a.exit_signal,
             "bytesKept": a.bytes_kept, "bytesDropped": a.bytes_dropped, "truncated": a.truncated,
-            "failureReason": a.failure_reason, "startedAt": _time(a.started_at_us),
+            "failureReason": a.failure_reason, "startError": a.start_error,
+            "orphansStopped": a.orphans_stopped, "startedAt": _time(a.started_at_us),
             "endedAt": _time(a.ended_at_us)}
 
 

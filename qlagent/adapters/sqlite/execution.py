@@ -165,7 +165,8 @@ def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Fi
 
     Idempotent: an Attempt that is already terminal is left alone and the Run state returned.
     Retry (policy max_attempts, exponential backoff from backoff_ms) follows failed, timed_out,
-    lost and start_failed Attempts unless cancellation was requested.
+    lost and start_failed Attempts unless cancellation was requested. A ``start_failed``
+    Attempt first appends ``run.start_failed`` {attemptId, reason, error} (issue 12 §2).
     """
     a = conn.execute("SELECT state, attempt_no FROM attempts WHERE attempt_id = ?", (attempt_id,)).fetchone()
     run = conn.execute("SELECT state, cancel_requested_at_us, task_id FROM runs WHERE run_id = ?", (run_id,)).fetchone()
@@ -174,14 +175,21 @@ def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Fi
     states.check_attempt(a[0], f.attempt_state)
     ended = f.ended_at_us or now_us
     conn.execute("UPDATE attempts SET state = ?, exit_code = ?, exit_signal = ?, bytes_kept = ?, bytes_dropped = ?, "
-                 "peak_rss_bytes = ?, cpu_time_us = ?, failure_reason = ?, ended_at_us = ?, version = version + 1 "
-                 "WHERE attempt_id = ?",
+                 "peak_rss_bytes = ?, cpu_time_us = ?, failure_reason = ?, ended_at_us = ?, start_error = ?, "
+                 "orphans_stopped = ?, version = version + 1 WHERE attempt_id = ?",
                  (f.attempt_state, f.exit_code, f.exit_signal, f.bytes_kept, f.bytes_dropped, f.peak_rss_bytes,
-                  f.cpu_time_us, f.failure_reason, ended, attempt_id))
+                  f.cpu_time_us, f.failure_reason, ended, f.start_error, f.orphans_stopped, attempt_id))
     figures = {"attemptId": attempt_id, "attemptState": f.attempt_state, "exitCode": f.exit_code,
                "signal": f.exit_signal, "bytesKept": f.bytes_kept, "bytesDropped": f.bytes_dropped}
+    if f.orphans_stopped:
+        figures["orphansStopped"] = f.orphans_stopped
     if f.failure_reason:
         figures["reason"] = f.failure_reason
+    if f.attempt_state == "start_failed":
+        conn.execute("UPDATE runs SET event_sequence = event_sequence + 1 WHERE run_id = ?", (run_id,))
+        seq = conn.execute("SELECT event_sequence FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
+        append_event(conn, run_id, seq, "run.start_failed", "coordinator",
+                     {"attemptId": attempt_id, "reason": f.failure_reason, "error": f.start_error}, now_us)
     attempt_no = a[1]
     if (retry is not None and states.retryable(f.attempt_state) and run[1] is None
             and attempt_no < retry.max_attempts):
