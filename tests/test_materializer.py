@@ -3,8 +3,8 @@
 A missing Secret, execution revision or context recipe, and low space on a real small tmpfs,
 each end a pass ``unavailable`` with no log file, no run directory and no child process; the
 Run's failure is recorded with a reason code and without secret text. The task's environment is
-exactly the run user's HOME/USER/LOGNAME/SHELL, the recipe, the secrets, ``QL3_*`` and the recipe's PATH, whatever the agent's own
-environment holds. Secret plaintext is never in the DB, WAL, events, errors, journal, wrapper
+exactly the run user's HOME/USER/LOGNAME/SHELL, the recipe, the secrets, ``QL3_*`` and the
+recipe's PATH, whatever the agent's own environment holds. Secret plaintext is never in the DB, WAL, events, errors, journal, wrapper
 argv/environment or run files (byte search, with a positive control).
 """
 
