@@ -208,3 +208,129 @@ def test_keep_orphans_leaves_the_daemon_running(root):
         for p in procs_with_env("QL3_RUN_ID", rid):
             p.kill()
     b.close()
+
+
+# ---- §2 why a Run could not start ---------------------------------------------------------------
+
+def event_types(b: Bench, rid: str) -> list[str]:
+    return [e.type for e in b.runs.events(rid)]
+
+
+def assert_start_failed(b: Bench, rid: str, reason: str, error: str) -> None:
+    """Failed with the reason on the Attempt and in a run.start_failed event; never running."""
+    assert b.run(rid).state == "failed"
+    (a,) = b.attempts(rid)
+    assert (a.state, a.failure_reason, a.start_error) == ("start_failed", reason, error)
+    types = event_types(b, rid)
+    assert "run.running" not in types
+    assert types[-2:] == ["run.start_failed", "run.failed"], types
+    ev = [e for e in b.runs.events(rid) if e.type == "run.start_failed"][0]
+    assert ev.payload == {"attemptId": a.attempt_id, "reason": reason, "error": error}
+    warned = [k for (prio, name), k in b.log_lines if name == "run.start_failed" and prio == "warning"]
+    assert warned and warned[-1]["run"] == rid and warned[-1]["error"] == error
+
+
+def test_symlinked_run_directory_fails_the_run_with_its_path(root):
+    b = Bench(os.path.join(root, "s"))
+    b.add(task("t", "echo ran\n"))
+    rid = b.start("t")
+    aid = b.attempts(rid)[0].attempt_id
+    os.makedirs(b.runs_dir, mode=0o700)
+    os.symlink(workdir(root, "elsewhere"), os.path.join(b.runs_dir, aid))
+    r = b.engine.dispatcher.dispatch_once()
+    assert (r.status, r.reason) == ("launch_failed", "run_dir_unsafe")
+    assert_start_failed(b, rid, "run_dir_unsafe", f"run directory {b.runs_dir}/{aid}: not a real directory: "
+                                                  "ENOTDIR (Not a directory)")
+    assert os.listdir(os.path.join(root, "elsewhere")) == []
+    b.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_foreign_owned_run_directory_fails_the_run_naming_the_owner(root):
+    b = Bench(os.path.join(root, "s"))
+    b.add(task("t", "echo ran\n"))
+    rid = b.start("t")
+    aid = b.attempts(rid)[0].attempt_id
+    run_dir = os.path.join(b.runs_dir, aid)
+    os.makedirs(run_dir, mode=0o700)
+    os.chown(run_dir, 65534, 65534)
+    assert b.engine.dispatcher.dispatch_once().status == "launch_failed"
+    assert_start_failed(b, rid, "run_dir_unsafe", f"run directory {run_dir}: owned by uid 65534, not 0")
+    b.close()
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_something_already_at_the_artifact_path_fails_the_run_instead_of_waiting_for_ever(root, kind):
+    b = Bench(os.path.join(root, "s"))
+    b.add(task("t", "echo ran\n"))
+    rid = b.start("t")
+    aid = b.attempts(rid)[0].attempt_id
+    path = os.path.join(b.artifact_dir, aid[:2], aid + ".log")
+    os.makedirs(os.path.dirname(path), mode=0o700)
+    victim = os.path.join(root, "victim")
+    with open(victim, "wb") as f:
+        f.write(b"keep me")
+    if kind == "file":
+        with open(path, "wb") as f:
+            f.write(b"old log")
+    else:
+        os.symlink(victim, path)
+    r = b.engine.dispatcher.dispatch_once()
+    assert (r.status, r.reason, r.run_id) == ("unavailable", "artifact_unusable", rid)
+    what = "a file" if kind == "file" else "a symlink"
+    assert_start_failed(b, rid, "artifact_unusable", f"artifact_path {path}: EEXIST ({what} is already there)")
+    assert b.engine.dispatcher.dispatch_once().status == "no_candidate"     # not skipped on every pass
+    with open(victim, "rb") as f:
+        assert f.read() == b"keep me"
+    b.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_start_failures_are_visible_in_run_show_json_http_events_and_journal(root):
+    port = free_port()
+    a = Agent(root, config=f'[http]\nlisten = "127.0.0.1:{port}"\n')
+    script = os.path.join(root, "not-executable.sh")
+    with open(script, "w") as f:
+        f.write("#!/bin/sh\necho ran\n")
+    os.chmod(script, 0o644)
+    cases = {
+        "nocwd": (dict(cwd="/nonexistent/dir", secrets={"TOK": "tok"}), "cwd_unusable",
+                  "cwd /nonexistent/dir: ENOENT (No such file or directory)"),
+        "nocmd": (dict(command=["/usr/local/bin/does-not-exist"]), "exec_failed",
+                  "exec /usr/local/bin/does-not-exist: ENOENT (No such file or directory)"),
+        "noexec": (dict(command=[script]), "exec_failed", f"exec {script}: EACCES (Permission denied)"),
+    }
+    a.add(*[task(name, "echo ran\n" if "command" not in kw else None, **kw) for name, (kw, _, _) in cases.items()])
+    a.cli("secret", "set", "tok", stdin=SECRET)
+    viewer = a.cli("token", "create", "--subject", "v", "--role", "viewer").stdout.decode().strip()
+    a.serve()
+    try:
+        started = {name: a.start(name) for name in cases}
+        for name, rid in started.items():
+            _, reason, error = cases[name]
+            assert a.wait(rid)["state"] == "failed"
+            show = a.cli("run", "show", rid).stdout.decode()
+            assert f"reason={reason}" in show and f"could not start: {error}" in show
+            assert SECRET.decode() not in show
+            doc = json.loads(a.cli("run", "show", rid, "--json").stdout)
+            assert doc["attempts"][0]["startError"] == error and doc["attempts"][0]["failureReason"] == reason
+            types = [e["type"] for e in doc["events"]]
+            assert "run.running" not in types and types[-2:] == ["run.start_failed", "run.failed"]
+            assert doc["events"][-2]["payload"]["error"] == error
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v3/projects/default/runs/{rid}",
+                                         headers={"Authorization": f"Bearer {viewer}"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                latest = json.loads(resp.read())["latestAttempt"]
+            assert (latest["startError"], latest["failureReason"]) == (error, reason)
+    finally:
+        assert a.stop() == 0
+    journal = a.journal().decode()
+    for name, rid in started.items():
+        line = [ln for ln in journal.splitlines() if "run.start_failed" in ln and rid in ln]
+        assert line and "warning" in line[0].lower() and cases[name][2] in line[0], journal[-3000:]
+    assert SECRET.decode() not in journal
