@@ -75,7 +75,8 @@ class LocalExecutionCoordinator:
             text = bounded(str(e))
             self._store.finish(c.run_id, c.attempt_id, Finish("start_failed", failure_reason=e.code,
                                                               start_error=text), None, cmd.retry)
-            self._procs.cleanup(c.attempt_id)
+            if e.code != "run_dir_unsafe":     # never remove a directory we refused to use
+                self._procs.cleanup(c.attempt_id)
             self._log("warning", "run.start_failed", run=c.run_id, attempt=c.attempt_id, reason=e.code, error=text)
             return "launch_failed", e.code
         now = self._now()
