@@ -361,3 +361,42 @@ def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
             assert "artifact write failed" in f.read()
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_start_status_comes_after_the_exec_and_carries_the_exact_reason(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "exec sleep 30"])
+    handle = processes.spawn_wrapper(spec)
+    try:
+        assert handle.start_error is None
+        task = processes.read_task_pid(spec["run_dir"])      # written before the status
+        assert psutil.Process(task).cmdline()[0] in ("/bin/sh", "sleep")   # exec'd, not a python fork
+    finally:
+        os.killpg(task, signal.SIGKILL)
+        handle.popen.wait(10)
+        handle.close()
+    bad = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"], cwd=str(tmp_path / "gone"))
+    handle = processes.spawn_wrapper(bad)
+    assert handle.start_error == f"cwd {tmp_path / 'gone'}: ENOENT (No such file or directory)"
+    assert handle.popen.wait(10) == 0
+    assert processes.read_receipt(bad["run_dir"])["start_error"] == handle.start_error
+
+
+def test_start_error_is_bounded_whatever_the_path_length(tmp_path):
+    deep = "/" + "/".join(["d" * 200] * 20)                 # 4,020 bytes, under MAX_PATH_BYTES
+    spec = make_spec(tmp_path, [deep + "/prog"])
+    receipt = run_to_end(spec)
+    error = receipt["start_error"]
+    assert len(error) <= 512 and error.startswith("exec /ddd") and error.endswith(
+        "dd/prog: ENOENT (No such file or directory)")
+
+
+def test_shim_that_dies_before_the_status_is_a_start_error_not_a_hang(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/true"])
+    spec["quota_bytes"] = "not a number"        # bad spec: receipt with start_error, status err
+    handle = processes.spawn_wrapper(spec)
+    assert handle.start_error == "bad spec: quota_bytes: must be an integer >= 0"
+    handle.popen.wait(10)
+    proc = subprocess.Popen([sys.executable, "-I", "-S", processes.WRAPPER_PATH], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env={})
+    proc.stdin.close()                          # no spec at all: exit 2 without a status line
+    assert processes._read_status(proc, 10) == "shim: exited with status 2 before starting the task"

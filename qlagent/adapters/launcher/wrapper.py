@@ -426,23 +426,21 @@ def _stop_orphans(pgid, attempt_id, grace_s, drain):
     sig = _signal.SIGTERM
     while True:
         left = _leftovers(pgid, marker)
-        fresh = left - seen if sig == _signal.SIGTERM else left
         if not left:
             return len(seen)
-        if fresh:
-            try:
-                os.killpg(pgid, sig)   # atomic for the group, children forked meanwhile included
-            except OSError:
-                pass
-            for pid in fresh:
+        if sig is not None:
+            # SIGTERM once to each process (one forked meanwhile is found by the next scan, 20 ms
+            # later); SIGKILL to every one still there.
+            targets = left - seen if sig == _signal.SIGTERM else left
+            for pid in targets:
                 try:
                     os.kill(pid, sig)
                 except OSError:
                     pass
             seen |= left
             if sig == _signal.SIGKILL:
-                deadline = time.monotonic() + 1.0
                 sig = None
+                deadline = time.monotonic() + 1.0
         if time.monotonic() >= deadline:
             if sig is None:
                 return len(seen)   # unkillable (D state): counted, nothing more to do
