@@ -334,3 +334,21 @@ def test_start_failures_are_visible_in_run_show_json_http_events_and_journal(roo
         line = [ln for ln in journal.splitlines() if "run.start_failed" in ln and rid in ln]
         assert line and "warning" in line[0].lower() and cases[name][2] in line[0], journal[-3000:]
     assert SECRET.decode() not in journal
+
+
+def test_the_launcher_runs_precompiled_from_the_private_runs_root(root):
+    from qlagent.adapters import processes
+    b = Bench(os.path.join(root, "s"))
+    b.add(task("t", "sleep 0.5; echo done\n"))
+    rid = b.start("t")
+    assert b.engine.dispatcher.dispatch_once().status == "activated"
+    (pid,) = b.engine.live_pids()
+    program = psutil.Process(pid).cmdline()[-1]
+    assert os.path.dirname(program) == b.runs_dir and program.endswith(".pyc")
+    st = os.lstat(program)
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+    assert b.wait_run(rid).state == "succeeded"
+    # A file at that name that is not ours alone is never run (nor replaced): the source is.
+    os.chmod(program, 0o622)
+    assert processes.compiled_shim(b.runs_dir) == processes.WRAPPER_PATH
+    b.close()
