@@ -12,6 +12,7 @@ import pwd
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import urllib.request
 
@@ -349,6 +350,7 @@ def test_the_launcher_runs_precompiled_from_the_private_runs_root(root):
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
     assert b.wait_run(rid).state == "succeeded"
     # A file at that name that is not ours alone is never run (nor replaced): the source is.
+    assert processes.compiled_shim(b.runs_dir, sys.executable) == program      # written once
     os.chmod(program, 0o622)
-    assert processes.compiled_shim(b.runs_dir) == processes.WRAPPER_PATH
+    assert processes.compiled_shim(b.runs_dir, sys.executable) == processes.WRAPPER_PATH
     b.close()

@@ -368,7 +368,7 @@ def test_start_status_comes_after_the_exec_and_carries_the_exact_reason(tmp_path
     handle = processes.spawn_wrapper(spec)
     try:
         assert handle.start_error is None
-        task = processes.read_task_pid(spec["run_dir"])      # written before the status
+        task = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
         assert psutil.Process(task).cmdline()[0] in ("/bin/sh", "sleep")   # exec'd, not a python fork
     finally:
         os.killpg(task, signal.SIGKILL)

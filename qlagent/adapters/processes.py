@@ -110,40 +110,39 @@ def _read_status(popen: subprocess.Popen, timeout_s: float) -> str | None:
     return f"shim: exited with status {status} before starting the task"
 
 
-def compiled_shim(cache_dir: str) -> str:
+def compiled_shim(cache_dir: str, python: str) -> str:
     """The launcher precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc
     script without compiling it, which saves the compiler's memory (USS 4.5 → 2.9 MiB per run)
-    and its time on every run (bench/results/wrapper.md). Written once into ``cache_dir`` (the
-    agent's private runs root, 0700) as ``.shim-<cache tag>-<SHA-256 of the source>.pyc``, mode
-    0600, so a changed source or interpreter never runs stale code. Use it only with the
-    agent's own interpreter (the cache tag is this one's). Returns WRAPPER_PATH when it cannot
-    be written (read-only, no cache tag)."""
-    import marshal
-    from importlib.util import MAGIC_NUMBER
-    tag = sys.implementation.cache_tag
-    with open(WRAPPER_PATH, "rb") as f:
-        source = f.read()
-    if tag is None:
+    and its time on every run (bench/results/wrapper.md). ``python`` itself writes it (``wrapper.py
+    --compile``, so its magic number is right and the agent's heap never holds the compiler's
+    garbage) into ``cache_dir`` (the agent's private runs root, 0700) as ``.shim-<key>.pyc``,
+    mode 0600, where the key is the SHA-256 of the source and of the interpreter file's identity
+    (path, inode, mtime, size): a changed source or an upgraded interpreter gets a new file and
+    never runs stale bytecode. Cheap once written (a stat and a read of the source per call).
+    Returns WRAPPER_PATH when it cannot be used (not ours, cannot be written)."""
+    try:
+        real = os.path.realpath(python)
+        st = os.stat(real)
+        with open(WRAPPER_PATH, "rb") as f:
+            source = f.read()
+    except OSError:
         return WRAPPER_PATH
-    path = os.path.join(cache_dir, f".shim-{tag}-{sha256_hex(source)[:32]}.pyc")
+    key = sha256_hex(source + f"\0{real}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_size}".encode())[:32]
+    path = os.path.join(cache_dir, f".shim-{key}.pyc")
     try:
         st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
             return path
-        return WRAPPER_PATH            # not ours: never run it, never replace it
+        return WRAPPER_PATH            # not ours alone: never run it, never replace it
     except FileNotFoundError:
         pass
-    # PEP 552 header: magic, flags 0 (timestamp-based), mtime 0, size 0 (never checked for a script).
-    data = MAGIC_NUMBER + bytes(12) + marshal.dumps(compile(source, WRAPPER_PATH, "exec", dont_inherit=True))
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+        subprocess.run([python, "-I", "-S", WRAPPER_PATH, "--compile", tmp], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/", timeout=30,
+                       check=True)
         os.rename(tmp, path)
-    except OSError:
+    except (OSError, subprocess.SubprocessError):
         try:
             os.unlink(tmp)
         except OSError:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import sys
 
 from ..adapters import processes
 from ..adapters.artifacts import ArtifactAllocator, ArtifactExistsError, UnsafeDirectoryError
@@ -68,7 +67,6 @@ class ProcessAdapter:
     def __init__(self, allocator: ArtifactAllocator, python: str | None = None) -> None:
         self._alloc = allocator
         self._python = python or processes.default_python()
-        self._program: str | None = None     # the precompiled launcher, once the runs root exists
         self._handles: dict[int, processes.WrapperHandle] = {}
         self._known: dict[str, dict] = {}         # attempt → processes seen when first signalled
         self._started: dict[str, float] = {}
@@ -86,11 +84,9 @@ class ProcessAdapter:
                 "run_dir": run_dir, "artifact_path": cmd.artifact_path, "quota_bytes": cmd.quota_bytes,
                 "linger_s": WRAPPER_LINGER_S, "umask": cmd.umask, "grace_s": cmd.grace_ms / 1000,
                 "keep_orphans": cmd.keep_orphans}
-        if self._program is None:
-            self._program = (processes.compiled_shim(self._alloc.runs_root) if self._python == sys.executable
-                             else processes.WRAPPER_PATH)
+        program = processes.compiled_shim(self._alloc.runs_root, self._python)
         try:
-            h = processes.spawn_wrapper(spec, self._python, program=self._program)
+            h = processes.spawn_wrapper(spec, self._python, program=program)
         except QlError as e:              # spec over its bound, no interpreter
             raise StartError(f"shim: {e.message}", code="shim_failed") from None
         if h.start_error is not None:

@@ -500,11 +500,11 @@ def run(w, cfg):
     _task_pid = pid
     if _term_requested:
         _on_term(_signal.SIGTERM, None)
+    _report(None)   # before task.pid and its fsyncs: the agent waits for this line
     try:
         w.write_file_atomic("task.pid", pid, False)
     except OSError as exc:
         w.log_error("task.pid not written: %s" % exc)
-    _report(None)
 
     poller = select.poll()
     poller.register(rfd, select.POLLIN)
@@ -567,8 +567,35 @@ def run(w, cfg):
     return receipt
 
 
+def _compile_self(dest):
+    """``wrapper.py --compile DEST``: write this file compiled for this interpreter to DEST
+    (new, 0600) so that the agent can run it without a compile per run."""
+    import marshal
+    fd = os.open(__file__, os.O_RDONLY)
+    try:
+        source = b""
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            source += chunk
+    finally:
+        os.close(fd)
+    code = compile(source, __file__, "exec", dont_inherit=True)
+    # PEP 552 header: magic, flags 0, then mtime and size (never checked for a script).
+    data = sys.modules["_frozen_importlib_external"].MAGIC_NUMBER + bytes(12) + marshal.dumps(code)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return 0
+
+
 def main():
     global _inherited_umask
+    if len(sys.argv) == 3 and sys.argv[1] == "--compile":
+        return _compile_self(sys.argv[2])
     for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE):
         _signal.signal(sig, _signal.SIG_IGN)
     _signal.signal(_signal.SIGTERM, _on_term)
