@@ -89,6 +89,21 @@ def test_missing_execution_revision_is_unavailable(root):
     b.close()
 
 
+def test_missing_task_revision_fails_the_run_instead_of_hiding_it(root):
+    """A Run whose pinned definition revision is gone (bad restore) is not left out of the
+    candidate page, queued for ever: it fails with revision_missing (issue 12 §2)."""
+    b = Bench(os.path.join(root, "s"))
+    (head,) = b.add(task("t", "echo hi\n"))
+    rid = b.start("t")
+    with sqlite3.connect(b.db_path) as c:
+        c.execute("PRAGMA foreign_keys = OFF")
+        c.execute("DELETE FROM task_revisions WHERE task_id = ?", (head.task_id,))
+    unavailable_pass(b, "revision_missing")
+    assert b.run(rid).state == "failed"
+    assert b.attempts(rid)[0].failure_reason == "revision_missing"
+    b.close()
+
+
 def test_missing_context_recipe_is_unavailable(root):
     b = Bench(os.path.join(root, "s"))
     b.add(task("t", "echo hi\n", env={"X": "1"}, secrets={"T": "tok"}))

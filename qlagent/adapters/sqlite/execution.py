@@ -21,7 +21,6 @@ from .runs import append_event, set_holds
 _CAND = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_revision, r.version, r.priority, "
          "r.created_at_us, r.latest_attempt_created_at_us FROM runs r INDEXED BY runs_dispatch_candidates "
          "JOIN attempts a ON a.attempt_id = r.latest_attempt_id "
-         "JOIN task_revisions tr ON tr.task_id = r.task_id AND tr.revision = r.task_revision "
          "WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL "
          "AND a.state = 'claimed' AND a.executor_type = 'local_process' "
          "AND (a.not_before_us IS NULL OR a.not_before_us <= ?) AND r.held = 0 ")
@@ -37,7 +36,9 @@ _AFTER = ("SELECT * FROM (" + _CAND + "AND r.priority = ? AND (r.created_at_us, 
 
 
 def candidate_page(conn: sqlite3.Connection, limit: int, after: tuple | None, now_us: int) -> list[Candidate]:
-    """Up to ``limit + 1`` candidates after keyset ``after`` (None: from the start)."""
+    """Up to ``limit + 1`` candidates after keyset ``after`` (None: from the start). A Run whose
+    pinned revision is missing is still a candidate: the materialiser fails it with
+    ``revision_missing`` rather than leaving it queued unseen."""
     if after is None:
         rows = conn.execute(_CAND + _ORDER, (now_us, limit + 1))
     else:
