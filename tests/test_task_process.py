@@ -306,7 +306,8 @@ def test_start_failures_are_visible_in_run_show_json_http_events_and_journal(roo
                   "exec /usr/local/bin/does-not-exist: ENOENT (No such file or directory)"),
         "noexec": (dict(command=[script]), "exec_failed", f"exec {script}: EACCES (Permission denied)"),
     }
-    a.add(*[task(name, "echo ran\n" if "command" not in kw else None, **kw) for name, (kw, _, _) in cases.items()])
+    a.add(*[task(name, "echo ran\n" if "command" not in kw else None, **kw) for name, (kw, _, _) in cases.items()],
+          task("bg", "sleep 30 & echo started\n"))
     a.cli("secret", "set", "tok", stdin=SECRET)
     viewer = a.cli("token", "create", "--subject", "v", "--role", "viewer").stdout.decode().strip()
     a.serve()
@@ -328,6 +329,15 @@ def test_start_failures_are_visible_in_run_show_json_http_events_and_journal(roo
             with urllib.request.urlopen(req, timeout=10) as resp:
                 latest = json.loads(resp.read())["latestAttempt"]
             assert (latest["startError"], latest["failureReason"]) == (error, reason)
+        bg = a.start("bg")                          # a Run that did start, and left a process behind
+        assert a.wait(bg)["state"] == "succeeded"
+        assert "orphans_stopped=1" in a.cli("run", "show", bg).stdout.decode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v3/projects/default/runs/{bg}",
+                                     headers={"Authorization": f"Bearer {viewer}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            latest = json.loads(resp.read())["latestAttempt"]
+        assert (latest["orphansStopped"], latest["startError"]) == (1, None)
+        assert procs_with_env("QL3_RUN_ID", bg) == []
     finally:
         assert a.stop() == 0
     journal = a.journal().decode()
@@ -353,4 +363,27 @@ def test_the_launcher_runs_precompiled_from_the_private_runs_root(root):
     assert processes.compiled_shim(b.runs_dir, sys.executable) == program      # written once
     os.chmod(program, 0o622)
     assert processes.compiled_shim(b.runs_dir, sys.executable) == processes.WRAPPER_PATH
+    b.close()
+
+
+def test_recovery_keeps_the_reason_of_a_start_failure_the_previous_agent_never_read(root):
+    """The agent died while waiting for the start status; the launcher wrote its receipt with
+    the start error. The next agent ends the Attempt with that reason, not as lost."""
+    from qlagent.adapters import processes
+    b = Bench(os.path.join(root, "s"))
+    b.add(task("t", "echo ran\n", cwd="/nonexistent/dir"))
+    rid = b.start("t")
+    aid = b.attempts(rid)[0].attempt_id
+    run_dir = b.engine._alloc.run_dir(aid)
+    art = os.path.join(root, "art.log")
+    os.close(os.open(art, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    h = processes.spawn_wrapper({"attempt_id": aid, "argv": ["/bin/sh", "-c", "echo ran"], "env": {},
+                                 "cwd": "/nonexistent/dir", "run_dir": run_dir, "artifact_path": art,
+                                 "quota_bytes": 1024})
+    assert h.popen.wait(10) == 0
+    h.close()
+    b.store.write(lambda c: (c.execute("UPDATE runs SET state = 'starting' WHERE run_id = ?", (rid,)),
+                             c.execute("UPDATE attempts SET state = 'starting' WHERE attempt_id = ?", (aid,))))
+    assert b.engine.recover()["ingested"] == 1
+    assert_start_failed(b, rid, "cwd_unusable", "cwd /nonexistent/dir: ENOENT (No such file or directory)")
     b.close()

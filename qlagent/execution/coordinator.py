@@ -192,8 +192,12 @@ class LocalExecutionCoordinator:
             receipt, trunc = self._procs.collect(la.attempt_id)
             alive = la.wrapper_pid is not None and self._procs.alive(la.wrapper_pid, la.wrapper_start_time or 0.0)
             if receipt is not None and not alive:
-                self._store.finish(la.run_id, la.attempt_id, self._finish_from_receipt(receipt, None), trunc,
+                f = self._finish_from_receipt(receipt, None)
+                self._store.finish(la.run_id, la.attempt_id, f, trunc,
                                    self._store.retry_policy(la.task_id, la.task_revision))
+                if f.start_error:
+                    self._log("warning", "run.start_failed", run=la.run_id, attempt=la.attempt_id,
+                              reason=f.failure_reason, error=f.start_error)
                 self._procs.cleanup(la.attempt_id)
                 counts["ingested"] += 1
             elif alive:
