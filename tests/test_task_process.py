@@ -110,6 +110,13 @@ def test_bad_umask_via_cli_is_one_line_exit_2_and_nothing_written(root):
     assert len(lines) == 1 and "task[0].umask" in lines[0] and "0999" in lines[0]
     with a.db() as c:
         assert c.execute("SELECT count(*) FROM tasks").fetchone()[0] == 0
+    with open(path, "w") as f:
+        f.write('[[task]]\nname = "t"\ncommand = ["/bin/true"]\numask = "027"\nkeep_orphans = true\n')
+    a.cli("task", "add", "-f", path)
+    shown = a.cli("task", "show", "t").stdout.decode()
+    assert "process       cwd $HOME; umask 0027; leftovers kept (keep_orphans)" in shown
+    doc = json.loads(a.cli("task", "show", "t", "--json").stdout)
+    assert (doc["definition"]["execution"]["umask"], doc["definition"]["execution"]["keepOrphans"]) == ("0027", True)
 
 
 # contentDigest / execution digest of these tasks as computed before umask and keep_orphans
