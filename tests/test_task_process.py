@@ -189,17 +189,18 @@ def test_rlimits_as_the_services_stdin_dev_null_and_only_fds_0_1_2(root):
 def test_what_the_main_process_left_behind_is_stopped_and_counted(root):
     b = Bench(os.path.join(root, "s"))
     # a background child in the group; one that left the group with setsid (found by its
-    # QL3_ATTEMPT_ID); a shell that ignores SIGTERM with its child (needs the SIGKILL after grace).
-    b.add(task("bg", "sleep 30 & setsid sleep 31 & sh -c 'trap \"\" TERM; sleep 32' & echo started\n",
-               grace_s=1))
+    # QL3_ATTEMPT_ID); one that ignores SIGTERM (needs the SIGKILL after grace; the main process
+    # waits until it does ignore it).
+    b.add(task("bg", "sleep 30 & setsid sleep 31 & sh -c 'trap \"\" TERM; touch ready; exec sleep 32' &\n"
+                     "while [ ! -e ready ]; do sleep 0.01; done; echo started\n", grace_s=1, cwd=workdir(root, "w")))
     rid = b.start("bg")
     run = b.wait_run(rid, 20)
     assert run.state == "succeeded"
     (a,) = b.attempts(rid)
-    assert a.orphans_stopped == 4
+    assert a.orphans_stopped == 3
     assert procs_with_env("QL3_RUN_ID", rid) == []
     events = [e for e in b.runs.events(rid) if e.type == "run.succeeded"]
-    assert events[0].payload["orphansStopped"] == 4
+    assert events[0].payload["orphansStopped"] == 3
     b.close()
 
 

@@ -60,7 +60,7 @@ MAX_LINGER_S = 3600.0
 MAX_GRACE_S = 300.0
 START_ERROR_LIMIT = 512
 _PATH_SHOWN = 200
-ORPHAN_POLL_S = 0.02
+ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
 
 _task_pid = 0
 _term_requested = False
@@ -429,7 +429,7 @@ def _stop_orphans(pgid, attempt_id, grace_s, drain):
         if not left:
             return len(seen)
         if sig is not None:
-            # SIGTERM once to each process (one forked meanwhile is found by the next scan, 20 ms
+            # SIGTERM once to each process (one forked meanwhile is found by the next scan, 0.1 s
             # later); SIGKILL to every one still there.
             targets = left - seen if sig == _signal.SIGTERM else left
             for pid in targets:
