@@ -154,9 +154,9 @@ def compiled_shim(cache_dir: str, python: str) -> str:
 def spawn_wrapper(spec: dict, python: str = sys.executable,
                   status_timeout_s: float = START_STATUS_TIMEOUT_S, program: str = WRAPPER_PATH) -> WrapperHandle:
     """Start ``python -I -S <program>`` (wrapper.py, or its compiled_shim) in a new session
-    with an empty environment, cwd "/",
-    stderr /dev/null, and send ``spec`` (the wrapper contract's JSON document, which may
-    hold secret plaintext) through its stdin pipe, then close the pipe; then wait (at most
+    with an empty environment, cwd "/", stderr /dev/null, and send ``spec`` (the wrapper
+    contract's JSON document, which may hold secret plaintext) through its stdin pipe, then
+    close the pipe; then wait (at most
     ``status_timeout_s`` seconds) for its start status on stdout, so the caller learns whether
     the task was exec'd before it records the Run running (``WrapperHandle.start_error``).
 
