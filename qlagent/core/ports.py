@@ -92,3 +92,35 @@ class ProcessPort(Protocol):
 
     def cleanup(self, attempt_id: str) -> None:
         """Remove the run directory once its facts are in the store."""
+
+
+from .inbox_states import InboxEntry, InboxOffer, PendingPull  # noqa: E402  (kept beside its port)
+
+
+class InboxPort(Protocol):
+    """The Worker's durable inbox (ADR-0021; states and rules in ``core.inbox_states``). Every
+    method commits durably (fsync) before it returns; nothing of a refused call is written."""
+
+    def begin_pull(self, session_id: str, generation: int, pull_id: str, lease_token: str) -> PendingPull:
+        """The Pull request to send: the kept one if it belongs to this Session and generation
+        (a retry, byte-identical), else the fresh ``pull_id``/``lease_token`` kept first."""
+
+    def end_pull(self, pull_id: str) -> None:
+        """Forget the kept Pull request after its answer arrived (idle, refused or offered)."""
+
+    def receive(self, offer: InboxOffer, pull_id: str | None = None) -> tuple[InboxEntry, bool]:
+        """Keep ``offer`` in state ``received`` (and end ``pull_id``) in one commit; returns
+        (entry, True) for a new offer, (existing entry, False) for a retry of the same offer.
+        Raises ValidationError, OfferConflict (recorded on the kept row), InboxFull."""
+
+    def advance(self, offer_id: str, state: str, outcome: dict | None = None) -> InboxEntry:
+        """Move one row to ``state`` (``outcome`` required for ``completed``). Raises
+        NotFoundError, IllegalInboxTransition, ValidationError (outcome over the byte cap)."""
+
+    def get(self, offer_id: str) -> InboxEntry | None: ...
+
+    def open_entries(self) -> list[InboxEntry]:
+        """Rows not yet acknowledged, in receipt order (what a restarted Worker recovers)."""
+
+    def usage(self) -> tuple[int, int]:
+        """(rows, bytes) counted against the Profile's inbox caps."""
