@@ -37,7 +37,14 @@ UPWARD = {
     "qlagent": ("qlagent.core", "qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.application",
                 *ENTRY_POINTS),
 }
-# The pure core does no I/O: none of these may be loaded by importing it.
+# Fleet Worker policy (issue 11): pure decisions between core and application; nothing below
+# it imports it, and it imports nothing but core (not the cluster's control plane either).
+UPWARD["qlagent.worker"] = ("qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
+                            "qlagent.application", *ENTRY_POINTS)
+for _lower in ("qlagent.core", "qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent"):
+    UPWARD[_lower] = (*UPWARD[_lower], "qlagent.worker")
+PURE_LAYERS = ("qlagent.core", "qlagent.worker")
+# The pure layers do no I/O: none of these may be loaded by importing them.
 CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "http", "socket", "subprocess",
                   "cryptography", "urllib.request", "selectors", "psutil")
 # Heavy dependencies are lazy everywhere (pyroute2 ~18 MB, cryptography): importing a module
@@ -122,8 +129,8 @@ def test_layer_rules(loaded, module):
     own_parents = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
     upward = [m for m in _hits(mods, UPWARD[layer]) if m not in own_parents and m != module]
     assert upward == [], f"{module} ({layer}) imports upward: {upward}"
-    if layer == "qlagent.core":
-        assert _hits(mods, CORE_FORBIDDEN) == [], f"core module {module} loads I/O modules"
+    if layer in PURE_LAYERS:
+        assert _hits(mods, CORE_FORBIDDEN) == [], f"pure module {module} loads I/O modules"
     if module not in LAZY_OWNERS:
         assert _hits(mods, LAZY_EVERYWHERE) == [], f"{module} loads a lazy dependency at import time"
 
