@@ -39,6 +39,7 @@ def pg():
     assert not os.path.exists(pair.base)
 
 
+@pytest.mark.slow
 def test_synchronous_standby_then_failover_through_the_multi_host_url(pg):
     import psycopg
 
@@ -67,6 +68,11 @@ def test_synchronous_standby_then_failover_through_the_multi_host_url(pg):
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces, cgroups)")
 
 
+def _gone(w: WorkerNet) -> bool:
+    return (subprocess.run(["ip", "netns", "pids", w.ns], capture_output=True).returncode != 0
+            and subprocess.run(["ip", "link", "show", w.host_if], capture_output=True).returncode != 0)
+
+
 @pytest.fixture
 def net():
     w = WorkerNet(0)
@@ -74,8 +80,20 @@ def net():
         yield w.create()
     finally:
         w.close()
-    assert subprocess.run(["ip", "netns", "pids", w.ns], capture_output=True).returncode != 0   # gone
-    assert subprocess.run(["ip", "link", "show", w.host_if], capture_output=True).returncode != 0
+    assert _gone(w)
+
+
+@pytest.fixture
+def fleet_nets():
+    made = []
+    try:
+        for i in range(1, 4):
+            made.append(WorkerNet(i).create())
+        yield made
+    finally:
+        for w in made:
+            w.close()
+    assert all(_gone(w) for w in made)
 
 
 class _Hello(http.server.BaseHTTPRequestHandler):
@@ -118,6 +136,29 @@ def test_a_worker_namespace_reaches_the_host_only_while_its_link_is_up(net):
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@needs_root
+def test_three_workers_cut_one_link_the_others_stay_connected_and_apart(fleet_nets):
+    servers = []
+    try:
+        for w in fleet_nets:
+            srv = http.server.HTTPServer((w.host_addr, 0), _Hello)
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            servers.append(srv)
+        urls = [f"http://{w.host_addr}:{s.server_address[1]}/" for w, s in zip(fleet_nets, servers)]
+        assert len({w.ns for w in fleet_nets}) == len({w.host_addr for w in fleet_nets}) == 3
+        # Worker 1 reaches its own host address only; the other Workers' subnets are not routed.
+        out, err = _fetch(fleet_nets[0], urls[1])
+        assert out == "" and "unreachable" in err, err
+        fleet_nets[1].link_down()
+        assert _fetch(fleet_nets[1], urls[1])[0] == ""
+        assert [_fetch(w, u)[0] for w, u in ((fleet_nets[0], urls[0]), (fleet_nets[2], urls[2]))] == [
+            "hello from the control plane\n"] * 2
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
 
 
 # ---------------------------------------------------------------- cgroups
@@ -171,3 +212,17 @@ def test_a_worker_in_its_namespace_and_edge_cgroup_is_bounded_and_the_figures_sh
     assert made == 63
     assert cgroup.fork_failures() >= 1
     wait_for(lambda: cgroup.procs() == [], 10, "the cgroup to empty")
+
+
+@needs_root
+def test_cleanup_is_idempotent_and_survives_a_half_gone_setup():
+    w = WorkerNet(5).create()
+    cg = Cgroup(f"qlagent-{TAG}-half").create()
+    sleeper = spawn_in(["sleep", "60"], net=w, cgroup=cg)
+    wait_for(lambda: sleeper.pid in cg.procs(), 10, "the sleeper in its cgroup")
+    subprocess.run(["ip", "link", "del", w.host_if], check=True)     # something already went away
+    for _ in range(2):
+        w.close()
+        cg.close()
+    assert sleeper.wait(timeout=10) == -9                           # the leftover process was killed
+    assert _gone(w) and not os.path.exists(cg.mem) and not os.path.exists(cg.pids)
