@@ -14,6 +14,8 @@ import uuid
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qlagent.adapters.sqlite.inbox import FILENAME, SqliteInbox
 from qlagent.core.canonical import content_digest
@@ -322,3 +324,52 @@ def test_a_run_gone_without_a_receipt_is_reported_lost_not_spawned_again(tmp_pat
     out, _ = _worker(state, offer_path, "never").communicate(timeout=60)
     assert json.loads(out) == {"state": "completed", "outcome": {"reason": "lost"}}
     assert len(spawns.read_text().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- property: any order of events
+
+_POOL = [make_offer(argv=["/bin/echo", "n" * (40 * i)]) for i in range(5)]
+# Rivals: the same offerIds with another spec — each must be refused while the first is kept.
+_RIVALS = [msgspec.structs.replace(o, spec={**o.spec, "cwd": "/tmp"},
+                                   spec_digest=content_digest({**o.spec, "cwd": "/tmp"})) for o in _POOL]
+_FORWARD = {"received": "barrier", "barrier": "started", "started": "completed", "completed": "acked"}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["receive", "rival", "advance", "restart"]), st.integers(0, 4)),
+                max_size=25))
+def test_any_sequence_keeps_one_first_version_per_offer_id_within_the_caps(tmp_path_factory, ops):
+    path = str(tmp_path_factory.mktemp("inbox") / FILENAME)
+    caps = dict(max_rows=3, max_bytes=sum(len(msgspec.json.encode(o.spec)) for o in _POOL[2:]))
+    box = SqliteInbox(path, **caps)
+    model: dict[str, str] = {}                       # offerId → state, as the inbox must have it
+    for op, i in ops:
+        oid = _POOL[i].offer_id
+        if op == "restart":
+            box.close()
+            box = SqliteInbox(path, **caps)
+        elif op == "receive":
+            try:
+                _, new = box.receive(_POOL[i])
+                assert new == (oid not in model)
+                model.setdefault(oid, "received")
+            except InboxFull:
+                assert oid not in model
+        elif op == "rival":
+            if oid in model:
+                with pytest.raises(OfferConflict):
+                    box.receive(_RIVALS[i])
+        elif oid in model and model[oid] in _FORWARD:
+            nxt = _FORWARD[model[oid]]
+            box.advance(oid, nxt, {"exitCode": 0} if nxt == "completed" else None)
+            model[oid] = nxt
+        rows, used = box.usage()
+        assert rows <= caps["max_rows"] and used <= caps["max_bytes"]
+        for kept_id, state in list(model.items()):
+            entry = box.get(kept_id)
+            if entry is None:                        # only acknowledged rows are ever pruned
+                assert state == "acked"
+                del model[kept_id]
+            else:
+                assert entry.state == state and entry.offer == next(o for o in _POOL if o.offer_id == kept_id)
+    box.close()
