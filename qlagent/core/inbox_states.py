@@ -2,10 +2,9 @@
 
 States of one offer (row) and the only moves between them::
 
-    received ─→ barrier ─→ started ─→ completed ─→ acked
-        └────────┴──────────────────────↗
-    (received/barrier → completed: the offer could not start — a start failure, or the Worker
-    found on restart that the run is gone without a receipt; the outcome says which)
+    received → barrier → started → completed → acked
+    received → completed,  barrier → completed     (it could not start, or a restart found it
+                                                     lost; the outcome says which)
 
 - ``received``: the offer is on disk (delivery). Nothing has run.
 - ``barrier``: the **crash barrier**, committed and fsync'd BEFORE anything is spawned. After it
@@ -21,8 +20,9 @@ States of one offer (row) and the only moves between them::
 Identity (ADR-0014 §3, ADR-0021): an offer is idempotent by ``offerId``; the same offerId with
 another ExecutionSpec digest (or another Lease) is refused with ``OfferConflict``. Secret values
 never enter the inbox: the stored spec is the ExecutionSpec document, which names SecretRefs
-only, and its digest must be the spec's own content digest, so a document carrying anything
-else does not match what the control plane claimed.
+only, and its digest must be the spec's own content digest (``canonical.content_digest`` of the
+camelCase document, as the control plane computes ``specDigest``), so a document carrying
+anything else does not match what the control plane claimed.
 """
 
 from __future__ import annotations
