@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 import uuid
 
 import msgspec
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from qlagent.adapters.sqlite.inbox import FILENAME, SqliteInbox
 from qlagent.core.canonical import content_digest
 from qlagent.core.errors import EXIT_CONFLICT, EXIT_UNAVAILABLE, EXIT_USAGE, NotFoundError, StoreIntegrityError, \
-    ValidationError
+    UnavailableError, ValidationError
 from qlagent.core.inbox_states import (COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, STATES, IllegalInboxTransition,
                                        InboxFull, InboxOffer, OfferConflict, recovery_action)
 from qlagent.core.profiles import EDGE
@@ -250,6 +251,16 @@ def test_a_file_of_an_unknown_schema_version_is_refused(tmp_path):
         SqliteInbox(path, max_rows=1, max_bytes=1)
 
 
+def test_a_symlinked_inbox_file_is_refused_with_one_line(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    (tmp_path / FILENAME).symlink_to(target)
+    with pytest.raises(UnavailableError) as e:
+        SqliteInbox(str(tmp_path / FILENAME), max_rows=1, max_bytes=1)
+    assert "\n" not in str(e.value) and FILENAME in str(e.value)
+    assert target.read_bytes() == b""                 # nothing written through the link
+
+
 @pytest.mark.parametrize("rows, size", [(0, 1), (1, 0)])
 def test_caps_below_one_are_refused(tmp_path, rows, size):
     with pytest.raises(ValidationError):
@@ -318,6 +329,10 @@ def test_a_run_gone_without_a_receipt_is_reported_lost_not_spawned_again(tmp_pat
     w = _worker(state, offer_path, "spawn")
     assert w.stdout.readline() == "spawn\n"
     task = int(open(os.path.join(state, "runs", offer.attempt_id, "task.pid")).read())
+    deadline = time.monotonic() + 30
+    while not (spawns.exists() and spawns.read_text()):             # the task did start
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     w.kill()
     os.killpg(task, signal.SIGKILL)                  # the run died with the Worker (e.g. a reboot)
     w.wait()

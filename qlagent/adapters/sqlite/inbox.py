@@ -83,7 +83,7 @@ class SqliteInbox:
     """``InboxPort`` over one SQLite file. One owner (the Worker's main loop); not thread-safe.
 
     Raises ValidationError for ``max_rows``/``max_bytes`` < 1, UnavailableError when the file
-    cannot be opened, StoreIntegrityError for an unknown schema version.
+    cannot be opened (a symlink is refused), StoreIntegrityError for an unknown schema version.
     """
 
     def __init__(self, path: str, *, max_rows: int, max_bytes: int, now_us=_now_us) -> None:
@@ -92,10 +92,11 @@ class SqliteInbox:
         if not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValidationError("inbox_bytes", "must be at least 1", limit=1)
         self.path, self.max_rows, self.max_bytes, self._now = path, max_rows, max_bytes, now_us
+        self._c = None
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
-            if not os.path.exists(path):
-                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+            # Created 0600 if missing; an existing symlink fails here (ELOOP) instead of being followed.
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
             self._c = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
             mode = self._c.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
@@ -106,8 +107,12 @@ class SqliteInbox:
             self._c.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
             self._c.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
             self._migrate()
-        except sqlite3.Error as e:
-            raise UnavailableError(f"cannot open the inbox {path}: {e}") from None
+        except BaseException as e:
+            if self._c is not None:
+                self._c.close()
+            if isinstance(e, (sqlite3.Error, OSError)):
+                raise UnavailableError(f"cannot open the inbox {path}: {e}") from None
+            raise
 
     @classmethod
     def for_profile(cls, state_dir: str, profile: Profile) -> "SqliteInbox":
