@@ -232,7 +232,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class WorkerNet:
-    """Namespace ``qlf<pid>w<idx>`` with veth ``qfh<pid><idx>`` (host) ↔ ``eth0`` (namespace).
+    """Namespace ``qlf<pid>w<idx>`` with veth ``qfh<pid>x<idx>`` (host) ↔ ``eth0`` (namespace).
 
     Addresses: host ``169.254.A.(4i+1)/30``, namespace ``169.254.A.(4i+2)/30`` with A from the
     test's PID, so parallel test processes get different subnets. The namespace has no default
@@ -244,7 +244,7 @@ class WorkerNet:
             raise ValueError("idx: 0..63 (one /30 each inside a /24)")
         tag = os.getpid() if tag is None else tag
         self.ns = f"qlf{tag}w{idx}"
-        self.host_if = f"qfh{tag % 100_000_000}{idx}"[:15]
+        self.host_if = f"qfh{tag % 100_000_000}x{idx}"          # ≤ 14 characters (IFNAMSIZ 16)
         octet = 1 + tag % 254
         self.host_addr = f"169.254.{octet}.{4 * idx + 1}"
         self.ns_addr = f"169.254.{octet}.{4 * idx + 2}"
