@@ -525,3 +525,40 @@ def test_hot_journal_of_a_crashed_writer_is_rolled_back_in_a_private_copy(state,
     report = js(state, "import", "qinglong", data)
     assert tree(data) == before                                   # the journal is not rolled back in place
     assert sorted(t["cronName"] for t in report["tasks"]) == sorted(f"c{i}" for i in range(200))
+
+
+# ---- hostile or odd 2.x data (review) ----------------------------------------------------------
+
+def _raw_rows(panel: str, *sql: str) -> None:
+    c = sqlite3.connect(os.path.join(panel, "db", "database.sqlite"))
+    for s in sql:
+        c.execute(s)
+    c.commit()
+    c.close()
+
+
+def test_non_utf8_bytes_skip_only_that_cron_and_never_crash_the_report(state, workdir):
+    # A name typed as GBK through the sqlite3 shell (京东 = BE A9 B6 AB), an argument and a
+    # task_before with a stray byte, an Env name with one: the rest still comes across.
+    panel = make_panel(workdir, [{"name": "good", "command": "task ok.sh", "schedule": "0 1 * * *"}], [],
+                       config=None, scripts={"ok.sh": "echo ok\n"})
+    _raw_rows(panel,
+              "INSERT INTO Crontabs (name, command, schedule) VALUES (CAST(X'BEA9B6AB' AS TEXT), 'task ok.sh', "
+              "'0 2 * * *')",
+              "INSERT INTO Crontabs (name, command, schedule) VALUES ('arg', CAST(X'7461736B206F6B2E736820FF' AS "
+              "TEXT), '0 3 * * *')",
+              "INSERT INTO Crontabs (name, command, schedule, task_before) VALUES ('before', 'task ok.sh', "
+              "'0 4 * * *', CAST(X'6563686F20FF' AS TEXT))",
+              "INSERT INTO Envs (name, value, status, position) VALUES (CAST(X'41FF' AS TEXT), 'v', 0, 1)")
+    before = tree(panel)
+    for extra in ((), ("--json",)):
+        p = cli(state, "import", "qinglong", panel, "--dry-run", *extra)
+        assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr.decode()
+    report = js(state, "import", "qinglong", panel)
+    assert sorted(t["cronId"] for t in report["tasks"]) == [1, 2]
+    reasons = {k["cronId"]: k["reason"] for k in report["skipped"]}
+    assert "command is not valid UTF-8" in reasons[3] and "task_before is not valid UTF-8" in reasons[4]
+    assert [v["reason"] for v in report["skippedVariables"]] == ["not a POSIX environment name"]
+    assert "\ufffd" in report["tasks"][1]["cronName"]
+    assert tree(panel) == before
+

@@ -140,6 +140,12 @@ def _text(b: bytes) -> str:
     return b.decode("utf-8", "surrogateescape")
 
 
+def _display(s: str | None) -> str:
+    # Names are only shown and slugged: a stray non-UTF-8 byte (a GBK name typed into the
+    # sqlite3 shell) becomes U+FFFD instead of breaking the report's UTF-8 output.
+    return (s or "").encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def _query(conn: sqlite3.Connection, db: str) -> tuple[tuple[QlCron, ...], tuple[QlEnv, ...]]:
     def columns(table: str) -> set[str]:
         return {r[1] for r in conn.execute(f'PRAGMA table_info("{table}")')}
@@ -158,7 +164,7 @@ def _query(conn: sqlite3.Connection, db: str) -> tuple[tuple[QlCron, ...], tuple
             f'{col("extra_schedules", cron_cols)}, {col("task_before", cron_cols)}, '
             f'{col("task_after", cron_cols)}, {col("isSystem", cron_cols)} FROM Crontabs ORDER BY id '
             f'LIMIT {MAX_CRONS + 1}'):
-        crons.append(QlCron(id=int(r[0]), name=r[1] or "", command=r[2] or "", schedule=str(r[3] or ""),
+        crons.append(QlCron(id=int(r[0]), name=_display(r[1]), command=r[2] or "", schedule=str(r[3] or ""),
                             is_disabled=bool(r[4]), labels_json=r[5], extra_schedules_json=r[6],
                             task_before=r[7], task_after=r[8], is_system=bool(r[9])))
     if len(crons) > MAX_CRONS:
@@ -170,7 +176,7 @@ def _query(conn: sqlite3.Connection, db: str) -> tuple[tuple[QlCron, ...], tuple
                 f'SELECT id, name, CAST(value AS BLOB), {col("status", env_cols)}, {col("position", env_cols)}, '
                 f'{col("createdAt", env_cols)} FROM Envs WHERE name IS NOT NULL ORDER BY id '
                 f'LIMIT {MAX_ENV_ROWS + 1}'):
-            envs.append(QlEnv(id=int(r[0]), name=r[1], value=r[2] or b"", enabled=not r[3],
+            envs.append(QlEnv(id=int(r[0]), name=_display(r[1]), value=r[2] or b"", enabled=not r[3],
                               position=float(r[4]) if isinstance(r[4], (int, float)) else None,
                               created_at=str(r[5]) if r[5] is not None else None))
         if len(envs) > MAX_ENV_ROWS:

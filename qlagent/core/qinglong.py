@@ -610,6 +610,15 @@ def _variables(panel: QlPanel, prefix: str) -> tuple[list[PlannedSecret], list[S
     return sorted(secrets.values(), key=lambda s: s.env), skipped
 
 
+def _utf8(text: str | None) -> bool:
+    # The adapter keeps non-UTF-8 bytes as surrogate escapes; an argv or script must be text.
+    try:
+        (text or "").encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def plan_import(panel: QlPanel, present: frozenset[str], tools: Toolset, *, prefix: str = "",
                 env_scope: str = "all") -> ImportPlan:
     """The whole import plan (see the module docstring for every rule).
@@ -641,8 +650,12 @@ def plan_import(panel: QlPanel, present: frozenset[str], tools: Toolset, *, pref
     skipped: list[SkippedCron] = []
     for cron in sorted(panel.crons, key=lambda c: c.id):
         cmd = commands[cron.id]
+        bad = next((f for f, v in (("command", cron.command), ("task_before", cron.task_before),
+                                   ("task_after", cron.task_after)) if not _utf8(v)), None)
         if cron.is_system:
             outcome: PlannedTask | str = "a 2.x system cron (isSystem): the panel's own; not imported"
+        elif bad:
+            outcome = f"{bad} is not valid UTF-8; fix it in the panel or add it by hand"
         elif isinstance(cmd, str):
             outcome = cmd
         elif cmd.script not in present:
