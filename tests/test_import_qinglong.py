@@ -562,3 +562,27 @@ def test_non_utf8_bytes_skip_only_that_cron_and_never_crash_the_report(state, wo
     assert "\ufffd" in report["tasks"][1]["cronName"]
     assert tree(panel) == before
 
+
+def test_cells_of_unexpected_types_are_reported_not_a_traceback(state, workdir):
+    deep = "[" * 100_000 + "]" * 100_000
+    panel = make_panel(workdir, [
+        {"name": b"blob-name", "command": "task ok.sh", "schedule": "0 1 * * *"},
+        {"name": "blob-command", "command": b"task ok.sh", "schedule": "0 2 * * *"},
+        {"name": "int-labels", "command": "task ok.sh", "schedule": "0 3 * * *", "labels": 5},
+        {"name": "int-extra", "command": "task ok.sh", "schedule": "0 4 * * *", "extra_schedules": 3},
+        {"name": "deep-labels", "command": "task ok.sh", "schedule": "0 5 * * *", "labels": deep},
+    ], [{"name": b"BLOB_NAME", "value": "v", "status": 0, "position": 1}], config=None,
+        scripts={"ok.sh": "echo ok\n"})
+    report = js(state, "import", "qinglong", panel)
+    assert {t["cronName"]: t["task"] for t in report["tasks"]} == {
+        "blob-name": "blob-name", "blob-command": "blob-command", "int-labels": "int-labels",
+        "deep-labels": "deep-labels"}
+    assert [k["reason"] for k in report["skipped"]] == ["extra_schedules is not a JSON array"]
+    assert [s["env"] for s in report["secrets"]] == ["BLOB_NAME"]
+    # A table without an integer id column is not a 2.x table: one line, exit 2, nothing written.
+    _raw_rows(panel, "CREATE TABLE T AS SELECT * FROM Crontabs", "DROP TABLE Crontabs",
+              "ALTER TABLE T RENAME TO Crontabs",
+              "INSERT INTO Crontabs (id, name, command, schedule) VALUES ('abc', 'x', 'task ok.sh', '0 1 * * *')")
+    before = tree(state)
+    one_line_error(cli(state, "import", "qinglong", panel, "--prefix", "p"), 2, "Crontabs", "id")
+    assert tree(state) == before

@@ -140,6 +140,19 @@ def _text(b: bytes) -> str:
     return b.decode("utf-8", "surrogateescape")
 
 
+def _cell(v) -> str | None:
+    # SQLite keeps any type in any column: a BLOB or number where 2.x stores text is read as text.
+    if isinstance(v, bytes):
+        return _text(v)
+    return v if v is None or isinstance(v, str) else str(v)
+
+
+def _row_id(v, table: str) -> int:
+    if not isinstance(v, int):
+        raise ValidationError(table, f"a row's id is {type(v).__name__}, not an integer: not a qinglong 2.x table")
+    return v
+
+
 def _display(s: str | None) -> str:
     # Names are only shown and slugged: a stray non-UTF-8 byte (a GBK name typed into the
     # sqlite3 shell) becomes U+FFFD instead of breaking the report's UTF-8 output.
@@ -164,9 +177,10 @@ def _query(conn: sqlite3.Connection, db: str) -> tuple[tuple[QlCron, ...], tuple
             f'{col("extra_schedules", cron_cols)}, {col("task_before", cron_cols)}, '
             f'{col("task_after", cron_cols)}, {col("isSystem", cron_cols)} FROM Crontabs ORDER BY id '
             f'LIMIT {MAX_CRONS + 1}'):
-        crons.append(QlCron(id=int(r[0]), name=_display(r[1]), command=r[2] or "", schedule=str(r[3] or ""),
-                            is_disabled=bool(r[4]), labels_json=r[5], extra_schedules_json=r[6],
-                            task_before=r[7], task_after=r[8], is_system=bool(r[9])))
+        crons.append(QlCron(id=_row_id(r[0], "Crontabs"), name=_display(_cell(r[1])), command=_cell(r[2]) or "",
+                            schedule=_cell(r[3]) or "", is_disabled=bool(r[4]), labels_json=_cell(r[5]),
+                            extra_schedules_json=_cell(r[6]), task_before=_cell(r[7]), task_after=_cell(r[8]),
+                            is_system=bool(r[9])))
     if len(crons) > MAX_CRONS:
         raise ValidationError("Crontabs", f"more than {MAX_CRONS} crons", limit=MAX_CRONS)
     env_cols = columns("Envs")
@@ -176,7 +190,7 @@ def _query(conn: sqlite3.Connection, db: str) -> tuple[tuple[QlCron, ...], tuple
                 f'SELECT id, name, CAST(value AS BLOB), {col("status", env_cols)}, {col("position", env_cols)}, '
                 f'{col("createdAt", env_cols)} FROM Envs WHERE name IS NOT NULL ORDER BY id '
                 f'LIMIT {MAX_ENV_ROWS + 1}'):
-            envs.append(QlEnv(id=int(r[0]), name=_display(r[1]), value=r[2] or b"", enabled=not r[3],
+            envs.append(QlEnv(id=_row_id(r[0], "Envs"), name=_display(_cell(r[1])), value=r[2] or b"", enabled=not r[3],
                               position=float(r[4]) if isinstance(r[4], (int, float)) else None,
                               created_at=str(r[5]) if r[5] is not None else None))
         if len(envs) > MAX_ENV_ROWS:

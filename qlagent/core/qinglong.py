@@ -483,7 +483,7 @@ def _json_list(text: str | None, what: str) -> list:
         return []
     try:
         value = msgspec.json.decode(text.encode("utf-8", "surrogatepass"))
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):       # RecursionError: nested past msgspec's depth
         raise _Refused(f"{what} is not JSON") from None
     if value is None:
         return []
