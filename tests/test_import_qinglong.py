@@ -586,3 +586,20 @@ def test_cells_of_unexpected_types_are_reported_not_a_traceback(state, workdir):
     before = tree(state)
     one_line_error(cli(state, "import", "qinglong", panel, "--prefix", "p"), 2, "Crontabs", "id")
     assert tree(state) == before
+
+
+def test_fifo_or_device_as_config_sh_is_refused_not_waited_on(state, workdir):
+    panel = make_panel(workdir, [{"name": "a", "command": "task ok.sh", "schedule": "0 1 * * *"}], [], config=None,
+                       scripts={"ok.sh": "echo ok\n"})
+    conf = os.path.join(panel, "config", "config.sh")
+    os.mkfifo(conf)                   # nobody ever writes to it: reading it would block for ever
+    before = tree(state)
+    one_line_error(cli(state, "import", "qinglong", panel), 2, "config.sh", "not a regular file")
+    os.unlink(conf)
+    os.symlink("/dev/zero", conf)
+    one_line_error(cli(state, "import", "qinglong", panel), 2, "config.sh", "not a regular file")
+    assert tree(state) == before
+    # A FIFO given as PATH is named for what it is, not "does not exist".
+    fifo = os.path.join(workdir, "database.sqlite")
+    os.mkfifo(fifo)
+    one_line_error(cli(state, "import", "qinglong", fifo), 2, "PATH", "not a regular file or a directory")

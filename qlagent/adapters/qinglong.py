@@ -24,6 +24,7 @@ import fcntl
 import os
 import shutil
 import sqlite3
+import stat
 import struct
 import tempfile
 import time
@@ -65,6 +66,8 @@ def locate(path: str, scripts_dir: str | None) -> tuple[str, str | None, str, st
         db = p
         parent = os.path.dirname(p)
         data_dir = os.path.dirname(parent) if os.path.basename(parent) == "db" else None
+    elif os.path.exists(p):
+        raise ValidationError("PATH", f"{p} is not a regular file or a directory")
     else:
         raise ValidationError("PATH", f"{p} does not exist")
     if scripts_dir is not None:
@@ -87,10 +90,17 @@ def read_config(path: str | None) -> QlConfig:
     if path is None:
         return QlConfig()
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        # O_NONBLOCK: a FIFO in its place must not hang the import waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise ValidationError("config.sh", f"{path} cannot be read: {e.strerror}") from None
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValidationError("config.sh", f"{path} is not a regular file")
+        try:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ValidationError("config.sh", f"{path} cannot be read: {e.strerror}") from None
     if len(data) > MAX_CONFIG_BYTES:
         raise ValidationError("config.sh", f"{path} is longer than {MAX_CONFIG_BYTES} bytes", limit=MAX_CONFIG_BYTES)
     return parse_config_sh(data)
