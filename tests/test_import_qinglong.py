@@ -603,3 +603,20 @@ def test_fifo_or_device_as_config_sh_is_refused_not_waited_on(state, workdir):
     fifo = os.path.join(workdir, "database.sqlite")
     os.mkfifo(fifo)
     one_line_error(cli(state, "import", "qinglong", fifo), 2, "PATH", "not a regular file or a directory")
+
+
+def test_a_script_outside_the_scripts_dir_is_not_imported(state, workdir):
+    crons = [{"name": "up", "command": "task ../../etc/x.sh", "schedule": "0 1 * * *"},
+             {"name": "abs", "command": "task /usr/local/x.sh", "schedule": "0 2 * * *"},
+             {"name": "sub", "command": "task sub/../ok.sh", "schedule": "0 3 * * *"},
+             {"name": "docker", "command": "task /ql/data/scripts/ok.sh", "schedule": "0 4 * * *"}]
+    panel = make_panel(workdir, crons, [], config=None, scripts={"ok.sh": "echo ok\n"})
+    # The files exist: only where they are decides.
+    for p in (os.path.join(panel, "..", "etc", "x.sh"), os.path.join(workdir, "usr", "local", "x.sh")):
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            f.write("echo outside\n")
+    report = js(state, "import", "qinglong", panel, "--scripts-dir", os.path.join(panel, "scripts"))
+    assert sorted(t["cronName"] for t in report["tasks"]) == ["docker", "sub"]
+    reasons = {k["cronName"]: k["reason"] for k in report["skipped"]}
+    assert set(reasons) == {"up", "abs"} and all("outside the scripts dir" in r for r in reasons.values()), reasons

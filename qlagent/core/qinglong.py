@@ -6,7 +6,8 @@ Rules (each reported per cron or per variable, never fatal for the others):
 - a Crontab ``task X.ext args`` (or ``X.ext args``: 2.x puts ``task`` in front of any other
   command) becomes ``command = [interpreter, /abs/scripts/X.ext, args…]`` with ``cwd`` = the
   scripts dir; ``node`` for .js, ``python3`` for .py, ``bash`` for .sh, ``ts-node`` for .ts,
-  each only when the adapter found it. ``now`` is dropped (we add no random delay);
+  each only when the adapter found it; a script outside the scripts dir (``../``, an absolute
+  path other than the container's ``/ql/data/scripts/…``) is skipped. ``now`` is dropped (we add no random delay);
   ``conc``/``desi`` and other panel options, ``ql …`` commands, ``isSystem`` crons and anything
   needing a shell (``$``, backticks, ``;``, ``|``, ``&&``, redirections) are skipped;
 - with ``task_before``/``task_after`` the Task is ``/bin/bash`` running ``set -e``, the before
@@ -465,7 +466,12 @@ def parse_command(command: str, scripts_dir: str) -> _Command | str:
             return f"task option {b!r} is a 2.x panel feature (it splits variables per account); add it by hand"
         else:
             return f"task option {b!r} is a 2.x panel option; add it by hand"
-    return _Command(script=_script_path(script, scripts_dir), ext=ext, args=tuple(args), notes=tuple(notes))
+    path = _script_path(script, scripts_dir)
+    # `task ../x.sh` or `/usr/x.sh` would run a file outside the folder the import checked (and,
+    # for a panel in a container, another file than the one 2.x ran).
+    if not path.startswith(scripts_dir.rstrip("/") + "/"):
+        return f"script {path} is outside the scripts dir {scripts_dir}; add it by hand"
+    return _Command(script=path, ext=ext, args=tuple(args), notes=tuple(notes))
 
 
 def script_paths(crons: tuple[QlCron, ...], scripts_dir: str) -> frozenset[str]:
