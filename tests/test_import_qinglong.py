@@ -620,3 +620,22 @@ def test_a_script_outside_the_scripts_dir_is_not_imported(state, workdir):
     assert sorted(t["cronName"] for t in report["tasks"]) == ["docker", "sub"]
     reasons = {k["cronName"]: k["reason"] for k in report["skipped"]}
     assert set(reasons) == {"up", "abs"} and all("outside the scripts dir" in r for r in reasons.values()), reasons
+
+
+def test_a_cron_renamed_in_2x_revises_its_task_instead_of_adding_a_second(state, workdir):
+    crons = [{"name": "old name", "command": "task ok.sh", "schedule": "0 1 * * *"}]
+    panel = make_panel(workdir, crons, [], config=None, scripts={"ok.sh": "echo ok\n"})
+    js(state, "import", "qinglong", panel)
+    # The same cron id from ANOTHER panel (its own scripts dir) is not this cron.
+    other = make_panel(os.path.join(workdir, "other"), crons, [], config=None, scripts={"ok.sh": "echo ok\n"})
+    js(state, "import", "qinglong", other, "--prefix", "o-")
+    with sqlite3.connect(os.path.join(panel, "db", "database.sqlite")) as c:
+        c.execute("UPDATE Crontabs SET name = 'new name', schedule = '0 2 * * *' WHERE id = 1")
+    report = js(state, "import", "qinglong", panel)
+    assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("old-name", "revised", 2)]
+    heads = {t["name"]: t for t in js(state, "task", "ls")}
+    assert sorted(heads) == ["o-old-name", "old-name"]                 # not a second Task running ok.sh
+    assert heads["old-name"]["schedules"] == ["0 2 * * *"] and heads["o-old-name"]["revision"] == 1
+    again = js(state, "import", "qinglong", panel)
+    assert [(t["task"], t["action"]) for t in again["tasks"]] == [("old-name", "unchanged")]
+    assert {r["cronId"]: r["task"] for r in again["renamed"]} == {1: "old-name"}
