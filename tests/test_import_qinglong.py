@@ -639,3 +639,22 @@ def test_a_cron_renamed_in_2x_revises_its_task_instead_of_adding_a_second(state,
     again = js(state, "import", "qinglong", panel)
     assert [(t["task"], t["action"]) for t in again["tasks"]] == [("old-name", "unchanged")]
     assert {r["cronId"]: r["task"] for r in again["renamed"]} == {1: "old-name"}
+
+
+def test_a_2x_path_env_does_not_replace_every_tasks_path(state, workdir):
+    # 2.x sourced `export PATH="$PATH:/opt/x"` (evaluated); byte-exact it would be the literal
+    # `$PATH:/opt/x` for every imported Task, and no command on PATH would be found.
+    panel = make_panel(workdir, [{"name": "probe", "command": "task probe.sh", "schedule": "0 1 * * *"}],
+                       [{"name": "PATH", "value": "$PATH:/opt/x", "status": 0, "position": 1},
+                        {"name": "TOKEN", "value": "t", "status": 0, "position": 1}],
+                       config=None, scripts={"probe.sh": "id -u > id.out\n"})
+    report = js(state, "import", "qinglong", panel)
+    assert [s["env"] for s in report["secrets"]] == ["TOKEN"]
+    assert [(v["name"], v["source"]) for v in report["skippedVariables"]] == [("PATH", "envs")]
+    assert "the agent sets PATH" in report["skippedVariables"][0]["reason"]
+    p = start_serve(state, env=clean_env())
+    try:
+        ok(state, "run", "start", "probe", "--wait", "--timeout", "30")
+    finally:
+        stop(p)
+    assert os.path.exists(os.path.join(panel, "scripts", "id.out"))

@@ -16,6 +16,7 @@ Rules (each reported per cron or per variable, never fatal for the others):
 - Envs: the enabled rows of one name joined with ``&`` in the panel's own order (``position``
   descending, then ``createdAt`` descending, as 2.x ``EnvService.envs()`` sorts them), byte-exact:
   no trimming, no quoting, no evaluation (2.x wrote them into a sourced shell file);
+  ``PATH`` is not imported (the agent's PATH; 2.x's ``$PATH:…`` would be literal);
 - ``config/config.sh``: ``export NAME=value`` lines read as shell words WITHOUT a shell
   (``"…"``, ``'…'``, bare, backslash escapes); a value needing evaluation (``$…``, backticks,
   ``~``, globs) is reported and not imported; an Env of the same name wins (2.x sources
@@ -584,6 +585,10 @@ def _variables(panel: QlPanel, prefix: str) -> tuple[list[PlannedSecret], list[S
         reason = None
         if not POSIX_ENV_NAME.match(name):
             reason = "not a POSIX environment name"
+        elif name == "PATH":
+            # 2.x evaluated `$PATH:…` in its sourced file; byte-exact in every Task it would
+            # replace the agent's PATH and no command on it would be found.
+            reason = "the agent sets PATH for every Task; set it per Task (`env.PATH`) if a script needs more"
         elif name.upper().startswith(L.RESERVED_ENV_PREFIX):
             reason = f"names starting with {L.RESERVED_ENV_PREFIX} are reserved for the agent"
         elif len(secret) > L.MAX_SECRET_NAME or not SECRET_NAME.match(secret):
