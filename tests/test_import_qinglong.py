@@ -658,3 +658,17 @@ def test_a_2x_path_env_does_not_replace_every_tasks_path(state, workdir):
     finally:
         stop(p)
     assert os.path.exists(os.path.join(panel, "scripts", "id.out"))
+
+
+def test_a_path_that_is_not_utf8_is_refused_in_one_line(state, workdir):
+    # A Task's cwd and command are stored as UTF-8 JSON: a scripts dir named in another encoding
+    # cannot be one; say so instead of a traceback.
+    panel = make_panel(os.path.join(workdir, "p\udcff"), [{"name": "a", "command": "task ok.sh",
+                                                          "schedule": "0 1 * * *"}], [], config=None,
+                       scripts={"ok.sh": "echo ok\n"})
+    before = tree(state)
+    for args in ((panel,), (os.path.join(panel, "db", "database.sqlite"), "--scripts-dir",
+                             os.path.join(panel, "scripts"))):
+        for extra in ((), ("--json",), ("--dry-run",)):
+            one_line_error(cli(state, "import", "qinglong", *args, *extra), 2, "PATH", "not valid UTF-8")
+    assert tree(state) == before

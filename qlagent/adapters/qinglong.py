@@ -47,14 +47,24 @@ MAX_ENV_ROWS = 10_000
 """Most ``Envs`` rows read."""
 
 
+def _utf8_path(path: str, field: str) -> str:
+    # Task cwd/command and the report are UTF-8 text; argv keeps other bytes as surrogates.
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(field, f"{os.fsencode(path)!r} is not valid UTF-8; rename it") from None
+    return path
+
+
 def locate(path: str, scripts_dir: str | None) -> tuple[str, str | None, str, str | None]:
     """Resolve (database, data dir or None, scripts dir, config.sh or None), all absolute.
 
     ``path`` is a 2.x data directory (holding ``db/database.sqlite``) or the database file.
-    Raises ValidationError (``PATH``, ``scripts-dir``) for a missing or non-2.x path and a
-    scripts dir that is missing or not readable and searchable by this process.
+    Raises ValidationError (``PATH``, ``scripts-dir``) for a missing or non-2.x path, a path
+    that is not UTF-8 and a scripts dir that is missing or not readable and searchable by this
+    process.
     """
-    p = os.path.abspath(path)
+    p = _utf8_path(os.path.abspath(path), "PATH")
     if os.path.isdir(p):
         db, data_dir = os.path.join(p, "db", "database.sqlite"), p
         if not os.path.isfile(db):
@@ -77,6 +87,7 @@ def locate(path: str, scripts_dir: str | None) -> tuple[str, str | None, str, st
     else:
         raise ValidationError("scripts-dir", f"{db} is not inside a data directory (…/db/database.sqlite); "
                               "give --scripts-dir")
+    _utf8_path(scripts, "scripts-dir")
     if not os.path.isdir(scripts):
         raise ValidationError("scripts-dir", f"{scripts} is not a directory")
     if not os.access(scripts, os.R_OK | os.X_OK):
