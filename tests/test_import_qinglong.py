@@ -672,3 +672,17 @@ def test_a_path_that_is_not_utf8_is_refused_in_one_line(state, workdir):
         for extra in ((), ("--json",), ("--dry-run",)):
             one_line_error(cli(state, "import", "qinglong", *args, *extra), 2, "PATH", "not valid UTF-8")
     assert tree(state) == before
+
+
+def test_a_huge_extra_schedules_list_is_refused_for_its_cron_without_stalling(state, workdir):
+    # 200 000 distinct lines in one cell: de-duplicated in one pass (a pairwise scan would take
+    # the 60 s the CLI helper allows many times over), then refused for that cron only.
+    extra = json.dumps([{"schedule": f"{i % 60} {i // 60 % 24} {i // 1440 % 28 + 1} {i // 40320 % 12 + 1} *"}
+                        for i in range(200_000)])
+    panel = make_panel(workdir, [{"name": "many", "command": "task ok.sh", "schedule": "0 1 * * *",
+                                  "extra_schedules": extra},
+                                 {"name": "fine", "command": "task ok.sh", "schedule": "0 2 * * *"}], [],
+                       config=None, scripts={"ok.sh": "echo ok\n"})
+    report = js(state, "import", "qinglong", panel)
+    assert [t["cronName"] for t in report["tasks"]] == ["fine"]
+    assert "200001 schedules, more than 16" in report["skipped"][0]["reason"]

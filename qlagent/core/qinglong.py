@@ -520,15 +520,14 @@ def _labels(cron: QlCron, notes: list[str]) -> dict[str, str]:
 
 
 def _schedules(cron: QlCron) -> list[str]:
-    lines = [" ".join((cron.schedule or "").split())]
+    # A dict keeps the first-seen order and de-duplicates in one pass (the cell is unbounded).
+    lines = {" ".join((cron.schedule or "").split()): None}
     for item in _json_list(cron.extra_schedules_json, "extra_schedules"):
         s = item.get("schedule") if isinstance(item, dict) else None
         if not isinstance(s, str):
             raise _Refused("extra_schedules holds an item without a schedule string")
-        s = " ".join(s.split())
-        if s not in lines:
-            lines.append(s)
-    return lines
+        lines.setdefault(" ".join(s.split()), None)
+    return list(lines)
 
 
 def _bash_script(before: str, argv: list[str], after: str) -> str:
