@@ -686,3 +686,18 @@ def test_a_huge_extra_schedules_list_is_refused_for_its_cron_without_stalling(st
     report = js(state, "import", "qinglong", panel)
     assert [t["cronName"] for t in report["tasks"]] == ["fine"]
     assert "200001 schedules, more than 16" in report["skipped"][0]["reason"]
+
+
+def test_removing_a_same_name_cron_in_2x_keeps_the_other_on_its_task(state, workdir):
+    crons = [{"name": "x", "command": "task ok.sh", "schedule": "0 1 * * *"},
+             {"name": "x", "command": "task ok.sh", "schedule": "0 2 * * *"}]
+    panel = make_panel(workdir, crons, [], config=None, scripts={"ok.sh": "echo ok\n"})
+    assert [t["task"] for t in js(state, "import", "qinglong", panel)["tasks"]] == ["x", "x-2"]
+    with sqlite3.connect(os.path.join(panel, "db", "database.sqlite")) as c:
+        c.execute("DELETE FROM Crontabs WHERE id = 1")            # cron 2 now maps to the plain "x"
+        c.execute("UPDATE Crontabs SET schedule = '0 3 * * *' WHERE id = 2")
+    report = js(state, "import", "qinglong", panel)
+    assert report["skipped"] == []
+    assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("x-2", "revised", 2)]
+    assert js(state, "task", "show", "x-2")["schedules"] == ["0 3 * * *"]
+    assert js(state, "task", "show", "x")["revision"] == 1          # cron 1's Task: kept, untouched

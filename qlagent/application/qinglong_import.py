@@ -105,8 +105,8 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
                  dry_run: bool, prefix: str = "") -> ImportReport:
     """Write the plan in one transaction (all or nothing); ``dry_run`` rolls it back.
 
-    A cron whose mapped name is new but that was imported before under another name (renamed
-    in 2.x) revises that Task, which keeps its name. Raises UnavailableError if Secrets are to
+    A cron imported before under another name (renamed in 2.x, or a same-name cron removed so
+    that its name maps elsewhere) revises that Task, which keeps its name. Raises UnavailableError if Secrets are to
     be stored and the key file is missing.
     """
     pid = store.project.project_id
@@ -122,7 +122,7 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
             except NotFoundError:
                 head = None
             notes = t.notes
-            if head is None:
+            if head is None or head.definition.labels.get(ID_LABEL) != str(t.cron_id):
                 if earlier is None:
                     earlier = _imported_before(c, pid, prefix, panel.scripts_dir)
                 same = earlier.get(str(t.cron_id), [])
@@ -130,12 +130,13 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
                     taken.append(SkippedOutcome(t.cron_id, t.cron_name, t.name, "imported before as tasks "
                                                 + ", ".join(repr(h.name) for h in same) + "; remove all but one"))
                     continue
-                if same:
+                if len(same) == 1:
                     head = same[0]
                     d = msgspec.structs.replace(t.prepared.definition, name=head.name)
                     t = msgspec.structs.replace(t, name=head.name, prepared=msgspec.structs.replace(
                         t.prepared, definition=d, content_digest=definition_digest(d)))
-                    notes = (*notes, "renamed in 2.x; the Task keeps its name")
+                    notes = (*notes, "its name maps elsewhere now (renamed, or a same-name cron removed in 2.x); "
+                                      "the Task keeps its name")
             if head is None:
                 h, action = defs.add_task(c, pid, t.prepared, now), "created"
             elif head.definition.labels.get(ID_LABEL) != str(t.cron_id):
