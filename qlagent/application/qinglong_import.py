@@ -14,6 +14,7 @@ from ..adapters import qinglong as source
 from ..adapters.secretbox import SecretBox
 from ..adapters.sqlite import definitions as defs
 from ..adapters.sqlite import secrets as rows
+from ..core.definitions import definition_digest
 from ..core.errors import NotFoundError
 from ..core.qinglong import ID_LABEL, ImportPlan, QlPanel, plan_import, script_paths
 from .store import LocalStore, now_us
@@ -89,11 +90,24 @@ def read_and_plan(path: str, *, scripts_dir: str | None, prefix: str,
     return panel, plan_import(panel, present, source.find_tools(), prefix=prefix, env_scope=env_scope)
 
 
+def _imported_before(c, pid: str, prefix: str, cwd: str) -> dict[str, list]:
+    """2.x cron id → live Task heads imported from the same panel (same scripts dir as cwd,
+    same prefix), whatever their name: a cron renamed in 2.x maps to a new name."""
+    out: dict[str, list] = {}
+    for h in defs.list_heads(c, pid):
+        cron_id = h.definition.labels.get(ID_LABEL)
+        if cron_id is not None and h.name.startswith(prefix) and h.definition.execution.cwd == cwd:
+            out.setdefault(cron_id, []).append(h)
+    return out
+
+
 def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportPlan, *, env_scope: str,
-                 dry_run: bool) -> ImportReport:
+                 dry_run: bool, prefix: str = "") -> ImportReport:
     """Write the plan in one transaction (all or nothing); ``dry_run`` rolls it back.
 
-    Raises UnavailableError if Secrets are to be stored and the key file is missing.
+    A cron imported before under another name (renamed in 2.x, or a same-name cron removed so
+    that its name maps elsewhere) revises that Task, which keeps its name. Raises UnavailableError if Secrets are to
+    be stored and the key file is missing.
     """
     pid = store.project.project_id
     box = SecretBox(key_file) if plan.secrets else None
@@ -101,11 +115,28 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
     def tx(c):
         now = now_us()
         tasks, taken = [], []
+        earlier = None
         for t in plan.tasks:
             try:
                 head = defs.get_head(c, pid, t.name)
             except NotFoundError:
                 head = None
+            notes = t.notes
+            if head is None or head.definition.labels.get(ID_LABEL) != str(t.cron_id):
+                if earlier is None:
+                    earlier = _imported_before(c, pid, prefix, panel.scripts_dir)
+                same = earlier.get(str(t.cron_id), [])
+                if len(same) > 1:
+                    taken.append(SkippedOutcome(t.cron_id, t.cron_name, t.name, "imported before as tasks "
+                                                + ", ".join(repr(h.name) for h in same) + "; remove all but one"))
+                    continue
+                if len(same) == 1:
+                    head = same[0]
+                    d = msgspec.structs.replace(t.prepared.definition, name=head.name)
+                    t = msgspec.structs.replace(t, name=head.name, prepared=msgspec.structs.replace(
+                        t.prepared, definition=d, content_digest=definition_digest(d)))
+                    notes = (*notes, "its name maps elsewhere now (renamed, or a same-name cron removed in 2.x); "
+                                      "the Task keeps its name")
             if head is None:
                 h, action = defs.add_task(c, pid, t.prepared, now), "created"
             elif head.definition.labels.get(ID_LABEL) != str(t.cron_id):
@@ -118,7 +149,7 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
             else:
                 h = defs.edit_task(c, pid, head.task_id, head.revision, head.content_digest, t.prepared, now)
                 action = "revised"
-            tasks.append(TaskOutcome(t.cron_id, t.cron_name, t.name, action, h.revision, h.enabled, t.notes))
+            tasks.append(TaskOutcome(t.cron_id, t.cron_name, t.name, action, h.revision, h.enabled, notes))
         secrets = []
         for s in plan.secrets:
             old = rows.get_ciphertexts(c, pid, [s.secret]).get(s.secret)
@@ -136,11 +167,13 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
         tasks, taken, secrets = store.write(tx)
     except _DryRun as d:
         tasks, taken, secrets = d.result
+    actual = {t.cron_id: t.task for t in tasks}
     skipped = [SkippedOutcome(k.cron_id, k.cron_name, k.name, k.reason) for k in plan.skipped] + taken
     return ImportReport(
         database=panel.database, scripts_dir=panel.scripts_dir, dry_run=dry_run, env_scope=env_scope,
         tasks=tuple(tasks), skipped=tuple(sorted(skipped, key=lambda k: k.cron_id)),
-        renamed=tuple(Renamed(t.cron_id, t.cron_name, t.name) for t in plan.tasks if t.name != t.cron_name),
+        renamed=tuple(Renamed(t.cron_id, t.cron_name, name) for t in plan.tasks
+                      if (name := actual.get(t.cron_id, t.name)) != t.cron_name),
         secrets=tuple(secrets),
         skipped_variables=tuple(VariableOutcome(v.name, v.source, v.line, v.reason) for v in plan.skipped_variables),
         config_other_lines=plan.config_other_lines)

@@ -416,7 +416,8 @@ def cmd_import_qinglong(ctx: Ctx) -> int:
     a = ctx.args
     # The 2.x side is read (and every refusal raised) before our store is even opened.
     panel, plan = read_and_plan(a.path, scripts_dir=a.scripts_dir, prefix=a.prefix, env_scope=a.env_scope)
-    report = apply_import(ctx.store, ctx.settings.key_file, panel, plan, env_scope=a.env_scope, dry_run=a.dry_run)
+    report = apply_import(ctx.store, ctx.settings.key_file, panel, plan, env_scope=a.env_scope, dry_run=a.dry_run,
+                          prefix=a.prefix)
     if not a.dry_run:
         ctx.poke_service()
     if a.json:
