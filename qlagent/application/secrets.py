@@ -24,16 +24,22 @@ class SecretService:
         pid = self._store.project.project_id
         return self._store.read(lambda c: rows.list_secret_names(c, pid))
 
-
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, *, force: bool = False) -> list[str]:
+        """Delete ``name``; ConflictError naming the Tasks that use it unless ``force``.
+        Returns the Tasks left referring to it (empty without ``force``)."""
         pid = self._store.project.project_id
-        self._store.write(lambda c: rows.delete_secret(c, pid, name))
+        return self._store.write(lambda c: rows.delete_secret(c, pid, name, force=force))
+
+    def missing(self) -> list[tuple[str, str]]:
+        """(task name, Secret name) of every SecretRef of a live Task whose Secret is not stored."""
+        pid = self._store.project.project_id
+        return [(t, n) for t, n, present in self._store.read(lambda c: rows.secret_uses(c, pid)) if not present]
 
 
 def resolve_secrets(conn, key_file: str, project_id: str, names: list[str]) -> dict[str, bytes]:
     """Decrypt the de-duplicated SecretRefs ``names`` for one launch (ADR-0071 §4 step 4).
 
-    Raises UnavailableError(code="secret_missing") naming the first missing Secret; the
+    Raises UnavailableError(code="secret_missing", field=the name) naming the first missing Secret; the
     plaintext returned must live only in the caller's stack.
     """
     wanted = sorted(set(names))

@@ -6,6 +6,9 @@ run.queued) and the Task's schedule cursor in ONE transaction under the idempote
 ``ql3:schedule:v1:{task}:{instant}``, so a restart or a second loop never creates it twice.
 Single-instance Tasks skip a fire while a Run of theirs is live and count it
 (``tasks.skipped_fires``, shown by ``task show``). ``@boot`` Tasks get one Run per service start.
+A Task's catch-up policy (``core.schedule.apply_catch_up``) may refuse a late instant: journal
+``schedule.missed``. Coalesced instants are counted in the journal and in the ``run.created``
+event as ``missed`` (``"≥100"`` once capped).
 """
 
 from __future__ import annotations
@@ -81,22 +84,30 @@ class Scheduler:
     def _plan_task(self, c: sqlite3.Connection, head: TaskHead, scheds, tz: str, now: int, wake: list) -> int:
         row = c.execute("SELECT last_instant_us, observed_wall_us FROM schedule_cursors WHERE task_id = ?",
                         (head.task_id,)).fetchone()
+        d = head.definition
         plan = sch.plan_due(scheds, tz, row[0] if row else None, row[1] if row else None, now)
+        within = d.catch_up_within_ms * 1000 if d.catch_up_within_ms is not None else None
+        plan = sch.apply_catch_up(plan, now, d.catch_up, within)
         if plan.wake_us is not None:
             wake.append(plan.wake_us)
         if plan.clock_back_us > 1_000_000:
             self._log("warning", "clock.stepped_back", task=head.name, seconds=plan.clock_back_us // 1_000_000)
         n = 0
+        if plan.dropped_us is not None:
+            self._log("notice", "schedule.missed", task=head.name, catch_up=d.catch_up,
+                      late_s=(now - plan.dropped_us) // 1_000_000, missed=plan.missed_text)
         if plan.due_us is not None:
             if plan.missed:
-                self._log("notice", "schedule.coalesced", task=head.name, missed=plan.missed)
-            n = self._create(c, head, sch.idempotency_key(head.task_id, plan.due_us), "cron", plan.due_us)
+                self._log("notice", "schedule.coalesced", task=head.name, missed=plan.missed_text)
+            n = self._create(c, head, sch.idempotency_key(head.task_id, plan.due_us), "cron", plan.due_us,
+                             plan.missed_text if plan.missed else None)
         c.execute("INSERT INTO schedule_cursors VALUES (?, ?, ?) ON CONFLICT(task_id) DO UPDATE SET "
                   "last_instant_us = excluded.last_instant_us, observed_wall_us = excluded.observed_wall_us",
                   (head.task_id, plan.last_instant_us, plan.observed_wall_us))
         return n
 
-    def _create(self, c: sqlite3.Connection, head: TaskHead, key: str, trigger: str, instant: int | None) -> int:
+    def _create(self, c: sqlite3.Connection, head: TaskHead, key: str, trigger: str, instant: int | None,
+                missed: str | None = None) -> int:
         if c.execute("SELECT 1 FROM runs WHERE project_id = ? AND idempotency_key = ?",
                      (head.project_id, key)).fetchone():
             return 0
@@ -113,6 +124,7 @@ class Scheduler:
             self._log("notice", "schedule.skipped", task=cur.name, reason="single_instance")
             return 0
         runs_repo.create_run(c, head=cur, origin="schedule", trigger_type=trigger, idempotency_key=key,
-                             requested_by=ACTOR, now_us=self._now(), scheduled_for_us=instant)
+                             requested_by=ACTOR, now_us=self._now(), scheduled_for_us=instant,
+                             fences={"missed": missed} if missed else None)
         self.created += 1
         return 1
