@@ -85,9 +85,15 @@ def _no_nul(field: str, value: str) -> None:
         raise ValidationError(field, "contains a NUL byte", limit="no NUL")
 
 
+def _num(v) -> str:
+    """A number as the user wrote it: ``-5``, not ``-5.0`` (TOML integers arrive as floats)."""
+    return str(int(v)) if isinstance(v, (int, float)) and float(v).is_integer() else repr(v)
+
+
 def _ms(field: str, seconds: float, lo: float, hi: float) -> int:
     if isinstance(seconds, bool) or not (lo <= seconds <= hi):
-        raise ValidationError(field, f"{seconds:g} is outside {lo:g}..{hi:g} seconds", limit=f"{lo:g}..{hi:g}")
+        raise ValidationError(field, f"{_num(seconds)} is outside {_num(lo)}..{_num(hi)} seconds",
+                              limit=f"{_num(lo)}..{_num(hi)}")
     return round(seconds * 1000)
 
 
