@@ -17,7 +17,9 @@ POLL_S = 0.2   # the CLI's own wait; the agent itself never polls
 
 
 def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
-    """Block until ``run_id`` is terminal; returns it. UnavailableError on timeout."""
+    """Block until ``run_id`` is terminal; returns it. UnavailableError (exit 5, ``wait_timeout``)
+    when ``timeout_s`` passes first: the Run is not cancelled — without a service its wrapper
+    carries on alone and the next agent start ingests its receipt (README "Exit codes")."""
     from ..service.main import Service, service_running
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     svc = RunService(store)
@@ -31,12 +33,15 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
         finally:
             reopened.close()
         if run.state in ("queued", "starting", "running"):
-            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s} s", code="wait_timeout")
+            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s:g} s; it keeps running "
+                                   "(no service watches it): the next `qlagent serve` or `run start --wait` "
+                                   "records its end, or `qlagent run cancel` it", code="wait_timeout")
         return run
     while True:
         run = svc.get(run_id)
         if run.state not in ("queued", "starting", "running"):
             return run
         if deadline is not None and time.monotonic() >= deadline:
-            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s} s", code="wait_timeout")
+            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s:g} s; it keeps running "
+                                   "under the service", code="wait_timeout")
         time.sleep(POLL_S)

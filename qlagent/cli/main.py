@@ -381,7 +381,7 @@ def cmd_run_show(ctx: Ctx) -> int:
 
 
 def cmd_run_logs(ctx: Ctx) -> int:
-    from ..application.runs import MAX_LOG_OFFSET, MAX_LOG_READ, RunService, read_log_range
+    from ..application.runs import MAX_LOG_OFFSET, MAX_LOG_READ, RunService, log_page_json, read_log_range
     offset, remaining = ctx.args.offset, ctx.args.limit
     if not 0 <= offset <= MAX_LOG_OFFSET:
         raise E.ValidationError("--offset", f"{offset} is outside 0..{MAX_LOG_OFFSET} bytes", limit=f"0..{MAX_LOG_OFFSET}")
@@ -507,15 +507,22 @@ def cmd_serve(ctx: Ctx) -> int:
 
 # ---- parser ----------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line refusal (no usage block): exit 2 naming the argument."""
+
+    def error(self, message: str):
+        self.exit(E.EXIT_USAGE, f"qlagent: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory (env QLAGENT_STATE_DIR)")
     common.add_argument("--config", default=argparse.SUPPRESS, help="config file (env QLAGENT_CONFIG)")
     common.add_argument("--profile", default=argparse.SUPPRESS, choices=["edge", "standalone"])
     common.add_argument("--project", default=argparse.SUPPRESS, help="Project name (default: 'default')")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
-    p = argparse.ArgumentParser(prog="qlagent", parents=[common],
+    p = _Parser(prog="qlagent", parents=[common],
                                 description="Schedule and run tasks on routers and edge boxes.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -622,6 +629,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:          # noqa: BLE001
+        # A fault nobody anticipated still answers in one line (exit 1, internal), never a traceback.
+        print(f"qlagent: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return E.EXIT_INTERNAL
     finally:
         if ctx is not None:
             ctx.close()
