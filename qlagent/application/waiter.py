@@ -33,7 +33,8 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
         finally:
             reopened.close()
         if run.state in ("queued", "starting", "running"):
-            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s:g} s; it keeps running "
+            after = "" if timeout_s is None else f" after {timeout_s:g} s"
+            raise UnavailableError(f"run {run_id} still {run.state}{after}; it keeps running "
                                    "(no service watches it): the next `qlagent serve` or `run start --wait` "
                                    "records its end, or `qlagent run cancel` it", code="wait_timeout")
         return run
