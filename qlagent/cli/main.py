@@ -523,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
     p = _Parser(prog="qlagent", parents=[common],
-                                description="Schedule and run tasks on routers and edge boxes.")
+                description="Schedule and run tasks on routers and edge boxes.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(parent, name, fn, help_, **kw):
