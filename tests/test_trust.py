@@ -129,3 +129,20 @@ def test_a_planted_foreign_database_is_never_opened(state, workdir):  # noqa: F8
     os.chown(db, FOREIGN_UID, -1)
     p = cli(state, "serve", "--exit-after", "0")
     assert p.returncode == 5 and f"untrusted database {db}" in p.stderr.decode()
+
+
+def test_a_non_root_agent_trusts_its_own_and_root_owned_files_only(workdir):  # noqa: F811
+    """The packaged agent runs as its own user and reads the root-owned /etc/qlagent config: root
+    can already act as any user, so root-owned is trusted; a third uid's file is not."""
+    from qlagent.adapters.trust import problem
+    agent_uid = FOREIGN_UID
+    path = os.path.join(workdir, "qlagent.toml")
+    _make(path, False)
+    os.chmod(path, 0o644)
+    assert problem("config file", path, euid=agent_uid) is None              # root-owned
+    os.chown(path, agent_uid, -1)
+    assert problem("config file", path, euid=agent_uid) is None              # its own
+    os.chown(path, agent_uid - 1, -1)
+    text = problem("config file", path, euid=agent_uid)
+    assert f"owned by uid {agent_uid - 1}, not the agent's uid {agent_uid} or root" in text
+    assert f"fix: chown {agent_uid} {path}" in text

@@ -2,8 +2,9 @@
 
 The agent runs its database's ``@boot`` Tasks, decrypts with its key file and follows its
 config file. If another local user can replace or rewrite any of them, they choose what the
-agent (often root) runs. So each of these paths must be owned by the agent's effective uid
-(root accepts root-owned only) and must not be group- or world-writable: the state directory,
+agent (often root) runs. So each of these paths must be owned by the agent's effective uid or
+by root (root can already act as any user; a root agent so accepts root-owned only) and must
+not be group- or world-writable: the state directory,
 the database and its ``-wal``/``-shm`` files, the secret key file, the artifacts and runs
 directories and the config file. A path that does not exist yet is not a problem (``init``
 and the service create them private). Pure ``stat`` checks: nothing is created or changed.
@@ -63,8 +64,8 @@ def problem(role: str, path: str, euid: int | None = None) -> str | None:
     mode = stat.S_IMODE(st.st_mode)
     wrong = []
     fixes = []
-    if st.st_uid != euid:
-        wrong.append(f"owned by uid {st.st_uid}, not the agent's uid {euid}")
+    if st.st_uid not in (euid, 0):
+        wrong.append(f"owned by uid {st.st_uid}, not the agent's uid {euid}" + (" or root" if euid else ""))
         fixes.append(f"chown {euid} {path}")
     if mode & 0o022:
         who = " and ".join(w for bit, w in ((0o020, "group"), (0o002, "world")) if mode & bit)

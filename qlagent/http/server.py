@@ -254,9 +254,9 @@ def byte_range(request: Request, size: int, max_length: int) -> tuple[int, int, 
 
     ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` (one range) wins over the ``offset`` /
     ``limit`` query parameters (defaults 0 and ``max_length``); a Range of another unit, or
-    any Range with ``If-Range`` (no validators are ever sent, so it cannot match), is ignored. Returns ``(offset, length,
-    partial)``; ``partial`` means answer 206 with :func:`content_range`. Raises HttpError 400
-    ``bad_query``/``bad_range`` for malformed input and 416 ``range_not_satisfiable`` (with
+    any Range with ``If-Range`` (no validators are ever sent, so it cannot match), is ignored.
+    Returns ``(offset, length, partial)``; ``partial`` means answer 206 with
+    :func:`content_range`. Raises HttpError 400 ``bad_query``/``bad_range`` for malformed input and 416 ``range_not_satisfiable`` (with
     ``Content-Range: bytes */size``) for a Range starting at or beyond ``size``. An offset at or
     beyond the end via the query gives length 0 (a tail reader polls that way).
     """
@@ -652,14 +652,14 @@ class HttpServer:
         line = bytes(buf[:line_end])
         block = bytes(buf[line_end + 2: head_end + 2])
         del buf[: head_end + 4]
-        req = self._parse_request_line(line, conn.peer)
-        authority = req.headers.get("host")
+        req, authority = self._parse_request_line(line, conn.peer)
         req.headers = self._parse_headers(block)
         self._check_host(req, authority)
         self._check_framing(conn, req)
         return True
 
-    def _parse_request_line(self, line: bytes, peer: str) -> Request:
+    def _parse_request_line(self, line: bytes, peer: str) -> tuple[Request, str | None]:
+        """The request (headers still empty) and an absolute-form target's authority or None."""
         parts = line.split(b" ")
         if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]):
             raise HttpError(400, "bad_request", "malformed request line")
@@ -681,11 +681,8 @@ class HttpServer:
         path, _, query = target_s.partition("?")
         if "#" in target_s:
             raise HttpError(400, "bad_request", "request target must not carry a fragment")
-        req = Request(method.decode("ascii"), target_s, path, self._parse_query(query), {}, b"",
-                      peer, version.decode("ascii"))
-        if authority is not None:
-            req.headers = {"host": authority}     # kept by _parse_head: §3.2.2 ignores Host then
-        return req
+        return Request(method.decode("ascii"), target_s, path, self._parse_query(query), {}, b"",
+                       peer, version.decode("ascii")), authority
 
     def _parse_query(self, query: str) -> dict[str, str]:
         if not query:

@@ -39,8 +39,8 @@ def run_checks(s: Settings) -> list[dict]:
         return out
     if untrusted:           # a database another user may have written is not opened
         return out
-    add("trust", True, f"state dir, database, key file, artifacts and runs dirs owned by uid {os.geteuid()}, "
-                       "none group/world-writable")
+    add("trust", True, f"config, state dir, database, key file, artifacts and runs dirs owned by uid "
+                       f"{os.geteuid()}" + (" or root" if os.geteuid() else "") + ", none group/world-writable")
     _store_checks(s, add)
     problem = check_key_file(s.key_file)
     add("key file", problem is None, problem or f"{s.key_file} (0600, 32 bytes)")
