@@ -34,9 +34,11 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
             reopened.close()
         if run.state in ("queued", "starting", "running"):
             after = "" if timeout_s is None else f" after {timeout_s:g} s"
-            raise UnavailableError(f"run {run_id} still {run.state}{after}; it keeps running "
-                                   "(no service watches it): the next `qlagent serve` or `run start --wait` "
-                                   "records its end, or `qlagent run cancel` it", code="wait_timeout")
+            fate = ("it stays queued for the next `qlagent serve` or `run start --wait`" if run.state == "queued"
+                    else "it keeps running with no service watching it; the next `qlagent serve` or "
+                         "`run start --wait` records its end")
+            raise UnavailableError(f"run {run_id} still {run.state}{after}; {fate} (or `qlagent run cancel` it)",
+                                   code="wait_timeout")
         return run
     while True:
         run = svc.get(run_id)
