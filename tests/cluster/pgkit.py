@@ -117,6 +117,19 @@ class Kit:
     def dispatcher(self, budgets: DispatcherBudgets = DispatcherBudgets(), store=None, plans=None):
         return ClusterDispatcher(store or self.store, plans or self.plans, LEASE_KEY, budgets)
 
+    def claim(self, n: int = 1, d=None) -> list:
+        """Run one dispatcher's cycles until it made ``n`` new claims (recovery offers of its
+        earlier claims interleave); return those offers."""
+        d = d or self.dispatcher()
+        out = []
+        for _ in range(4 * n + 4):
+            r = d.dispatch_once()
+            if r.reason == "new_claim":
+                out.append(r.offer)
+                if len(out) == n:
+                    return out
+        raise AssertionError(f"only {len(out)} of {n} claims; last cycle {r}")
+
     def pull(self, budgets: DispatcherBudgets = DispatcherBudgets()) -> WorkerPull:
         return WorkerPull(self.store, self.store, self.plans, self.secrets, budgets)
 
