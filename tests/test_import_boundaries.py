@@ -25,17 +25,21 @@ ROOT = os.path.dirname(qlagent.__file__)
 # in docs/ARCHITECTURE.md: core < adapters < execution < dispatch < application < service < http < cli.
 ENTRY_POINTS = ("qlagent.service", "qlagent.http", "qlagent.cli")
 UPWARD = {
-    "qlagent.core": ("qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.application",
-                     *ENTRY_POINTS),
-    "qlagent.adapters": ("qlagent.execution", "qlagent.dispatch", "qlagent.application", *ENTRY_POINTS),
+    "qlagent.core": ("qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
+                     "qlagent.application", *ENTRY_POINTS),
+    "qlagent.adapters": ("qlagent.execution", "qlagent.dispatch", "qlagent.cluster", "qlagent.application",
+                         *ENTRY_POINTS),
     "qlagent.execution": ("qlagent.adapters", "qlagent.dispatch", "qlagent.application", *ENTRY_POINTS),
-    "qlagent.dispatch": ("qlagent.adapters", "qlagent.application", *ENTRY_POINTS),
+    "qlagent.dispatch": ("qlagent.adapters", "qlagent.cluster", "qlagent.application", *ENTRY_POINTS),
+    # Cluster policy (ADR-0014) sees only core's records and ports; PostgreSQL is an adapter.
+    "qlagent.cluster": ("qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.application",
+                        *ENTRY_POINTS),
     "qlagent.application": ENTRY_POINTS,
     "qlagent.service": ("qlagent.http", "qlagent.cli"),
     "qlagent.http": ("qlagent.service", "qlagent.cli"),
     "qlagent.cli": (),
-    "qlagent": ("qlagent.core", "qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.application",
-                *ENTRY_POINTS),
+    "qlagent": ("qlagent.core", "qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
+                "qlagent.application", *ENTRY_POINTS),
 }
 # Fleet Worker policy (issue 11): pure decisions between core and application; nothing below
 # it imports it, and it imports nothing but core (not the cluster's control plane either).
@@ -47,9 +51,10 @@ PURE_LAYERS = ("qlagent.core", "qlagent.worker")
 # The pure layers do no I/O: none of these may be loaded by importing them.
 CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "http", "socket", "subprocess",
                   "cryptography", "urllib.request", "selectors", "psutil")
-# Heavy dependencies are lazy everywhere (pyroute2 ~18 MB, cryptography): importing a module
+# Heavy dependencies are lazy everywhere (pyroute2 ~18 MB, cryptography, psycopg: never on a
+# local agent): importing a module
 # must not load them; only the call that needs them does.
-LAZY_EVERYWHERE = ("pyroute2", "cryptography")
+LAZY_EVERYWHERE = ("pyroute2", "cryptography", "psycopg", "psycopg_pool")
 # The modules that wrap a lazy dependency load it; importing them is what "lazily" means.
 LAZY_OWNERS = {"qlagent.service.netgate", "qlagent.adapters.netlink"}
 WRAPPER = "qlagent.adapters.launcher.wrapper"      # runs as `python3 -I -S wrapper.py`: stdlib only
