@@ -62,7 +62,9 @@ def sanitize(raw: dict, candidate: ClusterCandidate) -> ExecutionSpec:
     try:
         spec = msgspec.convert(copy.deepcopy(raw), ExecutionSpec)
     except msgspec.ValidationError as e:
-        raise ValidationError("executionSpec", str(e).split(" - at ")[0]) from None
+        # msgspec says "Expected `int`, got `str` - at `$.timeoutMs`": types and path, no values.
+        message, _, path = str(e).partition(" - at ")
+        raise ValidationError("executionSpec" + path.strip("`")[1:], message) from None
     p = "executionSpec."
     if spec.kind == "local_process" and (spec.shell is not None or spec.script is not None):
         raise ValidationError(f"{p}kind", "local_process takes argv, not shell + script")

@@ -5,19 +5,24 @@ Sessions, and the cluster services wired over the real adapters."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import tempfile
 
 from qlagent.adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
 from qlagent.adapters.postgres.leases import PgLeaseStore
 from qlagent.adapters.postgres.logs import PgLogStore
 from qlagent.adapters.postgres.registry import PgWorkerRegistry
+from qlagent.adapters.postgres.secrets import PgSecretResolver
+from qlagent.adapters.secretbox import SecretBox, create_key_file
 from qlagent.cluster.acks import AckService
 from qlagent.cluster.dispatcher import ClusterDispatcher, DispatcherBudgets
 from qlagent.cluster.pull import WorkerPull
 from qlagent.cluster.registry import Hello, WorkerRegistry
 from qlagent.core.canonical import content_digest, snapshot_ref
 from qlagent.core.cluster import Ack
-from qlagent.core.definitions import RetryInput, TaskInput, definition_document, execution_document, prepare_task, recipe_document
+from qlagent.core.definitions import (RetryInput, TaskInput, definition_document, execution_document, prepare_task,
+                                     recipe_document)
 from qlagent.core.ids import new_id
 from qlagent.core.profiles import EDGE
 
@@ -26,15 +31,19 @@ COMMAND_MARK = "/usr/bin/printf-the-secret-command"
 
 
 class Secrets:
-    """SecretResolver over a dict; counts calls (a value is resolved only after a claim)."""
+    """The PostgreSQL SecretResolver with a real key file; counts calls (a value is resolved
+    only after a claim)."""
 
-    def __init__(self, values: dict[str, bytes] | None = None) -> None:
-        self.values = values or {}
+    def __init__(self, pool) -> None:
+        key = os.path.join(tempfile.mkdtemp(prefix="qlt-cluster-key-"), "secret.key")
+        create_key_file(key)
+        self.box = SecretBox(key)
+        self.inner = PgSecretResolver(pool, self.box)
         self.calls = 0
 
     def resolve(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         self.calls += 1
-        return {n: self.values[n] for n in names}
+        return self.inner.resolve(project_id, names)
 
 
 class Kit:
@@ -47,7 +56,7 @@ class Kit:
         self.leases = PgLeaseStore(pool)
         self.logs = PgLogStore(pool)
         self.acks = AckService(self.leases)
-        self.secrets = Secrets({"api-key": b"s3cr3t"})
+        self.secrets = Secrets(pool)
         self.project_id = None
 
     # --- SQL helpers -------------------------------------------------------------------------
@@ -65,6 +74,9 @@ class Kit:
             self.project_id = new_id()
             self.sql("INSERT INTO projects(project_id, name, created_at_us) VALUES (%s, %s, ql_now_us())",
                      (self.project_id, f"p-{self.project_id[:8]}"))
+            self.sql("INSERT INTO secrets VALUES (%s, 'api-key', %s, %s, ql_now_us())",
+                     (self.project_id, self.secrets.box.seal(self.project_id, "api-key", b"s3cr3t"),
+                      self.secrets.box.key_id))
         return self.project_id
 
     def task(self, name: str = "job", *, placement: dict | None = None, max_attempts: int = 1,

@@ -99,7 +99,8 @@ def test_log_chunks_are_idempotent_per_offset(kit):
     offer = kit.claim()[0]
     assert _upload(kit, w, offer, 0, b"hello ").next_offset == 6
     assert _upload(kit, w, offer, 0, b"hello ").next_offset == 6      # retried after a lost answer
-    for offset, data, code in ((0, b"HELLO ", "chunk_mismatch"), (9, b"x", "chunk_gap"), (2, b"llo ", "chunk_mismatch")):
+    for offset, data, code in ((0, b"HELLO ", "chunk_mismatch"), (9, b"x", "chunk_gap"),
+                               (2, b"llo ", "chunk_mismatch")):
         with pytest.raises(ConflictError) as e:
             _upload(kit, w, offer, offset, data)
         assert e.value.code == code

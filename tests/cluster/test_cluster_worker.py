@@ -10,7 +10,7 @@ from qlagent.cluster.pull import PullRequest
 from qlagent.cluster.registry import Hello, credential_digest
 from qlagent.core.canonical import sha256_hex
 from qlagent.core.cluster import WorkerAuthError
-from qlagent.core.errors import ConflictError, NotFoundError, ValidationError
+from qlagent.core.errors import ConflictError, NotFoundError, UnavailableError, ValidationError
 from qlagent.core.ids import new_id
 
 
@@ -59,9 +59,21 @@ def test_pull_claims_for_this_session_only_and_resolves_secrets_after_the_claim(
     assert lease == [(sha256_hex(req.lease_token.encode()), req.pull_id, w["session_id"])]
     assert req.lease_token not in str(kit.sql("SELECT * FROM run_leases")) + str(kit.sql("SELECT * FROM run_events"))
     assert COMMAND_MARK not in repr(answer) and b"s3cr3t" not in repr(answer).encode()
+    assert b"s3cr3t" not in str(kit.sql("SELECT * FROM secrets")).encode()      # ciphertext only
     # Nothing claimable left: no secret is decrypted for an unclaimed answer.
     again, _ = _pull(kit, w)
     assert (again.status, again.offer) == ("idle", None) and kit.secrets.calls == 1
+
+
+def test_a_missing_secret_is_reported_after_the_claim_and_the_retry_answers_the_same(kit):
+    w = kit.worker("edge-1")
+    kit.queue(kit.task(secrets_={"TOKEN": "not-stored"}))
+    req = PullRequest(session_id=w["session_id"], generation=w["generation"], pull_id=new_id(), lease_token=token())
+    for _ in range(2):
+        with pytest.raises(UnavailableError) as e:
+            kit.pull().pull(w["worker_id"], w["credential"], req)
+        assert e.value.code == "secret_missing" and "not-stored" in str(e.value)
+    assert kit.one("SELECT count(*) FROM run_leases") == 1      # one Lease; it expires if never resolved
 
 
 def test_pull_retried_after_a_lost_response_rebuilds_the_identical_answer(kit):

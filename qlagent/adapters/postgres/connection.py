@@ -76,7 +76,7 @@ def open_pool(url: str, size: int = 4):
     return pool
 
 
-def transaction(pool, fn: Callable, *, isolation: str | None = None):
+def transaction(pool, fn: Callable):
     """Run ``fn(cursor)`` (a dict-row cursor) in one transaction and return its result.
 
     Serialization failures and deadlocks are retried up to 5 times (the whole unit of work, so
@@ -88,15 +88,8 @@ def transaction(pool, fn: Callable, *, isolation: str | None = None):
     from psycopg.rows import dict_row
     for _ in range(TX_RETRIES):
         try:
-            with pool.connection() as conn:
-                if isolation:
-                    conn.isolation_level = getattr(psycopg.IsolationLevel, isolation)
-                try:
-                    with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-                        return fn(cur)
-                finally:
-                    if isolation:
-                        conn.isolation_level = None
+            with pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                return fn(cur)
         except (errors.SerializationFailure, errors.DeadlockDetected):
             continue
         except psycopg.OperationalError as e:

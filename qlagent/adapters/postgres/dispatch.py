@@ -111,7 +111,7 @@ class PgDispatchStore:
                 " w.generation AS worker_generation, ql_now_us() AS now,"
                 " (SELECT count(*) FROM run_leases l WHERE l.session_id = s.session_id AND l.state = 'active') AS used"
                 " FROM worker_sessions s JOIN workers w ON w.worker_id = s.worker_id"
-                " WHERE s.session_id = %s AND s.worker_id = %s AND s.generation = %s FOR UPDATE OF s",
+                " WHERE s.session_id = %s AND s.worker_id = %s AND s.generation = %s FOR NO KEY UPDATE OF s",
                 (w.session_id, w.worker_id, w.generation)).fetchone()
             if s is None:
                 return ClaimOutcome("worker_unavailable", "session_unknown")

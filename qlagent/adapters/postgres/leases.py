@@ -32,7 +32,7 @@ class PgLeaseStore:
         def tx(cur):
             lease, _ = fenced_lease(cur, fence)
             a = cur.execute("SELECT a.*, r.state AS run_state FROM attempts a JOIN runs r ON r.run_id = a.run_id"
-                            " WHERE a.attempt_id = %s FOR UPDATE OF a", (fence.attempt_id,)).fetchone()
+                            " WHERE a.attempt_id = %s FOR NO KEY UPDATE OF a", (fence.attempt_id,)).fetchone()
             state = a["state"]
             if state in _TERMINAL or (target in _RANK and _RANK.get(state, 3) >= _RANK[target]):
                 if target in _TERMINAL and state != target:

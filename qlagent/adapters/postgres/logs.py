@@ -25,7 +25,7 @@ class PgLogStore:
             lease, _ = fenced_lease(cur, fence)
             if lease["state"] not in ("active", "completed"):
                 raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
-            a = cur.execute("SELECT log_next_offset FROM attempts WHERE attempt_id = %s FOR UPDATE",
+            a = cur.execute("SELECT log_next_offset FROM attempts WHERE attempt_id = %s FOR NO KEY UPDATE",
                             (fence.attempt_id,)).fetchone()
             end = a["log_next_offset"]
             truncated = cur.execute("SELECT 1 FROM truncation_facts WHERE attempt_id = %s",

@@ -51,7 +51,8 @@ class PgWorkerRegistry:
             cur.execute("INSERT INTO worker_sessions(session_id, worker_id, generation, labels, executor_types, slots,"
                         " state, opened_at_us, last_heartbeat_us, expires_at_us)"
                         " VALUES (%s, %s, %s, %s, %s, %s, 'open', %s, %s, %s)",
-                        (session_id, worker_id, gen, Jsonb(labels), list(executor_types), slots, now, now, now + ttl_us))
+                        (session_id, worker_id, gen, Jsonb(labels), list(executor_types), slots, now, now,
+                         now + ttl_us))
             cur.execute("UPDATE workers SET generation = %s, current_session_id = %s, updated_at_us = %s "
                         "WHERE worker_id = %s", (gen, session_id, now, worker_id))
             fence_sessions(cur, worker_id, session_id, "session_replaced", now)
@@ -65,8 +66,8 @@ class PgWorkerRegistry:
         session_expired."""
         def tx(cur):
             w = authenticate(cur, worker_id, credential_digest)
-            s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s FOR UPDATE",
-                            (session_id, worker_id)).fetchone()
+            s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s"
+                            " FOR NO KEY UPDATE", (session_id, worker_id)).fetchone()
             if s is None or s["generation"] != generation or w["generation"] != generation:
                 raise ConflictError(f"generation {generation} is stale (current {w['generation']})",
                                     code="stale_generation")
@@ -90,7 +91,7 @@ class PgWorkerRegistry:
         """``draining`` (no new claims; Leases run on) or ``removed`` (Sessions closed, Leases
         fenced, name freed). Returns the Worker ID; NotFoundError for no live Worker of that name."""
         def tx(cur):
-            w = cur.execute("SELECT worker_id FROM workers WHERE name = %s AND state <> 'removed' FOR UPDATE",
+            w = cur.execute("SELECT worker_id FROM workers WHERE name = %s AND state <> 'removed' FOR NO KEY UPDATE",
                             (name,)).fetchone()
             if w is None:
                 raise NotFoundError(f"no Worker named {name!r}", code="worker_not_found")

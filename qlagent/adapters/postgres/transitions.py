@@ -47,7 +47,8 @@ def finish_attempt(cur, run_id: str, attempt_id: str, attempt_state: str, actor:
         " WHERE attempt_id = %s RETURNING attempt_no, worker_executor",
         (attempt_state, now, failure_reason, f.get("exit_code"), f.get("signal"), f.get("bytes_kept"),
          f.get("bytes_dropped"), f.get("peak_rss_bytes"), f.get("cpu_time_us"), attempt_id)).fetchone()
-    run = cur.execute("SELECT cancel_requested_at_us FROM runs WHERE run_id = %s FOR UPDATE", (run_id,)).fetchone()
+    run = cur.execute("SELECT cancel_requested_at_us FROM runs WHERE run_id = %s FOR NO KEY UPDATE",
+                      (run_id,)).fetchone()
     decision = decide_after_attempt(AttemptEnd(attempt_state, a["attempt_no"], _retry_policy(cur, run_id),
                                                run["cancel_requested_at_us"] is not None))
     event(cur, run_id, f"attempt.{attempt_state}", actor,
@@ -77,7 +78,7 @@ def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
     cur.execute("UPDATE run_leases SET state = %s, ended_at_us = %s WHERE attempt_id = %s AND lease_generation = %s",
                 (lease_state, now, lease["attempt_id"], lease["lease_generation"]))
     a = cur.execute("SELECT a.state, r.cancel_requested_at_us FROM attempts a JOIN runs r ON r.run_id = a.run_id "
-                    "WHERE a.attempt_id = %s FOR UPDATE OF a, r", (lease["attempt_id"],)).fetchone()
+                    "WHERE a.attempt_id = %s FOR NO KEY UPDATE OF a, r", (lease["attempt_id"],)).fetchone()
     facts = {"attemptId": lease["attempt_id"], "leaseGeneration": lease["lease_generation"], "reason": reason}
     if a["state"] == "claimed":
         if a["cancel_requested_at_us"] is not None:
@@ -109,8 +110,9 @@ def fence_sessions(cur, worker_id: str, keep_session: str | None, reason: str, n
 
 def authenticate(cur, worker_id: str, credential_digest: str, *, lock: bool = False) -> dict:
     """The Worker row for this credential; WorkerAuthError unless it names this live Worker."""
+    # NO KEY UPDATE: a concurrent claim's foreign-key check (KEY SHARE) on this row must not wait.
     row = cur.execute("SELECT * FROM workers WHERE worker_id = %s AND credential_digest = %s AND state <> 'removed'"
-                      + (" FOR UPDATE" if lock else ""), (worker_id, credential_digest)).fetchone()
+                      + (" FOR NO KEY UPDATE" if lock else ""), (worker_id, credential_digest)).fetchone()
     if row is None:
         raise WorkerAuthError("worker credential does not match this Worker ID")
     return row
