@@ -9,14 +9,20 @@ Lease together with the pullId. The answer's offerId is derived from the Lease
 (``offer.offer_id``). The same request retried after a lost response finds its Lease by
 (Session, pullId) and rebuilds the SAME answer from it; a different token with that pullId is
 refused. Secret values are resolved only after the claim committed.
+
+With ``wait_s`` > 0 (at most 30 s) a Pull that found nothing long-polls: it waits on the
+CandidateSignal (LISTEN/NOTIFY, no polling loop) and tries again when woken, until the wait is
+spent; the answer is then ``idle``/``unmatched`` as usual.
 """
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import ClusterDispatchStore, PlanSource, SecretResolver, SessionView
+from ..core.cluster import CandidateSignal, ClusterDispatchStore, PlanSource, SecretResolver, SessionView
 from ..core.errors import ConflictError, ValidationError
 from .acks import check_token
 from .dispatcher import (CandidateClaimer, DispatcherBudgets, FailClosed, _Counts, _Truncated, build_offer,
@@ -46,16 +52,35 @@ class PullAnswer(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
     offer: ClaimedExecutionOffer | None = None
 
 
+MAX_WAIT_S = 30
+
+
 class WorkerPull:
     def __init__(self, store: ClusterDispatchStore, sessions: SessionView, plans: PlanSource,
-                 secrets: SecretResolver, budgets: DispatcherBudgets = DispatcherBudgets()) -> None:
+                 secrets: SecretResolver, budgets: DispatcherBudgets = DispatcherBudgets(),
+                 signal: CandidateSignal | None = None) -> None:
         self._b = check_budgets(budgets)
         self._store, self._sessions, self._plans, self._secrets = store, sessions, plans, secrets
+        self._signal = signal
         self._claimer = CandidateClaimer(store, plans, self._b)
 
-    def pull(self, worker_id: str, credential: str, req: PullRequest) -> PullAnswer:
-        """Answer one Pull. Raises ValidationError (a field), WorkerAuthError, ConflictError
-        (stale_generation, session_expired, pull_token_mismatch) or UnavailableError."""
+    def pull(self, worker_id: str, credential: str, req: PullRequest, wait_s: float = 0) -> PullAnswer:
+        """Answer one Pull, long-polling up to ``wait_s`` seconds (0..30; needs a signal).
+        Raises ValidationError (a field), WorkerAuthError, ConflictError (stale_generation,
+        session_expired, pull_token_mismatch) or UnavailableError."""
+        if not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= MAX_WAIT_S or (wait_s and not self._signal):
+            raise ValidationError("waitS", f"must be 0..{MAX_WAIT_S} (and needs a candidate signal)",
+                                  limit=MAX_WAIT_S)
+        deadline = time.monotonic() + wait_s
+        while True:
+            seq = self._signal.seq() if self._signal else 0
+            answer = self._pull_once(worker_id, credential, req)
+            left = deadline - time.monotonic()
+            if answer.status not in ("idle", "unmatched") or answer.reason in ("draining", "no_free_slot") \
+                    or left <= 0 or not self._signal.wait(seq, left):
+                return answer
+
+    def _pull_once(self, worker_id: str, credential: str, req: PullRequest) -> PullAnswer:
         digest = credential_digest(credential)
         check_uuid("pullId", req.pull_id)
         token_digest = sha256_hex(check_token("leaseToken", req.lease_token).encode())

@@ -256,3 +256,11 @@ class SessionView(Protocol):
     def session(self, worker_id: str, credential_digest: str, session_id: str, generation: int) -> WorkerSnapshot:
         """This Worker's current open Session as a snapshot; WorkerAuthError, or ConflictError
         ``stale_generation`` / ``session_expired``."""
+
+
+class CandidateSignal(Protocol):
+    def seq(self) -> int:
+        """The current wake-up number (take it before reading candidates)."""
+
+    def wait(self, seq: int, timeout_s: float) -> bool:
+        """Block until a candidate may have appeared after ``seq``, or ``timeout_s`` (s)."""

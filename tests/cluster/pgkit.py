@@ -142,8 +142,8 @@ class Kit:
                     return out
         raise AssertionError(f"only {len(out)} of {n} claims; last cycle {r}")
 
-    def pull(self, budgets: DispatcherBudgets = DispatcherBudgets()) -> WorkerPull:
-        return WorkerPull(self.store, self.store, self.plans, self.secrets, budgets)
+    def pull(self, budgets: DispatcherBudgets = DispatcherBudgets(), signal=None) -> WorkerPull:
+        return WorkerPull(self.store, self.store, self.plans, self.secrets, budgets, signal)
 
     def ack(self, w: dict, offer, kind: str, **facts):
         return self.acks.ack(w["worker_id"], w["credential"], Ack(

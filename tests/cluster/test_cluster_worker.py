@@ -203,3 +203,29 @@ def test_drain_stops_new_claims_and_remove_fences_leases(kit):
     with pytest.raises(NotFoundError):
         kit.registry.remove("edge-1")
     kit.registry.enroll("edge-1")                     # the name is free again
+
+
+def test_long_poll_is_woken_by_notify_when_a_candidate_appears(kit, pg_url):
+    import threading
+    import time
+
+    from qlagent.adapters.postgres.notify import PgCandidateSignal
+    w = kit.worker("edge-1")
+    task = kit.task()
+    signal = PgCandidateSignal(pg_url)
+    try:
+        pull = kit.pull(signal=signal)
+        req = PullRequest(session_id=w["session_id"], generation=w["generation"], pull_id=new_id(),
+                          lease_token=token())
+        quiet = pull.pull(w["worker_id"], w["credential"], req, wait_s=0.3)
+        assert (quiet.status, quiet.offer) == ("idle", None)          # nothing arrived: idle after the wait
+        threading.Timer(0.5, lambda: kit.queue(task)).start()
+        started = time.monotonic()
+        answer = pull.pull(w["worker_id"], w["credential"], req, wait_s=20)
+        assert answer.status == "offered"
+        assert time.monotonic() - started < 10          # woken by the NOTIFY, not by the end of the wait
+        with pytest.raises(ValidationError) as e:
+            pull.pull(w["worker_id"], w["credential"], req, wait_s=31)
+        assert e.value.field == "waitS"
+    finally:
+        signal.close()

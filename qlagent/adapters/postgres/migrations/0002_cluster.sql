@@ -63,3 +63,10 @@ CREATE TABLE log_chunks (
 );
 CREATE TRIGGER log_chunks_write_once BEFORE UPDATE OR DELETE ON log_chunks
     FOR EACH ROW EXECUTE FUNCTION ql_refuse_change();
+
+-- A Run entering 'queued' wakes long-polling Worker Pulls on every replica (LISTEN
+-- qlagent_candidates); NOTIFY is delivered at commit, and identical ones in a transaction fold.
+CREATE FUNCTION ql_notify_candidate() RETURNS trigger LANGUAGE plpgsql AS
+$$ BEGIN PERFORM pg_notify('qlagent_candidates', ''); RETURN NULL; END $$;
+CREATE TRIGGER runs_notify_candidate AFTER INSERT OR UPDATE OF state ON runs
+    FOR EACH ROW WHEN (NEW.state = 'queued') EXECUTE FUNCTION ql_notify_candidate();
