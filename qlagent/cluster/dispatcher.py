@@ -117,13 +117,17 @@ class FailClosed(Exception):
         self.reason = reason
 
 
-class _Truncated(Exception):
+class BudgetExhausted(Exception):
+    """A scan or claim budget ran out; ``reason`` names it (reported as ``truncated``)."""
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
 
 
-class _Counts:
+class CycleCounts:
+    """What one cycle read, prepared and tried (low-cardinality figures of its result)."""
+
     __slots__ = ("recovery_read", "candidates_read", "workers_read", "plans", "claim_tries", "skipped",
                  "skip_reason", "workers_truncated")
 
@@ -193,11 +197,11 @@ class CandidateClaimer:
     def __init__(self, store: ClusterDispatchStore, plans: PlanSource, budgets: DispatcherBudgets) -> None:
         self.store, self.plans, self.b = store, plans, budgets
 
-    def run(self, observed_at_us: int, n: _Counts, workers: Callable[[], list[WorkerSnapshot]],
+    def run(self, observed_at_us: int, n: CycleCounts, workers: Callable[[], list[WorkerSnapshot]],
             token_for: Callable[[ClusterCandidate, WorkerSnapshot], str],
             pull_id: str | None = None) -> ClaimedExecutionOffer | None:
         """The first committed offer, or None when every candidate was seen and none claimed.
-        Raises FailClosed or _Truncated."""
+        Raises FailClosed or BudgetExhausted."""
         b = self.b
         after, seen, snapshot = None, set(), None
         for _ in range(b.candidate_pages):
@@ -215,9 +219,9 @@ class CandidateClaimer:
             if not page.truncated:
                 return None
             after = page.next_cursor
-        raise _Truncated("candidate_budget")
+        raise BudgetExhausted("candidate_budget")
 
-    def _one(self, c, n: _Counts, snapshot: list[WorkerSnapshot], token_for, pull_id):
+    def _one(self, c, n: CycleCounts, snapshot: list[WorkerSnapshot], token_for, pull_id):
         plan = self.plans.prepare(c)
         n.plans += 1
         if plan is None:
@@ -235,7 +239,7 @@ class CandidateClaimer:
             return n.skip("no_matching_worker")
         for score, w in ranked:
             if n.claim_tries >= self.b.claim_tries:
-                raise _Truncated("claim_budget")
+                raise BudgetExhausted("claim_budget")
             n.claim_tries += 1
             token = token_for(c, w)
             out: ClaimOutcome = self.store.claim(c, w, sha256_hex(token.encode()), self.b.lease_ttl_s * 1_000_000,
@@ -270,7 +274,7 @@ class ClusterDispatcher:
     def dispatch_once(self) -> CycleResult:
         """One bounded cycle; never raises for a candidate's problems (UnavailableError from the
         store propagates: the authority is unreachable)."""
-        n = _Counts()
+        n = CycleCounts()
         observed = self._store.now_us()
         try:
             offer = self._recover(observed, n)
@@ -279,7 +283,7 @@ class ClusterDispatcher:
             offer = self._claimer.run(observed, n, lambda: self._workers(observed, n), self._token)
         except FailClosed as e:
             return n.result("refused", e.reason)
-        except _Truncated as e:
+        except BudgetExhausted as e:
             return n.result("truncated", e.reason)
         if offer is not None:
             return n.result("offered", "new_claim", offer)
@@ -292,12 +296,12 @@ class ClusterDispatcher:
     def _token(self, c: ClusterCandidate, w: WorkerSnapshot) -> str:
         return derived_token(self._key, offer_id(c.attempt_id, c.lease_generation + 1, w.session_id))
 
-    def _recover(self, observed: int, n: _Counts) -> ClaimedExecutionOffer | None:
+    def _recover(self, observed: int, n: CycleCounts) -> ClaimedExecutionOffer | None:
         b = self._b
         if self._walked >= b.recovery_page_size * b.recovery_pages:
             # This walk used its budget: say so; the next cycle starts a new walk.
             self._recovery_after, self._walked = None, 0
-            raise _Truncated("recovery_budget")
+            raise BudgetExhausted("recovery_budget")
         after = self._recovery_after
         page = self._store.recovery_page(observed, b.recovery_page_size, after)
         items = checked_page(page, b.recovery_page_size, after, set(), "recovery")
@@ -323,7 +327,7 @@ class ClusterDispatcher:
         self._recovery_after, self._walked = r.key(), self._walked + 1
         return build_offer(r.candidate, lease, spec, token, "lease_recovery", None)
 
-    def _workers(self, observed: int, n: _Counts) -> list[WorkerSnapshot]:
+    def _workers(self, observed: int, n: CycleCounts) -> list[WorkerSnapshot]:
         b, after, seen, out = self._b, None, set(), []
         for _ in range(b.worker_pages):
             page = self._store.worker_page(observed, b.worker_page_size, after)

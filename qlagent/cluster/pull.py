@@ -25,7 +25,7 @@ from ..core.canonical import sha256_hex
 from ..core.cluster import CandidateSignal, ClusterDispatchStore, PlanSource, SecretResolver, SessionView
 from ..core.errors import ConflictError, ValidationError
 from .acks import check_token
-from .dispatcher import (CandidateClaimer, DispatcherBudgets, FailClosed, _Counts, _Truncated, build_offer,
+from .dispatcher import (BudgetExhausted, CandidateClaimer, CycleCounts, DispatcherBudgets, FailClosed, build_offer,
                          check_budgets)
 from .execspec import sanitize
 from .offer import ClaimedExecutionOffer
@@ -108,12 +108,12 @@ class WorkerPull:
             return PullAnswer(status="idle", reason="draining")
         if w.free_slots <= 0:
             return PullAnswer(status="idle", reason="no_free_slot")
-        n = _Counts()
+        n = CycleCounts()
         try:
             offer = self._claimer.run(self._store.now_us(), n, lambda: [w], lambda c, _w: req.lease_token, req.pull_id)
         except FailClosed as e:
             return PullAnswer(status="refused", reason=e.reason)
-        except _Truncated as e:
+        except BudgetExhausted as e:
             return PullAnswer(status="truncated", reason=e.reason)
         if offer is None:
             return PullAnswer(status="unmatched" if n.skipped else "idle", reason=n.skip_reason)
