@@ -32,7 +32,8 @@ def test_lease_expired_before_starting_requeues_and_reoffers_with_a_new_offer_id
     assert (again.attempt_id, again.lease_generation) == (attempt_id, 2)
     assert again.offer_id == offer_id(attempt_id, 2, w["session_id"]) != first.offer_id
     assert kit.events(run_id)[2:] == ["run.dispatching", "run.requeued", "run.dispatching"]
-    with pytest.raises(ConflictError) as e:             # the old Lease stays dead
+    kit.ack(w, again, "starting")
+    with pytest.raises(ConflictError) as e:             # the old Lease stays dead, even as a "replay"
         kit.ack(w, first, "starting")
     assert e.value.code == "lease_not_active"
 

@@ -34,6 +34,9 @@ class PgLeaseStore:
             a = cur.execute("SELECT a.*, r.state AS run_state FROM attempts a JOIN runs r ON r.run_id = a.run_id"
                             " WHERE a.attempt_id = %s FOR NO KEY UPDATE OF a", (fence.attempt_id,)).fetchone()
             state = a["state"]
+            if lease["state"] in ("expired", "fenced") or a["lease_generation"] != fence.lease_generation:
+                # An ended or superseded Lease answers nothing, not even a replay: its Worker must stop.
+                raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
             if state in _TERMINAL or (target in _RANK and _RANK.get(state, 3) >= _RANK[target]):
                 if target in _TERMINAL and state != target:
                     raise ConflictError(f"the Attempt already ended {state}", code="ack_conflict")
