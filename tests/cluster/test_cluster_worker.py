@@ -229,3 +229,21 @@ def test_long_poll_is_woken_by_notify_when_a_candidate_appears(kit, pg_url):
         assert e.value.field == "waitS"
     finally:
         signal.close()
+
+
+@pytest.mark.parametrize("kind,facts,field", [
+    ("finished", {}, "kind"), ("start_failure", {"start_error": "Bad Code!"}, "startError"),
+    ("completion", {}, "exitCode"), ("completion", {"exit_code": 256}, "exitCode"),
+    ("completion", {"signal": 65}, "signal"), ("completion", {"exit_code": 0, "kill_reason": "oom"}, "killReason"),
+    ("completion", {"exit_code": 0, "bytes_kept": -1}, "bytes_kept")])
+def test_bad_ack_names_the_field_and_writes_nothing(kit, kind, facts, field):
+    w = kit.worker("edge-1")
+    run_id, _ = kit.queue(kit.task())
+    offer = kit.claim()[0]
+    kit.ack(w, offer, "starting")
+    before = kit.sql("SELECT state, version, event_sequence FROM runs WHERE run_id = %s", (run_id,))
+    with pytest.raises(ValidationError) as e:
+        kit.ack(w, offer, kind, **facts)
+    assert e.value.field == field
+    assert kit.sql("SELECT state, version, event_sequence FROM runs WHERE run_id = %s", (run_id,)) == before
+    assert kit.ack(w, offer, "completion", exit_code=255).attempt_state == "failed"     # 255: the edge
