@@ -182,6 +182,8 @@ def derived_token(lease_key: bytes, oid: str) -> str:
 
 def build_offer(c: ClusterCandidate, lease: Lease, spec: ExecutionSpec, token: str, source: str,
                 score: int | None) -> ClaimedExecutionOffer:
+    """The offer of a committed Lease (ADR-0014 §3): identities from the candidate, Session and
+    generations from the Lease, the sanitised spec and its digest."""
     return ClaimedExecutionOffer(
         offer_id=offer_id(lease.attempt_id, lease.lease_generation, lease.session_id), source=source,
         run_id=c.run_id, attempt_id=c.attempt_id, project_id=c.project_id, task_id=c.task_id,

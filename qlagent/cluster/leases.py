@@ -28,6 +28,9 @@ class SweepResult(msgspec.Struct, frozen=True):
 
 
 class LeaseSweeper:
+    """Over ``adapters.postgres.leases.PgLeaseStore`` and ``...registry.PgWorkerRegistry``;
+    ``batch`` 1..64 Sessions and Leases per pass (ValidationError otherwise)."""
+
     def __init__(self, leases, registry, batch: int = 32) -> None:
         if not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
             raise ValidationError("cluster.sweep_batch", f"{batch!r} outside 1..{MAX_BATCH}", limit=MAX_BATCH)

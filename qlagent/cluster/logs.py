@@ -23,6 +23,8 @@ class ChunkAnswer(msgspec.Struct, frozen=True, rename="camel"):
 
 
 class LogUpload:
+    """Over ``adapters.postgres.logs.PgLogStore``; the quota is ``profile.log_max_bytes``."""
+
     def __init__(self, store, profile: Profile) -> None:
         self._store, self._quota = store, profile.log_max_bytes
 

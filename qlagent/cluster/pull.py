@@ -56,6 +56,9 @@ MAX_WAIT_S = 30
 
 
 class WorkerPull:
+    """ADR-0108 Pull over the dispatch store, the Session view, the plan source and the secret
+    resolver; ``signal`` enables long-polling. Budgets as the dispatcher's (refused over a ceiling)."""
+
     def __init__(self, store: ClusterDispatchStore, sessions: SessionView, plans: PlanSource,
                  secrets: SecretResolver, budgets: DispatcherBudgets = DispatcherBudgets(),
                  signal: CandidateSignal | None = None) -> None:

@@ -49,6 +49,8 @@ class _Unclaimable(Exception):
 
 
 class PgDispatchStore:
+    """``core.cluster.ClusterDispatchStore`` and ``SessionView`` over a psycopg pool."""
+
     def __init__(self, pool) -> None:
         self._pool = pool
 

@@ -18,6 +18,8 @@ _TERMINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost", "start_fai
 
 
 class PgLeaseStore:
+    """ACKs and the expired-Lease sweep over a psycopg pool."""
+
     def __init__(self, pool) -> None:
         self._pool = pool
 

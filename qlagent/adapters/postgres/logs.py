@@ -10,6 +10,8 @@ from .transitions import fenced_lease, now_us
 
 
 class PgLogStore:
+    """Log chunks of Attempts over a psycopg pool."""
+
     def __init__(self, pool) -> None:
         self._pool = pool
 

@@ -17,6 +17,8 @@ CHANNEL = "qlagent_candidates"
 
 
 class PgCandidateSignal:
+    """Opens its own LISTEN connection to ``url`` (UnavailableError when unreachable)."""
+
     def __init__(self, url: str) -> None:
         self._conn = connect(url, autocommit=True)
         self._conn.execute(f"LISTEN {CHANNEL}")

@@ -11,6 +11,8 @@ from .transitions import authenticate, fence_sessions, now_us
 
 
 class PgWorkerRegistry:
+    """Worker and Session rows over a psycopg pool (policy: ``cluster.registry``)."""
+
     def __init__(self, pool) -> None:
         self._pool = pool
 

@@ -8,6 +8,8 @@ from .connection import transaction
 
 
 class PgSecretResolver:
+    """``core.cluster.SecretResolver``: ``box`` is the control plane's ``adapters.secretbox.SecretBox``."""
+
     def __init__(self, pool, box) -> None:
         self._pool, self._box = pool, box
 
