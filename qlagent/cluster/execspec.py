@@ -36,7 +36,9 @@ class ExecutionSpec(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
     argv: tuple[str, ...] = ()
     shell: str | None = None
     script: str | None = None
-    cwd: str = "/"
+    cwd: str | None = None             # None: the task user's HOME (as a local launch)
+    umask: str | None = None           # 4 octal digits; None: the Worker service's umask
+    keep_orphans: bool = False
     env: dict[str, str] = {}
     secret_refs: dict[str, str] = {}   # environment name → Secret name; values resolved after the claim
     timeout_ms: int
@@ -70,10 +72,13 @@ def sanitize(raw: dict, candidate: ClusterCandidate) -> ExecutionSpec:
         raise ValidationError(f"{p}kind", "local_process takes argv, not shell + script")
     t = TaskInput(name="spec", command=list(spec.argv) if spec.kind == "local_process" else None,
                   shell=spec.shell if spec.kind == "shell" else None,
-                  script=spec.script if spec.kind == "shell" else None, cwd=spec.cwd)
+                  script=spec.script if spec.kind == "shell" else None, cwd=spec.cwd, umask=spec.umask,
+                  keep_orphans=spec.keep_orphans)
     if spec.kind not in ("local_process", "shell"):
         raise ValidationError(f"{p}kind", f"{spec.kind!r} is not local_process or shell")
-    prepare_execution(p, t)
+    launch = prepare_execution(p, t)
+    if launch.umask != spec.umask:
+        raise ValidationError(f"{p}umask", "must be 4 octal digits, e.g. \"0027\"")
     prepare_recipe(p, {k: v for k, v in spec.env.items()}, dict(spec.secret_refs))
     if spec.executor_type not in WORKER_EXECUTORS:
         raise ValidationError(f"{p}executorType", f"{spec.executor_type!r} is not one of {list(WORKER_EXECUTORS)}")

@@ -172,7 +172,8 @@ def test_claim_budget_exhaustion_reports_reason_and_truncated(kit):
 
 @pytest.mark.parametrize("change", [{"attemptId": "00000000-0000-4000-8000-000000000000"},
                                     {"taskRevision": 2}, {"argv": ["relative/path"]},
-                                    {"env": {"QL3_RUN_ID": "forged"}}, {"timeoutMs": 0}])
+                                    {"env": {"QL3_RUN_ID": "forged"}}, {"timeoutMs": 0}, {"umask": "0999"},
+                                    {"umask": "027"}, {"cwd": "relative"}])
 def test_invalid_or_mismatched_execution_spec_refused_before_claim(kit, change):
     kit.worker("w1")
     kit.queue(kit.task())

@@ -201,7 +201,8 @@ class PgPlanSource:
                 "taskId": row["task_id"], "taskRevision": row["task_revision"],
                 "executorType": row["worker_executor"], "kind": execution.get("kind"),
                 "argv": execution.get("argv") or [], "shell": execution.get("shell"),
-                "script": execution.get("script"), "cwd": execution.get("cwd", "/"),
+                "script": execution.get("script"), "cwd": execution.get("cwd"),
+                "umask": execution.get("umask"), "keepOrphans": execution.get("keepOrphans", False),
                 "env": recipe.get("public", {}), "secretRefs": recipe.get("secretRefs", {}),
                 "timeoutMs": definition.get("timeoutMs"), "graceMs": definition.get("graceMs"),
                 "logQuotaBytes": self._profile.log_max_bytes}
