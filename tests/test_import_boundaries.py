@@ -45,15 +45,15 @@ UPWARD = {
 # it imports it, and it imports nothing but core (not the cluster's control plane either).
 UPWARD["qlagent.worker"] = ("qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
                             "qlagent.application", *ENTRY_POINTS)
-for _lower in ("qlagent.core", "qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent"):
+for _lower in ("qlagent.core", "qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
+               "qlagent"):
     UPWARD[_lower] = (*UPWARD[_lower], "qlagent.worker")
 PURE_LAYERS = ("qlagent.core", "qlagent.worker")
 # The pure layers do no I/O: none of these may be loaded by importing them.
 CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "http", "socket", "subprocess",
                   "cryptography", "urllib.request", "selectors", "psutil")
 # Heavy dependencies are lazy everywhere (pyroute2 ~18 MB, cryptography, psycopg: never on a
-# local agent): importing a module
-# must not load them; only the call that needs them does.
+# local agent): importing a module must not load them; only the call that needs them does.
 LAZY_EVERYWHERE = ("pyroute2", "cryptography", "psycopg", "psycopg_pool")
 # The modules that wrap a lazy dependency load it; importing them is what "lazily" means.
 LAZY_OWNERS = {"qlagent.service.netgate", "qlagent.adapters.netlink"}

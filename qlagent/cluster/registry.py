@@ -19,6 +19,7 @@ import msgspec
 from ..core.canonical import sha256_hex
 from ..core.cluster import WORKER_EXECUTORS, Enrolment, SessionGrant, WorkerAuthError
 from ..core.errors import ValidationError
+from ..core.inbox_states import MAX_GENERATION
 from .placement import check_labels
 
 CREDENTIAL_PREFIX = "qlw_"
@@ -42,8 +43,9 @@ def check_uuid(field: str, value) -> str:
 
 
 def check_generation(field: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 2**62:
-        raise ValidationError(field, "must be an integer 1..2^62", limit=2**62)
+    """A Session or Lease generation: 1..2^63-1 (a PostgreSQL bigint, as the Worker inbox checks)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_GENERATION:
+        raise ValidationError(field, "must be an integer 1..2^63-1", limit=MAX_GENERATION)
     return value
 
 

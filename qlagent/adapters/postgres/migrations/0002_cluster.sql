@@ -1,5 +1,5 @@
 -- Cluster tables (ADR-0014 §5, ADR-0108, ADR-0109). No offers table: the Run Lease is the authority.
-ALTER TABLE attempts ADD COLUMN lease_generation integer NOT NULL DEFAULT 0;
+ALTER TABLE attempts ADD COLUMN lease_generation bigint NOT NULL DEFAULT 0;
 ALTER TABLE attempts ADD COLUMN worker_id text;
 -- Received end of the offset-addressed log upload (bytes past the quota advance it, not the chunks).
 ALTER TABLE attempts ADD COLUMN log_next_offset bigint NOT NULL DEFAULT 0;
@@ -36,7 +36,7 @@ CREATE INDEX worker_sessions_open ON worker_sessions(expires_at_us) WHERE state 
 
 CREATE TABLE run_leases (
     attempt_id         text NOT NULL REFERENCES attempts(attempt_id),
-    lease_generation   integer NOT NULL CHECK (lease_generation >= 1),
+    lease_generation   bigint NOT NULL CHECK (lease_generation >= 1),
     run_id             text NOT NULL REFERENCES runs(run_id),
     worker_id          text NOT NULL REFERENCES workers(worker_id),
     session_id         text NOT NULL REFERENCES worker_sessions(session_id),
