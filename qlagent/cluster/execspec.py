@@ -17,36 +17,12 @@ import msgspec
 
 from ..core import limits as L
 from ..core.canonical import content_digest
-from ..core.cluster import WORKER_EXECUTORS, ClusterCandidate
+from ..core.cluster import WORKER_EXECUTORS, ClusterCandidate, ExecutionSpec
 from ..core.definitions import TaskInput, prepare_execution, prepare_recipe
 from ..core.errors import ValidationError
 from ..core.profiles import STANDALONE
 
 MAX_GRACE_MS = 300_000
-
-
-class ExecutionSpec(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
-    run_id: str
-    attempt_id: str
-    project_id: str
-    task_id: str
-    task_revision: int
-    executor_type: str                 # what the Worker runs, e.g. local_process
-    kind: str                          # local_process (argv) | shell (shell -c script)
-    argv: tuple[str, ...] = ()
-    shell: str | None = None
-    script: str | None = None
-    cwd: str | None = None             # None: the task user's HOME (as a local launch)
-    umask: str | None = None           # 4 octal digits; None: the Worker service's umask
-    keep_orphans: bool = False
-    env: dict[str, str] = {}
-    secret_refs: dict[str, str] = {}   # environment name → Secret name; values resolved after the claim
-    timeout_ms: int
-    grace_ms: int
-    log_quota_bytes: int
-
-    def __repr__(self) -> str:         # never the command or environment
-        return f"ExecutionSpec(attempt={self.attempt_id})"
 
 
 _IDENTITY = (("run_id", "runId"), ("attempt_id", "attemptId"), ("project_id", "projectId"),

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import msgspec
 
+from ..core.cluster import ChunkAnswer
 from ..core.errors import ValidationError
 from ..core.profiles import Profile
 from .acks import lease_fence
 
 MAX_CHUNK_BYTES = 262_144
 MAX_OFFSET = 2**62
-
-
-class ChunkAnswer(msgspec.Struct, frozen=True, rename="camel"):
-    next_offset: int
-    truncated: bool
 
 
 class LogUpload:

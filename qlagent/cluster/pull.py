@@ -22,34 +22,15 @@ import time
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import CandidateSignal, ClusterDispatchStore, PlanSource, SecretResolver, SessionView
+from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, ClusterDispatchStore, PlanSource, PullAnswer,
+                             PullRequest, SecretResolver, SessionView)
 from ..core.errors import ConflictError, ValidationError
 from .acks import check_token
 from .dispatcher import (BudgetExhausted, CandidateClaimer, CycleCounts, DispatcherBudgets, FailClosed, build_offer,
                          check_budgets)
 from .execspec import sanitize
-from .offer import ClaimedExecutionOffer
 from .placement import score, with_executor
 from .registry import check_generation, check_uuid, credential_digest
-
-
-class PullRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
-    session_id: str
-    generation: int
-    pull_id: str
-    lease_token: str
-
-    def __repr__(self) -> str:
-        return f"PullRequest(session={self.session_id}, pull={self.pull_id})"
-
-
-class PullAnswer(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
-    """``status``: offered | idle | unmatched | truncated | refused | lease_ended. Only
-    ``offered`` carries an offer; the others a short ``reason``."""
-
-    status: str
-    reason: str | None = None
-    offer: ClaimedExecutionOffer | None = None
 
 
 MAX_WAIT_S = 30

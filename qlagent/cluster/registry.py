@@ -17,7 +17,7 @@ import secrets
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import WORKER_EXECUTORS, Enrolment, SessionGrant, WorkerAuthError
+from ..core.cluster import WORKER_EXECUTORS, Enrolment, Heartbeat, Hello, SessionGrant, WorkerAuthError
 from ..core.errors import ValidationError
 from ..core.inbox_states import MAX_GENERATION
 from .placement import check_labels
@@ -49,24 +49,11 @@ def check_generation(field: str, value) -> int:
     return value
 
 
-class Hello(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
-    """What a Worker announces when it opens a Session; None keeps the enrolment's value."""
-
-    labels: dict[str, str] | None = None
-    executor_types: tuple[str, ...] | None = None
-    slots: int | None = None
-
-
 class Timings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Seconds: Session lifetime without a heartbeat, running-Lease lifetime without one."""
 
     session_ttl_s: int = 30
     lease_ttl_s: int = 30
-
-
-class Heartbeat(msgspec.Struct, frozen=True, rename="camel"):
-    expires_at_us: int
-    cancel: list[str]
 
 
 def check_executors(field: str, value) -> tuple[str, ...]:

@@ -264,3 +264,105 @@ class CandidateSignal(Protocol):
 
     def wait(self, seq: int, timeout_s: float) -> bool:
         """Block until a candidate may have appeared after ``seq``, or ``timeout_s`` (s)."""
+
+
+# ---- Worker protocol bodies (docs/worker-protocol.md). Plain Structs kept in core so that a
+# fleet Worker decodes them without importing the control plane (``qlagent.cluster``).
+
+class Hello(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    """What a Worker announces when it opens a Session; None keeps the enrolment's value."""
+
+    labels: dict[str, str] | None = None
+    executor_types: tuple[str, ...] | None = None
+    slots: int | None = None
+
+
+class Heartbeat(msgspec.Struct, frozen=True, rename="camel"):
+    """A renewed Session: its new expiry (µs, database clock) and the Attempt IDs whose cancel
+    was requested."""
+
+    expires_at_us: int
+    cancel: list[str]
+
+
+class PullRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    session_id: str
+    generation: int
+    pull_id: str
+    lease_token: str
+
+    def __repr__(self) -> str:
+        return f"PullRequest(session={self.session_id}, pull={self.pull_id})"
+
+
+class ExecutionSpec(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
+    """What a Worker needs to launch one Attempt (ADR-0014 §2 step 5, §3); built and validated
+    by ``cluster.execspec.sanitize``. Holds the command and environment: never logged."""
+
+    run_id: str
+    attempt_id: str
+    project_id: str
+    task_id: str
+    task_revision: int
+    executor_type: str                 # what the Worker runs, e.g. local_process
+    kind: str                          # local_process (argv) | shell (shell -c script)
+    argv: tuple[str, ...] = ()
+    shell: str | None = None
+    script: str | None = None
+    cwd: str | None = None             # None: the task user's HOME (as a local launch)
+    umask: str | None = None           # 4 octal digits; None: the Worker service's umask
+    keep_orphans: bool = False
+    env: dict[str, str] = {}
+    secret_refs: dict[str, str] = {}   # environment name → Secret name; values resolved after the claim
+    timeout_ms: int
+    grace_ms: int
+    log_quota_bytes: int
+
+    def __repr__(self) -> str:         # never the command or environment
+        return f"ExecutionSpec(attempt={self.attempt_id})"
+
+
+class ClaimedExecutionOffer(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
+    """ADR-0014 §3: the capability handed to exactly one Worker Session after its Run Lease
+    committed (``cluster.offer``). ``repr`` shows identities only."""
+
+    offer_id: str
+    source: str                       # new_claim | lease_recovery
+    run_id: str
+    attempt_id: str
+    project_id: str
+    task_id: str
+    task_revision: int
+    worker_id: str
+    session_id: str
+    generation: int
+    lease_generation: int
+    lease_expires_at_us: int
+    lease_token: str
+    spec_digest: str
+    spec: ExecutionSpec
+    placement_score: int | None = None     # new claims only; a recovery does not recompute it
+    secrets: dict[str, bytes] = {}         # environment name → plaintext, resolved after the claim
+
+    def __repr__(self) -> str:
+        return (f"ClaimedExecutionOffer(offer={self.offer_id}, attempt={self.attempt_id}, "
+                f"worker={self.worker_id}, source={self.source})")
+
+    __str__ = __repr__
+
+
+class PullAnswer(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
+    """``status``: offered | idle | unmatched | truncated | refused | lease_ended. Only
+    ``offered`` carries an offer; the others a short ``reason``."""
+
+    status: str
+    reason: str | None = None
+    offer: ClaimedExecutionOffer | None = None
+
+
+class ChunkAnswer(msgspec.Struct, frozen=True, rename="camel"):
+    """A log chunk's answer: the next offset the control plane expects (bytes) and whether the
+    quota truncated what it keeps."""
+
+    next_offset: int
+    truncated: bool
