@@ -496,6 +496,9 @@ def cmd_import_qinglong(ctx: Ctx) -> int:
 
 def cmd_serve(ctx: Ctx) -> int:
     from ..service.config import parse_listen
+    if ctx.settings.config.worker is not None:        # a fleet Worker: nothing local is scheduled
+        from ..service.worker_mode import serve_worker
+        return serve_worker(ctx.settings)
     from ..service.main import serve
     if ctx.args.listen:
         parse_listen(ctx.args.listen, field="--listen")

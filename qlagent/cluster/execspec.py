@@ -64,6 +64,8 @@ def sanitize(raw: dict, candidate: ClusterCandidate) -> ExecutionSpec:
         raise ValidationError(f"{p}graceMs", "outside 0..", limit=MAX_GRACE_MS)
     if not 1 <= spec.log_quota_bytes <= STANDALONE.log_max_bytes:
         raise ValidationError(f"{p}logQuotaBytes", "outside 1..", limit=STANDALONE.log_max_bytes)
+    if spec.on_lease_loss not in ("kill", "keep"):
+        raise ValidationError(f"{p}onLeaseLoss", "must be \"kill\" or \"keep\"")
     for attr, name in _IDENTITY:
         if getattr(spec, attr) != getattr(candidate, attr):
             raise ValidationError(f"{p}{name}", "does not match the persisted candidate")

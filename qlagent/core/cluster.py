@@ -317,6 +317,7 @@ class ExecutionSpec(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
     timeout_ms: int
     grace_ms: int
     log_quota_bytes: int
+    on_lease_loss: str = "kill"        # kill | keep: what the Worker does when it cannot renew the Lease
 
     def __repr__(self) -> str:         # never the command or environment
         return f"ExecutionSpec(attempt={self.attempt_id})"

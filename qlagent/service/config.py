@@ -15,6 +15,7 @@ import msgspec
 
 from ..adapters.tomlfile import read_toml
 from ..adapters.trust import TrustedPath, require_trusted, trusted_paths
+from ..core import limits as L
 from ..core.definitions import check_project_name
 from ..core.errors import ValidationError
 from ..core.profiles import Profile, get_profile
@@ -37,6 +38,21 @@ class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_total_bytes: int | None = None     # default: the Profile's artifact_total_bytes
 
 
+class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``[worker]``: run as a fleet Worker (issue 11; docs/worker-protocol.md). Local tasks and
+    schedules are off; the local HTTP API stays optional."""
+
+    worker_id: str                          # the enrolled Worker's UUID (`qlagent workers enroll`)
+    control_url: str                        # https://HOST[:PORT] (http:// to loopback only)
+    credential_file: str                    # 0600, owned by the agent: qlw_… from the enrolment
+    ca_file: str | None = None              # PEM CA of the control plane (required for https)
+    labels: dict[str, str] = {}
+    executors: list[str] = msgspec.field(default_factory=lambda: ["local_process"])
+    slots: int = 1                          # runs at once: 1..max_concurrent_runs of the Profile
+    heartbeat_interval_s: float = 5.0       # 1..60
+    pull_wait_s: int = 20                   # long-poll, 0..30
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     profile: str = "edge"
     project: str = "default"
@@ -48,6 +64,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_concurrent_runs: int | None = None
     http: HttpConfig | None = None
     retention: RetentionConfig = RetentionConfig()
+    worker: WorkerConfig | None = None
 
 
 class Settings(msgspec.Struct, frozen=True):
@@ -121,10 +138,42 @@ def validate(cfg: Config) -> None:
         raise ValidationError("retention.keep_per_task", "must be at least 1")
     if cfg.http is not None and cfg.http.listen:
         parse_listen(cfg.http.listen)
+    if cfg.worker is not None:
+        validate_worker(cfg.worker, get_profile(cfg.profile))
     for key in ("state_dir", "artifact_dir", "secret_key_file"):
         v = getattr(cfg, key)
         if v is not None and not os.path.isabs(v):
             raise ValidationError(key, f"{v!r} must be an absolute path")
+
+
+def validate_worker(w: WorkerConfig, profile: Profile) -> None:
+    """``[worker]`` rules; ValidationError naming ``worker.<key>`` and its limit."""
+    if not re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", w.worker_id):
+        raise ValidationError("worker.worker_id", "must be the enrolled Worker's lowercase UUID")
+    u = w.control_url
+    if not re.fullmatch(r"https?://[^/?#@\s]+/?", u):
+        raise ValidationError("worker.control_url", "must be https://HOST[:PORT]")
+    if u.startswith("https://") and not w.ca_file:
+        raise ValidationError("worker.ca_file", "required with an https:// control_url (the control plane's CA)")
+    for key in ("credential_file", "ca_file"):
+        v = getattr(w, key)
+        if v is not None and not os.path.isabs(v):
+            raise ValidationError(f"worker.{key}", f"{v!r} must be an absolute path")
+    if not w.executors or len(set(w.executors)) != len(w.executors) or any(e != "local_process" for e in w.executors):
+        raise ValidationError("worker.executors", "must be a non-empty list of [\"local_process\"] without repeats")
+    if len(w.labels) > L.MAX_LABELS:
+        raise ValidationError("worker.labels", f"{len(w.labels)} labels", limit=L.MAX_LABELS)
+    for k, v in w.labels.items():
+        # The control plane's rule (cluster.placement.check_labels): a hello it refuses is a bad config.
+        if not k or len(k.encode()) > L.MAX_LABEL_BYTES or len(v.encode()) > L.MAX_LABEL_BYTES or "\x00" in k + v:
+            raise ValidationError(f"worker.labels.{k}", "empty, too long or contains NUL", limit=L.MAX_LABEL_BYTES)
+    if not 1 <= w.slots <= profile.max_concurrent_runs:
+        raise ValidationError("worker.slots", f"outside 1..{profile.max_concurrent_runs} (the Profile's live runs)",
+                              limit=profile.max_concurrent_runs)
+    if not 1.0 <= w.heartbeat_interval_s <= 60.0:
+        raise ValidationError("worker.heartbeat_interval_s", "outside 1..60 seconds", limit="1..60")
+    if not 0 <= w.pull_wait_s <= 30:
+        raise ValidationError("worker.pull_wait_s", "outside 0..30 seconds", limit="0..30")
 
 
 def resolve(config_path: str | None = None, *, state_dir: str | None = None, profile: str | None = None,

@@ -1,0 +1,367 @@
+"""HTTP client of a fleet Worker to its control plane (docs/worker-protocol.md, issue 11).
+
+Stdlib ``http.client`` + ``ssl`` only, loaded by Worker mode alone (a local agent never imports
+this module). TLS trusts exactly the CA in ``ca_file`` (no system trust store) and checks the
+host name; plain ``http://`` is accepted for loopback hosts only. The Worker credential is read
+from ``credential_file``, which must be a regular file owned by the agent's user with mode 0600
+(``qlw_`` + 43 URL-safe characters); it is sent as ``Authorization: Worker <credential>`` and
+never appears in a log line, error or ``repr``.
+
+Two persistent connections: ``rpc`` (hello, heartbeat, ACKs, log chunks; blocking, bounded by
+the timeout the caller passes) and ``poll`` (the long-polling Pull, sent and then awaited by the
+Worker's selectors loop through ``poll_fileno``). Every answer's ``X-Qlagent-Server-Now-Us``
+(database clock, µs) is returned with it for lease anchoring (``qlagent.worker.fencing``).
+
+Errors: the documented codes become typed errors (``ControlError`` and subclasses below) carrying
+``code``, ``field``, ``status``, ``retry_after_s`` and ``next_offset`` (409 chunk answers);
+a refused TLS handshake is ``ControlTlsError`` with one line naming ``ca_file``; anything that
+prevents an answer (refused, reset, timeout) is ``ControlUnreachable``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import os
+import re
+import socket
+import ssl
+import stat
+import urllib.parse
+
+import msgspec
+
+from ..core.errors import EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE, QlError, ValidationError
+
+CREDENTIAL = re.compile(r"qlw_[A-Za-z0-9_-]{43}")
+MAX_CREDENTIAL_FILE_BYTES = 256
+MAX_ANSWER_BYTES = 1 << 20          # an offer with its spec is at most a few tens of KiB
+DEFAULT_TIMEOUT_S = 10.0
+SERVER_NOW = "X-Qlagent-Server-Now-Us"
+API = "/api/v3/cluster/workers"
+
+
+class ControlError(QlError):
+    """An answer of the control plane that is not a success; ``status`` its HTTP status."""
+
+    code = "control_error"
+    exit_code = EXIT_UNAVAILABLE
+
+    def __init__(self, message: str, *, code: str | None = None, field: str | None = None, status: int = 0,
+                 retry_after_s: float | None = None, next_offset: int | None = None) -> None:
+        super().__init__(message, field=field, code=code)
+        self.status, self.retry_after_s, self.next_offset = status, retry_after_s, next_offset
+
+
+class ControlUnreachable(ControlError):
+    """No answer: connection refused/reset, DNS, timeout. Retry with backoff."""
+
+    code = "control_unreachable"
+
+
+class ControlTlsError(ControlError):
+    """The control plane's certificate is not signed by the pinned CA (or names another host)."""
+
+    code = "control_tls_refused"
+    exit_code = EXIT_USAGE
+
+
+class ControlAuthError(ControlError):
+    """401 ``worker_unauthenticated`` / 403 ``worker_mismatch``: stop pulling, retry with backoff."""
+
+    code = "worker_unauthenticated"
+    exit_code = EXIT_USAGE
+
+
+class SessionGone(ControlError):
+    """409 ``stale_generation`` / ``session_expired``: open a new Session."""
+
+    code = "session_expired"
+    exit_code = EXIT_CONFLICT
+
+
+class LeaseGone(ControlError):
+    """409 ``lease_ended`` / ``lease_token_mismatch`` / ``lease_not_active``: self-fence."""
+
+    code = "lease_ended"
+    exit_code = EXIT_CONFLICT
+
+
+class ChunkConflict(ControlError):
+    """409 ``chunk_gap`` / ``chunk_mismatch``: resume from ``next_offset`` when it is named."""
+
+    code = "chunk_gap"
+    exit_code = EXIT_CONFLICT
+
+
+class PullTokenMismatch(ControlError):
+    """409 ``pull_token_mismatch``: forget that pullId."""
+
+    code = "pull_token_mismatch"
+    exit_code = EXIT_CONFLICT
+
+
+class AttemptNotFound(ControlError):
+    """404 ``attempt_not_found`` (or ``lease_not_found``): drop what was queued for it."""
+
+    code = "attempt_not_found"
+    exit_code = EXIT_NOT_FOUND
+
+
+class RequestRefused(ControlError):
+    """400 ``invalid_request`` / 413 ``body_too_large``: a bug; never retry the same body."""
+
+    code = "invalid_request"
+    exit_code = EXIT_USAGE
+
+
+class ControlBusy(ControlError):
+    """503 ``cluster_unavailable`` (``retry_after_s`` from Retry-After) or another 5xx."""
+
+    code = "cluster_unavailable"
+
+
+_BY_CODE = {"worker_unauthenticated": ControlAuthError,
+            "lease_expired": LeaseGone, "ack_conflict": RequestRefused, "ack_out_of_order": RequestRefused, "worker_mismatch": ControlAuthError,
+            "worker_unauthorized": ControlAuthError,
+            "stale_generation": SessionGone, "session_expired": SessionGone,
+            "lease_ended": LeaseGone, "lease_token_mismatch": LeaseGone, "lease_not_active": LeaseGone,
+            "chunk_gap": ChunkConflict, "chunk_mismatch": ChunkConflict,
+            "pull_token_mismatch": PullTokenMismatch,
+            "attempt_not_found": AttemptNotFound, "lease_not_found": AttemptNotFound,
+            "invalid_request": RequestRefused, "body_too_large": RequestRefused,
+            "cluster_unavailable": ControlBusy}
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """A success: HTTP status, decoded body (bytes) and the database clock (µs) or None."""
+
+    status: int
+    body: bytes
+    server_now_us: int | None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: str = "control_error"
+    field: str | None = None
+    message: str = ""
+    next_offset: int | None = msgspec.field(default=None, name="nextOffset")
+
+
+def read_credential(path: str) -> str:
+    """The Worker credential in ``path``: a regular file (no symlink) owned by this process's
+    user, mode 0600 or stricter, holding ``qlw_`` + 43 URL-safe characters (one line).
+
+    Raises ValidationError(field="worker.credential_file") naming the rule broken (the
+    credential itself is never quoted)."""
+    field = "worker.credential_file"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ValidationError(field, f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValidationError(field, f"{path}: not a regular file")
+        if st.st_uid != os.geteuid():
+            raise ValidationError(field, f"{path}: owned by uid {st.st_uid}, must be the agent's (uid {os.geteuid()})")
+        if st.st_mode & 0o177:
+            raise ValidationError(field, f"{path}: mode {stat.S_IMODE(st.st_mode):04o}, must be 0600")
+        raw = os.read(fd, MAX_CREDENTIAL_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    text = raw.decode("ascii", "replace").strip()
+    if len(raw) > MAX_CREDENTIAL_FILE_BYTES or not CREDENTIAL.fullmatch(text):
+        raise ValidationError(field, f"{path}: not a Worker credential (qlw_ + 43 URL-safe characters, "
+                                     "from `qlagent workers enroll`)")
+    return text
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_control_url(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of ``worker.control_url``: ``https://HOST[:PORT]`` (443), or
+    ``http://`` to a loopback host only. Raises ValidationError(field="worker.control_url")."""
+    field = "worker.control_url"
+    u = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    if u is None or u.scheme not in ("https", "http") or not u.hostname or u.path not in ("", "/") \
+            or u.query or u.fragment or u.username or u.password:
+        raise ValidationError(field, "must be https://HOST[:PORT] (no path, query or user)")
+    try:
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        raise ValidationError(field, "port outside 1..65535", limit="1..65535") from None
+    if u.scheme == "http" and not _loopback(u.hostname):
+        raise ValidationError(field, "plain http:// only to a loopback host; use https:// with ca_file")
+    return u.scheme, u.hostname, port
+
+
+def tls_context(ca_file: str) -> ssl.SSLContext:
+    """A client context trusting only ``ca_file`` (PEM), TLS ≥ 1.2, host names checked.
+    Raises ValidationError(field="worker.ca_file") when it cannot be loaded."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)      # verify_mode CERT_REQUIRED, check_hostname on
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_verify_locations(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ValidationError("worker.ca_file", f"{ca_file}: not a readable PEM CA ({type(e).__name__})") from None
+    return ctx
+
+
+class ControlClient:
+    """One Worker's client; ``worker_id`` is the enrolled Worker's UUID. Not thread-safe (the
+    Worker's loop owns it). Construction reads and checks the credential and the CA (raises
+    ValidationError naming the field); nothing is connected until the first request."""
+
+    def __init__(self, control_url: str, worker_id: str, credential_file: str, ca_file: str | None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self._scheme, self._host, self._port = parse_control_url(control_url)
+        if self._scheme == "https" and not ca_file:
+            raise ValidationError("worker.ca_file", "required with an https:// control_url")
+        self._ctx = tls_context(ca_file) if self._scheme == "https" else None
+        self._auth = f"Worker {read_credential(credential_file)}"
+        self._base = f"{API}/{worker_id}"
+        self.timeout_s = timeout_s
+        self._rpc: http.client.HTTPConnection | None = None
+        self._poll: http.client.HTTPConnection | None = None
+
+    def __repr__(self) -> str:
+        return f"ControlClient({self._scheme}://{self._host}:{self._port})"
+
+    def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        if self._ctx is not None:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s, context=self._ctx)
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+
+    def close(self) -> None:
+        for c in (self._rpc, self._poll):
+            if c is not None:
+                c.close()
+        self._rpc = self._poll = None
+
+    # -- blocking requests on the rpc connection -------------------------------------------------
+    def request(self, method: str, path: str, body: bytes, content_type: str = "application/json",
+                headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Answer:
+        """Send one request under this Worker's route (``path`` after ``/workers/{id}``) and
+        wait at most ``timeout_s`` (default the client's) for its answer. Raises ControlError."""
+        t = max(0.05, timeout_s if timeout_s is not None else self.timeout_s)
+        for attempt in (1, 2):
+            if self._rpc is None:
+                self._rpc = self._connect(t)
+            conn = self._rpc
+            reused = conn.sock is not None
+            try:
+                if reused:
+                    conn.sock.settimeout(t)
+                else:
+                    conn.timeout = t
+                self._send(conn, method, path, body, content_type, headers)
+                return self._answer(conn.getresponse())
+            except ControlError:
+                raise
+            except BaseException as e:
+                self._rpc = None
+                conn.close()
+                # A kept-alive connection the server closed meanwhile: every Worker request is
+                # idempotent, so it is sent once more on a fresh connection.
+                if attempt == 1 and reused and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError,
+                                                              ConnectionResetError)):
+                    continue
+                raise self._transport_error(e) from None
+
+    # -- the long-polling Pull on its own connection ---------------------------------------------
+    def start_poll(self, path: str, body: bytes, wait_s: float) -> int:
+        """Send a Pull (``path`` e.g. ``/pull?waitS=20``) on the poll connection and return the
+        socket's fileno to wait on; ``finish_poll`` reads the answer. Raises ControlError."""
+        if self._poll is None:
+            self._poll = self._connect(self.timeout_s)
+        conn = self._poll
+        try:
+            if conn.sock is not None:
+                conn.sock.settimeout(self.timeout_s)
+            self._send(conn, "POST", path, body, "application/json", None)
+            # The answer may take wait_s; reading it must not hang past that plus the timeout.
+            conn.sock.settimeout(wait_s + self.timeout_s)
+            return conn.sock.fileno()
+        except BaseException as e:
+            self.abort_poll()
+            raise self._transport_error(e) from None
+
+    def poll_pending(self) -> bool:
+        """True when TLS already holds decrypted bytes of the answer (select would not wake)."""
+        s = self._poll.sock if self._poll is not None else None
+        return isinstance(s, ssl.SSLSocket) and s.pending() > 0
+
+    def finish_poll(self) -> Answer:
+        """The Pull's answer (the socket is readable). Raises ControlError."""
+        conn = self._poll
+        if conn is None:
+            raise ControlUnreachable("no Pull in flight")
+        try:
+            return self._answer(conn.getresponse())
+        except ControlError:
+            raise
+        except BaseException as e:
+            self.abort_poll()
+            raise self._transport_error(e) from None
+
+    def abort_poll(self) -> None:
+        """Drop the poll connection (a lost answer: the Pull is retried byte-identically)."""
+        if self._poll is not None:
+            self._poll.close()
+            self._poll = None
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _send(self, conn, method, path, body, content_type, headers) -> None:
+        h = {"Authorization": self._auth, "Content-Type": content_type, "Content-Length": str(len(body)),
+             "Connection": "keep-alive"}
+        if headers:
+            h.update(headers)
+        conn.request(method, self._base + path, body=body, headers=h)
+
+    def _answer(self, resp: http.client.HTTPResponse) -> Answer:
+        data = resp.read(MAX_ANSWER_BYTES + 1)
+        if len(data) > MAX_ANSWER_BYTES:
+            raise ControlError("answer larger than the limit", code="answer_too_large", status=resp.status)
+        now = resp.getheader(SERVER_NOW)
+        try:
+            server_now = int(now) if now is not None else None
+        except ValueError:
+            server_now = None
+        if 200 <= resp.status < 300:
+            return Answer(resp.status, data, server_now)
+        try:
+            err = msgspec.json.decode(data, type=_ErrorBody)
+        except msgspec.DecodeError:
+            err = _ErrorBody(error=f"http_{resp.status}", message="")
+        cls = _BY_CODE.get(err.error, ControlBusy if resp.status >= 500 else ControlError)
+        retry = resp.getheader("Retry-After")
+        try:
+            retry_s = float(retry) if retry is not None else None
+        except ValueError:
+            retry_s = None
+        # The message is the control plane's (it never carries a command, secret or token).
+        raise cls(f"{resp.status} {err.error}: {err.message[:200]}", code=err.error, field=err.field,
+                  status=resp.status, retry_after_s=retry_s, next_offset=err.next_offset)
+
+    def _transport_error(self, e: BaseException) -> ControlError:
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return ControlTlsError(f"control plane {self._host}:{self._port}: certificate refused "
+                                   f"({e.verify_message}); worker.ca_file must hold the CA that signed it",
+                                   field="worker.ca_file")
+        if isinstance(e, ssl.SSLError):
+            return ControlTlsError(f"control plane {self._host}:{self._port}: TLS failed ({e.reason})",
+                                   field="worker.ca_file")
+        if isinstance(e, (OSError, http.client.HTTPException)):
+            what = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
+            return ControlUnreachable(f"control plane {self._host}:{self._port}: {what}")
+        if isinstance(e, Exception):
+            return ControlUnreachable(f"control plane {self._host}:{self._port}: {type(e).__name__}")
+        raise e

@@ -1,0 +1,735 @@
+"""The fleet Worker's loop (issue 11 §1–6; docs/worker-protocol.md "Ordering on the Worker").
+
+One selectors loop, no thread and no busy polling: it sleeps until the next duty (heartbeat,
+reconnect, a fencing instant, a timeout, a kill grace) or an event (a shim's pidfd, the Pull's
+socket, a signal). Duties, in order, on every pass:
+
+1. **Session**: with none, reconnect when the backoff (``worker.backoff``, full jitter, capped)
+   allows. A restarted Worker whose inbox still holds open rows first renews their Session with a
+   heartbeat (so re-attached runs keep their Leases); when that Session is gone it opens a new
+   one (``Hello`` → ``SessionGrant``), which fences the older Leases.
+2. **Heartbeat** every ``heartbeat_interval_s`` with jitter (``worker.heartbeat``); its answer
+   renews the Leases of started runs (``worker.fencing.Renewal`` anchored at the send time) and
+   names the Attempts whose cancel was requested: their whole process tree is stopped.
+3. **Offers** (inbox rows in receipt order): ACK ``starting`` → crash barrier (inbox, fsync'd) →
+   run directory (fsync'd) → spawn the shim → ACK ``running`` (``start_failure`` with the reason
+   code when it could not start). Secret values live only in memory from the Pull answer to the
+   spawn; a row that lost them in a restart fails to start (``secrets_unavailable``).
+4. **Completion** from the shim's receipt → ACK ``completion`` → log chunks (≤ 256 KiB,
+   offset-addressed) until the control plane holds every kept byte → row ``acked`` → run
+   directory (and its Artifact) removed. Chunks also go up during a run once a whole chunk is
+   there. Anything unanswered stays owed and is re-sent (idempotently) after a reconnect or a
+   restart.
+5. **Self-fencing** (``worker.fencing``): a run whose Lease could not be renewed in time is stopped
+   (``on_lease_loss = "kill"``, the spec's; default) or kept and reported (``"keep"``). A run with
+   no renewal since this process started (restart while the control plane is unreachable) is
+   treated the same way at once.
+6. **Pull** (long-poll, own connection) only while a slot is free, the inbox has room and the
+   Session is open; the request (pullId + fresh lease token) is kept in the inbox before it is
+   sent, so a retry after a lost answer is byte-identical.
+
+Lease TTL: the Worker learns it from its first offer (``leaseExpiresAtUs`` minus the answer's
+``X-Qlagent-Server-Now-Us``) and assumes each renewal grants the same span from the renewing
+answer's server time; the fencing safety (1 s) covers the request's own duration.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets as _secrets
+import selectors
+import signal
+import socket
+import time
+import uuid
+
+import msgspec
+
+from ..adapters.control_client import (Answer, AttemptNotFound, ChunkConflict, ControlAuthError, ControlClient,
+                                       ControlError, ControlTlsError, ControlUnreachable, LeaseGone, PullTokenMismatch,
+                                       RequestRefused, SessionGone)
+from ..core.cluster import Ack, AckResult, ChunkAnswer, Heartbeat, Hello, PullAnswer, SessionGrant, ExecutionSpec
+from ..core.errors import QlError, StartError
+from ..execution.coordinator import start_code
+from ..core.inbox_states import COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, InboxEntry, InboxOffer, recovery_action
+from ..worker import backoff, fencing, heartbeat
+from .worker_runs import RunHandle, WorkerRuns
+
+CHUNK_BYTES = 262_144
+DEFAULT_PULL_WAIT_S = 20
+KILL_REAP_US = 1_000_000               # after SIGKILL: reaping the tree (fencing's kill grace adds it)
+NO_PIDFD_LOOK_US = 1_000_000
+
+
+def _mono_us() -> int:
+    return time.monotonic_ns() // 1_000
+
+
+class Job:
+    """The loop's view of one open inbox row (the inbox stays the authority)."""
+
+    __slots__ = ("entry", "spec", "secrets", "handle", "renewal", "ttl_us", "deadline_us", "kill_reason", "kill_at_us",
+                 "fenced", "keep_reported", "cancel", "running_owed", "completion_owed", "uploaded", "log_done",
+                 "gone")
+
+    def __init__(self, entry: InboxEntry, spec: ExecutionSpec, secrets: dict[str, bytes] | None = None) -> None:
+        self.entry, self.spec, self.secrets = entry, spec, secrets
+        self.handle: RunHandle | None = None
+        self.renewal: fencing.Renewal | None = None
+        self.ttl_us = 0
+        self.deadline_us: int | None = None       # the spec's timeout, Worker monotonic µs
+        self.kill_reason: str | None = None       # timeout | cancel | shutdown | None
+        self.kill_at_us: int | None = None        # SIGKILL due (after the grace)
+        self.fenced = False                       # stopped (or dropped) because the Lease was lost
+        self.keep_reported = False
+        self.cancel = False
+        self.running_owed = False
+        self.completion_owed = False
+        self.uploaded = 0                         # bytes the control plane acknowledged
+        self.log_done = False
+        self.gone = False                         # the Lease is gone: nothing more is sent
+
+    @property
+    def attempt_id(self) -> str:
+        return self.entry.offer.attempt_id
+
+    @property
+    def offer_id(self) -> str:
+        return self.entry.offer.offer_id
+
+    @property
+    def kill_grace_us(self) -> int:
+        return min(self.spec.grace_ms * 1000 + KILL_REAP_US, fencing.MAX_KILL_GRACE_US)
+
+    def __repr__(self) -> str:
+        return f"Job(attempt={self.attempt_id}, state={self.entry.state})"
+
+
+class WorkerRuntime:
+    """The Worker over its control client, inbox (``core.ports.InboxPort``) and local runs.
+
+    ``hello`` narrows the enrolment (labels, executors, slots); ``slots`` bounds live runs;
+    ``heartbeat_s`` the cadence; ``pull_wait_s`` the long-poll (0..30 s); ``drain_grace_s`` how
+    long live runs may go on after SIGTERM before they are stopped (kill reason ``shutdown``).
+    """
+
+    def __init__(self, client: ControlClient, inbox, runs: WorkerRuns, *, worker_id: str, hello: Hello, slots: int,
+                 heartbeat_s: float = 5.0, pull_wait_s: int = DEFAULT_PULL_WAIT_S, drain_grace_s: float = 20.0,
+                 log=lambda *a, **k: None, notify=None, rand=random.random, mono_us=_mono_us) -> None:
+        self.client, self.inbox, self.runs = client, inbox, runs
+        self.worker_id, self.hello, self.slots = worker_id, hello, slots
+        self.heartbeat_s, self.pull_wait_s, self.drain_grace_us = heartbeat_s, pull_wait_s, int(drain_grace_s * 1e6)
+        self.log, self.rand, self.now = log, rand, mono_us
+        self.notify = notify                            # service.notify.Notifier (watchdog) or None
+        self.sel = selectors.DefaultSelector()
+        self.session: tuple[str, int] | None = None
+        self.resume: tuple[str, int] | None = None     # a restarted Worker's previous Session
+        self.failures = 0
+        self.connected_once = False
+        self.next_connect_us = 0
+        self.next_beat_us = 0
+        self.next_send_us = 0                           # owed sends wait here after a failure
+        self.jobs: dict[str, Job] = {}                  # offerId → Job
+        self.pull: tuple[str, int] | None = None        # (pullId, fd) in flight
+        self.pull_sent_us = 0
+        self.next_pull_us = 0
+        self.ttl_us = 0
+        self.stopping = False
+        self.stop_deadline_us: int | None = None
+        self._signals: list[int] = []
+        self._wake_r = self._wake_w = None
+        self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0}
+
+    # ---- start -----------------------------------------------------------------------------------
+    def recover(self) -> dict[str, int]:
+        """ADR-0021 restart: every open inbox row by ``recovery_action``; never a second spawn."""
+        counts = {"reattached": 0, "collected": 0, "lost": 0, "resend": 0, "pending": 0}
+        for entry in self.inbox.open_entries():
+            spec = msgspec.convert(entry.offer.spec, ExecutionSpec)
+            job = Job(entry, spec)
+            aid = job.attempt_id
+            h = self.runs.reattach(aid) if self.runs.exists(aid) else None
+            action = recovery_action(entry.state, run_dir_exists=self.runs.exists(aid), alive=h is not None,
+                                     receipt=self.runs.has_receipt(aid))
+            self.resume = (entry.offer.session_id, entry.offer.generation)
+            if action == SPAWN:
+                counts["pending"] += 1
+            elif action == REATTACH:
+                if entry.state == "barrier":
+                    job.entry = self.inbox.advance(job.offer_id, "started")
+                job.handle, job.running_owed = h, True
+                job.deadline_us = self._deadline(job, h.create_time)
+                self._watch(job)
+                counts["reattached"] += 1
+            elif action == COLLECT:
+                self._complete(job)
+                counts["collected"] += 1
+            elif action == REPORT_LOST:
+                # No ACK says "lost": the control plane's sweeper ends the Lease and the Attempt.
+                self.log("warning", "worker.run_lost", attempt=aid)
+                self._close_row(job, {"kind": "lost"})
+                counts["lost"] += 1
+                continue
+            elif action == RESEND:
+                job.completion_owed = entry.outcome.get("kind") in ("completion", "start_failure")
+                job.log_done = entry.outcome.get("kind") != "completion"
+                counts["resend"] += 1
+            if job.entry.state != "acked":
+                self.jobs[job.offer_id] = job
+        self.counts["reattached"] = counts["reattached"]
+        return counts
+
+    def _deadline(self, job: Job, started_epoch_s: float) -> int:
+        elapsed_us = max(0, int((time.time() - started_epoch_s) * 1e6))
+        return self.now() - elapsed_us + job.spec.timeout_ms * 1000
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def install_signals(self) -> None:
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        self._wake_r, self._wake_w = r, w
+        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda n, f: self._signals.append(n))
+        self.sel.register(r, selectors.EVENT_READ, ("signal", None))
+
+    def run(self) -> int:
+        """Run until SIGTERM/SIGINT and the drain are done; returns the exit code (0)."""
+        while not self._finished():
+            self.iteration()
+        self.client.close()
+        return 0
+
+    def iteration(self) -> None:
+        timeout = self._timeout_s()
+        for key, _ in self.sel.select(timeout):
+            kind, ref = key.data
+            if kind == "signal":
+                try:
+                    while self._wake_r.recv(64):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif kind == "pidfd":
+                job = self.jobs.get(ref)
+                if job is not None and job.handle is not None:
+                    self._on_exit(job)
+            elif kind == "pull":
+                self._finish_pull()
+        self._handle_signals()
+        self.tick()
+        if self.notify is not None:
+            self.notify.ping_if_due(self.now())
+
+    def tick(self) -> None:
+        """One pass over the duties (module docstring)."""
+        now = self.now()
+        if self.session is None and not self.stopping and now >= self.next_connect_us:
+            self._connect()
+        if self.session is not None and now >= self.next_beat_us:
+            self._heartbeat()
+        self._fence_and_time(self.now())
+        for job in list(self.jobs.values()):
+            if job.handle is not None and job.handle.pidfd is None and not self.runs.alive(job.handle):
+                self._on_exit(job)
+        if self.session is not None and self.now() >= self.next_send_us:
+            self._send_owed()
+        if self.pull is not None and self.client.poll_pending():
+            self._finish_pull()
+        self._maybe_pull()
+
+    def _finished(self) -> bool:
+        if not self.stopping:
+            return False
+        live = any(j.handle is not None for j in self.jobs.values())
+        owed = self.session is not None and any(self._owes(j) for j in self.jobs.values())
+        return (not live and not owed) or (self.stop_deadline_us is not None and self.now() >= self.stop_deadline_us
+                                          and not live)
+
+    def _timeout_s(self) -> float | None:
+        now = self.now()
+        times = [self.next_connect_us if self.session is None and not self.stopping else None,
+                 self.next_beat_us if self.session is not None else None,
+                 self.stop_deadline_us, self.notify.next_ping_us(now) if self.notify is not None else None]
+        if self.session is not None and any(self._owes(j) for j in self.jobs.values()):
+            times.append(self.next_send_us)
+        if self.pull is None and self._can_pull():
+            times.append(self.next_pull_us)
+        for j in self.jobs.values():
+            if j.handle is None:
+                continue
+            times += [j.deadline_us if j.kill_reason is None else None, j.kill_at_us]
+            if j.handle.pidfd is None:
+                times.append(now + NO_PIDFD_LOOK_US)
+            if j.renewal is not None and not j.fenced and not j.keep_reported:
+                times.append(fencing.stop_at_local_us(j.renewal, j.kill_grace_us))
+        times = [t for t in times if t is not None]
+        if not times:
+            return None
+        return max(0.0, (min(times) - now) / 1e6)
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            sig = self._signals.pop()
+            if sig in (signal.SIGTERM, signal.SIGINT) and not self.stopping:
+                self.stopping = True
+                now = self.now()
+                self.stop_deadline_us = now + self.drain_grace_us + 30_000_000
+                for j in self.jobs.values():
+                    if j.handle is not None and j.kill_reason is None:
+                        j.deadline_us = min(j.deadline_us or now, now + self.drain_grace_us)
+                if self.pull is not None:
+                    self._drop_pull()
+                self.log("info", "worker.draining", live=sum(j.handle is not None for j in self.jobs.values()))
+
+    # ---- Session ----------------------------------------------------------------------------------
+    def _fail(self, e: ControlError, what: str) -> None:
+        self.failures += 1
+        delay = backoff.reconnect_delay_s(self.failures, self.rand())
+        if e.retry_after_s:
+            delay = max(delay, min(e.retry_after_s, backoff.DEFAULT_CAP_S))
+        self.next_connect_us = self.next_send_us = self.next_pull_us = self.now() + int(delay * 1e6)
+        level = "err" if isinstance(e, (ControlTlsError, ControlAuthError)) else "warning"
+        self.log(level, f"worker.{what}_failed", code=e.code, error=str(e), retry_s=round(delay, 3))
+
+    def _rpc(self, method: str, path: str, body: bytes, content_type: str = "application/json",
+             headers: dict | None = None) -> tuple[Answer, int]:
+        """One request; its timeout never runs past the next fencing instant (a blocked call
+        must not make a run outlive its Lease). Returns (answer, local send time µs)."""
+        sent = self.now()
+        limit = self.client.timeout_s
+        for j in self.jobs.values():
+            if j.handle is not None and j.renewal is not None and not j.fenced and j.kill_reason is None:
+                limit = min(limit, (fencing.stop_at_local_us(j.renewal, j.kill_grace_us) - sent) / 1e6)
+        ans = self.client.request(method, path, body, content_type, headers, timeout_s=max(0.2, limit))
+        self.failures = 0
+        return ans, sent
+
+    def _connect(self) -> None:
+        try:
+            if self.resume is not None:
+                self.session = self.resume
+                try:
+                    self._heartbeat(raise_errors=True)
+                    self.log("info", "worker.session_resumed", session=self.session[0], generation=self.session[1])
+                    self.resume, self.connected_once = None, True
+                    return
+                except SessionGone:
+                    self.session = self.resume = None
+            ans, _ = self._rpc("POST", "/sessions", msgspec.json.encode(self.hello))
+            grant = msgspec.json.decode(ans.body, type=SessionGrant)
+            self.session = (grant.session_id, grant.generation)
+            self.connected_once = True
+            self.next_beat_us = self.now() + self._beat_delay_us()
+            self.next_send_us = self.next_pull_us = 0
+            self.log("info", "worker.session_opened", session=grant.session_id, generation=grant.generation,
+                     slots=grant.slots)
+        except ControlError as e:
+            self.session = None
+            if isinstance(e, ControlTlsError) and not self.connected_once:
+                raise                   # a wrong ca_file at start-up is bad config: one line, exit 2
+            self._fail(e, "connect")
+        except msgspec.DecodeError:
+            self.session = None
+            self._fail(ControlUnreachable("unreadable SessionGrant"), "connect")
+
+    def _beat_delay_us(self) -> int:
+        return int(heartbeat.heartbeat_delay_s(self.heartbeat_s, self.rand()) * 1e6)
+
+    def _heartbeat(self, raise_errors: bool = False) -> None:
+        sid, gen = self.session
+        body = msgspec.json.encode({"sessionId": sid, "generation": gen})
+        try:
+            ans, sent = self._rpc("POST", "/heartbeat", body)
+            hb = msgspec.json.decode(ans.body, type=Heartbeat)
+        except SessionGone as e:
+            if raise_errors:
+                raise
+            self.log("warning", "worker.session_gone", code=e.code)
+            self._lose_session()
+            return
+        except ControlError as e:
+            if raise_errors:
+                raise
+            self._lose_session()
+            self._fail(e, "heartbeat")
+            return
+        except msgspec.DecodeError:
+            if raise_errors:
+                raise ControlUnreachable("unreadable Heartbeat") from None
+            return
+        self.next_beat_us = self.now() + self._beat_delay_us()
+        if ans.server_now_us is not None and not self.ttl_us:
+            # A restarted Worker has seen no offer yet: the Session's span stands in for the
+            # Lease TTL (the control plane's defaults are equal; see the report on the protocol).
+            self.ttl_us = max(0, hb.expires_at_us - ans.server_now_us)
+        for j in self.jobs.values():
+            # The heartbeat renews the Leases of starting/running Attempts of this Session.
+            if (j.entry.offer.session_id, j.entry.offer.generation) == (sid, gen) and j.entry.state in (
+                    "barrier", "started") and not j.gone and ans.server_now_us is not None and self._ttl(j):
+                j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
+                                            expires_at_us=ans.server_now_us + self._ttl(j))
+        for aid in hb.cancel:
+            for j in self.jobs.values():
+                if j.attempt_id == aid and not j.cancel:
+                    j.cancel = True
+                    self.log("info", "worker.cancel", attempt=aid)
+                    if j.handle is not None:
+                        self._stop(j, "cancel")
+
+    def _ttl(self, j: Job) -> int:
+        return j.ttl_us or self.ttl_us
+
+    def _lose_session(self) -> None:
+        self.session = None
+        if self.pull is not None:
+            self._drop_pull()
+
+    # ---- fencing, timeouts, kills ------------------------------------------------------------------
+    def _fence_and_time(self, now: int) -> None:
+        for j in list(self.jobs.values()):
+            if j.handle is not None:
+                if j.kill_at_us is not None and now >= j.kill_at_us:
+                    self.runs.signal(j.handle, signal.SIGKILL)
+                    j.kill_at_us = None
+                if j.kill_reason is None and not j.fenced and j.deadline_us is not None and now >= j.deadline_us:
+                    self._stop(j, "shutdown" if self.stopping else "timeout")
+            if j.fenced or j.gone or j.entry.state not in ("received", "barrier", "started"):
+                continue
+            if j.renewal is None:
+                if j.handle is None or self.session is not None or self.failures == 0:
+                    continue
+                # Re-attached after a restart and the control plane did not answer: no renewal proves
+                # the Lease, so it is treated as lost now.
+                d = fencing.FenceDecision(action=fencing.STOP if j.spec.on_lease_loss == "kill" else fencing.KEEP,
+                                          stop_at_local_us=now)
+            else:
+                d = fencing.decide(now, j.renewal, j.spec.on_lease_loss, j.kill_grace_us)
+            if d.action == fencing.RUN:
+                continue
+            if j.handle is None:
+                # Not spawned yet and the Lease is (about to be) lost: never start it.
+                self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="not_started")
+                j.fenced = j.gone = True
+                self._close_row(j, {"kind": "fenced"})
+            elif d.action == fencing.STOP:
+                self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="kill")
+                j.fenced = True
+                self.counts["fenced"] += 1
+                self._stop(j, None)
+            elif not j.keep_reported:
+                self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="keep")
+                j.keep_reported = True
+
+    def _stop(self, j: Job, reason: str | None) -> None:
+        """SIGTERM the run's tree now, SIGKILL after the spec's grace."""
+        if j.kill_reason is None:
+            j.kill_reason = reason
+        self.runs.signal(j.handle, signal.SIGTERM)
+        j.kill_at_us = self.now() + j.spec.grace_ms * 1000
+
+    # ---- offers ----------------------------------------------------------------------------------
+    def _can_pull(self) -> bool:
+        if self.session is None or self.stopping:
+            return False
+        live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
+        rows, _ = self.inbox.usage()
+        return live < self.slots and rows < self.inbox.max_rows
+
+    def _maybe_pull(self) -> None:
+        if self.pull is not None or not self._can_pull() or self.now() < self.next_pull_us:
+            return
+        sid, gen = self.session
+        pending = self.inbox.begin_pull(sid, gen, str(uuid.uuid4()), _secrets.token_urlsafe(32))
+        try:
+            self.pull_sent_us = self.now()
+            fd = self.client.start_poll(f"/pull?waitS={self.pull_wait_s}", pending.body, self.pull_wait_s)
+        except ControlError as e:
+            self._pull_error(e, pending.pull_id)
+            return
+        self.pull = (pending.pull_id, fd)
+        self.counts["pulls"] += 1
+        self.sel.register(fd, selectors.EVENT_READ, ("pull", None))
+
+    def _drop_pull(self) -> None:
+        pull_id, fd = self.pull
+        self.pull = None
+        try:
+            self.sel.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+        self.client.abort_poll()
+
+    def _finish_pull(self) -> None:
+        if self.pull is None:
+            return
+        pull_id, fd = self.pull
+        self.pull = None
+        self.sel.unregister(fd)
+        try:
+            ans = self.client.finish_poll()
+            answer = msgspec.json.decode(ans.body, type=PullAnswer)
+        except ControlError as e:
+            self._pull_error(e, pull_id)
+            return
+        except msgspec.DecodeError:
+            self.inbox.end_pull(pull_id)
+            self.log("err", "worker.pull_refused", reason="unreadable_answer")
+            return
+        if answer.status != "offered" or answer.offer is None:
+            self.inbox.end_pull(pull_id)
+            if answer.status not in ("idle", "unmatched"):
+                self.log("warning", "worker.pull_answer", status=answer.status, reason=answer.reason)
+                self.next_pull_us = self.now() + 1_000_000
+            return
+        self._receive(answer, ans, pull_id)
+
+    def _pull_error(self, e: ControlError, pull_id: str) -> None:
+        if isinstance(e, PullTokenMismatch):
+            self.inbox.end_pull(pull_id)
+            return
+        if isinstance(e, RequestRefused):
+            self.inbox.end_pull(pull_id)
+            self.log("err", "worker.pull_refused", code=e.code, field=e.field)
+            self.next_pull_us = self.now() + 5_000_000
+            return
+        if isinstance(e, SessionGone):
+            self._lose_session()
+            self.log("warning", "worker.session_gone", code=e.code)
+            return
+        # The answer was lost: the kept request is sent again, byte for byte, after a pause.
+        self.client.abort_poll()
+        self._fail(e, "pull")
+        if isinstance(e, ControlAuthError):
+            self._lose_session()
+
+    def _receive(self, answer: PullAnswer, ans: Answer, pull_id: str) -> None:
+        o = answer.offer
+        sid, gen = self.session
+        if o.worker_id != self.worker_id or (o.session_id, o.generation) != (sid, gen) \
+                or o.spec.attempt_id != o.attempt_id:
+            self.inbox.end_pull(pull_id)
+            self.log("err", "worker.offer_refused", offer=o.offer_id, reason="identity")
+            return
+        spec_doc = msgspec.to_builtins(o.spec)
+        offer = InboxOffer(offer_id=o.offer_id, attempt_id=o.attempt_id, session_id=o.session_id,
+                           generation=o.generation, lease_generation=o.lease_generation,
+                           lease_expires_at_us=o.lease_expires_at_us, lease_token=o.lease_token,
+                           spec_digest=o.spec_digest, spec=spec_doc)
+        try:
+            entry, new = self.inbox.receive(offer, pull_id)
+        except QlError as e:              # offer_conflict, inbox_full, a bad field: reported, not kept
+            self.inbox.end_pull(pull_id)
+            self.log("err", "worker.offer_refused", offer=o.offer_id, code=e.code, field=e.field)
+            return
+        if not new and o.offer_id in self.jobs:
+            return
+        job = Job(entry, o.spec, dict(o.secrets))
+        if ans.server_now_us is not None:
+            job.ttl_us = max(0, o.lease_expires_at_us - ans.server_now_us)
+            self.ttl_us = self.ttl_us or job.ttl_us
+            job.renewal = fencing.Renewal(sent_local_us=self.pull_sent_us, server_now_us=ans.server_now_us,
+                                          expires_at_us=o.lease_expires_at_us)
+        self.jobs[o.offer_id] = job
+        self.log("info", "worker.offer", offer=o.offer_id, attempt=o.attempt_id, source=o.source)
+        self._send_owed()
+
+    # ---- owed sends: ACKs, chunks ------------------------------------------------------------------
+    def _owes(self, j: Job) -> bool:
+        if j.gone:
+            return False
+        return (j.entry.state == "received" or j.running_owed or j.completion_owed
+                or (j.entry.state == "completed" and not j.log_done)
+                or (j.handle is not None and self.runs.log_size(j.attempt_id) - j.uploaded >= CHUNK_BYTES))
+
+    def _ack(self, j: Job, kind: str, **fields) -> AckResult:
+        o = j.entry.offer
+        ack = Ack(session_id=o.session_id, generation=o.generation, attempt_id=o.attempt_id,
+                  lease_generation=o.lease_generation, lease_token=o.lease_token, kind=kind, **fields)
+        ans, sent = self._rpc("POST", "/acks", msgspec.json.encode(ack))
+        if kind in ("starting", "running") and ans.server_now_us is not None and self._ttl(j):
+            # A starting/running ACK extends the Lease to at least now + TTL.
+            j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
+                                        expires_at_us=ans.server_now_us + self._ttl(j))
+        return msgspec.json.decode(ans.body, type=AckResult)
+
+    def _send_owed(self) -> None:
+        for j in list(self.jobs.values()):
+            if self.session is None:
+                return
+            try:
+                self._advance(j)
+            except (LeaseGone, AttemptNotFound) as e:
+                self._lease_gone(j, e.code)
+            except SessionGone as e:
+                if (j.entry.offer.session_id, j.entry.offer.generation) != self.session:
+                    # An older Session's Lease: the control plane fenced it when this Session opened.
+                    self._lease_gone(j, e.code)
+                else:
+                    self.log("warning", "worker.session_gone", code=e.code)
+                    self._lose_session()
+                    return
+            except RequestRefused as e:
+                self.log("err", "worker.ack_refused", attempt=j.attempt_id, code=e.code, field=e.field)
+                self._lease_gone(j, e.code)
+            except ControlError as e:
+                self._fail(e, "send")
+                if isinstance(e, ControlAuthError):
+                    self._lose_session()
+                return
+            except msgspec.DecodeError:
+                self._fail(ControlUnreachable("unreadable answer"), "send")
+                return
+
+    def _lease_gone(self, j: Job, code: str) -> None:
+        """The control plane no longer knows this Lease: self-fence by on_lease_loss, drop what was owed."""
+        self.log("warning", "worker.lease_gone", attempt=j.attempt_id, code=code)
+        j.gone = True
+        j.running_owed = j.completion_owed = False
+        if j.handle is not None:
+            if j.spec.on_lease_loss == "kill" and j.kill_reason is None and not j.fenced:
+                j.fenced = True
+                self._stop(j, None)
+            return                      # its exit closes the row
+        if j.entry.state in ("received", "barrier"):
+            self._close_row(j, {"kind": "fenced"})
+        elif j.entry.state == "completed":
+            self._acked(j)
+
+    def _advance(self, j: Job) -> None:
+        st = j.entry.state
+        if st == "received":
+            if j.fenced or j.gone:
+                return
+            self._ack(j, "starting")
+            j.entry = self.inbox.advance(j.offer_id, "barrier")      # the crash barrier, fsync'd
+            st = "barrier"
+        if st == "barrier" and j.handle is None and not self.runs.exists(j.attempt_id):
+            self._spawn(j)
+        if j.running_owed:
+            self._ack(j, "running")
+            j.running_owed = False
+        if j.handle is not None and not j.gone:
+            self._upload(j, final=False)
+        if j.completion_owed:
+            out = j.entry.outcome
+            if out["kind"] == "start_failure":
+                self._ack(j, "start_failure", start_error=out["startError"])
+            else:
+                self._ack(j, "completion", **{k: out.get(c) for k, c in _ACK_FIELDS})
+            j.completion_owed = False
+        if j.entry.state == "completed" and not j.gone:
+            if not j.log_done:
+                self._upload(j, final=True)
+            if j.log_done:
+                self._acked(j)
+
+    def _spawn(self, j: Job) -> None:
+        if self.stopping or j.cancel:
+            self._start_failed(j, "cancelled" if j.cancel else "worker_stopping")
+            return
+        if j.secrets is None and j.spec.secret_refs:
+            # Secret values are never on disk: after a restart before the spawn they are gone.
+            self._start_failed(j, "secrets_unavailable")
+            return
+        try:
+            self.runs.make_run_dir(j.attempt_id)
+            h = self.runs.spawn(j.spec, j.secrets or {})
+        except StartError as e:
+            j.secrets = None
+            self.log("warning", "worker.start_failed", attempt=j.attempt_id, reason=e.code, error=e.message)
+            self._start_failed(j, e.code)
+            return
+        j.secrets = None
+        j.handle = h
+        j.deadline_us = self.now() + j.spec.timeout_ms * 1000
+        j.entry = self.inbox.advance(j.offer_id, "started")
+        j.running_owed = True
+        self.counts["spawned"] += 1
+        self._watch(j)
+        self.log("info", "worker.run_started", attempt=j.attempt_id, pid=h.pid)
+
+    def _start_failed(self, j: Job, code: str) -> None:
+        j.entry = self.inbox.advance(j.offer_id, "completed", {"kind": "start_failure", "startError": code})
+        j.completion_owed, j.log_done = True, True
+
+    def _watch(self, j: Job) -> None:
+        if j.handle.pidfd is not None:
+            self.sel.register(j.handle.pidfd, selectors.EVENT_READ, ("pidfd", j.offer_id))
+
+    def _on_exit(self, j: Job) -> None:
+        h = j.handle
+        if h.pidfd is not None:
+            self.sel.unregister(h.pidfd)
+        self.runs.finished(h)
+        j.handle = None
+        self._complete(j)
+        self._send_owed()
+
+    def _complete(self, j: Job) -> None:
+        """The shim ended: its receipt becomes the row's outcome (kept until acknowledged)."""
+        receipt, trunc = self.runs.collect(j.attempt_id)
+        if receipt is None:
+            self.runs.kill_orphans(j.attempt_id)
+        if j.fenced or receipt is None:
+            # A fenced run's Lease is lost (no completion is sent; the Attempt is re-offered);
+            # a shim that died without a receipt leaves the ending to the control plane's sweeper.
+            self._close_row(j, {"kind": "fenced" if j.fenced else "lost"})
+            return
+        if receipt.get("start_error"):
+            self._start_failed(j, start_code(receipt["start_error"]))
+            return
+        out = {"kind": "completion", "exitCode": receipt["exit_code"], "signal": receipt["signal"],
+               "killReason": j.kill_reason, "bytesKept": receipt["bytes_kept"],
+               "bytesDropped": receipt["bytes_dropped"], "peakRssBytes": receipt["peak_rss_bytes"],
+               "cpuTimeUs": receipt["cpu_time_us"],
+               "truncated": trunc is not None}
+        out = {k: v for k, v in out.items() if v is not None}
+        j.entry = self.inbox.advance(j.offer_id, "completed", out)
+        j.completion_owed = not j.gone
+        self.counts["completed"] += 1
+        self.log("info", "worker.run_ended", attempt=j.attempt_id, exit=receipt["exit_code"],
+                 signal=receipt["signal"], kill_reason=j.kill_reason, truncated=trunc is not None)
+
+    def _upload(self, j: Job, final: bool) -> None:
+        """Log chunks from ``j.uploaded``; while running only whole chunks (bounded), at the end
+        everything. ``log_done`` once the control plane holds every byte of the Artifact."""
+        o = j.entry.offer
+        headers = {"X-Qlagent-Session": o.session_id, "X-Qlagent-Generation": str(o.generation),
+                   "X-Qlagent-Lease-Generation": str(o.lease_generation), "X-Qlagent-Lease-Token": o.lease_token}
+        size = self.runs.log_size(j.attempt_id)
+        while size - j.uploaded >= (1 if final else CHUNK_BYTES):
+            data = self.runs.read_log(j.attempt_id, j.uploaded, CHUNK_BYTES)
+            if not data:
+                break
+            try:
+                ans, _ = self._rpc("PUT", f"/attempts/{j.attempt_id}/log?offset={j.uploaded}", data,
+                                   "application/octet-stream", headers)
+                j.uploaded = msgspec.json.decode(ans.body, type=ChunkAnswer).next_offset
+            except ChunkConflict as e:
+                if e.next_offset is None:
+                    raise
+                j.uploaded = e.next_offset      # resume where the control plane says it is
+            if not final:
+                break                           # one chunk per pass while the run goes on
+        if final and j.uploaded >= size:
+            j.log_done = True
+
+    def _acked(self, j: Job) -> None:
+        self.inbox.advance(j.offer_id, "acked")
+        self.runs.prune(j.attempt_id)
+        self.jobs.pop(j.offer_id, None)
+
+    def _close_row(self, j: Job, outcome: dict) -> None:
+        """End a row that owes nothing more (lost, fenced): completed → acked, run dir removed."""
+        if j.entry.state != "completed":
+            j.entry = self.inbox.advance(j.offer_id, "completed", outcome)
+        self._acked(j)
+
+
+_ACK_FIELDS = (("exit_code", "exitCode"), ("signal", "signal"), ("kill_reason", "killReason"),
+               ("bytes_kept", "bytesKept"), ("bytes_dropped", "bytesDropped"), ("peak_rss_bytes", "peakRssBytes"),
+               ("cpu_time_us", "cpuTimeUs"))
+

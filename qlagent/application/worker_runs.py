@@ -1,0 +1,206 @@
+"""A fleet Worker's local execution of offered Attempts (issue 11 §4, ADR-0021): the same shim
+(``adapters/launcher/wrapper.py``), FIFO drainer, log quota, truncation fact and receipt as a
+local Run, driven by the Worker's loop.
+
+Layout: ``<runs dir>/<attemptId>/`` (0700) is the Attempt's run directory: its existence is the
+crash-barrier evidence (``core.inbox_states.recovery_action``): it is created and fsync'd after
+the inbox barrier and before the shim is spawned. It holds the shim's files (task.pid,
+receipt.json, truncated.json), ``shim.json`` (the shim's PID and start time, for a PID-reuse
+safe re-attach after a Worker restart) and ``output.log`` (the Artifact, 0600, at most the
+spec's ``logQuotaBytes``). The whole directory is removed only after the control plane
+acknowledged the completion and the last log chunk (``prune``).
+
+Secret values reach the shim through its stdin pipe (never argv or disk) and are dropped by the
+caller after this one materialisation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+
+from ..adapters import processes
+from ..core.cluster import ExecutionSpec
+from ..core.errors import StartError
+from ..execution.coordinator import bounded, start_code
+
+ARTIFACT = "output.log"
+SHIM_FILE = "shim.json"
+LINGER_S = 2.0
+
+
+def baseline_env() -> dict[str, str]:
+    """HOME, USER, LOGNAME, SHELL of the Worker's user (as a local launch gives them)."""
+    try:
+        pw = pwd.getpwuid(os.geteuid())
+    except KeyError:
+        return {}
+    return {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell or "/bin/sh"}
+
+
+class RunHandle:
+    """One live (or just ended) shim: ``pid`` + ``create_time`` identify it across PID reuse;
+    ``pidfd`` becomes readable when it exits (None without pidfds: the loop looks every second);
+    ``popen`` only when this process spawned it."""
+
+    __slots__ = ("attempt_id", "pid", "create_time", "pidfd", "popen", "known", "started_at")
+
+    def __init__(self, attempt_id: str, pid: int, create_time: float, pidfd: int | None, popen=None) -> None:
+        self.attempt_id, self.pid, self.create_time, self.pidfd, self.popen = attempt_id, pid, create_time, pidfd, popen
+        self.known: dict = {}
+        self.started_at = create_time
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+class WorkerRuns:
+    """Run directories, spawn, re-attach, signal, collect and prune under ``runs_dir``."""
+
+    def __init__(self, runs_dir: str, python: str | None = None) -> None:
+        self.runs_dir = runs_dir
+        os.makedirs(runs_dir, mode=0o700, exist_ok=True)
+        self._python = python or processes.default_python()
+        self._baseline = baseline_env()
+
+    def run_dir(self, attempt_id: str) -> str:
+        return os.path.join(self.runs_dir, attempt_id)
+
+    def artifact(self, attempt_id: str) -> str:
+        return os.path.join(self.run_dir(attempt_id), ARTIFACT)
+
+    def exists(self, attempt_id: str) -> bool:
+        return os.path.isdir(self.run_dir(attempt_id))
+
+    def make_run_dir(self, attempt_id: str) -> None:
+        """The crash-barrier evidence: create the run directory and the empty Artifact, fsync
+        both and the parent. Raises StartError(run_dir_unsafe) if it cannot."""
+        d = self.run_dir(attempt_id)
+        try:
+            os.mkdir(d, 0o700)
+            os.close(os.open(os.path.join(d, ARTIFACT), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            for path in (d, self.runs_dir):
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as e:
+            raise StartError(f"run directory {d}: {processes.errno_text(e)}", code="run_dir_unsafe") from None
+
+    def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes]) -> RunHandle:
+        """Materialise the environment (baseline, spec env, secrets, QL3_* identity) and start
+        the shim; returns once the task was exec'd. Raises StartError with the reason code
+        (exec_failed, cwd_unusable, shim_failed, secret_unusable) otherwise."""
+        aid = spec.attempt_id
+        try:
+            plain = {k: v.decode("utf-8") for k, v in secrets.items()}
+        except UnicodeDecodeError:
+            raise StartError("a secret value is not UTF-8 text", code="secret_unusable") from None
+        identity = {"QL3_RUN_ID": spec.run_id, "QL3_ATTEMPT_ID": aid, "QL3_PROJECT_ID": spec.project_id,
+                    "QL3_TASK_ID": spec.task_id, "QL3_TASK_REVISION": str(spec.task_revision)}
+        env = {**self._baseline, **spec.env, **plain, **identity}
+        argv = list(spec.argv) if spec.kind == "local_process" else [spec.shell, "-c", spec.script]
+        doc = {"attempt_id": aid, "argv": argv, "env": env, "cwd": spec.cwd or env.get("HOME") or "/",
+               "run_dir": self.run_dir(aid), "artifact_path": self.artifact(aid), "quota_bytes": spec.log_quota_bytes,
+               "linger_s": LINGER_S, "umask": int(spec.umask, 8) if spec.umask else None,
+               "grace_s": spec.grace_ms / 1000, "keep_orphans": spec.keep_orphans}
+        program = processes.compiled_shim(self.runs_dir, self._python)
+        try:
+            h = processes.spawn_wrapper(doc, self._python, program=program)
+        except Exception as e:       # spec over its bound, no interpreter: never the spec in the text
+            raise StartError(bounded(f"shim: {getattr(e, 'message', type(e).__name__)}"), code="shim_failed") from None
+        finally:
+            doc = env = plain = None                                   # noqa: F841  (one materialisation)
+        if h.start_error is not None:
+            h.popen.wait()
+            h.close()
+            raise StartError(bounded(h.start_error), code=start_code(h.start_error))
+        with open(os.path.join(self.run_dir(aid), SHIM_FILE), "w") as f:
+            json.dump({"pid": h.pid, "create_time": h.create_time}, f)
+        return RunHandle(aid, h.pid, h.create_time, h.pidfd, h.popen)
+
+    def reattach(self, attempt_id: str) -> RunHandle | None:
+        """The shim of a previous Worker process, if it is still the same live process."""
+        try:
+            with open(os.path.join(self.run_dir(attempt_id), SHIM_FILE)) as f:
+                doc = json.load(f)
+            pid, ctime = int(doc["pid"]), float(doc["create_time"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not processes.process_matches(pid, ctime):
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            fd = None
+        return RunHandle(attempt_id, pid, ctime, fd)
+
+    def alive(self, h: RunHandle) -> bool:
+        if h.popen is not None:
+            return h.popen.poll() is None
+        return processes.process_matches(h.pid, h.create_time)
+
+    def signal(self, h: RunHandle, sig: int) -> int:
+        """Signal the task's process group and every descendant of the shim (never the shim)."""
+        try:
+            pgid = processes.read_task_pid(self.run_dir(h.attempt_id))
+        except processes.RunFileError:
+            pgid = None
+        if not self.alive(h):
+            h.known.update(processes.find_by_attempt(h.attempt_id))
+        return len(processes.signal_tree(pgid, h.pid if self.alive(h) else None, sig, h.started_at, h.known))
+
+    def finished(self, h: RunHandle) -> None:
+        """Reap the shim (our child) and release its pidfd."""
+        if h.popen is not None:
+            h.popen.wait()
+        h.close()
+
+    def collect(self, attempt_id: str) -> tuple[dict | None, dict | None]:
+        """(receipt, truncation fact), None for each that is missing or unreadable."""
+        d = self.run_dir(attempt_id)
+        try:
+            return processes.read_receipt(d), processes.read_truncation(d)
+        except processes.RunFileError:
+            return None, None
+
+    def has_receipt(self, attempt_id: str) -> bool:
+        return self.collect(attempt_id)[0] is not None
+
+    def kill_orphans(self, attempt_id: str) -> None:
+        """SIGKILL whatever of a run is left when its shim is gone (found by QL3_ATTEMPT_ID)."""
+        processes.signal_tree(None, None, signal.SIGKILL, None, processes.find_by_attempt(attempt_id))
+
+    def log_size(self, attempt_id: str) -> int:
+        try:
+            return os.stat(self.artifact(attempt_id)).st_size
+        except OSError:
+            return 0
+
+    def read_log(self, attempt_id: str, offset: int, size: int) -> bytes:
+        try:
+            with open(self.artifact(attempt_id), "rb") as f:
+                f.seek(offset)
+                return f.read(size)
+        except OSError:
+            return b""
+
+    def truncate_log(self, attempt_id: str, size: int) -> int:
+        """Cut the Artifact to ``size`` bytes (the local store cap); returns the bytes freed."""
+        before = self.log_size(attempt_id)
+        if before <= size:
+            return 0
+        try:
+            os.truncate(self.artifact(attempt_id), size)
+        except OSError:
+            return 0
+        return before - size
+
+    def prune(self, attempt_id: str) -> None:
+        shutil.rmtree(self.run_dir(attempt_id), ignore_errors=True)

@@ -1,0 +1,245 @@
+"""The fleet Worker (issue 11) end to end against the Worker-protocol STUB (tests/fleet/stubcp.py):
+real `qlagent serve` child processes with a [worker] table, real TLS over loopback, real shims,
+task processes, inbox and log files. The fleet integration test replaces the stub with real
+control-plane replicas on PostgreSQL."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from stubcp import StubControlPlane, make_ca, worker_config, write_credential
+
+QUOTA = 4_194_304
+SECRET = "s3cr3t-value-never-at-rest-9f2c"
+
+
+class Worker:
+    """One `qlagent serve` Worker process over a state directory (restartable)."""
+
+    def __init__(self, tmp, cp: StubControlPlane, url: str, *, ca_file=None, cred_mode=0o600, slots=2) -> None:
+        self.tmp, self.cp = tmp, cp
+        self.state = str(tmp / "state")
+        self.worker_id, cred = cp.enrol()
+        self.cred = write_credential(str(tmp / "credential"), cred, cred_mode)
+        self.cfg = worker_config(str(tmp / "qlagent.toml"), state_dir=self.state, worker_id=self.worker_id, url=url,
+                                 credential_file=self.cred, ca_file=ca_file or cp.ca_file, slots=slots)
+        self.err = str(tmp / "worker.err")
+        self.p: subprocess.Popen | None = None
+
+    def start(self) -> "Worker":
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+        self.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", self.cfg, "serve"],
+                                  stdout=subprocess.DEVNULL, stderr=open(self.err, "a"), env=env)
+        return self
+
+    def kill(self) -> None:
+        self.p.send_signal(signal.SIGKILL)
+        self.p.wait()
+
+    def stop(self) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                return self.p.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.p.returncode
+
+    def journal(self) -> str:
+        with open(self.err) as f:
+            return f.read()
+
+
+@pytest.fixture
+def cp(tmp_path):
+    stub = StubControlPlane(str(tmp_path), lease_ttl_s=6, session_ttl_s=6)
+    stub.url = stub.start()
+    yield stub
+    stub.stop()
+
+
+@pytest.fixture
+def worker(tmp_path, cp):
+    w = Worker(tmp_path, cp, cp.url)
+    yield w
+    if w.p is not None:
+        w.stop()
+    for p in psutil.process_iter():          # nothing of a test's runs outlives it
+        try:
+            if any(a.startswith(str(tmp_path)) for a in p.cmdline()[1:]):
+                p.kill()
+        except psutil.Error:
+            pass
+
+
+def completion(cp, aid):
+    with cp.lock:
+        return next((a for a in cp.acks if a.attempt_id == aid and a.kind == "completion"), None)
+
+
+def read_pid(path, timeout_s=20.0) -> int:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with open(path) as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            time.sleep(0.05)
+    raise AssertionError(f"{path} never written")
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_pull_run_acks_and_complete_log_chunks_chatty_truncated_at_quota(tmp_path, cp, worker):
+    chatty = cp.add_run(shell="/bin/sh", script="yes chatty-line-0123456789 | head -c 5000000; echo \"$API_TOKEN\" >&2",
+                        secrets={"API_TOKEN": SECRET.encode()})
+    small = cp.add_run(argv=["/bin/echo", "hello", "fleet"])
+    worker.start()
+    assert cp.wait(lambda: all(any(a.attempt_id == x and a.kind == "completion" for a in cp.acks)
+                               for x in (chatty, small)), 60)
+    assert cp.acks_of(chatty) == cp.acks_of(small) == ["starting", "running", "completion"]
+    c = completion(cp, chatty)
+    assert (c.exit_code, c.bytes_kept, c.bytes_dropped) == (0, QUOTA, 5_000_000 + len(SECRET) + 1 - QUOTA)
+    assert completion(cp, small).exit_code == 0
+    # Every kept byte reaches the control plane, in order; then the local Artifact is pruned.
+    assert cp.wait(lambda: len(cp.logs.get(chatty, b"")) == QUOTA and cp.logs.get(small) == b"hello fleet\n", 30)
+    expected = (b"chatty-line-0123456789\n" * (QUOTA // 23 + 1))[:QUOTA]
+    assert cp.log_of(chatty) == expected
+    runs = os.path.join(worker.state, "worker-runs")
+    assert cp.wait(lambda: not glob.glob(os.path.join(runs, "*-*")), 20)
+    # The secret went to the task in memory only: not in the inbox, its WAL or the journal.
+    for path in glob.glob(os.path.join(worker.state, "inbox.sqlite3*")):
+        with open(path, "rb") as f:
+            assert SECRET.encode() not in f.read()
+    assert SECRET not in worker.journal()
+    assert worker.stop() == 0
+
+
+def test_a_lost_pull_answer_is_retried_byte_identical_and_runs_once(tmp_path, cp, worker):
+    marks = tmp_path / "marks"
+    cp.drop_next_pull_answer()
+    aid = cp.add_run(shell="/bin/sh", script=f"echo ran >> {marks}")
+    worker.start()
+    assert cp.wait(lambda: completion(cp, aid) is not None, 40)
+    bodies = list(cp.pull_bodies)
+    first = json.loads(bodies[0])
+    # The request whose answer was lost went again byte for byte (same pullId and lease token).
+    assert bodies[1] == bodies[0] and json.loads(bodies[1])["pullId"] == first["pullId"]
+    assert cp.lease(aid)["generation"] == 1
+    assert marks.read_text() == "ran\n"
+    assert cp.acks_of(aid) == ["starting", "running", "completion"]
+
+
+def test_worker_sigkilled_mid_run_restarts_reattaches_and_resends(tmp_path, cp, worker):
+    marks = tmp_path / "marks"
+    aid = cp.add_run(shell="/bin/sh", script=f"echo started >> {marks}; sleep 3; echo finished")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    worker.kill()
+    worker.start()
+    assert cp.wait(lambda: completion(cp, aid) is not None, 40)
+    assert marks.read_text() == "started\n"                     # re-attached, never spawned twice
+    assert cp.acks_of(aid) == ["starting", "running", "completion"]
+    assert completion(cp, aid).exit_code == 0
+    assert cp.wait(lambda: cp.log_of(aid) == b"finished\n", 20)
+    assert "worker.session_resumed" in worker.journal()
+    assert cp.lease(aid)["generation"] == 1 and cp.state(aid) == "ended"
+
+
+@pytest.mark.parametrize("policy", ["kill", "keep"])
+def test_control_plane_unreachable_longer_than_the_lease(tmp_path, cp, worker, policy):
+    pidfile = tmp_path / "task.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; exec sleep 60", on_lease_loss=policy)
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    pid = read_pid(pidfile)
+    cp.wait(lambda: False, 1.5)                 # a heartbeat renews the Lease after running
+    cp.partition(True)
+    expires_us = cp.lease(aid)["expires"]
+    deadline = time.monotonic() + (expires_us / 1e6 - time.time()) + 3
+    while time.monotonic() < deadline and not gone(pid):
+        time.sleep(0.05)
+    if policy == "kill":
+        # Dead before the control plane could see the Lease expire and offer the Attempt again.
+        assert gone(pid) and time.time_ns() // 1000 < expires_us
+        assert "worker.lease_lost" in worker.journal() and "action=kill" in worker.journal()
+    else:
+        assert not gone(pid)
+        assert "action=keep" in worker.journal()
+    cp.partition(False)
+
+
+def test_cancel_from_a_heartbeat_stops_the_whole_process_tree(tmp_path, cp, worker):
+    pids = tmp_path / "pids"
+    aid = cp.add_run(shell="/bin/sh", script=f"sleep 60 & echo $! >> {pids}; sh -c 'echo $$ >> {pids}; sleep 60'")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and len(pids.read_text().split() if pids.exists() else []) < 2:
+        time.sleep(0.05)
+    tree = [int(x) for x in pids.read_text().split()]
+    cp.cancel(aid)
+    assert cp.wait(lambda: completion(cp, aid) is not None, 20)
+    assert completion(cp, aid).kill_reason == "cancel"
+    assert all(gone(p) for p in tree)
+
+
+def test_a_wrong_ca_is_refused_with_one_clear_error_and_nothing_written(tmp_path, cp):
+    other_ca, _, _ = make_ca(str(tmp_path), "other")
+    w = Worker(tmp_path, cp, cp.url, ca_file=other_ca)
+    assert w.start().p.wait(30) == 2
+    lines = [ln for ln in w.journal().splitlines() if "ERR" in ln]
+    assert len(lines) == 1 and "worker.ca_file" in lines[0] and "certificate refused" in lines[0]
+    assert cp.sessions == {} and cp.requests == []
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o700])
+def test_a_credential_file_not_0600_is_refused(tmp_path, cp, mode):
+    w = Worker(tmp_path, cp, cp.url, cred_mode=mode)
+    assert w.start().p.wait(30) == 2
+    text = w.journal()
+    assert "worker.credential_file" in text and f"mode {mode:04o}, must be 0600" in text and "Traceback" not in text
+    assert cp.requests == [] and not os.path.exists(os.path.join(w.state, "inbox.sqlite3"))
+
+
+@pytest.mark.parametrize("slots, ok", [(4, True), (5, False), (0, False)])
+def test_worker_slots_at_the_edge_profile_limit(tmp_path, slots, ok):
+    cfg = tmp_path / "qlagent.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/s"\n[worker]\nworker_id = "{"0" * 8}-0000-0000-0000-{"0" * 12}"\n'
+                   f'control_url = "https://cp.example:8443"\nca_file = "/etc/ca.pem"\n'
+                   f'credential_file = "/etc/cred"\nslots = {slots}\n')
+    cfg.chmod(0o600)
+    from qlagent.service.config import load_config
+    from qlagent.core.errors import ValidationError
+    if ok:
+        assert load_config(str(cfg))[0].worker.slots == slots
+    else:
+        with pytest.raises(ValidationError) as e:
+            load_config(str(cfg))
+        assert e.value.field == "worker.slots" and e.value.limit == 4
+
+
+def test_worker_mode_never_loads_the_control_plane_and_a_local_agent_never_loads_the_client():
+    probe = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
+             "print(' '.join(m for m in sys.modules if m.startswith(('qlagent.cluster', 'psycopg', "
+             "'qlagent.adapters.control_client', 'qlagent.http'))))")
+    worker = subprocess.run([sys.executable, "-c", probe, "qlagent.service.worker_mode"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert worker == ["qlagent.adapters.control_client"]
+    local = subprocess.run([sys.executable, "-c", probe, "qlagent.service.main"], capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert "qlagent.adapters.control_client" not in local and not any(m.startswith("qlagent.cluster") for m in local)
