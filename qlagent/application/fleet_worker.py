@@ -353,8 +353,10 @@ class WorkerRuntime:
         except ControlError as e:
             if raise_errors:
                 raise
-            self._lose_session()
+            # No answer is not a lost Session: keep it (its Leases stay ours while they are
+            # valid; fencing decides when they are not) and beat again after the backoff.
             self._fail(e, "heartbeat")
+            self.next_beat_us = self.next_connect_us
             return
         except msgspec.DecodeError:
             if raise_errors:
@@ -502,8 +504,6 @@ class WorkerRuntime:
         # The answer was lost: the kept request is sent again, byte for byte, after a pause.
         self.client.abort_poll()
         self._fail(e, "pull")
-        if isinstance(e, ControlAuthError):
-            self._lose_session()
 
     def _receive(self, answer: PullAnswer, ans: Answer, pull_id: str) -> None:
         o = answer.offer
@@ -576,8 +576,6 @@ class WorkerRuntime:
                 self._lease_gone(j, e.code)
             except ControlError as e:
                 self._fail(e, "send")
-                if isinstance(e, ControlAuthError):
-                    self._lose_session()
                 return
             except msgspec.DecodeError:
                 self._fail(ControlUnreachable("unreadable answer"), "send")

@@ -183,6 +183,19 @@ def test_control_plane_unreachable_longer_than_the_lease(tmp_path, cp, worker, p
     cp.partition(False)
 
 
+def test_a_cut_shorter_than_the_lease_keeps_the_session_and_delivers_what_was_queued(tmp_path, cp, worker):
+    aid = cp.add_run(shell="/bin/sh", script="sleep 1; echo done-during-the-cut")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    cp.partition(True)
+    cp.wait(lambda: False, 3)                   # the run ends while no request gets through
+    assert completion(cp, aid) is None
+    cp.partition(False)
+    assert cp.wait(lambda: completion(cp, aid) is not None and cp.logs.get(aid) == b"done-during-the-cut\n", 20)
+    assert completion(cp, aid).exit_code == 0
+    assert len(cp.sessions) == 1 and "worker.heartbeat_failed" in worker.journal()
+
+
 def test_cancel_from_a_heartbeat_stops_the_whole_process_tree(tmp_path, cp, worker):
     pids = tmp_path / "pids"
     aid = cp.add_run(shell="/bin/sh", script=f"sleep 60 & echo $! >> {pids}; sh -c 'echo $$ >> {pids}; sleep 60'")
