@@ -11,7 +11,6 @@ WATCHDOG=1 only after a healthy iteration; STOPPING=1 then a bounded drain on SI
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import selectors
 import signal
@@ -27,6 +26,7 @@ from . import control
 from .budget import BudgetMeter
 from .config import Settings, parse_listen, resolve
 from .journal import Journal
+from .lock import ServiceLock
 from .notify import Notifier
 from .scheduler import Scheduler
 
@@ -35,25 +35,6 @@ MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each a
 # dispatching and re-check later instead of retrying it in a loop.
 CAPACITY_REASONS = {"low_space", "artifact_quota_full", "quota_too_large", "unsafe_directory", "artifact_unwritable"}
 RECHECK_BLOCKED_US = 10_000_000    # re-try admission this long after a capacity/budget refusal
-
-
-class ServiceLock:
-    """``state_dir/service.lock`` held with flock while a service (or inline runner) owns it."""
-
-    def __init__(self, state_dir: str) -> None:
-        os.makedirs(state_dir, mode=0o700, exist_ok=True)
-        self.path = os.path.join(state_dir, "service.lock")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-
-    def try_acquire(self) -> bool:
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 def service_running(state_dir: str) -> bool:

@@ -19,7 +19,7 @@ from ..core.cluster import Hello
 from ..core.errors import EXIT_UNAVAILABLE, QlError
 from .config import Settings
 from .journal import Journal
-from .main import ServiceLock
+from .lock import ServiceLock
 from .notify import Notifier
 
 RUNS_DIRNAME = "worker-runs"

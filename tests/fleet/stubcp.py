@@ -12,7 +12,7 @@ error codes. It is not a scheduler: the test queues Runs with ``add_run``.
 
 Test handles: ``partition(True)`` (every request is dropped unanswered and nothing is written),
 ``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``cancel(attempt)``,
-``pull_bodies`` (raw request bodies), ``acks``, ``logs``, ``leases``.
+``pull_bodies`` (raw request bodies), ``chunk_times``, ``acks``, ``logs``, ``lease()``.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class StubControlPlane:
         self.log_ends: dict[str, int] = {}
         self.truncated: dict[str, bool] = {}
         self.pull_bodies: list[bytes] = []
+        self.chunk_times: list[tuple[float, str, int]] = []     # (time.monotonic(), attempt, bytes) per chunk
         self.requests: list[tuple[str, str, int]] = []     # (method, route, status)
         self._partition = False
         self._drop_pull = 0
@@ -118,6 +119,7 @@ class StubControlPlane:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
 
             def log_message(self, *a):
                 pass
@@ -450,6 +452,7 @@ class StubControlPlane:
                     raise HttpError(409, "chunk_mismatch", "the offset holds other bytes", field="offset",
                                     nextOffset=end)
                 body, offset = body[overlap:], offset + overlap
+            self.chunk_times.append((time.monotonic(), attempt_id, len(body)))
             if body:
                 room = max(0, quota - len(kept))
                 kept += body[:room]
