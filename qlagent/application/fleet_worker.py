@@ -285,12 +285,13 @@ class WorkerRuntime:
                 self.log("info", "worker.draining", live=sum(j.handle is not None for j in self.jobs.values()))
 
     # ---- Session ----------------------------------------------------------------------------------
-    def _fail(self, e: ControlError, what: str) -> None:
+    def _fail(self, e: ControlError, what: str, delay: float | None = None) -> None:
         self.failures += 1
-        delay = backoff.reconnect_delay_s(self.failures, self.rand())
-        if e.retry_after_s:
-            delay = max(delay, min(e.retry_after_s, backoff.DEFAULT_CAP_S))
-        self.next_connect_us = self.next_send_us = self.next_pull_us = self.now() + int(delay * 1e6)
+        if delay is None:
+            delay = backoff.reconnect_delay_s(self.failures, self.rand())
+            if e.retry_after_s:
+                delay = max(delay, min(e.retry_after_s, backoff.DEFAULT_CAP_S))
+            self.next_connect_us = self.next_send_us = self.next_pull_us = self.now() + int(delay * 1e6)
         level = "err" if isinstance(e, (ControlTlsError, ControlAuthError)) else "warning"
         self.log(level, f"worker.{what}_failed", code=e.code, error=str(e), retry_s=round(delay, 3))
 
@@ -304,7 +305,10 @@ class WorkerRuntime:
             if j.handle is not None and j.renewal is not None and not j.fenced and j.kill_reason is None:
                 limit = min(limit, (fencing.stop_at_local_us(j.renewal, j.kill_grace_us) - sent) / 1e6)
         ans = self.client.request(method, path, body, content_type, headers, timeout_s=max(0.2, limit))
-        self.failures = 0
+        if self.failures:
+            # The control plane answers again: what waited for the backoff goes now.
+            self.failures = 0
+            self.next_send_us = self.next_pull_us = 0
         return ans, sent
 
     def _connect(self) -> None:
@@ -354,9 +358,11 @@ class WorkerRuntime:
             if raise_errors:
                 raise
             # No answer is not a lost Session: keep it (its Leases stay ours while they are
-            # valid; fencing decides when they are not) and beat again after the backoff.
-            self._fail(e, "heartbeat")
-            self.next_beat_us = self.next_connect_us
+            # valid; fencing decides when they are not) and beat again at the usual cadence,
+            # never later, or the Session would expire while the link is only slow.
+            delay_us = self._beat_delay_us()
+            self.next_beat_us = self.now() + delay_us
+            self._fail(e, "heartbeat", delay_us / 1e6)
             return
         except msgspec.DecodeError:
             if raise_errors:
