@@ -90,17 +90,27 @@ def _load_toml(path: str) -> dict:
 
 def cmd_init(ctx: Ctx) -> int:
     from ..adapters.secretbox import create_key_file
+    from ..application.secrets import migrate_legacy_secrets
     s = ctx.settings
     os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
     store = ctx.store
     created = create_key_file(s.key_file)
+    # Secrets an earlier version stored (AES-GCM) are re-encrypted here, in a short-lived
+    # process, so the service never loads `cryptography` for them. A row that cannot be read
+    # stays as it was; init itself has succeeded (the package's postinst must not fail on it).
+    migrated, problems = migrate_legacy_secrets(store, s.key_file)
+    for problem in problems:
+        print(f"qlagent: warning: {problem}", file=sys.stderr)
     if ctx.args.json:
         _print_json({"stateDir": s.state_dir, "database": s.db_path, "keyFile": s.key_file,
-                     "keyCreated": created, "migrationsApplied": store.applied, "profile": s.profile.name})
+                     "keyCreated": created, "migrationsApplied": store.applied, "profile": s.profile.name,
+                     "secretsReencrypted": migrated})
     else:
         print(f"state directory  {s.state_dir}")
         print(f"database         {s.db_path} ({len(store.applied)} migrations applied)")
         print(f"secret key file  {s.key_file} ({'created' if created else 'kept'})")
+        if migrated:
+            print(f"secrets          {migrated} re-encrypted from the AES-GCM format")
         print(f"profile          {s.profile.name}")
     return 0
 
