@@ -8,7 +8,6 @@ Every read command takes ``--json``. Secret values are never printed.
 from __future__ import annotations
 
 import argparse
-import getpass
 import os
 import sys
 
@@ -274,6 +273,7 @@ def cmd_secret_set(ctx: Ctx) -> int:
                                 "argument: command lines are visible to every user")
     name = check_secret_name(ctx.args.name)
     if sys.stdin.isatty():
+        import getpass       # termios: only for an interactive `secret set`
         value = getpass.getpass(f"value for {name}: ").encode()
     else:
         value = sys.stdin.buffer.read(MAX_SECRET_VALUE + 2)
