@@ -76,8 +76,10 @@ def clean_env(**extra) -> dict:
 class Interpreter:
     """How to start a python (and qlagent) and where its files are seen from outside."""
 
-    def __init__(self, name: str, argv: list[str], root: str = "", pythonpath: str = "", site_dir: str = "") -> None:
+    def __init__(self, name: str, argv: list[str], entry: str, root: str = "", pythonpath: str = "",
+                 site_dir: str = "") -> None:
         self.name, self.argv, self.root, self.pythonpath, self.site_dir = name, argv, root, pythonpath, site_dir
+        self.entry = entry          # the installed `qlagent` script, run as the package runs it
 
     def outside(self, inner: str) -> str:
         return self.root + inner
@@ -93,7 +95,7 @@ class Interpreter:
                               env=self.env(), **kw)
 
     def cli(self, state: str, *args: str, stdin: bytes | None = None) -> bytes:
-        p = self.python("-m", "qlagent.cli.main", "--state-dir", state, *args, input=stdin)
+        p = self.python(self.entry, "--state-dir", state, *args, input=stdin)
         if p.returncode != 0:
             raise SystemExit(f"{self.name}: qlagent {' '.join(args)} exited {p.returncode}: {p.stderr.decode()}")
         return p.stdout
@@ -152,7 +154,7 @@ class Agent:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        args = ["-m", "qlagent.cli.main", "--state-dir", self.state]
+        args = [self.interp.entry, "--state-dir", self.state]
         if self.router:
             args += ["--profile", "edge", "serve", "--listen", f"127.0.0.1:{self.port}"]
         else:
@@ -225,6 +227,15 @@ class TrixieRoot:
         shutil.copytree(os.path.join(REPO, "qlagent"), os.path.join(self.root, "opt/qlagent/qlagent"),
                         ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copytree(supervisor_src, os.path.join(self.root, "opt/supervisor"))
+        # /usr/bin/qlagent exactly as packaging/build-deb writes it; bytecode compiled as the
+        # postinst does (a service compiling its modules at every start would not be measured).
+        with open(os.path.join(REPO, "packaging", "build-deb")) as f:
+            build_deb = f.read()
+        script = build_deb.split("cat > \"$R/usr/bin/qlagent\" <<'PY'\n", 1)[1].split("\nPY\n", 1)[0] + "\n"
+        with open(os.path.join(self.root, "usr/bin/qlagent"), "w") as f:
+            f.write(script)
+        subprocess.run(["chroot", self.root, "/usr/bin/python3", "-m", "compileall", "-q", "/opt/qlagent/qlagent"],
+                       check=True)
         self.mounts = []
         for kind, target in (("proc", "proc"), ("/sys", "sys"), ("/dev", "dev")):
             path = os.path.join(self.root, target)
@@ -234,7 +245,7 @@ class TrixieRoot:
         self.tarball = tarball
 
     def interpreter(self) -> Interpreter:
-        return Interpreter("debian13", ["chroot", self.root, "/usr/bin/python3"], root=self.root,
+        return Interpreter("debian13", ["chroot", self.root, "/usr/bin/python3"], "/usr/bin/qlagent", root=self.root,
                            pythonpath="/opt/qlagent", site_dir="/opt/supervisor")
 
     def close(self) -> None:
@@ -242,16 +253,23 @@ class TrixieRoot:
             subprocess.run(["umount", "-R", "-l", path], capture_output=True)
 
 
-def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool) -> dict:
+def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool,
+            nosite: Interpreter | None = None) -> dict:
+    """``nosite``: the same interpreter with ``-S`` and PYTHONPATH = repo + site-packages, i.e.
+    without the dev venv's ``.pth`` hooks (editable-install finder, distutils shim) that a
+    packaged install does not run; it runs one more plain agent."""
     os.makedirs(interp.outside(inner_dir), exist_ok=True)
     plain = Agent(interp, inner_dir, "plain", router=False)
     router = Agent(interp, inner_dir, "router", router=True)
+    agents = [plain, router]
+    if nosite is not None:
+        agents.append(Agent(nosite, inner_dir, "plain-S", router=False))
     procs = []
     try:
         sup = start_supervisord(interp, inner_dir)
         procs.append(sup)
-        plain.start()
-        router.start()
+        for a in agents:
+            a.start()
         time.sleep(2.0)
         fig = {"router, right after start": mem_kib(router.proc.pid)}
         router.exercise()
@@ -261,13 +279,15 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool) -
         end = t0 + window
         while time.monotonic() < end:
             time.sleep(min(0.5, max(0.0, end - time.monotonic())))
-            plain.notify.pump()
-            router.notify.pump()
+            for a in agents:
+                a.notify.pump()
         t1 = time.monotonic()
         switches = vol_switches(pid) - before
         plain.notify.pump()
         fig["router, after Secret + chatty Runs + HTTP"] = mem_kib(router.proc.pid)
         fig["plain, 50 cron tasks"] = mem_kib(plain.proc.pid)
+        if nosite is not None:
+            fig["plain, 50 cron tasks, python -S"] = mem_kib(agents[2].proc.pid)
         fig["supervisord + 1 program"] = mem_kib(sup.pid)
         fig["python3 -c pass"] = import_kib(interp, "pass")
         result = {"figures": fig, "window": t1 - t0, "threads": psutil.Process(pid).num_threads()}
@@ -280,7 +300,7 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool) -
         result["heavy modules in the HTTP service closure"] = modules.stdout.decode().strip() or "none"
         return result
     finally:
-        for a in (plain, router):
+        for a in agents:
             a.stop()
         for p in procs:
             p.terminate()
@@ -298,14 +318,20 @@ def main() -> None:
         sup_dir = os.path.join(tmp, "supervisor")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", sup_dir, "supervisor"],
                        check=True, capture_output=True)
-        interps = [Interpreter("dev venv", [sys.executable], site_dir=sup_dir)]
+        interps = [Interpreter("dev venv", [sys.executable], os.path.join(os.path.dirname(sys.executable), "qlagent"),
+                               site_dir=sup_dir)]
         if not args.no_trixie:
             trixie = TrixieRoot(tmp, sup_dir)
             interps.append(trixie.interpreter())
         results = {}
         for i, interp in enumerate(interps):
             inner = f"{tmp}/run" if not interp.root else "/tmp/qlbench"
-            results[interp.name] = measure(interp, inner, args.seconds, wakeups=(i == 0))
+            nosite = None
+            if not interp.root:
+                import site
+                nosite = Interpreter("dev -S", [sys.executable, "-S"], interp.entry,
+                                     pythonpath=os.pathsep.join([REPO, *site.getsitepackages()]))
+            results[interp.name] = measure(interp, inner, args.seconds, wakeups=(i == 0), nosite=nosite)
         dev = interps[0]
         extra = {stmt: import_kib(dev, stmt)[0] for stmt in (
             "pass", "import selectors", "import asyncio", "import pyroute2", "import hashlib",
@@ -330,8 +356,10 @@ def main() -> None:
             print(f"plain agent: {r['switches']} voluntary switches ({r['switches'] / (r['window'] / half):.2f} per "
                   f"{half:g} s watchdog half-interval), {r['pings']} WATCHDOG=1, {r['threads']} thread(s)")
         print(f"heavy modules in the service + HTTP import closure: {r['heavy modules in the HTTP service closure']}")
-        for k, limit in (("router, after Secret + chatty Runs + HTTP", 28), ("plain, 50 cron tasks", 20)):
-            print(f"goal {k} RSS <= {limit} MiB: {'met' if fig[k][0] <= limit * 1024 else 'NOT met'}")
+        for k, limit in (("router, after Secret + chatty Runs + HTTP", 28), ("plain, 50 cron tasks", 20),
+                         ("plain, 50 cron tasks, python -S", 20)):
+            if k in fig:
+                print(f"goal {k} RSS <= {limit} MiB: {'met' if fig[k][0] <= limit * 1024 else 'NOT met'}")
     base = extra["pass"]
     print("\nimport cost, dev interpreter (VmRSS KiB over `pass`): " +
           "; ".join(f"{k} +{v - base}" for k, v in extra.items() if k != "pass"))
