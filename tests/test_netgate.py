@@ -169,3 +169,19 @@ command = ["/bin/true"]
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.decode().split() == [str(gated), "False"]
+
+
+def test_doctor_shows_the_default_route_as_netlink_reports_it(state, netns):  # noqa: F811
+    """``doctor`` (short-lived: pyroute2 decodes netlink there) names gateway and device, and
+    agrees with what the gate reads from /proc."""
+    def network_check():
+        p = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "qlagent.cli.main", "--state-dir",
+                            state, "doctor", "--json"], capture_output=True, env=clean_env(), timeout=60)
+        assert b"Traceback" not in p.stderr
+        import json
+        return [c for c in json.loads(p.stdout)["checks"] if c["name"] == "network"][0]
+    before = network_check()
+    assert before["ok"] and before["detail"].startswith("no default route")
+    ip("-n", netns, "route", "add", "default", "via", "10.200.0.2")
+    after = network_check()
+    assert after["ok"] and after["detail"] == "IPv4 default via 10.200.0.2 dev v0", after

@@ -616,8 +616,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    # No reference to the parser outlives parsing: `serve` runs inside this frame for the
+    # service's lifetime, and the ~25 subcommand parsers would stay resident with it.
+    args = build_parser().parse_args(argv)
     for k in ("state_dir", "config", "profile", "project"):
         if not hasattr(args, k):
             setattr(args, k, None)
