@@ -254,16 +254,17 @@ class TrixieRoot:
 
 
 def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool,
-            nosite: Interpreter | None = None) -> dict:
-    """``nosite``: the same interpreter with ``-S`` and PYTHONPATH = repo + site-packages, i.e.
-    without the dev venv's ``.pth`` hooks (editable-install finder, distutils shim) that a
-    packaged install does not run; it runs one more plain agent."""
+            installed: Interpreter | None = None) -> dict:
+    """``installed``: the same interpreter in a venv holding only what ``pip install .`` brings
+    (no editable-install finder, no test dependencies: typing_extensions, present in the dev
+    venv for jsonschema, makes msgspec import inspect/ast/dis, +1.25 MiB); it runs one more
+    plain agent."""
     os.makedirs(interp.outside(inner_dir), exist_ok=True)
     plain = Agent(interp, inner_dir, "plain", router=False)
     router = Agent(interp, inner_dir, "router", router=True)
     agents = [plain, router]
-    if nosite is not None:
-        agents.append(Agent(nosite, inner_dir, "plain-S", router=False))
+    if installed is not None:
+        agents.append(Agent(installed, inner_dir, "plain-installed", router=False))
     procs = []
     try:
         sup = start_supervisord(interp, inner_dir)
@@ -286,8 +287,8 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool,
         plain.notify.pump()
         fig["router, after Secret + chatty Runs + HTTP"] = mem_kib(router.proc.pid)
         fig["plain, 50 cron tasks"] = mem_kib(plain.proc.pid)
-        if nosite is not None:
-            fig["plain, 50 cron tasks, python -S"] = mem_kib(agents[2].proc.pid)
+        if installed is not None:
+            fig["plain, 50 cron tasks, pip-installed venv"] = mem_kib(agents[2].proc.pid)
         fig["supervisord + 1 program"] = mem_kib(sup.pid)
         fig["python3 -c pass"] = import_kib(interp, "pass")
         result = {"figures": fig, "window": t1 - t0, "threads": psutil.Process(pid).num_threads()}
@@ -326,12 +327,15 @@ def main() -> None:
         results = {}
         for i, interp in enumerate(interps):
             inner = f"{tmp}/run" if not interp.root else "/tmp/qlbench"
-            nosite = None
+            installed = None
             if not interp.root:
-                import site
-                nosite = Interpreter("dev -S", [sys.executable, "-S"], interp.entry,
-                                     pythonpath=os.pathsep.join([REPO, *site.getsitepackages()]))
-            results[interp.name] = measure(interp, inner, args.seconds, wakeups=(i == 0), nosite=nosite)
+                venv = os.path.join(tmp, "installed-venv")
+                subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+                subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "--disable-pip-version-check", REPO],
+                               check=True, capture_output=True)
+                installed = Interpreter("dev, pip-installed", [os.path.join(venv, "bin", "python")],
+                                        os.path.join(venv, "bin", "qlagent"))
+            results[interp.name] = measure(interp, inner, args.seconds, wakeups=(i == 0), installed=installed)
         dev = interps[0]
         extra = {stmt: import_kib(dev, stmt)[0] for stmt in (
             "pass", "import selectors", "import asyncio", "import pyroute2", "import hashlib",
@@ -357,7 +361,7 @@ def main() -> None:
                   f"{half:g} s watchdog half-interval), {r['pings']} WATCHDOG=1, {r['threads']} thread(s)")
         print(f"heavy modules in the service + HTTP import closure: {r['heavy modules in the HTTP service closure']}")
         for k, limit in (("router, after Secret + chatty Runs + HTTP", 28), ("plain, 50 cron tasks", 20),
-                         ("plain, 50 cron tasks, python -S", 20)):
+                         ("plain, 50 cron tasks, pip-installed venv", 20)):
             if k in fig:
                 print(f"goal {k} RSS <= {limit} MiB: {'met' if fig[k][0] <= limit * 1024 else 'NOT met'}")
     base = extra["pass"]
