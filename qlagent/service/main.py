@@ -130,7 +130,7 @@ class Service:
         return any(h.enabled and h.definition.network.require != "none" for h in heads)
 
     def _ensure_netgate(self) -> None:
-        """Import pyroute2 (≈18 MB) only once some enabled task needs the network gate."""
+        """Open the gate's netlink socket only once some enabled task needs the network gate."""
         if self.netgate is not None or not self._network_needed():
             return
         from .netgate import NetworkGate
