@@ -257,3 +257,15 @@ def test_legacy_row_without_cryptography_is_one_clear_line_and_kept(state):
     assert stored(state) == before
     ok(state, "init")                                       # with cryptography: migrated
     assert stored(state)["ddns_token"][:5] == b"qlsb2"
+
+
+@pytest.mark.parametrize("blob", [b"qlsb2" + b"\x00" * 39, b"qlsb1" + b"\x00" * 27, b"qlsb2", b""])
+def test_truncated_ciphertext_is_a_clear_error(state, blob):
+    ok(state, "secret", "set", "tok", stdin=SECRET)
+    db = os.path.join(state, "qlagent.db")
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE secrets SET ciphertext = ? WHERE name = 'tok'", (blob,))
+    with sqlite3.connect(db) as c:
+        pid = c.execute("SELECT project_id FROM projects").fetchone()[0]
+        with pytest.raises(UnavailableError, match="'tok' is (truncated|not in a known format)"):
+            resolve_secrets(c, os.path.join(state, "secret.key"), pid, ["tok"])

@@ -26,6 +26,7 @@ from ..core.errors import UnavailableError
 KEY_BYTES = 32
 MAGIC = b"qlsb2"
 NONCE_BYTES = 24
+TAG_BYTES = 16
 LEGACY_MAGIC = b"qlsb1"
 LEGACY_NONCE_BYTES = 12
 
@@ -96,6 +97,9 @@ class SecretBox:
         """Plaintext of ``blob`` (either format); UnavailableError if it does not authenticate
         with this key, or if it is ``qlsb1`` and ``cryptography`` is not installed."""
         blob = bytes(blob)
+        shortest = (len(MAGIC) + NONCE_BYTES if blob.startswith(MAGIC) else len(LEGACY_MAGIC) + LEGACY_NONCE_BYTES)
+        if len(blob) < shortest + TAG_BYTES:
+            raise UnavailableError(f"secret {name!r} is truncated", code="secret_unreadable")
         if blob.startswith(MAGIC):
             from nacl.bindings import crypto_aead_xchacha20poly1305_ietf_decrypt as decrypt
             from nacl.exceptions import CryptoError
