@@ -10,8 +10,8 @@ Ciphertext formats, told apart by a 5-byte magic:
 - ``qlsb2`` (written): ``MAGIC || nonce(24) || XChaCha20-Poly1305-IETF(plaintext) || tag(16)``;
   random 24-byte nonces never repeat in practice. PyNaCl costs +2 MiB RSS once loaded.
 - ``qlsb1`` (read only, to migrate): ``MAGIC || nonce(12) || AES-256-GCM(plaintext) || tag(16)``,
-  what qlagent wrote before issue 14. Opening it imports ``cryptography`` (+9.4 MiB RSS that
-  never leaves the process), which is why ``qlagent init`` and the service start re-encrypt
+  what qlagent wrote before issue 14. Opening it imports ``cryptography`` (+7.7 MiB RSS that
+  never leaves the process; bench/README.md), which is why ``qlagent init`` and the service start re-encrypt
   such rows (``application.secrets.migrate_legacy_secrets``): a resident agent reads qlsb2 only.
 """
 
@@ -59,11 +59,6 @@ def check_key_file(path: str) -> str | None:
     if st.st_size != KEY_BYTES:
         return f"secret key file {path} is {st.st_size} bytes; expected {KEY_BYTES}"
     return None
-
-
-def is_legacy(blob: bytes) -> bool:
-    """True for a ``qlsb1`` (AES-GCM) ciphertext, which ``migrate_legacy_secrets`` re-encrypts."""
-    return bytes(blob[:len(LEGACY_MAGIC)]) == LEGACY_MAGIC
 
 
 class SecretBox:
