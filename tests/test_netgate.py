@@ -9,6 +9,7 @@ The resident agent never imports pyroute2 (~23 MB): the gate is a netlink wake-u
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -178,7 +179,6 @@ def test_doctor_shows_the_default_route_as_netlink_reports_it(state, netns):  # 
         p = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "qlagent.cli.main", "--state-dir",
                             state, "doctor", "--json"], capture_output=True, env=clean_env(), timeout=60)
         assert b"Traceback" not in p.stderr
-        import json
         return [c for c in json.loads(p.stdout)["checks"] if c["name"] == "network"][0]
     before = network_check()
     assert before["ok"] and before["detail"].startswith("no default route")

@@ -7,6 +7,8 @@ import json
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 
 import pytest
 from qlcli import cli, js, ok, state, workdir  # noqa: F401  (fixtures)
@@ -245,8 +247,6 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_legacy_row_without_cryptography_is_one_clear_line_and_kept(state):
-    import subprocess
-    import sys
     write_legacy_store(state, {"ddns_token": SECRET})
     before = stored(state)
     p = subprocess.run([sys.executable, "-c", NO_CRYPTOGRAPHY, "--state-dir", state, "init"], capture_output=True)

@@ -16,11 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
-import pytest
-from qlcli import js, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
 from servehelp import add_tasks, clean_env, runs_of, wait_until
 from test_secrets import write_legacy_store
 
