@@ -269,3 +269,20 @@ def test_truncated_ciphertext_is_a_clear_error(state, blob):
         pid = c.execute("SELECT project_id FROM projects").fetchone()[0]
         with pytest.raises(UnavailableError, match="'tok' is (truncated|not in a known format)"):
             resolve_secrets(c, os.path.join(state, "secret.key"), pid, ["tok"])
+
+
+def test_task_add_warns_only_about_a_secret_that_is_not_set(state, workdir):
+    """Through the real store (its rows are sqlite3.Row): a stored Secret is no warning, a
+    missing one is, and doctor agrees."""
+    f = os.path.join(workdir, "tasks.toml")
+    with open(f, "w") as fh:
+        fh.write(TASKS)
+    ok(state, "secret", "set", "ddns_token", stdin=SECRET)
+    added = ok(state, "task", "add", "-f", f)
+    assert b"warning" not in added.stderr, added.stderr
+    checks = json.loads(cli(state, "doctor", "--json").stdout)["checks"]
+    assert [c["ok"] for c in checks if c["name"] == "secrets"] == [True]
+    with open(f, "w") as fh:
+        fh.write(TASKS.replace("ddns_token", "other_token").replace('"ddns-update"', '"other-update"'))
+    warned = ok(state, "task", "add", "-f", f)
+    assert b"uses secret 'other_token', which is not set" in warned.stderr

@@ -49,7 +49,8 @@ def secret_uses(conn: sqlite3.Connection, project_id: str | None) -> list[tuple[
     """(task name, Secret name, stored?) for each SecretRef of each live Task head of the
     Project (every Project when None), by task then Secret name (names only: a recipe never
     holds a value)."""
-    stored = set(conn.execute("SELECT project_id, name FROM secrets"))
+    # Tuples, not the connection's row objects: an sqlite3.Row never equals a tuple.
+    stored = {(r[0], r[1]) for r in conn.execute("SELECT project_id, name FROM secrets")}
     out = []
     for pid, task, doc in conn.execute(
             "SELECT t.project_id, t.name, cr.recipe_json FROM tasks t JOIN execution_revisions e "
