@@ -17,8 +17,8 @@ import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
+import msgspec
 import psutil
 
 from qlagent.core.canonical import sha256_hex
@@ -56,8 +56,7 @@ class RunFileError(QlError):
         super().__init__(f"{field_name}: {message}", field=field_name)
 
 
-@dataclass
-class WrapperHandle:
+class WrapperHandle(msgspec.Struct):
     """A started wrapper: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
     it identifies the process across PID reuse), ``pidfd`` (an fd readable when the wrapper
     exits, or None where os.pidfd_open is unavailable), the Popen used to reap it and
@@ -67,7 +66,7 @@ class WrapperHandle:
     pid: int
     create_time: float
     pidfd: int | None
-    popen: subprocess.Popen = field(repr=False)
+    popen: subprocess.Popen
     start_error: str | None = None
 
     def poll(self) -> int | None:
@@ -214,8 +213,7 @@ def process_matches(pid: int, create_time: float) -> bool:
         return False
 
 
-@dataclass
-class KillReport:
+class KillReport(msgspec.Struct):
     """Outcome of kill_tree: PIDs sent SIGTERM, PIDs that needed SIGKILL, PIDs still alive at
     the end (empty on success), and the elapsed wall time in seconds."""
 
@@ -463,3 +461,29 @@ def read_task_pid(run_dir: str) -> int | None:
     if pid <= 1:
         raise RunFileError("task.pid", "must be a process ID > 1")
     return pid
+
+
+def remove_run_dir(run_dir: str) -> None:
+    """Delete a finished Attempt's run directory; errors are ignored (it may be gone already).
+
+    The wrapper writes only files there (FIFO, receipt, facts, task.pid), so a flat removal
+    does it; ``shutil`` (whose bz2/lzma imports cost the resident agent ~0.2 MiB) is loaded
+    only if something made a subdirectory.
+    """
+    try:
+        entries = list(os.scandir(run_dir))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                import shutil
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(run_dir)
+    except OSError:
+        pass

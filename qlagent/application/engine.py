@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pwd
-import shutil
 
 from ..adapters import processes
 from ..adapters.artifacts import ArtifactAllocator, ArtifactExistsError, UnsafeDirectoryError
@@ -137,7 +136,7 @@ class ProcessAdapter:
     def cleanup(self, attempt_id: str) -> None:
         self._known.pop(attempt_id, None)
         self._started.pop(attempt_id, None)
-        shutil.rmtree(self._run_dir(attempt_id), ignore_errors=True)
+        processes.remove_run_dir(self._run_dir(attempt_id))
 
 
 class Admission:

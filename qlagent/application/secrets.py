@@ -1,8 +1,9 @@
-"""Secret use cases: store encrypted, list names, remove, and resolve for one materialisation."""
+"""Secret use cases: store encrypted, list names, remove, resolve for one materialisation, and
+re-encrypt what an earlier version stored."""
 
 from __future__ import annotations
 
-from ..adapters.secretbox import SecretBox
+from ..adapters.secretbox import LEGACY_MAGIC, SecretBox
 from ..adapters.sqlite import secrets as rows
 from ..core.errors import UnavailableError
 from .store import LocalStore, now_us
@@ -51,3 +52,30 @@ def resolve_secrets(conn, key_file: str, project_id: str, names: list[str]) -> d
         return {}
     box = SecretBox(key_file)
     return {n: box.open(project_id, n, blobs[n]) for n in wanted}
+
+
+def migrate_legacy_secrets(store: LocalStore, key_file: str) -> tuple[int, list[str]]:
+    """Re-encrypt every Secret still in the ``qlsb1`` (AES-GCM) format in today's format, in
+    every Project of the store (issue 14: existing stores migrate on upgrade).
+
+    Returns (rows re-encrypted, one problem line per row left as it was: wrong key file, or
+    ``cryptography`` not installed). With no legacy row it reads neither the key file nor any
+    crypto library. A row changed meanwhile (``secret set``) is left to its new value.
+    """
+    legacy = store.read(lambda c: rows.legacy_ciphertexts(c, LEGACY_MAGIC))
+    if not legacy:
+        return 0, []
+    try:
+        box = SecretBox(key_file)
+    except UnavailableError as e:
+        return 0, [str(e)]
+    done, problems = [], []
+    for project_id, name, old in legacy:
+        try:
+            done.append((project_id, name, old, box.seal(project_id, name, box.open(project_id, name, old))))
+        except UnavailableError as e:
+            problems.append(str(e))
+
+    def write(c) -> int:
+        return sum(rows.replace_ciphertext(c, pid, name, old, new, box.key_id) for pid, name, old, new in done)
+    return (store.write(write) if done else 0), problems

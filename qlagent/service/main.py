@@ -20,6 +20,7 @@ import time
 
 from ..application.engine import Engine
 from ..application.schedules import system_timezone
+from ..application.secrets import migrate_legacy_secrets
 from ..application.store import LocalStore, now_us
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
 from . import control
@@ -86,6 +87,13 @@ class Service:
                              key_file=s.key_file, max_concurrent=max_conc, log=self.log, budget=self.budget,
                              clock_us=self._now)
         self.scheduler = Scheduler(self.store, system_timezone(), self._now, self.log)
+        # `init` (run by the package's postinst) normally did this already; the service does it
+        # too so that no resident agent keeps `cryptography` loaded for the old format.
+        migrated, problems = migrate_legacy_secrets(self.store, s.key_file)
+        if migrated:
+            self.log("notice", "secrets.migrated", count=migrated)
+        for problem in problems:
+            self.log("warning", "secrets.migration_failed", error=problem)
 
     def _install_signals(self) -> None:
         r, w = socket.socketpair()
@@ -103,7 +111,7 @@ class Service:
         return any(h.enabled and h.definition.network.require != "none" for h in heads)
 
     def _ensure_netgate(self) -> None:
-        """Import pyroute2 (≈18 MB) only once some enabled task needs the network gate."""
+        """Open the gate's netlink socket only once some enabled task needs the network gate."""
         if self.netgate is not None or not self._network_needed():
             return
         from .netgate import NetworkGate
