@@ -116,6 +116,7 @@ class WorkerRuntime:
 
     def __init__(self, client: ControlClient, inbox, runs: WorkerRuns, *, worker_id: str, hello: Hello, slots: int,
                  heartbeat_s: float = 5.0, pull_wait_s: int = DEFAULT_PULL_WAIT_S, drain_grace_s: float = 20.0,
+                 log_store_bytes: int = 64 * 1_048_576,
                  log=lambda *a, **k: None, notify=None, rand=random.random, mono_us=_mono_us) -> None:
         self.client, self.inbox, self.runs = client, inbox, runs
         self.worker_id, self.hello, self.slots = worker_id, hello, slots
@@ -123,9 +124,13 @@ class WorkerRuntime:
         self.log, self.rand, self.now = log, rand, mono_us
         self.notify = notify                            # service.notify.Notifier (watchdog) or None
         self.sel = selectors.DefaultSelector()
+        self.log_store_bytes = log_store_bytes
         self.session: tuple[str, int] | None = None
         self.resume: tuple[str, int] | None = None     # a restarted Worker's previous Session
-        self.failures = 0
+        # Consecutive failures per duty (connect, heartbeat, send, pull): each backs off on its own,
+        # so chunks refused with 503 do not hold back Pulls or heartbeats.
+        self.failures = {"connect": 0, "heartbeat": 0, "send": 0, "pull": 0}
+        self.unreachable = False                        # the last failure had no answer at all
         self.connected_once = False
         self.next_connect_us = 0
         self.next_beat_us = 0
@@ -286,12 +291,13 @@ class WorkerRuntime:
 
     # ---- Session ----------------------------------------------------------------------------------
     def _fail(self, e: ControlError, what: str, delay: float | None = None) -> None:
-        self.failures += 1
+        self.failures[what] += 1
+        self.unreachable = isinstance(e, ControlUnreachable)
         if delay is None:
-            delay = backoff.reconnect_delay_s(self.failures, self.rand())
+            delay = backoff.reconnect_delay_s(self.failures[what], self.rand())
             if e.retry_after_s:
                 delay = max(delay, min(e.retry_after_s, backoff.DEFAULT_CAP_S))
-            self.next_connect_us = self.next_send_us = self.next_pull_us = self.now() + int(delay * 1e6)
+            setattr(self, f"next_{what}_us", self.now() + int(delay * 1e6))
         level = "err" if isinstance(e, (ControlTlsError, ControlAuthError)) else "warning"
         self.log(level, f"worker.{what}_failed", code=e.code, error=str(e), retry_s=round(delay, 3))
 
@@ -305,9 +311,10 @@ class WorkerRuntime:
             if j.handle is not None and j.renewal is not None and not j.fenced and j.kill_reason is None:
                 limit = min(limit, (fencing.stop_at_local_us(j.renewal, j.kill_grace_us) - sent) / 1e6)
         ans = self.client.request(method, path, body, content_type, headers, timeout_s=max(0.2, limit))
-        if self.failures:
-            # The control plane answers again: what waited for the backoff goes now.
-            self.failures = 0
+        if self.unreachable:
+            # The control plane answers again: what waited for the link goes now.
+            self.unreachable = False
+            self.failures = dict.fromkeys(self.failures, 0)
             self.next_send_us = self.next_pull_us = 0
         return ans, sent
 
@@ -319,6 +326,7 @@ class WorkerRuntime:
                     self._heartbeat(raise_errors=True)
                     self.log("info", "worker.session_resumed", session=self.session[0], generation=self.session[1])
                     self.resume, self.connected_once = None, True
+                    self.failures["connect"] = 0
                     return
                 except SessionGone:
                     self.session = self.resume = None
@@ -326,6 +334,7 @@ class WorkerRuntime:
             grant = msgspec.json.decode(ans.body, type=SessionGrant)
             self.session = (grant.session_id, grant.generation)
             self.connected_once = True
+            self.failures["connect"] = 0
             self.next_beat_us = self.now() + self._beat_delay_us()
             self.next_send_us = self.next_pull_us = 0
             self.log("info", "worker.session_opened", session=grant.session_id, generation=grant.generation,
@@ -369,6 +378,7 @@ class WorkerRuntime:
                 raise ControlUnreachable("unreadable Heartbeat") from None
             return
         self.next_beat_us = self.now() + self._beat_delay_us()
+        self.failures["heartbeat"] = 0
         if ans.server_now_us is not None and not self.ttl_us:
             # A restarted Worker has seen no offer yet: the Session's span stands in for the
             # Lease TTL (the control plane's defaults are equal; see the report on the protocol).
@@ -407,7 +417,7 @@ class WorkerRuntime:
             if j.fenced or j.gone or j.entry.state not in ("received", "barrier", "started"):
                 continue
             if j.renewal is None:
-                if j.handle is None or self.session is not None or self.failures == 0:
+                if j.handle is None or self.session is not None or not self.failures["connect"]:
                     continue
                 # Re-attached after a restart and the control plane did not answer: no renewal proves
                 # the Lease, so it is treated as lost now.
@@ -486,6 +496,7 @@ class WorkerRuntime:
             self.inbox.end_pull(pull_id)
             self.log("err", "worker.pull_refused", reason="unreadable_answer")
             return
+        self.failures["pull"] = 0
         if answer.status != "offered" or answer.offer is None:
             self.inbox.end_pull(pull_id)
             if answer.status not in ("idle", "unmatched"):
@@ -567,6 +578,7 @@ class WorkerRuntime:
                 return
             try:
                 self._advance(j)
+                self.failures["send"] = 0
             except (LeaseGone, AttemptNotFound) as e:
                 self._lease_gone(j, e.code)
             except SessionGone as e:
@@ -582,7 +594,9 @@ class WorkerRuntime:
                 self._lease_gone(j, e.code)
             except ControlError as e:
                 self._fail(e, "send")
-                return
+                if isinstance(e, ControlUnreachable):
+                    return              # no link: the others would fail the same way
+                # An answered refusal (503 for a chunk…) holds back this Attempt only.
             except msgspec.DecodeError:
                 self._fail(ControlUnreachable("unreadable answer"), "send")
                 return
@@ -638,6 +652,7 @@ class WorkerRuntime:
             # Secret values are never on disk: after a restart before the spawn they are gone.
             self._start_failed(j, "secrets_unavailable")
             return
+        self._bound_log_store(j.spec.log_quota_bytes)
         try:
             self.runs.make_run_dir(j.attempt_id)
             h = self.runs.spawn(j.spec, j.secrets or {})
@@ -654,6 +669,26 @@ class WorkerRuntime:
         self.counts["spawned"] += 1
         self._watch(j)
         self.log("info", "worker.run_started", attempt=j.attempt_id, pid=h.pid)
+
+    def _bound_log_store(self, need: int) -> None:
+        """Issue 11 §5: a partition must not fill the flash. Before a spawn, the Artifacts not yet
+        uploaded (a live run counted at its quota) plus ``need`` bytes must fit ``log_store_bytes``;
+        otherwise the oldest completed runs' bytes the control plane does not hold yet are cut,
+        each cut recorded (``worker.log_truncated``: attempt, bytes dropped, bytes the control
+        plane keeps)."""
+        def used() -> int:
+            return sum(j.spec.log_quota_bytes if j.handle is not None else self.runs.log_size(j.attempt_id)
+                       for j in self.jobs.values() if not j.log_done)
+        over = used() + need - self.log_store_bytes
+        for j in list(self.jobs.values()):
+            if over <= 0:
+                return
+            if j.entry.state == "completed" and not j.log_done:
+                freed = self.runs.truncate_log(j.attempt_id, max(j.uploaded, self.runs.log_size(j.attempt_id) - over))
+                if freed:
+                    over -= freed
+                    self.log("warning", "worker.log_truncated", attempt=j.attempt_id, bytes_dropped=freed,
+                             bytes_kept=self.runs.log_size(j.attempt_id))
 
     def _start_failed(self, j: Job, code: str) -> None:
         j.entry = self.inbox.advance(j.offer_id, "completed", {"kind": "start_failure", "startError": code})

@@ -51,6 +51,7 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slots: int = 1                          # runs at once: 1..max_concurrent_runs of the Profile
     heartbeat_interval_s: float = 5.0       # 1..60
     pull_wait_s: int = 20                   # long-poll, 0..30
+    log_store_bytes: int | None = None      # unuploaded logs kept locally; default the Profile's artifact_total_bytes
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -174,6 +175,9 @@ def validate_worker(w: WorkerConfig, profile: Profile) -> None:
         raise ValidationError("worker.heartbeat_interval_s", "outside 1..60 seconds", limit="1..60")
     if not 0 <= w.pull_wait_s <= 30:
         raise ValidationError("worker.pull_wait_s", "outside 0..30 seconds", limit="0..30")
+    if w.log_store_bytes is not None and not 65_536 <= w.log_store_bytes <= profile.artifact_total_bytes:
+        raise ValidationError("worker.log_store_bytes", f"outside 65536..{profile.artifact_total_bytes} bytes",
+                              limit=f"65536..{profile.artifact_total_bytes}")
 
 
 def resolve(config_path: str | None = None, *, state_dir: str | None = None, profile: str | None = None,

@@ -44,7 +44,9 @@ def serve_worker(settings: Settings) -> int:
         rt = WorkerRuntime(client, inbox, runs, worker_id=w.worker_id,
                            hello=Hello(labels=dict(w.labels), executor_types=tuple(w.executors), slots=w.slots),
                            slots=w.slots, heartbeat_s=w.heartbeat_interval_s, pull_wait_s=w.pull_wait_s,
-                           drain_grace_s=settings.config.drain_grace_s, log=log, notify=Notifier())
+                           drain_grace_s=settings.config.drain_grace_s,
+                           log_store_bytes=w.log_store_bytes or settings.profile.artifact_total_bytes, log=log,
+                           notify=Notifier())
         counts = rt.recover()
         rt.install_signals()
         log("info", "worker.ready", worker=w.worker_id, control=repr(client), slots=w.slots, **counts)

@@ -11,7 +11,7 @@ quota and a truncation flag, ``X-Qlagent-Server-Now-Us`` on every answer, the do
 error codes. It is not a scheduler: the test queues Runs with ``add_run``.
 
 Test handles: ``partition(True)`` (every request is dropped unanswered and nothing is written),
-``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``cancel(attempt)``,
+``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``refuse_chunks`` (503), ``cancel(attempt)``,
 ``pull_bodies`` (raw request bodies), ``chunk_times``, ``acks``, ``logs``, ``lease()``.
 """
 
@@ -110,6 +110,7 @@ class StubControlPlane:
         self.chunk_times: list[tuple[float, str, int]] = []     # (time.monotonic(), attempt, bytes) per chunk
         self.requests: list[tuple[str, str, int]] = []     # (method, route, status)
         self._partition = False
+        self.refuse_chunks = False                  # answer log chunks 503 cluster_unavailable
         self._drop_pull = 0
         self.server = None
 
@@ -245,6 +246,8 @@ class StubControlPlane:
             elif h.command == "POST" and parts[5:] == ["acks"]:
                 status, doc = 200, self._ack(wid, self._decode(h, body, Ack))
             elif h.command == "PUT" and len(parts) == 8 and parts[5] == "attempts" and parts[7] == "log":
+                if self.refuse_chunks:
+                    raise HttpError(503, "cluster_unavailable", "the database is not reachable")
                 status, doc = 200, self._chunk(wid, parts[6], h, q, body)
             else:
                 raise HttpError(404, "not_found")
@@ -476,12 +479,15 @@ def write_credential(path: str, credential: str, mode: int = 0o600) -> str:
 
 
 def worker_config(path: str, *, state_dir: str, worker_id: str, url: str, credential_file: str,
-                  ca_file: str | None, slots: int = 2, heartbeat_s: float = 1.0, pull_wait_s: int = 5) -> str:
+                  ca_file: str | None, slots: int = 2, heartbeat_s: float = 1.0, pull_wait_s: int = 5,
+                  extra: str = "") -> str:
     lines = [f'state_dir = "{state_dir}"', "", "[worker]", f'worker_id = "{worker_id}"', f'control_url = "{url}"',
              f'credential_file = "{credential_file}"', f"slots = {slots}", f"heartbeat_interval_s = {heartbeat_s}",
              f"pull_wait_s = {pull_wait_s}", 'labels = { site = "lab" }']
     if ca_file:
         lines.append(f'ca_file = "{ca_file}"')
+    if extra:
+        lines.append(extra)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     os.chmod(path, 0o600)

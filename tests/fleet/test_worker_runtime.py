@@ -25,13 +25,14 @@ SECRET = "s3cr3t-value-never-at-rest-9f2c"
 class Worker:
     """One `qlagent serve` Worker process over a state directory (restartable)."""
 
-    def __init__(self, tmp, cp: StubControlPlane, url: str, *, ca_file=None, cred_mode=0o600, slots=2) -> None:
+    def __init__(self, tmp, cp: StubControlPlane, url: str, *, ca_file=None, cred_mode=0o600, slots=2,
+                 extra="") -> None:
         self.tmp, self.cp = tmp, cp
         self.state = str(tmp / "state")
         self.worker_id, cred = cp.enrol()
         self.cred = write_credential(str(tmp / "credential"), cred, cred_mode)
         self.cfg = worker_config(str(tmp / "qlagent.toml"), state_dir=self.state, worker_id=self.worker_id, url=url,
-                                 credential_file=self.cred, ca_file=ca_file or cp.ca_file, slots=slots)
+                                 credential_file=self.cred, ca_file=ca_file or cp.ca_file, slots=slots, extra=extra)
         self.err = str(tmp / "worker.err")
         self.p: subprocess.Popen | None = None
 
@@ -196,6 +197,26 @@ def test_a_cut_shorter_than_the_lease_keeps_the_session_and_delivers_what_was_qu
     assert len(cp.sessions) == 1 and "worker.heartbeat_failed" in worker.journal()
 
 
+def test_unuploaded_logs_are_bounded_oldest_cut_first_with_a_recorded_fact(tmp_path, cp):
+    w = Worker(tmp_path, cp, cp.url, slots=1, extra="log_store_bytes = 250000")
+    cp.refuse_chunks = True                     # the control plane takes ACKs but no log chunk
+    ids = [cp.add_run(shell="/bin/sh", script=f"head -c 100000 /dev/zero | tr '\\0' '{c}'", log_quota_bytes=100_000)
+           for c in "abc"]
+    w.start()
+    try:
+        assert cp.wait(lambda: all(completion(cp, x) is not None for x in ids), 60)
+        cp.refuse_chunks = False
+        assert cp.wait(lambda: all(cp.log_ends.get(x) == 100_000 for x in ids[1:]), 40)
+        assert all(cp.log_of(x) == c * 100_000 for x, c in zip(ids[1:], (b"b", b"c")))
+        # Before the third spawn 100 + 100 kB not uploaded + 100 kB needed (its quota) is 50 kB over
+        # the cap: the oldest run's unuploaded tail is cut by exactly that, and said so.
+        assert cp.log_of(ids[0]) == b"a" * 50_000 and completion(cp, ids[0]).bytes_kept == 100_000
+        assert f"worker.log_truncated attempt={ids[0]} bytes_dropped=50000 bytes_kept=50000" in w.journal()
+        assert cp.wait(lambda: not glob.glob(os.path.join(w.state, "worker-runs", "*-*")), 20)
+    finally:
+        w.stop()
+
+
 def test_cancel_from_a_heartbeat_stops_the_whole_process_tree(tmp_path, cp, worker):
     pids = tmp_path / "pids"
     aid = cp.add_run(shell="/bin/sh", script=f"sleep 60 & echo $! >> {pids}; sh -c 'echo $$ >> {pids}; sleep 60'")
@@ -244,6 +265,23 @@ def test_worker_slots_at_the_edge_profile_limit(tmp_path, slots, ok):
         with pytest.raises(ValidationError) as e:
             load_config(str(cfg))
         assert e.value.field == "worker.slots" and e.value.limit == 4
+
+
+@pytest.mark.parametrize("value, ok", [(65_536, True), (65_535, False), (67_108_864, True), (67_108_865, False)])
+def test_worker_log_store_bytes_at_its_edges(tmp_path, value, ok):
+    cfg = tmp_path / "qlagent.toml"
+    cfg.write_text(f'[worker]\nworker_id = "{"0" * 8}-0000-0000-0000-{"0" * 12}"\n'
+                   f'control_url = "https://cp.example:8443"\nca_file = "/etc/ca.pem"\n'
+                   f'credential_file = "/etc/cred"\nlog_store_bytes = {value}\n')
+    cfg.chmod(0o600)
+    from qlagent.service.config import load_config
+    from qlagent.core.errors import ValidationError
+    if ok:
+        assert load_config(str(cfg))[0].worker.log_store_bytes == value
+    else:
+        with pytest.raises(ValidationError) as e:
+            load_config(str(cfg))
+        assert e.value.field == "worker.log_store_bytes" and "65536..67108864" in str(e.value)
 
 
 def test_worker_mode_never_loads_the_control_plane_and_a_local_agent_never_loads_the_client():
