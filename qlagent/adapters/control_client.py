@@ -12,7 +12,7 @@ the timeout the caller passes) and ``poll`` (the long-polling Pull, sent and the
 Worker's selectors loop through ``poll_fileno``). Every answer's ``X-Qlagent-Server-Now-Us``
 (database clock, µs) is returned with it for lease anchoring (``qlagent.worker.fencing``).
 
-Errors: the documented codes become typed errors (``ControlError`` and subclasses below) carrying
+Errors: the documented codes become the typed errors of ``core.control`` carrying
 ``code``, ``field``, ``status``, ``retry_after_s`` and ``next_offset`` (409 chunk answers);
 a refused TLS handshake is ``ControlTlsError`` with one line naming ``ca_file``; anything that
 prevents an answer (refused, reset, timeout) is ``ControlUnreachable``.
@@ -31,7 +31,8 @@ import urllib.parse
 
 import msgspec
 
-from ..core.errors import EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE, QlError, ValidationError
+from ..core.control import (BY_CODE, Answer, ControlBusy, ControlError, ControlTlsError, ControlUnreachable)
+from ..core.errors import ValidationError
 
 CREDENTIAL = re.compile(r"qlw_[A-Za-z0-9_-]{43}")
 MAX_CREDENTIAL_FILE_BYTES = 256
@@ -39,106 +40,6 @@ MAX_ANSWER_BYTES = 1 << 20          # an offer with its spec is at most a few te
 DEFAULT_TIMEOUT_S = 10.0
 SERVER_NOW = "X-Qlagent-Server-Now-Us"
 API = "/api/v3/cluster/workers"
-
-
-class ControlError(QlError):
-    """An answer of the control plane that is not a success; ``status`` its HTTP status."""
-
-    code = "control_error"
-    exit_code = EXIT_UNAVAILABLE
-
-    def __init__(self, message: str, *, code: str | None = None, field: str | None = None, status: int = 0,
-                 retry_after_s: float | None = None, next_offset: int | None = None) -> None:
-        super().__init__(message, field=field, code=code)
-        self.status, self.retry_after_s, self.next_offset = status, retry_after_s, next_offset
-
-
-class ControlUnreachable(ControlError):
-    """No answer: connection refused/reset, DNS, timeout. Retry with backoff."""
-
-    code = "control_unreachable"
-
-
-class ControlTlsError(ControlError):
-    """The control plane's certificate is not signed by the pinned CA (or names another host)."""
-
-    code = "control_tls_refused"
-    exit_code = EXIT_USAGE
-
-
-class ControlAuthError(ControlError):
-    """401 ``worker_unauthenticated`` / 403 ``worker_mismatch``: stop pulling, retry with backoff."""
-
-    code = "worker_unauthenticated"
-    exit_code = EXIT_USAGE
-
-
-class SessionGone(ControlError):
-    """409 ``stale_generation`` / ``session_expired``: open a new Session."""
-
-    code = "session_expired"
-    exit_code = EXIT_CONFLICT
-
-
-class LeaseGone(ControlError):
-    """409 ``lease_ended`` / ``lease_token_mismatch`` / ``lease_not_active``: self-fence."""
-
-    code = "lease_ended"
-    exit_code = EXIT_CONFLICT
-
-
-class ChunkConflict(ControlError):
-    """409 ``chunk_gap`` / ``chunk_mismatch``: resume from ``next_offset`` when it is named."""
-
-    code = "chunk_gap"
-    exit_code = EXIT_CONFLICT
-
-
-class PullTokenMismatch(ControlError):
-    """409 ``pull_token_mismatch``: forget that pullId."""
-
-    code = "pull_token_mismatch"
-    exit_code = EXIT_CONFLICT
-
-
-class AttemptNotFound(ControlError):
-    """404 ``attempt_not_found`` (or ``lease_not_found``): drop what was queued for it."""
-
-    code = "attempt_not_found"
-    exit_code = EXIT_NOT_FOUND
-
-
-class RequestRefused(ControlError):
-    """400 ``invalid_request`` / 413 ``body_too_large``: a bug; never retry the same body."""
-
-    code = "invalid_request"
-    exit_code = EXIT_USAGE
-
-
-class ControlBusy(ControlError):
-    """503 ``cluster_unavailable`` (``retry_after_s`` from Retry-After) or another 5xx."""
-
-    code = "cluster_unavailable"
-
-
-_BY_CODE = {"worker_unauthenticated": ControlAuthError,
-            "lease_expired": LeaseGone, "ack_conflict": RequestRefused, "ack_out_of_order": RequestRefused, "worker_mismatch": ControlAuthError,
-            "worker_unauthorized": ControlAuthError,
-            "stale_generation": SessionGone, "session_expired": SessionGone,
-            "lease_ended": LeaseGone, "lease_token_mismatch": LeaseGone, "lease_not_active": LeaseGone,
-            "chunk_gap": ChunkConflict, "chunk_mismatch": ChunkConflict,
-            "pull_token_mismatch": PullTokenMismatch,
-            "attempt_not_found": AttemptNotFound, "lease_not_found": AttemptNotFound,
-            "invalid_request": RequestRefused, "body_too_large": RequestRefused,
-            "cluster_unavailable": ControlBusy}
-
-
-class Answer(msgspec.Struct, frozen=True):
-    """A success: HTTP status, decoded body (bytes) and the database clock (µs) or None."""
-
-    status: int
-    body: bytes
-    server_now_us: int | None
 
 
 class _ErrorBody(msgspec.Struct):
@@ -345,7 +246,7 @@ class ControlClient:
             err = msgspec.json.decode(data, type=_ErrorBody)
         except msgspec.DecodeError:
             err = _ErrorBody(error=f"http_{resp.status}", message="")
-        cls = _BY_CODE.get(err.error, ControlBusy if resp.status >= 500 else ControlError)
+        cls = BY_CODE.get(err.error, ControlBusy if resp.status >= 500 else ControlError)
         retry = resp.getheader("Retry-After")
         try:
             retry_s = float(retry) if retry is not None else None

@@ -46,15 +46,14 @@ import uuid
 
 import msgspec
 
-from ..adapters.control_client import (Answer, AttemptNotFound, ChunkConflict, ControlAuthError, ControlClient,
-                                       ControlError, ControlTlsError, ControlUnreachable, LeaseGone, PullTokenMismatch,
-                                       RequestRefused, SessionGone)
-from ..core.cluster import Ack, AckResult, ChunkAnswer, Heartbeat, Hello, PullAnswer, SessionGrant, ExecutionSpec
+from ..core.cluster import Ack, AckResult, ChunkAnswer, ExecutionSpec, Heartbeat, Hello, PullAnswer, SessionGrant
+from ..core.control import (Answer, AttemptNotFound, ChunkConflict, ControlAuthError, ControlError, ControlPort,
+                            ControlTlsError, ControlUnreachable, LeaseGone, PullTokenMismatch, RequestRefused,
+                            SessionGone, WorkerRunsPort)
 from ..core.errors import QlError, StartError
 from ..execution.coordinator import start_code
 from ..core.inbox_states import COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, InboxEntry, InboxOffer, recovery_action
 from ..worker import backoff, fencing, heartbeat
-from .worker_runs import RunHandle, WorkerRuns
 
 CHUNK_BYTES = 262_144
 DEFAULT_PULL_WAIT_S = 20
@@ -75,7 +74,7 @@ class Job:
 
     def __init__(self, entry: InboxEntry, spec: ExecutionSpec, secrets: dict[str, bytes] | None = None) -> None:
         self.entry, self.spec, self.secrets = entry, spec, secrets
-        self.handle: RunHandle | None = None
+        self.handle = None                        # WorkerRunsPort handle of the live shim
         self.renewal: fencing.Renewal | None = None
         self.ttl_us = 0
         self.deadline_us: int | None = None       # the spec's timeout, Worker monotonic µs
@@ -107,14 +106,15 @@ class Job:
 
 
 class WorkerRuntime:
-    """The Worker over its control client, inbox (``core.ports.InboxPort``) and local runs.
+    """The Worker over its control client (``core.control.ControlPort``), inbox
+    (``core.ports.InboxPort``) and local runs (``core.control.WorkerRunsPort``).
 
     ``hello`` narrows the enrolment (labels, executors, slots); ``slots`` bounds live runs;
     ``heartbeat_s`` the cadence; ``pull_wait_s`` the long-poll (0..30 s); ``drain_grace_s`` how
     long live runs may go on after SIGTERM before they are stopped (kill reason ``shutdown``).
     """
 
-    def __init__(self, client: ControlClient, inbox, runs: WorkerRuns, *, worker_id: str, hello: Hello, slots: int,
+    def __init__(self, client: ControlPort, inbox, runs: WorkerRunsPort, *, worker_id: str, hello: Hello, slots: int,
                  heartbeat_s: float = 5.0, pull_wait_s: int = DEFAULT_PULL_WAIT_S, drain_grace_s: float = 20.0,
                  log_store_bytes: int = 64 * 1_048_576,
                  log=lambda *a, **k: None, notify=None, rand=random.random, mono_us=_mono_us) -> None:
@@ -658,8 +658,9 @@ class WorkerRuntime:
             h = self.runs.spawn(j.spec, j.secrets or {})
         except StartError as e:
             j.secrets = None
-            self.log("warning", "worker.start_failed", attempt=j.attempt_id, reason=e.code, error=e.message)
-            self._start_failed(j, e.code)
+            code = start_code(e.message) if e.code == "start" else e.code
+            self.log("warning", "worker.start_failed", attempt=j.attempt_id, reason=code, error=e.message)
+            self._start_failed(j, code)
             return
         j.secrets = None
         j.handle = h

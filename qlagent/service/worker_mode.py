@@ -13,8 +13,8 @@ import os
 
 from ..adapters.control_client import ControlClient
 from ..adapters.sqlite.inbox import SqliteInbox
+from ..adapters.worker_runs import WorkerRuns
 from ..application.fleet_worker import WorkerRuntime
-from ..application.worker_runs import WorkerRuns
 from ..core.cluster import Hello
 from ..core.errors import EXIT_UNAVAILABLE, QlError
 from .config import Settings

@@ -192,9 +192,10 @@ def test_a_cut_shorter_than_the_lease_keeps_the_session_and_delivers_what_was_qu
     cp.wait(lambda: False, 3)                   # the run ends while no request gets through
     assert completion(cp, aid) is None
     cp.partition(False)
-    assert cp.wait(lambda: completion(cp, aid) is not None and cp.logs.get(aid) == b"done-during-the-cut\n", 20)
+    assert cp.wait(lambda: completion(cp, aid) is not None and cp.logs.get(aid) == b"done-during-the-cut\n", 20), \
+        worker.journal()
     assert completion(cp, aid).exit_code == 0
-    assert len(cp.sessions) == 1 and "worker.heartbeat_failed" in worker.journal()
+    assert len(cp.sessions) == 1 and "worker.heartbeat_failed" in worker.journal(), worker.journal()
 
 
 def test_unuploaded_logs_are_bounded_oldest_cut_first_with_a_recorded_fact(tmp_path, cp):

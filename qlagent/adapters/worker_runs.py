@@ -1,4 +1,4 @@
-"""A fleet Worker's local execution of offered Attempts (issue 11 §4, ADR-0021): the same shim
+"""``core.control.WorkerRunsPort``: a fleet Worker's local execution of offered Attempts (issue 11 §4, ADR-0021): the same shim
 (``adapters/launcher/wrapper.py``), FIFO drainer, log quota, truncation fact and receipt as a
 local Run, driven by the Worker's loop.
 
@@ -22,10 +22,10 @@ import pwd
 import shutil
 import signal
 
-from ..adapters import processes
+from ..core import limits as L
 from ..core.cluster import ExecutionSpec
 from ..core.errors import StartError
-from ..execution.coordinator import bounded, start_code
+from . import processes
 
 ARTIFACT = "output.log"
 SHIM_FILE = "shim.json"
@@ -39,6 +39,10 @@ def baseline_env() -> dict[str, str]:
     except KeyError:
         return {}
     return {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell or "/bin/sh"}
+
+
+def _bounded(text: str) -> str:
+    return text if len(text) <= L.MAX_START_ERROR else text[:L.MAX_START_ERROR - 3] + "..."
 
 
 class RunHandle:
@@ -95,8 +99,9 @@ class WorkerRuns:
 
     def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes]) -> RunHandle:
         """Materialise the environment (baseline, spec env, secrets, QL3_* identity) and start
-        the shim; returns once the task was exec'd. Raises StartError with the reason code
-        (exec_failed, cwd_unusable, shim_failed, secret_unusable) otherwise."""
+        the shim; returns once the task was exec'd. Otherwise raises StartError: code
+        ``secret_unusable`` or ``shim_failed``, or (the task could not be exec'd) code ``start``
+        with the shim's start error as the message (paths and errno names only)."""
         aid = spec.attempt_id
         try:
             plain = {k: v.decode("utf-8") for k, v in secrets.items()}
@@ -114,13 +119,13 @@ class WorkerRuns:
         try:
             h = processes.spawn_wrapper(doc, self._python, program=program)
         except Exception as e:       # spec over its bound, no interpreter: never the spec in the text
-            raise StartError(bounded(f"shim: {getattr(e, 'message', type(e).__name__)}"), code="shim_failed") from None
+            raise StartError(_bounded(f"shim: {getattr(e, 'message', type(e).__name__)}"), code="shim_failed") from None
         finally:
             doc = env = plain = None                                   # noqa: F841  (one materialisation)
         if h.start_error is not None:
             h.popen.wait()
             h.close()
-            raise StartError(bounded(h.start_error), code=start_code(h.start_error))
+            raise StartError(_bounded(h.start_error), code="start")
         with open(os.path.join(self.run_dir(aid), SHIM_FILE), "w") as f:
             json.dump({"pid": h.pid, "create_time": h.create_time}, f)
         return RunHandle(aid, h.pid, h.create_time, h.pidfd, h.popen)

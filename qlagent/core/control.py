@@ -1,0 +1,190 @@
+"""A fleet Worker's view of its control plane (docs/worker-protocol.md "Errors"): the answer of
+one request, the typed errors the documented codes map to and the ports the Worker's loop
+uses (its client, its local runs), so the Worker's loop
+(``application.fleet_worker``) decides by type without importing the HTTP client
+(``adapters.control_client``, which raises them). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from .cluster import ExecutionSpec
+from .errors import EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE, QlError
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """A success: HTTP status, body (bytes) and the database clock from
+    ``X-Qlagent-Server-Now-Us`` (µs since the epoch), or None when it was missing."""
+
+    status: int
+    body: bytes
+    server_now_us: int | None
+
+
+class ControlError(QlError):
+    """An answer of the control plane that is not a success; ``status`` its HTTP status."""
+
+    code = "control_error"
+    exit_code = EXIT_UNAVAILABLE
+
+    def __init__(self, message: str, *, code: str | None = None, field: str | None = None, status: int = 0,
+                 retry_after_s: float | None = None, next_offset: int | None = None) -> None:
+        super().__init__(message, field=field, code=code)
+        self.status, self.retry_after_s, self.next_offset = status, retry_after_s, next_offset
+
+
+class ControlUnreachable(ControlError):
+    """No answer: connection refused/reset, DNS, timeout. Retry with backoff."""
+
+    code = "control_unreachable"
+
+
+class ControlTlsError(ControlError):
+    """The control plane's certificate is not signed by the pinned CA (or names another host)."""
+
+    code = "control_tls_refused"
+    exit_code = EXIT_USAGE
+
+
+class ControlAuthError(ControlError):
+    """401 ``worker_unauthenticated`` / 403 ``worker_mismatch``: stop pulling, retry with backoff."""
+
+    code = "worker_unauthenticated"
+    exit_code = EXIT_USAGE
+
+
+class SessionGone(ControlError):
+    """409 ``stale_generation`` / ``session_expired``: open a new Session."""
+
+    code = "session_expired"
+    exit_code = EXIT_CONFLICT
+
+
+class LeaseGone(ControlError):
+    """409 ``lease_ended`` / ``lease_token_mismatch`` / ``lease_not_active``: self-fence."""
+
+    code = "lease_ended"
+    exit_code = EXIT_CONFLICT
+
+
+class ChunkConflict(ControlError):
+    """409 ``chunk_gap`` / ``chunk_mismatch``: resume from ``next_offset`` when it is named."""
+
+    code = "chunk_gap"
+    exit_code = EXIT_CONFLICT
+
+
+class PullTokenMismatch(ControlError):
+    """409 ``pull_token_mismatch``: forget that pullId."""
+
+    code = "pull_token_mismatch"
+    exit_code = EXIT_CONFLICT
+
+
+class AttemptNotFound(ControlError):
+    """404 ``attempt_not_found`` (or ``lease_not_found``): drop what was queued for it."""
+
+    code = "attempt_not_found"
+    exit_code = EXIT_NOT_FOUND
+
+
+class RequestRefused(ControlError):
+    """400 ``invalid_request`` / 413 ``body_too_large``: a bug; never retry the same body."""
+
+    code = "invalid_request"
+    exit_code = EXIT_USAGE
+
+
+class ControlBusy(ControlError):
+    """503 ``cluster_unavailable`` (``retry_after_s`` from Retry-After) or another 5xx."""
+
+    code = "cluster_unavailable"
+
+
+BY_CODE = {"worker_unauthenticated": ControlAuthError,
+            "lease_expired": LeaseGone, "ack_conflict": RequestRefused, "ack_out_of_order": RequestRefused, "worker_mismatch": ControlAuthError,
+            "worker_unauthorized": ControlAuthError,
+            "stale_generation": SessionGone, "session_expired": SessionGone,
+            "lease_ended": LeaseGone, "lease_token_mismatch": LeaseGone, "lease_not_active": LeaseGone,
+            "chunk_gap": ChunkConflict, "chunk_mismatch": ChunkConflict,
+            "pull_token_mismatch": PullTokenMismatch,
+            "attempt_not_found": AttemptNotFound, "lease_not_found": AttemptNotFound,
+            "invalid_request": RequestRefused, "body_too_large": RequestRefused,
+            "cluster_unavailable": ControlBusy}
+
+
+class ControlPort(Protocol):
+    """The Worker's client (``adapters.control_client.ControlClient``). Every method raises a
+    ControlError of this module when there is no success answer."""
+
+    timeout_s: float
+
+    def request(self, method: str, path: str, body: bytes, content_type: str = "application/json",
+                headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Answer:
+        """One request under this Worker's route, answered within ``timeout_s`` (s)."""
+
+    def start_poll(self, path: str, body: bytes, wait_s: float) -> int:
+        """Send the long-poll Pull; returns the fd to wait on."""
+
+    def poll_pending(self) -> bool:
+        """Decrypted answer bytes already buffered (the fd would not wake)."""
+
+    def finish_poll(self) -> Answer:
+        """The Pull's answer once the fd is readable."""
+
+    def abort_poll(self) -> None:
+        """Drop the Pull's connection (its answer is lost; the request is retried)."""
+
+    def close(self) -> None:
+        """Close every connection."""
+
+
+class WorkerRunsPort(Protocol):
+    """The Worker's local runs (``adapters.worker_runs.WorkerRuns``): run directories (the crash
+    barrier's evidence), the shim, the Artifact. ``handle`` values are opaque to the caller
+    except ``pid``, ``create_time`` and ``pidfd`` (readable when the shim exits, or None)."""
+
+    def exists(self, attempt_id: str) -> bool:
+        """Does the Attempt's run directory exist?"""
+
+    def make_run_dir(self, attempt_id: str) -> None:
+        """Create and fsync it (StartError ``run_dir_unsafe``)."""
+
+    def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes]):
+        """Start the shim; StartError whose message is the shim's start error."""
+
+    def reattach(self, attempt_id: str):
+        """The live shim of an earlier Worker process, or None."""
+
+    def alive(self, handle) -> bool:
+        """Is the shim still running?"""
+
+    def signal(self, handle, sig: int) -> int:
+        """Signal the run's whole process tree (never the shim); how many were signalled."""
+
+    def finished(self, handle) -> None:
+        """Reap the shim and release its pidfd."""
+
+    def collect(self, attempt_id: str) -> tuple:
+        """(receipt, truncation fact), None for each that is missing."""
+
+    def has_receipt(self, attempt_id: str) -> bool:
+        """Is a completion receipt there?"""
+
+    def kill_orphans(self, attempt_id: str) -> None:
+        """SIGKILL what is left of a run whose shim is gone."""
+
+    def log_size(self, attempt_id: str) -> int:
+        """Bytes in the Artifact."""
+
+    def read_log(self, attempt_id: str, offset: int, size: int) -> bytes:
+        """At most ``size`` bytes of the Artifact from ``offset``."""
+
+    def truncate_log(self, attempt_id: str, size: int) -> int:
+        """Cut the Artifact to ``size`` bytes; the bytes freed."""
+
+    def prune(self, attempt_id: str) -> None:
+        """Remove the run directory and its Artifact."""
