@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import psutil
 
@@ -30,11 +31,12 @@ from qlagent.adapters.secretbox import create_key_file  # noqa: E402
 from qlagent.adapters.sqlite import definitions as defs  # noqa: E402
 from qlagent.adapters.sqlite import runs as runs_repo  # noqa: E402
 from qlagent.application.definitions import DefinitionWriter  # noqa: E402
-from qlagent.application.engine import Engine  # noqa: E402
 from qlagent.application.runs import RunService  # noqa: E402
 from qlagent.application.secrets import SecretService  # noqa: E402
-from qlagent.application.store import LocalStore  # noqa: E402
+from qlagent.adapters.sqlite.store import SqliteStore  # noqa: E402
+from qlagent.core.clock import now_us  # noqa: E402
 from qlagent.core.profiles import EDGE  # noqa: E402
+from qlagent import bootstrap  # noqa: E402
 
 TERMINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost")
 
@@ -44,9 +46,11 @@ class Rig:
         os.makedirs(root)
         self.key = os.path.join(root, "secret.key")
         create_key_file(self.key)
-        self.store = LocalStore(os.path.join(root, "q.db"))
-        self.engine = Engine(self.store, profile=EDGE, artifact_dir=os.path.join(root, "artifacts"),
-                             runs_dir=os.path.join(root, "runs"), key_file=self.key, max_concurrent=max_concurrent)
+        self.store = SqliteStore(os.path.join(root, "q.db"))
+        settings = SimpleNamespace(artifact_dir=os.path.join(root, "artifacts"), runs_dir=os.path.join(root, "runs"),
+                                   key_file=self.key, profile=EDGE)
+        self.engine = bootstrap.build_engine(settings, self.store, max_concurrent=max_concurrent, budget=None,
+                                             clock_us=now_us, log=lambda *a, **k: None)
         self.runs = RunService(self.store)
 
     def add(self, **t) -> None:
@@ -95,7 +99,7 @@ def percentile(xs, p):
 def bench_latency(base: str, rounds: int) -> dict:
     rig = Rig(os.path.join(base, "lat"))
     rig.add(name="stamp", command=["/bin/date", "+%s%N"], env={"A": "1"}, secrets={"TOK": "tok"})
-    SecretService(rig.store, rig.key).set("tok", b"bench-token")
+    SecretService(rig.store, bootstrap.cipher_factory(rig.key)).set("tok", b"bench-token")
     full, bare, interp = [], [], []
     out = os.path.join(base, "bare.out")
     for _ in range(rounds):

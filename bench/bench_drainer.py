@@ -9,6 +9,7 @@ Usage: python3 bench/bench_drainer.py [--mib 256] [--rounds 15]
 import argparse
 import json
 import os
+import signal
 import shutil
 import statistics
 import subprocess
@@ -58,7 +59,7 @@ def new_run(base, quota, argv, linger=1.0):
 def run_python_wrapper(spec):
     h = processes.spawn_wrapper(spec)
     assert h.popen.wait() == 0
-    h.close()
+    os.close(h.pidfd)
     return processes.read_receipt(spec["run_dir"])
 
 
@@ -99,7 +100,7 @@ def throughput(base, mib, repeats=3):
             assert os.path.getsize(spec["artifact_path"]) == min(n, quota)
             if runner is run_python_wrapper:
                 r = processes.read_receipt(spec["run_dir"])
-                assert r["bytes_total"] == n and r["bytes_kept"] == min(n, quota), r
+                assert r.bytes_total == n and r.bytes_kept == min(n, quota), r
             os.unlink(spec["artifact_path"])
         return go
 
@@ -149,10 +150,10 @@ def sample_overhead(base, runner_cmd, label, argv=("/usr/bin/yes", "0123456789ab
         peak_extra = max(peak_extra, len(extra))
         peak_rss, peak_uss, peak_dirty = max(peak_rss, rss), max(peak_uss, uss), max(peak_dirty, dirty)
         time.sleep(0.02)
-    processes.kill_tree(task, root, 1.0)
+    processes.signal_tree(task, root, signal.SIGTERM, None, {})
     if runner_cmd == "python":
         h.popen.wait()
-        h.close()
+        os.close(h.pidfd)
     else:
         p.wait()
     return label, peak_extra, peak_rss, peak_uss, peak_dirty

@@ -128,13 +128,13 @@ def test_one_pass_reads_one_page_and_activates_at_most_one(root):
     def measure_pass() -> tuple[DispatchResult, int, int]:
         traced.clear()
         steps[0] = 0
-        q0 = b.engine.candidate_queries
         b.store.authority.raw(lambda c: (c.set_trace_callback(traced.append), c.set_progress_handler(count, 1)))
         try:
             r = b.engine.dispatcher.dispatch_once()
         finally:
             b.store.authority.raw(lambda c: (c.set_trace_callback(None), c.set_progress_handler(None, 1)))
-        return check_result(r, EDGE.dispatch_page), b.engine.candidate_queries - q0, steps[0]
+        return (check_result(r, EDGE.dispatch_page), sum("runs_dispatch_candidates" in s for s in traced),
+                steps[0])
 
     r100, q100, vm100 = measure_pass()
     assert (r100.status, q100, r100.rows_read) == ("activated", 1, EDGE.dispatch_page + 1)
@@ -276,7 +276,7 @@ def test_launch_failure_is_reported_once_not_retried_in_a_loop(root):
     b = Bench(os.path.join(root, "s"), profile=EDGE)
     b.add(recording_task(root, "t"))
     rid = b.start("t")
-    b.engine._procs._python = os.path.join(root, "no-such-python")    # the wrapper cannot start
+    b.engine._coordinator._procs._python = os.path.join(root, "no-such-python")    # the wrapper cannot start
     r = check_result(b.engine.dispatcher.dispatch_once(), EDGE.dispatch_page)
     assert (r.status, r.run_id) == ("launch_failed", rid)
     assert r.reason.startswith("spawn_failed")
@@ -309,12 +309,11 @@ def test_engine_exposes_no_coordinator_launcher_or_candidate_read(root):
     (whose read() would reach the candidate query), and no method
     named like a launch or candidate read is reachable without an underscore."""
     b = Bench(os.path.join(root, "s"))
-    from qlagent.application.engine import ProcessAdapter
-    from qlagent.application.execution_store import SqliteExecutionStore
-    from qlagent.execution.coordinator import LocalExecutionCoordinator
+    from qlagent.adapters.processes import ShimProcesses
     from qlagent.adapters.sqlite.authority import SqliteAuthority
-    from qlagent.application.store import LocalStore
-    forbidden_types = (LocalExecutionCoordinator, ProcessAdapter, SqliteExecutionStore, LocalStore, SqliteAuthority)
+    from qlagent.adapters.sqlite.store import SqliteStore
+    from qlagent.execution.coordinator import LocalExecutionCoordinator
+    forbidden_types = (LocalExecutionCoordinator, ShimProcesses, SqliteStore, SqliteAuthority)
     forbidden_names = {"candidate_page", "reread", "load_plan", "claim_starting", "spawn", "start", "launch",
                        "coordinator", "launcher", "materializer", "resolve_secrets"}
 

@@ -207,8 +207,8 @@ def test_f1_retention_keeps_the_log_folder_bounded(root):
     a.serve()
     try:
         from qlagent.application.runs import RunService
-        from qlagent.application.store import LocalStore
-        other = LocalStore(os.path.join(a.state, "qlagent.db"))    # a second writer, like the CLI
+        from qlagent.adapters.sqlite.store import SqliteStore
+        other = SqliteStore(os.path.join(a.state, "qlagent.db"))    # a second writer, like the CLI
         ids = [RunService(other).start("hi").run_id for _ in range(15)]
         other.close()
         a.poke()
@@ -552,8 +552,8 @@ def test_service_walks_past_a_long_blocked_backlog(root):
         a.wait(first, ("running",))
         from qlagent.adapters.sqlite import definitions as defs
         from qlagent.adapters.sqlite import runs as runs_repo
-        from qlagent.application.store import LocalStore
-        other = LocalStore(os.path.join(a.state, "qlagent.db"))
+        from qlagent.adapters.sqlite.store import SqliteStore
+        other = SqliteStore(os.path.join(a.state, "qlagent.db"))
 
         def tx(c):
             head = defs.get_head(c, other.project.project_id, "single")
@@ -616,7 +616,7 @@ def test_wait_without_a_service_answers_cancel_and_interruption(root):
                                   env=a.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         end = time.monotonic() + 10
         while True:
-            runs = json.loads(a.cli("run", "ls", "--json").stdout)["runs"]
+            runs = json.loads(a.cli("run", "ls", "--json").stdout)["items"]
             live = [r for r in runs if r["state"] == "running"]
             if live and len(procs_with_env("QL3_RUN_ID", live[0]["runId"])) >= 3:
                 break

@@ -11,7 +11,18 @@ import stat
 import pytest
 from qlcli import cli, js, ok, state, workdir  # noqa: F401  (fixtures)
 
-from qlagent.application.secrets import resolve_secrets
+from qlagent.adapters.sqlite.store import SqliteStore
+from qlagent.bootstrap import cipher_factory
+from qlagent.dispatch.secrets import resolve_secrets as _resolve
+
+
+def resolve_secrets(state: str, key: str, names: list[str]) -> dict[str, bytes]:
+    """The materialiser's step 4 over the real store file of ``state`` and key file ``key``."""
+    store = SqliteStore(os.path.join(state, "qlagent.db"), migrate=False, create_project=False)
+    try:
+        return _resolve(store, cipher_factory(key), store.project.project_id, names)
+    finally:
+        store.close()
 from qlagent.core.errors import UnavailableError
 
 SECRET = b"QLSECRET-5e1f0c9a-ddns-token-\xc3\xa9-do-not-leak"
@@ -94,9 +105,7 @@ def test_plaintext_never_reaches_disk_events_or_output(state, workdir):
     finally:
         holder.close()
     # the stored value decrypts to exactly what was piped in (trailing newline of `echo` dropped)
-    with sqlite3.connect(db) as c:
-        pid = c.execute("SELECT project_id FROM projects WHERE name = 'default'").fetchone()[0]
-        assert resolve_secrets(c, os.path.join(state, "secret.key"), pid, ["ddns_token"]) == {"ddns_token": SECRET}
+    assert resolve_secrets(state, os.path.join(state, "secret.key"), ["ddns_token"]) == {"ddns_token": SECRET}
 
 
 def test_secret_ls_shows_names_only_and_rm(state):
@@ -143,13 +152,11 @@ def test_wrong_key_does_not_decrypt(state):
     key = os.path.join(state, "secret.key")
     with open(key, "r+b") as f:
         f.write(os.urandom(32))                           # same file, other key
-    with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
-        pid = c.execute("SELECT project_id FROM projects").fetchone()[0]
-        with pytest.raises(UnavailableError, match="does not decrypt with this key file") as ei:
-            resolve_secrets(c, key, pid, ["tok"])
-        assert leaks(str(ei.value).encode()) == []
-        with pytest.raises(UnavailableError, match="'nope' is not set"):
-            resolve_secrets(c, key, pid, ["nope"])
+    with pytest.raises(UnavailableError, match="does not decrypt with this key file") as ei:
+        resolve_secrets(state, key, ["tok"])
+    assert leaks(str(ei.value).encode()) == []
+    with pytest.raises(UnavailableError, match="'nope' is not set"):
+        resolve_secrets(state, key, ["nope"])
 
 
 def test_ciphertext_is_bound_to_its_name(state):
@@ -158,7 +165,5 @@ def test_ciphertext_is_bound_to_its_name(state):
     db = os.path.join(state, "qlagent.db")
     with sqlite3.connect(db) as c:
         c.execute("INSERT INTO secrets SELECT project_id, 'copy', ciphertext, key_id, updated_at_us FROM secrets")
-    with sqlite3.connect(db) as c:
-        pid = c.execute("SELECT project_id FROM projects").fetchone()[0]
-        with pytest.raises(UnavailableError, match="'copy' does not decrypt"):
-            resolve_secrets(c, os.path.join(state, "secret.key"), pid, ["copy"])
+    with pytest.raises(UnavailableError, match="'copy' does not decrypt"):
+        resolve_secrets(state, os.path.join(state, "secret.key"), ["copy"])

@@ -250,7 +250,7 @@ command = ["/bin/true"]
 def test_two_schedulers_on_one_database_create_an_instant_once(state, workdir):  # noqa: F811
     """The idempotency key, not the cursor, is what stops a second loop: B plans from the cursor
     A had before it fired, as a loop that read it a moment earlier would."""
-    from qlagent.application.store import LocalStore
+    from qlagent.adapters.sqlite.store import SqliteStore
     from qlagent.service.scheduler import Scheduler
     add_tasks(state, workdir, '''
 [[task]]
@@ -261,7 +261,7 @@ command = ["/bin/true"]
     instant = 1_800_000_000 * 1_000_000            # a whole minute (UTC)
     now = [instant - 30_000_000]
     dbp = os.path.join(state, "qlagent.db")
-    a_store, b_store = LocalStore(dbp, "default"), LocalStore(dbp, "default")
+    a_store, b_store = SqliteStore(dbp, "default"), SqliteStore(dbp, "default")
     try:
         a = Scheduler(a_store, "UTC", lambda: now[0])
         b = Scheduler(b_store, "UTC", lambda: now[0])
@@ -349,7 +349,7 @@ command = ["/bin/true"]
 
 def _epoch(iso: str) -> int:
     import calendar
-    return calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%SZ"))
+    return calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ"))
 
 
 def test_f4_single_instance_never_runs_beside_itself(state, workdir):  # noqa: F811
@@ -401,7 +401,7 @@ command = ["/bin/true"]
 def test_clock_steps_through_the_store_cursor(state, workdir):  # noqa: F811
     """A router without RTC: the persisted cursor makes a forward jump give one catch-up Run and
     a backward jump repeat nothing — across a scheduler restart (a new Scheduler on the store)."""
-    from qlagent.application.store import LocalStore
+    from qlagent.adapters.sqlite.store import SqliteStore
     from qlagent.service.scheduler import Scheduler
     add_tasks(state, workdir, '''
 [[task]]
@@ -415,7 +415,7 @@ command = ["/bin/true"]
     dbp = os.path.join(state, "qlagent.db")
 
     def fire_with_new_scheduler():
-        store = LocalStore(dbp, "default")
+        store = SqliteStore(dbp, "default")
         try:
             s = Scheduler(store, "UTC", lambda: now[0])
             s.reload()

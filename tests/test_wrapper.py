@@ -14,6 +14,7 @@ import pytest
 
 from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
+from qlagent.core.receipt import Receipt, TruncationFact
 
 from wrapkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, wait_for  # noqa: E402
 
@@ -23,7 +24,8 @@ def run_to_end(spec, timeout=30.0):
     try:
         assert handle.popen.wait(timeout) == 0
     finally:
-        handle.close()
+        if handle.pidfd is not None:
+            os.close(handle.pidfd)
     receipt = processes.read_receipt(spec["run_dir"])
     assert receipt is not None
     return receipt
@@ -46,13 +48,14 @@ def assert_clean_end(spec):
 def test_heartbeat_exits_zero_with_small_log_and_full_receipt(tmp_path):
     spec = make_spec(tmp_path, fixture("heartbeat.sh"))
     receipt = run_to_end(spec)
-    assert set(receipt) == set(processes.RECEIPT_FIELDS)
-    assert receipt["exit_code"] == 0 and receipt["signal"] is None and receipt["start_error"] is None
+    with open(os.path.join(spec["run_dir"], "receipt.json"), "rb") as f:
+        assert set(json.load(f)) == set(Receipt.__struct_fields__)     # the shim writes every field
+    assert receipt.exit_code == 0 and receipt.signal is None and receipt.start_error is None
     out = log_bytes(spec)
     assert out.startswith(b"heartbeat ") and b"load=" in out
-    assert receipt["bytes_total"] == receipt["bytes_kept"] == len(out) and receipt["bytes_dropped"] == 0
-    assert receipt["started_at_us"] <= receipt["ended_at_us"]
-    assert receipt["peak_rss_bytes"] > 0 and receipt["cpu_time_us"] >= 0
+    assert receipt.bytes_total == receipt.bytes_kept == len(out) and receipt.bytes_dropped == 0
+    assert receipt.started_at_us <= receipt.ended_at_us
+    assert receipt.peak_rss_bytes > 0 and receipt.cpu_time_us >= 0
     assert processes.read_truncation(spec["run_dir"]) is None
     assert stat.S_IMODE(os.stat(os.path.join(spec["run_dir"], "receipt.json")).st_mode) == 0o600
     assert_clean_end(spec)
@@ -61,12 +64,12 @@ def test_heartbeat_exits_zero_with_small_log_and_full_receipt(tmp_path):
 def test_chatty_on_edge_stops_exactly_at_quota_with_one_truncation_fact(tmp_path):
     spec = make_spec(tmp_path, fixture("chatty.sh"))
     receipt = run_to_end(spec, timeout=60)
-    assert receipt["exit_code"] == 0 and receipt["signal"] is None
+    assert receipt.exit_code == 0 and receipt.signal is None
     assert os.path.getsize(spec["artifact_path"]) == EDGE_LOG
-    assert receipt["bytes_kept"] == EDGE_LOG
-    assert receipt["bytes_total"] > 9_000_000  # every byte was drained, none blocked the task
-    assert receipt["bytes_dropped"] == receipt["bytes_total"] - EDGE_LOG
-    assert processes.read_truncation(spec["run_dir"]) == {"quota_bytes": EDGE_LOG, "bytes_kept": EDGE_LOG}
+    assert receipt.bytes_kept == EDGE_LOG
+    assert receipt.bytes_total > 9_000_000  # every byte was drained, none blocked the task
+    assert receipt.bytes_dropped == receipt.bytes_total - EDGE_LOG
+    assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=EDGE_LOG, bytes_kept=EDGE_LOG)
     facts = [n for n in os.listdir(spec["run_dir"]) if n.startswith("truncated")]
     assert facts == ["truncated.json"]
     with open(os.path.join(spec["run_dir"], "truncated.json"), "rb") as f:
@@ -80,7 +83,7 @@ def test_chatty_on_edge_stops_exactly_at_quota_with_one_truncation_fact(tmp_path
 def test_no_newline_megabyte_is_captured_byte_exact(tmp_path):
     spec = make_spec(tmp_path, fixture("no-newline.sh"))
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     assert log_bytes(spec) == b"x" * 1048576
     assert processes.read_truncation(spec["run_dir"]) is None
 
@@ -89,16 +92,16 @@ def test_f9_long_line_is_byte_exact_up_to_a_smaller_quota(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "head -c 1048576 /dev/zero | tr '\\0' x; echo"],
                      quota=1000)
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     assert log_bytes(spec) == b"x" * 1000
-    assert receipt["bytes_total"] == 1048577 and receipt["bytes_dropped"] == 1048577 - 1000
-    assert processes.read_truncation(spec["run_dir"]) == {"quota_bytes": 1000, "bytes_kept": 1000}
+    assert receipt.bytes_total == 1048577 and receipt.bytes_dropped == 1048577 - 1000
+    assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=1000, bytes_kept=1000)
 
 
 def test_fail_exit_code_three_is_recorded(tmp_path):
     spec = make_spec(tmp_path, fixture("fail.sh"))
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 3 and receipt["signal"] is None
+    assert receipt.exit_code == 3 and receipt.signal is None
     assert log_bytes(spec) == b"about to fail\n"
 
 
@@ -110,7 +113,7 @@ def test_backup_config_writes_into_backup_dir(tmp_path):
     spec = make_spec(tmp_path, fixture("backup-config.sh"),
                      env={**PATH_ENV, "CONFIG_DIR": str(config), "BACKUP_DIR": str(backups)})
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0, log_bytes(spec)
+    assert receipt.exit_code == 0, log_bytes(spec)
     archives = os.listdir(backups)
     assert len(archives) == 1 and archives[0].endswith(".tar.gz")
     assert log_bytes(spec).startswith(b"wrote " + str(backups).encode())
@@ -121,7 +124,7 @@ def test_ddns_update_sees_the_secret_but_the_log_holds_only_its_length(tmp_path)
     spec = make_spec(tmp_path, fixture("ddns-update.sh"),
                      env={**PATH_ENV, "DDNS_TOKEN": token, "DDNS_HOST": "home.example"})
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     out = log_bytes(spec)
     assert out == f"ddns: token present ({len(token)} chars), host=home.example\n".encode()
     for name in os.listdir(spec["run_dir"]):
@@ -132,14 +135,14 @@ def test_ddns_update_sees_the_secret_but_the_log_holds_only_its_length(tmp_path)
 def test_ddns_update_without_the_secret_fails(tmp_path):
     spec = make_spec(tmp_path, fixture("ddns-update.sh"))
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] != 0
+    assert receipt.exit_code != 0
     assert b"DDNS_TOKEN secret missing" in log_bytes(spec)
 
 
 def test_wan_check_prints_json(tmp_path):
     spec = make_spec(tmp_path, [sys.executable, os.path.join(FIXTURES, "wan-check.py")])
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     assert "default_route" in json.loads(log_bytes(spec))
 
 
@@ -148,11 +151,10 @@ def test_slow_is_running_until_stopped(tmp_path):
     handle = processes.spawn_wrapper(spec)
     wait_for(lambda: log_bytes(spec) == b"slow start\n", what="slow start")
     task = processes.read_task_pid(spec["run_dir"])
-    report = processes.kill_tree(task, handle.pid, grace_s=1.0)
-    assert report.survivors == []
+    assert task in processes.signal_tree(task, handle.pid, signal.SIGTERM, None, {})
     assert handle.popen.wait(10) == 0
     receipt = processes.read_receipt(spec["run_dir"])
-    assert receipt["signal"] == signal.SIGTERM and receipt["exit_code"] is None
+    assert receipt.signal == signal.SIGTERM and receipt.exit_code is None
     assert log_bytes(spec) == b"slow start\n"
 
 
@@ -161,14 +163,14 @@ def test_f1_yes_fills_exactly_the_quota_then_is_killed(tmp_path):
     spec = make_spec(tmp_path, ["/usr/bin/yes", "0123456789abcdef"], quota=quota)
     handle = processes.spawn_wrapper(spec)
     fact = wait_for(lambda: processes.read_truncation(spec["run_dir"]), what="truncation fact")
-    assert fact == {"quota_bytes": quota, "bytes_kept": quota}
+    assert fact == TruncationFact(quota_bytes=quota, bytes_kept=quota)
     # The task is not blocked by the quota: output keeps being drained.
     assert psutil.Process(processes.read_task_pid(spec["run_dir"])).status() != psutil.STATUS_STOPPED
-    processes.kill_tree(processes.read_task_pid(spec["run_dir"]), handle.pid, grace_s=1.0)
+    processes.signal_tree(processes.read_task_pid(spec["run_dir"]), handle.pid, signal.SIGTERM, None, {})
     assert handle.popen.wait(10) == 0
     receipt = processes.read_receipt(spec["run_dir"])
-    assert receipt["signal"] == signal.SIGTERM
-    assert receipt["bytes_kept"] == quota and receipt["bytes_total"] > quota
+    assert receipt.signal == signal.SIGTERM
+    assert receipt.bytes_kept == quota and receipt.bytes_total > quota
     out = log_bytes(spec)
     assert len(out) == quota
     assert out == (b"0123456789abcdef\n" * (quota // 17 + 1))[:quota]
@@ -197,9 +199,9 @@ def test_wrapper_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path)
     assert os.path.getsize(spec["artifact_path"]) == 0
     go.touch()
     receipt = wait_for(lambda: processes.read_receipt(spec["run_dir"]), what="receipt")
-    assert receipt["exit_code"] == 7
+    assert receipt.exit_code == 7
     assert os.path.getsize(spec["artifact_path"]) == 1048576
-    assert processes.read_truncation(spec["run_dir"]) == {"quota_bytes": 1048576, "bytes_kept": 1048576}
+    assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=1048576, bytes_kept=1048576)
     assert_clean_end(spec)
 
 
@@ -213,7 +215,7 @@ def test_an_orphan_holding_the_fifo_does_not_keep_the_wrapper_past_linger(tmp_pa
     try:
         assert handle.popen.wait(10) == 0  # long before the orphan's 30 s
         receipt = processes.read_receipt(spec["run_dir"])
-        assert receipt["exit_code"] == 5
+        assert receipt.exit_code == 5
         assert log_bytes(spec) == b"main\n"
         with open(os.path.join(spec["run_dir"], "wrapper.err")) as f:
             assert "stopped draining" in f.read()
@@ -230,8 +232,8 @@ def test_missing_executable_gives_start_error_and_no_task(tmp_path):
     for argv0 in ("/nonexistent/prog", "no-such-command-here"):
         spec = make_spec(tmp_path, [argv0, "x"])
         receipt = run_to_end(spec)
-        assert receipt["exit_code"] is None and receipt["signal"] is None
-        assert receipt["start_error"].startswith("exec " + argv0)
+        assert receipt.exit_code is None and receipt.signal is None
+        assert receipt.start_error.startswith("exec " + argv0)
         assert processes.read_task_pid(spec["run_dir"]) is None
         assert_clean_end(spec)
 
@@ -241,7 +243,7 @@ def test_task_environment_is_exactly_the_given_one(tmp_path, monkeypatch):
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")
     spec = make_spec(tmp_path, ["/usr/bin/env"], env={"A": "1", "B": "two words"})
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     assert log_bytes(spec) == b"A=1\nB=two words\n"
 
 
@@ -262,7 +264,7 @@ def test_sigterm_to_the_wrapper_is_forwarded_and_a_receipt_still_written(tmp_pat
     wait_for(lambda: log_bytes(spec) == b"up\n", what="task output")
     os.kill(handle.pid, signal.SIGTERM)
     assert handle.popen.wait(10) == 0
-    assert processes.read_receipt(spec["run_dir"])["signal"] == signal.SIGTERM
+    assert processes.read_receipt(spec["run_dir"]).signal == signal.SIGTERM
 
 
 def test_sigint_sighup_sigpipe_to_the_wrapper_are_ignored(tmp_path):
@@ -277,14 +279,14 @@ def test_sigint_sighup_sigpipe_to_the_wrapper_are_ignored(tmp_path):
     go.touch()
     assert handle.popen.wait(10) == 0
     receipt = processes.read_receipt(spec["run_dir"])
-    assert receipt["exit_code"] == 0 and log_bytes(spec) == b"done\n"
+    assert receipt.exit_code == 0 and log_bytes(spec) == b"done\n"
 
 
 def test_bad_spec_field_is_named_in_the_receipt_and_nothing_runs(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"])
     spec["quota_bytes"] = -1
     receipt = run_to_end(spec)
-    assert receipt["start_error"] == "bad spec: quota_bytes: must be an integer >= 0"
+    assert receipt.start_error == "bad spec: quota_bytes: must be an integer >= 0"
     assert log_bytes(spec) == b"" and processes.read_task_pid(spec["run_dir"]) is None
 
 
@@ -295,7 +297,7 @@ def test_symlinked_artifact_is_not_followed(tmp_path):
     os.unlink(spec["artifact_path"])
     os.symlink(target, spec["artifact_path"])
     receipt = run_to_end(spec)
-    assert receipt["start_error"].startswith("artifact_path: cannot open")
+    assert receipt.start_error.startswith("artifact_path: cannot open")
     assert target.read_bytes() == b""
 
 
@@ -312,7 +314,7 @@ def test_unusable_spec_exits_two_and_writes_nothing(tmp_path, payload):
 def test_missing_cwd_gives_start_error_naming_cwd(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"], cwd=str(tmp_path / "gone"))
     receipt = run_to_end(spec)
-    assert receipt["start_error"] == f"cwd: cannot enter {tmp_path / 'gone'} (No such file or directory)"
+    assert receipt.start_error == f"cwd: cannot enter {tmp_path / 'gone'} (No such file or directory)"
     assert log_bytes(spec) == b"" and processes.read_task_pid(spec["run_dir"]) is None
 
 
@@ -335,7 +337,7 @@ def test_artifact_that_is_not_a_regular_file_is_refused(tmp_path):
         receipt = run_to_end(spec)
     finally:
         os.close(opener)
-    assert receipt["start_error"] == "artifact_path: not a regular file"
+    assert receipt.start_error == "artifact_path: not a regular file"
     assert processes.read_task_pid(spec["run_dir"]) is None
 
 
@@ -352,9 +354,9 @@ def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
         spec["artifact_path"] = str(small / "a.log")
         os.close(os.open(spec["artifact_path"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         receipt = run_to_end(spec)
-        assert receipt["exit_code"] == 4  # ENOSPC on the log never reaches the task
-        assert receipt["bytes_total"] == 3000000
-        assert 0 < receipt["bytes_kept"] == os.path.getsize(spec["artifact_path"]) <= 1048576
+        assert receipt.exit_code == 4  # ENOSPC on the log never reaches the task
+        assert receipt.bytes_total == 3000000
+        assert 0 < receipt.bytes_kept == os.path.getsize(spec["artifact_path"]) <= 1048576
         assert processes.read_truncation(spec["run_dir"]) is None  # not a quota truncation
         with open(os.path.join(spec["run_dir"], "wrapper.err")) as f:
             assert "artifact write failed" in f.read()

@@ -34,7 +34,7 @@ class ArtifactExistsError(ConflictError):
 
 
 @dataclass(frozen=True)
-class Admission:
+class SpaceGrant:
     """Result of ArtifactAllocator.admit: ``ok``; ``reason`` (a short stable code, None when ok:
     quota_too_large | low_space | artifact_quota_full); ``free_bytes`` (statvfs
     f_bavail*f_frsize), ``used_bytes`` (sum of Artifact sizes under the root) and ``quota_bytes``
@@ -117,7 +117,7 @@ class ArtifactAllocator:
                     total += entry.stat(follow_symlinks=False).st_size
         return total
 
-    def admit(self, attempt_quota_bytes: int) -> Admission:
+    def admit(self, attempt_quota_bytes: int) -> SpaceGrant:
         """Capacity admission before anything is created (ADR-0071 §4 step 6, §5): statvfs free
         bytes minus the profile reserve must cover one full log, and the Artifacts already under
         the root plus this log must stay within the total quota. Creates nothing; the root's
@@ -140,14 +140,14 @@ class ArtifactAllocator:
             reason = "artifact_quota_full"
         else:
             reason = None
-        return Admission(reason is None, reason, free, used, attempt_quota_bytes)
+        return SpaceGrant(reason is None, reason, free, used, attempt_quota_bytes)
 
-    def allocate(self, attempt_id: str, admission: Admission) -> str:
+    def allocate(self, attempt_id: str, admission: SpaceGrant) -> str:
         """Create the Attempt's empty log file (0600, O_CREAT|O_EXCL|O_NOFOLLOW) after a granted
         admission and return its absolute path. Raises ValidationError (field admission: not
         granted; field attempt_id), UnsafeDirectoryError (root or shard is a symlink / not ours),
         ArtifactExistsError (the file is already there)."""
-        if not isinstance(admission, Admission) or not admission.ok:
+        if not isinstance(admission, SpaceGrant) or not admission.ok:
             raise ValidationError("admission", "allocation needs a granted admission")
         path = self.artifact_path(attempt_id)
         root_fd = _open_private_dir(self.root, None, "artifact root")
@@ -229,3 +229,37 @@ def _size(path: str) -> int:
         return os.lstat(path).st_size
     except FileNotFoundError:
         return 0
+
+
+class Artifacts:
+    """``core.ports.ArtifactPort`` over an ArtifactAllocator: the grant of ``admit`` is kept for
+    the ``allocate`` that follows it in the same pass."""
+
+    def __init__(self, allocator: ArtifactAllocator) -> None:
+        self._a = allocator
+        self._grant: SpaceGrant | None = None
+
+    def admit(self, quota_bytes: int) -> str | None:
+        grant = self._a.admit(quota_bytes)
+        self._grant = grant if grant.ok else None
+        return grant.reason
+
+    def allocate(self, attempt_id: str) -> str:
+        try:
+            return self._a.allocate(attempt_id, self._grant)
+        except ArtifactExistsError:
+            raise FileExistsError(attempt_id) from None
+
+    def discard(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def discard_attempt(self, attempt_id: str) -> None:
+        self.discard(self._a.artifact_path(attempt_id))
+
+    def prune(self, keep_per_task: int, max_total_bytes: int, entries) -> list[str]:
+        removed = self._a.prune(keep_per_task, max_total_bytes,
+                                [(e.attempt_id, e.task_id, e.artifact_path, e.ended_at_us) for e in entries])
+        return [r.attempt_id for r in removed]

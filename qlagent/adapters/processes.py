@@ -10,24 +10,27 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 
 import psutil
 
-from qlagent.core.errors import QlError, UnavailableError, ValidationError
+from qlagent.core.errors import LaunchError, QlError, UnavailableError, ValidationError
+from qlagent.core.receipt import (
+    FACT_LIMIT_BYTES,
+    Receipt,
+    RunFileError,
+    TruncationFact,
+    decode_receipt,
+    decode_truncation,
+)
 
 WRAPPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "wrapper.py")
 
-RECEIPT_FIELDS = ("attempt_id", "exit_code", "signal", "start_error", "started_at_us", "ended_at_us",
-                  "bytes_total", "bytes_kept", "bytes_dropped", "peak_rss_bytes", "cpu_time_us")
 # The wrapper refuses a larger spec (launcher/wrapper.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
-# A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.
-_FACT_LIMIT_BYTES = 65536
 _CREATE_TIME_TOLERANCE_S = 0.01
 
 
@@ -35,15 +38,6 @@ class WrapperSpawnError(UnavailableError):
     """The wrapper could not be started or did not accept its spec (e.g. python missing)."""
 
     code = "launch_failed"
-
-
-class RunFileError(QlError):
-    """receipt.json, truncated.json or task.pid exists but is not valid; ``field`` names the fault."""
-
-    code = "run_file_invalid"
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}", field=field_name)
 
 
 @dataclass
@@ -56,16 +50,6 @@ class WrapperHandle:
     create_time: float
     pidfd: int | None
     popen: subprocess.Popen = field(repr=False)
-
-    def poll(self) -> int | None:
-        """Reap the wrapper if it has exited; returns its exit status (0 = receipt written) or None."""
-        return self.popen.poll()
-
-    def close(self) -> None:
-        """Release the pidfd (the wrapper keeps running)."""
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
 
 
 def spawn_wrapper(spec: dict, python: str = sys.executable) -> WrapperHandle:
@@ -117,17 +101,6 @@ def process_matches(pid: int, create_time: float) -> bool:
                 and proc.status() != psutil.STATUS_ZOMBIE)
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):  # ValueError: pid < 0
         return False
-
-
-@dataclass
-class KillReport:
-    """Outcome of kill_tree: PIDs sent SIGTERM, PIDs that needed SIGKILL, PIDs still alive at
-    the end (empty on success), and the elapsed wall time in seconds."""
-
-    terminated: list[int]
-    killed: list[int]
-    survivors: list[int]
-    elapsed_s: float
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -205,59 +178,6 @@ def _signal_all(task_pgid: int, owned: bool, procs: dict[int, psutil.Process], s
     return sent
 
 
-def _wait_gone(procs: dict[int, psutil.Process], deadline: float) -> dict[int, psutil.Process]:
-    pending = dict(procs)
-    while True:
-        pending = {pid: p for pid, p in pending.items() if _alive(p)}
-        if not pending or time.monotonic() >= deadline:
-            return pending
-        time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-
-
-def kill_tree(task_pgid: int | None, wrapper_pid: int, grace_s: float,
-              started_after: float | None = None) -> KillReport:
-    """Stop every process of a run: SIGTERM to the task's process group and to every descendant
-    of the wrapper (also those that escaped the group with setsid), SIGKILL to whatever is left
-    after ``grace_s`` seconds. Returns within grace_s + ~1 s (issue 3 item 5; field report F2).
-
-    Never signals the wrapper (it must still write the receipt) or this process. The wrapper's
-    descendants are snapshotted BEFORE signalling, because children of a killed parent are
-    re-parented out of the tree, and re-scanned before SIGKILL. ``task_pgid`` is the PID in
-    run_dir/task.pid; None (task.pid not written yet) takes the wrapper's only child, the task.
-    killpg() is used only while a group member is in the wrapper's tree (a
-    PID number freed and reused for a stranger's group is never hit); otherwise group members
-    are signalled one by one, and ``started_after`` (epoch seconds, the run's start) excludes
-    members older than the run. Raises ValidationError for a PID <= 1.
-    """
-    if wrapper_pid <= 1 or (task_pgid is not None and task_pgid <= 1):
-        raise ValidationError("task_pgid/wrapper_pid", "must be a process ID > 1")
-    if task_pgid is None:
-        try:
-            kids = psutil.Process(wrapper_pid).children()
-        except psutil.NoSuchProcess:
-            kids = []
-        if not kids:
-            return KillReport([], [], [], 0.0)  # no task was started, or the wrapper is gone
-        task_pgid = kids[0].pid
-    start = time.monotonic()
-    snapshot, owned = _targets(task_pgid, wrapper_pid, started_after, {})
-    terminated = _signal_all(task_pgid, owned, snapshot, signal.SIGTERM)
-    # Re-scan right away: a child forked just before its parent got SIGTERM is caught too.
-    more, owned_now = _targets(task_pgid, wrapper_pid, started_after, snapshot)
-    terminated += _signal_all(task_pgid, False, {p: v for p, v in more.items() if p not in snapshot},
-                              signal.SIGTERM)
-    owned = owned or owned_now
-    pending = _wait_gone(more, start + grace_s)
-    if pending:
-        pending, owned_now = _targets(task_pgid, wrapper_pid, started_after, pending)
-        killed = _signal_all(task_pgid, owned or owned_now, pending, signal.SIGKILL)
-    else:
-        killed = []
-    survivors = _wait_gone(pending, time.monotonic() + 0.8)
-    return KillReport(sorted(set(terminated)), sorted(killed), sorted(survivors),
-                      time.monotonic() - start)
-
-
 def signal_tree(task_pgid: int | None, wrapper_pid: int | None, sig: int, started_after: float | None,
                 known: dict[int, psutil.Process]) -> list[int]:
     """One non-blocking step of ``kill_tree`` for a loop that must not wait: send ``sig`` to the
@@ -307,51 +227,29 @@ def default_python() -> str:
     return sys.executable or "/usr/bin/python3"
 
 
-def _read_fact(path: str, name: str) -> dict | None:
+def _read_fact(path: str) -> bytes | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     try:
-        raw = os.read(fd, _FACT_LIMIT_BYTES + 1)
+        return os.read(fd, FACT_LIMIT_BYTES + 1)
     finally:
         os.close(fd)
-    if len(raw) > _FACT_LIMIT_BYTES:
-        raise RunFileError(name, f"larger than {_FACT_LIMIT_BYTES} bytes")
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise RunFileError(name, f"not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise RunFileError(name, "must be a JSON object")
-    return doc
 
 
-def read_receipt(run_dir: str) -> dict | None:
-    """The wrapper's completion receipt (run_dir/receipt.json) with exactly RECEIPT_FIELDS,
-    or None if it is not written yet. Raises RunFileError naming the missing field otherwise."""
-    doc = _read_fact(os.path.join(run_dir, "receipt.json"), "receipt.json")
-    if doc is None:
-        return None
-    for name in RECEIPT_FIELDS:
-        if name not in doc:
-            raise RunFileError(f"receipt.json.{name}", "missing")
-    return {name: doc[name] for name in RECEIPT_FIELDS}
+def read_receipt(run_dir: str) -> Receipt | None:
+    """The completion receipt (run_dir/receipt.json), or None if it is not written yet.
+    Raises RunFileError naming the missing or mistyped field otherwise."""
+    raw = _read_fact(os.path.join(run_dir, "receipt.json"))
+    return None if raw is None else decode_receipt(raw)
 
 
-def read_truncation(run_dir: str) -> dict | None:
-    """The truncation fact (run_dir/truncated.json): {"quota_bytes": int, "bytes_kept": int},
-    or None if the quota was never exceeded. Raises RunFileError on a malformed fact."""
-    doc = _read_fact(os.path.join(run_dir, "truncated.json"), "truncated.json")
-    if doc is None:
-        return None
-    out = {}
-    for name in ("quota_bytes", "bytes_kept"):
-        value = doc.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise RunFileError(f"truncated.json.{name}", "must be an integer >= 0")
-        out[name] = value
-    return out
+def read_truncation(run_dir: str) -> TruncationFact | None:
+    """The truncation fact (run_dir/truncated.json), or None if the quota was never exceeded.
+    Raises RunFileError on a malformed fact."""
+    raw = _read_fact(os.path.join(run_dir, "truncated.json"))
+    return None if raw is None else decode_truncation(raw)
 
 
 def read_task_pid(run_dir: str) -> int | None:
@@ -368,3 +266,74 @@ def read_task_pid(run_dir: str) -> int | None:
     if pid <= 1:
         raise RunFileError("task.pid", "must be a process ID > 1")
     return pid
+
+
+class ShimProcesses:
+    """``core.ports.ProcessPort``: shims started by this agent (``spawn``) or re-attached after
+    a restart, their run directories under the allocator's ``runs_root``, and the signalling of
+    a run's process tree (``signal_tree`` with the processes seen by earlier steps)."""
+
+    def __init__(self, allocator, linger_s: float, python: str | None = None) -> None:
+        self._alloc = allocator            # adapters.artifacts.ArtifactAllocator (safe run dirs)
+        self._linger_s = linger_s
+        self._python = python or default_python()
+        self._handles: dict[int, WrapperHandle] = {}
+        self._known: dict[str, dict] = {}         # attempt → processes seen when first signalled
+        self._started: dict[str, float] = {}
+
+    def _run_dir(self, attempt_id: str) -> str:
+        return os.path.join(self._alloc.runs_root, attempt_id)
+
+    def spawn(self, attempt_id, argv, env, cwd, artifact_path, quota_bytes) -> tuple[int, float]:
+        try:
+            run_dir = self._alloc.run_dir(attempt_id)
+            spec = {"attempt_id": attempt_id, "argv": list(argv), "env": env, "cwd": cwd, "run_dir": run_dir,
+                    "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": self._linger_s}
+            h = spawn_wrapper(spec, self._python)
+        except QlError as e:   # unsafe run dir, spec over its bound, no interpreter: a launch failure
+            raise LaunchError(e.code, str(e)) from None
+        self._handles[h.pid] = h
+        self._started[attempt_id] = h.create_time
+        return h.pid, h.create_time
+
+    def watch(self, pid: int) -> int | None:
+        h = self._handles.get(pid)
+        if h is not None:
+            fd, h.pidfd = h.pidfd, None   # the coordinator owns and closes it from here on
+            return fd
+        try:
+            return os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return None
+
+    def alive(self, pid: int, create_time: float) -> bool:
+        return process_matches(pid, create_time)
+
+    def reap(self, pid: int) -> None:
+        h = self._handles.pop(pid, None)
+        if h is not None:
+            h.popen.wait()
+
+    def signal_run(self, attempt_id: str, shim_pid: int | None, sig: int) -> int:
+        try:
+            pgid = read_task_pid(self._run_dir(attempt_id))
+        except RunFileError:
+            pgid = None
+        known = self._known.setdefault(attempt_id, {})
+        if shim_pid is None:
+            # The shim is gone (died, or a previous agent's run is lost): its tree can no
+            # longer be walked, so find the run's processes by their QL3_ATTEMPT_ID.
+            known.update(find_by_attempt(attempt_id))
+        return len(signal_tree(pgid, shim_pid, sig, self._started.get(attempt_id), known))
+
+    def collect(self, attempt_id: str) -> tuple[Receipt | None, TruncationFact | None]:
+        run_dir = self._run_dir(attempt_id)
+        try:
+            return read_receipt(run_dir), read_truncation(run_dir)
+        except RunFileError:
+            return None, None
+
+    def cleanup(self, attempt_id: str) -> None:
+        self._known.pop(attempt_id, None)
+        self._started.pop(attempt_id, None)
+        shutil.rmtree(self._run_dir(attempt_id), ignore_errors=True)

@@ -1,47 +1,28 @@
-"""Secret use cases: store encrypted, list names, remove, and resolve for one materialisation."""
+"""Secret use cases: store encrypted, list names, remove. Decryption for a launch is
+``dispatch.secrets.resolve_secrets`` (the materialiser's step 4)."""
 
 from __future__ import annotations
 
-from ..adapters.secretbox import SecretBox
-from ..adapters.sqlite import secrets as rows
-from ..core.errors import UnavailableError
-from .store import LocalStore, now_us
+from ..core.ports import CipherFactory, Store
 
 
 class SecretService:
-    def __init__(self, store: LocalStore, key_file: str) -> None:
+    """Over the store's SecretStore port and a SecretCipher (``bootstrap.cipher_factory``)."""
+
+    def __init__(self, store: Store, cipher: CipherFactory) -> None:
         self._store = store
-        self._key_file = key_file
+        self._cipher = cipher
 
     def set(self, name: str, value: bytes) -> None:
-        """Encrypt and store; only ciphertext reaches the database."""
-        box = SecretBox(self._key_file)
+        """Encrypt and store; only ciphertext reaches the store."""
+        box = self._cipher()
         pid = self._store.project.project_id
-        blob = box.seal(pid, name, value)
-        self._store.write(lambda c: rows.put_secret(c, pid, name, blob, box.key_id, now_us()))
+        self._store.put_secret(pid, name, box.seal(pid, name, value), box.key_id)
 
     def names(self) -> list[tuple[str, int]]:
-        pid = self._store.project.project_id
-        return self._store.read(lambda c: rows.list_secret_names(c, pid))
-
+        """(name, updated_at_us), by name; never a value."""
+        return self._store.secret_names(self._store.project.project_id)
 
     def remove(self, name: str) -> None:
-        pid = self._store.project.project_id
-        self._store.write(lambda c: rows.delete_secret(c, pid, name))
-
-
-def resolve_secrets(conn, key_file: str, project_id: str, names: list[str]) -> dict[str, bytes]:
-    """Decrypt the de-duplicated SecretRefs ``names`` for one launch (ADR-0071 §4 step 4).
-
-    Raises UnavailableError(code="secret_missing") naming the first missing Secret; the
-    plaintext returned must live only in the caller's stack.
-    """
-    wanted = sorted(set(names))
-    blobs = rows.get_ciphertexts(conn, project_id, wanted)
-    missing = [n for n in wanted if n not in blobs]
-    if missing:
-        raise UnavailableError(f"secret {missing[0]!r} is not set", code="secret_missing", field=missing[0])
-    if not wanted:
-        return {}
-    box = SecretBox(key_file)
-    return {n: box.open(project_id, n, blobs[n]) for n in wanted}
+        """NotFoundError(``secret_not_found``)."""
+        self._store.delete_secret(self._store.project.project_id, name)

@@ -7,6 +7,8 @@ input), an optional ``limit`` and a process ``exit_code`` for the CLI:
 
 from __future__ import annotations
 
+import re
+
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
@@ -50,6 +52,23 @@ class ValidationError(QlError):
         super().__init__(f"{field}: {message}", field=field, limit=limit)
 
 
+def from_msgspec(err: Exception, *, root: str = "", where: str | None = None) -> ValidationError:
+    """The one translation of a ``msgspec.ValidationError`` (decode or convert) into a
+    ValidationError: ``field`` is the path msgspec reports (``task[0].timeout``, ``http.listen``;
+    ``root`` when the whole document is wrong), the message its first clause (prefixed with
+    ``where``, e.g. the file), ``limit`` the bound of a ``msgspec.Meta`` range when one was passed."""
+    msg = str(err)
+    head, _, at = msg.partition(" - at `$")
+    path = at.rstrip("`").lstrip(".")
+    named = re.search(r"field `([^`]+)`", head)       # missing or unknown field
+    if named:
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
+    path = path or root or "input"
+    bound = re.search(r"([<>]=?) (-?[0-9.]+)$", head)
+    return ValidationError(path, f"{where}: {head}" if where else head,
+                           limit=f"{bound.group(1)} {bound.group(2)}" if bound else None)
+
+
 class ConflictError(QlError):
     """A fence or an append-only rule refused the write; nothing has been written."""
 
@@ -67,6 +86,17 @@ class UnavailableError(QlError):
 
     code = "unavailable"
     exit_code = EXIT_UNAVAILABLE
+
+
+class LaunchError(UnavailableError):
+    """A shim could not be started for an Attempt; ``reason`` is the short code the Attempt
+    records (``launch_failed``, ``unsafe_directory``, ``invalid_input`` …)."""
+
+    code = "launch_failed"
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class StoreIntegrityError(UnavailableError):

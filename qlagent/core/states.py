@@ -9,9 +9,61 @@ Attempt: claimed → starting → running → succeeded | failed | timed_out | c
 
 from __future__ import annotations
 
-RUN_LIVE = frozenset({"queued", "starting", "running"})
-RUN_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
-ATTEMPT_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed"})
+from enum import StrEnum
+
+
+class RunState(StrEnum):
+    """A Run's state; members compare equal to their stored strings."""
+
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+    # Sets of members, attached below (an Enum body cannot hold its own members in a set).
+    LIVE: frozenset
+    ACTIVE: frozenset
+    TERMINAL: frozenset
+
+
+class AttemptState(StrEnum):
+    """An Attempt's state; members compare equal to their stored strings."""
+
+    CLAIMED = "claimed"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+    START_FAILED = "start_failed"
+
+    LIVE: frozenset
+    ACTIVE: frozenset
+    TERMINAL: frozenset
+
+
+# LIVE: not ended (a Run may still change); ACTIVE: a process may exist (starting/running);
+# TERMINAL: final.
+RUN_LIVE = frozenset({RunState.QUEUED, RunState.STARTING, RunState.RUNNING})
+RUN_ACTIVE = frozenset({RunState.STARTING, RunState.RUNNING})
+RUN_TERMINAL = frozenset(RunState) - RUN_LIVE
+ATTEMPT_LIVE = frozenset({AttemptState.CLAIMED, AttemptState.STARTING, AttemptState.RUNNING})
+ATTEMPT_ACTIVE = frozenset({AttemptState.STARTING, AttemptState.RUNNING})
+ATTEMPT_TERMINAL = frozenset(AttemptState) - ATTEMPT_LIVE
+RETRYABLE = frozenset({AttemptState.FAILED, AttemptState.TIMED_OUT, AttemptState.LOST, AttemptState.START_FAILED})
+RunState.LIVE = RUN_LIVE
+RunState.ACTIVE = RUN_ACTIVE
+RunState.TERMINAL = RUN_TERMINAL
+AttemptState.LIVE = ATTEMPT_LIVE
+AttemptState.ACTIVE = ATTEMPT_ACTIVE
+AttemptState.TERMINAL = ATTEMPT_TERMINAL
+
 
 _RUN = {
     "queued": {"starting", "cancelled", "failed"},
@@ -60,7 +112,7 @@ def outcome(exit_code: int | None, signal: int | None, start_error: str | None, 
 
 def retryable(attempt_state: str) -> bool:
     """Attempts that a retry policy may follow with a new Attempt (not after a cancel or success)."""
-    return attempt_state in ("failed", "timed_out", "lost", "start_failed")
+    return attempt_state in RETRYABLE
 
 
 def backoff_ms(base_ms: int, attempt_no: int) -> int:

@@ -11,8 +11,9 @@ cursor, never OFFSET) so that waiting Runs cannot starve the ones behind them.
 from __future__ import annotations
 
 from ..core.dispatch import DispatchResult
-from ..core.ports import Admission, DispatchStore
+from ..core.ports import DispatchStore
 from ..execution.coordinator import LocalExecutionCoordinator
+from .admission import Admission
 from .materializer import Materializer
 
 

@@ -14,8 +14,10 @@ import msgspec
 from ..core import limits as L
 from ..core.dispatch import Candidate, LaunchCommand, Plan
 from ..core.errors import QlError, UnavailableError
-from ..core.ports import Admission, ArtifactPort, DispatchStore
+from ..core.ports import ArtifactPort, CipherFactory, DispatchStore, SecretStore
 from ..core.profiles import Profile
+from .admission import Admission
+from .secrets import resolve_secrets
 
 
 class Prepared(msgspec.Struct, frozen=True):
@@ -58,8 +60,11 @@ def freeze_env(public: dict[str, str], secrets: dict[str, str], identity: dict[s
 class Materializer:
     """Turns one candidate into a LaunchCommand, or says why not (see module docstring)."""
 
-    def __init__(self, store: DispatchStore, artifacts: ArtifactPort, admission: Admission, profile: Profile) -> None:
+    def __init__(self, store: DispatchStore, secrets: SecretStore, cipher: CipherFactory, artifacts: ArtifactPort,
+                 admission: Admission, profile: Profile) -> None:
         self._store = store
+        self._secrets = secrets
+        self._cipher = cipher
         self._artifacts = artifacts
         self._admission = admission
         self._profile = profile
@@ -79,7 +84,8 @@ class Materializer:
         if blocked:
             return Prepared("skip", blocked)
         try:
-            plain = self._store.resolve_secrets(c.project_id, list(plan.recipe.secret_refs.values()))   # 4
+            plain = resolve_secrets(self._secrets, self._cipher, c.project_id,                # 4
+                                    list(plan.recipe.secret_refs.values()))
             secret_env = {env: plain[name].decode("utf-8", "surrogateescape")
                           for env, name in plan.recipe.secret_refs.items()}
             del plain

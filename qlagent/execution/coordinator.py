@@ -14,9 +14,11 @@ import os
 import signal
 from collections.abc import Callable
 
-from ..core import states
 from ..core.dispatch import Finish, LaunchCommand
+from ..core.errors import LaunchError
 from ..core.ports import ExecutionStore, ProcessPort
+from ..core.receipt import Receipt
+from ..core.states import AttemptState, outcome
 
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
 
@@ -55,9 +57,10 @@ class LocalExecutionCoordinator:
         try:
             pid, ctime = self._procs.spawn(c.attempt_id, cmd.argv, cmd.env, cmd.cwd, cmd.artifact_path,
                                            cmd.quota_bytes)
-        except OSError as e:
-            reason = f"spawn_failed:{e.errno}"
-            self._store.finish(c.run_id, c.attempt_id, Finish("start_failed", failure_reason=reason), None, cmd.retry)
+        except LaunchError as e:
+            reason = f"spawn_failed:{e.reason}"
+            self._store.finish(c.run_id, c.attempt_id, Finish(AttemptState.START_FAILED, failure_reason=reason),
+                               None, cmd.retry)
             self._log("err", "run.launch_failed", run=c.run_id, reason=reason)
             return "launch_failed", reason
         now = self._now()
@@ -79,7 +82,7 @@ class LocalExecutionCoordinator:
         if receipt is None:
             # Wrapper died without a receipt: stop whatever it left and call the Attempt lost.
             self._procs.signal_run(attempt_id, None, signal.SIGKILL)
-            f = Finish("lost", failure_reason="wrapper_died")
+            f = Finish(AttemptState.LOST, failure_reason="wrapper_died")
         else:
             f = self._finish_from_receipt(receipt, lr.kill_reason)
         retry = lr.retry or self._store.retry_policy(lr.task_id, lr.revision)
@@ -92,12 +95,11 @@ class LocalExecutionCoordinator:
         return state
 
     @staticmethod
-    def _finish_from_receipt(r: dict, kill_reason: str | None) -> Finish:
-        st = states.outcome(r.get("exit_code"), r.get("signal"), r.get("start_error"), kill_reason)
-        return Finish(st, exit_code=r.get("exit_code"), exit_signal=r.get("signal"), bytes_kept=r.get("bytes_kept"),
-                      bytes_dropped=r.get("bytes_dropped"), peak_rss_bytes=r.get("peak_rss_bytes"),
-                      cpu_time_us=r.get("cpu_time_us"), ended_at_us=r.get("ended_at_us"),
-                      failure_reason=("exec_failed" if r.get("start_error") else kill_reason))
+    def _finish_from_receipt(r: Receipt, kill_reason: str | None) -> Finish:
+        st = outcome(r.exit_code, r.signal, r.start_error, kill_reason)
+        return Finish(st, exit_code=r.exit_code, exit_signal=r.signal, bytes_kept=r.bytes_kept,
+                      bytes_dropped=r.bytes_dropped, peak_rss_bytes=r.peak_rss_bytes, cpu_time_us=r.cpu_time_us,
+                      ended_at_us=r.ended_at_us, failure_reason=("exec_failed" if r.start_error else kill_reason))
 
     # ---- time, cancellation, shutdown ----------------------------------------------------
     def _stop(self, lr: LiveRun, reason: str, now: int, grace_us: int | None = None) -> None:
@@ -165,7 +167,7 @@ class LocalExecutionCoordinator:
             if la.attempt_id in self.live:
                 continue
             receipt, trunc = self._procs.collect(la.attempt_id)
-            alive = la.wrapper_pid is not None and self._procs.alive(la.wrapper_pid, la.wrapper_start_time or 0.0)
+            alive = la.shim_pid is not None and self._procs.alive(la.shim_pid, la.shim_start_time or 0.0)
             if receipt is not None and not alive:
                 self._store.finish(la.run_id, la.attempt_id, self._finish_from_receipt(receipt, None), trunc,
                                    self._store.retry_policy(la.task_id, la.task_revision))
@@ -173,8 +175,8 @@ class LocalExecutionCoordinator:
                 counts["ingested"] += 1
             elif alive:
                 _, grace_ms = self._store.timing(la.task_id, la.task_revision)
-                lr = LiveRun(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.wrapper_pid,
-                             la.wrapper_start_time, self._procs.watch(la.wrapper_pid), la.deadline_at_us,
+                lr = LiveRun(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.shim_pid,
+                             la.shim_start_time, self._procs.watch(la.shim_pid), la.deadline_at_us,
                              grace_ms * 1000, None)
                 self.live[la.attempt_id] = lr
                 if la.attempt_id in cancels:
@@ -182,7 +184,7 @@ class LocalExecutionCoordinator:
                 counts["reattached"] += 1
             else:
                 self._procs.signal_run(la.attempt_id, None, signal.SIGKILL)
-                self._store.finish(la.run_id, la.attempt_id, Finish("lost", failure_reason="agent_restart"), None,
+                self._store.finish(la.run_id, la.attempt_id, Finish(AttemptState.LOST, failure_reason="agent_restart"), None,
                                    self._store.retry_policy(la.task_id, la.task_revision))
                 self._procs.cleanup(la.attempt_id)
                 counts["lost"] += 1

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Annotated
 
 import msgspec
 
-from ..adapters.tomlfile import read_toml
 from ..core.definitions import check_project_name
-from ..core.errors import ValidationError
+from ..core.errors import ValidationError, from_msgspec
 from ..core.profiles import Profile, get_profile
+from .tomlfile import read_toml
 
 DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
 DEFAULT_HTTP_PORT = 7380
@@ -32,19 +33,23 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    keep_per_task: int = 20                # newest log Artifacts kept per Task
-    max_total_bytes: int | None = None     # default: the Profile's artifact_total_bytes
+    keep_per_task: Annotated[int, msgspec.Meta(ge=1)] = 20     # newest log Artifacts kept per Task
+    max_total_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None   # default: the Profile's
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Every range is a ``msgspec.Meta`` bound, enforced when the file is converted."""
+
     profile: str = "edge"
     project: str = "default"
     state_dir: str | None = None
     artifact_dir: str | None = None
     secret_key_file: str | None = None
-    drain_grace_s: float = 20.0
-    kill_grace_s: float = 5.0
-    max_concurrent_runs: int | None = None
+    drain_grace_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 20.0      # s
+    kill_grace_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 5.0         # s
+    max_concurrent_runs: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    # How long a store write waits for another process's lock before "store_busy" (s).
+    busy_timeout_s: Annotated[float, msgspec.Meta(ge=0.05, le=60)] = 5.0
     http: HttpConfig | None = None
     retention: RetentionConfig = RetentionConfig()
 
@@ -85,34 +90,25 @@ def load_config(path: str | None) -> tuple[Config, str | None]:
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        m = re.search(r"field `([^`]+)`", msg)
-        at = msg.rsplit("- at `$", 1)[1].rstrip("`").lstrip(".") if "- at `$" in msg else ""
-        key = ".".join(x for x in (at, m.group(1) if m else "") if x) or "config"
-        raise ValidationError(key, f"{path}: {msg.split(' - at ')[0]}") from None
+        raise from_msgspec(e, root="config", where=path) from None
     validate(cfg)
     return cfg, path
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` or ``"[v6]:PORT"`` → (host, port); ValidationError(field="http.listen")."""
-    m = re.match(r"^\[([0-9a-fA-F:.]+)\]:(\d+)$", value) or re.match(r"^([^:\[\]]+):(\d+)$", value)
-    if not m or not (0 <= int(m.group(2)) <= 65535):
-        raise ValidationError("http.listen", f"{value!r} is not HOST:PORT")
+    """``"HOST:PORT"`` or ``"[IPv6]:PORT"`` (config ``http.listen``, ``serve --listen``) → (host,
+    port). Port 0..65535 in ASCII digits (0 binds a free port); a host is required. Raises
+    ValidationError(field ``http.listen``) naming the rule."""
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:([0-9]{1,5})", value) or re.fullmatch(r"([^:\[\]]+):([0-9]{1,5})", value)
+    if not m or int(m.group(2)) > 65535:
+        raise ValidationError("http.listen", f"must be HOST:PORT with port 0..65535, got {value!r}",
+                              limit="0..65535")
     return m.group(1), int(m.group(2))
 
 
 def validate(cfg: Config) -> None:
     get_profile(cfg.profile)
     check_project_name(cfg.project)
-    if not (0 <= cfg.drain_grace_s <= 600):
-        raise ValidationError("drain_grace_s", f"{cfg.drain_grace_s} outside 0..600 seconds", limit="0..600")
-    if not (0 <= cfg.kill_grace_s <= 60):
-        raise ValidationError("kill_grace_s", f"{cfg.kill_grace_s} outside 0..60 seconds", limit="0..60")
-    if cfg.max_concurrent_runs is not None and not (1 <= cfg.max_concurrent_runs <= 64):
-        raise ValidationError("max_concurrent_runs", "outside 1..64", limit="1..64")
-    if cfg.retention.keep_per_task < 1:
-        raise ValidationError("retention.keep_per_task", "must be at least 1")
     if cfg.http is not None and cfg.http.listen:
         parse_listen(cfg.http.listen)
     for key in ("state_dir", "artifact_dir", "secret_key_file"):

@@ -5,10 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from ..adapters.secretbox import check_key_file
-from ..adapters.sqlite import migrations
-from ..adapters.sqlite.authority import SqliteAuthority
-from ..core.errors import QlError
+from .. import bootstrap
 from .config import Settings
 
 MiB = 1_048_576
@@ -24,24 +21,9 @@ def run_checks(s: Settings) -> list[dict]:
     if not os.path.exists(s.db_path):
         add("database", False, f"{s.db_path} does not exist (run `qlagent init`)")
     else:
-        auth = SqliteAuthority(s.db_path)
-        try:
-            try:
-                pending = auth.raw(lambda c: migrations.verify_history(c, migrations.known_migrations()))
-                add("schema", not pending, "up to date" if not pending else
-                    f"{len(pending)} migration(s) pending: {', '.join(f'{m.version:04d}_{m.name}' for m in pending)}")
-            except QlError as e:
-                add("schema", False, str(e))
-            try:
-                caps = auth.read(migrations.check_capabilities)
-                add("capability", True, ", ".join(f"{k}:{v}" for k, v in sorted(caps.items())))
-            except QlError as e:
-                add("capability", False, str(e))
-            res = auth.read(lambda c: [r[0] for r in c.execute("PRAGMA integrity_check")])
-            add("integrity", res == ["ok"], "; ".join(res[:5]))
-        finally:
-            auth.close()
-    problem = check_key_file(s.key_file)
+        for name, ok, detail in bootstrap.store_checks(s.db_path):
+            add(name, ok, detail)
+    problem = bootstrap.key_file_problem(s.key_file)
     add("key file", problem is None, problem or f"{s.key_file} (0600, 32 bytes)")
     probe = s.artifact_dir if os.path.exists(s.artifact_dir) else s.state_dir
     try:

@@ -1,0 +1,82 @@
+"""The composition root: the one module above ``qlagent.adapters`` that imports them.
+
+It builds the store, the engine's adapters, the secret cipher, the budget meter and the network
+gate from the resolved configuration (``service.config.Settings``) and hands the entry points
+objects typed by ``core.ports``. Choosing another authority (the cluster's PostgreSQL) changes
+this module, not the service, the HTTP API, the CLI or the application.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .core.clock import now_us
+from .core.ports import BudgetPort, CipherFactory, NetworkPort, SecretCipher, Store
+from .core.profiles import Profile
+
+SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits (ARCHITECTURE.md)
+
+
+def open_store(settings, project: str | None = None, *, migrate: bool = True, create_project: bool = True,
+               clock_us: Callable[[], int] = now_us) -> Store:
+    """The local authority at ``settings.db_path`` acting in ``project`` (default: the config's).
+
+    ``migrate=False`` refuses a schema behind this build (UnavailableError ``store_not_migrated``);
+    ``create_project=False`` makes an unknown Project NotFoundError. Raises StoreIntegrityError,
+    UnavailableError as ``SqliteStore`` documents."""
+    from .adapters.sqlite.store import SqliteStore
+    return SqliteStore(settings.db_path, project or settings.config.project, migrate=migrate,
+                       create_project=create_project, clock_us=clock_us,
+                       busy_timeout_ms=int(settings.config.busy_timeout_s * 1000))
+
+
+def cipher_factory(key_file: str) -> CipherFactory:
+    """Opens the secret key file on each call (UnavailableError ``secret_key_unavailable``)."""
+    from .adapters.secretbox import SecretBox
+
+    def open_cipher() -> SecretCipher:
+        return SecretBox(key_file)
+    return open_cipher
+
+
+def create_key_file(path: str) -> bool:
+    """Create the 32-byte secret key file (0600) if missing; True if it was created."""
+    from .adapters.secretbox import create_key_file as create
+    return create(path)
+
+
+def budget_meter(profile: Profile) -> BudgetPort:
+    """The service tree's memory/PID meter (cgroup files, else psutil)."""
+    from .adapters.budget import BudgetMeter
+    return BudgetMeter(profile)
+
+
+def network_gate() -> NetworkPort:
+    """The netlink gate; imports pyroute2 (≈ 18 MB), so call it only once a Task needs it."""
+    from .adapters.netgate import NetworkGate
+    return NetworkGate()
+
+
+def build_engine(settings, store: Store, *, max_concurrent: int, budget: BudgetPort | None,
+                 clock_us: Callable[[], int], log, python: str | None = None):
+    """An ``application.engine.Engine`` over ``store`` with the shim, artifact and cipher adapters
+    of ``settings`` (artifact root, runs directory, key file, Profile)."""
+    from .adapters.artifacts import ArtifactAllocator, Artifacts
+    from .adapters.processes import ShimProcesses
+    from .application.engine import Engine
+    alloc = ArtifactAllocator(settings.artifact_dir, settings.profile, runs_root=settings.runs_dir)
+    return Engine(store, procs=ShimProcesses(alloc, SHIM_LINGER_S, python), artifacts=Artifacts(alloc),
+                  cipher=cipher_factory(settings.key_file), profile=settings.profile,
+                  max_concurrent=max_concurrent, budget=budget, clock_us=clock_us, log=log)
+
+
+def store_checks(db_path: str) -> list[tuple[str, bool, str]]:
+    """``qlagent doctor``'s checks of the store file: (name, ok, detail) each."""
+    from .adapters.sqlite.store import diagnose
+    return diagnose(db_path)
+
+
+def key_file_problem(path: str) -> str | None:
+    """What is wrong with the secret key file (missing, mode, size), or None."""
+    from .adapters.secretbox import check_key_file
+    return check_key_file(path)

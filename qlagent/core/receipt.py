@@ -1,0 +1,104 @@
+"""What the shim leaves in its run directory, decoded into typed facts (ARCHITECTURE.md "Shim
+contract"). The shim itself is stdlib-only and writes plain JSON; the agent decodes it here
+with msgspec, so a missing or mistyped field is refused in one place.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .errors import QlError
+
+# A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.
+FACT_LIMIT_BYTES = 65_536
+
+
+class RunFileError(QlError):
+    """receipt.json, truncated.json or task.pid exists but is not valid; ``field`` names the fault
+    (e.g. ``receipt.json.signal``)."""
+
+    code = "run_file_invalid"
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}", field=field_name)
+
+
+class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The completion receipt (``receipt.json``). Times are µs since the epoch, sizes bytes.
+
+    ``start_error`` is set when the task never ran (exec failed, unusable spec); ``exit_code``
+    and ``signal`` are exclusive (a task killed by a signal has no exit code).
+    """
+
+    attempt_id: str
+    exit_code: int | None
+    signal: int | None
+    start_error: str | None
+    started_at_us: int | None
+    ended_at_us: int | None
+    bytes_total: int
+    bytes_kept: int
+    bytes_dropped: int
+    peak_rss_bytes: int | None
+    cpu_time_us: int | None
+
+
+class TruncationFact(msgspec.Struct, frozen=True, rename="camel"):
+    """The log quota was hit (``truncated.json``, write-once, at the moment it happened):
+    ``quota_bytes`` the quota, ``bytes_kept`` what the Artifact holds, ``bytes_dropped`` what was
+    discarded (None until the receipt tells the final figure). Bytes throughout."""
+
+    quota_bytes: int
+    bytes_kept: int
+    bytes_dropped: int | None = None
+
+
+class _ShimTruncation(msgspec.Struct, frozen=True):
+    quota_bytes: int
+    bytes_kept: int
+
+
+_receipt_dec = msgspec.json.Decoder(Receipt)
+_trunc_dec = msgspec.json.Decoder(_ShimTruncation)
+
+
+def _field_of(err: msgspec.ValidationError) -> str | None:
+    """The top-level field a msgspec error is about, or None (the document itself is wrong)."""
+    msg = str(err)
+    at = msg.rsplit("- at `$.", 1)
+    if len(at) == 2:
+        return at[1].rstrip("`").split(".")[0].split("[")[0]
+    if msg.startswith("Object missing required field"):
+        return msg.split("`")[1]
+    return None
+
+
+def decode_receipt(raw: bytes) -> Receipt:
+    """Decode ``receipt.json``; raises RunFileError naming ``receipt.json.<field>``."""
+    return _decode(raw, _receipt_dec, "receipt.json")
+
+
+def decode_truncation(raw: bytes) -> TruncationFact:
+    """Decode the shim's ``truncated.json`` (``{"quota_bytes","bytes_kept"}``, integers ≥ 0);
+    raises RunFileError naming ``truncated.json.<field>``."""
+    t = _decode(raw, _trunc_dec, "truncated.json")
+    for name in ("quota_bytes", "bytes_kept"):
+        if getattr(t, name) < 0:
+            raise RunFileError(f"truncated.json.{name}", "must be an integer >= 0")
+    return TruncationFact(quota_bytes=t.quota_bytes, bytes_kept=t.bytes_kept)
+
+
+def _decode(raw: bytes, dec: msgspec.json.Decoder, name: str):
+    if len(raw) > FACT_LIMIT_BYTES:
+        raise RunFileError(name, f"larger than {FACT_LIMIT_BYTES} bytes")
+    try:
+        return dec.decode(raw)
+    except msgspec.ValidationError as e:
+        field = _field_of(e)
+        if field is None:
+            raise RunFileError(name, "must be a JSON object") from None
+        if str(e).startswith("Object missing required field"):
+            raise RunFileError(f"{name}.{field}", "missing") from None
+        raise RunFileError(f"{name}.{field}", str(e).split(" - at ")[0]) from None
+    except msgspec.DecodeError as e:
+        raise RunFileError(name, f"not valid JSON ({e})") from None
