@@ -1,7 +1,7 @@
 """Helpers for the execution tests (issue 3): a real Engine over a real SQLite file, driven the
 way the service loop drives it, and a real ``qlagent serve`` subprocess.
 
-Nothing here is a double: the Engine spawns the real launcher wrapper, which execs the task
+Nothing here is a double: the Engine spawns the real shim, which execs the task
 through a real FIFO into a real log file; waits are on pidfds (in-process) or on the store
 (``serve`` in another process, where the CLI's own 0.1 s store poll is the only way to see it).
 """
@@ -110,7 +110,7 @@ class Bench:
 
     def drive(self, until, timeout_s: float = 20.0, dispatch: bool = True) -> None:
         """The service loop in miniature: dispatch (unless ``dispatch`` is False), then sleep on
-        the wrappers' pidfds or the next deadline until ``until()`` is true. Raises
+        the shims' pidfds or the next deadline until ``until()`` is true. Raises
         AssertionError after ``timeout_s``."""
         sel = selectors.DefaultSelector()
         registered: set[int] = set()

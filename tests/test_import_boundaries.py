@@ -45,7 +45,7 @@ CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "htt
 LAZY_EVERYWHERE = ("pyroute2", "cryptography")
 # The modules that wrap a lazy dependency load it; importing them is what "lazily" means.
 LAZY_OWNERS = {"qlagent.service.netgate", "qlagent.adapters.netlink"}
-WRAPPER = "qlagent.adapters.launcher.wrapper"      # runs as `python3 -I -S wrapper.py`: stdlib only
+SHIM = "qlagent.adapters.shim"      # runs as `python3 -I -S shim.py`: stdlib only
 
 
 def discover() -> list[str]:
@@ -128,17 +128,17 @@ def test_layer_rules(loaded, module):
         assert _hits(mods, LAZY_EVERYWHERE) == [], f"{module} loads a lazy dependency at import time"
 
 
-def test_launcher_wrapper_is_stdlib_only():
-    path = os.path.join(ROOT, "adapters", "launcher", "wrapper.py")
+def test_shim_shim_is_stdlib_only():
+    path = os.path.join(ROOT, "adapters", "shim.py")
     if not os.path.exists(path):
-        pytest.skip("launcher wrapper not in this build yet")
+        pytest.skip("shim not in this build yet")
     tree = ast.parse(open(path, encoding="utf-8").read())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"wrapper.py has a relative import (line {node.lineno}); it runs as a script"
+            assert node.level == 0, f"shim.py has a relative import (line {node.lineno}); it runs as a script"
             names.add(node.module.split(".")[0])
     assert names - set(sys.stdlib_module_names) - {"__future__"} == set()
 

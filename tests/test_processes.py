@@ -1,4 +1,4 @@
-"""Wrapper spawning, PID-reuse-safe identity and killing whole run trees with real processes
+"""Shim spawning, PID-reuse-safe identity and killing whole run trees with real processes
 (issue 3 items 5-6; field report F2; fixtures hang.sh and spawn-tree.sh)."""
 
 import json
@@ -12,12 +12,12 @@ import pytest
 
 from qlagent.adapters import processes
 
-from wrapkit import FIXTURES, make_spec, wait_for  # noqa: E402
+from shimkit import FIXTURES, make_spec, wait_for  # noqa: E402
 
 
 def start(tmp_path, argv, linger=0.5):
     spec = make_spec(tmp_path, argv, quota=1 << 20, linger=linger)
-    return spec, processes.spawn_wrapper(spec)
+    return spec, processes.spawn_shim(spec)
 
 
 def output(spec):
@@ -25,10 +25,10 @@ def output(spec):
         return f.read()
 
 
-def run_sleeps(wrapper_pid, args):
-    """The `sleep N` processes below this run's wrapper (other runs on the machine ignored)."""
+def run_sleeps(shim_pid, args):
+    """The `sleep N` processes below this run's shim (other runs on the machine ignored)."""
     try:
-        kids = psutil.Process(wrapper_pid).children(recursive=True)
+        kids = psutil.Process(shim_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
     found = []
@@ -125,7 +125,7 @@ def test_process_matches_is_pid_reuse_safe(tmp_path):
     assert not processes.process_matches(2 ** 22 + 1, handle.create_time)
 
 
-def test_pidfd_becomes_readable_when_the_wrapper_exits(tmp_path):
+def test_pidfd_becomes_readable_when_the_shim_exits(tmp_path):
     import select
     spec, handle = start(tmp_path, ["/bin/true"])
     assert handle.pidfd is not None
@@ -142,9 +142,9 @@ def test_signal_tree_without_task_pid_takes_the_shims_child(tmp_path):
     assert handle.popen.wait(10) == 0
 
 
-def test_spawn_wrapper_with_a_missing_interpreter_raises(tmp_path):
-    with pytest.raises(processes.WrapperSpawnError, match="python: cannot start wrapper") as err:
-        processes.spawn_wrapper({"attempt_id": "x"}, python=str(tmp_path / "no-python"))
+def test_spawn_shim_with_a_missing_interpreter_raises(tmp_path):
+    with pytest.raises(processes.ShimSpawnError, match="python: cannot start shim") as err:
+        processes.spawn_shim({"attempt_id": "x"}, python=str(tmp_path / "no-python"))
     assert err.value.code == "launch_failed" and err.value.exit_code == 5
 
 

@@ -3,7 +3,7 @@ issue 3 item 3).
 
 Layout: ``<root>/<first 2 hex of the Attempt ID>/<attempt_id>.log``; root and shard directories
 0700, files 0600 regular files created with O_CREAT|O_EXCL|O_NOFOLLOW; run directories
-``<runs_root>/<attempt_id>`` (0700) for the launcher wrapper. A symlinked root, shard or runs
+``<runs_root>/<attempt_id>`` (0700) for the shim. A symlinked root, shard or runs
 directory, or one owned by another user, is refused; a wrong mode on our own directory is fixed.
 """
 
@@ -88,7 +88,7 @@ def _open_private_dir(name: str, dir_fd: int | None, shown: str) -> int:
 class ArtifactAllocator:
     """Allocates private log Artifacts under ``root`` within ``profile``'s log_max_bytes,
     fs_reserve_bytes and artifact_total_bytes (core.profiles, ADR-0071 §5).
-    ``runs_root`` (default: ``<root>/../runs``) holds the wrapper's run directories."""
+    ``runs_root`` (default: ``<root>/../runs``) holds the shim's run directories."""
 
     def __init__(self, root: str, profile: Profile, runs_root: str | None = None):
         self.root = os.path.abspath(root)

@@ -1,9 +1,9 @@
-"""Spawn the per-run launcher wrapper, recognise it after a restart, kill run trees (ADR-0071 §5,
-issue 3 items 4-6, ARCHITECTURE.md "Launcher wrapper contract").
+"""Spawn the per-run shim, recognise it after a restart, kill run trees (ADR-0071 §5,
+issue 3 items 4-6, ARCHITECTURE.md "shim contract").
 
-The wrapper runs in its own session so that it and the task survive an agent crash; the task
+The shim runs in its own session so that it and the task survive an agent crash; the task
 runs in its own process group (pgid = task PID, written to run_dir/task.pid) so the agent can
-signal it without hitting the wrapper.
+signal it without hitting the shim.
 """
 
 from __future__ import annotations
@@ -27,23 +27,23 @@ from qlagent.core.receipt import (
     decode_truncation,
 )
 
-WRAPPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "wrapper.py")
+SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim.py")
 
-# The wrapper refuses a larger spec (launcher/wrapper.py SPEC_LIMIT_BYTES).
+# The shim refuses a larger spec (shim/shim.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
 _CREATE_TIME_TOLERANCE_S = 0.01
 
 
-class WrapperSpawnError(UnavailableError):
-    """The wrapper could not be started or did not accept its spec (e.g. python missing)."""
+class ShimSpawnError(UnavailableError):
+    """The shim could not be started or did not accept its spec (e.g. python missing)."""
 
     code = "launch_failed"
 
 
 @dataclass
-class WrapperHandle:
-    """A started wrapper: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
-    it identifies the process across PID reuse), ``pidfd`` (an fd readable when the wrapper
+class ShimHandle:
+    """A started shim: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
+    it identifies the process across PID reuse), ``pidfd`` (an fd readable when the shim
     exits, or None where os.pidfd_open is unavailable) and the Popen used to reap it."""
 
     pid: int
@@ -52,41 +52,41 @@ class WrapperHandle:
     popen: subprocess.Popen = field(repr=False)
 
 
-def spawn_wrapper(spec: dict, python: str = sys.executable) -> WrapperHandle:
-    """Start ``python -I -S wrapper.py`` in a new session with an empty environment, cwd "/",
-    stdout/stderr /dev/null, and send ``spec`` (the wrapper contract's JSON document, which may
+def spawn_shim(spec: dict, python: str = sys.executable) -> ShimHandle:
+    """Start ``python -I -S shim.py`` in a new session with an empty environment, cwd "/",
+    stdout/stderr /dev/null, and send ``spec`` (the shim contract's JSON document, which may
     hold secret plaintext) through its stdin pipe, then close the pipe.
 
     Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
-    WrapperSpawnError when the interpreter cannot be started or exits before reading the spec.
+    ShimSpawnError when the interpreter cannot be started or exits before reading the spec.
     """
     payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
     if len(payload) > SPEC_LIMIT_BYTES:
         raise ValidationError("spec", f"{len(payload)} bytes of JSON, over the limit",
                               limit=SPEC_LIMIT_BYTES)
     try:
-        popen = subprocess.Popen([python, "-I", "-S", WRAPPER_PATH], stdin=subprocess.PIPE,
+        popen = subprocess.Popen([python, "-I", "-S", SHIM_PATH], stdin=subprocess.PIPE,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={},
                                  cwd="/", start_new_session=True, close_fds=True)
     except OSError as exc:
-        raise WrapperSpawnError(f"python: cannot start wrapper ({exc.strerror})", field="python") from None
+        raise ShimSpawnError(f"python: cannot start shim ({exc.strerror})", field="python") from None
     try:
         popen.stdin.write(payload)
         popen.stdin.close()
     except BrokenPipeError:
         popen.wait()
-        raise WrapperSpawnError("wrapper exited before reading its spec") from None
+        raise ShimSpawnError("shim exited before reading its spec") from None
     try:
         create_time = psutil.Process(popen.pid).create_time()
     except psutil.NoSuchProcess:
         # Already gone (and not reaped yet is impossible here): identity cannot be recorded.
         popen.wait()
-        raise WrapperSpawnError("wrapper exited at once") from None
+        raise ShimSpawnError("shim exited at once") from None
     try:
         pidfd = os.pidfd_open(popen.pid)
     except (AttributeError, OSError):
         pidfd = None
-    return WrapperHandle(popen.pid, create_time, pidfd, popen)
+    return ShimHandle(popen.pid, create_time, pidfd, popen)
 
 
 def process_matches(pid: int, create_time: float) -> bool:
@@ -110,9 +110,9 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def _descendants(wrapper_pid: int) -> dict[int, psutil.Process]:
+def _descendants(shim_pid: int) -> dict[int, psutil.Process]:
     try:
-        kids = psutil.Process(wrapper_pid).children(recursive=True)
+        kids = psutil.Process(shim_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return {}
     return {p.pid: p for p in kids}
@@ -129,11 +129,11 @@ def _group_members(pgid: int) -> dict[int, psutil.Process]:
     return members
 
 
-def _targets(task_pgid: int | None, wrapper_pid: int | None, started_after: float | None,
+def _targets(task_pgid: int | None, shim_pid: int | None, started_after: float | None,
              known: dict[int, psutil.Process]) -> tuple[dict[int, psutil.Process], bool]:
     """Live processes of the run and whether the group is proven ours (a member is in the tree).
-    A missing (None) wrapper or group contributes nothing; PIDs ≤ 1 are never looked at."""
-    tree = _descendants(wrapper_pid) if wrapper_pid and wrapper_pid > 1 else {}
+    A missing (None) shim or group contributes nothing; PIDs ≤ 1 are never looked at."""
+    tree = _descendants(shim_pid) if shim_pid and shim_pid > 1 else {}
     group = _group_members(task_pgid) if task_pgid and task_pgid > 1 else {}
     owned = any(pid in tree for pid in group)
     if started_after is not None:
@@ -141,7 +141,7 @@ def _targets(task_pgid: int | None, wrapper_pid: int | None, started_after: floa
     found = dict(known)
     found.update(tree)
     found.update(group)
-    for pid in (wrapper_pid, os.getpid()):
+    for pid in (shim_pid, os.getpid()):
         found.pop(pid, None)
     return {pid: p for pid, p in found.items() if _alive(p)}, owned
 
@@ -178,20 +178,20 @@ def _signal_all(task_pgid: int, owned: bool, procs: dict[int, psutil.Process], s
     return sent
 
 
-def signal_tree(task_pgid: int | None, wrapper_pid: int | None, sig: int, started_after: float | None,
+def signal_tree(task_pgid: int | None, shim_pid: int | None, sig: int, started_after: float | None,
                 known: dict[int, psutil.Process]) -> list[int]:
     """One non-blocking step of ``kill_tree`` for a loop that must not wait: send ``sig`` to the
-    task's process group, every descendant of the wrapper and every process in ``known``
+    task's process group, every descendant of the shim and every process in ``known``
     (processes seen by an earlier step, which a dead parent may have re-parented out of the
     tree). ``known`` is updated with what this step found, so a later SIGKILL still reaches an
-    escaped grandchild. ``wrapper_pid`` None (the wrapper is gone) signals the group's members
-    started after ``started_after`` one by one. Never signals the wrapper or this process.
+    escaped grandchild. ``shim_pid`` None (the shim is gone) signals the group's members
+    started after ``started_after`` one by one. Never signals the shim or this process.
     Returns the PIDs signalled.
     """
-    if task_pgid is None and wrapper_pid and wrapper_pid > 1:
-        kids = _descendants(wrapper_pid)
-        task_pgid = min(kids) if kids else None   # the wrapper's first child is the task
-    live, owned = _targets(task_pgid, wrapper_pid, started_after, known)
+    if task_pgid is None and shim_pid and shim_pid > 1:
+        kids = _descendants(shim_pid)
+        task_pgid = min(kids) if kids else None   # the shim's first child is the task
+    live, owned = _targets(task_pgid, shim_pid, started_after, known)
     known.update(live)
     if not live:
         return []
@@ -201,8 +201,8 @@ def signal_tree(task_pgid: int | None, wrapper_pid: int | None, sig: int, starte
 def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
     """Processes whose environment carries ``QL3_ATTEMPT_ID=<attempt_id>``: every process a run
     started and that kept the environment it was given, even one that escaped the process
-    group with setsid and lost its parent (the wrapper died). Reads /proc/<pid>/environ of this
-    user's processes; used only on the rare paths where the wrapper's tree is gone."""
+    group with setsid and lost its parent (the shim died). Reads /proc/<pid>/environ of this
+    user's processes; used only on the rare paths where the shim's tree is gone."""
     marker = f"\0QL3_ATTEMPT_ID={attempt_id}\0".encode()
     found = {}
     for entry in os.scandir("/proc"):
@@ -223,7 +223,7 @@ def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
 
 
 def default_python() -> str:
-    """The interpreter for the wrapper: this one, or the system python3 when embedded."""
+    """The interpreter for the shim: this one, or the system python3 when embedded."""
     return sys.executable or "/usr/bin/python3"
 
 
@@ -277,7 +277,7 @@ class ShimProcesses:
         self._alloc = allocator            # adapters.artifacts.ArtifactAllocator (safe run dirs)
         self._linger_s = linger_s
         self._python = python or default_python()
-        self._handles: dict[int, WrapperHandle] = {}
+        self._handles: dict[int, ShimHandle] = {}
         self._known: dict[str, dict] = {}         # attempt → processes seen when first signalled
         self._started: dict[str, float] = {}
 
@@ -289,7 +289,7 @@ class ShimProcesses:
             run_dir = self._alloc.run_dir(attempt_id)
             spec = {"attempt_id": attempt_id, "argv": list(argv), "env": env, "cwd": cwd, "run_dir": run_dir,
                     "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": self._linger_s}
-            h = spawn_wrapper(spec, self._python)
+            h = spawn_shim(spec, self._python)
         except QlError as e:   # unsafe run dir, spec over its bound, no interpreter: a launch failure
             raise LaunchError(e.code, str(e)) from None
         self._handles[h.pid] = h

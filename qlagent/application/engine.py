@@ -61,7 +61,7 @@ class Engine:
         return len(self._coordinator.live)
 
     def live_pids(self) -> list[int]:
-        return [lr.wrapper_pid for lr in self._coordinator.live.values()]
+        return [lr.shim_pid for lr in self._coordinator.live.values()]
 
     def stop_all(self, reason: str, grace_s: float) -> None:
         self._coordinator.stop_all(reason, int(grace_s * 1_000_000))

@@ -4,7 +4,7 @@ Run:     queued → starting → running → succeeded | failed | timed_out | ca
          queued → cancelled;  queued → failed (its plan can never launch: secret or revision missing);  starting → failed (launch failure);  any live → queued (retry,
          with a new claimed Attempt).
 Attempt: claimed → starting → running → succeeded | failed | timed_out | cancelled | lost;
-         claimed → cancelled | start_failed;  starting|running → start_failed (the wrapper could not exec the task).
+         claimed → cancelled | start_failed;  starting|running → start_failed (the shim could not exec the task).
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ AttemptState.TERMINAL = ATTEMPT_TERMINAL
 
 _RUN = {
     "queued": {"starting", "cancelled", "failed"},
-    # starting → a terminal state: the agent died between the claim and recording the wrapper,
-    # and recovery finds the wrapper's receipt.
+    # starting → a terminal state: the agent died between the claim and recording the shim,
+    # and recovery finds the shim's receipt.
     "starting": {"running", "succeeded", "failed", "timed_out", "queued", "cancelled", "lost"},
     "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "queued"},
 }

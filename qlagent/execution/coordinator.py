@@ -1,9 +1,9 @@
 """LocalExecutionCoordinator: the only owner of Attempt/Run transitions after dispatch.
 
-It starts a launcher wrapper for a LaunchCommand (after winning the claimed → starting CAS),
+It starts a shim for a LaunchCommand (after winning the claimed → starting CAS),
 consumes completion receipts, enforces timeouts (SIGTERM to the task's process group and every
 escaped descendant, SIGKILL after the grace), carries out cancellation and the shutdown drain,
-and reconciles every starting/running Attempt on restart: receipt → ingest; wrapper alive
+and reconciles every starting/running Attempt on restart: receipt → ingest; shim alive
 (PID + start time) → re-attach; otherwise → ``lost``. It has no timer or thread: the service
 loop asks ``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
 """
@@ -23,16 +23,16 @@ from ..core.states import AttemptState, outcome
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
 
 
-class LiveRun:
+class TrackedAttempt:
     """In-memory view of one running Attempt (the store stays the authority)."""
 
-    __slots__ = ("run_id", "attempt_id", "task_id", "revision", "wrapper_pid", "create_time", "pidfd",
+    __slots__ = ("run_id", "attempt_id", "task_id", "revision", "shim_pid", "create_time", "pidfd",
                  "deadline_us", "grace_us", "kill_reason", "kill_at_us", "retry")
 
-    def __init__(self, run_id, attempt_id, task_id, revision, wrapper_pid, create_time, pidfd, deadline_us,
+    def __init__(self, run_id, attempt_id, task_id, revision, shim_pid, create_time, pidfd, deadline_us,
                  grace_us, retry) -> None:
         self.run_id, self.attempt_id, self.task_id, self.revision = run_id, attempt_id, task_id, revision
-        self.wrapper_pid, self.create_time, self.pidfd = wrapper_pid, create_time, pidfd
+        self.shim_pid, self.create_time, self.pidfd = shim_pid, create_time, pidfd
         self.deadline_us, self.grace_us, self.retry = deadline_us, grace_us, retry
         self.kill_reason: str | None = None
         self.kill_at_us: int | None = None
@@ -45,7 +45,7 @@ class LocalExecutionCoordinator:
         self._procs = procs
         self._now = clock_us
         self._log = log
-        self.live: dict[str, LiveRun] = {}
+        self.live: dict[str, TrackedAttempt] = {}
 
     # ---- start ---------------------------------------------------------------------------
     def start(self, cmd: LaunchCommand) -> tuple[str, str | None]:
@@ -66,23 +66,23 @@ class LocalExecutionCoordinator:
         now = self._now()
         deadline = now + cmd.timeout_ms * 1000
         self._store.mark_running(c, pid, ctime, deadline)
-        self.live[c.attempt_id] = LiveRun(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
+        self.live[c.attempt_id] = TrackedAttempt(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
                                           self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry)
         self._log("info", "run.started", run=c.run_id, attempt=c.attempt_id, pid=pid)
         return "activated", None
 
     # ---- completion ----------------------------------------------------------------------
     def on_exit(self, attempt_id: str) -> str | None:
-        """The wrapper ended: ingest its receipt and truncation fact; returns the Run state."""
+        """The shim ended: ingest its receipt and truncation fact; returns the Run state."""
         lr = self.live.pop(attempt_id, None)
         if lr is None:
             return None
-        self._procs.reap(lr.wrapper_pid)
+        self._procs.reap(lr.shim_pid)
         receipt, trunc = self._procs.collect(attempt_id)
         if receipt is None:
-            # Wrapper died without a receipt: stop whatever it left and call the Attempt lost.
+            # Shim died without a receipt: stop whatever it left and call the Attempt lost.
             self._procs.signal_run(attempt_id, None, signal.SIGKILL)
-            f = Finish(AttemptState.LOST, failure_reason="wrapper_died")
+            f = Finish(AttemptState.LOST, failure_reason="shim_died")
         else:
             f = self._finish_from_receipt(receipt, lr.kill_reason)
         retry = lr.retry or self._store.retry_policy(lr.task_id, lr.revision)
@@ -102,11 +102,11 @@ class LocalExecutionCoordinator:
                       ended_at_us=r.ended_at_us, failure_reason=("exec_failed" if r.start_error else kill_reason))
 
     # ---- time, cancellation, shutdown ----------------------------------------------------
-    def _stop(self, lr: LiveRun, reason: str, now: int, grace_us: int | None = None) -> None:
+    def _stop(self, lr: TrackedAttempt, reason: str, now: int, grace_us: int | None = None) -> None:
         if lr.kill_reason is None:
             lr.kill_reason = reason
             lr.kill_at_us = now + (lr.grace_us if grace_us is None else grace_us)
-            n = self._procs.signal_run(lr.attempt_id, lr.wrapper_pid, signal.SIGTERM)
+            n = self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGTERM)
             self._log("notice", "run.stopping", run=lr.run_id, reason=reason, signalled=n)
 
     def tick(self) -> None:
@@ -114,11 +114,11 @@ class LocalExecutionCoordinator:
         now = self._now()
         for lr in list(self.live.values()):
             if lr.kill_at_us is not None and now >= lr.kill_at_us:
-                self._procs.signal_run(lr.attempt_id, lr.wrapper_pid, signal.SIGKILL)
+                self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGKILL)
                 lr.kill_at_us = None
             elif lr.kill_reason is None and lr.deadline_us is not None and now >= lr.deadline_us:
                 self._stop(lr, "timeout", now)
-            if lr.pidfd is None and not self._procs.alive(lr.wrapper_pid, lr.create_time):
+            if lr.pidfd is None and not self._procs.alive(lr.shim_pid, lr.create_time):
                 self.on_exit(lr.attempt_id)
 
     def next_wakeup_us(self) -> int | None:
@@ -175,7 +175,7 @@ class LocalExecutionCoordinator:
                 counts["ingested"] += 1
             elif alive:
                 _, grace_ms = self._store.timing(la.task_id, la.task_revision)
-                lr = LiveRun(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.shim_pid,
+                lr = TrackedAttempt(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.shim_pid,
                              la.shim_start_time, self._procs.watch(la.shim_pid), la.deadline_at_us,
                              grace_ms * 1000, None)
                 self.live[la.attempt_id] = lr

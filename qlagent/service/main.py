@@ -1,7 +1,7 @@
 """``qlagent serve``: one selectors main loop that is idle when idle.
 
 It sleeps until the next of: a cron due time, a run deadline or kill escalation, a retry
-backoff, the watchdog ping, a wrapper exit (pidfd), a control-socket poke, an HTTP request, a
+backoff, the watchdog ping, a shim exit (pidfd), a control-socket poke, an HTTP request, a
 netlink event or a signal — no fixed-interval polling. After each wake-up it fires due
 schedules, sweeps cancellations, enforces deadlines and calls the dispatcher until it reports
 no candidate or a limit. systemd: READY=1 after migrations, capability check and recovery;
@@ -209,7 +209,7 @@ class Service:
     def _done(self) -> bool:
         if self.inline_run is not None:
             if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us:
-                return True    # the wait timed out; a live wrapper carries on and a service ingests it
+                return True    # the wait timed out; a live shim carries on and a service ingests it
             if self.engine.live_count():
                 return False   # a Run this process launched (ours or one queued before it) is still live
             return self.draining or \
@@ -414,7 +414,7 @@ class Service:
             self.engine.stop_all("shutdown", kill_grace)
             self.kill_deadline_us = now + int((kill_grace + 2) * 1e6)
         elif self.kill_deadline_us is not None and now >= self.kill_deadline_us:
-            # Everything got SIGKILL; a wrapper that still has not exited is not worth waiting for.
+            # Everything got SIGKILL; a shim that still has not exited is not worth waiting for.
             self.log("err", "service.drain_abandoned", live=self.engine.live_count())
             self.engine.abandon_all()
 

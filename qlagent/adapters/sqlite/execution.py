@@ -148,7 +148,7 @@ def mark_running(conn: sqlite3.Connection, run_id: str, attempt_id: str, shim_pi
                  deadline_us: int, now_us: int) -> None:
     """starting → running once the shim process exists."""
     states.check_attempt("starting", "running")
-    conn.execute("UPDATE attempts SET state = 'running', wrapper_pid = ?, wrapper_start_time = ?, deadline_at_us = ?, "
+    conn.execute("UPDATE attempts SET state = 'running', shim_pid = ?, shim_start_time = ?, deadline_at_us = ?, "
                  "started_at_us = ?, version = version + 1 WHERE attempt_id = ? AND state = 'starting'",
                  (shim_pid, shim_start, deadline_us, now_us, attempt_id))
     seq = _bump(conn, run_id, "starting", "running", None, now_us)
@@ -223,7 +223,7 @@ def record_truncation(conn: sqlite3.Connection, attempt_id: str, fact: Truncatio
 def live_attempts(conn: sqlite3.Connection) -> list[LiveAttempt]:
     """Every Attempt in starting/running (restart recovery and cancel sweeps)."""
     return [LiveAttempt(*r[:9], r[9] is not None) for r in conn.execute(
-        "SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.wrapper_pid, a.wrapper_start_time, "
+        "SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.shim_pid, a.shim_start_time, "
         "a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a "
         f"JOIN runs r ON r.run_id = a.run_id WHERE a.state IN {ATTEMPT_ACTIVE_SQL}")]
 

@@ -1,4 +1,4 @@
-"""The launcher wrapper with real processes, a real FIFO and real files (issue 3 item 4;
+"""The shim with real processes, a real FIFO and real files (issue 3 item 4;
 field reports F1, F9; fixtures in examples/router-tasks)."""
 
 import json
@@ -16,11 +16,11 @@ from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
 from qlagent.core.receipt import Receipt, TruncationFact
 
-from wrapkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, wait_for  # noqa: E402
+from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, wait_for  # noqa: E402
 
 
 def run_to_end(spec, timeout=30.0):
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     try:
         assert handle.popen.wait(timeout) == 0
     finally:
@@ -148,7 +148,7 @@ def test_wan_check_prints_json(tmp_path):
 
 def test_slow_is_running_until_stopped(tmp_path):
     spec = make_spec(tmp_path, fixture("slow.sh"))
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     wait_for(lambda: log_bytes(spec) == b"slow start\n", what="slow start")
     task = processes.read_task_pid(spec["run_dir"])
     assert task in processes.signal_tree(task, handle.pid, signal.SIGTERM, None, {})
@@ -161,7 +161,7 @@ def test_slow_is_running_until_stopped(tmp_path):
 def test_f1_yes_fills_exactly_the_quota_then_is_killed(tmp_path):
     quota = 65536 * 3 + 17  # not a multiple of the read size
     spec = make_spec(tmp_path, ["/usr/bin/yes", "0123456789abcdef"], quota=quota)
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     fact = wait_for(lambda: processes.read_truncation(spec["run_dir"]), what="truncation fact")
     assert fact == TruncationFact(quota_bytes=quota, bytes_kept=quota)
     # The task is not blocked by the quota: output keeps being drained.
@@ -176,7 +176,7 @@ def test_f1_yes_fills_exactly_the_quota_then_is_killed(tmp_path):
     assert out == (b"0123456789abcdef\n" * (quota // 17 + 1))[:quota]
 
 
-def test_wrapper_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
+def test_shim_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
     go = tmp_path / "go"
     script = f"while [ ! -e {go} ]; do sleep 0.02; done; head -c 3000000 /dev/zero; exit 7"
     spec = make_spec(tmp_path, ["/bin/sh", "-c", script], quota=1048576)
@@ -185,17 +185,17 @@ def test_wrapper_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path)
          "import json, sys, time\n"
          f"sys.path.insert(0, {REPO!r})\n"
          "from qlagent.adapters import processes\n"
-         "h = processes.spawn_wrapper(json.loads(sys.stdin.readline()))\n"
+         "h = processes.spawn_shim(json.loads(sys.stdin.readline()))\n"
          "print(h.pid, flush=True)\n"
          "time.sleep(60)\n"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     spawner.stdin.write(json.dumps(spec) + "\n")
     spawner.stdin.flush()
-    wrapper_pid = int(spawner.stdout.readline())
+    shim_pid = int(spawner.stdout.readline())
     task_pid = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
     spawner.kill()
     spawner.wait()
-    assert psutil.pid_exists(wrapper_pid) and psutil.Process(task_pid).status() != psutil.STATUS_ZOMBIE
+    assert psutil.pid_exists(shim_pid) and psutil.Process(task_pid).status() != psutil.STATUS_ZOMBIE
     assert os.path.getsize(spec["artifact_path"]) == 0
     go.touch()
     receipt = wait_for(lambda: processes.read_receipt(spec["run_dir"]), what="receipt")
@@ -205,9 +205,9 @@ def test_wrapper_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path)
     assert_clean_end(spec)
 
 
-def test_an_orphan_holding_the_fifo_does_not_keep_the_wrapper_past_linger(tmp_path):
+def test_an_orphan_holding_the_fifo_does_not_keep_the_shim_past_linger(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 30 & echo main; exit 5"], linger=0.3)
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     task = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
     fifo = os.path.join(spec["run_dir"], "output.fifo")
     st = os.stat(fifo)
@@ -217,7 +217,7 @@ def test_an_orphan_holding_the_fifo_does_not_keep_the_wrapper_past_linger(tmp_pa
         receipt = processes.read_receipt(spec["run_dir"])
         assert receipt.exit_code == 5
         assert log_bytes(spec) == b"main\n"
-        with open(os.path.join(spec["run_dir"], "wrapper.err")) as f:
+        with open(os.path.join(spec["run_dir"], "shim.err")) as f:
             assert "stopped draining" in f.read()
         assert_clean_end(spec)
     finally:
@@ -250,30 +250,30 @@ def test_task_environment_is_exactly_the_given_one(tmp_path, monkeypatch):
 def test_task_runs_in_its_own_group_with_null_stdin_in_cwd(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "cut -d' ' -f5 /proc/$$/stat; pwd; cat; echo $$"],
                      cwd=str(tmp_path))
-    handle = processes.spawn_wrapper(spec)
-    assert os.getsid(handle.pid) == handle.pid  # the wrapper leads its own session
+    handle = processes.spawn_shim(spec)
+    assert os.getsid(handle.pid) == handle.pid  # the shim leads its own session
     assert handle.popen.wait(10) == 0
     pgrp, cwd, pid = log_bytes(spec).decode().split("\n")[:3]
     assert pgrp == pid == str(processes.read_task_pid(spec["run_dir"]))
     assert cwd == str(tmp_path)
 
 
-def test_sigterm_to_the_wrapper_is_forwarded_and_a_receipt_still_written(tmp_path):
+def test_sigterm_to_the_shim_is_forwarded_and_a_receipt_still_written(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo up; exec sleep 30"])
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     wait_for(lambda: log_bytes(spec) == b"up\n", what="task output")
     os.kill(handle.pid, signal.SIGTERM)
     assert handle.popen.wait(10) == 0
     assert processes.read_receipt(spec["run_dir"]).signal == signal.SIGTERM
 
 
-def test_sigint_sighup_sigpipe_to_the_wrapper_are_ignored(tmp_path):
+def test_sigint_sighup_sigpipe_to_the_shim_are_ignored(tmp_path):
     go = tmp_path / "go"
     spec = make_spec(tmp_path, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; echo done"])
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
-    wrapper = psutil.Process(handle.pid)
-    assert wrapper.environ() == {} and wrapper.cwd() == "/"  # nothing of the agent's leaks in
+    shim = psutil.Process(handle.pid)
+    assert shim.environ() == {} and shim.cwd() == "/"  # nothing of the agent's leaks in
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         os.kill(handle.pid, sig)
     go.touch()
@@ -304,10 +304,10 @@ def test_symlinked_artifact_is_not_followed(tmp_path):
 @pytest.mark.parametrize("payload", [b"", b"not json", b'{"attempt_id": "a"} trailing', b"[1]",
                                      b'{"attempt_id": "a", "run_dir": "relative"}'])
 def test_unusable_spec_exits_two_and_writes_nothing(tmp_path, payload):
-    proc = subprocess.run([sys.executable, "-I", "-S", processes.WRAPPER_PATH], input=payload,
+    proc = subprocess.run([sys.executable, "-I", "-S", processes.SHIM_PATH], input=payload,
                           capture_output=True, env={}, cwd=tmp_path, timeout=10)
     assert proc.returncode == 2
-    assert proc.stderr.startswith(b"qlagent wrapper: ")
+    assert proc.stderr.startswith(b"qlagent shim: ")
     assert os.listdir(tmp_path) == []
 
 
@@ -322,7 +322,7 @@ def test_oversized_spec_is_refused_before_anything_starts(tmp_path):
     spec = make_spec(tmp_path, ["/bin/true"], env={"BIG": "x" * (1 << 20)})
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValidationError, match="spec: .* bytes of JSON, over the limit") as err:
-        processes.spawn_wrapper(spec)
+        processes.spawn_shim(spec)
     assert err.value.limit == 1048576 and err.value.field == "spec"
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     assert os.listdir(spec["run_dir"]) == []
@@ -358,7 +358,7 @@ def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
         assert receipt.bytes_total == 3000000
         assert 0 < receipt.bytes_kept == os.path.getsize(spec["artifact_path"]) <= 1048576
         assert processes.read_truncation(spec["run_dir"]) is None  # not a quota truncation
-        with open(os.path.join(spec["run_dir"], "wrapper.err")) as f:
+        with open(os.path.join(spec["run_dir"], "shim.err")) as f:
             assert "artifact write failed" in f.read()
     finally:
         subprocess.run(["umount", str(small)], check=True)
