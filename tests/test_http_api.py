@@ -507,6 +507,26 @@ def test_store_locked_past_busy_timeout_is_503_task_start_unavailable(env):
 
 # ---- reads, logs, cancel ----------------------------------------------------------------------
 
+def test_cli_json_and_http_share_one_shape_for_task_run_attempt_and_event(env):
+    """application.presenter renders both surfaces: the same Run, Attempt, RunEvents and Task
+    head read over HTTP and by `qlagent … --json` are equal field for field."""
+    agent, state, tok, _ = env
+    h = head(agent, tok["op"], "hello")
+    rid = start(agent, tok["op"], "hello", start_body(h["revision"], h["contentDigest"]))[1]["runId"]
+    run = await_state(agent, tok["op"], rid, {"succeeded"})
+    shown = json.loads(ok(state, "run", "show", rid, "--json").stdout)
+    attempts, events = shown.pop("attempts"), shown.pop("events")
+    latest = run.pop("latestAttempt")
+    assert shown == run and set(run) >= {"runId", "createdAt", "latestAttemptId", "signal"}
+    assert attempts[-1] == latest and {"peakRssBytes", "cpuTimeUs", "startedAt"} <= set(latest)
+    assert events == agent.json("GET", f"{BASE}/runs/{rid}/events", tok["op"])[1]["items"]
+    listed = json.loads(ok(state, "run", "ls", "--task", "hello", "--json").stdout)["items"]
+    assert listed[0] == agent.json("GET", f"{BASE}/runs?task=hello", tok["op"])[1]["items"][0]
+    task = json.loads(ok(state, "task", "show", "hello", "--json").stdout)
+    assert task.pop("definition")["name"] == "hello" and task.pop("skippedFires") == 0
+    assert task == head(agent, tok["op"], "hello")
+
+
 def test_run_list_keyset_pagination_and_filters(env):
     agent, state, tok, _ = env
     h = head(agent, tok["op"], "hello")

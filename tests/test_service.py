@@ -92,6 +92,13 @@ def test_config_unknown_key_is_an_error_naming_the_key(state, workdir):  # noqa:
     wrong = _config(workdir, "drain_grace_s = 9000\n", "range.toml")
     p = cli(state, "--config", wrong, "config", "check")
     assert p.returncode == 2 and b"drain_grace_s" in p.stderr and b"600" in p.stderr
+    # busy_timeout_s: 0.05..60 s, both edges accepted, one step past each refused naming the bound
+    for value, good in (("0.05", True), ("60", True), ("0.049", False), ("60.5", False)):
+        p = cli(state, "--config", _config(workdir, f"busy_timeout_s = {value}\n", "busy.toml"), "config", "check")
+        assert (p.returncode == 0) is good, (value, p.stderr)
+        if not good:
+            assert b"busy_timeout_s" in p.stderr and (b"0.05" in p.stderr or b"60" in p.stderr)
+            assert b"Traceback" not in p.stderr
     # serve refuses the same file before touching anything
     p = cli(state, "--config", bad, "serve", "--exit-after", "0.1")
     assert p.returncode == 2 and b"bogus_key" in p.stderr

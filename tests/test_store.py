@@ -135,6 +135,24 @@ def test_wal_busy_timeout_and_foreign_keys(store, db):
     assert count(db, "tasks") == 0
 
 
+def test_a_lock_held_past_the_busy_timeout_is_store_busy_and_writes_nothing(db):
+    """SQLite's "database is locked" never leaves the adapter: it is UnavailableError(store_busy),
+    after the injected busy timeout (50 ms here, not the 5 s default)."""
+    s = SqliteStore(db, busy_timeout_ms=50)
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        with pytest.raises(UnavailableError) as e:
+            s.add_tasks(s.project.project_id, [prepared("a")])
+        assert e.value.code == "store_busy" and e.value.exit_code == 5
+        assert not isinstance(e.value.__cause__, sqlite3.Error) and e.value.__suppress_context__
+        holder.execute("ROLLBACK")
+        assert [h.name for h in s.add_tasks(s.project.project_id, [prepared("a")])] == ["a"]
+    finally:
+        holder.close()
+        s.close()
+
+
 def test_failed_write_rolls_back_everything(store, db):
     def tx(c):
         defs.add_task(c, store.project.project_id, prepared("a"), now_us())
