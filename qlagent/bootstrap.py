@@ -9,10 +9,13 @@ this module, not the service, the HTTP API, the CLI or the application.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .core.clock import now_us
-from .core.ports import BudgetPort, CipherFactory, NetworkPort, SecretCipher, Store
 from .core.profiles import Profile
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from .core.ports import BudgetPort, CipherFactory, NetworkPort, SecretCipher, Store
 
 SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits (ARCHITECTURE.md)
 
@@ -31,10 +34,10 @@ def open_store(settings, project: str | None = None, *, migrate: bool = True, cr
 
 
 def cipher_factory(key_file: str) -> CipherFactory:
-    """Opens the secret key file on each call (UnavailableError ``secret_key_unavailable``)."""
-    from .adapters.secretbox import SecretBox
-
+    """Opens the secret key file on each call (UnavailableError ``secret_key_unavailable``);
+    nothing of the cipher is imported until a Secret is sealed or opened."""
     def open_cipher() -> SecretCipher:
+        from .adapters.secretbox import SecretBox
         return SecretBox(key_file)
     return open_cipher
 

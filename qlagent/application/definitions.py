@@ -7,12 +7,15 @@ read candidates or touch Runs other than cancelling queued ones of a disabled/re
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from ..core import limits as L
 from ..core.definitions import PreparedTask, parse_task_file, prepare_task
 from ..core.errors import ValidationError
 from ..core.models import LOCAL_SUBJECT, TaskHead
-from ..core.ports import Store
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import Store
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ..core.ports import ArtifactPort, BudgetPort, CipherFactory, ProcessPort, Store
 from ..core.profiles import Profile
 from ..dispatch.admission import Admission
 from ..dispatch.dispatcher import LocalRunDispatcher
 from ..dispatch.materializer import Materializer
 from ..execution.coordinator import LocalExecutionCoordinator
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import ArtifactPort, BudgetPort, CipherFactory, ProcessPort, Store
 
 
 class Engine:

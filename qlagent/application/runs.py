@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from ..core.errors import NotFoundError, ValidationError
 from ..core.ids import new_id
 from ..core.models import LOCAL_SUBJECT, Attempt, CreatedRun, Run, RunEvent
-from ..core.ports import Store
 from ..core.receipt import TruncationFact
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import Store
 
 MAX_LOG_READ = 1_048_576     # bytes per log read (CLI pages through; HTTP answers one page)
 

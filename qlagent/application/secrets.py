@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
-from ..core.ports import CipherFactory, Store
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import CipherFactory, Store
+
 
 
 class SecretService:

@@ -3,9 +3,13 @@ SHA-256 digest, so a database copy holds no usable credential."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..core.models import TokenInfo
-from ..core.ports import PolicyStore, Store
 from ..core.tokens import new_token, token_digest
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import PolicyStore, Store
 
 
 def create_token(store: PolicyStore, project: str, subject: str, role: str) -> tuple[str, str]:

@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from qlagent.core.canonical import snapshot_ref  # noqa: F401  (part of the wire contract)
+from qlagent.core.canonical import idempotency_key, snapshot_ref  # noqa: F401  (part of the wire contract)
 from qlagent.core.errors import QlError
 from qlagent.core.limits import DIGEST_HEX_LEN, REVISION_MAX, REVISION_MIN  # noqa: F401
 
@@ -209,11 +209,6 @@ def decode_task_start(body: bytes) -> TaskStartRequest:
 def encode_task_start(req: TaskStartRequest) -> bytes:
     """Canonical JSON bytes of a request (field order as declared); the CLI sends these."""
     return msgspec.json.encode(req)
-
-
-def idempotency_key(mutation_id: str) -> str:
-    """Project-scoped idempotency key of a Task Start (ADR-0376 §2): ``ql3:task-start:v1:{id}``."""
-    return f"ql3:task-start:v1:{mutation_id}"
 
 
 def rfc3339_from_us(us: int) -> str:

@@ -9,9 +9,12 @@ then the Profile budget (``pids``/``memory`` from BudgetPort). Per-Run blocks:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..core.dispatch import Candidate, Plan
-from ..core.ports import BudgetPort, DispatchStore, NetworkPort
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import BudgetPort, DispatchStore, NetworkPort
 
 
 class Admission:

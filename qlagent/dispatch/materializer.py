@@ -9,15 +9,19 @@ before it leaves no file behind.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from ..core import limits as L
 from ..core.dispatch import Candidate, LaunchCommand, Plan
 from ..core.errors import QlError, UnavailableError
-from ..core.ports import ArtifactPort, CipherFactory, DispatchStore, SecretStore
 from ..core.profiles import Profile
 from .admission import Admission
 from .secrets import resolve_secrets
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import ArtifactPort, CipherFactory, DispatchStore, SecretStore
 
 
 class Prepared(msgspec.Struct, frozen=True):

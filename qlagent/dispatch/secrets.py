@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..core.errors import UnavailableError
-from ..core.ports import CipherFactory, SecretStore
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import CipherFactory, SecretStore
 
 
 def resolve_secrets(store: SecretStore, cipher: CipherFactory, project_id: str, names: list[str]) -> dict[str, bytes]:

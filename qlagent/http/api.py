@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from qlagent.application import presenter
 from qlagent.application.cancel import request_cancel
@@ -22,7 +23,6 @@ from qlagent.application.runs import MAX_LOG_READ, RunService
 from qlagent.core import taskstart as ts
 from qlagent.core.errors import FenceRejected, NotFoundError, QlError, UnavailableError, ValidationError
 from qlagent.core.models import Run
-from qlagent.core.ports import Store
 from qlagent.core.states import RUN_TERMINAL, RunState
 from qlagent.http.auth import AuthError, Principal, authorize
 from qlagent.http.routing import Router, openapi_document
@@ -35,6 +35,9 @@ from qlagent.http.server import (
     content_range,
     query_int,
 )
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from qlagent.core.ports import Store
 
 PREFIX = "/api/v3/projects/{projectId}"
 RUN_PAGE_MAX = 100          # items per GET .../runs page (OpenAPI RunPage.maxItems)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from qlagent.core.models import ROLES, START_ROLES
-from qlagent.core.ports import TokenPort
 from qlagent.core.tokens import new_token, token_digest  # noqa: F401  (re-exported for callers)
 from qlagent.http.server import HttpError
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from qlagent.core.ports import TokenPort
 
 _TOKEN_RE = re.compile(r"qlt_[A-Za-z0-9_-]{43}")
 

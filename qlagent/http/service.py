@@ -12,11 +12,14 @@ import selectors
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from qlagent.core.errors import ValidationError
-from qlagent.core.ports import Store
 from qlagent.http.api import Api, build_router
 from qlagent.http.server import HttpLimits, HttpServer
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from qlagent.core.ports import Store
 
 # Config overrides may only stay within these bounds (edge: never above the Profile's own
 # 4 in flight / 512-byte body, ADR-0376 §4).

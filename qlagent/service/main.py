@@ -18,7 +18,6 @@ import socket
 import time
 
 from .. import bootstrap
-from ..application.runs import RunService
 from ..application.schedules import system_timezone
 from ..core.clock import now_us
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
@@ -208,6 +207,7 @@ class Service:
 
     def _done(self) -> bool:
         if self.inline_run is not None:
+            from ..application.runs import RunService    # `run start --wait` only
             if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us:
                 return True    # the wait timed out; a live shim carries on and a service ingests it
             if self.engine.live_count():

@@ -11,10 +11,13 @@ Single-instance Tasks skip a fire while a Run of theirs is live and count it
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..core import schedule as sch
 from ..core.models import ScheduleCursor, TaskHead
-from ..core.ports import Store
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import Store
 
 ACTOR = "scheduler"
 

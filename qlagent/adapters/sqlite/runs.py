@@ -13,12 +13,11 @@ import sqlite3
 import msgspec
 
 from ...core import states
-from ...core.canonical import sha256_hex, snapshot_ref
+from ...core.canonical import idempotency_key, sha256_hex, snapshot_ref
 from ...core.errors import FenceRejected, NotFoundError, UnavailableError, ValidationError
 from ...core.ids import new_id
 from ...core.models import START_ROLES, Attempt, CreatedRun, Run, RunEvent, ScheduleCursor, TaskHead
 from ...core.receipt import TruncationFact
-from ...core.taskstart import idempotency_key
 from . import definitions as defs
 from . import policy
 
