@@ -1,5 +1,5 @@
 """Bench for the shim (issue 3 item 4 and bench lines): drainer throughput vs `cat`
-through a FIFO, per-run overhead (extra PIDs, shim RSS/USS) of `python3 -I -S shim.py`
+through a FIFO, per-run overhead (extra PIDs, shim RSS/USS) of `python3 -I -S shim/main.py`
 vs a POSIX sh shim, and dispatch→exec latency of spawn_shim vs a bare os.posix_spawn.
 Every figure is printed with its baseline measured in the same run.
 
@@ -172,7 +172,7 @@ def private_dirty(pid):
 
 
 def overhead(base):
-    rows = [sample_overhead(base, "python", "python3 -I -S shim.py (shim + drainer in one)"),
+    rows = [sample_overhead(base, "python", "python3 -I -S shim/main.py (shim + drainer in one)"),
             sample_overhead(base, "python", "python shim, endless line without newline (F8)",
                             ("/bin/sh", "-c", "exec tr '\\0' x < /dev/zero")),
             sample_overhead(base, "sh", "POSIX sh shim (dash + drain subshell + head/cat)")]

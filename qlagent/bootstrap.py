@@ -15,7 +15,7 @@ from .core.clock import now_us
 from .core.profiles import Profile
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
-    from .core.ports import BudgetPort, CipherFactory, NetworkPort, SecretCipher, Store
+    from .core.ports import BudgetPort, CipherFactory, NetworkPort, PanelSource, SecretCipher, Store
 
 SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits (ARCHITECTURE.md)
 
@@ -71,6 +71,12 @@ def build_engine(settings, store: Store, *, max_concurrent: int, budget: BudgetP
     return Engine(store, procs=ShimProcesses(alloc, SHIM_LINGER_S, python), artifacts=Artifacts(alloc),
                   cipher=cipher_factory(settings.key_file), profile=settings.profile,
                   max_concurrent=max_concurrent, budget=budget, clock_us=clock_us, log=log)
+
+
+def panel_source() -> PanelSource:
+    """Reads a qinglong 2.x data directory (read-only) for ``import qinglong``."""
+    from .adapters.qinglong import QinglongPanel
+    return QinglongPanel()
 
 
 def store_checks(db_path: str) -> list[tuple[str, bool, str]]:

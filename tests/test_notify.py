@@ -187,3 +187,38 @@ def test_watchdog_pid_of_another_process_disables_pings(state, listener):  # noq
         assert "WATCHDOG=1" not in listener.lines()
     finally:
         assert stop(p) == 0
+
+
+def test_sighup_reload_protocol_good_and_refused_file(state, workdir, listener):  # noqa: F811
+    """Type=notify-reload (issue 13 §4): on SIGHUP RELOADING=1 with MONOTONIC_USEC (CLOCK_MONOTONIC µs,
+    taken after the signal was sent), then READY=1 once the file is applied -- and also when it is
+    refused, so that systemd leaves the reloading state; the refusal names the field and the agent
+    keeps running with the configuration it had."""
+    cfg = os.path.join(workdir, "qlagent.toml")
+
+    def reload_with(text):
+        with open(cfg, "w") as f:
+            f.write(text)
+        seen = len(listener.messages)
+        sent_us = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        p.send_signal(signal.SIGHUP)
+        wait_until(lambda: "READY=1" in [m for _, m in listener.messages[seen:]], timeout=10)
+        after = [m for _, m in listener.messages[seen:]]
+        stamp = next(int(m.split("=", 1)[1]) for m in after if m.startswith("MONOTONIC_USEC="))
+        assert after.index("RELOADING=1") < after.index("READY=1")
+        assert sent_us <= stamp <= time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        assert "STATUS=reloading" in after
+
+    with open(cfg, "w") as f:
+        f.write("drain_grace_s = 0\n")
+    p = start_serve(state, env=_env(listener, QLAGENT_CONFIG=cfg))
+    try:
+        listener.wait_for(_is("READY=1"))
+        reload_with("drain_grace_s = 1\n")
+        reload_with("drain_grace_s = 9999\n")
+        assert p.poll() is None
+    finally:
+        assert stop(p) == 0
+    err = p.stderr.read().decode()
+    assert "config.reloaded" in err
+    assert re.search(r"config.reload_failed .*drain_grace_s: 9999.0 outside 0..600", err), err

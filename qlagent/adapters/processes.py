@@ -27,9 +27,9 @@ from qlagent.core.receipt import (
     decode_truncation,
 )
 
-SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim.py")
+SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
 
-# The shim refuses a larger spec (shim/shim.py SPEC_LIMIT_BYTES).
+# The shim refuses a larger spec (shim/main.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
 _CREATE_TIME_TOLERANCE_S = 0.01
 
@@ -53,7 +53,7 @@ class ShimHandle:
 
 
 def spawn_shim(spec: dict, python: str = sys.executable) -> ShimHandle:
-    """Start ``python -I -S shim.py`` in a new session with an empty environment, cwd "/",
+    """Start ``python -I -S shim/main.py`` in a new session with an empty environment, cwd "/",
     stdout/stderr /dev/null, and send ``spec`` (the shim contract's JSON document, which may
     hold secret plaintext) through its stdin pipe, then close the pipe.
 

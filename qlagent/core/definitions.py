@@ -111,8 +111,11 @@ def prepare_recipe(prefix: str, env: dict[str, str], secrets: dict[str, str]) ->
     """Validate and canonicalise a context recipe; return it and its ``localctx:sha256:`` ref.
 
     Limits: POSIX names, ``QL3_*`` reserved, no NUL, each ``KEY=VALUE`` entry ≤ MAX_ARG_STRLEN
-    (131072) bytes with its NUL, at most MAX_ENV_ENTRIES entries and MAX_ENV_TOTAL bytes in all
-    (SecretRefs counted at MAX_SECRET_VALUE since their values are unknown here).
+    (131072) bytes with its NUL, at most MAX_ENV_ENTRIES entries and MAX_ENV_TOTAL bytes in all.
+    A SecretRef counts only its name here: its value is unknown until launch and may change
+    with ``secret set``, so the launch bounds the real total (ADR-0071 §4 step 5,
+    ``materializer.freeze_env``: the Run fails ``env_too_large``). Counting every SecretRef at
+    MAX_SECRET_VALUE would cap a Task at 15 Secrets (a 2.x panel's cron sees all its Envs).
     """
     if len(env) + len(secrets) > L.MAX_ENV_ENTRIES:
         raise ValidationError(f"{prefix}env", f"{len(env) + len(secrets)} entries", limit=L.MAX_ENV_ENTRIES)
@@ -135,7 +138,7 @@ def prepare_recipe(prefix: str, env: dict[str, str], secrets: dict[str, str]) ->
     for key, name in secrets.items():
         _check_env_name(f"{prefix}secrets.{key}", key)
         _check_secret_name(f"{prefix}secrets.{key}", name)
-        total += _utf8_len(key) + 2 + L.MAX_SECRET_VALUE
+        total += _utf8_len(key) + 2
         refs[key] = name
     if total > L.MAX_ENV_TOTAL:
         raise ValidationError(f"{prefix}env", f"environment needs up to {total} bytes", limit=L.MAX_ENV_TOTAL)

@@ -19,7 +19,7 @@ The process, filesystem, budget and network ports are implemented by ``qlagent.a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from .definitions import PreparedTask
 from .dispatch import Candidate, Finish, LiveAttempt, Plan
@@ -36,7 +36,10 @@ from .models import (
     TaskHead,
     TokenInfo,
 )
+from .qinglong import QlPanel, Toolset
 from .receipt import Receipt, TruncationFact
+
+T = TypeVar("T")
 
 # ---- store ports ---------------------------------------------------------------------------
 
@@ -76,9 +79,32 @@ class PolicyStore(TokenPort, Protocol):
         """Tokens of the Project, oldest first."""
 
 
+class DefinitionBatch(Protocol):
+    """The writes of one ``DefinitionStore.definition_batch``: all inside ONE transaction, with
+    the same rules as the single-call methods (``import qinglong`` uses it)."""
+
+    def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:
+        """The live head, or None."""
+
+    def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
+        """Create at revision 1; ConflictError(``task_exists``)."""
+
+    def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
+                  prepared: PreparedTask) -> TaskHead:
+        """Fenced edit as ``DefinitionStore.edit_task``."""
+
+    def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]: ...
+
+    def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None: ...
+
+
 class DefinitionStore(Protocol):
     """Task heads and their append-only revisions (ADR-0071 §2: same content idempotent,
     different content ConflictError)."""
+
+    def definition_batch(self, work: Callable[[DefinitionBatch], T], *, dry_run: bool = False) -> T:
+        """Run ``work`` in one write transaction and return its result; an exception from it
+        writes nothing, and ``dry_run`` rolls everything back even when it succeeds."""
 
     def add_tasks(self, project_id: str, prepared: list[PreparedTask]) -> list[TaskHead]:
         """Create every Task at revision 1, all or nothing. ConflictError(``task_exists``)."""
@@ -327,6 +353,20 @@ class BudgetPort(Protocol):
 
     def recent(self, max_age_s: float, extra_roots: list[int]) -> Usage:
         """Figures measured within ``max_age_s`` s, else fresh ones (bytes, count)."""
+
+
+class PanelSource(Protocol):
+    """A qinglong 2.x data directory, read-only (``adapters.qinglong``)."""
+
+    def read_panel(self, path: str, scripts_dir: str | None) -> QlPanel:
+        """The panel's crons, Envs and config.sh. ValidationError (not 2.x, corrupt, unreadable)
+        or UnavailableError (its database is locked or kept changing)."""
+
+    def readable_files(self, paths: frozenset[str]) -> frozenset[str]:
+        """Those of ``paths`` this user can read."""
+
+    def find_tools(self) -> Toolset:
+        """The interpreters present on the task PATH."""
 
 
 class NetworkPort(Protocol):

@@ -90,7 +90,7 @@ def load_config(path: str | None) -> tuple[Config, str | None]:
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:
-        raise from_msgspec(e, root="config", where=path) from None
+        raise from_msgspec(e, root="config", where=path, data=data, type_=Config) from None
     validate(cfg)
     return cfg, path
 
@@ -101,7 +101,7 @@ def parse_listen(value: str) -> tuple[str, int]:
     ValidationError(field ``http.listen``) naming the rule."""
     m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:([0-9]{1,5})", value) or re.fullmatch(r"([^:\[\]]+):([0-9]{1,5})", value)
     if not m or int(m.group(2)) > 65535:
-        raise ValidationError("http.listen", f"must be HOST:PORT with port 0..65535, got {value!r}",
+        raise ValidationError("http.listen", f"{value!r} is not HOST:PORT (port 0..65535; 0 picks a free one)",
                               limit="0..65535")
     return m.group(1), int(m.group(2))
 

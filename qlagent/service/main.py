@@ -329,7 +329,7 @@ class Service:
             self.log("err", "config.reload_failed", error=str(e))
         n = self.scheduler.reload()
         self._ensure_netgate()
-        self.notify.send("READY=1")
+        self.notify.ready(self._status())    # ends the reload either way; a refusal is in the journal
         self.log("info", "schedule.reloaded", tasks=n)
         self.poked = True
 

@@ -2,11 +2,14 @@
 
 A no-op without ``NOTIFY_SOCKET``. ``WATCHDOG=1`` is due every ``WATCHDOG_USEC / 2`` and is sent
 only by the main loop after a healthy iteration; ``WATCHDOG_PID``, when set, must be ours.
+Reload (``Type=notify-reload``, systemd ≥ 253): ``RELOADING=1`` with ``MONOTONIC_USEC`` on
+SIGHUP, then ``READY=1`` once the configuration is applied or refused.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 
 class Notifier:
@@ -45,7 +48,11 @@ class Notifier:
         self.send(f"EXTEND_TIMEOUT_USEC={usec}")
 
     def reloading(self) -> None:
-        self.send("RELOADING=1")
+        """RELOADING=1 stamped with CLOCK_MONOTONIC in µs: systemd ends a notify-reload only on a
+        RELOADING=1 whose MONOTONIC_USEC is not older than its own reload request (sd_notify(3))."""
+        self._status = "reloading"
+        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
+                  "STATUS=reloading")
 
     def next_ping_us(self, now_us: int) -> int | None:
         """When the next WATCHDOG=1 is due (half of WATCHDOG_USEC after the last), or None."""

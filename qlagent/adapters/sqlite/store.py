@@ -11,6 +11,7 @@ process acts in.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from ...core import states
 from ...core.clock import now_us as wall_us
@@ -38,8 +39,43 @@ from . import runs as runs_repo
 from . import secrets as secret_rows
 from .authority import BUSY_TIMEOUT_MS, SqliteAuthority
 
+T = TypeVar("T")
 DEFAULT_TIMEOUT_MS = 3_600_000      # timing() of a revision that is gone (recovery only)
 DEFAULT_GRACE_MS = 5_000
+
+
+class _Rollback(Exception):
+    """Carries a dry run's result out of the transaction it rolls back."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+
+class _Batch:
+    """``core.ports.DefinitionBatch`` on the connection of one open write transaction."""
+
+    def __init__(self, conn, now_us: int) -> None:
+        self._c, self._now = conn, now_us
+
+    def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:
+        try:
+            return defs.get_head(self._c, project_id, name_or_id)
+        except NotFoundError:
+            return None
+
+    def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
+        return defs.add_task(self._c, project_id, prepared, self._now)
+
+    def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
+                  prepared: PreparedTask) -> TaskHead:
+        return defs.edit_task(self._c, project_id, name_or_id, expected_revision, expected_digest, prepared,
+                              self._now)
+
+    def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
+        return secret_rows.get_ciphertexts(self._c, project_id, names)
+
+    def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
+        secret_rows.put_secret(self._c, project_id, name, ciphertext, key_id, self._now)
 
 
 class SqliteStore:
@@ -158,6 +194,17 @@ class SqliteStore:
                 ex.request_cancel(c, run_id, actor, now)
             return head, queued, len(active)
         return self.write(tx)
+
+    def definition_batch(self, work: Callable[[_Batch], T], *, dry_run: bool = False) -> T:
+        def tx(c):
+            result = work(_Batch(c, self._now()))
+            if dry_run:
+                raise _Rollback(result)
+            return result
+        try:
+            return self.write(tx)
+        except _Rollback as done:
+            return done.result
 
     def get_head(self, project_id: str, name_or_id: str) -> TaskHead:
         return self.read(lambda c: defs.get_head(c, project_id, name_or_id))

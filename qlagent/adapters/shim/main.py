@@ -1,6 +1,6 @@
 """Per-run shim and FIFO drainer (ADR-0071 §5, ARCHITECTURE.md "shim contract").
 
-Run as ``python3 -I -S shim.py`` in its own session, stdin a pipe carrying ONE JSON spec
+Run as ``python3 -I -S shim/main.py`` in its own session, stdin a pipe carrying ONE JSON spec
 (it holds secret plaintext, so it never travels through argv or disk), stdout/stderr /dev/null,
 an empty environment. Stdlib only and no qlagent import: it must start fast, stay small
 (one extra PID, a few MiB) and outlive the agent.

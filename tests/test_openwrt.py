@@ -1,0 +1,343 @@
+"""The OpenWrt side run for real off a router (issue 13 §2, §3).
+
+The UCI converter and the procd init script are the shipped files, run under busybox ash (the
+shell of OpenWrt) with stand-ins from tests/openwrt_standin/ for what only a router has: `uci`
+(answers from one file per option), `logger` (appends to a file: what `logread` would show),
+and rc.common + the procd_* functions of procd.sh (they record each call; ``procd_json`` turns
+the record into the message that procd.sh sends with ``ubus call service set``).  The converter
+validates with the real ``qlagent config check`` of this checkout.  The cgroup writes go to a
+real cgroup v2 hierarchy where this machine has one, and to a directory tree with the files of a
+cgroup v2 where the kernel lacks the controllers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from qlagent.core.profiles import PROFILES
+
+REPO = Path(__file__).resolve().parents[1]
+FILES = REPO / "openwrt" / "qlagent" / "files"
+STANDIN = Path(__file__).resolve().parent / "openwrt_standin"
+BUSYBOX = shutil.which("busybox")
+BUSYBOX_APPLETS = ("basename", "cat", "chmod", "env", "head", "mkdir", "mktemp", "mv", "rm", "sed", "tail")
+
+pytestmark = pytest.mark.skipif(BUSYBOX is None, reason="busybox not installed (tests/run installs it)")
+
+
+class Router:
+    """One OpenWrt-like environment in a temporary directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.uci = root / "uci"
+        self.conf_dir = root / "var-etc-qlagent"
+        self.cgroup = root / "no-cgroup"
+        self.calls = root / "procd.calls"
+        self.logread = root / "logread"
+        self.applets = root / "busybox-bin"
+        for d in (self.uci, self.conf_dir, self.applets):
+            d.mkdir()
+        # The router's userland: busybox applets, not this machine's coreutils.
+        for applet in BUSYBOX_APPLETS:
+            (self.applets / applet).symlink_to(BUSYBOX)
+        self.set(state_dir=str(root / "state"))
+
+    def set(self, **options: str) -> None:
+        for k, v in options.items():
+            (self.uci / k).write_bytes(v.encode())
+
+    def unset(self, *names: str) -> None:
+        for k in names:
+            (self.uci / k).unlink()
+
+    def env(self) -> dict[str, str]:
+        return {"PATH": f"{STANDIN}:{self.applets}:{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin",
+                "UCI_DIR": str(self.uci), "PROCD_CALLS": str(self.calls), "LOGREAD": str(self.logread),
+                "QLAGENT_CONF_DIR": str(self.conf_dir), "QLAGENT_CGROUP_ROOT": str(self.cgroup),
+                "QLAGENT_UCI2TOML": str(FILES / "qlagent-uci2toml")}
+
+    def convert(self) -> subprocess.CompletedProcess:
+        return subprocess.run([BUSYBOX, "ash", str(FILES / "qlagent-uci2toml"), str(self.conf_dir)],
+                              env=self.env(), capture_output=True, text=True, timeout=60)
+
+    def init(self, action: str) -> tuple[subprocess.CompletedProcess, dict]:
+        """Run ``/etc/init.d/qlagent ACTION``; return the process and procd's ``service set`` message."""
+        self.calls.write_text("")
+        out = subprocess.run([BUSYBOX, "ash", str(STANDIN / "rc.common"), str(FILES / "qlagent.init"), action],
+                             env=self.env(), capture_output=True, text=True, timeout=60)
+        return out, procd_json(self.calls.read_text())
+
+    def log_lines(self) -> list[str]:
+        return self.logread.read_text().splitlines() if self.logread.exists() else []
+
+    def snapshot(self) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(self.conf_dir.iterdir())}
+
+
+def procd_json(record: str) -> dict:
+    """The ``ubus call service set`` message procd.sh builds from the recorded calls: types as in
+    procd.sh's _procd_set_param (tables for env/data/limits split at the first '=', arrays of
+    strings for command/file/respawn, ints for term_timeout and reload_signal (`kill -l`), a
+    boolean for stdout/stderr, strings otherwise); unnamed instances are instance1, 2, ..."""
+    msg: dict = {}
+    inst: dict | None = None
+    for line in record.splitlines():
+        call, *args = line.split("\x1f")
+        if call == "open_service":
+            msg = {"name": args[0], "script": args[1], "instances": {}, "triggers": []}
+        elif call == "open_instance":
+            inst = {}
+            msg["instances"][args[0] if args else f"instance{len(msg['instances']) + 1}"] = inst
+        elif call == "set_param":
+            kind, values = args[0], args[1:]
+            if kind in ("env", "data", "limits"):
+                inst[kind] = dict(v.split("=", 1) if "=" in v else (v, "") for v in values)
+            elif kind in ("command", "netdev", "file", "respawn", "watch", "watchdog"):
+                inst[kind] = values
+            elif kind == "term_timeout":
+                inst[kind] = int(values[0])
+            elif kind == "reload_signal":
+                inst[kind] = {"HUP": 1, "USR1": 10, "USR2": 12}[values[0]]
+            elif kind in ("stdout", "stderr", "no_new_privs"):
+                inst[kind] = values[0] == "1"
+            else:
+                inst[kind] = values[0]
+        elif call == "close_instance":
+            inst = None
+        elif call == "reload_trigger":
+            msg["triggers"].append(["config.change", ["if", ["eq", "package", args[0]],
+                                                      ["run_script", msg["script"], "reload"]]])
+        elif call == "close_service":
+            msg["method"] = args[0] if args else "set"
+    return msg
+
+
+@pytest.fixture
+def router(tmp_path) -> Router:
+    return Router(tmp_path)
+
+
+# --- the converter -----------------------------------------------------------------------------
+
+def test_defaults_convert_to_the_agents_config(router):
+    router.unset("state_dir")
+    out = router.convert()
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out.stderr
+    assert tomllib.loads((router.conf_dir / "qlagent.toml").read_text()) == {
+        "profile": "edge", "state_dir": "/etc/qlagent/state",
+        "artifact_dir": "/etc/qlagent/state/artifacts", "drain_grace_s": 20}
+    assert (router.conf_dir / "procd.env").read_text() == \
+        "profile='edge'\nstate_dir='/etc/qlagent/state'\ndrain_grace_s=20\n"
+    assert sorted(p.name for p in router.conf_dir.iterdir()) == ["procd.env", "qlagent.toml"]
+
+
+def test_quotes_backslashes_and_http_listen_survive_both_files(router):
+    weird = "/mnt/usb/q\"l\\a'b"
+    router.set(profile="standalone", state_dir=weird, http_listen="127.0.0.1:7380", drain_grace_s="600")
+    assert router.convert().returncode == 0
+    config = tomllib.loads((router.conf_dir / "qlagent.toml").read_text())
+    assert config["state_dir"] == weird and config["artifact_dir"] == weird + "/artifacts"
+    assert config["http"] == {"listen": "127.0.0.1:7380"} and config["drain_grace_s"] == 600
+    # procd.env is sourced by the init script: the value comes back byte for byte.
+    back = subprocess.run([BUSYBOX, "ash", "-c", '. "$1"; printf %s "$state_dir"', "sh",
+                           str(router.conf_dir / "procd.env")], capture_output=True, text=True)
+    assert back.stdout == weird
+
+
+BAD = [
+    # (options, message on stderr) -- each is an input named in issue 13 §3, or an edge of a limit
+    ({"state_dir": "/mnt/a\tb"}, "option state_dir: must not contain control characters"),
+    ({"artifact_dir": "/mnt/a\nb"}, "option artifact_dir: must not contain control characters"),
+    ({"drain_grace_s": "020"}, "option drain_grace_s: must be a decimal whole number of seconds 0..600 without leading zeros, got '020'"),
+    ({"drain_grace_s": "08"}, "option drain_grace_s: must be a decimal whole number of seconds 0..600 without leading zeros, got '08'"),
+    ({"drain_grace_s": "20s"}, "option drain_grace_s: must be a decimal whole number"),
+    ({"drain_grace_s": "601"}, "option drain_grace_s: 601.0 outside 0..600 seconds"),
+    ({"http_listen": ":7380"}, "option http_listen: ':7380' is not HOST:PORT"),
+    ({"http_listen": "0.0.0.0:80abc"}, "option http_listen: '0.0.0.0:80abc' is not HOST:PORT"),
+    ({"http_listen": "127.0.0.1:99999"}, "option http_listen: '127.0.0.1:99999' is not HOST:PORT"),
+    ({"profile": "huge"}, "option profile: unknown profile 'huge'"),
+    ({"state_dir": "relative/dir"}, "option state_dir: 'relative/dir' must be an absolute path"),
+    ({"drain_grace": "5"}, "option drain_grace: unknown option; known options: enabled profile"),
+    ({"enabled": "maybe"}, "option enabled: must be 0 or 1, got 'maybe'"),
+]
+
+
+@pytest.mark.parametrize("options,message", BAD, ids=[repr(o) for o, _ in BAD])
+def test_a_bad_option_exits_2_with_one_line_and_writes_nothing(router, options, message):
+    assert router.convert().returncode == 0
+    before = router.snapshot()
+    router.set(**options)
+    out = router.convert()
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    assert out.stderr.endswith("(/etc/config/qlagent, section main)\n") and "Traceback" not in out.stderr
+    assert router.snapshot() == before          # the previous files, byte for byte; no temporary left
+
+
+def test_an_unknown_section_is_refused(router):
+    (router.uci / ".sections").write_text("mian\n")
+    out = router.convert()
+    assert out.returncode == 2 and "qlagent: section mian: unknown section; only 'main' is read" in out.stderr
+    assert router.snapshot() == {}
+
+
+def test_drain_grace_edges_are_accepted(router):
+    for value, expected in (("0", 0), ("600", 600)):
+        router.set(drain_grace_s=value)
+        assert router.convert().returncode == 0
+        assert tomllib.loads((router.conf_dir / "qlagent.toml").read_text())["drain_grace_s"] == expected
+
+
+# --- the init script under procd ------------------------------------------------------------------
+
+def test_start_hands_procd_the_instance_with_budget_drain_and_reload_signal(router):
+    out, msg = router.init("start")
+    assert out.returncode == 0, out.stderr
+    conf = str(router.conf_dir / "qlagent.toml")
+    assert msg["method"] == "set" and list(msg["instances"]) == ["instance1"]
+    assert msg["instances"]["instance1"] == {
+        "command": ["/usr/bin/qlagent", "serve", "--config", conf],
+        "env": {"QLAGENT_STATE_DIR": str(router.root / "state")},
+        "user": "qlagent",
+        "limits": {"nproc": "64 64"},
+        "respawn": ["3600", "5", "5"],
+        "stdout": True, "stderr": True,
+        "term_timeout": 30,
+        "reload_signal": 1,
+        "file": [conf],
+    }
+    assert msg["triggers"][0][1][1] == ["eq", "package", "qlagent"]
+    assert (router.root / "state").is_dir()
+
+
+BAD_ON_RELOAD = [
+    {"state_dir": "/mnt/a\tb"},
+    {"drain_grace_s": "020"},
+    {"drain_grace_s": "08"},
+    {"http_listen": ":7380"},
+    {"http_listen": "0.0.0.0:80abc"},
+    {"http_listen": "127.0.0.1:99999"},
+    {"profile": "huge"},
+    {"drain_grace": "5"},
+]
+
+
+@pytest.mark.parametrize("options", BAD_ON_RELOAD, ids=[repr(o) for o in BAD_ON_RELOAD])
+def test_a_bad_option_on_reload_keeps_the_running_instance_and_config(router, options):
+    _, good = router.init("start")
+    before = router.snapshot()
+    router.logread.write_text("")
+    router.set(**options)
+    out, msg = router.init("reload")
+    # procd compares each instance with the one it runs (service/instance.c,
+    # instance_config_changed): the same message means the agent is left alone.
+    assert msg == good
+    assert router.snapshot() == before
+    errors = [line for line in router.log_lines() if line.startswith("daemon.err")]
+    assert len(errors) == 1, router.log_lines()
+    name = next(iter(options))
+    assert errors[0].startswith(f"daemon.err qlagent: option {name}: ")
+    assert errors[0].endswith(f"the running agent and {router.conf_dir}/qlagent.toml are kept")
+    if name == "state_dir":
+        assert not Path("/mnt/a\tb").exists()
+
+
+def test_a_bad_option_at_first_start_starts_nothing(router):
+    router.set(profile="huge")
+    out, msg = router.init("start")
+    assert out.returncode == 1 and msg["instances"] == {}
+    assert router.snapshot() == {}
+    assert [l for l in router.log_lines() if l.startswith("daemon.err")] == [
+        "daemon.err qlagent: option profile: unknown profile 'huge'; expected one of ['edge', 'standalone']"
+        " (/etc/config/qlagent, section main); not started"]
+
+
+def test_a_good_change_is_applied_by_sighup_with_the_new_drain(router):
+    _, first = router.init("start")
+    router.set(drain_grace_s="45", http_listen="127.0.0.1:7381")
+    _, second = router.init("reload")
+    inst = second["instances"]["instance1"]
+    assert inst["term_timeout"] == 55 and inst["reload_signal"] == 1
+    assert tomllib.loads((router.conf_dir / "qlagent.toml").read_text())["http"] == {"listen": "127.0.0.1:7381"}
+
+
+def test_disabled_hands_procd_no_instance(router):
+    router.set(enabled="0")
+    out, msg = router.init("start")
+    assert out.returncode == 0 and msg["instances"] == {} and router.snapshot() == {}
+
+
+# --- the budget in the service's cgroup -----------------------------------------------------------
+
+def fake_cgroup2(root: Path, controllers: str) -> Path:
+    """The files of a cgroup v2 root whose kernel offers CONTROLLERS (what the init script reads
+    and writes); the kernel would create memory.max/pids.max when a controller is enabled."""
+    root.mkdir()
+    (root / "cgroup.controllers").write_text(controllers + "\n")
+    (root / "cgroup.subtree_control").write_text("")
+    (root / "services").mkdir()
+    (root / "services" / "cgroup.subtree_control").write_text("")
+    return root
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_budget_of_the_profile_is_written_to_the_service_cgroup(router, profile):
+    router.cgroup = fake_cgroup2(router.root / "cgroup", "cpu memory pids")
+    router.set(profile=profile)
+    out, msg = router.init("start")
+    assert out.returncode == 0, out.stderr
+    p = PROFILES[profile]
+    cg = router.cgroup / "services" / "qlagent"
+    assert (cg / "memory.max").read_text() == f"{p.memory_bytes}\n"
+    assert (cg / "pids.max").read_text() == f"{p.pids}\n"
+    assert msg["instances"]["instance1"]["limits"] == {"nproc": f"{p.pids} {p.pids}"}
+    assert router.log_lines() == []
+
+
+UNIFIED = Path("/sys/fs/cgroup/unified")
+
+
+@pytest.fixture
+def real_cgroup2():
+    """A subtree of this machine's real cgroup v2 hierarchy, standing in for /sys/fs/cgroup."""
+    if os.geteuid() != 0 or not (UNIFIED / "cgroup.subtree_control").exists():
+        pytest.skip("needs root and a cgroup v2 hierarchy at /sys/fs/cgroup/unified")
+    root = UNIFIED / f"qlagent-packages-{os.getpid()}"
+    root.mkdir()
+    yield root
+    for d in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if d.is_dir():
+            d.rmdir()
+    root.rmdir()
+
+
+def test_real_cgroup2_gets_the_service_group_and_names_a_missing_controller(router, real_cgroup2):
+    router.cgroup = real_cgroup2
+    offered = set((real_cgroup2 / "cgroup.controllers").read_text().split())
+    out, _ = router.init("start")
+    assert out.returncode == 0, out.stderr
+    cg = real_cgroup2 / "services" / "qlagent"
+    assert (cg / "cgroup.procs").exists()         # a real cgroup, made by the kernel
+    if {"memory", "pids"} <= offered:
+        assert (cg / "memory.max").read_text() == "134217728\n" and (cg / "pids.max").read_text() == "64\n"
+    else:
+        # This machine binds memory and pids to cgroup v1: the script must say so, once.
+        missing = " ".join(c for c in ("memory", "pids") if c not in offered)
+        assert router.log_lines() == [
+            f"daemon.warn qlagent: cgroup controller(s) {missing} not available at {real_cgroup2}: "
+            "that part of the budget is the agent's admission check (and rlimit nproc) only"]
+
+
+def test_without_cgroup2_says_so(router):
+    out, _ = router.init("start")
+    assert out.returncode == 0
+    assert router.log_lines() == [f"daemon.warn qlagent: no cgroup v2 at {router.cgroup}: budget not enforced "
+                                  "by the kernel (rlimit nproc and the agent's admission check only)"]
