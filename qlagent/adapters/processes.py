@@ -17,15 +17,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from qlagent.core.errors import LaunchError, QlError, UnavailableError, ValidationError
-from qlagent.core.receipt import (
-    FACT_LIMIT_BYTES,
-    Receipt,
-    RunFileError,
-    TruncationFact,
-    decode_receipt,
-    decode_truncation,
-)
+from qlagent.core.errors import FACT_LIMIT_BYTES, LaunchError, QlError, RunFileError, UnavailableError, ValidationError
+from qlagent.core.receipt import Receipt, TruncationFact, decode_receipt, decode_truncation
 
 SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
 

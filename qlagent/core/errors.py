@@ -131,6 +131,20 @@ class LaunchError(UnavailableError):
         self.reason = reason
 
 
+# A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.
+FACT_LIMIT_BYTES = 65_536
+
+
+class RunFileError(QlError):
+    """receipt.json, truncated.json or task.pid exists but is not valid; ``field`` names the fault
+    (e.g. ``receipt.json.signal``)."""
+
+    code = "run_file_invalid"
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}", field=field_name)
+
+
 class StoreIntegrityError(UnavailableError):
     """The database's migration history is unknown or altered; start-up refuses it."""
 

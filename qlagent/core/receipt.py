@@ -5,22 +5,11 @@ with msgspec, so a missing or mistyped field is refused in one place.
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 
-from .errors import QlError
-
-# A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.
-FACT_LIMIT_BYTES = 65_536
-
-
-class RunFileError(QlError):
-    """receipt.json, truncated.json or task.pid exists but is not valid; ``field`` names the fault
-    (e.g. ``receipt.json.signal``)."""
-
-    code = "run_file_invalid"
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}", field=field_name)
+from .errors import FACT_LIMIT_BYTES, RunFileError
 
 
 class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -58,8 +47,9 @@ class _ShimTruncation(msgspec.Struct, frozen=True):
     bytes_kept: int
 
 
-_receipt_dec = msgspec.json.Decoder(Receipt)
-_trunc_dec = msgspec.json.Decoder(_ShimTruncation)
+@functools.cache
+def _decoder(kind: type) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(kind)      # built at the first Run end, not at start-up
 
 
 def _field_of(err: msgspec.ValidationError) -> str | None:
@@ -75,13 +65,13 @@ def _field_of(err: msgspec.ValidationError) -> str | None:
 
 def decode_receipt(raw: bytes) -> Receipt:
     """Decode ``receipt.json``; raises RunFileError naming ``receipt.json.<field>``."""
-    return _decode(raw, _receipt_dec, "receipt.json")
+    return _decode(raw, _decoder(Receipt), "receipt.json")
 
 
 def decode_truncation(raw: bytes) -> TruncationFact:
     """Decode the shim's ``truncated.json`` (``{"quota_bytes","bytes_kept"}``, integers ≥ 0);
     raises RunFileError naming ``truncated.json.<field>``."""
-    t = _decode(raw, _trunc_dec, "truncated.json")
+    t = _decode(raw, _decoder(_ShimTruncation), "truncated.json")
     for name in ("quota_bytes", "bytes_kept"):
         if getattr(t, name) < 0:
             raise RunFileError(f"truncated.json.{name}", "must be an integer >= 0")

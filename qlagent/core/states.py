@@ -9,11 +9,12 @@ Attempt: claimed → starting → running → succeeded | failed | timed_out | c
 
 from __future__ import annotations
 
-from enum import StrEnum
+class RunState:
+    """A Run's states, as stored and shown (plain strings: a namespace, as supervisor's
+    ``states.py``, not an Enum class — cheaper to load on a router).
 
-
-class RunState(StrEnum):
-    """A Run's state; members compare equal to their stored strings."""
+    ``ALL`` in lifecycle order; ``LIVE``: not ended (may still change); ``ACTIVE``: a process may
+    exist; ``TERMINAL``: final."""
 
     QUEUED = "queued"
     STARTING = "starting"
@@ -24,14 +25,14 @@ class RunState(StrEnum):
     CANCELLED = "cancelled"
     LOST = "lost"
 
-    # Sets of members, attached below (an Enum body cannot hold its own members in a set).
-    LIVE: frozenset
-    ACTIVE: frozenset
-    TERMINAL: frozenset
+    ALL = (QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED, TIMED_OUT, CANCELLED, LOST)
+    LIVE = frozenset({QUEUED, STARTING, RUNNING})
+    ACTIVE = frozenset({STARTING, RUNNING})
+    TERMINAL = frozenset(ALL) - LIVE
 
 
-class AttemptState(StrEnum):
-    """An Attempt's state; members compare equal to their stored strings."""
+class AttemptState:
+    """An Attempt's states (see RunState); ``START_FAILED``: the task never ran."""
 
     CLAIMED = "claimed"
     STARTING = "starting"
@@ -43,26 +44,21 @@ class AttemptState(StrEnum):
     LOST = "lost"
     START_FAILED = "start_failed"
 
-    LIVE: frozenset
-    ACTIVE: frozenset
-    TERMINAL: frozenset
+    ALL = (CLAIMED, STARTING, RUNNING, SUCCEEDED, FAILED, TIMED_OUT, CANCELLED, LOST, START_FAILED)
+    LIVE = frozenset({CLAIMED, STARTING, RUNNING})
+    ACTIVE = frozenset({STARTING, RUNNING})
+    TERMINAL = frozenset(ALL) - LIVE
+    # Attempts a retry policy may follow with a new Attempt (not after a cancel or success).
+    RETRYABLE = frozenset({FAILED, TIMED_OUT, LOST, START_FAILED})
 
 
-# LIVE: not ended (a Run may still change); ACTIVE: a process may exist (starting/running);
-# TERMINAL: final.
-RUN_LIVE = frozenset({RunState.QUEUED, RunState.STARTING, RunState.RUNNING})
-RUN_ACTIVE = frozenset({RunState.STARTING, RunState.RUNNING})
-RUN_TERMINAL = frozenset(RunState) - RUN_LIVE
-ATTEMPT_LIVE = frozenset({AttemptState.CLAIMED, AttemptState.STARTING, AttemptState.RUNNING})
-ATTEMPT_ACTIVE = frozenset({AttemptState.STARTING, AttemptState.RUNNING})
-ATTEMPT_TERMINAL = frozenset(AttemptState) - ATTEMPT_LIVE
-RETRYABLE = frozenset({AttemptState.FAILED, AttemptState.TIMED_OUT, AttemptState.LOST, AttemptState.START_FAILED})
-RunState.LIVE = RUN_LIVE
-RunState.ACTIVE = RUN_ACTIVE
-RunState.TERMINAL = RUN_TERMINAL
-AttemptState.LIVE = ATTEMPT_LIVE
-AttemptState.ACTIVE = ATTEMPT_ACTIVE
-AttemptState.TERMINAL = ATTEMPT_TERMINAL
+RUN_LIVE = RunState.LIVE
+RUN_ACTIVE = RunState.ACTIVE
+RUN_TERMINAL = RunState.TERMINAL
+ATTEMPT_LIVE = AttemptState.LIVE
+ATTEMPT_ACTIVE = AttemptState.ACTIVE
+ATTEMPT_TERMINAL = AttemptState.TERMINAL
+RETRYABLE = AttemptState.RETRYABLE
 
 
 _RUN = {

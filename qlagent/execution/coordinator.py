@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 from ..core.dispatch import Finish, LaunchCommand
 from ..core.errors import LaunchError
-from ..core.receipt import Receipt
 from ..core.states import AttemptState, outcome
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import ExecutionStore, ProcessPort
+    from ..core.receipt import Receipt
 
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
 

@@ -126,8 +126,8 @@ class Api:
         _, proj = self._principal(req, p["projectId"], "run.read")
         limit = query_int(req, "limit", RUN_PAGE_DEFAULT, 1, RUN_PAGE_MAX)
         state = req.query.get("state")
-        if state is not None and state not in RunState.__members__.values():
-            raise HttpError(400, "bad_query", f"state must be one of {', '.join(RunState)}", field="state")
+        if state is not None and state not in RunState.ALL:
+            raise HttpError(400, "bad_query", f"state must be one of {', '.join(RunState.ALL)}", field="state")
         task = req.query.get("task")
         if task is not None and not 1 <= len(task) <= 128:
             raise HttpError(400, "bad_query", "task must be 1..128 characters", field="task")

@@ -24,16 +24,15 @@ from . import policy
 _enc = msgspec.json.Encoder(order="sorted")
 
 
-def sql_in(values: frozenset) -> str:
-    """``('a','b')``: a state set (core.states) as a SQL ``IN`` list, in declaration order so the
+def sql_in(values: frozenset, order: tuple[str, ...]) -> str:
+    """``('a','b')``: a state set (core.states) as a SQL ``IN`` list, in lifecycle ``order`` so the
     text is stable (SQLite picks a partial index only when a query repeats its WHERE verbatim)."""
-    order = list(type(next(iter(values))))
-    return "(" + ",".join(f"'{v.value}'" for v in sorted(values, key=order.index)) + ")"
+    return "(" + ",".join(f"'{v}'" for v in order if v in values) + ")"
 
 
-RUN_LIVE_SQL = sql_in(states.RUN_LIVE)          # ('queued','starting','running'): runs_by_state's WHERE
-RUN_ACTIVE_SQL = sql_in(states.RUN_ACTIVE)
-ATTEMPT_ACTIVE_SQL = sql_in(states.ATTEMPT_ACTIVE)
+RUN_LIVE_SQL = sql_in(states.RUN_LIVE, states.RunState.ALL)     # ('queued','starting','running'): runs_by_state
+RUN_ACTIVE_SQL = sql_in(states.RUN_ACTIVE, states.RunState.ALL)
+ATTEMPT_ACTIVE_SQL = sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)
 
 
 def append_event(conn: sqlite3.Connection, run_id: str, sequence: int, type_: str, actor: str,
@@ -229,7 +228,7 @@ def list_runs(conn: sqlite3.Connection, project_id: str, *, task_id: str | None 
     """
     if not (1 <= limit <= MAX_PAGE):
         raise ValidationError("limit", f"{limit} outside 1..{MAX_PAGE}", limit=MAX_PAGE)
-    if state is not None and state not in states.RunState.__members__.values():
+    if state is not None and state not in states.RunState.ALL:
         raise ValidationError("state", f"unknown state {state!r}")
     where, args = ["r.project_id = ?"], [project_id]
     if task_id:
