@@ -63,14 +63,16 @@ def network_gate() -> NetworkPort:
 def build_engine(settings, store: Store, *, max_concurrent: int, budget: BudgetPort | None,
                  clock_us: Callable[[], int], log, python: str | None = None):
     """An ``application.engine.Engine`` over ``store`` with the shim, artifact and cipher adapters
-    of ``settings`` (artifact root, runs directory, key file, Profile)."""
+    of ``settings`` (artifact root, runs directory, key file, Profile) and the run user's
+    baseline environment (HOME, USER, LOGNAME, SHELL)."""
     from .adapters.artifacts import ArtifactAllocator, Artifacts
-    from .adapters.processes import ShimProcesses
+    from .adapters.processes import ShimProcesses, baseline_env
     from .application.engine import Engine
     alloc = ArtifactAllocator(settings.artifact_dir, settings.profile, runs_root=settings.runs_dir)
     return Engine(store, procs=ShimProcesses(alloc, SHIM_LINGER_S, python), artifacts=Artifacts(alloc),
                   cipher=cipher_factory(settings.key_file), profile=settings.profile,
-                  max_concurrent=max_concurrent, budget=budget, clock_us=clock_us, log=log)
+                  max_concurrent=max_concurrent, budget=budget, clock_us=clock_us, baseline=baseline_env(),
+                  log=log)
 
 
 def panel_source() -> PanelSource:

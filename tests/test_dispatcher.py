@@ -279,10 +279,13 @@ def test_launch_failure_is_reported_once_not_retried_in_a_loop(root):
     b.engine._coordinator._procs._python = os.path.join(root, "no-such-python")    # the shim cannot start
     r = check_result(b.engine.dispatcher.dispatch_once(), EDGE.dispatch_page)
     assert (r.status, r.run_id) == ("launch_failed", rid)
-    assert r.reason.startswith("spawn_failed")
+    assert r.reason == "shim_failed"          # a real errno in the text, never an invented one
     run = b.run(rid)
     assert run.state == "failed"
-    assert b.attempts(rid)[0].failure_reason == r.reason
+    (a,) = b.attempts(rid)
+    assert a.failure_reason == r.reason
+    assert a.start_error == f"shim: python {os.path.join(root, 'no-such-python')}: cannot start the shim: " \
+                            "ENOENT (No such file or directory)"
     assert check_result(b.engine.dispatcher.dispatch_once(), EDGE.dispatch_page).status == "no_candidate"
     assert spawned(root) == []
     b.close()

@@ -37,7 +37,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "qlagent.adapters": frozenset({"qlagent.core", "qlagent.adapters"}),
     "qlagent.execution": frozenset({"qlagent.core", "qlagent.execution"}),
     "qlagent.dispatch": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch"}),
-    "qlagent.application": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch",
+    # Fleet Worker policy (issue 11): pure decisions between core and application.
+    "qlagent.worker": frozenset({"qlagent.core", "qlagent.worker"}),
+    "qlagent.application": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch", "qlagent.worker",
                                       "qlagent.application"}),
     "qlagent.bootstrap": frozenset({"qlagent.core", "qlagent.adapters", "qlagent.application", "qlagent.bootstrap"}),
     "qlagent.http": frozenset({"qlagent.core", "qlagent.application", "qlagent.http"}),
@@ -55,7 +57,8 @@ DRIVERS: dict[str, frozenset[str]] = {
     "psutil": frozenset({"qlagent.adapters"}),
     "cryptography": frozenset({"qlagent.adapters"}),
 }
-# The pure core does no I/O: none of these may be loaded by importing it.
+PURE_LAYERS = ("qlagent.core", "qlagent.worker")
+# The pure layers do no I/O: none of these may be loaded by importing them.
 CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "http", "socket", "subprocess",
                   "cryptography", "urllib.request", "selectors", "psutil")
 # Heavy dependencies are lazy everywhere (pyroute2 ~18 MB, cryptography): importing a module
@@ -202,8 +205,8 @@ def test_import_alone_loads_nothing_it_must_not(loaded, module):
     layer = layer_of(module)
     others = [m for m in _hits(mods, set(ALLOWED) - {"qlagent"}) if layer_of(m) not in ALLOWED[layer]]
     assert others == [], f"{module} ({layer}) loads {others} at import time"
-    if layer == "qlagent.core":
-        assert _hits(mods, CORE_FORBIDDEN) == [], f"core module {module} loads I/O modules"
+    if layer in PURE_LAYERS:
+        assert _hits(mods, CORE_FORBIDDEN) == [], f"pure module {module} loads I/O modules"
     if module not in LAZY_OWNERS:
         assert _hits(mods, LAZY_EVERYWHERE) == [], f"{module} loads a lazy dependency at import time"
 

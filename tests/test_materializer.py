@@ -3,8 +3,8 @@
 A missing Secret, execution revision or context recipe, and low space on a real small tmpfs,
 each end a pass ``unavailable`` with no log file, no run directory and no child process; the
 Run's failure is recorded with a reason code and without secret text. The task's environment is
-exactly the recipe, the secrets, ``QL3_*`` and the recipe's PATH, whatever the agent's own
-environment holds. Secret plaintext is never in the DB, WAL, events, errors, journal, shim
+exactly the run user's HOME/USER/LOGNAME/SHELL, the recipe, the secrets, ``QL3_*`` and the
+recipe's PATH, whatever the agent's own environment holds. Secret plaintext is never in the DB, WAL, events, errors, journal, shim
 argv/environment or run files (byte search, with a positive control).
 """
 
@@ -89,6 +89,21 @@ def test_missing_execution_revision_is_unavailable(root):
     b.close()
 
 
+def test_missing_task_revision_fails_the_run_instead_of_hiding_it(root):
+    """A Run whose pinned definition revision is gone (bad restore) is not left out of the
+    candidate page, queued for ever: it fails with revision_missing (issue 12 §2)."""
+    b = Bench(os.path.join(root, "s"))
+    (head,) = b.add(task("t", "echo hi\n"))
+    rid = b.start("t")
+    with sqlite3.connect(b.db_path) as c:
+        c.execute("PRAGMA foreign_keys = OFF")
+        c.execute("DELETE FROM task_revisions WHERE task_id = ?", (head.task_id,))
+    unavailable_pass(b, "revision_missing")
+    assert b.run(rid).state == "failed"
+    assert b.attempts(rid)[0].failure_reason == "revision_missing"
+    b.close()
+
+
 def test_missing_context_recipe_is_unavailable(root):
     b = Bench(os.path.join(root, "s"))
     b.add(task("t", "echo hi\n", env={"X": "1"}, secrets={"T": "tok"}))
@@ -142,7 +157,7 @@ def env_lines(data: bytes) -> dict[str, str]:
 
 
 def expected_env_keys(recipe: set[str]) -> set[str]:
-    return recipe | {"PATH", "QL3_RUN_ID", "QL3_ATTEMPT_ID", "QL3_PROJECT_ID", "QL3_TASK_ID", "QL3_TASK_NAME",
+    return recipe | {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "QL3_RUN_ID", "QL3_ATTEMPT_ID", "QL3_PROJECT_ID", "QL3_TASK_ID", "QL3_TASK_NAME",
                      "QL3_TASK_REVISION"}
 
 

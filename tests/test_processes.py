@@ -143,7 +143,7 @@ def test_signal_tree_without_task_pid_takes_the_shims_child(tmp_path):
 
 
 def test_spawn_shim_with_a_missing_interpreter_raises(tmp_path):
-    with pytest.raises(processes.ShimSpawnError, match="python: cannot start shim") as err:
+    with pytest.raises(processes.ShimSpawnError, match=r"no-python: cannot start the shim: ENOENT ") as err:
         processes.spawn_shim({"attempt_id": "x"}, python=str(tmp_path / "no-python"))
     assert err.value.code == "launch_failed" and err.value.exit_code == 5
 

@@ -1,4 +1,4 @@
-"""The shim with real processes, a real FIFO and real files (issue 3 item 4;
+"""The shim shim with real processes, a real FIFO and real files (issue 3 item 4;
 field reports F1, F9; fixtures in examples/router-tasks)."""
 
 import json
@@ -205,8 +205,9 @@ def test_shim_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
     assert_clean_end(spec)
 
 
-def test_an_orphan_holding_the_fifo_does_not_keep_the_shim_past_linger(tmp_path):
+def test_a_kept_orphan_holding_the_fifo_does_not_keep_the_shim_past_linger(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 30 & echo main; exit 5"], linger=0.3)
+    spec["keep_orphans"] = True
     handle = processes.spawn_shim(spec)
     task = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
     fifo = os.path.join(spec["run_dir"], "output.fifo")
@@ -215,7 +216,7 @@ def test_an_orphan_holding_the_fifo_does_not_keep_the_shim_past_linger(tmp_path)
     try:
         assert handle.popen.wait(10) == 0  # long before the orphan's 30 s
         receipt = processes.read_receipt(spec["run_dir"])
-        assert receipt.exit_code == 5
+        assert receipt.exit_code == 5 and receipt.orphans_stopped is None
         assert log_bytes(spec) == b"main\n"
         with open(os.path.join(spec["run_dir"], "shim.err")) as f:
             assert "stopped draining" in f.read()
@@ -297,7 +298,7 @@ def test_symlinked_artifact_is_not_followed(tmp_path):
     os.unlink(spec["artifact_path"])
     os.symlink(target, spec["artifact_path"])
     receipt = run_to_end(spec)
-    assert receipt.start_error.startswith("artifact_path: cannot open")
+    assert receipt.start_error == f"artifact_path {spec['artifact_path']}: ELOOP (Too many levels of symbolic links)"
     assert target.read_bytes() == b""
 
 
@@ -314,7 +315,7 @@ def test_unusable_spec_exits_two_and_writes_nothing(tmp_path, payload):
 def test_missing_cwd_gives_start_error_naming_cwd(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"], cwd=str(tmp_path / "gone"))
     receipt = run_to_end(spec)
-    assert receipt.start_error == f"cwd: cannot enter {tmp_path / 'gone'} (No such file or directory)"
+    assert receipt.start_error == f"cwd {tmp_path / 'gone'}: ENOENT (No such file or directory)"
     assert log_bytes(spec) == b"" and processes.read_task_pid(spec["run_dir"]) is None
 
 
@@ -337,7 +338,7 @@ def test_artifact_that_is_not_a_regular_file_is_refused(tmp_path):
         receipt = run_to_end(spec)
     finally:
         os.close(opener)
-    assert receipt.start_error == "artifact_path: not a regular file"
+    assert receipt.start_error == f"artifact_path {spec['artifact_path']}: not a regular file"
     assert processes.read_task_pid(spec["run_dir"]) is None
 
 
@@ -362,3 +363,43 @@ def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
             assert "artifact write failed" in f.read()
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_start_status_comes_after_the_exec_and_carries_the_exact_reason(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "exec sleep 30"])
+    handle = processes.spawn_shim(spec)
+    try:
+        assert handle.start_error is None
+        task = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
+        assert psutil.Process(task).cmdline()[0] in ("/bin/sh", "sleep")   # exec'd, not a python fork
+    finally:
+        os.killpg(task, signal.SIGKILL)
+        handle.popen.wait(10)
+        if handle.pidfd is not None:
+            os.close(handle.pidfd)
+    bad = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"], cwd=str(tmp_path / "gone"))
+    handle = processes.spawn_shim(bad)
+    assert handle.start_error == f"cwd {tmp_path / 'gone'}: ENOENT (No such file or directory)"
+    assert handle.popen.wait(10) == 0
+    assert processes.read_receipt(bad["run_dir"]).start_error == handle.start_error
+
+
+def test_start_error_is_bounded_whatever_the_path_length(tmp_path):
+    deep = "/" + "/".join(["d" * 200] * 20)                 # 4,020 bytes, under MAX_PATH_BYTES
+    spec = make_spec(tmp_path, [deep + "/prog"])
+    receipt = run_to_end(spec)
+    error = receipt.start_error
+    assert len(error) <= 512 and error.startswith("exec /ddd") and error.endswith(
+        "dd/prog: ENOENT (No such file or directory)")
+
+
+def test_shim_that_dies_before_the_status_is_a_start_error_not_a_hang(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/true"])
+    spec["quota_bytes"] = "not a number"        # bad spec: receipt with start_error, status err
+    handle = processes.spawn_shim(spec)
+    assert handle.start_error == "bad spec: quota_bytes: must be an integer >= 0"
+    handle.popen.wait(10)
+    proc = subprocess.Popen([sys.executable, "-I", "-S", processes.SHIM_PATH], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env={})
+    proc.stdin.close()                          # no spec at all: exit 2 without a status line
+    assert processes._read_status(proc, 10) == "shim: exited with status 2 before starting the task"

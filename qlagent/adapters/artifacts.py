@@ -9,12 +9,13 @@ directory, or one owned by another user, is refused; a wrong mode on our own dir
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
 from dataclasses import dataclass
 
-from qlagent.core.errors import ConflictError, UnavailableError, ValidationError
+from qlagent.core.errors import ConflictError, StartError, UnavailableError, ValidationError
 from qlagent.core.profiles import Profile
 
 _ATTEMPT_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
@@ -64,9 +65,13 @@ def _check_attempt_id(attempt_id: str) -> str:
     return attempt_id
 
 
-def _open_private_dir(name: str, dir_fd: int | None, shown: str) -> int:
+def _errno_name(exc: OSError) -> str:
+    return f"{errno.errorcode.get(exc.errno, exc.errno)} ({exc.strerror})"
+
+
+def _open_private_dir(name: str, dir_fd: int | None, shown: str, path: str) -> int:
     """mkdir 0700 if missing, then open it without following a symlink and make sure it is
-    ours with mode 0700. Returns an O_DIRECTORY fd."""
+    ours with mode 0700. Returns an O_DIRECTORY fd. ``shown``/``path`` name it in errors."""
     try:
         os.mkdir(name, 0o700, dir_fd=dir_fd)
     except FileExistsError:
@@ -75,11 +80,12 @@ def _open_private_dir(name: str, dir_fd: int | None, shown: str) -> int:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         # ELOOP: a symlink; ENOTDIR: a file or a symlink to one.
-        raise UnsafeDirectoryError(f"{shown}: not a real directory ({exc.strerror})", field=shown) from None
+        raise UnsafeDirectoryError(f"{shown} {path}: not a real directory: {_errno_name(exc)}",
+                                   field=shown) from None
     st = os.fstat(fd)
     if st.st_uid != os.geteuid():
         os.close(fd)
-        raise UnsafeDirectoryError(f"{shown}: owned by uid {st.st_uid}, not {os.geteuid()}", field=shown)
+        raise UnsafeDirectoryError(f"{shown} {path}: owned by uid {st.st_uid}, not {os.geteuid()}", field=shown)
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.fchmod(fd, 0o700)
     return fd
@@ -150,16 +156,17 @@ class ArtifactAllocator:
         if not isinstance(admission, SpaceGrant) or not admission.ok:
             raise ValidationError("admission", "allocation needs a granted admission")
         path = self.artifact_path(attempt_id)
-        root_fd = _open_private_dir(self.root, None, "artifact root")
+        root_fd = _open_private_dir(self.root, None, "artifact root", self.root)
         try:
-            shard_fd = _open_private_dir(attempt_id[:2], root_fd, "artifact shard")
+            shard_fd = _open_private_dir(attempt_id[:2], root_fd, "artifact shard", os.path.dirname(path))
         finally:
             os.close(root_fd)
         try:
             fd = os.open(attempt_id + ".log", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o600, dir_fd=shard_fd)
         except FileExistsError:
-            raise ArtifactExistsError(f"attempt_id: artifact {path} already exists", field="attempt_id") from None
+            raise ArtifactExistsError(f"artifact_path {path}: EEXIST ({_what_is_there(path)} is already there)",
+                                      field="attempt_id") from None
         finally:
             os.close(shard_fd)
         try:
@@ -172,9 +179,9 @@ class ArtifactAllocator:
         """Create (or re-check) ``<runs_root>/<attempt_id>`` with mode 0700 and return its path.
         Raises ValidationError (attempt_id) or UnsafeDirectoryError (symlinked / foreign)."""
         _check_attempt_id(attempt_id)
-        runs_fd = _open_private_dir(self.runs_root, None, "runs root")
+        runs_fd = _open_private_dir(self.runs_root, None, "runs root", self.runs_root)
         try:
-            os.close(_open_private_dir(attempt_id, runs_fd, "run directory"))
+            os.close(_open_private_dir(attempt_id, runs_fd, "run directory", os.path.join(self.runs_root, attempt_id)))
         finally:
             os.close(runs_fd)
         return os.path.join(self.runs_root, attempt_id)
@@ -224,6 +231,18 @@ class ArtifactAllocator:
         return removed
 
 
+def _what_is_there(path: str) -> str:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return "a file"
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a file" if stat.S_ISREG(mode) else "a special file"
+
+
 def _size(path: str) -> int:
     try:
         return os.lstat(path).st_size
@@ -247,8 +266,8 @@ class Artifacts:
     def allocate(self, attempt_id: str) -> str:
         try:
             return self._a.allocate(attempt_id, self._grant)
-        except ArtifactExistsError:
-            raise FileExistsError(attempt_id) from None
+        except ArtifactExistsError as e:
+            raise StartError(e.message, code="artifact_unusable") from None
 
     def discard(self, path: str) -> None:
         try:

@@ -1,5 +1,6 @@
-"""Spawn the per-run shim, recognise it after a restart, kill run trees (ADR-0071 §5,
-issue 3 items 4-6, ARCHITECTURE.md "shim contract").
+"""Spawn the per-run shim, recognise it after a restart, signal a run's process tree (ADR-0071
+§5, issue 3 items 4-6, ARCHITECTURE.md "Shim contract"); ``ShimProcesses`` is the
+``core.ports.ProcessPort`` over them.
 
 The shim runs in its own session so that it and the task survive an agent crash; the task
 runs in its own process group (pgid = task PID, written to run_dir/task.pid) so the agent can
@@ -8,20 +9,32 @@ signal it without hitting the shim.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pwd
+import select
 import shutil
+import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 import psutil
 
-from qlagent.core.errors import FACT_LIMIT_BYTES, LaunchError, QlError, RunFileError, UnavailableError, ValidationError
-from qlagent.core.receipt import Receipt, TruncationFact, decode_receipt, decode_truncation
+from qlagent.core.canonical import sha256_hex
+from qlagent.core.dispatch import LaunchCommand
+from qlagent.core.errors import FACT_LIMIT_BYTES, QlError, RunFileError, StartError, UnavailableError, ValidationError
+from qlagent.core.receipt import Receipt, TruncationFact, decode_receipt, decode_truncation, start_code
+
+from .artifacts import UnsafeDirectoryError
 
 SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
-
+# The shim reports the exec's outcome within its start-up time (~10 ms; seconds on a loaded
+# router). Past this bound the agent records the Run running and lets the receipt tell.
+START_STATUS_TIMEOUT_S = 30.0
+_STATUS_LIMIT_BYTES = 1024
 # The shim refuses a larger spec (shim/main.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
 _CREATE_TIME_TOLERANCE_S = 0.01
@@ -37,18 +50,95 @@ class ShimSpawnError(UnavailableError):
 class ShimHandle:
     """A started shim: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
     it identifies the process across PID reuse), ``pidfd`` (an fd readable when the shim
-    exits, or None where os.pidfd_open is unavailable) and the Popen used to reap it."""
+    exits, or None where os.pidfd_open is unavailable), the Popen used to reap it and
+    ``start_error``: None once the task was exec'd (or the status did not come in
+    START_STATUS_TIMEOUT_S), else the shim's reason."""
 
     pid: int
     create_time: float
     pidfd: int | None
     popen: subprocess.Popen = field(repr=False)
+    start_error: str | None = None
 
 
-def spawn_shim(spec: dict, python: str = sys.executable) -> ShimHandle:
-    """Start ``python -I -S shim/main.py`` in a new session with an empty environment, cwd "/",
-    stdout/stderr /dev/null, and send ``spec`` (the shim contract's JSON document, which may
-    hold secret plaintext) through its stdin pipe, then close the pipe.
+def _read_status(popen: subprocess.Popen, timeout_s: float) -> str | None:
+    """The shim's start status line (see shim/main.py): None for ``ok`` or no answer
+    within ``timeout_s``; the reason for ``err <reason>`` or an exit before any status."""
+    fd = popen.stdout.fileno()
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while b"\n" not in data and len(data) < _STATUS_LIMIT_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, _STATUS_LIMIT_BYTES)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        popen.stdout.close()
+    line = data.split(b"\n", 1)[0].decode("utf-8", "replace")
+    if line == "ok":
+        return None
+    if line.startswith("err "):
+        return line[4:]
+    try:
+        status = popen.wait(5)
+    except subprocess.TimeoutExpired:
+        status = None
+    return f"shim: exited with status {status} before starting the task"
+
+
+def compiled_shim(cache_dir: str, python: str) -> str:
+    """The shim precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc
+    script without compiling it, which saves the compiler's memory (USS 4.5 → 2.9 MiB per run)
+    and its time on every run (bench/results/shim.md). ``python`` itself writes it (``shim/main.py
+    --compile``, so its magic number is right and the agent's heap never holds the compiler's
+    garbage) into ``cache_dir`` (the agent's private runs root, 0700) as ``.shim-<key>.pyc``,
+    mode 0600, where the key is the SHA-256 of the source and of the interpreter file's identity
+    (path, inode, mtime, size): a changed source or an upgraded interpreter gets a new file and
+    never runs stale bytecode. Cheap once written (a stat and a read of the source per call).
+    Returns SHIM_PATH when it cannot be used (not ours, cannot be written)."""
+    try:
+        real = os.path.realpath(python)
+        st = os.stat(real)
+        with open(SHIM_PATH, "rb") as f:
+            source = f.read()
+    except OSError:
+        return SHIM_PATH
+    key = sha256_hex(source + f"\0{real}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_size}".encode())[:32]
+    path = os.path.join(cache_dir, f".shim-{key}.pyc")
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            return path
+        return SHIM_PATH            # not ours alone: never run it, never replace it
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        subprocess.run([python, "-I", "-S", SHIM_PATH, "--compile", tmp], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/", timeout=30,
+                       check=True)
+        os.rename(tmp, path)
+    except (OSError, subprocess.SubprocessError):
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return SHIM_PATH
+    return path
+
+
+def spawn_shim(spec: dict, python: str = sys.executable,
+                  status_timeout_s: float = START_STATUS_TIMEOUT_S, program: str = SHIM_PATH) -> ShimHandle:
+    """Start ``python -I -S <program>`` (shim/main.py, or its compiled_shim) in a new session
+    with an empty environment, cwd "/", stderr /dev/null, and send ``spec`` (the shim
+    contract's JSON document, which may hold secret plaintext) through its stdin pipe, then
+    close the pipe; then wait (at most
+    ``status_timeout_s`` seconds) for its start status on stdout, so the caller learns whether
+    the task was exec'd before it records the Run running (``ShimHandle.start_error``).
 
     Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
     ShimSpawnError when the interpreter cannot be started or exits before reading the spec.
@@ -58,28 +148,36 @@ def spawn_shim(spec: dict, python: str = sys.executable) -> ShimHandle:
         raise ValidationError("spec", f"{len(payload)} bytes of JSON, over the limit",
                               limit=SPEC_LIMIT_BYTES)
     try:
-        popen = subprocess.Popen([python, "-I", "-S", SHIM_PATH], stdin=subprocess.PIPE,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={},
+        popen = subprocess.Popen([python, "-I", "-S", program], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={},
                                  cwd="/", start_new_session=True, close_fds=True)
     except OSError as exc:
-        raise ShimSpawnError(f"python: cannot start shim ({exc.strerror})", field="python") from None
+        raise ShimSpawnError(f"python {python}: cannot start the shim: {errno_text(exc)}",
+                                field="python") from None
     try:
         popen.stdin.write(payload)
         popen.stdin.close()
     except BrokenPipeError:
+        popen.stdout.close()
         popen.wait()
-        raise ShimSpawnError("shim exited before reading its spec") from None
+        raise ShimSpawnError("shim: exited before reading its spec") from None
+    start_error = _read_status(popen, status_timeout_s)
     try:
         create_time = psutil.Process(popen.pid).create_time()
     except psutil.NoSuchProcess:
-        # Already gone (and not reaped yet is impossible here): identity cannot be recorded.
-        popen.wait()
-        raise ShimSpawnError("shim exited at once") from None
+        # Already reaped by _read_status after a start failure: no identity to record.
+        create_time = 0.0
     try:
         pidfd = os.pidfd_open(popen.pid)
     except (AttributeError, OSError):
         pidfd = None
-    return ShimHandle(popen.pid, create_time, pidfd, popen)
+    return ShimHandle(popen.pid, create_time, pidfd, popen, start_error)
+
+
+def errno_text(exc: OSError) -> str:
+    """``ENOENT (No such file or directory)``: the errno name and its text, never invented."""
+    name = errno.errorcode.get(exc.errno, f"errno {exc.errno}") if exc.errno else "no errno"
+    return f"{name} ({exc.strerror or os.strerror(exc.errno or 0)})"
 
 
 def process_matches(pid: int, create_time: float) -> bool:
@@ -173,8 +271,9 @@ def _signal_all(task_pgid: int, owned: bool, procs: dict[int, psutil.Process], s
 
 def signal_tree(task_pgid: int | None, shim_pid: int | None, sig: int, started_after: float | None,
                 known: dict[int, psutil.Process]) -> list[int]:
-    """One non-blocking step of ``kill_tree`` for a loop that must not wait: send ``sig`` to the
-    task's process group, every descendant of the shim and every process in ``known``
+    """One non-blocking step of stopping a run (the coordinator sends SIGTERM, then SIGKILL after
+    the grace): send ``sig`` to the task's process group, every descendant of the shim and
+    every process in ``known``
     (processes seen by an earlier step, which a dead parent may have re-parented out of the
     tree). ``known`` is updated with what this step found, so a later SIGKILL still reaches an
     escaped grandchild. ``shim_pid`` None (the shim is gone) signals the group's members
@@ -232,8 +331,8 @@ def _read_fact(path: str) -> bytes | None:
 
 
 def read_receipt(run_dir: str) -> Receipt | None:
-    """The completion receipt (run_dir/receipt.json), or None if it is not written yet.
-    Raises RunFileError naming the missing or mistyped field otherwise."""
+    """The completion receipt (run_dir/receipt.json) decoded as core.receipt.Receipt, or None
+    if it is not written yet. Raises RunFileError naming the missing or mistyped field."""
     raw = _read_fact(os.path.join(run_dir, "receipt.json"))
     return None if raw is None else decode_receipt(raw)
 
@@ -261,6 +360,16 @@ def read_task_pid(run_dir: str) -> int | None:
     return pid
 
 
+def baseline_env(uid: int | None = None) -> dict[str, str]:
+    """HOME, USER, LOGNAME and SHELL of the run user's passwd entry (the agent's effective uid),
+    as cron and systemd give them; {} when the uid has no entry. A recipe value overrides each."""
+    try:
+        pw = pwd.getpwuid(os.geteuid() if uid is None else uid)
+    except KeyError:
+        return {}
+    return {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell or "/bin/sh"}
+
+
 class ShimProcesses:
     """``core.ports.ProcessPort``: shims started by this agent (``spawn``) or re-attached after
     a restart, their run directories under the allocator's ``runs_root``, and the signalling of
@@ -277,14 +386,26 @@ class ShimProcesses:
     def _run_dir(self, attempt_id: str) -> str:
         return os.path.join(self._alloc.runs_root, attempt_id)
 
-    def spawn(self, attempt_id, argv, env, cwd, artifact_path, quota_bytes) -> tuple[int, float]:
+    def spawn(self, cmd: LaunchCommand) -> tuple[int, float]:
+        attempt_id = cmd.candidate.attempt_id
         try:
             run_dir = self._alloc.run_dir(attempt_id)
-            spec = {"attempt_id": attempt_id, "argv": list(argv), "env": env, "cwd": cwd, "run_dir": run_dir,
-                    "artifact_path": artifact_path, "quota_bytes": quota_bytes, "linger_s": self._linger_s}
-            h = spawn_shim(spec, self._python)
-        except QlError as e:   # unsafe run dir, spec over its bound, no interpreter: a launch failure
-            raise LaunchError(e.code, str(e)) from None
+        except UnsafeDirectoryError as e:
+            raise StartError(e.message, code="run_dir_unsafe") from None
+        spec = {"attempt_id": attempt_id, "argv": list(cmd.argv), "env": cmd.env, "cwd": cmd.cwd,
+                "run_dir": run_dir, "artifact_path": cmd.artifact_path, "quota_bytes": cmd.quota_bytes,
+                "linger_s": self._linger_s, "umask": cmd.umask, "grace_s": cmd.grace_ms / 1000,
+                "keep_orphans": cmd.keep_orphans}
+        program = compiled_shim(self._alloc.runs_root, self._python)
+        try:
+            h = spawn_shim(spec, self._python, program=program)
+        except QlError as e:              # spec over its bound, no interpreter
+            raise StartError(f"shim: {e.message}", code="shim_failed") from None
+        if h.start_error is not None:
+            h.popen.wait()                # it writes its receipt and exits at once
+            if h.pidfd is not None:
+                os.close(h.pidfd)
+            raise StartError(h.start_error, code=start_code(h.start_error))
         self._handles[h.pid] = h
         self._started[attempt_id] = h.create_time
         return h.pid, h.create_time

@@ -28,13 +28,14 @@ class Engine:
 
     def __init__(self, store: Store, *, procs: ProcessPort, artifacts: ArtifactPort, cipher: CipherFactory,
                  profile: Profile, max_concurrent: int, budget: BudgetPort | None,
-                 clock_us: Callable[[], int], log=lambda *a, **k: None) -> None:
+                 clock_us: Callable[[], int], baseline: dict[str, str] | None = None,
+                 log=lambda *a, **k: None) -> None:
         self._store = store
         self._artifacts = artifacts
         self._coordinator = LocalExecutionCoordinator(store, procs, clock_us, log)
         self.admission = Admission(store, max_concurrent, budget, None, self.live_pids)
         self.dispatcher = LocalRunDispatcher(
-            store, Materializer(store, store, cipher, artifacts, self.admission, profile),
+            store, Materializer(store, store, cipher, artifacts, self.admission, profile, baseline=baseline, log=log),
             self._coordinator, self.admission, profile.dispatch_page)
 
     # -- lifecycle hooks for the loop -----------------------------------------------------------

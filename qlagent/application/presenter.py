@@ -27,7 +27,8 @@ def attempt(a: Attempt) -> dict:
             "executorType": a.executor_type, "exitCode": a.exit_code, "signal": a.exit_signal,
             "bytesKept": a.bytes_kept, "bytesDropped": a.bytes_dropped, "truncated": a.truncated,
             "peakRssBytes": a.peak_rss_bytes, "cpuTimeUs": a.cpu_time_us,
-            "failureReason": a.failure_reason, "startedAt": instant(a.started_at_us),
+            "failureReason": a.failure_reason, "startError": a.start_error, "orphansStopped": a.orphans_stopped,
+            "startedAt": instant(a.started_at_us),
             "endedAt": instant(a.ended_at_us)}
 
 

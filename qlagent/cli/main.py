@@ -195,6 +195,8 @@ def cmd_task_show(ctx: Ctx) -> int:
     print(f"schedules     {' | '.join(df.schedules)}  (timezone {df.timezone or 'system'})")
     print(f"next fires    {', '.join(_fmt_us(u) for u in _next_fires(h, 3)) or '-'}")
     print(f"command       {' '.join(ex.argv) if ex.kind == 'local_process' else ex.shell + ' -c <script>'}")
+    print(f"process       cwd {ex.cwd or '$HOME'}; umask {ex.umask or 'of the service'}; leftovers "
+          f"{'kept (keep_orphans)' if ex.keep_orphans else 'stopped at exit'}")
     print(f"timeout       {df.timeout_ms / 1000:g} s (grace {df.grace_ms / 1000:g} s); concurrency {df.concurrency}; "
           f"retry {df.retry.max_attempts}x")
     print(f"network       {df.network.require}{':' + df.network.interface if df.network.interface else ''}")
@@ -331,7 +333,10 @@ def cmd_run_show(ctx: Ctx) -> int:
     for a in attempts:
         print(f"attempt   #{a.attempt_no} {a.state} kept={a.bytes_kept} dropped={a.bytes_dropped}"
               f"{' TRUNCATED' if a.truncated else ''} peak_rss={a.peak_rss_bytes} cpu_us={a.cpu_time_us}"
+              + (f" orphans_stopped={a.orphans_stopped}" if a.orphans_stopped else "")
               + (f" reason={a.failure_reason}" if a.failure_reason else ""))
+        if a.start_error:
+            print(f"          could not start: {a.start_error}")
     for e in events:
         print(f"event     {e.sequence:>3} {_fmt_us(e.created_at_us)} {e.type} {msgspec.json.encode(e.payload).decode()}")
     return 0

@@ -22,6 +22,7 @@ from .schedule import ScheduleError, parse_schedules, validate_timezone
 
 POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+UMASK = re.compile(r"^[0-7]{3,4}$")
 SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")   # Linux IFNAMSIZ - 1
 PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -41,7 +42,9 @@ class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     command: list[str] | None = None
     shell: str | None = None
     script: str | None = None
-    cwd: str = "/"
+    cwd: str | None = None
+    umask: str | None = None
+    keep_orphans: bool = False
     timeout_s: float = 3600
     grace_s: float = 5
     concurrency: str = "single"
@@ -181,10 +184,19 @@ def check_secret_name(name: str) -> str:
 
 
 def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
-    """Validate the launch spec (ADR-0071 §2): absolute bounded argv or allowlisted shell."""
-    _no_nul(f"{prefix}cwd", t.cwd)
-    if not t.cwd.startswith("/") or _utf8_len(t.cwd) > L.MAX_PATH_BYTES:
-        raise ValidationError(f"{prefix}cwd", "must be an absolute path", limit=L.MAX_PATH_BYTES)
+    """Validate the launch spec (ADR-0071 §2): absolute bounded argv or allowlisted shell;
+    ``cwd`` absolute (unset: HOME at launch); ``umask`` 3-4 octal digits ≤ 0777, kept as 4."""
+    if t.cwd is not None:
+        _no_nul(f"{prefix}cwd", t.cwd)
+        if not t.cwd.startswith("/") or _utf8_len(t.cwd) > L.MAX_PATH_BYTES:
+            raise ValidationError(f"{prefix}cwd", "must be an absolute path", limit=L.MAX_PATH_BYTES)
+    umask = None
+    if t.umask is not None:
+        if not UMASK.match(t.umask) or int(t.umask, 8) > 0o777:
+            raise ValidationError(f"{prefix}umask", f"{t.umask!r} is not 3-4 octal digits up to 0777 (e.g. \"0027\")",
+                                  limit="0000..0777")
+        umask = "%04o" % int(t.umask, 8)
+    common = {"cwd": t.cwd, "umask": umask, "keep_orphans": t.keep_orphans}
     if t.command is not None and (t.shell is not None or t.script is not None):
         raise ValidationError(f"{prefix}command", "give either command or shell+script, not both")
     if t.command is not None:
@@ -204,7 +216,7 @@ def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
             raise ValidationError(f"{prefix}command", f"argv is {total} bytes in all", limit=L.MAX_ARGV_TOTAL)
         if not argv[0].startswith("/"):
             raise ValidationError(f"{prefix}command[0]", f"{argv[0]!r} is not an absolute path")
-        return ExecutionSpec(kind="local_process", argv=tuple(argv), cwd=t.cwd)
+        return ExecutionSpec(kind="local_process", argv=tuple(argv), **common)
     if t.shell is None or t.script is None:
         raise ValidationError(f"{prefix}command", "missing: give command = [absolute argv] or shell + script")
     if t.shell not in L.SHELL_ALLOWLIST:
@@ -214,7 +226,7 @@ def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
         raise ValidationError(f"{prefix}script", "is empty")
     if _utf8_len(t.script) > L.MAX_SCRIPT_BYTES:
         raise ValidationError(f"{prefix}script", f"{_utf8_len(t.script)} bytes", limit=L.MAX_SCRIPT_BYTES)
-    return ExecutionSpec(kind="shell", shell=t.shell, script=t.script, cwd=t.cwd)
+    return ExecutionSpec(kind="shell", shell=t.shell, script=t.script, **common)
 
 
 def _network(prefix: str, value: str) -> NetworkRequirement:
@@ -277,14 +289,29 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
                         enabled=t.enabled)
 
 
+# Optional launch fields added after the first release: omitted while unset, so every Task
+# stored before them keeps its contentDigest and execution digest.
+_OMITTED_UNSET = {"umask": None, "keepOrphans": False}
+
+
+def _execution_builtins(e: ExecutionSpec) -> dict:
+    doc = msgspec.to_builtins(e)
+    for key, unset in _OMITTED_UNSET.items():
+        if doc.get(key, unset) == unset:
+            doc.pop(key, None)
+    return doc
+
+
 def definition_document(d: TaskDefinition) -> dict:
     """The canonical document a Task's contentDigest covers (``enabled`` is head state, not content)."""
-    return msgspec.to_builtins(d)
+    doc = msgspec.to_builtins(d)
+    doc["execution"] = _execution_builtins(d.execution)
+    return doc
 
 
 def execution_document(e: ExecutionSpec, rref: str) -> dict:
     """The canonical document of an execution revision (its digest is the execution digest)."""
-    doc = msgspec.to_builtins(e)
+    doc = _execution_builtins(e)
     doc["recipeRef"] = rref
     return doc
 

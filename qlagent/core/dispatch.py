@@ -52,6 +52,8 @@ class Finish(msgspec.Struct, frozen=True):
     cpu_time_us: int | None = None
     failure_reason: str | None = None
     ended_at_us: int | None = None
+    start_error: str | None = None       # the reason text (core.errors.StartError), bounded
+    orphans_stopped: int | None = None
 
 
 class LiveAttempt(msgspec.Struct, frozen=True):
@@ -70,8 +72,9 @@ class LiveAttempt(msgspec.Struct, frozen=True):
 class LaunchCommand(msgspec.Struct, frozen=True):
     """ADR-0071 §4 step 8: everything the coordinator needs to start one Attempt.
 
-    ``env`` is the frozen environment (recipe values, secret plaintext, ``QL3_*`` identity);
-    it must never be logged, persisted or put in an error.
+    ``env`` is the frozen environment (baseline HOME/USER/LOGNAME/SHELL, recipe values, secret
+    plaintext, ``QL3_*`` identity); it must never be logged, persisted or put in an error.
+    ``umask`` None: the service's; ``keep_orphans``: see ExecutionSpec.
     """
 
     candidate: Candidate
@@ -83,6 +86,8 @@ class LaunchCommand(msgspec.Struct, frozen=True):
     timeout_ms: int
     grace_ms: int
     retry: RetryPolicy
+    umask: int | None = None
+    keep_orphans: bool = False
 
     def __repr__(self) -> str:      # keep secret values out of any accidental repr/traceback
         return f"LaunchCommand(run={self.candidate.run_id}, attempt={self.candidate.attempt_id})"

@@ -120,15 +120,14 @@ class UnavailableError(QlError):
     exit_code = EXIT_UNAVAILABLE
 
 
-class LaunchError(UnavailableError):
-    """A shim could not be started for an Attempt; ``reason`` is the short code the Attempt
-    records (``launch_failed``, ``unsafe_directory``, ``invalid_input`` …)."""
+class StartError(QlError):
+    """The task of a Run could not be started (ProcessPort.spawn). ``message`` is the reason:
+    paths and errno names, at most limits.MAX_START_ERROR characters, never the environment;
+    ``code`` is the Attempt's failure reason (exec_failed, cwd_unusable, artifact_unusable,
+    run_dir_unsafe, shim_failed)."""
 
-    code = "launch_failed"
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+    code = "shim_failed"
+    exit_code = EXIT_UNAVAILABLE
 
 
 # A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.

@@ -16,6 +16,7 @@ MAX_SCRIPT_BYTES = 65_536               # inline /bin/sh or /bin/bash script
 MAX_ENV_ENTRIES = 256                   # context recipe public values + SecretRefs
 MAX_ENV_TOTAL = 1_048_576               # the whole frozen environment, NULs included
 MAX_PATH_BYTES = 4_096                  # cwd and other paths
+MAX_START_ERROR = 512                   # characters of a start-failure reason (launcher START_ERROR_LIMIT)
 
 MAX_TASK_NAME = 64
 MAX_LABELS = 32

@@ -51,14 +51,19 @@ class ExecutionSpec(Base):
     """Launch spec of one Task revision (ADR-0071 §2).
 
     ``kind`` is ``local_process`` (absolute, bounded ``argv``) or ``shell`` (``shell`` from the
-    allowlist runs ``script`` inline as ``shell -c script``).
+    allowlist runs ``script`` inline as ``shell -c script``). ``cwd`` None: the task's HOME.
+    ``umask`` (4 octal digits, e.g. ``"0027"``) None: the service's umask. ``keep_orphans``:
+    leave what the main process left behind running. The two last are left out of the canonical
+    documents while unset, so a Task that does not use them keeps its digests.
     """
 
     kind: str
     argv: tuple[str, ...] = ()
     shell: str | None = None
     script: str | None = None
-    cwd: str = "/"
+    cwd: str | None = "/"
+    umask: str | None = None
+    keep_orphans: bool = False
 
     def launch_argv(self) -> list[str]:
         """The argv handed to execve."""
@@ -152,6 +157,8 @@ class Attempt(Base):
     created_at_us: int
     started_at_us: int | None
     ended_at_us: int | None
+    start_error: str | None = None       # why the task could not start: paths and errno names
+    orphans_stopped: int | None = None   # processes left by the main one, stopped at its exit
 
 
 class CreatedRun(msgspec.Struct, frozen=True, rename="camel"):

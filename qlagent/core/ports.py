@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from .definitions import PreparedTask
-from .dispatch import Candidate, Finish, LiveAttempt, Plan
+from .dispatch import Candidate, Finish, LaunchCommand, LiveAttempt, Plan
+from .inbox_states import InboxEntry, InboxOffer, PendingPull
 from .models import (
     Attempt,
     CreatedRun,
@@ -214,8 +215,10 @@ class DispatchStore(Protocol):
     def load_plan(self, c: Candidate) -> tuple[Plan | None, str | None]:
         """Pinned execution revision + recipe, or (None, ``revision_missing``/``recipe_missing``)."""
 
-    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None) -> None:
-        """End a candidate that can never launch as it stands (no Artifact, no process)."""
+    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
+                        start_error: str | None = None) -> None:
+        """End a candidate that can never launch as it stands (no process): Attempt
+        ``start_failed`` with ``reason`` (a code) and ``start_error`` (the bounded text)."""
 
     def active_count(self) -> int:
         """Runs starting or running (global concurrency); reads only live Runs."""
@@ -301,7 +304,10 @@ class ArtifactPort(Protocol):
         """None if one full log fits above the reserve and within the total quota, else a reason."""
 
     def allocate(self, attempt_id: str) -> str:
-        """Create the private log file; raises FileExistsError if it exists (a race was lost)."""
+        """Create the private log file. Raises errors.StartError (code artifact_unusable) when
+        something is already at its path: the dispatcher is the only allocator of an Attempt's
+        path and recovery removes its own leftovers, so this is never a race, and the Run
+        could never start."""
 
     def discard(self, path: str) -> None:
         """Remove a log file this pass created but could not use."""
@@ -316,9 +322,10 @@ class ArtifactPort(Protocol):
 class ProcessPort(Protocol):
     """Shim processes (``adapters.processes``): one shim per Attempt, in its own session."""
 
-    def spawn(self, attempt_id: str, argv: tuple[str, ...], env: dict[str, str], cwd: str, artifact_path: str,
-              quota_bytes: int) -> tuple[int, float]:
-        """Start the shim; returns (pid, create_time). Raises LaunchError (``reason`` a short code)."""
+    def spawn(self, cmd: LaunchCommand) -> tuple[int, float]:
+        """Start the shim in its own session and wait for its start status; returns
+        (pid, create_time) once the task was exec'd. Raises errors.StartError with the reason
+        when it was not (nothing of the Run is left running; the run directory remains)."""
 
     def watch(self, pid: int) -> int | None:
         """A pidfd that becomes readable when ``pid`` exits, or None where pidfds are missing."""
@@ -382,3 +389,32 @@ class NetworkPort(Protocol):
         """Consume pending events; True if a condition changed."""
 
     def close(self) -> None: ...
+
+
+class InboxPort(Protocol):
+    """The Worker's durable inbox (ADR-0021; states and rules in ``core.inbox_states``). Every
+    method commits durably (fsync) before it returns; nothing of a refused call is written."""
+
+    def begin_pull(self, session_id: str, generation: int, pull_id: str, lease_token: str) -> PendingPull:
+        """The Pull request to send: the kept one if it belongs to this Session and generation
+        (a retry, byte-identical), else the fresh ``pull_id``/``lease_token`` kept first."""
+
+    def end_pull(self, pull_id: str) -> None:
+        """Forget the kept Pull request after its answer arrived (idle, refused or offered)."""
+
+    def receive(self, offer: InboxOffer, pull_id: str | None = None) -> tuple[InboxEntry, bool]:
+        """Keep ``offer`` in state ``received`` (and end ``pull_id``) in one commit; returns
+        (entry, True) for a new offer, (existing entry, False) for a retry of the same offer.
+        Raises ValidationError, OfferConflict (recorded on the kept row), InboxFull."""
+
+    def advance(self, offer_id: str, state: str, outcome: dict | None = None) -> InboxEntry:
+        """Move one row to ``state`` (``outcome`` required for ``completed``). Raises
+        NotFoundError, IllegalInboxTransition, ValidationError (outcome over the byte cap)."""
+
+    def get(self, offer_id: str) -> InboxEntry | None: ...
+
+    def open_entries(self) -> list[InboxEntry]:
+        """Rows not yet acknowledged, in receipt order (what a restarted Worker recovers)."""
+
+    def usage(self) -> tuple[int, int]:
+        """(rows, bytes) counted against the Profile's inbox caps."""

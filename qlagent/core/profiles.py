@@ -20,10 +20,15 @@ class Profile(msgspec.Struct, frozen=True):
     max_concurrent_runs: int     # live Runs at once
     http_in_flight: int          # ADR-0376 §4
     http_body_bytes: int         # mutation body (ADR-0376 §4)
+    # Worker inbox (ADR-0021): offers kept at once, and their stored spec + outcome bytes.
+    # Acknowledged rows are pruned first; unacknowledged ones are never dropped (InboxFull).
+    inbox_rows: int = 64
+    inbox_bytes: int = 4 * 1_048_576
 
 
 EDGE = Profile("edge", 128 * MiB, 64, 4, 4 * MiB, 32 * MiB, 64 * MiB, 4, 4, 512)
-STANDALONE = Profile("standalone", 256 * MiB, 256, 16, 64 * MiB, 256 * MiB, 1024 * MiB, 16, 16, 4096)
+STANDALONE = Profile("standalone", 256 * MiB, 256, 16, 64 * MiB, 256 * MiB, 1024 * MiB, 16, 16, 4096,
+                     inbox_rows=1024, inbox_bytes=64 * MiB)
 
 PROFILES = {p.name: p for p in (EDGE, STANDALONE)}
 

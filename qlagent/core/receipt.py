@@ -9,7 +9,11 @@ import functools
 
 import msgspec
 
+from . import limits as L
 from .errors import FACT_LIMIT_BYTES, RunFileError
+
+# A receipt's start_error begins with what could not be used (adapters/shim/main.py).
+_START_CODES = {"cwd": "cwd_unusable", "exec": "exec_failed", "artifact_path": "artifact_unusable"}
 
 
 class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -30,6 +34,17 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     bytes_dropped: int
     peak_rss_bytes: int | None
     cpu_time_us: int | None
+    orphans_stopped: int | None = None    # absent from a receipt an older shim wrote
+
+
+def start_code(start_error: str) -> str:
+    """The Attempt failure reason (a code) for a shim's start_error text."""
+    return _START_CODES.get(start_error.split(" ", 1)[0], "shim_failed")
+
+
+def bounded(text: str) -> str:
+    """A start-failure reason cut to limits.MAX_START_ERROR characters."""
+    return text if len(text) <= L.MAX_START_ERROR else text[:L.MAX_START_ERROR - 3] + "..."
 
 
 class TruncationFact(msgspec.Struct, frozen=True, rename="camel"):

@@ -5,17 +5,23 @@
 profile quota/reserve → 7 private log Artifact → 8 (the caller) start command to the
 coordinator. Nothing exists on disk or in the process table before step 7; any refusal
 before it leaves no file behind.
+
+No silent skip: a candidate is skipped only when it lost a race (``race_lost``) or must wait
+for something that can change (``single_instance``, ``network``); one that can never start as
+it stands (missing revision, recipe or Secret, environment too large, something already at its
+Artifact path) is failed with its reason.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from ..core import limits as L
 from ..core.dispatch import Candidate, LaunchCommand, Plan
-from ..core.errors import QlError, UnavailableError
+from ..core.errors import QlError, StartError, UnavailableError
 from ..core.profiles import Profile
 from .admission import Admission
 from .secrets import resolve_secrets
@@ -42,13 +48,15 @@ def identity_env(c: Candidate, plan: Plan) -> dict[str, str]:
             "QL3_TASK_ID": c.task_id, "QL3_TASK_NAME": plan.task_name, "QL3_TASK_REVISION": str(c.task_revision)}
 
 
-def freeze_env(public: dict[str, str], secrets: dict[str, str], identity: dict[str, str]) -> dict[str, str]:
-    """Step 5: merge recipe values, secret values and identity; enforce the kernel's bounds.
+def freeze_env(public: dict[str, str], secrets: dict[str, str], identity: dict[str, str],
+               baseline: dict[str, str] | None = None) -> dict[str, str]:
+    """Step 5: merge the run user's baseline (HOME, USER, LOGNAME, SHELL), recipe values,
+    secret values and identity, each overriding the one before; enforce the kernel's bounds.
 
     Raises UnavailableError(code="env_too_large") — without the offending value — when an
     entry passes MAX_ARG_STRLEN or the whole passes MAX_ENV_TOTAL.
     """
-    env = {**public, **secrets, **identity}
+    env = {**(baseline or {}), **public, **secrets, **identity}
     total = 0
     for k, v in env.items():
         n = len(k.encode()) + len(v.encode("utf-8", "surrogateescape")) + 2
@@ -62,16 +70,24 @@ def freeze_env(public: dict[str, str], secrets: dict[str, str], identity: dict[s
 
 
 class Materializer:
-    """Turns one candidate into a LaunchCommand, or says why not (see module docstring)."""
+    """Turns one candidate into a LaunchCommand, or says why not (see module docstring).
+
+    ``baseline``: the run user's HOME/USER/LOGNAME/SHELL (recipe values override them; an
+    unset ``cwd`` is the resulting HOME); ``log(priority, event, **fields)``: the journal;
+    ``secrets``/``cipher``: where SecretRefs are read and opened (step 4).
+    """
 
     def __init__(self, store: DispatchStore, secrets: SecretStore, cipher: CipherFactory, artifacts: ArtifactPort,
-                 admission: Admission, profile: Profile) -> None:
+                 admission: Admission, profile: Profile, baseline: dict[str, str] | None = None,
+                 log: Callable[..., None] = lambda *a, **k: None) -> None:
         self._store = store
         self._secrets = secrets
         self._cipher = cipher
         self._artifacts = artifacts
         self._admission = admission
         self._profile = profile
+        self._baseline = dict(baseline or {})
+        self._log = log
 
     def discard(self, artifact_path: str) -> None:
         """Remove a log file allocated by a pass that then lost the claim race."""
@@ -93,7 +109,7 @@ class Materializer:
             secret_env = {env: plain[name].decode("utf-8", "surrogateescape")
                           for env, name in plan.recipe.secret_refs.items()}
             del plain
-            env = freeze_env(plan.recipe.public, secret_env, identity_env(c, plan))                    # 5
+            env = freeze_env(plan.recipe.public, secret_env, identity_env(c, plan), self._baseline)    # 5
         except UnavailableError as e:
             self._store.fail_unlaunched(c, e.code, plan.retry)
             return Prepared("unavailable", e.code)
@@ -103,13 +119,18 @@ class Materializer:
             return Prepared("unavailable", refused)
         try:
             path = self._artifacts.allocate(c.attempt_id)               # 7
-        except FileExistsError:
-            return Prepared("skip", "race_lost")
+        except StartError as e:                                         # something already at the path
+            self._store.fail_unlaunched(c, e.code, plan.retry, e.message)
+            self._log("warning", "run.start_failed", run=c.run_id, attempt=c.attempt_id, reason=e.code,
+                      error=e.message)
+            return Prepared("unavailable", e.code)
         except QlError as e:                                            # unsafe artifact directory
             return Prepared("unavailable", e.code)
         except OSError:                     # read-only, out of inodes, no permission: the Run waits
             return Prepared("unavailable", "artifact_unwritable")
+        ex = plan.execution
         return Prepared("ready", command=LaunchCommand(
-            candidate=c, argv=tuple(plan.execution.launch_argv()), env=env, cwd=plan.execution.cwd,
+            candidate=c, argv=tuple(ex.launch_argv()), env=env, cwd=ex.cwd or env.get("HOME") or "/",
             artifact_path=path, quota_bytes=quota, timeout_ms=plan.timeout_ms, grace_ms=plan.grace_ms,
-            retry=plan.retry))
+            retry=plan.retry, umask=None if ex.umask is None else int(ex.umask, 8),
+            keep_orphans=ex.keep_orphans))

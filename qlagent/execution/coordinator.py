@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.dispatch import Finish, LaunchCommand
-from ..core.errors import LaunchError
+from ..core.errors import StartError
+from ..core.receipt import bounded, start_code
 from ..core.states import AttemptState, outcome
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
@@ -53,19 +54,23 @@ class LocalExecutionCoordinator:
     # ---- start ---------------------------------------------------------------------------
     def start(self, cmd: LaunchCommand) -> tuple[str, str | None]:
         """ADR-0071 §4 step 8. Returns ("activated", None), ("race_lost", None) or
-        ("launch_failed", reason). Spawns at most once per Attempt: the CAS comes first."""
+        ("launch_failed", reason code). Spawns at most once per Attempt: the CAS comes first.
+        The Run is recorded running only once the launcher reported the exec; a start failure
+        ends the Attempt ``start_failed`` with its reason (a ``run.start_failed`` RunEvent and a
+        warning), and there is no ``run.running`` event."""
         c = cmd.candidate
         if not self._store.claim_starting(c, cmd.artifact_path):
             return "race_lost", None
         try:
-            pid, ctime = self._procs.spawn(c.attempt_id, cmd.argv, cmd.env, cmd.cwd, cmd.artifact_path,
-                                           cmd.quota_bytes)
-        except LaunchError as e:
-            reason = f"spawn_failed:{e.reason}"
-            self._store.finish(c.run_id, c.attempt_id, Finish(AttemptState.START_FAILED, failure_reason=reason),
-                               None, cmd.retry)
-            self._log("err", "run.launch_failed", run=c.run_id, reason=reason)
-            return "launch_failed", reason
+            pid, ctime = self._procs.spawn(cmd)
+        except StartError as e:
+            text = bounded(str(e))
+            self._store.finish(c.run_id, c.attempt_id, Finish(AttemptState.START_FAILED, failure_reason=e.code,
+                                                              start_error=text), None, cmd.retry)
+            if e.code != "run_dir_unsafe":     # never remove a directory we refused to use
+                self._procs.cleanup(c.attempt_id)
+            self._log("warning", "run.start_failed", run=c.run_id, attempt=c.attempt_id, reason=e.code, error=text)
+            return "launch_failed", e.code
         now = self._now()
         deadline = now + cmd.timeout_ms * 1000
         self._store.mark_running(c, pid, ctime, deadline)
@@ -93,16 +98,21 @@ class LocalExecutionCoordinator:
         self._procs.cleanup(attempt_id)
         if lr.pidfd is not None:
             os.close(lr.pidfd)
+        if f.start_error:
+            self._log("warning", "run.start_failed", run=lr.run_id, attempt=attempt_id, reason=f.failure_reason,
+                      error=f.start_error)
         self._log("info" if state == "succeeded" else "warning", f"run.{state}", run=lr.run_id,
-                  exit=f.exit_code, signal=f.exit_signal)
+                  exit=f.exit_code, signal=f.exit_signal, orphans=f.orphans_stopped)
         return state
 
     @staticmethod
     def _finish_from_receipt(r: Receipt, kill_reason: str | None) -> Finish:
-        st = outcome(r.exit_code, r.signal, r.start_error, kill_reason)
+        error = bounded(r.start_error) if r.start_error is not None else None
+        st = outcome(r.exit_code, r.signal, error, kill_reason)
         return Finish(st, exit_code=r.exit_code, exit_signal=r.signal, bytes_kept=r.bytes_kept,
                       bytes_dropped=r.bytes_dropped, peak_rss_bytes=r.peak_rss_bytes, cpu_time_us=r.cpu_time_us,
-                      ended_at_us=r.ended_at_us, failure_reason=("exec_failed" if r.start_error else kill_reason))
+                      ended_at_us=r.ended_at_us, failure_reason=(start_code(error) if error else kill_reason),
+                      start_error=error, orphans_stopped=r.orphans_stopped)
 
     # ---- time, cancellation, shutdown ----------------------------------------------------
     def _stop(self, lr: TrackedAttempt, reason: str, now: int, grace_us: int | None = None) -> None:
@@ -172,8 +182,12 @@ class LocalExecutionCoordinator:
             receipt, trunc = self._procs.collect(la.attempt_id)
             alive = la.shim_pid is not None and self._procs.alive(la.shim_pid, la.shim_start_time or 0.0)
             if receipt is not None and not alive:
-                self._store.finish(la.run_id, la.attempt_id, self._finish_from_receipt(receipt, None), trunc,
+                f = self._finish_from_receipt(receipt, None)
+                self._store.finish(la.run_id, la.attempt_id, f, trunc,
                                    self._store.retry_policy(la.task_id, la.task_revision))
+                if f.start_error:
+                    self._log("warning", "run.start_failed", run=la.run_id, attempt=la.attempt_id,
+                              reason=f.failure_reason, error=f.start_error)
                 self._procs.cleanup(la.attempt_id)
                 counts["ingested"] += 1
             elif alive:

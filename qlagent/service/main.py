@@ -337,9 +337,9 @@ class Service:
         self.recheck_us = None
         for _ in range(MAX_PASSES_PER_WAKE):
             r = self.engine.dispatcher.dispatch_once()
-            if r.status == "activated":
-                continue
-            if r.status == "more":
+            if r.status in ("activated", "more", "launch_failed"):
+                # launch_failed: that Run has ended with its reason (run.start_failed, logged by
+                # the coordinator); the Runs behind it must not wait for an unrelated wake-up.
                 continue
             if r.status == "unavailable" and r.reason not in CAPACITY_REASONS:
                 self.log("warning", "run.unavailable", run=r.run_id, reason=r.reason)
@@ -348,8 +348,6 @@ class Service:
             if r.status == "unavailable" or (r.status == "limited" and r.reason in ("pids", "memory")):
                 refused = r.reason
                 self.recheck_us = now + RECHECK_BLOCKED_US
-            elif r.status == "launch_failed":
-                self.log("err", "run.launch_failed", run=r.run_id, reason=r.reason)
             self._note_refusal(refused)
             break
         else:

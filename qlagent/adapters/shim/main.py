@@ -1,4 +1,4 @@
-"""Per-run shim and FIFO drainer (ADR-0071 §5, ARCHITECTURE.md "shim contract").
+"""The shim: the per-run process, and its FIFO drainer (ADR-0071 §5, ARCHITECTURE.md "Shim contract").
 
 Run as ``python3 -I -S shim/main.py`` in its own session, stdin a pipe carrying ONE JSON spec
 (it holds secret plaintext, so it never travels through argv or disk), stdout/stderr /dev/null,
@@ -8,7 +8,22 @@ an empty environment. Stdlib only and no qlagent import: it must start fast, sta
 Spec fields: attempt_id (str), argv (non-empty list of str), env (dict str→str, the task's
 ENTIRE environment), cwd (absolute path), run_dir (absolute, 0700, created by the agent),
 artifact_path (absolute, created 0600 by the agent), quota_bytes (int ≥ 0, bytes kept in the
-Artifact), linger_s (seconds ≥ 0 the drainer keeps reading after the main task exits).
+Artifact), linger_s (seconds ≥ 0 the drainer keeps reading after the main task exits),
+umask (int 0..0o777 or null: null gives the task the umask this process inherited, i.e. the
+service's), grace_s (seconds ≥ 0 between SIGTERM and SIGKILL when stopping what the main task
+left behind), keep_orphans (bool: leave them running).
+
+Start status (stdout, a pipe to the agent): ONE line once the outcome of the exec is known,
+``ok`` or ``err <start_error>``; then stdout is pointed at /dev/null. The agent records the
+Run running only after ``ok``. The task is forked and exec'd here (not posix_spawn, whose glibc
+child leaves the libc-internal signals ignored): in the child every signal disposition is the
+default, the signal mask empty, the umask the task's, stdin /dev/null, stdout+stderr the FIFO,
+cwd entered; an exec or chdir failure travels back through a CLOEXEC pipe as its errno, so the
+reason is exact (``cwd /x: ENOENT (No such file or directory)``), like subprocess does.
+
+After the main task exits, what it left behind (its process group, and processes whose
+environment carries QL3_ATTEMPT_ID=<attempt_id>) gets SIGTERM, then SIGKILL after grace_s,
+unless keep_orphans; the receipt's orphans_stopped counts them.
 
 Files in run_dir:
   output.fifo    0600 FIFO carrying the task's stdout+stderr; removed at the end.
@@ -18,7 +33,9 @@ Files in run_dir:
                  exclusive like O_EXCL and never seen half-written). Byte counts only.
   receipt.json   atomic completion receipt (temp, fsync, rename, dir fsync):
                  {"attempt_id","exit_code","signal","start_error","started_at_us","ended_at_us",
-                  "bytes_total","bytes_kept","bytes_dropped","peak_rss_bytes","cpu_time_us"}.
+                  "bytes_total","bytes_kept","bytes_dropped","peak_rss_bytes","cpu_time_us",
+                  "orphans_stopped"}. start_error: at most START_ERROR_LIMIT characters, paths
+                 and errno names only (never the environment).
   shim.err       the shim's own errors (never sent to the agent through a pipe).
 
 Exit status: 0 once a receipt is written, 2 when the spec is unusable and no receipt can be written.
@@ -30,6 +47,7 @@ json and signal modules pull in re and enum, which cost +1.2 MiB private memory 
 
 import _json
 import _signal
+import errno
 import os
 import select
 import stat
@@ -39,9 +57,15 @@ import time
 SPEC_LIMIT_BYTES = 1 << 20
 READ_CHUNK_BYTES = 65536
 MAX_LINGER_S = 3600.0
+MAX_GRACE_S = 300.0
+START_ERROR_LIMIT = 512
+_PATH_SHOWN = 200
+ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
 
 _task_pid = 0
 _term_requested = False
+_inherited_umask = 0o022   # replaced in main() by the umask this process was started with
+_status_sent = False
 
 
 def _now_us():
@@ -142,8 +166,21 @@ def _validate(spec):
     if (not isinstance(linger, (int, float)) or isinstance(linger, bool)
             or not 0 <= linger <= MAX_LINGER_S):
         raise SpecError("linger_s: must be a number of seconds in [0, %d]" % MAX_LINGER_S)
+    grace = spec.get("grace_s", 5.0)
+    if (not isinstance(grace, (int, float)) or isinstance(grace, bool)
+            or not 0 <= grace <= MAX_GRACE_S):
+        raise SpecError("grace_s: must be a number of seconds in [0, %d]" % MAX_GRACE_S)
+    umask = spec.get("umask")
+    if umask is not None and (not isinstance(umask, int) or isinstance(umask, bool)
+                              or not 0 <= umask <= 0o777):
+        raise SpecError("umask: must be null or an integer in [0, 0o777]")
+    keep = spec.get("keep_orphans", False)
+    if not isinstance(keep, bool):
+        raise SpecError("keep_orphans: must be true or false")
     return {
         "argv": argv, "env": env, "quota_bytes": quota, "linger_s": float(linger),
+        "grace_s": float(grace), "umask": _inherited_umask if umask is None else umask,
+        "keep_orphans": keep,
         "cwd": _str_field(spec, "cwd", absolute=True),
         "artifact_path": _str_field(spec, "artifact_path", absolute=True),
     }
@@ -234,6 +271,38 @@ def _on_term(signum, frame):
             pass
 
 
+class StartFailure(Exception):
+    """The task could not be started; the message is the receipt's start_error."""
+
+
+def _shown(path):
+    # Bounded: a start_error never grows with a path (START_ERROR_LIMIT).
+    if len(path) <= _PATH_SHOWN:
+        return path
+    return path[:_PATH_SHOWN // 2] + "..." + path[-(_PATH_SHOWN // 2 - 3):]
+
+
+def _errno_text(number, detail=None):
+    name = errno.errorcode.get(number, "errno %d" % number)
+    return "%s (%s)" % (name, detail or os.strerror(number))
+
+
+def _report(start_error):
+    """Tell the agent, once, whether the task was exec'd (see the module docstring)."""
+    global _status_sent
+    if _status_sent:
+        return
+    _status_sent = True
+    line = "ok\n" if start_error is None else "err %s\n" % start_error
+    try:
+        os.write(1, line.encode("utf-8", "replace"))
+        null = os.open("/dev/null", os.O_WRONLY)
+        os.dup2(null, 1)   # closes the pipe: the agent reads EOF after the line
+        os.close(null)
+    except OSError:
+        pass  # stdout already /dev/null or closed: nobody waits for the status
+
+
 def _resolve(argv0, env):
     if "/" in argv0:
         return argv0
@@ -241,30 +310,143 @@ def _resolve(argv0, env):
         candidate = os.path.join(d or ".", argv0)
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
-    raise FileNotFoundError(2, "not found in the task's PATH", argv0)
+    raise StartFailure("exec %s: %s" % (_shown(argv0), _errno_text(
+        errno.ENOENT, "not found in the task's PATH")))
+
+
+def _exec_child(cfg, path, wfd, err_w, reset):
+    # In the forked child: only async-signal-safe work on our own state, then execve.
+    stage = b"exec"
+    try:
+        for sig in reset:
+            _signal.signal(sig, _signal.SIG_DFL)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+        os.setpgid(0, 0)
+        os.umask(cfg["umask"])
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(wfd, 1)
+        os.dup2(wfd, 2)
+        stage = b"cwd"
+        os.chdir(cfg["cwd"])
+        stage = b"exec"
+        os.execve(path, cfg["argv"], cfg["env"])
+    except OSError as exc:
+        os.write(err_w, b"%s %d" % (stage, exc.errno or 0))
+    except BaseException:
+        os.write(err_w, b"shim 0")
+    os._exit(127)
 
 
 def _spawn(cfg, wfd):
-    """Start the task in its own process group; stdin /dev/null, stdout+stderr the FIFO."""
+    """Fork and exec the task in its own process group (see the module docstring); returns its
+    PID once the exec has succeeded, raises StartFailure with the exact reason otherwise."""
     path = _resolve(cfg["argv"][0], cfg["env"])
+    reset = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
+    err_r, err_w = os.pipe()   # O_CLOEXEC: EOF as soon as the exec succeeds
     try:
-        os.chdir(cfg["cwd"])  # posix_spawn has no chdir action; the shim only uses absolute paths
+        pid = os.fork()
     except OSError as exc:
-        raise SpecError("cwd: cannot enter %s (%s)" % (cfg["cwd"], exc.strerror)) from None
+        os.close(err_r)
+        os.close(err_w)
+        raise StartFailure("fork: %s" % _errno_text(exc.errno)) from None
+    if pid == 0:
+        _exec_child(cfg, path, wfd, err_w, reset)
+    os.close(err_w)
     try:
-        return os.posix_spawn(
-            path, cfg["argv"], cfg["env"],
-            file_actions=[(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-                          (os.POSIX_SPAWN_DUP2, wfd, 1),
-                          (os.POSIX_SPAWN_DUP2, wfd, 2)],
-            setpgroup=0,
-            # Ignored dispositions survive exec: give the task the defaults back.
-            setsigdef=(_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE, _signal.SIGTERM,
-                       _signal.SIGCHLD, _signal.SIGQUIT),
-            setsigmask=(),
-        )
+        os.setpgid(pid, pid)   # also here: the agent may signal the group before the child runs
+    except OSError:
+        pass                   # EACCES once the child has exec'd: it already did it itself
+    data = b""
+    while True:
+        chunk = os.read(err_r, 64)
+        if not chunk:
+            break
+        data += chunk
+    os.close(err_r)
+    if not data:
+        return pid
+    os.waitpid(pid, 0)
+    stage, _, number = data.partition(b" ")
+    number = int(number or 0)
+    if stage == b"cwd":
+        raise StartFailure("cwd %s: %s" % (_shown(cfg["cwd"]), _errno_text(number)))
+    if stage == b"exec":
+        raise StartFailure("exec %s: %s" % (_shown(cfg["argv"][0]), _errno_text(number)))
+    raise StartFailure("shim: the child failed before exec")
+
+
+def _read_all(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    except OSError:
+        return None
     finally:
-        os.chdir("/")
+        os.close(fd)
+
+
+def _leftovers(pgid, marker):
+    """Live processes in process group ``pgid`` or whose environment holds ``marker``
+    (b"\0QL3_ATTEMPT_ID=<id>\0"), this process excluded; read from /proc."""
+    found = set()
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        st = _read_all("/proc/%s/stat" % name)
+        if not st:
+            continue
+        fields = st[st.rfind(b")") + 2:].split()   # comm may hold spaces and parentheses
+        if len(fields) < 3 or fields[0] in (b"Z", b"X"):
+            continue
+        if int(fields[2]) == pgid:
+            found.add(int(name))
+            continue
+        env = _read_all("/proc/%s/environ" % name)
+        if env and marker in b"\0" + env:
+            found.add(int(name))
+    return found
+
+
+def _stop_orphans(pgid, attempt_id, grace_s, drain):
+    """What the main task left behind: SIGTERM, ``grace_s`` seconds (draining the FIFO meanwhile
+    with ``drain(timeout_ms)``), SIGKILL. Returns how many processes were stopped."""
+    marker = ("\0QL3_ATTEMPT_ID=%s\0" % attempt_id).encode("utf-8", "replace")
+    seen = set()
+    deadline = time.monotonic() + grace_s
+    sig = _signal.SIGTERM
+    while True:
+        left = _leftovers(pgid, marker)
+        if not left:
+            return len(seen)
+        if sig is not None:
+            # SIGTERM once to each process (one forked meanwhile is found by the next scan, 0.1 s
+            # later); SIGKILL to every one still there.
+            targets = left - seen if sig == _signal.SIGTERM else left
+            for pid in targets:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+            seen |= left
+            if sig == _signal.SIGKILL:
+                sig = None
+                deadline = time.monotonic() + 1.0
+        if time.monotonic() >= deadline:
+            if sig is None:
+                return len(seen)   # unkillable (D state): counted, nothing more to do
+            sig = _signal.SIGKILL
+            continue
+        drain(int(ORPHAN_POLL_S * 1000))
 
 
 def new_receipt(attempt_id, start_error=None):
@@ -273,7 +455,8 @@ def new_receipt(attempt_id, start_error=None):
     now = _now_us()
     return {"attempt_id": attempt_id, "exit_code": None, "signal": None, "start_error": start_error,
             "started_at_us": now, "ended_at_us": now if start_error is not None else None,
-            "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None}
+            "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None,
+            "orphans_stopped": None}
 
 
 def run(w, cfg):
@@ -283,11 +466,11 @@ def run(w, cfg):
         w.art_fd = os.open(cfg["artifact_path"], os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         st = os.fstat(w.art_fd)
     except OSError as exc:
-        receipt["start_error"] = "artifact_path: cannot open (%s)" % exc.strerror
+        receipt["start_error"] = "artifact_path %s: %s" % (_shown(cfg["artifact_path"]), _errno_text(exc.errno))
         receipt["ended_at_us"] = _now_us()
         return receipt
     if not stat.S_ISREG(st.st_mode):
-        receipt["start_error"] = "artifact_path: not a regular file"
+        receipt["start_error"] = "artifact_path %s: not a regular file" % _shown(cfg["artifact_path"])
         receipt["ended_at_us"] = _now_us()
         return receipt
     w.quota = cfg["quota_bytes"]
@@ -300,7 +483,7 @@ def run(w, cfg):
         rfd = os.open(w.fifo_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         wfd = os.open(w.fifo_path, os.O_WRONLY | os.O_CLOEXEC)
     except OSError as exc:
-        receipt["start_error"] = "output.fifo: cannot create (%s)" % exc.strerror
+        receipt["start_error"] = "output.fifo %s: %s" % (_shown(w.fifo_path), _errno_text(exc.errno))
         receipt["ended_at_us"] = _now_us()
         return receipt
 
@@ -313,21 +496,19 @@ def run(w, cfg):
     receipt["started_at_us"] = _now_us()
     try:
         if _term_requested:
-            raise SpecError("terminated before the task was started")
+            raise StartFailure("shim: terminated before the task was started")
         pid = _spawn(cfg, wfd)
-    except (OSError, SpecError) as exc:
+    except StartFailure as exc:
         os.close(wfd)
         os.close(rfd)
-        if isinstance(exc, SpecError):
-            receipt["start_error"] = str(exc)
-        else:
-            receipt["start_error"] = "exec %s: %s" % (cfg["argv"][0], exc.strerror or exc)
+        receipt["start_error"] = str(exc)
         receipt["ended_at_us"] = _now_us()
         return receipt
     os.close(wfd)
     _task_pid = pid
     if _term_requested:
         _on_term(_signal.SIGTERM, None)
+    _report(None)   # before task.pid and its fsyncs: the agent waits for this line
     try:
         w.write_file_atomic("task.pid", pid, False)
     except OSError as exc:
@@ -341,24 +522,9 @@ def run(w, cfg):
     eof = False
     status = None
     linger_deadline = None
-    while not eof or status is None:
-        if status is None:
-            reaped, wstatus, rusage = os.wait4(pid, os.WNOHANG)
-            if reaped:
-                status = wstatus
-                receipt["ended_at_us"] = _now_us()
-                receipt["peak_rss_bytes"] = rusage.ru_maxrss * 1024
-                receipt["cpu_time_us"] = int((rusage.ru_utime + rusage.ru_stime) * 1e6)
-                linger_deadline = time.monotonic() + cfg["linger_s"]
-                continue
-        timeout_ms = None
-        if linger_deadline is not None:
-            left = linger_deadline - time.monotonic()
-            if left <= 0:
-                w.log_error("output still open %.1fs after the task exited; stopped draining"
-                            % cfg["linger_s"])
-                break
-            timeout_ms = int(left * 1000) + 1
+
+    def drain(timeout_ms):
+        nonlocal eof
         for fd, _ in poller.poll(timeout_ms):
             if fd == wake_r:
                 try:
@@ -379,6 +545,28 @@ def run(w, cfg):
                         break
                     w.consume(view[:n])
 
+    while not eof or status is None:
+        if status is None:
+            reaped, wstatus, rusage = os.wait4(pid, os.WNOHANG)
+            if reaped:
+                status = wstatus
+                receipt["ended_at_us"] = _now_us()
+                receipt["peak_rss_bytes"] = rusage.ru_maxrss * 1024
+                receipt["cpu_time_us"] = int((rusage.ru_utime + rusage.ru_stime) * 1e6)
+                if not cfg["keep_orphans"]:
+                    receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, cfg["grace_s"], drain)
+                linger_deadline = time.monotonic() + cfg["linger_s"]
+                continue
+        timeout_ms = None
+        if linger_deadline is not None:
+            left = linger_deadline - time.monotonic()
+            if left <= 0:
+                w.log_error("output still open %.1fs after the task exited; stopped draining"
+                            % cfg["linger_s"])
+                break
+            timeout_ms = int(left * 1000) + 1
+        drain(timeout_ms)
+
     os.close(rfd)
     if os.WIFSIGNALED(status):
         receipt["signal"] = os.WTERMSIG(status)
@@ -387,11 +575,40 @@ def run(w, cfg):
     return receipt
 
 
+def _compile_self(dest):
+    """``shim/main.py --compile DEST``: write this file compiled for this interpreter to DEST
+    (new, 0600) so that the agent can run it without a compile per run."""
+    import marshal
+    fd = os.open(__file__, os.O_RDONLY)
+    try:
+        source = b""
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            source += chunk
+    finally:
+        os.close(fd)
+    code = compile(source, __file__, "exec", dont_inherit=True)
+    # PEP 552 header: magic, flags 0, then mtime and size (never checked for a script).
+    data = sys.modules["_frozen_importlib_external"].MAGIC_NUMBER + bytes(12) + marshal.dumps(code)
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return 0
+
+
 def main():
+    global _inherited_umask
+    if len(sys.argv) == 3 and sys.argv[1] == "--compile":
+        return _compile_self(sys.argv[2])
     for sig in (_signal.SIGINT, _signal.SIGHUP, _signal.SIGPIPE):
         _signal.signal(sig, _signal.SIG_IGN)
     _signal.signal(_signal.SIGTERM, _on_term)
-    os.umask(0o077)
+    # Our own files private whatever the service's umask; the task gets the inherited one back.
+    _inherited_umask = os.umask(0o077)
     try:
         spec = _read_spec()
         attempt_id = _str_field(spec, "attempt_id")
@@ -404,7 +621,7 @@ def main():
         cfg = _validate(spec)
     except SpecError as exc:
         w.log_error(str(exc))
-        receipt = new_receipt(attempt_id, "bad spec: %s" % exc)
+        receipt = new_receipt(attempt_id, "bad spec: %s" % str(exc)[:START_ERROR_LIMIT - 10])
     else:
         del spec
         try:
@@ -412,6 +629,7 @@ def main():
         except Exception as exc:  # the receipt must still appear; the cause goes to shim.err
             w.log_error("shim failure: %r" % (exc,))
             receipt = new_receipt(attempt_id, "shim failure: %s" % type(exc).__name__)
+    _report(receipt["start_error"])
     if w.art_fd >= 0:
         try:
             os.fsync(w.art_fd)

@@ -11,7 +11,7 @@ import sqlite3
 import msgspec
 
 from ...core.canonical import canonical_json
-from ...core.definitions import PreparedTask, execution_document, recipe_document
+from ...core.definitions import PreparedTask, definition_document, execution_document, recipe_document
 from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
 from ...core.limits import REVISION_MAX
@@ -60,7 +60,7 @@ def append_execution_revision(conn: sqlite3.Connection, task_id: str, revision: 
 
 
 def _append_revision(conn, task_id: str, revision: int, prepared: PreparedTask, now_us: int) -> None:
-    doc = canonical_json(msgspec.to_builtins(prepared.definition)).decode()
+    doc = canonical_json(definition_document(prepared.definition)).decode()
     row = conn.execute("SELECT content_digest FROM task_revisions WHERE task_id = ? AND revision = ?",
                        (task_id, revision)).fetchone()
     if row is not None:

@@ -23,7 +23,6 @@ from .runs import ATTEMPT_ACTIVE_SQL, RUN_ACTIVE_SQL, RUN_LIVE_SQL, append_event
 _CAND = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_revision, r.version, r.priority, "
          "r.created_at_us, r.latest_attempt_created_at_us FROM runs r INDEXED BY runs_dispatch_candidates "
          "JOIN attempts a ON a.attempt_id = r.latest_attempt_id "
-         "JOIN task_revisions tr ON tr.task_id = r.task_id AND tr.revision = r.task_revision "
          "WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL "
          "AND a.state = 'claimed' AND a.executor_type = 'local_process' "
          "AND (a.not_before_us IS NULL OR a.not_before_us <= ?) AND r.held = 0 ")
@@ -39,7 +38,9 @@ _AFTER = ("SELECT * FROM (" + _CAND + "AND r.priority = ? AND (r.created_at_us, 
 
 
 def candidate_page(conn: sqlite3.Connection, limit: int, after: tuple | None, now_us: int) -> list[Candidate]:
-    """Up to ``limit + 1`` candidates after keyset ``after`` (None: from the start)."""
+    """Up to ``limit + 1`` candidates after keyset ``after`` (None: from the start). A Run whose
+    pinned revision is missing is still a candidate: the materialiser fails it with
+    ``revision_missing`` rather than leaving it queued unseen."""
     if after is None:
         rows = conn.execute(_CAND + _ORDER, (now_us, limit + 1))
     else:
@@ -163,7 +164,8 @@ def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Fi
 
     Idempotent: an Attempt that is already terminal is left alone and the Run state returned.
     Retry (policy max_attempts, exponential backoff from backoff_ms) follows failed, timed_out,
-    lost and start_failed Attempts unless cancellation was requested.
+    lost and start_failed Attempts unless cancellation was requested. A ``start_failed``
+    Attempt first appends ``run.start_failed`` {attemptId, reason, error} (issue 12 §2).
     """
     a = conn.execute("SELECT state, attempt_no FROM attempts WHERE attempt_id = ?", (attempt_id,)).fetchone()
     run = conn.execute("SELECT state, cancel_requested_at_us, task_id FROM runs WHERE run_id = ?", (run_id,)).fetchone()
@@ -172,14 +174,21 @@ def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Fi
     states.check_attempt(a[0], f.attempt_state)
     ended = f.ended_at_us or now_us
     conn.execute("UPDATE attempts SET state = ?, exit_code = ?, exit_signal = ?, bytes_kept = ?, bytes_dropped = ?, "
-                 "peak_rss_bytes = ?, cpu_time_us = ?, failure_reason = ?, ended_at_us = ?, version = version + 1 "
-                 "WHERE attempt_id = ?",
+                 "peak_rss_bytes = ?, cpu_time_us = ?, failure_reason = ?, ended_at_us = ?, start_error = ?, "
+                 "orphans_stopped = ?, version = version + 1 WHERE attempt_id = ?",
                  (f.attempt_state, f.exit_code, f.exit_signal, f.bytes_kept, f.bytes_dropped, f.peak_rss_bytes,
-                  f.cpu_time_us, f.failure_reason, ended, attempt_id))
+                  f.cpu_time_us, f.failure_reason, ended, f.start_error, f.orphans_stopped, attempt_id))
     figures = {"attemptId": attempt_id, "attemptState": f.attempt_state, "exitCode": f.exit_code,
                "signal": f.exit_signal, "bytesKept": f.bytes_kept, "bytesDropped": f.bytes_dropped}
+    if f.orphans_stopped:
+        figures["orphansStopped"] = f.orphans_stopped
     if f.failure_reason:
         figures["reason"] = f.failure_reason
+    if f.attempt_state == "start_failed":
+        conn.execute("UPDATE runs SET event_sequence = event_sequence + 1 WHERE run_id = ?", (run_id,))
+        seq = conn.execute("SELECT event_sequence FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
+        append_event(conn, run_id, seq, "run.start_failed", "coordinator",
+                     {"attemptId": attempt_id, "reason": f.failure_reason, "error": f.start_error}, now_us)
     attempt_no = a[1]
     if (retry is not None and states.retryable(f.attempt_state) and run[1] is None
             and attempt_no < retry.max_attempts):

@@ -267,7 +267,8 @@ def list_attempts(conn: sqlite3.Connection, run_id: str) -> list[Attempt]:
                     bytes_kept=r["bytes_kept"], bytes_dropped=r["bytes_dropped"], truncated=bool(r["truncated"]),
                     peak_rss_bytes=r["peak_rss_bytes"], cpu_time_us=r["cpu_time_us"],
                     failure_reason=r["failure_reason"], created_at_us=r["created_at_us"],
-                    started_at_us=r["started_at_us"], ended_at_us=r["ended_at_us"]) for r in rows]
+                    started_at_us=r["started_at_us"], ended_at_us=r["ended_at_us"], start_error=r["start_error"],
+                    orphans_stopped=r["orphans_stopped"]) for r in rows]
 
 
 def latest_artifact(conn: sqlite3.Connection, run_id: str) -> tuple[str | None, TruncationFact | None]:

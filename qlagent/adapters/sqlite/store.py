@@ -308,8 +308,9 @@ class SqliteStore:
     def load_plan(self, c: Candidate) -> tuple[Plan | None, str | None]:
         return self.read(lambda conn: ex.load_plan(conn, c.task_id, c.task_revision))
 
-    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None) -> None:
-        f = Finish(states.AttemptState.START_FAILED, failure_reason=reason)
+    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
+                        start_error: str | None = None) -> None:
+        f = Finish(states.AttemptState.START_FAILED, failure_reason=reason, start_error=start_error)
         self.write(lambda conn: ex.finish_attempt(conn, c.run_id, c.attempt_id, f, retry, self._now())
                    if ex.reread_candidate(conn, c) else None)
 

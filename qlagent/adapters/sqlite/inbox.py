@@ -1,0 +1,270 @@
+"""The Worker's durable inbox on SQLite (ADR-0021; implements ``core.ports.InboxPort``).
+
+Its own small file, ``<state dir>/inbox.sqlite3`` (0600, not the main store: a Worker's inbox
+must stay writable and tiny whatever the store is doing), in WAL mode with ``synchronous=FULL``:
+every commit is fsync'd before the call returns, so the crash barrier is on disk before the
+caller spawns. ``secure_delete`` overwrites pruned rows (they held Lease tokens).
+
+Limits (the Profile's ``inbox_rows`` / ``inbox_bytes``, edge 64 rows / 4 MiB):
+- rows: offers kept at once, in any state;
+- bytes: their stored ExecutionSpec documents (canonical JSON) together; one outcome adds at
+  most ``MAX_OUTCOME_BYTES`` (4 KiB) per row on top, so the file stays under roughly
+  ``inbox_bytes + inbox_rows × 4 KiB`` plus SQLite's pages.
+A new offer that would pass a cap first prunes acknowledged rows, oldest first; unacknowledged
+rows are never dropped, so when they alone fill a cap the offer is refused with ``InboxFull``
+(``field`` ``inboxRows`` or ``inboxBytes``) and nothing is written. A spec larger than the byte
+cap on its own is bad input (ValidationError ``spec``).
+
+The schema version is ``PRAGMA user_version`` (1); a file of another version is refused with
+StoreIntegrityError rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+
+import msgspec
+
+from ...core.errors import NotFoundError, StoreIntegrityError, UnavailableError, ValidationError
+from ...core.inbox_states import (OPEN_STATES, InboxEntry, InboxFull, InboxOffer, OfferConflict, PendingPull,
+                                  check_offer, check_outcome, check_pull, check_transition, pull_body, same_offer)
+from ...core.profiles import Profile
+
+FILENAME = "inbox.sqlite3"
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 5_000
+WAL_CHECKPOINT_PAGES = 64
+WAL_LIMIT_BYTES = 262_144
+
+_SCHEMA = """
+CREATE TABLE offers (
+    seq                 INTEGER PRIMARY KEY AUTOINCREMENT,     -- receipt order
+    offer_id            TEXT NOT NULL UNIQUE,
+    attempt_id          TEXT NOT NULL,
+    session_id          TEXT NOT NULL,
+    generation          INTEGER NOT NULL,
+    lease_generation    INTEGER NOT NULL,
+    lease_expires_at_us INTEGER NOT NULL,
+    lease_token         TEXT NOT NULL,
+    spec_digest         TEXT NOT NULL,
+    spec_json           BLOB NOT NULL,
+    spec_bytes          INTEGER NOT NULL,
+    state               TEXT NOT NULL CHECK (state IN ('received','barrier','started','completed','acked')),
+    outcome_json        BLOB,
+    received_at_us      INTEGER NOT NULL,
+    updated_at_us       INTEGER NOT NULL,
+    conflicts           INTEGER NOT NULL DEFAULT 0,
+    last_conflict_digest TEXT,
+    last_conflict_at_us INTEGER
+);
+CREATE INDEX offers_state ON offers (state, seq);
+CREATE TABLE pending_pull (
+    one           INTEGER PRIMARY KEY CHECK (one = 1),          -- at most one Pull in flight
+    session_id    TEXT NOT NULL,
+    generation    INTEGER NOT NULL,
+    pull_id       TEXT NOT NULL,
+    lease_token   TEXT NOT NULL,
+    body          BLOB NOT NULL,
+    created_at_us INTEGER NOT NULL
+);
+"""
+
+_COLS = ("offer_id, attempt_id, session_id, generation, lease_generation, lease_expires_at_us, lease_token, "
+         "spec_digest, spec_json, state, outcome_json, received_at_us, updated_at_us, conflicts")
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1_000
+
+
+class SqliteInbox:
+    """``InboxPort`` over one SQLite file. One owner (the Worker's main loop); not thread-safe.
+
+    Raises ValidationError for ``max_rows``/``max_bytes`` < 1, UnavailableError when the file
+    cannot be opened (a symlink is refused), StoreIntegrityError for an unknown schema version.
+    """
+
+    def __init__(self, path: str, *, max_rows: int, max_bytes: int, now_us=_now_us) -> None:
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValidationError("inbox_rows", "must be at least 1", limit=1)
+        if not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValidationError("inbox_bytes", "must be at least 1", limit=1)
+        self.path, self.max_rows, self.max_bytes, self._now = path, max_rows, max_bytes, now_us
+        self._c = None
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+            # Created 0600 if missing; an existing symlink fails here (ELOOP) instead of being followed.
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+            self._c = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+            mode = self._c.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode != "wal":
+                raise sqlite3.OperationalError(f"journal_mode is {mode}, WAL refused")
+            self._c.execute("PRAGMA synchronous=FULL")
+            self._c.execute("PRAGMA secure_delete=ON")
+            # Small checkpoints and a truncated WAL keep the files near the caps on flash.
+            self._c.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
+            self._c.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
+            self._migrate()
+        except BaseException as e:
+            if self._c is not None:
+                self._c.close()
+            if isinstance(e, (sqlite3.Error, OSError)):
+                raise UnavailableError(f"cannot open the inbox {path}: {e}") from None
+            raise
+
+    @classmethod
+    def for_profile(cls, state_dir: str, profile: Profile) -> "SqliteInbox":
+        """The inbox of ``state_dir`` with ``profile``'s caps."""
+        return cls(os.path.join(state_dir, FILENAME), max_rows=profile.inbox_rows, max_bytes=profile.inbox_bytes)
+
+    def _migrate(self) -> None:
+        version = self._c.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
+            return
+        if version != 0:
+            raise StoreIntegrityError(f"inbox {self.path}: schema version {version}, this build knows "
+                                      f"{SCHEMA_VERSION}")
+        self._c.execute("BEGIN IMMEDIATE")
+        try:
+            for stmt in filter(str.strip, _SCHEMA.split(";")):
+                self._c.execute(stmt)
+            self._c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            self._c.execute("COMMIT")
+        except BaseException:
+            self._c.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        self._c.close()
+
+    def _tx(self, fn):
+        self._c.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(self._c)
+        except BaseException:
+            self._c.execute("ROLLBACK")
+            raise
+        self._c.execute("COMMIT")
+        return result
+
+    # -- the Pull request kept before it is sent (ADR-0108)
+    def begin_pull(self, session_id: str, generation: int, pull_id: str, lease_token: str) -> PendingPull:
+        check_pull(session_id, generation, pull_id, lease_token)
+
+        def tx(c: sqlite3.Connection) -> PendingPull:
+            row = c.execute("SELECT session_id, generation, pull_id, lease_token, body FROM pending_pull").fetchone()
+            if row is not None and row[0] == session_id and row[1] == generation:
+                return PendingPull(session_id=row[0], generation=row[1], pull_id=row[2], lease_token=row[3],
+                                   body=bytes(row[4]))
+            # Another Session's request is dead: its Leases are fenced by the control plane.
+            body = pull_body(session_id, generation, pull_id, lease_token)
+            c.execute("INSERT OR REPLACE INTO pending_pull VALUES (1, ?, ?, ?, ?, ?, ?)",
+                      (session_id, generation, pull_id, lease_token, body, self._now()))
+            return PendingPull(session_id=session_id, generation=generation, pull_id=pull_id,
+                               lease_token=lease_token, body=body)
+        return self._tx(tx)
+
+    def end_pull(self, pull_id: str) -> None:
+        self._tx(lambda c: c.execute("DELETE FROM pending_pull WHERE pull_id = ?", (pull_id,)))
+
+    # -- offers
+    def receive(self, offer: InboxOffer, pull_id: str | None = None) -> tuple[InboxEntry, bool]:
+        data = check_offer(offer, self.max_bytes)
+
+        def tx(c: sqlite3.Connection):
+            row = c.execute(f"SELECT {_COLS} FROM offers WHERE offer_id = ?", (offer.offer_id,)).fetchone()
+            if row is not None:
+                kept = _entry(row)
+                reason = same_offer(kept.offer, offer)
+                if reason is not None:
+                    # Reported on the kept row (a count and the refused digest, no content).
+                    c.execute("UPDATE offers SET conflicts = conflicts + 1, last_conflict_digest = ?, "
+                              "last_conflict_at_us = ? WHERE offer_id = ?",
+                              (offer.spec_digest, self._now(), offer.offer_id))
+                    return OfferConflict(offer.offer_id, reason)
+                if pull_id is not None:
+                    c.execute("DELETE FROM pending_pull WHERE pull_id = ?", (pull_id,))
+                return kept, False
+            self._make_room(c, len(data))
+            now = self._now()
+            c.execute("INSERT INTO offers (offer_id, attempt_id, session_id, generation, lease_generation, "
+                      "lease_expires_at_us, lease_token, spec_digest, spec_json, spec_bytes, state, "
+                      "received_at_us, updated_at_us) VALUES (?,?,?,?,?,?,?,?,?,?,'received',?,?)",
+                      (offer.offer_id, offer.attempt_id, offer.session_id, offer.generation,
+                       offer.lease_generation, offer.lease_expires_at_us, offer.lease_token, offer.spec_digest,
+                       data, len(data), now, now))
+            if pull_id is not None:
+                c.execute("DELETE FROM pending_pull WHERE pull_id = ?", (pull_id,))
+            return InboxEntry(offer=offer, state="received", outcome=None, received_at_us=now,
+                              updated_at_us=now), True
+
+        result = self._tx(tx)
+        if isinstance(result, OfferConflict):
+            raise result
+        return result
+
+    def _make_room(self, c: sqlite3.Connection, need: int) -> None:
+        """Prune acknowledged rows, oldest first, until one more row of ``need`` spec bytes fits;
+        raise InboxFull (the transaction rolls back, so nothing is pruned either) if it cannot."""
+        rows, used = c.execute("SELECT count(*), coalesce(sum(spec_bytes), 0) FROM offers").fetchone()
+        acked = c.execute("SELECT seq, spec_bytes FROM offers WHERE state = 'acked' ORDER BY seq").fetchall()
+        drop = []
+        for seq, size in acked:
+            if rows < self.max_rows and used + need <= self.max_bytes:
+                break
+            drop.append(seq)
+            rows, used = rows - 1, used - size
+        if rows >= self.max_rows:
+            raise InboxFull(f"the inbox holds {rows} unacknowledged offers, its row cap", field="inboxRows",
+                            limit=self.max_rows)
+        if used + need > self.max_bytes:
+            raise InboxFull(f"the inbox holds {used} bytes of unacknowledged specs; {need} more is over its cap",
+                            field="inboxBytes", limit=self.max_bytes)
+        c.executemany("DELETE FROM offers WHERE seq = ?", [(s,) for s in drop])
+
+    def advance(self, offer_id: str, state: str, outcome: dict | None = None) -> InboxEntry:
+        if (state == "completed") != (outcome is not None):
+            raise ValidationError("outcome", "required for completed and only for it")
+        data = check_outcome(outcome) if outcome is not None else None
+
+        def tx(c: sqlite3.Connection) -> InboxEntry:
+            row = c.execute(f"SELECT {_COLS} FROM offers WHERE offer_id = ?", (offer_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"offerId {offer_id}: not in the inbox", field="offerId")
+            kept = _entry(row)
+            check_transition(kept.state, state)
+            now = self._now()
+            if data is not None:
+                c.execute("UPDATE offers SET state = ?, outcome_json = ?, updated_at_us = ? WHERE offer_id = ?",
+                          (state, data, now, offer_id))
+            else:
+                c.execute("UPDATE offers SET state = ?, updated_at_us = ? WHERE offer_id = ?", (state, now, offer_id))
+            return msgspec.structs.replace(kept, state=state, updated_at_us=now,
+                                           outcome=outcome if outcome is not None else kept.outcome)
+        return self._tx(tx)
+
+    def get(self, offer_id: str) -> InboxEntry | None:
+        row = self._c.execute(f"SELECT {_COLS} FROM offers WHERE offer_id = ?", (offer_id,)).fetchone()
+        return _entry(row) if row is not None else None
+
+    def open_entries(self) -> list[InboxEntry]:
+        marks = ",".join("?" * len(OPEN_STATES))
+        rows = self._c.execute(f"SELECT {_COLS} FROM offers WHERE state IN ({marks}) ORDER BY seq",
+                               tuple(sorted(OPEN_STATES))).fetchall()
+        return [_entry(r) for r in rows]
+
+    def usage(self) -> tuple[int, int]:
+        rows, used = self._c.execute("SELECT count(*), coalesce(sum(spec_bytes), 0) FROM offers").fetchone()
+        return rows, used
+
+
+def _entry(row) -> InboxEntry:
+    (offer_id, attempt_id, session_id, generation, lease_generation, expires, token, digest, spec_json, state,
+     outcome_json, received, updated, conflicts) = row
+    offer = InboxOffer(offer_id=offer_id, attempt_id=attempt_id, session_id=session_id, generation=generation,
+                       lease_generation=lease_generation, lease_expires_at_us=expires, lease_token=token,
+                       spec_digest=digest, spec=msgspec.json.decode(spec_json))
+    return InboxEntry(offer=offer, state=state, received_at_us=received, updated_at_us=updated,
+                      conflicts=conflicts, outcome=msgspec.json.decode(outcome_json) if outcome_json else None)

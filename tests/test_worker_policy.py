@@ -1,0 +1,143 @@
+"""Fleet Worker policy (issue 11 §1 and §6), pure: reconnect backoff, heartbeat cadence, lease
+self-fencing. Properties are checked with hypothesis over every draw, clock offset, round trip
+and clock rate the documented assumption allows."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qlagent.core.errors import EXIT_USAGE, ValidationError
+from qlagent.worker import backoff, fencing, heartbeat
+from qlagent.worker.fencing import KEEP, RUN, STOP, Renewal
+
+draw = st.floats(min_value=0.0, max_value=1.0, exclude_max=True)
+
+
+# ---------------------------------------------------------------- reconnect backoff
+
+def test_backoff_window_doubles_up_to_the_cap():
+    assert [backoff.ceiling_s(n) for n in (1, 2, 3, 4, 6, 7, 8, 10_000)] == [1, 2, 4, 8, 32, 60, 60, 60]
+    assert backoff.reconnect_delay_s(3, 0.0) == backoff.DEFAULT_FLOOR_S
+    assert backoff.reconnect_delay_s(3, 0.5) == pytest.approx(0.1 + 0.5 * 3.9)
+    assert backoff.reconnect_delay_s(1, 0.999999) < 1.0
+    with pytest.raises(ValueError):
+        backoff.reconnect_delay_s(0, 0.5)
+    with pytest.raises(ValueError):
+        backoff.reconnect_delay_s(1, 1.0)
+
+
+@given(st.integers(1, 10**6), draw, st.floats(0.1, 10), st.floats(10, 3600))
+def test_backoff_delay_always_lies_in_floor_to_capped_window(failures, rand, base, cap):
+    d = backoff.reconnect_delay_s(failures, rand, base, cap)
+    assert backoff.DEFAULT_FLOOR_S <= d <= min(cap, base * 2.0 ** min(failures - 1, 62))
+    assert backoff.ceiling_s(failures, base, cap) <= backoff.ceiling_s(failures + 1, base, cap)
+
+
+@given(st.integers(1, 64), draw, draw)
+def test_backoff_is_full_jitter_monotonic_in_the_draw(failures, a, b):
+    lo, hi = sorted((a, b))
+    assert backoff.reconnect_delay_s(failures, lo) <= backoff.reconnect_delay_s(failures, hi)
+
+
+@pytest.mark.parametrize("base, cap, floor, field", [
+    (1.0, 60.0, 0.0, "reconnect_floor_s"), (1.0, 60.0, 2.0, "reconnect_floor_s"),
+    (10.0, 5.0, 0.1, "reconnect_base_s"), (1.0, 3600.001, 0.1, "reconnect_cap_s"),
+])
+def test_backoff_settings_out_of_range_name_the_field(base, cap, floor, field):
+    with pytest.raises(ValidationError) as e:
+        backoff.check_backoff(base, cap, floor)
+    assert e.value.field == field and e.value.exit_code == EXIT_USAGE
+    backoff.check_backoff(1.0, 3600.0, 0.1)         # the edge itself is accepted
+
+
+# ---------------------------------------------------------------- heartbeat cadence
+
+@given(st.floats(1, 600), draw, st.floats(0, 0.5))
+def test_heartbeat_never_later_than_the_interval_nor_earlier_than_the_jitter_allows(interval, rand, jitter):
+    d = heartbeat.heartbeat_delay_s(interval, rand, jitter)
+    assert interval * (1 - jitter) - 1e-9 <= d <= interval
+
+
+def test_heartbeat_cadence_must_leave_three_beats_before_the_fencing_margin():
+    margin_s = fencing.margin_us(30_000_000, 5_000_000) / 1e6
+    usable = 30 - margin_s
+    heartbeat.check_cadence(usable / 3, 30, margin_s)               # the edge
+    with pytest.raises(ValidationError) as e:
+        heartbeat.check_cadence(usable / 3 + 0.001, 30, margin_s)
+    assert e.value.field == "heartbeat_interval_s"
+    with pytest.raises(ValidationError):
+        heartbeat.check_cadence(0.999, 3600, 0)
+    with pytest.raises(ValueError):
+        heartbeat.heartbeat_delay_s(10, 0.5, 0.6)
+
+
+# ---------------------------------------------------------------- lease self-fencing
+
+S = 1_000_000
+
+
+def test_stop_begins_a_margin_before_the_expiry_on_the_worker_clock():
+    # Worker monotonic clock at 5 s; database clock 1.7e15 µs; Lease 30 s left.
+    r = Renewal(sent_local_us=5 * S, server_now_us=1_700_000_000 * S, expires_at_us=1_700_000_030 * S)
+    assert r.local_expiry_us == 35 * S
+    stop = fencing.stop_at_local_us(r, kill_grace_us=5 * S)
+    # 29 s of Lease after the 1 s safety, shrunk by 0.1 % drift, minus the 5 s kill grace.
+    assert stop == 5 * S + (29 * S * 1_000_000) // 1_001_000 - 5 * S
+    assert fencing.decide(stop - 1, r, "kill", 5 * S) == fencing.FenceDecision(action=RUN, stop_at_local_us=stop)
+    assert fencing.decide(stop, r, "kill", 5 * S).action == STOP
+    assert fencing.decide(stop, r, "keep", 5 * S).action == KEEP
+    assert fencing.decide(stop - 1, r, "keep", 5 * S).action == RUN
+
+
+def test_a_lease_already_past_its_margin_stops_at_once():
+    r = Renewal(sent_local_us=0, server_now_us=100 * S, expires_at_us=101 * S)
+    assert fencing.decide(0, r, "kill", 5 * S).action == STOP
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(on_lease_loss="retry"), "on_lease_loss"), (dict(kill_grace_us=-1), "kill_grace_us"),
+    (dict(kill_grace_us=300 * S + 1), "kill_grace_us"), (dict(drift_ppm=100_001), "drift_ppm"),
+    (dict(safety_us=-1), "safety_us"),
+])
+def test_a_bad_fencing_policy_names_its_field(kw, field):
+    args = dict(on_lease_loss="kill", kill_grace_us=5 * S) | kw
+    with pytest.raises(ValidationError) as e:
+        fencing.decide(0, Renewal(sent_local_us=0, server_now_us=0, expires_at_us=30 * S), **args)
+    assert e.value.field == field
+    fencing.check_policy("keep", 300 * S, 100_000, 0)                  # the edges are accepted
+
+
+@given(
+    sent=st.integers(0, 10**12),                     # Worker monotonic clock at send
+    server_now=st.integers(10**15, 2 * 10**15),      # database clock in the answer (any offset)
+    ttl=st.integers(0, 600 * S),
+    rtt=st.integers(0, 30 * S),                      # the database read its clock somewhere in here
+    read_at=st.floats(0, 1),
+    grace=st.integers(0, 300 * S),
+    ppm=st.integers(0, 100_000),
+    rate=st.floats(-1, 1),                           # the real rate difference, within ±ppm
+    safety=st.integers(0, 10 * S),
+)
+def test_a_run_stopped_on_time_is_dead_before_the_database_sees_its_lease_expire(
+        sent, server_now, ttl, rtt, read_at, grace, ppm, rate, safety):
+    r = Renewal(sent_local_us=sent, server_now_us=server_now, expires_at_us=server_now + ttl)
+    stop = fencing.stop_at_local_us(r, grace, ppm, safety)
+    # The true database clock as a function of Worker time t: it read server_now at local
+    # t_read ∈ [sent, sent + rtt] and runs at (1 + rate·ppm) times the Worker's rate.
+    t_read = sent + int(read_at * rtt)
+    factor = 1 + rate * ppm / 1_000_000
+    dead_local = stop + grace                         # the stop began at ``stop`` and took ``grace``
+    db_time_when_dead = server_now + (dead_local - t_read) * factor
+    assert db_time_when_dead <= r.expires_at_us - safety + 1      # +1 µs: float rounding of the model
+    # And the Worker does not give up much more than needed (no drift, read at send time).
+    if ppm == 0:
+        assert stop == sent + ttl - safety - grace
+
+
+@given(st.integers(0, 10**12), st.integers(0, 600 * S), st.integers(0, 300 * S), st.integers(-10**12, 10**12))
+def test_keep_never_stops_and_kill_never_keeps(sent, ttl, grace, now):
+    r = Renewal(sent_local_us=sent, server_now_us=sent + 7, expires_at_us=sent + 7 + ttl)
+    assert fencing.decide(now, r, "keep", grace).action in (RUN, KEEP)
+    assert fencing.decide(now, r, "kill", grace).action in (RUN, STOP)
