@@ -217,7 +217,10 @@ def test_task_file_that_is_a_directory(store):
 
 
 def test_config_file_over_its_size_limit(store):
-    refused(store, ["--config", "/dev/zero", "config", "check"], "config", "65536")
+    p = os.path.join(store[1], "big.toml")
+    with open(p, "w") as f:
+        f.write("# " + "x" * 65_536 + "\n")
+    refused(store, ["--config", p, "config", "check"], "config", "65536")
 
 
 def test_config_file_nested_too_deeply(store):

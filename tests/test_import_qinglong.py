@@ -525,3 +525,179 @@ def test_hot_journal_of_a_crashed_writer_is_rolled_back_in_a_private_copy(state,
     report = js(state, "import", "qinglong", data)
     assert tree(data) == before                                   # the journal is not rolled back in place
     assert sorted(t["cronName"] for t in report["tasks"]) == sorted(f"c{i}" for i in range(200))
+
+
+# ---- hostile or odd 2.x data (review) ----------------------------------------------------------
+
+def _raw_rows(panel: str, *sql: str) -> None:
+    c = sqlite3.connect(os.path.join(panel, "db", "database.sqlite"))
+    for s in sql:
+        c.execute(s)
+    c.commit()
+    c.close()
+
+
+def test_non_utf8_bytes_skip_only_that_cron_and_never_crash_the_report(state, workdir):
+    # A name typed as GBK through the sqlite3 shell (京东 = BE A9 B6 AB), an argument and a
+    # task_before with a stray byte, an Env name with one: the rest still comes across.
+    panel = make_panel(workdir, [{"name": "good", "command": "task ok.sh", "schedule": "0 1 * * *"}], [],
+                       config=None, scripts={"ok.sh": "echo ok\n"})
+    _raw_rows(panel,
+              "INSERT INTO Crontabs (name, command, schedule) VALUES (CAST(X'BEA9B6AB' AS TEXT), 'task ok.sh', "
+              "'0 2 * * *')",
+              "INSERT INTO Crontabs (name, command, schedule) VALUES ('arg', CAST(X'7461736B206F6B2E736820FF' AS "
+              "TEXT), '0 3 * * *')",
+              "INSERT INTO Crontabs (name, command, schedule, task_before) VALUES ('before', 'task ok.sh', "
+              "'0 4 * * *', CAST(X'6563686F20FF' AS TEXT))",
+              "INSERT INTO Envs (name, value, status, position) VALUES (CAST(X'41FF' AS TEXT), 'v', 0, 1)")
+    before = tree(panel)
+    for extra in ((), ("--json",)):
+        p = cli(state, "import", "qinglong", panel, "--dry-run", *extra)
+        assert p.returncode == 0 and b"Traceback" not in p.stderr, p.stderr.decode()
+    report = js(state, "import", "qinglong", panel)
+    assert sorted(t["cronId"] for t in report["tasks"]) == [1, 2]
+    reasons = {k["cronId"]: k["reason"] for k in report["skipped"]}
+    assert "command is not valid UTF-8" in reasons[3] and "task_before is not valid UTF-8" in reasons[4]
+    assert [v["reason"] for v in report["skippedVariables"]] == ["not a POSIX environment name"]
+    assert "\ufffd" in report["tasks"][1]["cronName"]
+    assert tree(panel) == before
+
+
+def test_cells_of_unexpected_types_are_reported_not_a_traceback(state, workdir):
+    deep = "[" * 100_000 + "]" * 100_000
+    panel = make_panel(workdir, [
+        {"name": b"blob-name", "command": "task ok.sh", "schedule": "0 1 * * *"},
+        {"name": "blob-command", "command": b"task ok.sh", "schedule": "0 2 * * *"},
+        {"name": "int-labels", "command": "task ok.sh", "schedule": "0 3 * * *", "labels": 5},
+        {"name": "int-extra", "command": "task ok.sh", "schedule": "0 4 * * *", "extra_schedules": 3},
+        {"name": "deep-labels", "command": "task ok.sh", "schedule": "0 5 * * *", "labels": deep},
+    ], [{"name": b"BLOB_NAME", "value": "v", "status": 0, "position": 1}], config=None,
+        scripts={"ok.sh": "echo ok\n"})
+    report = js(state, "import", "qinglong", panel)
+    assert {t["cronName"]: t["task"] for t in report["tasks"]} == {
+        "blob-name": "blob-name", "blob-command": "blob-command", "int-labels": "int-labels",
+        "deep-labels": "deep-labels"}
+    assert [k["reason"] for k in report["skipped"]] == ["extra_schedules is not a JSON array"]
+    assert [s["env"] for s in report["secrets"]] == ["BLOB_NAME"]
+    # A table without an integer id column is not a 2.x table: one line, exit 2, nothing written.
+    _raw_rows(panel, "CREATE TABLE T AS SELECT * FROM Crontabs", "DROP TABLE Crontabs",
+              "ALTER TABLE T RENAME TO Crontabs",
+              "INSERT INTO Crontabs (id, name, command, schedule) VALUES ('abc', 'x', 'task ok.sh', '0 1 * * *')")
+    before = tree(state)
+    one_line_error(cli(state, "import", "qinglong", panel, "--prefix", "p"), 2, "Crontabs", "id")
+    assert tree(state) == before
+
+
+def test_fifo_or_device_as_config_sh_is_refused_not_waited_on(state, workdir):
+    panel = make_panel(workdir, [{"name": "a", "command": "task ok.sh", "schedule": "0 1 * * *"}], [], config=None,
+                       scripts={"ok.sh": "echo ok\n"})
+    conf = os.path.join(panel, "config", "config.sh")
+    os.mkfifo(conf)                   # nobody ever writes to it: reading it would block for ever
+    before = tree(state)
+    one_line_error(cli(state, "import", "qinglong", panel), 2, "config.sh", "not a regular file")
+    os.unlink(conf)
+    os.symlink("/dev/zero", conf)
+    one_line_error(cli(state, "import", "qinglong", panel), 2, "config.sh", "not a regular file")
+    assert tree(state) == before
+    # A FIFO given as PATH is named for what it is, not "does not exist".
+    fifo = os.path.join(workdir, "database.sqlite")
+    os.mkfifo(fifo)
+    one_line_error(cli(state, "import", "qinglong", fifo), 2, "PATH", "not a regular file or a directory")
+
+
+def test_a_script_outside_the_scripts_dir_is_not_imported(state, workdir):
+    crons = [{"name": "up", "command": "task ../../etc/x.sh", "schedule": "0 1 * * *"},
+             {"name": "abs", "command": "task /usr/local/x.sh", "schedule": "0 2 * * *"},
+             {"name": "sub", "command": "task sub/../ok.sh", "schedule": "0 3 * * *"},
+             {"name": "docker", "command": "task /ql/data/scripts/ok.sh", "schedule": "0 4 * * *"}]
+    panel = make_panel(workdir, crons, [], config=None, scripts={"ok.sh": "echo ok\n"})
+    # The files exist: only where they are decides.
+    for p in (os.path.join(panel, "..", "etc", "x.sh"), os.path.join(workdir, "usr", "local", "x.sh")):
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            f.write("echo outside\n")
+    report = js(state, "import", "qinglong", panel, "--scripts-dir", os.path.join(panel, "scripts"))
+    assert sorted(t["cronName"] for t in report["tasks"]) == ["docker", "sub"]
+    reasons = {k["cronName"]: k["reason"] for k in report["skipped"]}
+    assert set(reasons) == {"up", "abs"} and all("outside the scripts dir" in r for r in reasons.values()), reasons
+
+
+def test_a_cron_renamed_in_2x_revises_its_task_instead_of_adding_a_second(state, workdir):
+    crons = [{"name": "old name", "command": "task ok.sh", "schedule": "0 1 * * *"}]
+    panel = make_panel(workdir, crons, [], config=None, scripts={"ok.sh": "echo ok\n"})
+    js(state, "import", "qinglong", panel)
+    # The same cron id from ANOTHER panel (its own scripts dir) is not this cron.
+    other = make_panel(os.path.join(workdir, "other"), crons, [], config=None, scripts={"ok.sh": "echo ok\n"})
+    js(state, "import", "qinglong", other, "--prefix", "o-")
+    with sqlite3.connect(os.path.join(panel, "db", "database.sqlite")) as c:
+        c.execute("UPDATE Crontabs SET name = 'new name', schedule = '0 2 * * *' WHERE id = 1")
+    report = js(state, "import", "qinglong", panel)
+    assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("old-name", "revised", 2)]
+    heads = {t["name"]: t for t in js(state, "task", "ls")}
+    assert sorted(heads) == ["o-old-name", "old-name"]                 # not a second Task running ok.sh
+    assert [x["cron"] for x in heads["old-name"]["schedules"]] == ["0 2 * * *"] and heads["o-old-name"]["revision"] == 1
+    again = js(state, "import", "qinglong", panel)
+    assert [(t["task"], t["action"]) for t in again["tasks"]] == [("old-name", "unchanged")]
+    assert {r["cronId"]: r["task"] for r in again["renamed"]} == {1: "old-name"}
+
+
+def test_a_2x_path_env_does_not_replace_every_tasks_path(state, workdir):
+    # 2.x sourced `export PATH="$PATH:/opt/x"` (evaluated); byte-exact it would be the literal
+    # `$PATH:/opt/x` for every imported Task, and no command on PATH would be found.
+    panel = make_panel(workdir, [{"name": "probe", "command": "task probe.sh", "schedule": "0 1 * * *"}],
+                       [{"name": "PATH", "value": "$PATH:/opt/x", "status": 0, "position": 1},
+                        {"name": "TOKEN", "value": "t", "status": 0, "position": 1}],
+                       config=None, scripts={"probe.sh": "id -u > id.out\n"})
+    report = js(state, "import", "qinglong", panel)
+    assert [s["env"] for s in report["secrets"]] == ["TOKEN"]
+    assert [(v["name"], v["source"]) for v in report["skippedVariables"]] == [("PATH", "envs")]
+    assert "the agent sets PATH" in report["skippedVariables"][0]["reason"]
+    p = start_serve(state, env=clean_env())
+    try:
+        ok(state, "run", "start", "probe", "--wait", "--timeout", "30")
+    finally:
+        stop(p)
+    assert os.path.exists(os.path.join(panel, "scripts", "id.out"))
+
+
+def test_a_path_that_is_not_utf8_is_refused_in_one_line(state, workdir):
+    # A Task's cwd and command are stored as UTF-8 JSON: a scripts dir named in another encoding
+    # cannot be one; say so instead of a traceback.
+    panel = make_panel(os.path.join(workdir, "p\udcff"), [{"name": "a", "command": "task ok.sh",
+                                                          "schedule": "0 1 * * *"}], [], config=None,
+                       scripts={"ok.sh": "echo ok\n"})
+    before = tree(state)
+    for args in ((panel,), (os.path.join(panel, "db", "database.sqlite"), "--scripts-dir",
+                             os.path.join(panel, "scripts"))):
+        for extra in ((), ("--json",), ("--dry-run",)):
+            one_line_error(cli(state, "import", "qinglong", *args, *extra), 2, "PATH", "not valid UTF-8")
+    assert tree(state) == before
+
+
+def test_a_huge_extra_schedules_list_is_refused_for_its_cron_without_stalling(state, workdir):
+    # 200 000 distinct lines in one cell: de-duplicated in one pass (a pairwise scan would take
+    # the 60 s the CLI helper allows many times over), then refused for that cron only.
+    extra = json.dumps([{"schedule": f"{i % 60} {i // 60 % 24} {i // 1440 % 28 + 1} {i // 40320 % 12 + 1} *"}
+                        for i in range(200_000)])
+    panel = make_panel(workdir, [{"name": "many", "command": "task ok.sh", "schedule": "0 1 * * *",
+                                  "extra_schedules": extra},
+                                 {"name": "fine", "command": "task ok.sh", "schedule": "0 2 * * *"}], [],
+                       config=None, scripts={"ok.sh": "echo ok\n"})
+    report = js(state, "import", "qinglong", panel)
+    assert [t["cronName"] for t in report["tasks"]] == ["fine"]
+    assert "200001 schedules, more than 16" in report["skipped"][0]["reason"]
+
+
+def test_removing_a_same_name_cron_in_2x_keeps_the_other_on_its_task(state, workdir):
+    crons = [{"name": "x", "command": "task ok.sh", "schedule": "0 1 * * *"},
+             {"name": "x", "command": "task ok.sh", "schedule": "0 2 * * *"}]
+    panel = make_panel(workdir, crons, [], config=None, scripts={"ok.sh": "echo ok\n"})
+    assert [t["task"] for t in js(state, "import", "qinglong", panel)["tasks"]] == ["x", "x-2"]
+    with sqlite3.connect(os.path.join(panel, "db", "database.sqlite")) as c:
+        c.execute("DELETE FROM Crontabs WHERE id = 1")            # cron 2 now maps to the plain "x"
+        c.execute("UPDATE Crontabs SET schedule = '0 3 * * *' WHERE id = 2")
+    report = js(state, "import", "qinglong", panel)
+    assert report["skipped"] == []
+    assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("x-2", "revised", 2)]
+    assert [x["cron"] for x in js(state, "task", "show", "x-2")["schedules"]] == ["0 3 * * *"]
+    assert js(state, "task", "show", "x")["revision"] == 1          # cron 1's Task: kept, untouched

@@ -66,10 +66,10 @@ def test_missing_secret_is_unavailable_and_recorded_without_secret_text(root):
     b.add(task("ddns", "echo ${#A} ${#B}\n", secrets={"A": "present", "B": "absent"}))
     b.secret("present", SECRET)
     rid = b.start("ddns")
-    r = unavailable_pass(b, "secret_missing")
+    r = unavailable_pass(b, "secret_missing:absent")
     assert r.run_id == rid
     run, (att,) = b.run(rid), b.attempts(rid)
-    assert (run.state, att.state, att.failure_reason) == ("failed", "start_failed", "secret_missing")
+    assert (run.state, att.state, att.failure_reason) == ("failed", "start_failed", "secret_missing:absent")  # names the Secret, never its value
     assert b.runs.log_source(rid) == (None, None)
     events = [e.type for e in b.runs.events(rid)]
     assert events[-1] == "run.failed"

@@ -341,3 +341,39 @@ def test_without_cgroup2_says_so(router):
     assert out.returncode == 0
     assert router.log_lines() == [f"daemon.warn qlagent: no cgroup v2 at {router.cgroup}: budget not enforced "
                                   "by the kernel (rlimit nproc and the agent's admission check only)"]
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("state_dir", b"/mnt/usb/\xff\xfe", "option state_dir: is not UTF-8"),
+    ("artifact_dir", b"/mnt/" + b"a" * 70_000, "option artifact_dir: is larger than 65536 bytes"),
+    ("http_listen", b"\xc3:80", "option http_listen: is not UTF-8"),
+])
+def test_a_value_the_toml_cannot_hold_is_named_by_its_option(router, option, value, message):
+    assert router.convert().returncode == 0
+    before = router.snapshot()
+    (router.uci / option).write_bytes(value)
+    out = router.convert()
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    assert ".qlagent.toml." not in out.stderr and "option config" not in out.stderr   # no temporary file named
+    assert router.snapshot() == before
+
+
+def test_a_list_option_is_refused_not_joined_into_one_value(router):
+    # `uci add_list qlagent.main.state_dir=/mnt/b` next to /mnt/a: `uci get` answers "/mnt/a /mnt/b",
+    # which would become one state_dir with a space in it.
+    assert router.convert().returncode == 0
+    before = router.snapshot()
+    router.unset("state_dir")
+    (router.uci / "state_dir").mkdir()
+    (router.uci / "state_dir" / "1").write_text("/mnt/a")
+    (router.uci / "state_dir" / "2").write_text("/mnt/b'c")
+    out = router.convert()
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "option state_dir: is a list; give one value (uci set, not uci add_list)" in out.stderr
+    assert router.snapshot() == before
+    # A one-value list is that value; a value holding "' '" is one value.
+    (router.uci / "state_dir" / "2").unlink()
+    router.set(artifact_dir="/mnt/x' 'y")
+    assert router.convert().returncode == 0
+    config = tomllib.loads((router.conf_dir / "qlagent.toml").read_text())
+    assert config["state_dir"] == "/mnt/a" and config["artifact_dir"] == "/mnt/x' 'y"

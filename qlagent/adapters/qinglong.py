@@ -24,6 +24,7 @@ import fcntl
 import os
 import shutil
 import sqlite3
+import stat
 import struct
 import tempfile
 import time
@@ -46,14 +47,24 @@ MAX_ENV_ROWS = 10_000
 """Most ``Envs`` rows read."""
 
 
+def _utf8_path(path: str, field: str) -> str:
+    # Task cwd/command and the report are UTF-8 text; argv keeps other bytes as surrogates.
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValidationError(field, f"{os.fsencode(path)!r} is not valid UTF-8; rename it") from None
+    return path
+
+
 def locate(path: str, scripts_dir: str | None) -> tuple[str, str | None, str, str | None]:
     """Resolve (database, data dir or None, scripts dir, config.sh or None), all absolute.
 
     ``path`` is a 2.x data directory (holding ``db/database.sqlite``) or the database file.
-    Raises ValidationError (``PATH``, ``scripts-dir``) for a missing or non-2.x path and a
-    scripts dir that is missing or not readable and searchable by this process.
+    Raises ValidationError (``PATH``, ``scripts-dir``) for a missing or non-2.x path, a path
+    that is not UTF-8 and a scripts dir that is missing or not readable and searchable by this
+    process.
     """
-    p = os.path.abspath(path)
+    p = _utf8_path(os.path.abspath(path), "PATH")
     if os.path.isdir(p):
         db, data_dir = os.path.join(p, "db", "database.sqlite"), p
         if not os.path.isfile(db):
@@ -65,6 +76,8 @@ def locate(path: str, scripts_dir: str | None) -> tuple[str, str | None, str, st
         db = p
         parent = os.path.dirname(p)
         data_dir = os.path.dirname(parent) if os.path.basename(parent) == "db" else None
+    elif os.path.exists(p):
+        raise ValidationError("PATH", f"{p} is not a regular file or a directory")
     else:
         raise ValidationError("PATH", f"{p} does not exist")
     if scripts_dir is not None:
@@ -74,6 +87,7 @@ def locate(path: str, scripts_dir: str | None) -> tuple[str, str | None, str, st
     else:
         raise ValidationError("scripts-dir", f"{db} is not inside a data directory (…/db/database.sqlite); "
                               "give --scripts-dir")
+    _utf8_path(scripts, "scripts-dir")
     if not os.path.isdir(scripts):
         raise ValidationError("scripts-dir", f"{scripts} is not a directory")
     if not os.access(scripts, os.R_OK | os.X_OK):
@@ -87,10 +101,17 @@ def read_config(path: str | None) -> QlConfig:
     if path is None:
         return QlConfig()
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        # O_NONBLOCK: a FIFO in its place must not hang the import waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise ValidationError("config.sh", f"{path} cannot be read: {e.strerror}") from None
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValidationError("config.sh", f"{path} is not a regular file")
+        try:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ValidationError("config.sh", f"{path} cannot be read: {e.strerror}") from None
     if len(data) > MAX_CONFIG_BYTES:
         raise ValidationError("config.sh", f"{path} is longer than {MAX_CONFIG_BYTES} bytes", limit=MAX_CONFIG_BYTES)
     return parse_config_sh(data)
@@ -140,6 +161,25 @@ def _text(b: bytes) -> str:
     return b.decode("utf-8", "surrogateescape")
 
 
+def _cell(v) -> str | None:
+    # SQLite keeps any type in any column: a BLOB or number where 2.x stores text is read as text.
+    if isinstance(v, bytes):
+        return _text(v)
+    return v if v is None or isinstance(v, str) else str(v)
+
+
+def _row_id(v, table: str) -> int:
+    if not isinstance(v, int):
+        raise ValidationError(table, f"a row's id is {type(v).__name__}, not an integer: not a qinglong 2.x table")
+    return v
+
+
+def _display(s: str | None) -> str:
+    # Names are only shown and slugged: a stray non-UTF-8 byte (a GBK name typed into the
+    # sqlite3 shell) becomes U+FFFD instead of breaking the report's UTF-8 output.
+    return (s or "").encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def _query(conn: sqlite3.Connection, db: str) -> tuple[tuple[QlCron, ...], tuple[QlEnv, ...]]:
     def columns(table: str) -> set[str]:
         return {r[1] for r in conn.execute(f'PRAGMA table_info("{table}")')}
@@ -158,9 +198,10 @@ def _query(conn: sqlite3.Connection, db: str) -> tuple[tuple[QlCron, ...], tuple
             f'{col("extra_schedules", cron_cols)}, {col("task_before", cron_cols)}, '
             f'{col("task_after", cron_cols)}, {col("isSystem", cron_cols)} FROM Crontabs ORDER BY id '
             f'LIMIT {MAX_CRONS + 1}'):
-        crons.append(QlCron(id=int(r[0]), name=r[1] or "", command=r[2] or "", schedule=str(r[3] or ""),
-                            is_disabled=bool(r[4]), labels_json=r[5], extra_schedules_json=r[6],
-                            task_before=r[7], task_after=r[8], is_system=bool(r[9])))
+        crons.append(QlCron(id=_row_id(r[0], "Crontabs"), name=_display(_cell(r[1])), command=_cell(r[2]) or "",
+                            schedule=_cell(r[3]) or "", is_disabled=bool(r[4]), labels_json=_cell(r[5]),
+                            extra_schedules_json=_cell(r[6]), task_before=_cell(r[7]), task_after=_cell(r[8]),
+                            is_system=bool(r[9])))
     if len(crons) > MAX_CRONS:
         raise ValidationError("Crontabs", f"more than {MAX_CRONS} crons", limit=MAX_CRONS)
     env_cols = columns("Envs")
@@ -170,7 +211,7 @@ def _query(conn: sqlite3.Connection, db: str) -> tuple[tuple[QlCron, ...], tuple
                 f'SELECT id, name, CAST(value AS BLOB), {col("status", env_cols)}, {col("position", env_cols)}, '
                 f'{col("createdAt", env_cols)} FROM Envs WHERE name IS NOT NULL ORDER BY id '
                 f'LIMIT {MAX_ENV_ROWS + 1}'):
-            envs.append(QlEnv(id=int(r[0]), name=r[1], value=r[2] or b"", enabled=not r[3],
+            envs.append(QlEnv(id=_row_id(r[0], "Envs"), name=_display(_cell(r[1])), value=r[2] or b"", enabled=not r[3],
                               position=float(r[4]) if isinstance(r[4], (int, float)) else None,
                               created_at=str(r[5]) if r[5] is not None else None))
         if len(envs) > MAX_ENV_ROWS:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from ..core.definitions import definition_digest
 from ..core.qinglong import ID_LABEL, ImportPlan, QlPanel, plan_import, script_paths
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
@@ -83,19 +84,49 @@ def read_and_plan(source: PanelSource, path: str, *, scripts_dir: str | None, pr
     return panel, plan_import(panel, present, source.find_tools(), prefix=prefix, env_scope=env_scope)
 
 
+def _imported_before(batch: DefinitionBatch, pid: str, prefix: str, cwd: str) -> dict[str, list]:
+    """2.x cron id → live Task heads imported from the same panel (same scripts dir as cwd,
+    same prefix), whatever their name: a cron renamed in 2.x maps to a new name."""
+    out: dict[str, list] = {}
+    for h in batch.list_heads(pid):
+        cron_id = h.definition.labels.get(ID_LABEL)
+        if cron_id is not None and h.name.startswith(prefix) and h.definition.execution.cwd == cwd:
+            out.setdefault(cron_id, []).append(h)
+    return out
+
+
 def apply_import(store: Store, cipher: CipherFactory, panel: QlPanel, plan: ImportPlan, *, env_scope: str,
-                 dry_run: bool) -> ImportReport:
+                 dry_run: bool, prefix: str = "") -> ImportReport:
     """Write the plan in one transaction (all or nothing); ``dry_run`` rolls it back.
 
-    Raises UnavailableError if Secrets are to be stored and the key file is missing.
+    A cron imported before under another name (renamed in 2.x, or a same-name cron removed so
+    that its name maps elsewhere) revises that Task, which keeps its name. Raises UnavailableError if Secrets are to
+    be stored and the key file is missing.
     """
     pid = store.project.project_id
     box = cipher() if plan.secrets else None
 
     def work(batch: DefinitionBatch):
         tasks, taken = [], []
+        earlier = None
         for t in plan.tasks:
             head = batch.get_head(pid, t.name)
+            notes = t.notes
+            if head is None or head.definition.labels.get(ID_LABEL) != str(t.cron_id):
+                if earlier is None:
+                    earlier = _imported_before(batch, pid, prefix, panel.scripts_dir)
+                same = earlier.get(str(t.cron_id), [])
+                if len(same) > 1:
+                    taken.append(SkippedOutcome(t.cron_id, t.cron_name, t.name, "imported before as tasks "
+                                                + ", ".join(repr(h.name) for h in same) + "; remove all but one"))
+                    continue
+                if len(same) == 1:
+                    head = same[0]
+                    d = msgspec.structs.replace(t.prepared.definition, name=head.name)
+                    t = msgspec.structs.replace(t, name=head.name, prepared=msgspec.structs.replace(
+                        t.prepared, definition=d, content_digest=definition_digest(d)))
+                    notes = (*notes, "its name maps elsewhere now (renamed, or a same-name cron removed in 2.x); "
+                                      "the Task keeps its name")
             if head is None:
                 h, action = batch.add_task(pid, t.prepared), "created"
             elif head.definition.labels.get(ID_LABEL) != str(t.cron_id):
@@ -108,7 +139,7 @@ def apply_import(store: Store, cipher: CipherFactory, panel: QlPanel, plan: Impo
             else:
                 h = batch.edit_task(pid, head.task_id, head.revision, head.content_digest, t.prepared)
                 action = "revised"
-            tasks.append(TaskOutcome(t.cron_id, t.cron_name, t.name, action, h.revision, h.enabled, t.notes))
+            tasks.append(TaskOutcome(t.cron_id, t.cron_name, t.name, action, h.revision, h.enabled, notes))
         secrets = []
         for s in plan.secrets:
             old = batch.ciphertexts(pid, [s.secret]).get(s.secret)
@@ -121,11 +152,13 @@ def apply_import(store: Store, cipher: CipherFactory, panel: QlPanel, plan: Impo
         return tasks, taken, secrets
 
     tasks, taken, secrets = store.definition_batch(work, dry_run=dry_run)
+    actual = {t.cron_id: t.task for t in tasks}
     skipped = [SkippedOutcome(k.cron_id, k.cron_name, k.name, k.reason) for k in plan.skipped] + taken
     return ImportReport(
         database=panel.database, scripts_dir=panel.scripts_dir, dry_run=dry_run, env_scope=env_scope,
         tasks=tuple(tasks), skipped=tuple(sorted(skipped, key=lambda k: k.cron_id)),
-        renamed=tuple(Renamed(t.cron_id, t.cron_name, t.name) for t in plan.tasks if t.name != t.cron_name),
+        renamed=tuple(Renamed(t.cron_id, t.cron_name, name) for t in plan.tasks
+                      if (name := actual.get(t.cron_id, t.name)) != t.cron_name),
         secrets=tuple(secrets),
         skipped_variables=tuple(VariableOutcome(v.name, v.source, v.line, v.reason) for v in plan.skipped_variables),
         config_other_lines=plan.config_other_lines)

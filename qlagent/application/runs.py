@@ -14,6 +14,7 @@ if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import Store
 
 MAX_LOG_READ = 1_048_576     # bytes per log read (CLI pages through; HTTP answers one page)
+MAX_LOG_OFFSET = 2**62       # bytes: a larger offset or limit is bad input, never an OverflowError
 
 
 class RunService:
@@ -58,11 +59,31 @@ class RunService:
         return self._store.latest_artifact(run_id)
 
 
+def log_page_json(run_id: str, path: str | None, fact: TruncationFact | None, offset: int, limit: int) -> dict:
+    """One page of a Run's log as a JSON object (``run logs --json``; README "Logs").
+
+    ``{"runId", "offset", "length", "size", "nextOffset", "eof", "encoding", "data",
+    "truncated", "truncation"}``: ``length`` bytes read at ``offset`` of a ``size``-byte log;
+    ``encoding`` is ``"utf-8"`` when those bytes are valid UTF-8 (``data`` is then the text)
+    and ``"base64"`` otherwise (``data`` is RFC 4648 base64 of the exact bytes); ``truncation``
+    is the truncation fact (``quotaBytes``, ``bytesKept``, ``bytesDropped``) or null.
+    """
+    chunk, size = read_log_range(path, offset, limit)
+    try:
+        encoding, data = "utf-8", chunk.decode("utf-8")
+    except UnicodeDecodeError:
+        import base64
+        encoding, data = "base64", base64.b64encode(chunk).decode("ascii")
+    return {"runId": run_id, "offset": offset, "length": len(chunk), "size": size,
+            "nextOffset": offset + len(chunk), "eof": offset + len(chunk) >= size, "encoding": encoding,
+            "data": data, "truncated": fact is not None, "truncation": fact}
+
+
 def read_log_range(path: str | None, offset: int, limit: int) -> tuple[bytes, int]:
     """Read at most ``limit`` (≤ MAX_LOG_READ) bytes at ``offset`` of a log Artifact without
     loading the rest. Returns (bytes, file size). The file is opened O_NOFOLLOW."""
-    if offset < 0:
-        raise ValidationError("offset", "must be ≥ 0")
+    if not 0 <= offset <= MAX_LOG_OFFSET:
+        raise ValidationError("offset", f"outside 0..{MAX_LOG_OFFSET}", limit=MAX_LOG_OFFSET)
     if not (1 <= limit <= MAX_LOG_READ):
         raise ValidationError("limit", f"{limit} outside 1..{MAX_LOG_READ}", limit=MAX_LOG_READ)
     if path is None:

@@ -27,6 +27,12 @@ class SecretService:
         """(name, updated_at_us), by name; never a value."""
         return self._store.secret_names(self._store.project.project_id)
 
-    def remove(self, name: str) -> None:
-        """NotFoundError(``secret_not_found``)."""
-        self._store.delete_secret(self._store.project.project_id, name)
+    def remove(self, name: str, *, force: bool = False) -> list[str]:
+        """Delete ``name``; ConflictError(``secret_in_use``) naming the Tasks that use it unless
+        ``force``. Returns the Tasks left referring to it (empty without ``force``)."""
+        return self._store.delete_secret(self._store.project.project_id, name, force=force)
+
+    def missing(self) -> list[tuple[str, str]]:
+        """(task name, Secret name) of every SecretRef of a live Task whose Secret is not stored."""
+        return [(t, n) for t, n, present in self._store.secret_uses(self._store.project.project_id)
+                if not present]

@@ -15,6 +15,7 @@ import sys
 import msgspec
 
 from ..core import errors as E
+from ..core.limits import MAX_TIMEOUT_S as MAX_WAIT_S     # --timeout/--exit-after: seconds
 
 
 def _print_json(obj) -> None:
@@ -27,6 +28,10 @@ def _fmt_us(us: int | None) -> str:
         return "-"
     import datetime as dt
     return dt.datetime.fromtimestamp(us / 1e6, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _or_dash(v) -> str:
+    return "-" if v is None else str(v)
 
 
 def _table(rows: list[list[str]], header: list[str]) -> None:
@@ -47,7 +52,9 @@ class Ctx:
         self.args = args
         self._store = None
         from ..service.config import resolve
-        self.settings = resolve(args.config, state_dir=args.state_dir, profile=args.profile)
+        # Every command but doctor (which lists them) refuses paths another user could write.
+        self.settings = resolve(args.config, state_dir=args.state_dir, profile=args.profile,
+                                trust=args.command != "doctor")
 
     @property
     def store(self):
@@ -144,7 +151,18 @@ def cmd_task_add(ctx: Ctx) -> int:
     else:
         for h in heads:
             print(f"added {h.name} revision {h.revision} {h.content_digest}")
+    _warn_missing_secrets(ctx, {h.name for h in heads})
     return 0
+
+
+def _warn_missing_secrets(ctx: Ctx, names: set[str]) -> None:
+    """A Task whose Secret is not stored yet is accepted (set it next), but said so on stderr."""
+    from ..application.secrets import SecretService
+    from ..bootstrap import cipher_factory
+    for task, secret in SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).missing():
+        if task in names:
+            print(f"qlagent: warning: task {task} uses secret {secret!r}, which is not set; its runs fail "
+                  f"secret_missing:{secret} until `qlagent secret set {secret}`", file=sys.stderr)
 
 
 def cmd_task_edit(ctx: Ctx) -> int:
@@ -161,6 +179,7 @@ def cmd_task_edit(ctx: Ctx) -> int:
         _print_json(_head_json(ctx, h))
     else:
         print(f"{h.name} now at revision {h.revision} {h.content_digest}")
+    _warn_missing_secrets(ctx, {h.name})
     return 0
 
 
@@ -183,6 +202,8 @@ def cmd_task_show(ctx: Ctx) -> int:
     skipped = ctx.store.skipped_fires(h.task_id)
     d = _head_json(ctx, h)
     d["skippedFires"] = skipped
+    recipe = ctx.store.get_recipe(h.definition.recipe_ref)
+    d["env"], d["secrets"] = recipe.public, recipe.secret_refs     # Secret names only, never values
     if ctx.args.json:
         _print_json(d)
         return 0
@@ -201,6 +222,13 @@ def cmd_task_show(ctx: Ctx) -> int:
           f"retry {df.retry.max_attempts}x")
     print(f"network       {df.network.require}{':' + df.network.interface if df.network.interface else ''}")
     print(f"recipe        {df.recipe_ref}")
+    for k, v in recipe.public.items():
+        print(f"env           {k}={v}")
+    for k, v in recipe.secret_refs.items():
+        print(f"secret        {k} <- secret {v}")
+    if df.catch_up != "latest" or df.catch_up_within_ms is not None:
+        print(f"catch up      {df.catch_up}" + (f" within {df.catch_up_within_ms / 1000:g} s"
+                                                 if df.catch_up_within_ms is not None else ""))
     print(f"skipped fires {skipped}")
     return 0
 
@@ -265,8 +293,12 @@ def cmd_secret_ls(ctx: Ctx) -> int:
 def cmd_secret_rm(ctx: Ctx) -> int:
     from ..application.secrets import SecretService
     from ..bootstrap import cipher_factory
-    SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).remove(ctx.args.name)
+    users = SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).remove(ctx.args.name,
+                                                                                   force=ctx.args.force)
     print(f"secret {ctx.args.name} removed")
+    if users:
+        print(f"qlagent: warning: task(s) {', '.join(users)} still use secret {ctx.args.name!r}; their runs fail "
+              f"secret_missing:{ctx.args.name}", file=sys.stderr)
     return 0
 
 
@@ -283,6 +315,11 @@ def _run_json(run, attempts=None, events=None) -> dict:
 
 def cmd_run_start(ctx: Ctx) -> int:
     from ..application.runs import RunService
+    t = ctx.args.timeout
+    if t is not None and not (0 < t <= MAX_WAIT_S):      # also refuses nan and inf
+        raise E.ValidationError("--timeout", f"{t!r} is outside 0 < seconds ≤ {MAX_WAIT_S}", limit=f"0..{MAX_WAIT_S}")
+    if t is not None and not ctx.args.wait:
+        raise E.ValidationError("--timeout", "only with --wait")
     created = RunService(ctx.store).start(ctx.args.task)
     ctx.poke_service()
     if not ctx.args.wait:
@@ -331,9 +368,11 @@ def cmd_run_show(ctx: Ctx) -> int:
           + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
     print(f"trigger   {run.trigger_type} by {run.requested_by}; created {_fmt_us(run.created_at_us)}")
     for a in attempts:
-        print(f"attempt   #{a.attempt_no} {a.state} kept={a.bytes_kept} dropped={a.bytes_dropped}"
-              f"{' TRUNCATED' if a.truncated else ''} peak_rss={a.peak_rss_bytes} cpu_us={a.cpu_time_us}"
-              + (f" orphans_stopped={a.orphans_stopped}" if a.orphans_stopped else "")
+        figures = "" if a.ended_at_us is None else (
+            f" kept={a.bytes_kept} dropped={a.bytes_dropped}{' TRUNCATED' if a.truncated else ''}"
+            f" peak_rss={_or_dash(a.peak_rss_bytes)} cpu_us={_or_dash(a.cpu_time_us)}"
+            + (f" orphans_stopped={a.orphans_stopped}" if a.orphans_stopped else ""))
+        print(f"attempt   #{a.attempt_no} {a.state}{figures or ' (figures when it ends)'}"
               + (f" reason={a.failure_reason}" if a.failure_reason else ""))
         if a.start_error:
             print(f"          could not start: {a.start_error}")
@@ -343,15 +382,19 @@ def cmd_run_show(ctx: Ctx) -> int:
 
 
 def cmd_run_logs(ctx: Ctx) -> int:
-    from ..application.runs import MAX_LOG_READ, RunService, read_log_range
+    from ..application.runs import MAX_LOG_OFFSET, MAX_LOG_READ, RunService, log_page_json, read_log_range
+    offset, remaining = ctx.args.offset, ctx.args.limit
+    if not 0 <= offset <= MAX_LOG_OFFSET:
+        raise E.ValidationError("--offset", f"{offset} is outside 0..{MAX_LOG_OFFSET} bytes", limit=f"0..{MAX_LOG_OFFSET}")
+    if remaining is not None and not 1 <= remaining <= MAX_LOG_OFFSET:
+        raise E.ValidationError("--limit", f"{remaining} is outside 1..{MAX_LOG_OFFSET} bytes (omit it to read to "
+                                "the end)", limit=f"1..{MAX_LOG_OFFSET}")
     svc = RunService(ctx.store)
     run = svc.get(ctx.args.run)
     path, fact = svc.log_source(run.run_id)
-    offset, remaining = ctx.args.offset, ctx.args.limit
-    if offset < 0:
-        raise E.ValidationError("offset", f"{offset} is negative; it must be ≥ 0")
-    if remaining is not None and remaining < 1:
-        raise E.ValidationError("limit", f"{remaining} must be ≥ 1 (omit it to read to the end)", limit="≥ 1")
+    if ctx.args.json:
+        _print_json(log_page_json(run.run_id, path, fact, offset, min(remaining or MAX_LOG_READ, MAX_LOG_READ)))
+        return 0
     out = sys.stdout.buffer
     while remaining is None or remaining > 0:
         chunk, size = read_log_range(path, offset, min(MAX_LOG_READ, remaining or MAX_LOG_READ))
@@ -362,16 +405,23 @@ def cmd_run_logs(ctx: Ctx) -> int:
         if remaining is not None:
             remaining -= len(chunk)
     out.flush()
-    if fact and sys.stderr.isatty():
-        print(f"\n[log truncated at {fact.quota_bytes} bytes; {fact.bytes_dropped} bytes dropped]", file=sys.stderr)
+    if fact:      # stdout stays the log's bytes; the truncation fact goes to stderr, always
+        print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {fact.bytes_dropped} bytes dropped",
+              file=sys.stderr)
     return 0
 
 
 def cmd_run_cancel(ctx: Ctx) -> int:
     from ..application.cancel import request_cancel
-    run = request_cancel(ctx.store, ctx.args.run, "local:cli")
+    from ..application.runs import RunService
+    from ..core.states import RUN_TERMINAL
+    before = RunService(ctx.store).get(ctx.args.run)
+    if before.state in RUN_TERMINAL:
+        raise E.ConflictError(f"run {before.run_id} had already ended ({before.state}); nothing to cancel",
+                              code="run_ended")
+    run = request_cancel(ctx.store, before.run_id, "local:cli")
     ctx.poke_service()
-    print(f"{run.run_id} {run.state}" + (" (cancel requested)" if run.state not in ("cancelled",) else ""))
+    print(f"{run.run_id} {run.state}" + (" (cancel requested)" if run.state not in RUN_TERMINAL else ""))
     return 0
 
 
@@ -418,7 +468,7 @@ def cmd_import_qinglong(ctx: Ctx) -> int:
     panel, plan = read_and_plan(panel_source(), a.path, scripts_dir=a.scripts_dir, prefix=a.prefix,
                                 env_scope=a.env_scope)
     report = apply_import(ctx.store, cipher_factory(ctx.settings.key_file), panel, plan, env_scope=a.env_scope,
-                          dry_run=a.dry_run)
+                          dry_run=a.dry_run, prefix=a.prefix)
     if not a.dry_run:
         ctx.poke_service()
     if a.json:
@@ -448,22 +498,35 @@ def cmd_import_qinglong(ctx: Ctx) -> int:
 
 
 def cmd_serve(ctx: Ctx) -> int:
+    from ..service.config import parse_listen
     from ..service.main import serve
+    if ctx.args.listen:
+        parse_listen(ctx.args.listen, field="--listen")
+    if ctx.args.exit_after is not None and not (0 <= ctx.args.exit_after <= MAX_WAIT_S):
+        raise E.ValidationError("--exit-after", f"{ctx.args.exit_after!r} is outside 0..{MAX_WAIT_S} seconds",
+                                limit=f"0..{MAX_WAIT_S}")
     return serve(ctx.settings, ctx.args)
 
 
 # ---- parser ----------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line refusal (no usage block): exit 2 naming the argument."""
+
+    def error(self, message: str):
+        self.exit(E.EXIT_USAGE, f"qlagent: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory (env QLAGENT_STATE_DIR)")
     common.add_argument("--config", default=argparse.SUPPRESS, help="config file (env QLAGENT_CONFIG)")
     common.add_argument("--profile", default=argparse.SUPPRESS, choices=["edge", "standalone"])
     common.add_argument("--project", default=argparse.SUPPRESS, help="Project name (default: 'default')")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
 
-    p = argparse.ArgumentParser(prog="qlagent", parents=[common],
-                                description="Schedule and run tasks on routers and edge boxes.")
+    p = _Parser(prog="qlagent", parents=[common],
+                description="Schedule and run tasks on routers and edge boxes.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(parent, name, fn, help_, **kw):
@@ -497,7 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Swallow stray words so argparse never echoes a value typed on the command line.
     ss.add_argument("stray", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     add(sec, "ls", cmd_secret_ls, "list secret names (never values)")
-    add(sec, "rm", cmd_secret_rm, "remove a secret").add_argument("name")
+    sr = add(sec, "rm", cmd_secret_rm, "remove a secret (refused while a task uses it, unless --force)")
+    sr.add_argument("name")
+    sr.add_argument("--force", action="store_true", help="remove it even if tasks use it")
 
     run = sub.add_parser("run", help="runs").add_subparsers(dest="sub", required=True, metavar="SUB")
     st = add(run, "start", cmd_run_start, "start a task now (Task Start semantics)")
@@ -567,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:          # noqa: BLE001
+        # A fault nobody anticipated still answers in one line (exit 1, internal), never a traceback.
+        print(f"qlagent: internal error: {type(e).__name__}: {e}", file=sys.stderr)
+        return E.EXIT_INTERNAL
     finally:
         if ctx is not None:
             ctx.close()

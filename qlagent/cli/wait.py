@@ -20,8 +20,9 @@ POLL_S = 0.2   # the CLI's own wait; the agent itself never polls
 
 
 def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
-    """Block until ``run_id`` is terminal; returns it. UnavailableError(``wait_timeout``) when
-    ``timeout_s`` (s) passes first."""
+    """Block until ``run_id`` is terminal; returns it. UnavailableError (exit 5, ``wait_timeout``)
+    when ``timeout_s`` (s) passes first: the Run is not cancelled — without a service its shim
+    carries on alone and the next agent start ingests its receipt (README "Exit codes")."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     if not service_running(settings.state_dir):
         store.close()       # the inline engine opens its own authority on the same file
@@ -32,7 +33,12 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
         finally:
             reopened.close()
         if run.state in RUN_LIVE:
-            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s} s", code="wait_timeout")
+            after = "" if timeout_s is None else f" after {timeout_s:g} s"
+            fate = ("it stays queued for the next `qlagent serve` or `run start --wait`" if run.state == "queued"
+                    else "it keeps running with no service watching it; the next `qlagent serve` or "
+                         "`run start --wait` records its end")
+            raise UnavailableError(f"run {run_id} still {run.state}{after}; {fate} (or `qlagent run cancel` it)",
+                                   code="wait_timeout")
         return run
     svc = RunService(store)
     while True:
@@ -40,5 +46,6 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
         if run.state not in RUN_LIVE:
             return run
         if deadline is not None and time.monotonic() >= deadline:
-            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s} s", code="wait_timeout")
+            raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s:g} s; it keeps running "
+                                   "under the service", code="wait_timeout")
         time.sleep(POLL_S)

@@ -26,6 +26,7 @@ UMASK = re.compile(r"^[0-7]{3,4}$")
 SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")   # Linux IFNAMSIZ - 1
 PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+CATCH_UP = ("latest", "none")     # core.schedule.apply_catch_up; README "Catch-up after downtime"
 
 
 class RetryInput(msgspec.Struct, forbid_unknown_fields=True):
@@ -56,6 +57,8 @@ class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     enabled: bool = True
     priority: int = 0
     description: str = ""
+    catch_up: str = "latest"
+    catch_up_within_s: float | None = None
 
 
 class TaskFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -82,10 +85,24 @@ def _no_nul(field: str, value: str) -> None:
         raise ValidationError(field, "contains a NUL byte", limit="no NUL")
 
 
+def _num(v) -> str:
+    """A number as the user wrote it: ``-5``, not ``-5.0`` (TOML integers arrive as floats)."""
+    return str(int(v)) if isinstance(v, (int, float)) and float(v).is_integer() else repr(v)
+
+
 def _ms(field: str, seconds: float, lo: float, hi: float) -> int:
     if isinstance(seconds, bool) or not (lo <= seconds <= hi):
-        raise ValidationError(field, f"{seconds!r} is outside {lo}..{hi} seconds", limit=f"{lo}..{hi}")
+        raise ValidationError(field, f"{_num(seconds)} is outside {_num(lo)}..{_num(hi)} seconds",
+                              limit=f"{_num(lo)}..{_num(hi)}")
     return round(seconds * 1000)
+
+
+def _toml_type(v) -> str:
+    for t, name in ((bool, "a boolean"), (int, "an integer"), (float, "a float"), (list, "an array"),
+                    (dict, "a table")):
+        if isinstance(v, t):
+            return name
+    return "a date/time"
 
 
 def parse_task_file(data: dict) -> list[TaskInput]:
@@ -94,6 +111,20 @@ def parse_task_file(data: dict) -> list[TaskInput]:
     Raises ValidationError naming the offending path for unknown fields or wrong types, or
     when the file holds more than ``MAX_TASKS_PER_FILE`` tasks or a name twice.
     """
+    if not isinstance(data, dict) or not isinstance(data.get("task"), list):
+        found = ", ".join(sorted(data)) if isinstance(data, dict) else ""
+        raise ValidationError("task", "the file defines no [[task]] table"
+                              + (f" (it has: {found}); every task is a [[task]] table" if found else ""))
+    for key in data:
+        if key != "task":
+            raise ValidationError(key, "unknown top-level key; a task file holds only [[task]] tables")
+    for i, t in enumerate(data["task"]):
+        for table in ("env", "secrets", "labels"):
+            mapping = t.get(table) if isinstance(t, dict) else None
+            for k, v in (mapping.items() if isinstance(mapping, dict) else ()):
+                if not isinstance(v, str):      # msgspec would say only `env[...]`: name the key
+                    raise ValidationError(f"task[{i}].{table}.{k}", f"must be a string, got {_toml_type(v)} {v!r}; "
+                                          f"quote it: {k} = \"{v}\"")
     try:
         tf = msgspec.convert(data, TaskFile, strict=True)
     except msgspec.ValidationError as e:
@@ -217,8 +248,12 @@ def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
         if not argv[0].startswith("/"):
             raise ValidationError(f"{prefix}command[0]", f"{argv[0]!r} is not an absolute path")
         return ExecutionSpec(kind="local_process", argv=tuple(argv), **common)
-    if t.shell is None or t.script is None:
+    if t.shell is None and t.script is None:
         raise ValidationError(f"{prefix}command", "missing: give command = [absolute argv] or shell + script")
+    if t.shell is None:
+        raise ValidationError(f"{prefix}shell", f"missing: script needs shell = one of {list(L.SHELL_ALLOWLIST)}")
+    if t.script is None:
+        raise ValidationError(f"{prefix}script", f"missing: shell = {t.shell!r} needs a script")
     if t.shell not in L.SHELL_ALLOWLIST:
         raise ValidationError(f"{prefix}shell", f"{t.shell!r} is not in the allowlist {list(L.SHELL_ALLOWLIST)}")
     _no_nul(f"{prefix}script", t.script)
@@ -274,6 +309,13 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
         raise ValidationError(f"{p}priority", f"{t.priority} outside -1000..1000", limit="-1000..1000")
     if len(t.description) > 1024:
         raise ValidationError(f"{p}description", "longer than 1024 characters", limit=1024)
+    if t.catch_up not in CATCH_UP:
+        raise ValidationError(f"{p}catch_up", f"{t.catch_up!r} is not one of {', '.join(CATCH_UP)}")
+    within_ms = None
+    if t.catch_up_within_s is not None:
+        if t.catch_up != "latest":
+            raise ValidationError(f"{p}catch_up_within_s", 'applies only to catch_up = "latest"')
+        within_ms = _ms(f"{p}catch_up_within_s", t.catch_up_within_s, 1, L.MAX_CATCH_UP_WITHIN_S)
     execution = prepare_execution(p, t)
     recipe, rref = prepare_recipe(p, t.env, t.secrets)
     definition = TaskDefinition(
@@ -282,6 +324,7 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
         retry=RetryPolicy(max_attempts=t.retry.max_attempts, backoff_ms=backoff_ms),
         labels=dict(sorted(t.labels.items())), network=_network(p, t.network),
         priority=t.priority, execution=execution, recipe_ref=rref,
+        catch_up=t.catch_up, catch_up_within_ms=within_ms,
     )
     return PreparedTask(definition=definition, content_digest=definition_digest(definition),
                         recipe=recipe, recipe_ref=rref,

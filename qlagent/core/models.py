@@ -83,8 +83,14 @@ class ContextRecipe(Base):
     secret_refs: dict[str, str]
 
 
-class TaskDefinition(Base):
-    """One revision of a Task: everything its contentDigest covers."""
+class TaskDefinition(Base, omit_defaults=True):
+    """One revision of a Task: everything its contentDigest covers.
+
+    ``catch_up`` (``latest`` | ``none``) and ``catch_up_within_ms`` decide whether an instant
+    missed while the agent was down still gets its one Run (core.schedule.apply_catch_up).
+    They are left out of the canonical document while at their defaults, so a Task that does
+    not set them keeps the contentDigest it had before they existed.
+    """
 
     name: str
     description: str
@@ -99,6 +105,8 @@ class TaskDefinition(Base):
     priority: int
     execution: ExecutionSpec
     recipe_ref: str
+    catch_up: str = "latest"
+    catch_up_within_ms: int | None = None
 
 
 class TaskHead(Base):

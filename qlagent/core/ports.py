@@ -26,6 +26,7 @@ from .dispatch import Candidate, Finish, LaunchCommand, LiveAttempt, Plan
 from .inbox_states import InboxEntry, InboxOffer, PendingPull
 from .models import (
     Attempt,
+    ContextRecipe,
     CreatedRun,
     Project,
     RetentionEntry,
@@ -87,6 +88,9 @@ class DefinitionBatch(Protocol):
     def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:
         """The live head, or None."""
 
+    def list_heads(self, project_id: str) -> list[TaskHead]:
+        """Live heads of the Project, by name."""
+
     def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
         """Create at revision 1; ConflictError(``task_exists``)."""
 
@@ -130,6 +134,9 @@ class DefinitionStore(Protocol):
 
     def skipped_fires(self, task_id: str) -> int:
         """Schedule fires skipped because a single-instance Run was live."""
+
+    def get_recipe(self, recipe_ref: str) -> ContextRecipe:
+        """The context recipe (public values and SecretRef names). NotFoundError(``recipe_not_found``)."""
 
 
 class RunStore(Protocol):
@@ -178,10 +185,10 @@ class ScheduleStore(Protocol):
 
     def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
                       scheduled_for_us: int | None, actor: str,
-                      cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None) -> str:
+                      cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, missed: str | None = None) -> str:
         """One transaction: compare-and-set the cursor ``(expected, new)`` (None: leave it) and,
         when ``idempotency_key`` is not None, create the Run of that key from the Task's current
-        head. Returns ``created``, ``exists`` (the key's Run is there), ``skipped`` (single-instance
+        head (``missed``: the coalesced instants, recorded on ``run.created``). Returns ``created``, ``exists`` (the key's Run is there), ``skipped`` (single-instance
         Task with a live Run; counted in ``skipped_fires``), ``gone`` (disabled or removed),
         ``moved`` (the cursor is no longer ``expected``: nothing written) or ``cursor`` (no Run
         asked, cursor written)."""
@@ -195,8 +202,13 @@ class SecretStore(Protocol):
     def secret_names(self, project_id: str) -> list[tuple[str, int]]:
         """(name, updated_at_us), by name."""
 
-    def delete_secret(self, project_id: str, name: str) -> None:
-        """NotFoundError(``secret_not_found``)."""
+    def delete_secret(self, project_id: str, name: str, *, force: bool = False) -> list[str]:
+        """Delete; returns the live Tasks still referring to it. Without ``force`` a used Secret
+        is ConflictError(``secret_in_use``) naming them; NotFoundError(``secret_not_found``)."""
+
+    def secret_uses(self, project_id: str | None) -> list[tuple[str, str, bool]]:
+        """(task name, Secret name, stored?) per SecretRef of each live Task head (every Project
+        when None), by task then Secret name."""
 
     def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         """Ciphertext of each present name (missing ones are absent)."""

@@ -6,7 +6,8 @@ Rules (each reported per cron or per variable, never fatal for the others):
 - a Crontab ``task X.ext args`` (or ``X.ext args``: 2.x puts ``task`` in front of any other
   command) becomes ``command = [interpreter, /abs/scripts/X.ext, args…]`` with ``cwd`` = the
   scripts dir; ``node`` for .js, ``python3`` for .py, ``bash`` for .sh, ``ts-node`` for .ts,
-  each only when the adapter found it. ``now`` is dropped (we add no random delay);
+  each only when the adapter found it; a script outside the scripts dir (``../``, an absolute
+  path other than the container's ``/ql/data/scripts/…``) is skipped. ``now`` is dropped (we add no random delay);
   ``conc``/``desi`` and other panel options, ``ql …`` commands, ``isSystem`` crons and anything
   needing a shell (``$``, backticks, ``;``, ``|``, ``&&``, redirections) are skipped;
 - with ``task_before``/``task_after`` the Task is ``/bin/bash`` running ``set -e``, the before
@@ -15,6 +16,7 @@ Rules (each reported per cron or per variable, never fatal for the others):
 - Envs: the enabled rows of one name joined with ``&`` in the panel's own order (``position``
   descending, then ``createdAt`` descending, as 2.x ``EnvService.envs()`` sorts them), byte-exact:
   no trimming, no quoting, no evaluation (2.x wrote them into a sourced shell file);
+  ``PATH`` is not imported (the agent's PATH; 2.x's ``$PATH:…`` would be literal);
 - ``config/config.sh``: ``export NAME=value`` lines read as shell words WITHOUT a shell
   (``"…"``, ``'…'``, bare, backslash escapes); a value needing evaluation (``$…``, backticks,
   ``~``, globs) is reported and not imported; an Env of the same name wins (2.x sources
@@ -465,7 +467,12 @@ def parse_command(command: str, scripts_dir: str) -> _Command | str:
             return f"task option {b!r} is a 2.x panel feature (it splits variables per account); add it by hand"
         else:
             return f"task option {b!r} is a 2.x panel option; add it by hand"
-    return _Command(script=_script_path(script, scripts_dir), ext=ext, args=tuple(args), notes=tuple(notes))
+    path = _script_path(script, scripts_dir)
+    # `task ../x.sh` or `/usr/x.sh` would run a file outside the folder the import checked (and,
+    # for a panel in a container, another file than the one 2.x ran).
+    if not path.startswith(scripts_dir.rstrip("/") + "/"):
+        return f"script {path} is outside the scripts dir {scripts_dir}; add it by hand"
+    return _Command(script=path, ext=ext, args=tuple(args), notes=tuple(notes))
 
 
 def script_paths(crons: tuple[QlCron, ...], scripts_dir: str) -> frozenset[str]:
@@ -483,7 +490,7 @@ def _json_list(text: str | None, what: str) -> list:
         return []
     try:
         value = msgspec.json.decode(text.encode("utf-8", "surrogatepass"))
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):       # RecursionError: nested past msgspec's depth
         raise _Refused(f"{what} is not JSON") from None
     if value is None:
         return []
@@ -513,15 +520,14 @@ def _labels(cron: QlCron, notes: list[str]) -> dict[str, str]:
 
 
 def _schedules(cron: QlCron) -> list[str]:
-    lines = [" ".join((cron.schedule or "").split())]
+    # A dict keeps the first-seen order and de-duplicates in one pass (the cell is unbounded).
+    lines = {" ".join((cron.schedule or "").split()): None}
     for item in _json_list(cron.extra_schedules_json, "extra_schedules"):
         s = item.get("schedule") if isinstance(item, dict) else None
         if not isinstance(s, str):
             raise _Refused("extra_schedules holds an item without a schedule string")
-        s = " ".join(s.split())
-        if s not in lines:
-            lines.append(s)
-    return lines
+        lines.setdefault(" ".join(s.split()), None)
+    return list(lines)
 
 
 def _bash_script(before: str, argv: list[str], after: str) -> str:
@@ -578,6 +584,10 @@ def _variables(panel: QlPanel, prefix: str) -> tuple[list[PlannedSecret], list[S
         reason = None
         if not POSIX_ENV_NAME.match(name):
             reason = "not a POSIX environment name"
+        elif name == "PATH":
+            # 2.x evaluated `$PATH:…` in its sourced file; byte-exact in every Task it would
+            # replace the agent's PATH and no command on it would be found.
+            reason = "the agent sets PATH for every Task; set it per Task (`env.PATH`) if a script needs more"
         elif name.upper().startswith(L.RESERVED_ENV_PREFIX):
             reason = f"names starting with {L.RESERVED_ENV_PREFIX} are reserved for the agent"
         elif len(secret) > L.MAX_SECRET_NAME or not SECRET_NAME.match(secret):
@@ -608,6 +618,15 @@ def _variables(panel: QlPanel, prefix: str) -> tuple[list[PlannedSecret], list[S
     for r in panel.config.refused:
         skipped.append(SkippedVariable(name=r.name or "?", source="config.sh", line=r.line, reason=r.reason))
     return sorted(secrets.values(), key=lambda s: s.env), skipped
+
+
+def _utf8(text: str | None) -> bool:
+    # The adapter keeps non-UTF-8 bytes as surrogate escapes; an argv or script must be text.
+    try:
+        (text or "").encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def plan_import(panel: QlPanel, present: frozenset[str], tools: Toolset, *, prefix: str = "",
@@ -641,8 +660,12 @@ def plan_import(panel: QlPanel, present: frozenset[str], tools: Toolset, *, pref
     skipped: list[SkippedCron] = []
     for cron in sorted(panel.crons, key=lambda c: c.id):
         cmd = commands[cron.id]
+        bad = next((f for f, v in (("command", cron.command), ("task_before", cron.task_before),
+                                   ("task_after", cron.task_after)) if not _utf8(v)), None)
         if cron.is_system:
             outcome: PlannedTask | str = "a 2.x system cron (isSystem): the panel's own; not imported"
+        elif bad:
+            outcome = f"{bad} is not valid UTF-8; fix it in the panel or add it by hand"
         elif isinstance(cmd, str):
             outcome = cmd
         elif cmd.script not in present:

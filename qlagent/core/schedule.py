@@ -13,7 +13,9 @@ Lists ``a,b``, ranges ``a-b``, steps ``*/s``, ``a-b/s`` and ``a/s`` (= ``a-max/s
 weekday names, ``L``/``LW`` in day-of-month and ``nL``/``n#k`` in day-of-week are accepted
 (cronsim semantics; day-of-month and day-of-week are OR-ed unless one starts with ``*``).
 Refused, naming the field: ``?``, a step with no range (``/6``), out-of-range values, empty
-items, reversed ranges, a line with other than 5 or 6 fields.
+items, reversed ranges, a line with other than 5 or 6 fields; other dialects' extensions are
+refused naming the extension: ``15W`` ("W (nearest weekday) is not supported"), Jenkins ``H``,
+``#``/``L`` outside their fields, ``@reboot`` (write ``@boot``), ``@every``.
 
 DST follows Debian cron (cron(8) "daylight saving time" section): a *fixed-time* schedule
 (neither the minute nor the hour field starts with ``*``) is evaluated on the local wall clock;
@@ -128,6 +130,8 @@ class Plan(NamedTuple):
     - ``wake_us``: the next wall-clock instant (µs) at which a Run could be due, or None
       when no clock schedule will ever fire again.
     - ``clock_back_us``: how far the wall clock went back since the last call (0 if not).
+    - ``dropped_us``: the instant ``apply_catch_up`` refused a Run (too late for the Task's
+      catch-up policy), else None; it is then counted in ``missed`` too.
     """
 
     due_us: int | None
@@ -136,6 +140,12 @@ class Plan(NamedTuple):
     observed_wall_us: int
     wake_us: int | None
     clock_back_us: int
+    dropped_us: int | None = None
+
+    @property
+    def missed_text(self) -> str:
+        """``missed`` for the journal and events: ``"≥100"`` once the count reached its cap."""
+        return f"≥{MAX_MISSED_COUNT}" if self.missed >= MAX_MISSED_COUNT else str(self.missed)
 
 
 def _field_error(field: str, message: str, limit: int | str | None = None) -> ScheduleError:
@@ -155,6 +165,28 @@ def _check_value(field: str, text: str) -> int:
     return value
 
 
+# Extensions of other cron dialects that this one does not have: refused naming the extension
+# (otherwise "15W" would read as "not a number"). ``LW``, ``L``, ``nL`` and ``n#k`` are
+# cronsim's and accepted where they belong.
+def _extension(field: str, base: str) -> str | None:
+    words = [w for w in base.split("-") if w not in _NAMES.get(field, {})]
+    if field == "day-of-month" and base != "LW" and any("W" in w for w in words):
+        return "W (nearest weekday) is not supported"
+    if any(w == "H" or w.startswith("H(") for w in words):
+        return "H (hashed value, Jenkins) is not supported; write a number"
+    if field != "day-of-week" and "#" in base:
+        return "'#' (nth weekday) is only for day-of-week"
+    if field not in ("day-of-month", "day-of-week") and any("L" in w for w in words):
+        return "L (last) is only for day-of-month and day-of-week"
+    return None
+
+
+def _refuse_extension(field: str, item: str) -> None:
+    text = _extension(field, item.partition("/")[0])
+    if text:
+        raise _field_error(field, f"{text} ({field} {item!r})")
+
+
 def _check_field(field: str, text: str) -> None:
     """Refuse the common misreadings with a message naming ``field``; cronsim checks the rest."""
     lo, hi = _RANGES[field]
@@ -163,6 +195,7 @@ def _check_field(field: str, text: str) -> None:
             raise _field_error(field, f"empty item in {field} {text!r}")
         if "?" in item:
             raise _field_error(field, f"'?' is not supported in {field}; write '*'")
+        _refuse_extension(field, item)
         base, slash, step = item.partition("/")
         if slash:
             if base == "":
@@ -213,6 +246,10 @@ def parse_schedule(line: str) -> Schedule:
             return Schedule(kind="boot", source=word)
         if word == "@once":
             return Schedule(kind="once", source=word)
+        if word == "@reboot":
+            raise _field_error("schedule", "@reboot is not supported; write @boot (one Run after each service start)")
+        if word.startswith("@every"):
+            raise _field_error("schedule", "@every (interval) is not supported; write a cron step such as '*/5 * * * *'")
         if word not in _ALIASES:
             raise _field_error(
                 "schedule", f"unknown {source!r}; use @boot, @once, "
@@ -540,6 +577,29 @@ def plan_due(schedules: Schedule | Sequence[Schedule], tz: str | None, last_inst
         wake_us=upcoming,
         clock_back_us=clock_back,
     )
+
+
+ON_TIME_US = 60 * _SECOND_US
+"""``catch_up = "none"``: an instant is still run when the agent sees it at most this late (a
+wake-up delayed by a busy loop or a clock slew), never after downtime."""
+
+
+def apply_catch_up(plan: Plan, now_us: int, catch_up: str = "latest", within_us: int | None = None) -> Plan:
+    """Apply a Task's catch-up policy to ``plan`` (from ``plan_due``) at ``now_us`` (µs).
+
+    ``latest`` (the default, like systemd ``Persistent=true`` or anacron): the latest missed
+    instant gets one Run however late, or only if it is at most ``within_us`` late when that
+    is set (``catch_up_within_s``). ``none`` (like systemd's default ``Persistent=false``): an
+    instant more than ``ON_TIME_US`` (60 s) late gets no Run. A refused instant becomes
+    ``dropped_us``, is counted in ``missed``, and the cursor still moves past it (so it is
+    never fired later). Pure; source: issue 12 §5.
+    """
+    if plan.due_us is None:
+        return plan
+    limit = ON_TIME_US if catch_up == "none" else within_us
+    if limit is None or now_us - plan.due_us <= limit:
+        return plan
+    return plan._replace(due_us=None, dropped_us=plan.due_us, missed=min(plan.missed + 1, MAX_MISSED_COUNT))
 
 
 def has_boot(schedules: Sequence[Schedule]) -> bool:

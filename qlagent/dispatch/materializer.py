@@ -111,8 +111,10 @@ class Materializer:
             del plain
             env = freeze_env(plan.recipe.public, secret_env, identity_env(c, plan), self._baseline)    # 5
         except UnavailableError as e:
-            self._store.fail_unlaunched(c, e.code, plan.retry)
-            return Prepared("unavailable", e.code)
+            # The reason names the Secret or environment name at fault (a name, never a value).
+            reason = e.code if e.field is None else f"{e.code}:{e.field}"
+            self._store.fail_unlaunched(c, reason, plan.retry)
+            return Prepared("unavailable", reason)
         quota = self._profile.log_max_bytes
         refused = self._artifacts.admit(quota)                          # 6
         if refused:

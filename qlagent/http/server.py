@@ -10,9 +10,17 @@ bench/results/http.md for the RSS measurement that ruled out h11. Every resource
 * request line > ``max_request_line_bytes`` → 414; header block > ``max_header_bytes`` or more
   than ``max_header_count`` fields → 431; ``Content-Length`` > ``max_body_bytes`` → 413 before
   any body byte is read; ``Transfer-Encoding: chunked`` → 411, any other → 400;
-* a request not fully received ``read_timeout_s`` after its first byte → 408 and close;
-* more than ``max_connections`` sockets: an idle keep-alive connection is evicted, or the new
-  one is answered 503 and closed.
+* a request not fully received ``read_timeout_s`` after its first byte → 408 and close: this is
+  also the longest an unauthenticated peer can hold an in-flight slot (auth is checked once the
+  body is in);
+* health probes (``probe_paths``, e.g. ``GET /healthz``, ``/readyz`` without a body) are
+  answered without an in-flight slot, so peers holding every slot never make them 503;
+* more than ``max_connections`` sockets: an idle keep-alive connection is evicted, else the
+  oldest connection that has sent nothing yet, else the new one is answered 503 and closed.
+
+RFC 9110/9112 conformance: HTTP/1.1 without a valid single ``Host`` → 400; absolute-form
+targets accepted (their authority replaces Host); ``100 Continue`` only to HTTP/1.1;
+``Connection`` read as a token list; an unknown method or transfer coding → 501.
 
 The handler is synchronous and runs on the loop thread; it may raise :class:`HttpError` for a
 JSON error answer. Any other exception in it becomes a generic 500 JSON body (the traceback goes to the ``qlagent.http`` logger only, never to the client).
@@ -50,6 +58,13 @@ _REASONS = {
 }
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _ORIGIN_FORM = re.compile(rb"/[\x21-\x7e]*")
+# RFC 9112 §3.2.2 absolute-form: "http://authority/path?query" (the authority replaces Host).
+_ABSOLUTE_FORM = re.compile(rb"[hH][tT][tT][pP][sS]?://([^/?#\x00-\x20\x7f-\xff]+)(/[\x21-\x7e]*)?")
+# RFC 9110 §7.2 Host = uri-host [":" port]: reg-name (unreserved / pct-encoded / sub-delims),
+# IPv4 or an [IPv6] literal. Empty is allowed only for a URI without authority (never ours).
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~%!$&'()*+,;=]+)(:[0-9]{0,5})?")
+# RFC 9110 §9.1: a method the server does not recognise gets 501, a known one a route may lack 405.
+_KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 # IMF-fixdate names spelled out: email.utils costs ~0.4 MiB RSS and strftime follows the locale.
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
@@ -206,6 +221,11 @@ def _decimal(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+def _tokens(value: str) -> set[str]:
+    """A comma-separated token list (``Connection``, ``Transfer-Encoding``), lower-cased."""
+    return {t.strip(" \t").lower() for t in value.split(",") if t.strip(" \t")}
+
+
 def query_int(request: Request, name: str, default: int, minimum: int, maximum: int) -> int:
     """Integer query parameter ``name`` in ``minimum..maximum`` (``default`` when absent).
     Raises HttpError 400 ``bad_query`` naming the parameter and its range."""
@@ -222,21 +242,25 @@ def byte_range(request: Request, size: int, max_length: int) -> tuple[int, int, 
     """The slice of a ``size``-byte file a read asks for, bounded by ``max_length`` bytes.
 
     ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` (one range) wins over the ``offset`` /
-    ``limit`` query parameters (defaults 0 and ``max_length``). Returns ``(offset, length,
-    partial)``; ``partial`` means answer 206 with :func:`content_range`. Raises HttpError 400
-    ``bad_query``/``bad_range`` for malformed input and 416 ``range_not_satisfiable`` (with
+    ``limit`` query parameters (defaults 0 and ``max_length``); a Range of another unit, or
+    any Range with ``If-Range`` (no validators are ever sent, so it cannot match), is ignored.
+    Returns ``(offset, length, partial)``; ``partial`` means answer 206 with
+    :func:`content_range`. Raises HttpError 400 ``bad_query``/``bad_range`` for malformed input and 416 ``range_not_satisfiable`` (with
     ``Content-Range: bytes */size``) for a Range starting at or beyond ``size``. An offset at or
     beyond the end via the query gives length 0 (a tail reader polls that way).
     """
     header = request.headers.get("range")
-    if header is None:
+    unit = (header or "").partition("=")[0].strip().lower()
+    # RFC 9110 §14.2: a Range with a unit we do not know is ignored; §13.1.5: so is a Range
+    # under an If-Range, which can never match since no validator (ETag, Last-Modified) is sent.
+    if header is None or unit != "bytes" or "if-range" in request.headers:
         offset = query_int(request, "offset", 0, 0, 2**62)
         limit = query_int(request, "limit", max_length, 1, max_length)
         start = min(offset, size)
         return start, min(limit, size - start), False
     unit, _, spec = header.partition("=")
     first, dash, last = spec.strip().partition("-")
-    if unit.strip().lower() != "bytes" or not dash or "," in spec or not (first or last) \
+    if not dash or "," in spec or not (first or last) \
             or not (_decimal(first) or not first) or not (_decimal(last) or not last):
         raise HttpError(400, "bad_range", "Range must be one bytes=a-b, bytes=a- or bytes=-n",
                         field="Range")
@@ -294,7 +318,8 @@ class _Conn:
 
 
 class HttpServer:
-    """Bounded HTTP/1.1 server: ``HttpServer(limits, handler)``; ``handler(Request) -> Response``.
+    """Bounded HTTP/1.1 server: ``HttpServer(limits, handler, probe_paths)``; ``handler(Request)
+    -> Response``. ``probe_paths``: paths whose bodiless GET/HEAD never needs an in-flight slot.
 
     Drive it from one selectors loop: ``listen_tcp`` / ``listen_unix``, then
     ``register(selector)``; for each ready key with :meth:`owns` true call
@@ -303,9 +328,11 @@ class HttpServer:
     Not thread-safe except :meth:`stop`.
     """
 
-    def __init__(self, limits: HttpLimits, handler: Callable[[Request], Response]) -> None:
+    def __init__(self, limits: HttpLimits, handler: Callable[[Request], Response],
+                 probe_paths: frozenset[str] = frozenset()) -> None:
         self.limits = limits
         self.handler = handler
+        self.probe_paths = probe_paths
         self._listeners: list[_Listener] = []
         self._paused: list[tuple[float, _Listener]] = []
         self._conns: set[_Conn] = set()
@@ -518,10 +545,19 @@ class HttpServer:
             self._watch(conn, selectors.EVENT_READ)
 
     def _evict_idle(self) -> bool:
+        silent = None
         for conn in self._conns:
-            if conn.state == _HEAD and not conn.started and conn.served > 0:
-                self._close(conn)
-                return True
+            if conn.state == _HEAD and not conn.started:
+                if conn.served > 0:         # an idle keep-alive connection first
+                    self._close(conn)
+                    return True
+                if silent is None or conn.deadline < silent.deadline:
+                    silent = conn
+        if silent is not None:
+            # Connected, nothing sent: dropping it loses no request, and sockets left silent
+            # by a peer must not lock out a health probe until their first-byte timeout.
+            self._close(silent)
+            return True
         return False
 
     def _refuse(self, sock: socket.socket) -> None:
@@ -605,12 +641,14 @@ class HttpServer:
         line = bytes(buf[:line_end])
         block = bytes(buf[line_end + 2: head_end + 2])
         del buf[: head_end + 4]
-        req = self._parse_request_line(line, conn.peer)
+        req, authority = self._parse_request_line(line, conn.peer)
         req.headers = self._parse_headers(block)
+        self._check_host(req, authority)
         self._check_framing(conn, req)
         return True
 
-    def _parse_request_line(self, line: bytes, peer: str) -> Request:
+    def _parse_request_line(self, line: bytes, peer: str) -> tuple[Request, str | None]:
+        """The request (headers still empty) and an absolute-form target's authority or None."""
         parts = line.split(b" ")
         if len(parts) != 3 or not _TOKEN.fullmatch(parts[0]):
             raise HttpError(400, "bad_request", "malformed request line")
@@ -619,14 +657,21 @@ class HttpServer:
             if version.startswith(b"HTTP/") and len(version) == 8:
                 raise HttpError(505, "http_version_not_supported", "only HTTP/1.0 and HTTP/1.1")
             raise HttpError(400, "bad_request", "malformed request line")
+        authority = None
+        absolute = _ABSOLUTE_FORM.fullmatch(target)
+        if absolute:
+            authority = absolute.group(1).decode("ascii")
+            target = absolute.group(2) or b"/"
         if not _ORIGIN_FORM.fullmatch(target):
             raise HttpError(400, "bad_request", "request target must be an origin-form ASCII path")
+        if method.decode("ascii") not in _KNOWN_METHODS:
+            raise HttpError(501, "not_implemented", f"method {method.decode('ascii')[:32]} is not implemented")
         target_s = target.decode("ascii")
         path, _, query = target_s.partition("?")
         if "#" in target_s:
             raise HttpError(400, "bad_request", "request target must not carry a fragment")
         return Request(method.decode("ascii"), target_s, path, self._parse_query(query), {}, b"",
-                       peer, version.decode("ascii"))
+                       peer, version.decode("ascii")), authority
 
     def _parse_query(self, query: str) -> dict[str, str]:
         if not query:
@@ -671,6 +716,23 @@ class HttpServer:
                 headers[key] = text
         return headers
 
+    @staticmethod
+    def _check_host(req: Request, authority: str | None) -> None:
+        """RFC 9112 §3.2: HTTP/1.1 needs exactly one valid Host (400 otherwise); an
+        absolute-form target's authority replaces it (§3.2.2)."""
+        if authority is not None:
+            if not _HOST.fullmatch(authority):
+                raise HttpError(400, "bad_request", "invalid authority in the request target")
+            req.headers["host"] = authority
+            return
+        host = req.headers.get("host")
+        if host is None:
+            if req.version == "HTTP/1.1":
+                raise HttpError(400, "bad_request", "HTTP/1.1 request without Host (RFC 9112 §3.2)")
+            return
+        if not _HOST.fullmatch(host):
+            raise HttpError(400, "bad_request", "invalid Host header (RFC 9112 §3.2)")
+
     def _check_framing(self, conn: _Conn, req: Request) -> None:
         lim = self.limits
         te = req.headers.get("transfer-encoding")
@@ -678,10 +740,11 @@ class HttpServer:
         if te is not None:
             if cl is not None:
                 raise HttpError(400, "bad_request", "both Transfer-Encoding and Content-Length")
-            if "chunked" in te.lower():
+            if "chunked" in _tokens(te):
                 raise HttpError(411, "length_required",
                                  "chunked request bodies are not accepted; send Content-Length")
-            raise HttpError(400, "bad_request", "unsupported Transfer-Encoding")
+            # RFC 9112 §6.1: a transfer coding the server does not understand is 501.
+            raise HttpError(501, "not_implemented", "unsupported Transfer-Encoding; send Content-Length")
         length = 0
         if cl is not None:
             if not _decimal(cl) or len(cl) > 19:
@@ -690,15 +753,19 @@ class HttpServer:
         if length > lim.max_body_bytes:
             raise HttpError(413, "body_too_large",
                              f"request body is {length} bytes; the limit is {lim.max_body_bytes} bytes")
-        if self._in_flight >= lim.max_in_flight:
-            raise HttpError(503, "server_busy",
-                             f"at most {lim.max_in_flight} requests in flight; retry after 1 s")
-        self._in_flight += 1
-        conn.in_flight = True
+        probe = length == 0 and req.method in ("GET", "HEAD") and req.path in self.probe_paths
+        if not probe:     # a probe is answered at once from this head: it needs no slot
+            if self._in_flight >= lim.max_in_flight:
+                raise HttpError(503, "server_busy",
+                                 f"at most {lim.max_in_flight} requests in flight; retry after 1 s")
+            self._in_flight += 1
+            conn.in_flight = True
         conn.request = req
         conn.body_needed = length
         conn.state = _BODY
-        if length and req.headers.get("expect", "").lower() == "100-continue" and len(conn.buf) < length:
+        # RFC 9110 §10.1.1: never send a 1xx to an HTTP/1.0 client.
+        if length and req.version == "HTTP/1.1" and req.headers.get("expect", "").lower() == "100-continue" \
+                and len(conn.buf) < length:
             try:  # interim line is tiny; the socket buffer is empty at this point
                 conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
             except OSError:
@@ -716,10 +783,9 @@ class HttpServer:
             log.exception("handler failed for %s %s", req.method, req.path)
             resp = json_error(500, "internal_error", "internal error")
         conn.served += 1
-        conn_hdr = req.headers.get("connection", "").lower()
         close = (
             req.version == "HTTP/1.0"
-            or "close" in conn_hdr
+            or "close" in _tokens(req.headers.get("connection", ""))
             or conn.served >= self.limits.max_requests_per_connection
             or self._stopping
         )

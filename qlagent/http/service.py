@@ -27,6 +27,7 @@ MAX_IN_FLIGHT = 64
 MAX_BODY_BYTES = 65_536
 MIN_BODY_BYTES = 256           # a Task Start body is ~200 bytes
 READ_TIMEOUT_S = (0.5, 60.0)
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})   # answered without an in-flight slot (README "HTTP API")
 
 
 def limits_for(settings) -> HttpLimits:
@@ -72,7 +73,7 @@ class HttpSurface:
         self.draining = False
         self.api = Api(store, on_change, ready=lambda: not self.draining)
         self.router = build_router(self.api)
-        self.server = HttpServer(limits_for(settings), self.router)
+        self.server = HttpServer(limits_for(settings), self.router, probe_paths=PROBE_PATHS)
 
     def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
         """Bind HOST:PORT (port 0 picks a free one); returns the bound (host, port)."""

@@ -18,6 +18,7 @@ from ..core.definitions import check_project_name
 from ..core.errors import ValidationError, from_msgspec
 from ..core.profiles import Profile, get_profile
 from .tomlfile import read_toml
+from .trust import TrustedPath, require_trusted, trusted_paths
 
 DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
 DEFAULT_HTTP_PORT = 7380
@@ -76,16 +77,20 @@ def default_state_dir() -> str:
     return os.path.join(base, "qlagent")
 
 
-def load_config(path: str | None) -> tuple[Config, str | None]:
+def load_config(path: str | None, *, trust: bool = True) -> tuple[Config, str | None]:
     """Parse and validate a config file (``path=None``: the default if present, else defaults).
 
-    Raises ValidationError naming the file and key for unknown keys, wrong types or bad values.
+    Raises ValidationError naming the file and key for unknown keys, wrong types or bad values;
+    with ``trust`` (all but ``doctor``, which lists it instead) UntrustedPathError (exit 5) for
+    a file another user could write (service.trust), before reading it.
     """
     explicit = path is not None
     path = path or os.environ.get("QLAGENT_CONFIG") or DEFAULT_CONFIG
     explicit = explicit or "QLAGENT_CONFIG" in os.environ
     if not explicit and not os.path.exists(path):
         return Config(), None
+    if trust:
+        require_trusted([TrustedPath("config file", path)])
     data = read_toml(path, "config", MAX_CONFIG_BYTES)
     try:
         cfg = msgspec.convert(data, Config, strict=True)
@@ -95,14 +100,13 @@ def load_config(path: str | None) -> tuple[Config, str | None]:
     return cfg, path
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, field: str = "http.listen") -> tuple[str, int]:
     """``"HOST:PORT"`` or ``"[IPv6]:PORT"`` (config ``http.listen``, ``serve --listen``) → (host,
     port). Port 0..65535 in ASCII digits (0 binds a free port); a host is required. Raises
-    ValidationError(field ``http.listen``) naming the rule."""
+    ValidationError naming ``field`` (``http.listen`` or ``--listen``) and the rule."""
     m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:([0-9]{1,5})", value) or re.fullmatch(r"([^:\[\]]+):([0-9]{1,5})", value)
     if not m or int(m.group(2)) > 65535:
-        raise ValidationError("http.listen", f"{value!r} is not HOST:PORT (port 0..65535; 0 picks a free one)",
-                              limit="0..65535")
+        raise ValidationError(field, f"{value!r} is not HOST:PORT with port 0..65535", limit="0..65535")
     return m.group(1), int(m.group(2))
 
 
@@ -117,17 +121,24 @@ def validate(cfg: Config) -> None:
             raise ValidationError(key, f"{v!r} must be an absolute path")
 
 
-def resolve(config_path: str | None = None, *, state_dir: str | None = None, profile: str | None = None) -> Settings:
-    """Load the config and apply environment and flag overrides; see the module docstring."""
-    cfg, used = load_config(config_path)
+def resolve(config_path: str | None = None, *, state_dir: str | None = None, profile: str | None = None,
+            trust: bool = True) -> Settings:
+    """Load the config and apply environment and flag overrides; see the module docstring.
+
+    With ``trust``, every path the agent trusts (service.trust.trusted_paths) is checked and
+    UntrustedPathError (exit 5) raised for the first one another user could write."""
+    cfg, used = load_config(config_path, trust=trust)
     prof_name = profile or os.environ.get("QLAGENT_PROFILE") or cfg.profile
     if prof_name != cfg.profile:
         cfg = msgspec.structs.replace(cfg, profile=prof_name)
         validate(cfg)
     sd = os.path.abspath(state_dir or os.environ.get("QLAGENT_STATE_DIR") or cfg.state_dir or default_state_dir())
-    return Settings(config=cfg, config_path=used, profile=get_profile(prof_name), state_dir=sd,
+    settings = Settings(config=cfg, config_path=used, profile=get_profile(prof_name), state_dir=sd,
                     db_path=os.path.join(sd, "qlagent.db"),
                     artifact_dir=cfg.artifact_dir or os.path.join(sd, "artifacts"),
                     runs_dir=os.path.join(sd, "runs"),
                     key_file=cfg.secret_key_file or os.path.join(sd, "secret.key"),
                     control_socket=os.path.join(sd, "control.sock"))
+    if trust:
+        require_trusted(trusted_paths(settings))
+    return settings

@@ -1,4 +1,5 @@
-"""``qlagent doctor``: schema history, capability, integrity, key file, free space, dirs."""
+"""``qlagent doctor``: trusted paths, schema history, capability, integrity, key file, free
+space, dirs. Before ``init`` it reports only what is missing (no ``ok`` line among them)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,37 @@ import stat
 
 from .. import bootstrap
 from .config import Settings
+from .trust import check as check_trust
+from .trust import trusted_paths
 
 MiB = 1_048_576
 
 
 def run_checks(s: Settings) -> list[dict]:
-    """Each check: ``{"name", "ok", "detail"}``. Never raises for what it inspects."""
+    """Each check: ``{"name", "ok", "detail"}``. Never raises for what it inspects.
+
+    Untrusted paths (service.trust) are listed first, one ``trust`` line each; the database is
+    then not opened. Before ``init`` only the missing database and key file are listed."""
     out: list[dict] = []
 
     def add(name: str, ok: bool, detail: str) -> None:
         out.append({"name": name, "ok": ok, "detail": detail})
 
+    untrusted = check_trust(trusted_paths(s))
+    for _, text in untrusted:
+        add("trust", False, text)
     if not os.path.exists(s.db_path):
         add("database", False, f"{s.db_path} does not exist (run `qlagent init`)")
-    else:
-        for name, ok, detail in bootstrap.store_checks(s.db_path):
-            add(name, ok, detail)
+        problem = bootstrap.key_file_problem(s.key_file)
+        if problem:
+            add("key file", False, problem)
+        return out
+    if untrusted:           # a database another user may have written is not opened
+        return out
+    add("trust", True, f"config, state dir, database, key file, artifacts and runs dirs owned by uid "
+                       f"{os.geteuid()}" + (" or root" if os.geteuid() else "") + ", none group/world-writable")
+    for name, ok, detail in bootstrap.store_checks(s.db_path):
+        add(name, ok, detail)
     problem = bootstrap.key_file_problem(s.key_file)
     add("key file", problem is None, problem or f"{s.key_file} (0600, 32 bytes)")
     probe = s.artifact_dir if os.path.exists(s.artifact_dir) else s.state_dir
@@ -42,3 +58,4 @@ def run_checks(s: Settings) -> list[dict]:
         except FileNotFoundError:
             add(name, name == "artifact dir", f"{path} not created yet")
     return out
+

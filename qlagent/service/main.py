@@ -10,6 +10,7 @@ WATCHDOG=1 only after a healthy iteration; STOPPING=1 then a bounded drain on SI
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import selectors
@@ -135,11 +136,18 @@ class Service:
         from ..http.service import HttpSurface     # the optional surface: imported only when on
         self.http = HttpSurface(self.settings, self.store, on_change=self._poke_self)
         bound = None
-        if listen:
-            host, port = parse_listen(listen)
-            bound = "%s:%d" % self.http.listen_tcp(host, port)[:2]
-        if unix:
-            self.http.listen_unix(unix)
+        try:
+            if listen:
+                host, port = parse_listen(listen, "--listen" if self._listen else "http.listen")
+                bound = "%s:%d" % self.http.listen_tcp(host, port)[:2]
+            if unix:
+                self.http.listen_unix(unix)
+        except OSError as e:
+            # Port in use, address not on this host, no permission: one line, exit 5, no traceback.
+            where = listen if not unix or (listen and bound is None) else unix
+            name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "error"
+            raise UnavailableError(f"cannot listen on {where}: {name} ({e.strerror or e})",
+                                   code="listen_failed") from None
         self.http.register(self.sel)
         self.log("info", "http.listening", address=bound, unix=unix)
 
@@ -158,7 +166,7 @@ class Service:
             return self._run()
         except QlError as e:
             self.log("err", "service.failed", code=e.code, error=str(e))
-            return 1
+            return e.exit_code
         finally:
             lock.close()
 

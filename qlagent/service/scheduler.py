@@ -6,6 +6,9 @@ run.queued) and the Task's schedule cursor in ONE transaction under the idempote
 ``ql3:schedule:v1:{task}:{instant}``, so a restart or a second loop never creates it twice.
 Single-instance Tasks skip a fire while a Run of theirs is live and count it
 (``tasks.skipped_fires``, shown by ``task show``). ``@boot`` Tasks get one Run per service start.
+A Task's catch-up policy (``core.schedule.apply_catch_up``) may refuse a late instant: journal
+``schedule.missed``. Coalesced instants are counted in the journal and in the ``run.created``
+event as ``missed`` (``"≥100"`` once capped).
 """
 
 from __future__ import annotations
@@ -71,9 +74,12 @@ class Scheduler:
                                     cur.observed_wall_us if cur else None, now)
                 if cur is not None and plan.due_us is None and plan.clock_back_us <= 1_000_000:
                     break
+                d = head.definition
+                within = d.catch_up_within_ms * 1000 if d.catch_up_within_ms is not None else None
+                plan = sch.apply_catch_up(plan, now, d.catch_up, within)
                 new = ScheduleCursor(last_instant_us=plan.last_instant_us, observed_wall_us=plan.observed_wall_us)
                 key = None if plan.due_us is None else sch.idempotency_key(head.task_id, plan.due_us)
-                outcome = self._fire(head, key, "cron", plan.due_us, (cur, new), plan)
+                outcome = self._fire(head, key, "cron", plan.due_us, (cur, new), plan, now)
                 if outcome is not None:
                     created += outcome
                     break
@@ -85,16 +91,22 @@ class Scheduler:
         return created
 
     def _fire(self, head: TaskHead, key: str | None, trigger: str, instant: int | None,
-              cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, plan: sch.Plan | None = None) -> int | None:
+              cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, plan: sch.Plan | None = None,
+              now: int | None = None) -> int | None:
         """Write one fire (and cursor move); returns Runs created, or None if the cursor moved."""
+        missed = plan.missed_text if plan is not None and plan.missed and key is not None else None
         outcome = self._store.fire_schedule(project_id=head.project_id, task_id=head.task_id, idempotency_key=key,
-                                            trigger=trigger, scheduled_for_us=instant, actor=ACTOR, cursor=cursor)
+                                            trigger=trigger, scheduled_for_us=instant, actor=ACTOR, cursor=cursor,
+                                            missed=missed)
         if outcome == "moved":
             return None
         if plan is not None and plan.clock_back_us > 1_000_000:
             self._log("warning", "clock.stepped_back", task=head.name, seconds=plan.clock_back_us // 1_000_000)
-        if plan is not None and plan.missed and key is not None:
-            self._log("notice", "schedule.coalesced", task=head.name, missed=plan.missed)
+        if plan is not None and plan.dropped_us is not None:
+            self._log("notice", "schedule.missed", task=head.name, catch_up=head.definition.catch_up,
+                      late_s=(now - plan.dropped_us) // 1_000_000, missed=plan.missed_text)
+        if missed:
+            self._log("notice", "schedule.coalesced", task=head.name, missed=missed)
         if outcome == "skipped":
             self._log("notice", "schedule.skipped", task=head.name, reason="single_instance")
         return 1 if outcome == "created" else 0

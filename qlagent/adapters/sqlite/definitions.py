@@ -15,7 +15,7 @@ from ...core.definitions import PreparedTask, definition_document, execution_doc
 from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
 from ...core.limits import REVISION_MAX
-from ...core.models import TaskDefinition, TaskHead
+from ...core.models import ContextRecipe, TaskDefinition, TaskHead
 
 _dec = msgspec.json.Decoder(TaskDefinition)
 
@@ -36,6 +36,16 @@ def append_recipe(conn: sqlite3.Connection, prepared: PreparedTask, now_us: int)
         return False
     conn.execute("INSERT INTO context_recipes VALUES (?, ?, ?)", (prepared.recipe_ref, doc, now_us))
     return True
+
+
+def get_recipe(conn: sqlite3.Connection, recipe_ref: str) -> ContextRecipe:
+    """The context recipe ``recipe_ref`` (public values and SecretRef names; no Secret value is
+    ever in it). NotFoundError if the store lacks it."""
+    row = conn.execute("SELECT recipe_json FROM context_recipes WHERE recipe_ref = ?", (recipe_ref,)).fetchone()
+    if row is None:
+        raise NotFoundError(f"context recipe {recipe_ref} is missing", code="recipe_not_found")
+    doc = msgspec.json.decode(row[0])
+    return ContextRecipe(public=doc["public"], secret_refs=doc["secretRefs"])
 
 
 def append_execution_revision(conn: sqlite3.Connection, task_id: str, revision: int,

@@ -14,6 +14,7 @@ import msgspec
 
 from ...core import states
 from ...core.canonical import idempotency_key, sha256_hex, snapshot_ref
+from ...core.cursor import format_run_cursor, parse_run_cursor
 from ...core.errors import FenceRejected, NotFoundError, UnavailableError, ValidationError
 from ...core.ids import new_id
 from ...core.models import START_ROLES, Attempt, CreatedRun, Run, RunEvent, ScheduleCursor, TaskHead
@@ -229,7 +230,7 @@ def list_runs(conn: sqlite3.Connection, project_id: str, *, task_id: str | None 
     if not (1 <= limit <= MAX_PAGE):
         raise ValidationError("limit", f"{limit} outside 1..{MAX_PAGE}", limit=MAX_PAGE)
     if state is not None and state not in states.RunState.ALL:
-        raise ValidationError("state", f"unknown state {state!r}")
+        raise ValidationError("state", f"unknown state {state!r}; one of {', '.join(sorted(states.RunState.ALL))}")
     where, args = ["r.project_id = ?"], [project_id]
     if task_id:
         where.append("r.task_id = ?")
@@ -237,18 +238,14 @@ def list_runs(conn: sqlite3.Connection, project_id: str, *, task_id: str | None 
     if state:
         where.append("r.state = ?")
         args.append(state)
-    if cursor:
-        try:
-            c_at, c_id = cursor.split(".", 1)
-            c_at = int(c_at)
-        except ValueError:
-            raise ValidationError("cursor", "malformed cursor") from None
+    if cursor is not None:
+        c_at, c_id = parse_run_cursor(cursor)
         where.append("(r.created_at_us < ? OR (r.created_at_us = ? AND r.run_id < ?))")
         args += [c_at, c_at, c_id]
     rows = conn.execute(_RUN_SQL + "WHERE " + " AND ".join(where) +
                         " ORDER BY r.created_at_us DESC, r.run_id DESC LIMIT ?", (*args, limit + 1)).fetchall()
     runs = [_run(r) for r in rows[:limit]]
-    nxt = f"{runs[-1].created_at_us}.{runs[-1].run_id}" if len(rows) > limit else None
+    nxt = format_run_cursor(runs[-1].created_at_us, runs[-1].run_id) if len(rows) > limit else None
     return runs, nxt
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sqlite3
 
-from ...core.errors import NotFoundError
+import msgspec
+
+from ...core.errors import ConflictError, NotFoundError
 
 
 def put_secret(conn: sqlite3.Connection, project_id: str, name: str, ciphertext: bytes, key_id: str,
@@ -20,9 +22,18 @@ def list_secret_names(conn: sqlite3.Connection, project_id: str) -> list[tuple[s
         "SELECT name, updated_at_us FROM secrets WHERE project_id = ? ORDER BY name", (project_id,))]
 
 
-def delete_secret(conn: sqlite3.Connection, project_id: str, name: str) -> None:
+def delete_secret(conn: sqlite3.Connection, project_id: str, name: str, *, force: bool = False) -> list[str]:
+    """Delete Secret ``name``; returns the live Tasks that still refer to it (their Runs will
+    fail ``secret_missing:NAME``). Without ``force`` a used Secret is refused (ConflictError
+    naming the Tasks, nothing deleted); NotFoundError if it does not exist."""
+    users = [t for t, n, _ in secret_uses(conn, project_id) if n == name]
+    if users and not force:
+        raise ConflictError(f"secret {name!r} is used by task(s) {', '.join(users)}; edit them first, "
+                            "or pass --force to remove it anyway (their runs then fail secret_missing)",
+                            code="secret_in_use", field="name")
     if conn.execute("DELETE FROM secrets WHERE project_id = ? AND name = ?", (project_id, name)).rowcount == 0:
         raise NotFoundError(f"secret {name!r} does not exist", code="secret_not_found")
+    return users
 
 
 def get_ciphertexts(conn: sqlite3.Connection, project_id: str, names: list[str]) -> dict[str, bytes]:
@@ -32,3 +43,19 @@ def get_ciphertexts(conn: sqlite3.Connection, project_id: str, names: list[str])
     marks = ",".join("?" * len(names))
     return {r[0]: r[1] for r in conn.execute(
         f"SELECT name, ciphertext FROM secrets WHERE project_id = ? AND name IN ({marks})", (project_id, *names))}
+
+
+def secret_uses(conn: sqlite3.Connection, project_id: str | None) -> list[tuple[str, str, bool]]:
+    """(task name, Secret name, stored?) for each SecretRef of each live Task head of the
+    Project (every Project when None), by task then Secret name (names only: a recipe never
+    holds a value)."""
+    stored = set(conn.execute("SELECT project_id, name FROM secrets"))
+    out = []
+    for pid, task, doc in conn.execute(
+            "SELECT t.project_id, t.name, cr.recipe_json FROM tasks t JOIN execution_revisions e "
+            "ON e.task_id = t.task_id AND e.revision = t.head_revision "
+            "JOIN context_recipes cr ON cr.recipe_ref = e.recipe_ref "
+            "WHERE (?1 IS NULL OR t.project_id = ?1) AND t.deleted_at_us IS NULL ORDER BY t.name", (project_id,)):
+        for name in sorted(set(msgspec.json.decode(doc).get("secretRefs", {}).values())):
+            out.append((task, name, (pid, name) in stored))
+    return out

@@ -20,6 +20,7 @@ from ...core.dispatch import Candidate, Finish, LiveAttempt, Plan
 from ...core.errors import NotFoundError, QlError, UnavailableError
 from ...core.models import (
     Attempt,
+    ContextRecipe,
     CreatedRun,
     Project,
     RetentionEntry,
@@ -62,6 +63,9 @@ class _Batch:
             return defs.get_head(self._c, project_id, name_or_id)
         except NotFoundError:
             return None
+
+    def list_heads(self, project_id: str) -> list[TaskHead]:
+        return defs.list_heads(self._c, project_id)
 
     def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
         return defs.add_task(self._c, project_id, prepared, self._now)
@@ -215,6 +219,9 @@ class SqliteStore:
     def skipped_fires(self, task_id: str) -> int:
         return self.read(lambda c: defs.skipped_fires(c, task_id))
 
+    def get_recipe(self, recipe_ref: str) -> ContextRecipe:
+        return self.read(lambda c: defs.get_recipe(c, recipe_ref))
+
     # ---- RunStore ------------------------------------------------------------------------------
     def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
                    expected_digest: str, admitted_project_version: int | None = None,
@@ -258,7 +265,7 @@ class SqliteStore:
 
     def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
                       scheduled_for_us: int | None, actor: str,
-                      cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None) -> str:
+                      cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, missed: str | None = None) -> str:
         def tx(c):
             if cursor is not None:
                 expected, new = cursor
@@ -280,7 +287,7 @@ class SqliteStore:
                 return "skipped"
             runs_repo.create_run(c, head=head, origin="schedule", trigger_type=trigger,
                                  idempotency_key=idempotency_key, requested_by=actor, now_us=self._now(),
-                                 scheduled_for_us=scheduled_for_us)
+                                 scheduled_for_us=scheduled_for_us, fences={"missed": missed} if missed else None)
             return "created"
         return self.write(tx)
 
@@ -291,8 +298,11 @@ class SqliteStore:
     def secret_names(self, project_id: str) -> list[tuple[str, int]]:
         return self.read(lambda c: secret_rows.list_secret_names(c, project_id))
 
-    def delete_secret(self, project_id: str, name: str) -> None:
-        self.write(lambda c: secret_rows.delete_secret(c, project_id, name))
+    def delete_secret(self, project_id: str, name: str, *, force: bool = False) -> list[str]:
+        return self.write(lambda c: secret_rows.delete_secret(c, project_id, name, force=force))
+
+    def secret_uses(self, project_id: str | None) -> list[tuple[str, str, bool]]:
+        return self.read(lambda c: secret_rows.secret_uses(c, project_id))
 
     def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         return self.read(lambda c: secret_rows.get_ciphertexts(c, project_id, names))
@@ -370,7 +380,8 @@ class SqliteStore:
 
 def diagnose(path: str) -> list[tuple[str, bool, str]]:
     """``qlagent doctor``'s store checks on ``path`` without migrating: (name, ok, detail) for
-    schema history, capability and ``PRAGMA integrity_check``. Never raises for what it inspects."""
+    schema history, capability, ``PRAGMA integrity_check`` and Secrets a Task uses but the store
+    lacks. Never raises for what it inspects."""
     out: list[tuple[str, bool, str]] = []
     auth = SqliteAuthority(path)
     try:
@@ -388,6 +399,12 @@ def diagnose(path: str) -> list[tuple[str, bool, str]]:
             out.append(("capability", False, str(e)))
         res = auth.read(lambda c: [r[0] for r in c.execute("PRAGMA integrity_check")])
         out.append(("integrity", res == ["ok"], "; ".join(res[:5])))
+        missing = [(t, n) for t, n, stored in auth.read(lambda c: secret_rows.secret_uses(c, None)) if not stored]
+        for task, name in missing:
+            out.append(("secrets", False, f"task {task} uses secret {name!r}, which is not set "
+                                          f"(`qlagent secret set {name}`); its runs fail secret_missing:{name}"))
+        if not missing:
+            out.append(("secrets", True, "every secret a task uses is set"))
     finally:
         auth.close()
     return out
