@@ -39,6 +39,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "qlagent.dispatch": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch"}),
     # Fleet Worker policy (issue 11): pure decisions between core and application.
     "qlagent.worker": frozenset({"qlagent.core", "qlagent.worker"}),
+    # Cluster policy (ADR-0014) sees only core's records and ports; PostgreSQL is an adapter.
+    "qlagent.cluster": frozenset({"qlagent.core", "qlagent.cluster"}),
     "qlagent.application": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch", "qlagent.worker",
                                       "qlagent.application"}),
     "qlagent.bootstrap": frozenset({"qlagent.core", "qlagent.adapters", "qlagent.application", "qlagent.bootstrap"}),
@@ -53,6 +55,7 @@ ALLOWED: dict[str, frozenset[str]] = {
 DRIVERS: dict[str, frozenset[str]] = {
     "sqlite3": frozenset({"qlagent.adapters"}),
     "psycopg": frozenset({"qlagent.adapters"}),
+    "psycopg_pool": frozenset({"qlagent.adapters"}),
     "pyroute2": frozenset({"qlagent.adapters"}),
     "psutil": frozenset({"qlagent.adapters"}),
     "cryptography": frozenset({"qlagent.adapters"}),
@@ -61,9 +64,9 @@ PURE_LAYERS = ("qlagent.core", "qlagent.worker")
 # The pure layers do no I/O: none of these may be loaded by importing them.
 CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "http", "socket", "subprocess",
                   "cryptography", "urllib.request", "selectors", "psutil")
-# Heavy dependencies are lazy everywhere (pyroute2 ~18 MB, cryptography): importing a module
-# must not load them; only the call that needs them does.
-LAZY_EVERYWHERE = ("pyroute2", "cryptography")
+# Heavy dependencies are lazy everywhere (pyroute2 ~18 MB, cryptography, psycopg: never on a
+# local agent): importing a module must not load them; only the call that needs them does.
+LAZY_EVERYWHERE = ("pyroute2", "cryptography", "psycopg", "psycopg_pool")
 LAZY_OWNERS = {"qlagent.adapters.netgate"}        # importing it is what "lazily" means
 SHIM = "qlagent.adapters.shim.main"               # runs as `python3 -I -S shim/main.py`: stdlib only
 

@@ -1,0 +1,107 @@
+"""Connections to the cluster authority (psycopg 3, imported only when a connection is made).
+
+``check_url`` accepts libpq URLs ``postgresql://`` / ``postgres://`` including multi-host lists
+(``postgresql://a:5432,b:5432/db?target_session_attrs=read-write``): failover is libpq's, the
+control plane only insists on a read-write session when more than one host is named.
+``open_pool`` returns a bounded psycopg_pool ConnectionPool; ``transaction`` runs one unit of
+work, retrying a bounded number of times on serialization failures and deadlocks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from contextlib import contextmanager
+from urllib.parse import parse_qs, urlsplit
+
+from ...core.errors import UnavailableError, ValidationError
+
+_SCHEMES = ("postgresql", "postgres")
+_SESSION_ATTRS = ("any", "read-write", "primary", "read-only", "standby", "prefer-standby")
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*)(:\d{1,5})?$")
+MAX_URL_BYTES = 4096
+MAX_POOL = 64
+TX_RETRIES = 5
+
+
+def check_url(url: str, field: str = "cluster.database") -> str:
+    """Validate a libpq URL; return it unchanged. Raises ValidationError naming ``field``.
+
+    Rules: scheme postgresql/postgres, ≤ 4096 bytes, each host ``name[:port]`` (port 1..65535),
+    ``target_session_attrs`` one of libpq's values and ``read-write`` (or ``primary``) when the
+    URL names several hosts, so a replica never becomes the authority after a failover.
+    """
+    if not isinstance(url, str) or not url or len(url.encode()) > MAX_URL_BYTES:
+        raise ValidationError(field, "must be a postgresql:// URL", limit=MAX_URL_BYTES)
+    parts = urlsplit(url)
+    if parts.scheme not in _SCHEMES:
+        raise ValidationError(field, f"scheme {parts.scheme!r} is not postgresql:// or postgres://")
+    hostlist = parts.netloc.rpartition("@")[2]
+    hosts = hostlist.split(",") if hostlist else []
+    for h in hosts:
+        m = _HOST.match(h)
+        if not m or (m.group(2) and not 1 <= int(m.group(2)[1:]) <= 65535):
+            raise ValidationError(field, f"host {h!r} is not name[:port] with port 1..65535")
+    query = parse_qs(parts.query, keep_blank_values=True)
+    attrs = query.get("target_session_attrs", [None])[-1]
+    if attrs is not None and attrs not in _SESSION_ATTRS:
+        raise ValidationError(f"{field}.target_session_attrs", f"{attrs!r} is not one of {list(_SESSION_ATTRS)}")
+    if len(hosts) > 1 and attrs not in ("read-write", "primary"):
+        raise ValidationError(f"{field}.target_session_attrs",
+                              "several hosts need target_session_attrs=read-write (the authority is the primary)")
+    return url
+
+
+def connect(url: str, *, autocommit: bool = False):
+    """One psycopg connection (loads psycopg). Raises UnavailableError when unreachable."""
+    import psycopg
+    try:
+        return psycopg.connect(check_url(url), autocommit=autocommit, connect_timeout=10)
+    except psycopg.OperationalError as e:
+        raise UnavailableError(f"cluster database unreachable: {str(e).splitlines()[0]}") from None
+
+
+def open_pool(url: str, size: int = 4):
+    """A bounded pool of 1..``size`` connections (``size`` ≤ 64); loads psycopg_pool."""
+    if not 1 <= size <= MAX_POOL:
+        raise ValidationError("cluster.pool_size", f"{size} outside 1..{MAX_POOL}", limit=MAX_POOL)
+    from psycopg_pool import ConnectionPool
+    pool = ConnectionPool(check_url(url), min_size=1, max_size=size, open=False, timeout=10,
+                          kwargs={"connect_timeout": 10})
+    try:
+        pool.open(wait=True, timeout=10)
+    except Exception as e:
+        pool.close()
+        raise UnavailableError(f"cluster database unreachable: {str(e).splitlines()[0]}") from None
+    return pool
+
+
+def transaction(pool, fn: Callable):
+    """Run ``fn(cursor)`` (a dict-row cursor) in one transaction and return its result.
+
+    Serialization failures and deadlocks are retried up to 5 times (the whole unit of work, so
+    ``fn`` must only touch the database); still failing → UnavailableError. A QlError raised by
+    ``fn`` rolls back and propagates unchanged.
+    """
+    import psycopg
+    from psycopg import errors
+    from psycopg.rows import dict_row
+    for _ in range(TX_RETRIES):
+        try:
+            with pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                return fn(cur)
+        except (errors.SerializationFailure, errors.DeadlockDetected):
+            continue
+        except psycopg.OperationalError as e:
+            raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}") from None
+    raise UnavailableError("cluster database: transaction kept conflicting; retry later")
+
+
+@contextmanager
+def autocommit(url: str):
+    """A short-lived autocommit connection (migrations, administration)."""
+    conn = connect(url, autocommit=True)
+    try:
+        yield conn
+    finally:
+        conn.close()

@@ -1,0 +1,90 @@
+"""Run Lease facts on PostgreSQL: Worker ACKs (ADR-0109) and the bounded lease sweeper.
+
+Every ACK runs in one transaction behind ``transitions.fenced_lease`` (credential, lease token
+digest, Session and generation). An ACK already applied is answered again as a replay without
+changing anything; an ACK against a Lease that expired or was fenced is refused.
+"""
+
+from __future__ import annotations
+
+from ...core.cluster import Ack, AckResult, LeaseFence
+from ...core.errors import ConflictError
+from .connection import transaction
+from .transitions import end_lease, event, fenced_lease, finish_attempt, now_us
+
+# Attempt progress order: an ACK for a state at or behind the current one is a replay.
+_RANK = {"claimed": 0, "starting": 1, "running": 2}
+_TERMINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed")
+
+
+class PgLeaseStore:
+    """ACKs and the expired-Lease sweep over a psycopg pool."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+
+    def apply_ack(self, fence: LeaseFence, ack: Ack, target: str, lease_ttl_us: int) -> AckResult:
+        """Move the Attempt to ``target`` (starting, running or a terminal state) under the fence.
+
+        ConflictError codes: stale_generation, lease_token_mismatch, lease_not_active,
+        lease_expired, ack_out_of_order, ack_conflict (a different terminal state was recorded).
+        """
+        actor = f"worker:{fence.worker_id}"
+
+        def tx(cur):
+            lease, _ = fenced_lease(cur, fence)
+            a = cur.execute("SELECT a.*, r.state AS run_state FROM attempts a JOIN runs r ON r.run_id = a.run_id"
+                            " WHERE a.attempt_id = %s FOR NO KEY UPDATE OF a", (fence.attempt_id,)).fetchone()
+            state = a["state"]
+            if lease["state"] in ("expired", "fenced") or a["lease_generation"] != fence.lease_generation:
+                # An ended or superseded Lease answers nothing, not even a replay: its Worker must stop.
+                raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
+            if state in _TERMINAL or (target in _RANK and _RANK.get(state, 3) >= _RANK[target]):
+                if target in _TERMINAL and state != target:
+                    raise ConflictError(f"the Attempt already ended {state}", code="ack_conflict")
+                return AckResult(state, self._run_state(cur, lease["run_id"]), True)
+            if lease["state"] != "active":
+                raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
+            now = now_us(cur)
+            if lease["expires_at_us"] <= now:
+                raise ConflictError("the Lease expired", code="lease_expired")
+            allowed = {"starting": ("claimed",), "running": ("starting",),
+                       "start_failed": ("claimed", "starting")}.get(target, ("starting", "running"))
+            if state not in allowed:
+                raise ConflictError(f"{ack.kind} ACK while the Attempt is {state}", code="ack_out_of_order")
+            if target in _RANK:
+                cur.execute("UPDATE attempts SET state = %s, started_at_us = coalesce(started_at_us, %s),"
+                            " version = version + 1 WHERE attempt_id = %s", (target, now, fence.attempt_id))
+                cur.execute("UPDATE runs SET state = %s, version = version + 1, updated_at_us = %s WHERE run_id = %s",
+                            (target, now, lease["run_id"]))
+                cur.execute("UPDATE run_leases SET expires_at_us = greatest(expires_at_us, %s)"
+                            " WHERE attempt_id = %s AND lease_generation = %s",
+                            (now + lease_ttl_us, fence.attempt_id, fence.lease_generation))
+                event(cur, lease["run_id"], f"run.{target}", actor,
+                      {"attemptId": fence.attempt_id, "leaseGeneration": fence.lease_generation}, now)
+                return AckResult(target, target)
+            cur.execute("UPDATE run_leases SET state = 'completed', ended_at_us = %s"
+                        " WHERE attempt_id = %s AND lease_generation = %s",
+                        (now, fence.attempt_id, fence.lease_generation))
+            figures = {"exit_code": ack.exit_code, "signal": ack.signal, "bytes_kept": ack.bytes_kept,
+                       "bytes_dropped": ack.bytes_dropped, "peak_rss_bytes": ack.peak_rss_bytes,
+                       "cpu_time_us": ack.cpu_time_us}
+            run_state = finish_attempt(cur, lease["run_id"], fence.attempt_id, target, actor, now,
+                                       failure_reason=ack.start_error or ack.kill_reason, figures=figures)
+            return AckResult(target, run_state)
+        return transaction(self._pool, tx)
+
+    @staticmethod
+    def _run_state(cur, run_id: str) -> str:
+        return cur.execute("SELECT state FROM runs WHERE run_id = %s", (run_id,)).fetchone()["state"]
+
+    def sweep_expired(self, limit: int) -> list[tuple[str, str]]:
+        """End up to ``limit`` active Leases past their expiry (database clock), skipping rows
+        another replica holds (``FOR UPDATE SKIP LOCKED``); return (Attempt ID, Run state) pairs."""
+        def tx(cur):
+            now = now_us(cur)
+            rows = cur.execute("SELECT * FROM run_leases WHERE state = 'active' AND expires_at_us <= %s"
+                               " ORDER BY expires_at_us, attempt_id LIMIT %s FOR UPDATE SKIP LOCKED",
+                               (now, limit)).fetchall()
+            return [(r["attempt_id"], end_lease(cur, r, "expired", "lease_expired", now)) for r in rows]
+        return transaction(self._pool, tx)

@@ -1,0 +1,66 @@
+"""Log chunks in the authority (issue 10 §9): offset-addressed, idempotent per offset, capped
+at a quota with a write-once truncation fact, so any replica serves ``run logs``."""
+
+from __future__ import annotations
+
+from ...core.cluster import LeaseFence
+from ...core.errors import ConflictError
+from .connection import transaction
+from .transitions import fenced_lease, now_us
+
+
+class PgLogStore:
+    """Log chunks of Attempts over a psycopg pool."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+
+    def append(self, fence: LeaseFence, offset: int, data: bytes, quota_bytes: int) -> tuple[int, bool]:
+        """Store ``data`` at byte ``offset`` of the Attempt's log; return (next expected offset,
+        truncated). Bytes past ``quota_bytes`` are received (the offset advances) but not kept.
+
+        ConflictError codes: chunk_gap (offset beyond the received end), chunk_mismatch (the
+        offset holds other bytes), lease_not_active (the Lease was expired or fenced), and the
+        fence's own codes.
+        """
+        def tx(cur):
+            lease, _ = fenced_lease(cur, fence)
+            if lease["state"] not in ("active", "completed"):
+                raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
+            a = cur.execute("SELECT log_next_offset FROM attempts WHERE attempt_id = %s FOR NO KEY UPDATE",
+                            (fence.attempt_id,)).fetchone()
+            end = a["log_next_offset"]
+            truncated = cur.execute("SELECT 1 FROM truncation_facts WHERE attempt_id = %s",
+                                    (fence.attempt_id,)).fetchone() is not None
+            if offset < end:
+                kept = cur.execute("SELECT data FROM log_chunks WHERE attempt_id = %s AND offset_bytes = %s",
+                                   (fence.attempt_id, offset)).fetchone()
+                stored = bytes(kept["data"]) if kept else b""
+                if offset + len(data) > end or stored != data[:len(stored)] or (
+                        not stored and offset < min(end, quota_bytes)):
+                    raise ConflictError(f"offset {offset} already holds other bytes", code="chunk_mismatch")
+                return end, truncated
+            if offset > end:
+                raise ConflictError(f"offset {offset} leaves a gap; next expected offset is {end}", code="chunk_gap")
+            keep = max(0, min(len(data), quota_bytes - offset))
+            if keep:
+                cur.execute("INSERT INTO log_chunks(attempt_id, offset_bytes, data) VALUES (%s, %s, %s)",
+                            (fence.attempt_id, offset, data[:keep]))
+            if keep < len(data) and not truncated:
+                cur.execute("INSERT INTO truncation_facts(attempt_id, quota_bytes, bytes_kept, recorded_at_us)"
+                            " VALUES (%s, %s, %s, %s)", (fence.attempt_id, quota_bytes, quota_bytes, now_us(cur)))
+                truncated = True
+            cur.execute("UPDATE attempts SET log_next_offset = %s WHERE attempt_id = %s",
+                        (offset + len(data), fence.attempt_id))
+            return offset + len(data), truncated
+        return transaction(self._pool, tx)
+
+    def read(self, attempt_id: str, offset: int, limit: int) -> bytes:
+        """Up to ``limit`` kept bytes of the Attempt's log from ``offset``."""
+        rows = transaction(self._pool, lambda cur: cur.execute(
+            "SELECT offset_bytes, data FROM log_chunks WHERE attempt_id = %s"
+            " AND offset_bytes + length(data) > %s AND offset_bytes < %s ORDER BY offset_bytes",
+            (attempt_id, offset, offset + limit)).fetchall())
+        out = b"".join(bytes(r["data"]) for r in rows)
+        start = offset - rows[0]["offset_bytes"] if rows else 0
+        return out[start:start + limit]

@@ -1,0 +1,106 @@
+"""Numbered, checksummed migrations of the cluster authority (mirrors the SQLite migrator).
+
+Files ``migrations/NNNN_name.sql`` are applied in number order, each in its own transaction
+together with its ``schema_migrations`` row (version, name, SHA-256 of the file). The whole run
+holds ``pg_advisory_lock(MIGRATION_LOCK)``, so N replicas starting together migrate once: the
+first applies, the others wait, then find nothing pending. A database whose history names a
+migration this build does not know, or whose checksum/name differs, is refused
+(StoreIntegrityError) before anything is applied.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import msgspec
+
+from ...core.canonical import sha256_hex
+from ...core.errors import StoreIntegrityError, UnavailableError
+
+_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+# First 8 bytes of sha256("qlagent:cluster:migrations") as a signed bigint: one fixed lock key.
+MIGRATION_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:cluster:migrations")[:16]), "big", signed=True)
+REQUIRED_CAPABILITIES = {"cluster-control-core": 1}
+
+
+class Migration(msgspec.Struct, frozen=True):
+    version: int
+    name: str
+    sql: str
+    checksum: str
+
+
+def known_migrations() -> list[Migration]:
+    """The migrations shipped with this build, in order."""
+    out = []
+    for entry in resources.files(__package__).joinpath("migrations").iterdir():
+        m = _NAME.match(entry.name)
+        if m:
+            sql = entry.read_text(encoding="utf-8")
+            out.append(Migration(int(m.group(1)), m.group(2), sql, sha256_hex(sql.encode())))
+    out.sort(key=lambda x: x.version)
+    return out
+
+
+def verify_history(conn, known: list[Migration]) -> list[Migration]:
+    """Check the recorded history against ``known``; return the migrations still to apply.
+
+    Raises StoreIntegrityError naming the first unknown or altered migration.
+    """
+    conn.execute("""CREATE TABLE IF NOT EXISTS schema_migrations (
+        version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,
+        applied_at_us bigint NOT NULL)""")
+    applied = conn.execute("SELECT version, name, checksum FROM schema_migrations ORDER BY version").fetchall()
+    by_version = {m.version: m for m in known}
+    for version, name, checksum in applied:
+        m = by_version.get(version)
+        if m is None:
+            raise StoreIntegrityError(
+                f"database history has migration {version:04d}_{name} which this qlagent does not know; "
+                "it was written by a newer or different build — refusing to start")
+        if m.checksum != checksum or m.name != name:
+            raise StoreIntegrityError(
+                f"migration {version:04d}_{name} in the database differs from this build's "
+                f"(checksum {checksum[:12]}… vs {m.checksum[:12]}…) — refusing to start")
+    done = {v for v, _, _ in applied}
+    return [m for m in known if m.version not in done]
+
+
+def migrate(conn) -> list[str]:
+    """Under the advisory lock: verify history, apply pending migrations; return names applied.
+
+    ``conn`` must be an autocommit psycopg connection (each migration opens its own transaction).
+    Raises StoreIntegrityError (altered/unknown history) or UnavailableError (a migration failed;
+    it and its history row rolled back together).
+    """
+    import psycopg
+    conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
+    try:
+        pending = verify_history(conn, known_migrations())
+        applied = []
+        for m in pending:
+            try:
+                with conn.transaction():
+                    conn.execute(m.sql)
+                    conn.execute("INSERT INTO schema_migrations(version, name, checksum, applied_at_us) "
+                                 "VALUES (%s, %s, %s, ql_now_us())", (m.version, m.name, m.checksum))
+            except psycopg.Error as e:
+                raise UnavailableError(f"migration {m.version:04d}_{m.name} failed: {str(e).splitlines()[0]}") from None
+            applied.append(f"{m.version:04d}_{m.name}")
+        return applied
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
+
+
+def check_capabilities(conn) -> dict[str, int]:
+    """Readiness: the declared capabilities; UnavailableError if one this build needs is missing."""
+    import psycopg
+    try:
+        caps = dict(conn.execute("SELECT name, version FROM capabilities").fetchall())
+    except psycopg.errors.UndefinedTable:
+        caps = {}
+    for name, version in REQUIRED_CAPABILITIES.items():
+        if caps.get(name, 0) < version:
+            raise UnavailableError(f"store capability {name}:{version} is missing (have {caps.get(name)})")
+    return caps

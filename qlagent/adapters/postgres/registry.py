@@ -1,0 +1,127 @@
+"""The Worker registry on PostgreSQL: enrolment (credential SHA-256 only), Sessions with a
+per-Worker generation, heartbeats, drain, removal and Session expiry (ADR-0014 §2, issue 10 §3)."""
+
+from __future__ import annotations
+
+from ...core.cluster import Enrolment, SessionGrant
+from ...core.errors import ConflictError, NotFoundError
+from ...core.ids import new_id
+from .connection import transaction
+from .transitions import authenticate, fence_sessions, now_us
+
+
+class PgWorkerRegistry:
+    """Worker and Session rows over a psycopg pool (policy: ``cluster.registry``)."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+
+    def enroll(self, name: str, labels: dict[str, str], executor_types: tuple[str, ...], slots: int,
+               credential_digest: str) -> str:
+        """Insert a Worker; return its Worker ID. ConflictError(worker_exists) for a live name."""
+        from psycopg import errors
+        from psycopg.types.json import Jsonb
+        worker_id = new_id()
+
+        def tx(cur):
+            now = now_us(cur)
+            cur.execute("INSERT INTO workers(worker_id, name, credential_digest, labels, executor_types, slots,"
+                        " state, enrolled_at_us, updated_at_us) VALUES (%s, %s, %s, %s, %s, %s, 'active', %s, %s)",
+                        (worker_id, name, credential_digest, Jsonb(labels), list(executor_types), slots, now, now))
+            return worker_id
+        try:
+            return transaction(self._pool, tx)
+        except errors.UniqueViolation:
+            raise ConflictError(f"a Worker named {name!r} is already enrolled", code="worker_exists") from None
+
+    def enrolment(self, worker_id: str, credential_digest: str) -> Enrolment:
+        """The enrolment this credential proves; WorkerAuthError otherwise."""
+        row = transaction(self._pool, lambda cur: authenticate(cur, worker_id, credential_digest))
+        return Enrolment(row["worker_id"], row["name"], row["labels"], tuple(row["executor_types"]), row["slots"],
+                         row["state"])
+
+    def open_session(self, worker_id: str, credential_digest: str, labels: dict[str, str],
+                     executor_types: tuple[str, ...], slots: int, ttl_us: int) -> SessionGrant:
+        """New Session with generation + 1; every older Session closes and its Leases are fenced."""
+        from psycopg.types.json import Jsonb
+        session_id = new_id()
+
+        def tx(cur):
+            w = authenticate(cur, worker_id, credential_digest, lock=True)
+            now = now_us(cur)
+            gen = w["generation"] + 1
+            cur.execute("INSERT INTO worker_sessions(session_id, worker_id, generation, labels, executor_types, slots,"
+                        " state, opened_at_us, last_heartbeat_us, expires_at_us)"
+                        " VALUES (%s, %s, %s, %s, %s, %s, 'open', %s, %s, %s)",
+                        (session_id, worker_id, gen, Jsonb(labels), list(executor_types), slots, now, now,
+                         now + ttl_us))
+            cur.execute("UPDATE workers SET generation = %s, current_session_id = %s, updated_at_us = %s "
+                        "WHERE worker_id = %s", (gen, session_id, now, worker_id))
+            fence_sessions(cur, worker_id, session_id, "session_replaced", now)
+            return SessionGrant(worker_id, session_id, gen, labels, executor_types, slots, now + ttl_us)
+        return transaction(self._pool, tx)
+
+    def heartbeat(self, worker_id: str, credential_digest: str, session_id: str, generation: int,
+                  session_ttl_us: int, lease_ttl_us: int) -> tuple[int, list[str]]:
+        """Extend the Session and the Leases of its starting/running Attempts; return (Session
+        expiry µs, Attempt IDs whose Run asked to be cancelled). ConflictError stale_generation /
+        session_expired."""
+        def tx(cur):
+            w = authenticate(cur, worker_id, credential_digest)
+            s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s"
+                            " FOR NO KEY UPDATE", (session_id, worker_id)).fetchone()
+            if s is None or s["generation"] != generation or w["generation"] != generation:
+                raise ConflictError(f"generation {generation} is stale (current {w['generation']})",
+                                    code="stale_generation")
+            now = now_us(cur)
+            if s["state"] != "open" or s["expires_at_us"] <= now:
+                raise ConflictError("the Session expired; open a new one", code="session_expired")
+            cur.execute("UPDATE worker_sessions SET last_heartbeat_us = %s, expires_at_us = %s WHERE session_id = %s",
+                        (now, now + session_ttl_us, session_id))
+            cur.execute("UPDATE run_leases l SET expires_at_us = %s FROM attempts a"
+                        " WHERE l.session_id = %s AND l.state = 'active' AND a.attempt_id = l.attempt_id"
+                        " AND a.state IN ('starting', 'running') AND l.expires_at_us > %s",
+                        (now + lease_ttl_us, session_id, now))
+            cancel = cur.execute("SELECT l.attempt_id FROM run_leases l JOIN runs r ON r.run_id = l.run_id"
+                                 " WHERE l.session_id = %s AND l.state = 'active'"
+                                 " AND r.cancel_requested_at_us IS NOT NULL ORDER BY l.attempt_id",
+                                 (session_id,)).fetchall()
+            return now + session_ttl_us, [r["attempt_id"] for r in cancel]
+        return transaction(self._pool, tx)
+
+    def set_state(self, name: str, state: str) -> str:
+        """``draining`` (no new claims; Leases run on) or ``removed`` (Sessions closed, Leases
+        fenced, name freed). Returns the Worker ID; NotFoundError for no live Worker of that name."""
+        def tx(cur):
+            w = cur.execute("SELECT worker_id FROM workers WHERE name = %s AND state <> 'removed' FOR NO KEY UPDATE",
+                            (name,)).fetchone()
+            if w is None:
+                raise NotFoundError(f"no Worker named {name!r}", code="worker_not_found")
+            now = now_us(cur)
+            cur.execute("UPDATE workers SET state = %s, updated_at_us = %s WHERE worker_id = %s",
+                        (state, now, w["worker_id"]))
+            if state == "removed":
+                cur.execute("UPDATE workers SET current_session_id = NULL WHERE worker_id = %s", (w["worker_id"],))
+                fence_sessions(cur, w["worker_id"], None, "worker_removed", now)
+            return w["worker_id"]
+        return transaction(self._pool, tx)
+
+    def expire_sessions(self, limit: int) -> int:
+        """Mark up to ``limit`` open Sessions past their expiry ``expired`` (offline); their Leases
+        run out on their own expiry (the lease sweeper)."""
+        return transaction(self._pool, lambda cur: cur.execute(
+            "UPDATE worker_sessions SET state = 'expired' WHERE session_id IN (SELECT session_id FROM worker_sessions"
+            " WHERE state = 'open' AND expires_at_us <= ql_now_us() ORDER BY expires_at_us LIMIT %s"
+            " FOR UPDATE SKIP LOCKED)", (limit,)).rowcount)
+
+    def workers(self, limit: int, after: str | None = None) -> list[dict]:
+        """Up to ``limit`` live Workers in name order: name, Worker ID, state online/draining/offline,
+        generation, Session ID, last heartbeat (µs), slots, free slots."""
+        return transaction(self._pool, lambda cur: cur.execute(
+            "SELECT w.name, w.worker_id, w.generation, s.session_id, s.last_heartbeat_us, w.slots,"
+            " CASE WHEN s.state = 'open' AND s.expires_at_us > ql_now_us()"
+            "      THEN CASE w.state WHEN 'draining' THEN 'draining' ELSE 'online' END ELSE 'offline' END AS state,"
+            " coalesce(s.slots, w.slots) - (SELECT count(*) FROM run_leases l WHERE l.worker_id = w.worker_id"
+            "      AND l.state = 'active') AS free_slots"
+            " FROM workers w LEFT JOIN worker_sessions s ON s.session_id = w.current_session_id"
+            " WHERE w.state <> 'removed' AND w.name > %s ORDER BY w.name LIMIT %s", (after or "", limit)).fetchall())

@@ -1,0 +1,136 @@
+"""Run/Attempt transitions shared by the cluster's PostgreSQL stores, inside the caller's
+transaction: RunEvents with the next per-Run sequence, the Run's retry decision after an
+Attempt ended (``core.cluster.decide_after_attempt``), the end of a Lease (expiry or fencing),
+and the Lease fence every Worker fact passes through."""
+
+from __future__ import annotations
+
+import json
+
+from ...core.cluster import AttemptEnd, LeaseFence, WorkerAuthError, decide_after_attempt
+from ...core.errors import ConflictError, NotFoundError
+from ...core.ids import new_id
+from ...core.models import RetryPolicy
+
+
+def now_us(cur) -> int:
+    return cur.execute("SELECT ql_now_us() AS now").fetchone()["now"]
+
+
+def event(cur, run_id: str, type_: str, actor: str, payload: dict, now: int) -> None:
+    """Append one RunEvent (payload: identities, fences and figures only)."""
+    from psycopg.types.json import Jsonb
+    seq = cur.execute("UPDATE runs SET event_sequence = event_sequence + 1 WHERE run_id = %s "
+                      "RETURNING event_sequence", (run_id,)).fetchone()["event_sequence"]
+    cur.execute("INSERT INTO run_events(run_id, sequence, event_id, type, actor, payload_json, created_at_us) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s)", (run_id, seq, new_id(), type_, actor, Jsonb(payload), now))
+
+
+def _retry_policy(cur, run_id: str) -> RetryPolicy | None:
+    row = cur.execute("SELECT tr.definition_json FROM runs r JOIN task_revisions tr "
+                      "ON tr.task_id = r.task_id AND tr.revision = r.task_revision WHERE r.run_id = %s",
+                      (run_id,)).fetchone()
+    if row is None:
+        return None
+    retry = json.loads(row["definition_json"]).get("retry") or {}
+    return RetryPolicy(max_attempts=int(retry.get("maxAttempts", 1)), backoff_ms=int(retry.get("backoffMs", 0)))
+
+
+def finish_attempt(cur, run_id: str, attempt_id: str, attempt_state: str, actor: str, now: int, *,
+                   failure_reason: str | None = None, figures: dict | None = None) -> str:
+    """End the Attempt in ``attempt_state`` and let the retry policy decide the Run; return the
+    Run's new state (``queued`` when a new claimed Attempt follows)."""
+    f = figures or {}
+    a = cur.execute(
+        "UPDATE attempts SET state = %s, ended_at_us = %s, failure_reason = %s, exit_code = %s, exit_signal = %s,"
+        " bytes_kept = %s, bytes_dropped = %s, peak_rss_bytes = %s, cpu_time_us = %s, version = version + 1"
+        " WHERE attempt_id = %s RETURNING attempt_no, worker_executor",
+        (attempt_state, now, failure_reason, f.get("exit_code"), f.get("signal"), f.get("bytes_kept"),
+         f.get("bytes_dropped"), f.get("peak_rss_bytes"), f.get("cpu_time_us"), attempt_id)).fetchone()
+    run = cur.execute("SELECT cancel_requested_at_us FROM runs WHERE run_id = %s FOR NO KEY UPDATE",
+                      (run_id,)).fetchone()
+    decision = decide_after_attempt(AttemptEnd(attempt_state, a["attempt_no"], _retry_policy(cur, run_id),
+                                               run["cancel_requested_at_us"] is not None))
+    event(cur, run_id, f"attempt.{attempt_state}", actor,
+          {"attemptId": attempt_id, **({"reason": failure_reason} if failure_reason else {})}, now)
+    if decision.retry:
+        nxt = new_id()
+        cur.execute("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, worker_executor,"
+                    " not_before_us, created_at_us) VALUES (%s, %s, %s, 'claimed', 'remote_worker', %s, %s, %s)",
+                    (nxt, run_id, a["attempt_no"] + 1, a["worker_executor"], now + decision.backoff_ms * 1000, now))
+        cur.execute("UPDATE runs SET state = 'queued', latest_attempt_id = %s, latest_attempt_created_at_us = %s,"
+                    " version = version + 1, updated_at_us = %s WHERE run_id = %s", (nxt, now, now, run_id))
+        event(cur, run_id, "run.retrying", actor, {"attemptId": nxt, "attemptNo": a["attempt_no"] + 1,
+                                                   "notBeforeUs": now + decision.backoff_ms * 1000}, now)
+        return "queued"
+    cur.execute("UPDATE runs SET state = %s, exit_code = %s, exit_signal = %s, ended_at_us = %s,"
+                " version = version + 1, updated_at_us = %s WHERE run_id = %s",
+                (decision.run_state, f.get("exit_code"), f.get("signal"), now, now, run_id))
+    event(cur, run_id, f"run.{decision.run_state}", actor, {"attemptId": attempt_id}, now)
+    return decision.run_state
+
+
+def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
+    """End an active Lease (``expired`` or ``fenced``) and move its Attempt: still ``claimed`` →
+    the Run is queued again for a new offer (or cancelled when asked); ``starting``/``running``
+    → the Attempt is ``lost`` (the Worker may have started it: never offered twice) and the
+    retry policy decides. Returns the Run's new state."""
+    cur.execute("UPDATE run_leases SET state = %s, ended_at_us = %s WHERE attempt_id = %s AND lease_generation = %s",
+                (lease_state, now, lease["attempt_id"], lease["lease_generation"]))
+    a = cur.execute("SELECT a.state, r.cancel_requested_at_us FROM attempts a JOIN runs r ON r.run_id = a.run_id "
+                    "WHERE a.attempt_id = %s FOR NO KEY UPDATE OF a, r", (lease["attempt_id"],)).fetchone()
+    facts = {"attemptId": lease["attempt_id"], "leaseGeneration": lease["lease_generation"], "reason": reason}
+    if a["state"] == "claimed":
+        if a["cancel_requested_at_us"] is not None:
+            return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "cancelled", "control-plane", now,
+                                  failure_reason=reason)
+        cur.execute("UPDATE runs SET state = 'queued', version = version + 1, updated_at_us = %s "
+                    "WHERE run_id = %s AND state = 'dispatching'", (now, lease["run_id"]))
+        event(cur, lease["run_id"], "run.requeued", "control-plane", facts, now)
+        return "queued"
+    if a["state"] in ("starting", "running"):
+        return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "lost", "control-plane", now,
+                              failure_reason=reason)
+    return a["state"]
+
+
+def fence_sessions(cur, worker_id: str, keep_session: str | None, reason: str, now: int) -> int:
+    """Close every other open Session of the Worker and fence its active Leases; return how many
+    Leases were fenced."""
+    cur.execute("UPDATE worker_sessions SET state = %s WHERE worker_id = %s AND state = 'open' "
+                "AND session_id IS DISTINCT FROM %s",
+                ("replaced" if keep_session else "closed", worker_id, keep_session))
+    leases = cur.execute("SELECT * FROM run_leases WHERE worker_id = %s AND state = 'active' "
+                         "AND session_id IS DISTINCT FROM %s ORDER BY attempt_id FOR UPDATE",
+                         (worker_id, keep_session)).fetchall()
+    for lease in leases:
+        end_lease(cur, lease, "fenced", reason, now)
+    return len(leases)
+
+
+def authenticate(cur, worker_id: str, credential_digest: str, *, lock: bool = False) -> dict:
+    """The Worker row for this credential; WorkerAuthError unless it names this live Worker."""
+    # NO KEY UPDATE: a concurrent claim's foreign-key check (KEY SHARE) on this row must not wait.
+    row = cur.execute("SELECT * FROM workers WHERE worker_id = %s AND credential_digest = %s AND state <> 'removed'"
+                      + (" FOR NO KEY UPDATE" if lock else ""), (worker_id, credential_digest)).fetchone()
+    if row is None:
+        raise WorkerAuthError("worker credential does not match this Worker ID")
+    return row
+
+
+def fenced_lease(cur, f: LeaseFence) -> tuple[dict, dict]:
+    """(lease row locked FOR UPDATE, worker row) after the ADR-0109 fence, else:
+    WorkerAuthError; NotFoundError ``lease_not_found``; ConflictError ``lease_token_mismatch``
+    or ``stale_generation`` (an older Session/generation than the Worker's current one)."""
+    worker = authenticate(cur, f.worker_id, f.credential_digest)
+    lease = cur.execute("SELECT * FROM run_leases WHERE attempt_id = %s AND lease_generation = %s AND worker_id = %s "
+                        "FOR UPDATE", (f.attempt_id, f.lease_generation, f.worker_id)).fetchone()
+    if lease is None:
+        raise NotFoundError("no such Lease for this Worker", code="lease_not_found")
+    if lease["token_digest"] != f.token_digest:
+        raise ConflictError("lease token does not match the Lease", code="lease_token_mismatch")
+    if (lease["session_id"] != f.session_id or lease["worker_generation"] != f.generation
+            or worker["generation"] != f.generation):
+        raise ConflictError(f"generation {f.generation} is stale (current {worker['generation']})",
+                            code="stale_generation")
+    return lease, worker

@@ -1,0 +1,89 @@
+"""Worker ACKs (ADR-0109): starting, running, start-failure and completion of one leased
+Attempt, each fenced by the Worker credential, Session, generation, lease generation and lease
+token, idempotent on retry (a replay answers the recorded states). A generation older than the
+Worker's current one is refused with the distinct code ``stale_generation``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..core.canonical import sha256_hex
+from ..core.cluster import Ack, AckResult, LeaseFence
+from ..core.errors import ValidationError
+from ..core.inbox_states import MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
+from ..core.states import outcome
+from .registry import check_generation, check_uuid, credential_digest
+
+KINDS = ("starting", "running", "start_failure", "completion")
+KILL_REASONS = ("timeout", "cancel", "shutdown")
+START_ERROR = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def check_token(field: str, token) -> str:
+    """A lease token: 32..256 URL-safe characters (≥ 192 bits, the Worker inbox's own rule in
+    ``core.inbox_states``); never echoed in the error."""
+    if (not isinstance(token, str) or not MIN_LEASE_TOKEN <= len(token) <= MAX_LEASE_TOKEN
+            or not LEASE_TOKEN.fullmatch(token)):
+        raise ValidationError(field, f"must be {MIN_LEASE_TOKEN}..{MAX_LEASE_TOKEN} URL-safe characters",
+                              limit=MAX_LEASE_TOKEN)
+    return token
+
+
+def lease_fence(worker_id: str, credential: str, session_id: str, generation: int, attempt_id: str,
+                lease_generation: int, lease_token: str) -> LeaseFence:
+    """A validated fence; ValidationError names the field, WorkerAuthError for a bad credential."""
+    return LeaseFence(worker_id=check_uuid("workerId", worker_id), credential_digest=credential_digest(credential),
+                      session_id=check_uuid("sessionId", session_id),
+                      generation=check_generation("generation", generation),
+                      attempt_id=check_uuid("attemptId", attempt_id),
+                      lease_generation=check_generation("leaseGeneration", lease_generation),
+                      token_digest=sha256_hex(check_token("leaseToken", lease_token).encode()))
+
+
+def _figure(field: str, value, hi: int = 2**62) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= hi):
+        raise ValidationError(field, f"must be an integer 0..{hi}", limit=hi)
+
+
+def target_state(ack: Ack) -> str:
+    """The Attempt state an ACK asks for; ValidationError naming the first bad field."""
+    if ack.kind not in KINDS:
+        raise ValidationError("kind", f"{ack.kind!r} is not one of {list(KINDS)}")
+    if ack.kind == "starting":
+        return "starting"
+    if ack.kind == "running":
+        return "running"
+    if ack.kind == "start_failure":
+        if not isinstance(ack.start_error, str) or not START_ERROR.match(ack.start_error):
+            raise ValidationError("startError", "must be a short code [a-z][a-z0-9_]{0,63}", limit=64)
+        return "start_failed"
+    if (ack.exit_code is None) == (ack.signal is None):
+        raise ValidationError("exitCode", "give exactly one of exitCode and signal")
+    _figure("exitCode", ack.exit_code, 255)
+    if ack.signal is not None and not (isinstance(ack.signal, int) and 1 <= ack.signal <= 64):
+        raise ValidationError("signal", "must be 1..64", limit=64)
+    if ack.kill_reason is not None and ack.kill_reason not in KILL_REASONS:
+        raise ValidationError("killReason", f"must be one of {list(KILL_REASONS)}")
+    for name in ("bytes_kept", "bytes_dropped", "peak_rss_bytes", "cpu_time_us"):
+        _figure(name, getattr(ack, name))
+    return outcome(ack.exit_code, ack.signal, None, ack.kill_reason)
+
+
+class AckService:
+    """Over ``adapters.postgres.leases.PgLeaseStore``. ``lease_ttl_s``: a starting/running ACK
+    extends the Lease to at least now + this."""
+
+    def __init__(self, store, lease_ttl_s: int = 30) -> None:
+        if not 5 <= lease_ttl_s <= 3600:
+            raise ValidationError("cluster.lease_ttl_s", f"{lease_ttl_s} outside 5..3600", limit=3600)
+        self._store, self._ttl_us = store, lease_ttl_s * 1_000_000
+
+    def ack(self, worker_id: str, credential: str, ack: Ack) -> AckResult:
+        """Apply one ACK. Raises ValidationError (bad field), WorkerAuthError, NotFoundError
+        (lease_not_found) or ConflictError (stale_generation, lease_token_mismatch,
+        lease_not_active, lease_expired, ack_out_of_order, ack_conflict)."""
+        fence = lease_fence(worker_id, credential, ack.session_id, ack.generation, ack.attempt_id,
+                            ack.lease_generation, ack.lease_token)
+        return self._store.apply_ack(fence, ack, target_state(ack), self._ttl_us)

@@ -1,0 +1,130 @@
+"""Worker Pull (ADR-0108, ADR-0014 §5 note): an authenticated Worker Session asks for work.
+
+The Worker brings its Session, generation, a stable ``pullId`` (its offerId candidate: the
+idempotency key of this request, kept until it has an answer) and a fresh high-entropy lease
+token. The server authenticates the Session, reads candidates with the database clock, runs
+Placement for THIS Session only, claims atomically under the same budgets and authorisation order
+as the dispatcher (``dispatcher.CandidateClaimer``) and stores only the token's SHA-256 on the
+Lease together with the pullId. The answer's offerId is derived from the Lease
+(``offer.offer_id``). The same request retried after a lost response finds its Lease by
+(Session, pullId) and rebuilds the SAME answer from it; a different token with that pullId is
+refused. Secret values are resolved only after the claim committed.
+
+With ``wait_s`` > 0 (at most 30 s) a Pull that found nothing long-polls: it waits on the
+CandidateSignal (LISTEN/NOTIFY, no polling loop) and tries again when woken, until the wait is
+spent; the answer is then ``idle``/``unmatched`` as usual.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from ..core.canonical import sha256_hex
+from ..core.cluster import CandidateSignal, ClusterDispatchStore, PlanSource, SecretResolver, SessionView
+from ..core.errors import ConflictError, ValidationError
+from .acks import check_token
+from .dispatcher import (BudgetExhausted, CandidateClaimer, CycleCounts, DispatcherBudgets, FailClosed, build_offer,
+                         check_budgets)
+from .execspec import sanitize
+from .offer import ClaimedExecutionOffer
+from .placement import score, with_executor
+from .registry import check_generation, check_uuid, credential_digest
+
+
+class PullRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    session_id: str
+    generation: int
+    pull_id: str
+    lease_token: str
+
+    def __repr__(self) -> str:
+        return f"PullRequest(session={self.session_id}, pull={self.pull_id})"
+
+
+class PullAnswer(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
+    """``status``: offered | idle | unmatched | truncated | refused | lease_ended. Only
+    ``offered`` carries an offer; the others a short ``reason``."""
+
+    status: str
+    reason: str | None = None
+    offer: ClaimedExecutionOffer | None = None
+
+
+MAX_WAIT_S = 30
+
+
+class WorkerPull:
+    """ADR-0108 Pull over the dispatch store, the Session view, the plan source and the secret
+    resolver; ``signal`` enables long-polling. Budgets as the dispatcher's (refused over a ceiling)."""
+
+    def __init__(self, store: ClusterDispatchStore, sessions: SessionView, plans: PlanSource,
+                 secrets: SecretResolver, budgets: DispatcherBudgets = DispatcherBudgets(),
+                 signal: CandidateSignal | None = None) -> None:
+        self._b = check_budgets(budgets)
+        self._store, self._sessions, self._plans, self._secrets = store, sessions, plans, secrets
+        self._signal = signal
+        self._claimer = CandidateClaimer(store, plans, self._b)
+
+    def pull(self, worker_id: str, credential: str, req: PullRequest, wait_s: float = 0) -> PullAnswer:
+        """Answer one Pull, long-polling up to ``wait_s`` seconds (0..30; needs a signal).
+        Raises ValidationError (a field), WorkerAuthError, ConflictError (stale_generation,
+        session_expired, pull_token_mismatch) or UnavailableError."""
+        if not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= MAX_WAIT_S or (wait_s and not self._signal):
+            raise ValidationError("waitS", f"must be 0..{MAX_WAIT_S} (and needs a candidate signal)",
+                                  limit=MAX_WAIT_S)
+        deadline = time.monotonic() + wait_s
+        while True:
+            seq = self._signal.seq() if self._signal else 0
+            answer = self._pull_once(worker_id, credential, req)
+            left = deadline - time.monotonic()
+            if answer.status not in ("idle", "unmatched") or answer.reason in ("draining", "no_free_slot") \
+                    or left <= 0 or not self._signal.wait(seq, left):
+                return answer
+
+    def _pull_once(self, worker_id: str, credential: str, req: PullRequest) -> PullAnswer:
+        digest = credential_digest(credential)
+        check_uuid("pullId", req.pull_id)
+        token_digest = sha256_hex(check_token("leaseToken", req.lease_token).encode())
+        w = self._sessions.session(check_uuid("workerId", worker_id), digest, check_uuid("sessionId", req.session_id),
+                                   check_generation("generation", req.generation))
+        prior = self._store.lease_for_pull(w.session_id, req.pull_id)
+        if prior is not None:
+            lease, c, attempt_state = prior
+            if lease.token_digest != token_digest:
+                raise ConflictError("this pullId was answered with another lease token", code="pull_token_mismatch")
+            if lease.state != "active" or attempt_state != "claimed":
+                return PullAnswer(status="lease_ended", reason=f"attempt_{attempt_state}"
+                                  if lease.state == "active" else f"lease_{lease.state}")
+            plan = self._plans.prepare(c)
+            if plan is None:
+                return PullAnswer(status="refused", reason="recovery_plan_missing")
+            try:
+                spec = sanitize(plan.spec, c)
+                placement = with_executor(plan.placement, c.executor_type)
+            except ValidationError:
+                return PullAnswer(status="refused", reason="recovery_plan_drift")
+            offer = build_offer(c, lease, spec, req.lease_token, "new_claim", score(placement, w))
+            return PullAnswer(status="offered", reason="new_claim", offer=self._with_secrets(offer))
+        if w.draining:
+            return PullAnswer(status="idle", reason="draining")
+        if w.free_slots <= 0:
+            return PullAnswer(status="idle", reason="no_free_slot")
+        n = CycleCounts()
+        try:
+            offer = self._claimer.run(self._store.now_us(), n, lambda: [w], lambda c, _w: req.lease_token, req.pull_id)
+        except FailClosed as e:
+            return PullAnswer(status="refused", reason=e.reason)
+        except BudgetExhausted as e:
+            return PullAnswer(status="truncated", reason=e.reason)
+        if offer is None:
+            return PullAnswer(status="unmatched" if n.skipped else "idle", reason=n.skip_reason)
+        return PullAnswer(status="offered", reason="new_claim", offer=self._with_secrets(offer))
+
+    def _with_secrets(self, offer: ClaimedExecutionOffer) -> ClaimedExecutionOffer:
+        refs = offer.spec.secret_refs
+        if not refs:
+            return offer
+        values = self._secrets.resolve(offer.project_id, sorted(set(refs.values())))
+        return msgspec.structs.replace(offer, secrets={env: values[name] for env, name in sorted(refs.items())})

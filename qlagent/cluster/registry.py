@@ -1,0 +1,162 @@
+"""Worker registry policy (issue 10 §3): enrolment, Sessions, heartbeats, drain, removal.
+
+A Worker is enrolled once (name, labels, executor types, slots) and receives a credential
+``qlw_`` + 43 URL-safe characters (256 bits), shown once: only its SHA-256 is stored. Each
+Session it opens increments the Worker's generation and fences every Lease of older Sessions.
+The Session hello may narrow, never widen, what the enrolment allows: a subset of its labels
+(same values), of its executor types, and at most its slots. Heartbeats extend the Session by
+``session_ttl_s`` and the Leases of its starting/running Attempts by ``lease_ttl_s``, and return
+the cancel intents of its Attempts. A Session past its expiry is offline.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+import msgspec
+
+from ..core.canonical import sha256_hex
+from ..core.cluster import WORKER_EXECUTORS, Enrolment, SessionGrant, WorkerAuthError
+from ..core.errors import ValidationError
+from ..core.inbox_states import MAX_GENERATION
+from .placement import check_labels
+
+CREDENTIAL_PREFIX = "qlw_"
+_CREDENTIAL = re.compile(r"^qlw_[A-Za-z0-9_-]{43}$")
+WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+MAX_SLOTS = 256
+UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def credential_digest(credential: str) -> str:
+    """SHA-256 hex of a well-formed Worker credential; WorkerAuthError for any other string."""
+    if not isinstance(credential, str) or not _CREDENTIAL.match(credential):
+        raise WorkerAuthError("not a Worker credential")
+    return sha256_hex(credential.encode())
+
+
+def check_uuid(field: str, value) -> str:
+    if not isinstance(value, str) or not UUID.match(value):
+        raise ValidationError(field, "must be a lowercase canonical UUID")
+    return value
+
+
+def check_generation(field: str, value) -> int:
+    """A Session or Lease generation: 1..2^63-1 (a PostgreSQL bigint, as the Worker inbox checks)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_GENERATION:
+        raise ValidationError(field, "must be an integer 1..2^63-1", limit=MAX_GENERATION)
+    return value
+
+
+class Hello(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    """What a Worker announces when it opens a Session; None keeps the enrolment's value."""
+
+    labels: dict[str, str] | None = None
+    executor_types: tuple[str, ...] | None = None
+    slots: int | None = None
+
+
+class Timings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Seconds: Session lifetime without a heartbeat, running-Lease lifetime without one."""
+
+    session_ttl_s: int = 30
+    lease_ttl_s: int = 30
+
+
+class Heartbeat(msgspec.Struct, frozen=True, rename="camel"):
+    expires_at_us: int
+    cancel: list[str]
+
+
+def check_executors(field: str, value) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not value or len(set(value)) != len(value):
+        raise ValidationError(field, "must be a non-empty list without repeats")
+    for v in value:
+        if v not in WORKER_EXECUTORS:
+            raise ValidationError(field, f"{v!r} is not one of {list(WORKER_EXECUTORS)}")
+    return tuple(sorted(value))
+
+
+def check_slots(field: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SLOTS:
+        raise ValidationError(field, f"{value!r} outside 1..{MAX_SLOTS}", limit=MAX_SLOTS)
+    return value
+
+
+def narrow(enrolment: Enrolment, hello: Hello) -> tuple[dict[str, str], tuple[str, ...], int]:
+    """(labels, executor types, slots) of a Session: the hello within the enrolment.
+    Raises ValidationError naming the ``hello.*`` field that would widen it."""
+    labels = enrolment.labels
+    if hello.labels is not None:
+        labels = check_labels("hello.labels", hello.labels)
+        for k, v in labels.items():
+            if enrolment.labels.get(k) != v:
+                raise ValidationError(f"hello.labels.{k}", "not granted by the enrolment (a hello may only narrow)")
+    executors = enrolment.executor_types
+    if hello.executor_types is not None:
+        executors = check_executors("hello.executorTypes", hello.executor_types)
+        if set(executors) - set(enrolment.executor_types):
+            raise ValidationError("hello.executorTypes", "names an executor the enrolment does not grant")
+    slots = enrolment.slots
+    if hello.slots is not None:
+        slots = check_slots("hello.slots", hello.slots)
+        if slots > enrolment.slots:
+            raise ValidationError("hello.slots", f"{slots} exceeds the enrolled {enrolment.slots}",
+                                  limit=enrolment.slots)
+    return dict(labels), tuple(executors), slots
+
+
+class WorkerRegistry:
+    """Over ``adapters.postgres.registry.PgWorkerRegistry`` (or any store with its methods)."""
+
+    def __init__(self, store, timings: Timings = Timings()) -> None:
+        for name in ("session_ttl_s", "lease_ttl_s"):
+            v = getattr(timings, name)
+            if not 5 <= v <= 3600:
+                raise ValidationError(f"cluster.{name}", f"{v} outside 5..3600", limit=3600)
+        self._store, self._t = store, timings
+
+    def enroll(self, name: str, labels: dict[str, str] | None = None,
+               executor_types: tuple[str, ...] = ("local_process",), slots: int = 1) -> tuple[str, str]:
+        """Enroll a Worker; return (Worker ID, credential). The credential is not retrievable later.
+        ValidationError (name/labels/executor/slots) or ConflictError(worker_exists)."""
+        if not isinstance(name, str) or not WORKER_NAME.match(name):
+            raise ValidationError("name", "must be 1..64 of [a-z0-9._-], starting alphanumeric", limit=64)
+        labels = check_labels("label", labels or {})
+        executors = check_executors("executor", executor_types)
+        slots = check_slots("slots", slots)
+        credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+        worker_id = self._store.enroll(name, labels, executors, slots, credential_digest(credential))
+        return worker_id, credential
+
+    def open_session(self, worker_id: str, credential: str, hello: Hello = Hello()) -> SessionGrant:
+        """Open a new Session (generation + 1; older Sessions' Leases fenced)."""
+        digest = credential_digest(credential)
+        enrolment = self._store.enrolment(check_uuid("workerId", worker_id), digest)
+        labels, executors, slots = narrow(enrolment, hello)
+        return self._store.open_session(worker_id, digest, labels, executors, slots, self._t.session_ttl_s * 1_000_000)
+
+    def heartbeat(self, worker_id: str, credential: str, session_id: str, generation: int) -> Heartbeat:
+        """Extend the Session and its running Leases; the answer names Attempts to cancel.
+        ConflictError ``stale_generation`` / ``session_expired``."""
+        digest = credential_digest(credential)
+        expires, cancel = self._store.heartbeat(check_uuid("workerId", worker_id), digest,
+                                                check_uuid("sessionId", session_id),
+                                                check_generation("generation", generation),
+                                                self._t.session_ttl_s * 1_000_000, self._t.lease_ttl_s * 1_000_000)
+        return Heartbeat(expires, cancel)
+
+    def drain(self, name: str) -> str:
+        """No new claims for the Worker; its Leases run on. Returns the Worker ID."""
+        return self._store.set_state(name, "draining")
+
+    def remove(self, name: str) -> str:
+        """Remove the Worker: Sessions closed, Leases fenced, name freed. Returns the Worker ID."""
+        return self._store.set_state(name, "removed")
+
+    def expire_sessions(self, limit: int) -> int:
+        """Mark up to ``limit`` (1..64) Sessions past their expiry offline."""
+        if not 1 <= limit <= 64:
+            raise ValidationError("limit", f"{limit} outside 1..64", limit=64)
+        return self._store.expire_sessions(limit)

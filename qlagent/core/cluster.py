@@ -1,0 +1,266 @@
+"""Cluster records and ports (ADR-0014, ADR-0108, ADR-0109): what the cluster policy
+(``qlagent.cluster``) needs from its authority, and what the PostgreSQL adapter
+(``qlagent.adapters.postgres``) returns. Pure data and Protocols: no I/O.
+
+Times are integer µs since the Unix epoch, always read from the authority's clock.
+Keys (``key()``) are the keyset order the authority pages in; a page's ``next_cursor`` is the key
+of its last row when more rows exist (``truncated``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from .errors import EXIT_USAGE, QlError
+from .models import RetryPolicy
+from .states import backoff_ms, retryable
+
+# Worker executor types a Worker may offer and an ExecutionSpec may need.
+WORKER_EXECUTORS = ("local_process",)
+
+
+class ClusterCandidate(msgspec.Struct, frozen=True):
+    """A queued Run whose latest Attempt is ``claimed`` by the ``remote_worker`` executor.
+
+    ``executor_type`` is the executor the remote Worker must run (pinned when the Run was
+    created, e.g. ``local_process``); ``lease_generation`` is the last one issued (0 = never).
+    """
+
+    run_id: str
+    attempt_id: str
+    project_id: str
+    task_id: str
+    task_revision: int
+    executor_type: str
+    version: int
+    priority: int
+    created_at_us: int
+    attempt_created_at_us: int
+    lease_generation: int
+
+    def key(self) -> tuple:
+        return (-self.priority, self.created_at_us, self.attempt_created_at_us, self.attempt_id)
+
+
+class WorkerSnapshot(msgspec.Struct, frozen=True):
+    """One Worker's current Session as the Registry holds it (labels/executors/slots already
+    narrowed by the Session hello)."""
+
+    worker_id: str
+    session_id: str
+    generation: int
+    labels: dict[str, str]
+    executor_types: tuple[str, ...]
+    slots: int
+    free_slots: int
+    draining: bool = False
+
+    def key(self) -> tuple:
+        return (self.worker_id,)
+
+
+class Lease(msgspec.Struct, frozen=True):
+    """A committed Run Lease (the recovery authority; ADR-0014 §5). ``token_digest`` is the
+    SHA-256 hex of the opaque lease token; the token itself is never stored."""
+
+    attempt_id: str
+    run_id: str
+    lease_generation: int
+    worker_id: str
+    session_id: str
+    worker_generation: int
+    token_digest: str
+    state: str                      # active | completed | expired | fenced
+    claimed_at_us: int
+    expires_at_us: int
+    pull_id: str | None = None
+
+
+class Recovery(msgspec.Struct, frozen=True):
+    """An active Lease whose Attempt is still ``claimed`` (ADR-0014 §2 step 1)."""
+
+    candidate: ClusterCandidate
+    lease: Lease
+
+    def key(self) -> tuple:
+        return (self.lease.attempt_id,)
+
+
+class Page(msgspec.Struct, frozen=True):
+    """One bounded page from the authority: at most the requested ``limit`` items; ``truncated``
+    when more rows follow, then ``next_cursor`` is the last item's key."""
+
+    items: list
+    truncated: bool = False
+    next_cursor: tuple | None = None
+
+
+class ClaimOutcome(msgspec.Struct, frozen=True):
+    """``claimed`` (with ``lease``); ``worker_unavailable`` (Session replaced/expired/draining or
+    no free slot: another Worker may be tried); ``attempt_unavailable`` (leased, cancelled or the
+    Run version moved: stop this candidate)."""
+
+    status: str
+    reason: str | None = None
+    lease: Lease | None = None
+
+
+class DispatchPlan(msgspec.Struct, frozen=True):
+    """What ``PlanSource.prepare`` materialises for one candidate, from the Run's pinned
+    Project/Task/revision: a raw ExecutionSpec document and the Task's Placement document."""
+
+    spec: dict
+    placement: dict
+
+
+class AttemptEnd(msgspec.Struct, frozen=True):
+    """How an Attempt ended, for the Run's retry decision."""
+
+    attempt_state: str
+    attempt_no: int
+    retry: RetryPolicy | None
+    cancel_requested: bool
+
+
+class RunDecision(msgspec.Struct, frozen=True):
+    """``retry`` → a new claimed Attempt not before ``backoff_ms``; else the Run ends in ``run_state``."""
+
+    retry: bool
+    run_state: str
+    backoff_ms: int = 0
+
+
+def decide_after_attempt(end: AttemptEnd) -> RunDecision:
+    """The Run's next state after its Attempt ended (the Task's retry policy decides).
+
+    A cancelled Run never retries; ``lost``/``failed``/``timed_out``/``start_failed`` retry while
+    ``attempt_no < retry.max_attempts``; otherwise the Run takes the Attempt's state
+    (``start_failed`` → ``failed``).
+    """
+    if end.cancel_requested:
+        return RunDecision(False, "cancelled")
+    if end.retry and retryable(end.attempt_state) and end.attempt_no < end.retry.max_attempts:
+        return RunDecision(True, "queued", backoff_ms(end.retry.backoff_ms, end.attempt_no))
+    return RunDecision(False, "failed" if end.attempt_state == "start_failed" else end.attempt_state)
+
+
+class PlanSource(Protocol):
+    def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
+        """The plan of the Run's pinned revision, or None when it cannot be rebuilt."""
+
+
+class SecretResolver(Protocol):
+    def resolve(self, project_id: str, names: list[str]) -> dict[str, bytes]:
+        """Plaintext of each SecretRef; raises UnavailableError(secret_missing …)."""
+
+
+class ClusterDispatchStore(Protocol):
+    def now_us(self) -> int:
+        """The authority's clock (µs)."""
+
+    def recovery_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
+        """Recoverable dispatcher Leases (Run dispatching, Attempt claimed, not cancelled, Lease
+        unexpired at ``observed_at_us``, Session current and open, no Pull ID), Attempt ID order."""
+
+    def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
+        """Cluster candidates in ``ClusterCandidate.key()`` order."""
+
+    def worker_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
+        """Online Workers' current Sessions in Worker ID order."""
+
+    def claim(self, candidate: ClusterCandidate, worker: WorkerSnapshot, token_digest: str,
+              lease_ttl_us: int, pull_id: str | None = None) -> ClaimOutcome:
+        """Atomically lease the candidate's Attempt to exactly this Session/generation."""
+
+    def lease_for_pull(self, session_id: str, pull_id: str) -> tuple[Lease, ClusterCandidate, str] | None:
+        """The Lease a Pull request created, its candidate and the Attempt's state, or None."""
+
+
+class WorkerAuthError(QlError):
+    """The Worker credential does not name a live, enrolled Worker (or not this Worker ID)."""
+
+    code = "worker_unauthorized"
+    exit_code = EXIT_USAGE
+
+
+class Ack(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    """A Worker fact about one leased Attempt (ADR-0109), fenced by Session, generation, lease
+    generation and lease token. ``kind``: starting | running | start_failure | completion.
+    Completion carries the exit code or signal, why the Worker signalled the task (``kill_reason``
+    timeout/cancel/shutdown) and figures (bytes, µs)."""
+
+    session_id: str
+    generation: int
+    attempt_id: str
+    lease_generation: int
+    lease_token: str
+    kind: str
+    exit_code: int | None = None
+    signal: int | None = None
+    kill_reason: str | None = None
+    start_error: str | None = None
+    bytes_kept: int | None = None
+    bytes_dropped: int | None = None
+    peak_rss_bytes: int | None = None
+    cpu_time_us: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Ack({self.kind}, attempt={self.attempt_id}, lease={self.lease_generation})"
+
+
+class AckResult(msgspec.Struct, frozen=True, rename="camel"):
+    """States after the ACK; ``replay`` when it had already been applied (nothing changed)."""
+
+    attempt_state: str
+    run_state: str
+    replay: bool = False
+
+
+class LeaseFence(msgspec.Struct, frozen=True, kw_only=True):
+    """What a Worker presents to act on one Lease (ACKs, log chunks): its Session and
+    generation, the Lease's Attempt and generation, and the SHA-256 of its lease token."""
+
+    worker_id: str
+    credential_digest: str
+    session_id: str
+    generation: int
+    attempt_id: str
+    lease_generation: int
+    token_digest: str
+
+
+class SessionGrant(msgspec.Struct, frozen=True, rename="camel"):
+    """An opened Session: labels/executors/slots as narrowed by the hello; expiry in µs."""
+
+    worker_id: str
+    session_id: str
+    generation: int
+    labels: dict[str, str]
+    executor_types: tuple[str, ...]
+    slots: int
+    expires_at_us: int
+
+
+class Enrolment(msgspec.Struct, frozen=True):
+    worker_id: str
+    name: str
+    labels: dict[str, str]
+    executor_types: tuple[str, ...]
+    slots: int
+    state: str                      # active | draining | removed
+
+
+class SessionView(Protocol):
+    def session(self, worker_id: str, credential_digest: str, session_id: str, generation: int) -> WorkerSnapshot:
+        """This Worker's current open Session as a snapshot; WorkerAuthError, or ConflictError
+        ``stale_generation`` / ``session_expired``."""
+
+
+class CandidateSignal(Protocol):
+    def seq(self) -> int:
+        """The current wake-up number (take it before reading candidates)."""
+
+    def wait(self, seq: int, timeout_s: float) -> bool:
+        """Block until a candidate may have appeared after ``seq``, or ``timeout_s`` (s)."""

@@ -1,0 +1,249 @@
+"""Worker registry, Worker Pull (ADR-0108) and ACKs (ADR-0109) against the real authority."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pgkit import COMMAND_MARK, token
+from qlagent.cluster.pull import PullRequest
+from qlagent.cluster.registry import Hello, credential_digest
+from qlagent.core.canonical import sha256_hex
+from qlagent.core.cluster import WorkerAuthError
+from qlagent.core.errors import ConflictError, NotFoundError, UnavailableError, ValidationError
+from qlagent.core.ids import new_id
+
+
+def _pull(kit, w, pull_id=None, tok=None, **kw):
+    req = PullRequest(session_id=w["session_id"], generation=w["generation"], pull_id=pull_id or new_id(),
+                      lease_token=tok or token())
+    return kit.pull(**kw).pull(w["worker_id"], w["credential"], req), req
+
+
+def test_enrolment_stores_only_the_credential_digest(kit):
+    worker_id, credential = kit.registry.enroll("edge-1", {"site": "lab"}, ("local_process",), 2)
+    assert credential.startswith("qlw_") and len(credential) == 47
+    row = kit.sql("SELECT credential_digest, labels, slots FROM workers WHERE worker_id = %s", (worker_id,))
+    assert row == [(credential_digest(credential), {"site": "lab"}, 2)]
+    dump = str(kit.sql("SELECT * FROM workers"))
+    assert credential not in dump and credential[4:] not in dump
+    with pytest.raises(ConflictError, match="already enrolled"):
+        kit.registry.enroll("edge-1")
+    with pytest.raises(ValidationError, match="^slots"):
+        kit.registry.enroll("edge-2", slots=257)
+    with pytest.raises(WorkerAuthError):
+        kit.registry.open_session(worker_id, "qlw_" + "x" * 43)
+
+
+def test_hello_may_narrow_never_widen_the_enrolment(kit):
+    worker_id, cred = kit.registry.enroll("edge-1", {"site": "lab", "arch": "arm64"}, ("local_process",), 4)
+    g = kit.registry.open_session(worker_id, cred, Hello(labels={"site": "lab"}, slots=2))
+    assert (g.labels, g.slots, g.generation) == ({"site": "lab"}, 2, 1)
+    for hello, field in ((Hello(labels={"site": "prod"}), "hello.labels.site"), (Hello(slots=5), "hello.slots"),
+                         (Hello(labels={"gpu": "yes"}), "hello.labels.gpu")):
+        with pytest.raises(ValidationError) as e:
+            kit.registry.open_session(worker_id, cred, hello)
+        assert e.value.field == field
+    assert kit.one("SELECT generation FROM workers WHERE worker_id = %s", (worker_id,)) == 1   # nothing written
+
+
+def test_pull_claims_for_this_session_only_and_resolves_secrets_after_the_claim(kit):
+    w = kit.worker("edge-1", {"site": "lab"})
+    kit.worker("aaa-better", {"site": "lab", "fast": "yes"}, slots=8)   # would win a global Placement
+    task = kit.task(placement={"preferred": {"fast": "yes"}}, secrets_={"API_KEY": "api-key"})
+    run_id, attempt_id = kit.queue(task)
+    answer, req = _pull(kit, w)
+    assert answer.status == "offered" and answer.offer.worker_id == w["worker_id"]
+    assert answer.offer.secrets == {"API_KEY": b"s3cr3t"} and kit.secrets.calls == 1
+    lease = kit.sql("SELECT token_digest, pull_id, session_id FROM run_leases WHERE attempt_id = %s", (attempt_id,))
+    assert lease == [(sha256_hex(req.lease_token.encode()), req.pull_id, w["session_id"])]
+    assert req.lease_token not in str(kit.sql("SELECT * FROM run_leases")) + str(kit.sql("SELECT * FROM run_events"))
+    assert COMMAND_MARK not in repr(answer) and b"s3cr3t" not in repr(answer).encode()
+    assert b"s3cr3t" not in str(kit.sql("SELECT * FROM secrets")).encode()      # ciphertext only
+    # Nothing claimable left: no secret is decrypted for an unclaimed answer.
+    again, _ = _pull(kit, w)
+    assert (again.status, again.offer) == ("idle", None) and kit.secrets.calls == 1
+
+
+def test_a_missing_secret_is_reported_after_the_claim_and_the_retry_answers_the_same(kit):
+    w = kit.worker("edge-1")
+    kit.queue(kit.task(secrets_={"TOKEN": "not-stored"}))
+    req = PullRequest(session_id=w["session_id"], generation=w["generation"], pull_id=new_id(), lease_token=token())
+    for _ in range(2):
+        with pytest.raises(UnavailableError) as e:
+            kit.pull().pull(w["worker_id"], w["credential"], req)
+        assert e.value.code == "secret_missing" and "not-stored" in str(e.value)
+    assert kit.one("SELECT count(*) FROM run_leases") == 1      # one Lease; it expires if never resolved
+
+
+def test_pull_retried_after_a_lost_response_rebuilds_the_identical_answer(kit):
+    w = kit.worker("edge-1", slots=2)
+    task = kit.task(secrets_={"API_KEY": "api-key"})
+    kit.queue(task)
+    kit.queue(task)
+    first, req = _pull(kit, w)
+    # The answer was lost; the Worker sends the very same request again.
+    retried = kit.pull().pull(w["worker_id"], w["credential"], req)
+    assert msgspec.json.encode(retried) == msgspec.json.encode(first)
+    assert kit.one("SELECT count(*) FROM run_leases") == 1              # no second claim
+    with pytest.raises(ConflictError) as e:                               # same pullId, another token
+        kit.pull().pull(w["worker_id"], w["credential"], msgspec.structs.replace(req, lease_token=token()))
+    assert e.value.code == "pull_token_mismatch"
+    kit.ack(w, first.offer, "starting")
+    after_ack = kit.pull().pull(w["worker_id"], w["credential"], req)
+    assert (after_ack.status, after_ack.reason, after_ack.offer) == ("lease_ended", "attempt_starting", None)
+
+
+def test_pull_refuses_a_stale_generation_and_bad_fields(kit):
+    w = kit.worker("edge-1")
+    kit.registry.open_session(w["worker_id"], w["credential"], Hello())
+    with pytest.raises(ConflictError) as e:
+        _pull(kit, w)
+    assert e.value.code == "stale_generation"
+    for change, field in (({"pull_id": "NOT-A-UUID"}, "pullId"), ({"lease_token": "short"}, "leaseToken"),
+                          ({"generation": 0}, "generation")):
+        req = msgspec.structs.replace(PullRequest(session_id=w["session_id"], generation=w["generation"],
+                                                  pull_id=new_id(), lease_token=token()), **change)
+        with pytest.raises(ValidationError) as e:
+            kit.pull().pull(w["worker_id"], w["credential"], req)
+        assert e.value.field == field
+    other = kit.worker("edge-2")
+    with pytest.raises(WorkerAuthError):            # a credential acts only for its own Worker ID
+        kit.pull().pull(w["worker_id"], other["credential"], PullRequest(
+            session_id=w["session_id"], generation=2, pull_id=new_id(), lease_token=token()))
+
+
+def test_acks_are_fenced_ordered_and_idempotent(kit):
+    w = kit.worker("edge-1")
+    run_id, _ = kit.queue(kit.task())
+    offer = kit.claim()[0]
+    with pytest.raises(ConflictError) as e:
+        kit.ack(w, offer, "running")
+    assert e.value.code == "ack_out_of_order"
+    assert kit.ack(w, offer, "starting").replay is False
+    assert kit.ack(w, offer, "starting").replay is True          # retried after a lost answer
+    assert kit.ack(w, offer, "running").run_state == "running"
+    bad = msgspec.structs.replace(offer, lease_token=token())
+    with pytest.raises(ConflictError) as e:
+        kit.ack(w, bad, "completion", exit_code=0)
+    assert e.value.code == "lease_token_mismatch"
+    done = kit.ack(w, offer, "completion", exit_code=0, bytes_kept=12, cpu_time_us=5)
+    assert (done.attempt_state, done.run_state, done.replay) == ("succeeded", "succeeded", False)
+    assert kit.ack(w, offer, "completion", exit_code=0).replay is True
+    with pytest.raises(ConflictError) as e:
+        kit.ack(w, offer, "completion", exit_code=3)
+    assert e.value.code == "ack_conflict"
+    assert kit.events(run_id) == ["run.created", "run.queued", "run.dispatching", "run.starting", "run.running",
+                                  "attempt.succeeded", "run.succeeded"]
+    with pytest.raises(ValidationError) as e:
+        kit.ack(w, offer, "completion", exit_code=0, signal=9)
+    assert e.value.field == "exitCode"
+
+
+def test_stale_generation_ack_is_refused_with_a_distinct_reason(kit):
+    w = kit.worker("edge-1")
+    kit.queue(kit.task())
+    offer = kit.claim()[0]
+    kit.ack(w, offer, "starting")
+    kit.registry.open_session(w["worker_id"], w["credential"], Hello())       # the Worker restarted
+    with pytest.raises(ConflictError) as e:
+        kit.ack(w, offer, "running")
+    assert e.value.code == "stale_generation"
+    with pytest.raises(NotFoundError):
+        kit.ack(w, msgspec.structs.replace(offer, lease_generation=5), "running")
+
+
+def test_start_failure_and_retry_policy(kit):
+    w = kit.worker("edge-1")
+    run_id, first_attempt = kit.queue(kit.task(max_attempts=2))
+    offer = kit.claim()[0]
+    r = kit.ack(w, offer, "start_failure", start_error="exec_failed")
+    assert (r.attempt_state, r.run_state) == ("start_failed", "queued")
+    nxt = kit.claim()[0]
+    assert nxt.run_id == run_id and nxt.attempt_id != first_attempt and nxt.lease_generation == 1
+    kit.ack(w, nxt, "starting")
+    assert kit.ack(w, nxt, "completion", exit_code=1).run_state == "failed"   # 2 of 2 attempts used
+
+
+def test_heartbeat_renews_running_leases_and_carries_cancel_intents(kit):
+    w = kit.worker("edge-1", slots=2)
+    task = kit.task()
+    run_a, _ = kit.queue(task)
+    kit.queue(task)
+    a, b = kit.claim(2)
+    kit.ack(w, a, "starting")
+    kit.sql("UPDATE runs SET cancel_requested_at_us = ql_now_us() WHERE run_id = %s", (b.run_id,))
+    before = dict(kit.sql("SELECT attempt_id, expires_at_us FROM run_leases"))
+    hb = kit.registry.heartbeat(w["worker_id"], w["credential"], w["session_id"], w["generation"])
+    after = dict(kit.sql("SELECT attempt_id, expires_at_us FROM run_leases"))
+    assert hb.cancel == [b.attempt_id]
+    assert after[a.attempt_id] >= before[a.attempt_id] and after[b.attempt_id] == before[b.attempt_id]
+    kit.sql("UPDATE worker_sessions SET expires_at_us = ql_now_us() - 1")
+    with pytest.raises(ConflictError) as e:
+        kit.registry.heartbeat(w["worker_id"], w["credential"], w["session_id"], w["generation"])
+    assert e.value.code == "session_expired"
+    assert kit.registry.expire_sessions(8) == 1
+    assert [r["state"] for r in kit.registry_store.workers(10)] == ["offline"]
+
+
+def test_drain_stops_new_claims_and_remove_fences_leases(kit):
+    w = kit.worker("edge-1", slots=2)
+    task = kit.task()
+    run_a, _ = kit.queue(task)
+    kit.queue(task)
+    a = kit.claim()[0]
+    kit.ack(w, a, "starting")
+    kit.registry.drain("edge-1")
+    assert [r["state"] for r in kit.registry_store.workers(10)] == ["draining"]
+    assert _pull(kit, w)[0].reason == "draining"
+    assert kit.dispatcher().dispatch_once().reason == "no_matching_worker"
+    kit.registry.remove("edge-1")
+    assert kit.one("SELECT state FROM run_leases WHERE attempt_id = %s", (a.attempt_id,)) == "fenced"
+    assert kit.one("SELECT state FROM runs WHERE run_id = %s", (run_a,)) == "lost"
+    with pytest.raises(NotFoundError):
+        kit.registry.remove("edge-1")
+    kit.registry.enroll("edge-1")                     # the name is free again
+
+
+def test_long_poll_is_woken_by_notify_when_a_candidate_appears(kit, pg_url):
+    import threading
+    import time
+
+    from qlagent.adapters.postgres.notify import PgCandidateSignal
+    w = kit.worker("edge-1")
+    task = kit.task()
+    signal = PgCandidateSignal(pg_url)
+    try:
+        pull = kit.pull(signal=signal)
+        req = PullRequest(session_id=w["session_id"], generation=w["generation"], pull_id=new_id(),
+                          lease_token=token())
+        quiet = pull.pull(w["worker_id"], w["credential"], req, wait_s=0.3)
+        assert (quiet.status, quiet.offer) == ("idle", None)          # nothing arrived: idle after the wait
+        threading.Timer(0.5, lambda: kit.queue(task)).start()
+        started = time.monotonic()
+        answer = pull.pull(w["worker_id"], w["credential"], req, wait_s=20)
+        assert answer.status == "offered"
+        assert time.monotonic() - started < 10          # woken by the NOTIFY, not by the end of the wait
+        with pytest.raises(ValidationError) as e:
+            pull.pull(w["worker_id"], w["credential"], req, wait_s=31)
+        assert e.value.field == "waitS"
+    finally:
+        signal.close()
+
+
+@pytest.mark.parametrize("kind,facts,field", [
+    ("finished", {}, "kind"), ("start_failure", {"start_error": "Bad Code!"}, "startError"),
+    ("completion", {}, "exitCode"), ("completion", {"exit_code": 256}, "exitCode"),
+    ("completion", {"signal": 65}, "signal"), ("completion", {"exit_code": 0, "kill_reason": "oom"}, "killReason"),
+    ("completion", {"exit_code": 0, "bytes_kept": -1}, "bytes_kept")])
+def test_bad_ack_names_the_field_and_writes_nothing(kit, kind, facts, field):
+    w = kit.worker("edge-1")
+    run_id, _ = kit.queue(kit.task())
+    offer = kit.claim()[0]
+    kit.ack(w, offer, "starting")
+    before = kit.sql("SELECT state, version, event_sequence FROM runs WHERE run_id = %s", (run_id,))
+    with pytest.raises(ValidationError) as e:
+        kit.ack(w, offer, kind, **facts)
+    assert e.value.field == field
+    assert kit.sql("SELECT state, version, event_sequence FROM runs WHERE run_id = %s", (run_id,)) == before
+    assert kit.ack(w, offer, "completion", exit_code=255).attempt_state == "failed"     # 255: the edge
