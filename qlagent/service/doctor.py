@@ -1,5 +1,5 @@
 """``qlagent doctor``: trusted paths, schema history, capability, integrity, key file, free
-space, dirs. Before ``init`` it reports only what is missing (no ``ok`` line among them)."""
+space, dirs, network. Before ``init`` it reports only what is missing (no ``ok`` line among them)."""
 
 from __future__ import annotations
 
@@ -57,5 +57,5 @@ def run_checks(s: Settings) -> list[dict]:
             add(name, ok, f"{path} mode {oct(st.st_mode & 0o777)}" + ("" if ok else "; expected a 0700 directory"))
         except FileNotFoundError:
             add(name, name == "artifact dir", f"{path} not created yet")
+    add("network", *bootstrap.network_check())
     return out
-
