@@ -1,11 +1,11 @@
 """Bench for local dispatch (issue 3 bench lines, ADR-0071 §3): dispatch→exec latency of the full
 path vs a bare os.posix_spawn, dispatcher pass time against a backlog of 100 / 1,000 / 10,000
-queued Runs, and per-run overhead (extra PIDs, wrapper RSS/USS). Every figure is printed with its
+queued Runs, and per-run overhead (extra PIDs, shim RSS/USS). Every figure is printed with its
 baseline measured in the same run.
 
 Full path = queued Run in SQLite → ``Engine.dispatcher.dispatch_once()`` (page read, reread,
-pinned revision + recipe, secrets, env, statvfs admission, Artifact, CAS, spawn of the launcher
-wrapper, FIFO, fork/exec of the task) → the task's first instruction. The task is
+pinned revision + recipe, secrets, env, statvfs admission, Artifact, CAS, spawn of the shim
+shim, FIFO, fork/exec of the task) → the task's first instruction. The task is
 ``/bin/date +%s%N``, so "exec" is the wall-clock instant the task itself printed; the baseline
 posix_spawns the same ``/bin/date`` from the same process.
 
@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import psutil
 
@@ -30,11 +31,12 @@ from qlagent.adapters.secretbox import create_key_file  # noqa: E402
 from qlagent.adapters.sqlite import definitions as defs  # noqa: E402
 from qlagent.adapters.sqlite import runs as runs_repo  # noqa: E402
 from qlagent.application.definitions import DefinitionWriter  # noqa: E402
-from qlagent.application.engine import Engine  # noqa: E402
 from qlagent.application.runs import RunService  # noqa: E402
 from qlagent.application.secrets import SecretService  # noqa: E402
-from qlagent.application.store import LocalStore  # noqa: E402
+from qlagent.adapters.sqlite.store import SqliteStore  # noqa: E402
+from qlagent.core.clock import now_us  # noqa: E402
 from qlagent.core.profiles import EDGE  # noqa: E402
+from qlagent import bootstrap  # noqa: E402
 
 TERMINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost")
 
@@ -44,9 +46,11 @@ class Rig:
         os.makedirs(root)
         self.key = os.path.join(root, "secret.key")
         create_key_file(self.key)
-        self.store = LocalStore(os.path.join(root, "q.db"))
-        self.engine = Engine(self.store, profile=EDGE, artifact_dir=os.path.join(root, "artifacts"),
-                             runs_dir=os.path.join(root, "runs"), key_file=self.key, max_concurrent=max_concurrent)
+        self.store = SqliteStore(os.path.join(root, "q.db"))
+        settings = SimpleNamespace(artifact_dir=os.path.join(root, "artifacts"), runs_dir=os.path.join(root, "runs"),
+                                   key_file=self.key, profile=EDGE)
+        self.engine = bootstrap.build_engine(settings, self.store, max_concurrent=max_concurrent, budget=None,
+                                             clock_us=now_us, log=lambda *a, **k: None)
         self.runs = RunService(self.store)
 
     def add(self, **t) -> None:
@@ -65,7 +69,7 @@ class Rig:
         self.store.write(tx)
 
     def stop_live_and_close(self) -> None:
-        """Cancel every live Run, wait for their wrappers, close the store."""
+        """Cancel every live Run, wait for their shims, close the store."""
         from qlagent.application.cancel import request_cancel
         for (rid,) in self.store.read(lambda c: c.execute("SELECT run_id FROM runs WHERE state IN "
                                                           "('starting','running')").fetchall()):
@@ -95,11 +99,11 @@ def percentile(xs, p):
 def bench_latency(base: str, rounds: int) -> dict:
     rig = Rig(os.path.join(base, "lat"))
     rig.add(name="stamp", command=["/bin/date", "+%s%N"], env={"A": "1"}, secrets={"TOK": "tok"})
-    SecretService(rig.store, rig.key).set("tok", b"bench-token")
+    SecretService(rig.store, bootstrap.cipher_factory(rig.key)).set("tok", b"bench-token")
     full, bare, interp = [], [], []
     out = os.path.join(base, "bare.out")
     for _ in range(rounds):
-        # Second baseline: start-up of the wrapper's interpreter alone (python3 -I -S -c pass).
+        # Second baseline: start-up of the shim's interpreter alone (python3 -I -S -c pass).
         t0 = time.perf_counter_ns()
         os.waitpid(os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-c", "pass"], {}), 0)
         interp.append((time.perf_counter_ns() - t0) / 1e3)
@@ -129,7 +133,7 @@ def bench_passes(base: str, backlog: int, passes: int) -> dict:
     """Median pass time with ``backlog`` queued Runs, two ways: (a) every candidate must wait
     (network-gated, and no gate answers here): a pass reads a page, materialises up to 4
     candidates to the admission step and returns ``more``; (b) a pass that activates one Run
-    (spawn of the wrapper included), measured over 20 activations of a higher-priority Task
+    (spawn of the shim included), measured over 20 activations of a higher-priority Task
     queued after the same backlog. ``vm_steps``: SQLite VM instructions of one all-wait pass
     deep in the backlog (after ``passes`` passes moved the keyset cursor). (A single-instance
     backlog behind a live Run is cheaper still: it is held out of the index, see
@@ -196,12 +200,12 @@ def bench_overhead(base: str) -> dict:
     rig.add(name="sleeper", command=["/bin/sleep", "2"])
     run_id = rig.runs.start("sleeper").run_id
     assert rig.engine.dispatcher.dispatch_once().status == "activated"
-    wrapper = psutil.Process(rig.engine.live_pids()[0])
+    shim = psutil.Process(rig.engine.live_pids()[0])
     time.sleep(0.5)
-    tree = wrapper.children(recursive=True)
-    mem = wrapper.memory_full_info()
+    tree = shim.children(recursive=True)
+    mem = shim.memory_full_info()
     agent = psutil.Process().memory_full_info()
-    # Baseline: the same sleep started bare (no wrapper), measured the same way.
+    # Baseline: the same sleep started bare (no shim), measured the same way.
     bare = psutil.Popen(["/bin/sleep", "2"])
     time.sleep(0.2)
     bare_mem = bare.memory_full_info()
@@ -210,7 +214,7 @@ def bench_overhead(base: str) -> dict:
     rig.reap_all()
     assert rig.runs.get(run_id).state == "succeeded"
     rig.store.close()
-    return {"extra_pids": 1 + len(tree) - 1, "tree": len(tree), "wrapper_rss": mem.rss, "wrapper_uss": mem.uss,
+    return {"extra_pids": 1 + len(tree) - 1, "tree": len(tree), "shim_rss": mem.rss, "shim_uss": mem.uss,
             "task_rss": bare_mem.rss, "agent_rss": agent.rss, "agent_uss": agent.uss}
 
 
@@ -228,7 +232,7 @@ def main() -> None:
               f"{min(b):9.0f}")
         i = lat["interp"]
         print(f"  posix_spawn python3 -I -S -c pass   {statistics.median(i):9.0f} {percentile(i, 90):9.0f} "
-              f"{min(i):9.0f}   (the wrapper's interpreter start-up, to exit)")
+              f"{min(i):9.0f}   (the shim's interpreter start-up, to exit)")
         print(f"  full path queued Run → task exec    {statistics.median(f):9.0f} {percentile(f, 90):9.0f} "
               f"{min(f):9.0f}   ratio {statistics.median(f) / statistics.median(b):.1f}x")
         print(f"\ndispatcher pass vs backlog ({args.passes} blocked passes, 20 activating passes; median µs)")
@@ -247,9 +251,9 @@ def main() -> None:
                   f"holding the backlog once: {h['hold_steps']} VM steps")
         o = bench_overhead(base)
         MiB = 1048576
-        print("\nper-run overhead (sleep task, wrapper sampled 0.5 s in)")
-        print(f"  processes of the run: {o['tree'] + 1} (wrapper + task) → extra PIDs per run: 1")
-        print(f"  wrapper RSS {o['wrapper_rss'] / MiB:.1f} MiB, USS {o['wrapper_uss'] / MiB:.1f} MiB; "
+        print("\nper-run overhead (sleep task, shim sampled 0.5 s in)")
+        print(f"  processes of the run: {o['tree'] + 1} (shim + task) → extra PIDs per run: 1")
+        print(f"  shim RSS {o['shim_rss'] / MiB:.1f} MiB, USS {o['shim_uss'] / MiB:.1f} MiB; "
               f"bare sleep RSS {o['task_rss'] / MiB:.1f} MiB; agent (this process) RSS {o['agent_rss'] / MiB:.1f} "
               f"MiB, USS {o['agent_uss'] / MiB:.1f} MiB")
     finally:

@@ -1,6 +1,6 @@
-"""Bench for the launcher wrapper (issue 3 item 4 and bench lines): drainer throughput vs `cat`
-through a FIFO, per-run overhead (extra PIDs, wrapper RSS/USS) of `python3 -I -S wrapper.py`
-vs a POSIX sh wrapper, and dispatch→exec latency of spawn_wrapper vs a bare os.posix_spawn.
+"""Bench for the shim (issue 3 item 4 and bench lines): drainer throughput vs `cat`
+through a FIFO, per-run overhead (extra PIDs, shim RSS/USS) of `python3 -I -S shim/main.py`
+vs a POSIX sh shim, and dispatch→exec latency of spawn_shim vs a bare os.posix_spawn.
 Every figure is printed with its baseline measured in the same run.
 
 Usage: python3 bench/bench_drainer.py [--mib 256] [--rounds 15]
@@ -9,6 +9,7 @@ Usage: python3 bench/bench_drainer.py [--mib 256] [--rounds 15]
 import argparse
 import json
 import os
+import signal
 import shutil
 import statistics
 import subprocess
@@ -28,7 +29,7 @@ PATH_ENV = {"PATH": "/usr/bin:/bin"}
 # The alternative measured against: the same job in POSIX sh (dash). Drains with head (quota)
 # then cat (discard), so it needs extra processes and cannot count bytes_total, time the
 # truncation fact, bound the linger or read the task's rusage.
-SH_WRAPPER = r"""
+SH_SHIM = r"""
 rd=$1; art=$2; q=$3; shift 3
 mkfifo -m 600 "$rd/output.fifo"
 { head -c "$q" >> "$art"; cat > /dev/null; } < "$rd/output.fifo" &
@@ -55,15 +56,15 @@ def new_run(base, quota, argv, linger=1.0):
             "artifact_path": artifact, "quota_bytes": quota, "linger_s": linger}
 
 
-def run_python_wrapper(spec):
-    h = processes.spawn_wrapper(spec)
+def run_python_shim(spec):
+    h = processes.spawn_shim(spec)
     assert h.popen.wait() == 0
-    h.close()
+    os.close(h.pidfd)
     return processes.read_receipt(spec["run_dir"])
 
 
-def run_sh_wrapper(spec):
-    p = subprocess.Popen(["/bin/sh", "-c", SH_WRAPPER, "sh", spec["run_dir"], spec["artifact_path"],
+def run_sh_shim(spec):
+    p = subprocess.Popen(["/bin/sh", "-c", SH_SHIM, "sh", spec["run_dir"], spec["artifact_path"],
                           str(spec["quota_bytes"]), *spec["argv"]], env=PATH_ENV, cwd="/",
                          stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     assert p.wait() == 0
@@ -92,23 +93,23 @@ def throughput(base, mib, repeats=3):
                 os.unlink(dest)
         return go
 
-    def wrapper(runner, quota):
+    def shim(runner, quota):
         def go():
             spec = new_run(base, quota, src)
             runner(spec)
             assert os.path.getsize(spec["artifact_path"]) == min(n, quota)
-            if runner is run_python_wrapper:
+            if runner is run_python_shim:
                 r = processes.read_receipt(spec["run_dir"])
-                assert r["bytes_total"] == n and r["bytes_kept"] == min(n, quota), r
+                assert r.bytes_total == n and r.bytes_kept == min(n, quota), r
             os.unlink(spec["artifact_path"])
         return go
 
     paths = [("cat through a FIFO to a file (baseline)", cat(out)),
              ("cat through a FIFO to /dev/null", cat("/dev/null")),
-             ("python wrapper, quota > output (all kept)", wrapper(run_python_wrapper, n + MiB)),
-             ("python wrapper, edge quota 4 MiB (rest dropped)", wrapper(run_python_wrapper, 4 * MiB)),
-             ("sh wrapper, quota > output", wrapper(run_sh_wrapper, n + MiB)),
-             ("sh wrapper, quota 4 MiB", wrapper(run_sh_wrapper, 4 * MiB))]
+             ("python shim, quota > output (all kept)", shim(run_python_shim, n + MiB)),
+             ("python shim, edge quota 4 MiB (rest dropped)", shim(run_python_shim, 4 * MiB)),
+             ("sh shim, quota > output", shim(run_sh_shim, n + MiB)),
+             ("sh shim, quota 4 MiB", shim(run_sh_shim, 4 * MiB))]
     times = {label: [] for label, _ in paths}
     for _ in range(repeats):  # interleaved: page cache and writeback hit every path alike
         for label, fn in paths:
@@ -123,13 +124,13 @@ def throughput(base, mib, repeats=3):
 
 
 def sample_overhead(base, runner_cmd, label, argv=("/usr/bin/yes", "0123456789abcdef")):
-    """Start a wrapper around an endless producer, sample its session while it drains."""
+    """Start a shim around an endless producer, sample its session while it drains."""
     spec = new_run(base, 4 * MiB, list(argv))
     if runner_cmd == "python":
-        h = processes.spawn_wrapper(spec)
+        h = processes.spawn_shim(spec)
         root = h.pid
     else:
-        p = subprocess.Popen(["/bin/sh", "-c", SH_WRAPPER, "sh", spec["run_dir"], spec["artifact_path"],
+        p = subprocess.Popen(["/bin/sh", "-c", SH_SHIM, "sh", spec["run_dir"], spec["artifact_path"],
                               str(spec["quota_bytes"]), *spec["argv"]], env=PATH_ENV, cwd="/",
                              stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         root = p.pid
@@ -149,10 +150,10 @@ def sample_overhead(base, runner_cmd, label, argv=("/usr/bin/yes", "0123456789ab
         peak_extra = max(peak_extra, len(extra))
         peak_rss, peak_uss, peak_dirty = max(peak_rss, rss), max(peak_uss, uss), max(peak_dirty, dirty)
         time.sleep(0.02)
-    processes.kill_tree(task, root, 1.0)
+    processes.signal_tree(task, root, signal.SIGTERM, None, {})
     if runner_cmd == "python":
         h.popen.wait()
-        h.close()
+        os.close(h.pidfd)
     else:
         p.wait()
     return label, peak_extra, peak_rss, peak_uss, peak_dirty
@@ -171,12 +172,12 @@ def private_dirty(pid):
 
 
 def overhead(base):
-    rows = [sample_overhead(base, "python", "python3 -I -S wrapper.py (wrapper + drainer in one)"),
-            sample_overhead(base, "python", "python wrapper, endless line without newline (F8)",
+    rows = [sample_overhead(base, "python", "python3 -I -S shim/main.py (shim + drainer in one)"),
+            sample_overhead(base, "python", "python shim, endless line without newline (F8)",
                             ("/bin/sh", "-c", "exec tr '\\0' x < /dev/zero")),
-            sample_overhead(base, "sh", "POSIX sh wrapper (dash + drain subshell + head/cat)")]
+            sample_overhead(base, "sh", "POSIX sh shim (dash + drain subshell + head/cat)")]
     print("\n## Per-run overhead while draining past a 4 MiB quota (`yes` unless noted)")
-    print("| wrapper | extra PIDs | RSS MiB | USS MiB | Private_Dirty MiB |")
+    print("| shim | extra PIDs | RSS MiB | USS MiB | Private_Dirty MiB |")
     print("|---|---:|---:|---:|---:|")
     for label, extra, rss, uss, dirty in rows:
         print(f"| {label} | {extra} | {rss / MiB:.1f} | {uss / MiB:.1f} | {dirty / MiB:.1f} |")
@@ -196,17 +197,17 @@ def latency(base, rounds):
         os.waitpid(pid, 0)
         return int(out) - t0
 
-    def via_wrapper():
+    def via_shim():
         spec = new_run(base, 4096, argv)
         t0 = time.time_ns()
-        run_python_wrapper(spec)
+        run_python_shim(spec)
         with open(spec["artifact_path"]) as f:
             return int(f.read()) - t0
 
     def via_sh():
         spec = new_run(base, 4096, argv)
         t0 = time.time_ns()
-        run_sh_wrapper(spec)
+        run_sh_shim(spec)
         with open(spec["artifact_path"]) as f:
             return int(f.read()) - t0
 
@@ -215,10 +216,10 @@ def latency(base, rounds):
         os.waitpid(os.posix_spawn("/bin/true", ["/bin/true"], {}), 0)
         return time.perf_counter_ns() - t0
 
-    def wrapper_true_round_trip():
+    def shim_true_round_trip():
         spec = new_run(base, 4096, ["/bin/true"])
         t0 = time.perf_counter_ns()
-        run_python_wrapper(spec)
+        run_python_shim(spec)
         return time.perf_counter_ns() - t0
 
     def python_pass():
@@ -226,8 +227,8 @@ def latency(base, rounds):
         subprocess.run([sys.executable, "-I", "-S", "-c", "pass"], env={}, check=True)
         return time.perf_counter_ns() - t0
 
-    paths = {"posix_spawn": via_posix_spawn, "wrapper": via_wrapper, "sh": via_sh,
-             "true": true_round_trip, "wrapper_true": wrapper_true_round_trip, "pass": python_pass}
+    paths = {"posix_spawn": via_posix_spawn, "shim": via_shim, "sh": via_sh,
+             "true": true_round_trip, "shim_true": shim_true_round_trip, "pass": python_pass}
     samples = {name: [] for name in paths}
     for name, fn in paths.items():
         fn()  # warm caches
@@ -239,12 +240,12 @@ def latency(base, rounds):
     print("| path | ms | vs bare posix_spawn |")
     print("|---|---:|---:|")
     print(f"| bare os.posix_spawn of `date +%s%N` (baseline) | {med['posix_spawn']:.2f} | 1.00x |")
-    print(f"| spawn_wrapper (python -I -S) → task exec | {med['wrapper']:.2f} | "
-          f"{med['wrapper'] / med['posix_spawn']:.1f}x |")
-    print(f"| sh wrapper → task exec | {med['sh']:.2f} | {med['sh'] / med['posix_spawn']:.1f}x |")
+    print(f"| spawn_shim (python -I -S) → task exec | {med['shim']:.2f} | "
+          f"{med['shim'] / med['posix_spawn']:.1f}x |")
+    print(f"| sh shim → task exec | {med['sh']:.2f} | {med['sh'] / med['posix_spawn']:.1f}x |")
     print(f"| bare posix_spawn+wait of /bin/true (baseline) | {med['true']:.2f} | 1.00x |")
-    print(f"| spawn_wrapper of /bin/true until receipt (fsyncs included) | {med['wrapper_true']:.2f} | "
-          f"{med['wrapper_true'] / med['true']:.1f}x |")
+    print(f"| spawn_shim of /bin/true until receipt (fsyncs included) | {med['shim_true']:.2f} | "
+          f"{med['shim_true'] / med['true']:.1f}x |")
     print(f"| reference: `python3 -I -S -c pass` start+exit | {med['pass']:.2f} | "
           f"{med['pass'] / med['true']:.1f}x |")
 

@@ -1,7 +1,7 @@
 """Helpers for the execution tests (issue 3): a real Engine over a real SQLite file, driven the
 way the service loop drives it, and a real ``qlagent serve`` subprocess.
 
-Nothing here is a double: the Engine spawns the real launcher wrapper, which execs the task
+Nothing here is a double: the Engine spawns the real shim, which execs the task
 through a real FIFO into a real log file; waits are on pidfds (in-process) or on the store
 (``serve`` in another process, where the CLI's own 0.1 s store poll is the only way to see it).
 """
@@ -18,12 +18,15 @@ import time
 
 import psutil
 
+from types import SimpleNamespace
+
+from qlagent import bootstrap
+from qlagent.adapters.secretbox import create_key_file
+from qlagent.adapters.sqlite.store import SqliteStore
 from qlagent.application.definitions import DefinitionWriter
-from qlagent.application.engine import Engine
 from qlagent.application.runs import RunService
 from qlagent.application.secrets import SecretService
-from qlagent.adapters.secretbox import create_key_file
-from qlagent.application.store import LocalStore
+from qlagent.core.clock import now_us
 from qlagent.core.profiles import EDGE
 from qlagent.service import control
 
@@ -61,7 +64,8 @@ def write_toml(path: str, tasks: list[dict]) -> str:
 
 
 class Bench:
-    """One state directory with a real LocalStore and a real Engine (no service loop)."""
+    """One state directory with a real SqliteStore and a real Engine (no service loop), wired by
+    the composition root as the service wires it."""
 
     def __init__(self, root: str, profile=EDGE, max_concurrent: int | None = None, artifact_dir: str | None = None,
                  db_path: str | None = None) -> None:
@@ -73,18 +77,21 @@ class Bench:
         self.key_file = os.path.join(os.path.dirname(self.db_path), "secret.key")
         os.makedirs(os.path.dirname(self.db_path), exist_ok=True)
         create_key_file(self.key_file)
-        self.store = LocalStore(self.db_path)
+        self.store = SqliteStore(self.db_path)
         self.log_lines: list[tuple] = []
-        self.engine = Engine(self.store, profile=profile, artifact_dir=self.artifact_dir, runs_dir=self.runs_dir,
-                             key_file=self.key_file, max_concurrent=max_concurrent or profile.max_concurrent_runs,
-                             log=lambda *a, **k: self.log_lines.append((a, k)))
+        settings = SimpleNamespace(artifact_dir=self.artifact_dir, runs_dir=self.runs_dir, key_file=self.key_file,
+                                   profile=profile)
+        self.engine = bootstrap.build_engine(settings, self.store,
+                                             max_concurrent=max_concurrent or profile.max_concurrent_runs,
+                                             budget=None, clock_us=now_us,
+                                             log=lambda *a, **k: self.log_lines.append((a, k)))
         self.runs = RunService(self.store)
 
     def add(self, *tasks: dict):
         return DefinitionWriter(self.store).add(DefinitionWriter.prepare_file({"task": list(tasks)}))
 
     def secret(self, name: str, value: bytes) -> None:
-        SecretService(self.store, self.key_file).set(name, value)
+        SecretService(self.store, bootstrap.cipher_factory(self.key_file)).set(name, value)
 
     def start(self, name: str) -> str:
         return self.runs.start(name).run_id
@@ -103,7 +110,7 @@ class Bench:
 
     def drive(self, until, timeout_s: float = 20.0, dispatch: bool = True) -> None:
         """The service loop in miniature: dispatch (unless ``dispatch`` is False), then sleep on
-        the wrappers' pidfds or the next deadline until ``until()`` is true. Raises
+        the shims' pidfds or the next deadline until ``until()`` is true. Raises
         AssertionError after ``timeout_s``."""
         sel = selectors.DefaultSelector()
         registered: set[int] = set()

@@ -1,5 +1,5 @@
 """Helpers for tests that run the real ``qlagent serve`` process: a real unix datagram
-NOTIFY_SOCKET listener, a serve launcher, task files and run queries on the real store.
+NOTIFY_SOCKET listener, a serve shim, task files and run queries on the real store.
 """
 
 from __future__ import annotations

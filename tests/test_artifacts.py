@@ -110,7 +110,7 @@ def test_bad_attempt_id_and_missing_admission_are_refused_with_nothing_created(t
         with pytest.raises(ValidationError, match="attempt_id: must be a lowercase canonical UUID4"):
             alloc.allocate(bad, alloc.admit(MiB))
     with pytest.raises(ValidationError, match="admission: allocation needs a granted admission"):
-        alloc.allocate(new_id(), artifacts.Admission(False, "low_space", 0, 0, MiB))
+        alloc.allocate(new_id(), artifacts.SpaceGrant(False, "low_space", 0, 0, MiB))
     with pytest.raises(ValidationError, match="attempt_quota_bytes"):
         alloc.admit(0)
     assert not (tmp_path / "artifacts").exists()

@@ -59,7 +59,7 @@ def budget_cgroup():
                 time.sleep(0.1)
 
 
-def _launcher(mem: str, pids: str) -> list[str]:
+def _shim(mem: str, pids: str) -> list[str]:
     """A prefix that moves itself into both cgroups, then execs the agent (so the agent and
     everything it forks are inside the budget from the first instruction)."""
     code = ("import os, sys\n"
@@ -78,7 +78,7 @@ timeout_s = 120
 shell = "/bin/sh"
 script = "head -c 209715200 /dev/zero | tr '\\\\0' x"
 ''')
-    p = start_serve(state, env=clean_env(), prefix=_launcher(mem, pids))
+    p = start_serve(state, env=clean_env(), prefix=_shim(mem, pids))
     try:
         agent = psutil.Process(p.pid)
         wait_until(lambda: str(p.pid) in _read(pids, "cgroup.procs").split())
@@ -90,14 +90,14 @@ script = "head -c 209715200 /dev/zero | tr '\\\\0' x"
         while dict(runs_of(state, "flood"))[run_id] in ("queued", "starting", "running"):
             for proc in [agent, *agent.children(recursive=True)]:
                 try:
-                    if proc.name().startswith("python"):   # the agent and the run's wrapper
+                    if proc.name().startswith("python"):   # the agent and the run's shim
                         rss = proc.memory_info().rss
                         bases.setdefault(proc.pid, rss)
                         peaks[proc.pid] = max(peaks.get(proc.pid, 0), rss)
                 except psutil.Error:
                     continue
             time.sleep(0.02)
-        assert len(bases) >= 2, "the wrapper was never sampled"
+        assert len(bases) >= 2, "the shim was never sampled"
         for pid, peak in peaks.items():
             grew = peak - bases.get(pid, base)
             assert grew < 8 * MiB, f"pid {pid} grew {grew / MiB:.1f} MiB while 200 MB passed"
@@ -125,7 +125,7 @@ name = "job"
 command = ["/bin/true"]
 ''')
     listener = NotifyListener(workdir)
-    p = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path), prefix=_launcher(mem, pids))
+    p = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path), prefix=_shim(mem, pids))
     fillers: list[subprocess.Popen] = []
     try:
         listener.wait_for(lambda m: m == "READY=1")
@@ -161,7 +161,7 @@ def test_block_reason_on_a_small_profile():
     import msgspec
 
     from qlagent.core.profiles import EDGE
-    from qlagent.service.budget import BudgetMeter
+    from qlagent.adapters.budget import BudgetMeter
     me = psutil.Process()
     mine = len([me, *me.children(recursive=True)])
     roomy = msgspec.structs.replace(EDGE, pids=10_000, memory_bytes=1 << 40)

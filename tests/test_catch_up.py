@@ -144,10 +144,10 @@ def test_task_add_refuses_15w_with_one_line(state, workdir):  # noqa: F811
 # ---- through the store: the scheduler, its journal and the run.created event ------------------
 
 def _scheduler_fire(state, now_us: int, journal: io.StringIO) -> int:  # noqa: F811
-    from qlagent.application.store import LocalStore
+    from qlagent.adapters.sqlite.store import SqliteStore
     from qlagent.service.journal import Journal
     from qlagent.service.scheduler import Scheduler
-    store = LocalStore(os.path.join(state, "qlagent.db"), "default")
+    store = SqliteStore(os.path.join(state, "qlagent.db"), "default", clock_us=lambda: now_us)
     try:
         s = Scheduler(store, "UTC", lambda: now_us, Journal(journal))
         s.reload()

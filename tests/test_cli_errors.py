@@ -275,7 +275,7 @@ def test_run_logs_json_object_and_truncation_note_on_stderr(store):
     assert plain.returncode == 0 and plain.stdout[:4] == b"\xff\xfexx" and len(plain.stdout) == 4 * 1048576
     note = plain.stderr.decode().strip().splitlines()
     assert len(note) == 1 and "truncated at 4194304 bytes" in note[0], note
-    hello = json.loads(ok(s, "run", "ls", "--task", "hello", "--json").stdout)["runs"][-1]["runId"]
+    hello = json.loads(ok(s, "run", "ls", "--task", "hello", "--json").stdout)["items"][-1]["runId"]
     assert cli(s, "run", "logs", hello).stderr == b""          # nothing to note for a whole log
 
 

@@ -71,13 +71,13 @@ def test_add_file_with_several_tasks_then_ls_and_show(loaded):
         assert len(h["contentDigest"]) == 64 and h["contentDigest"] == h["contentDigest"].lower()
     assert len({h["contentDigest"] for h in heads}) == 3
     alpha = js(loaded, "task", "show", "alpha")
-    assert alpha["schedules"] == ["*/5 * * * *"]
-    assert len(alpha["nextFires"]) == 3 and alpha["nextFires"] == sorted(alpha["nextFires"])
+    assert [s["cron"] for s in alpha["schedules"]] == ["*/5 * * * *"]
+    assert len(alpha["nextFires"]) == 5 and alpha["nextFires"] == sorted(alpha["nextFires"])
     assert alpha["definition"]["timeoutMs"] == 30_000
     beta = js(loaded, "task", "show", "beta")
-    assert beta["schedules"] == ["0 3 * * *", "@boot"]
+    assert [s["cron"] for s in beta["schedules"]] == ["0 3 * * *", "@boot"]
     fires = [datetime.fromisoformat(t.replace("Z", "+00:00")) for t in beta["nextFires"]]
-    assert len(fires) == 3 and {(b - a).total_seconds() for a, b in zip(fires, fires[1:])} == {86400}
+    assert len(fires) == 5 and {(b - a).total_seconds() for a, b in zip(fires, fires[1:])} == {86400}
     assert js(loaded, "task", "show", "gamma")["nextFires"] == []      # @once: manual only
     assert rows(loaded, "tasks") == 3 and rows(loaded, "task_revisions") == 3
     assert rows(loaded, "execution_revisions") == 3
@@ -193,17 +193,17 @@ def test_run_ls_keyset_pagination(loaded):
         args = ["run", "ls", "--limit", "2"] + (["--cursor", cursor] if cursor else [])
         page = js(loaded, *args)
         pages += 1
-        assert len(page["runs"]) <= 2
-        seen += [r["runId"] for r in page["runs"]]
+        assert len(page["items"]) <= 2
+        seen += [r["runId"] for r in page["items"]]
         cursor = page["nextCursor"]
         if cursor is None:
             break
     assert pages == 3
     assert sorted(seen) == sorted(started) and len(set(seen)) == 5
-    created = [r["createdAtUs"] for r in js(loaded, "run", "ls")["runs"]]
+    created = [r["createdAt"] for r in js(loaded, "run", "ls")["items"]]
     assert created == sorted(created, reverse=True)
-    assert [r["taskName"] for r in js(loaded, "run", "ls", "--task", "gamma")["runs"]] == ["gamma"] * 5
-    assert js(loaded, "run", "ls", "--task", "alpha")["runs"] == []
+    assert [r["taskName"] for r in js(loaded, "run", "ls", "--task", "gamma")["items"]] == ["gamma"] * 5
+    assert js(loaded, "run", "ls", "--task", "alpha")["items"] == []
     p = cli(loaded, "run", "ls", "--limit", "0")
     assert p.returncode == 2 and b"limit" in p.stderr
     p = cli(loaded, "run", "ls", "--cursor", "garbage")

@@ -1,4 +1,4 @@
-"""LocalRunDispatcher through the Engine on a real SQLite file with real wrapper processes
+"""LocalRunDispatcher through the Engine on a real SQLite file with real shim processes
 (issue 3 item 1, ADR-0071 §1, §3, verification 2, 5, 7).
 
 Proves: the keyset order (priority desc, Run created asc, Attempt created asc, Attempt ID asc);
@@ -6,7 +6,7 @@ one page per pass (≤ page + 1 rows, one candidate query, no OFFSET, the same S
 100 or 10,000 queued Runs); at most one activation per pass; a race between two Engines on one
 database file never spawns a task twice; a page of single-instance candidates that must wait does
 not starve the Runs behind it; results are the small status set; the Engine exposes no
-coordinator, launcher or candidate read.
+coordinator, shim or candidate read.
 """
 
 from __future__ import annotations
@@ -128,13 +128,13 @@ def test_one_pass_reads_one_page_and_activates_at_most_one(root):
     def measure_pass() -> tuple[DispatchResult, int, int]:
         traced.clear()
         steps[0] = 0
-        q0 = b.engine.candidate_queries
         b.store.authority.raw(lambda c: (c.set_trace_callback(traced.append), c.set_progress_handler(count, 1)))
         try:
             r = b.engine.dispatcher.dispatch_once()
         finally:
             b.store.authority.raw(lambda c: (c.set_trace_callback(None), c.set_progress_handler(None, 1)))
-        return check_result(r, EDGE.dispatch_page), b.engine.candidate_queries - q0, steps[0]
+        return (check_result(r, EDGE.dispatch_page), sum("runs_dispatch_candidates" in s for s in traced),
+                steps[0])
 
     r100, q100, vm100 = measure_pass()
     assert (r100.status, q100, r100.rows_read) == ("activated", 1, EDGE.dispatch_page + 1)
@@ -276,7 +276,7 @@ def test_launch_failure_is_reported_once_not_retried_in_a_loop(root):
     b = Bench(os.path.join(root, "s"), profile=EDGE)
     b.add(recording_task(root, "t"))
     rid = b.start("t")
-    b.engine._procs._python = os.path.join(root, "no-such-python")    # the wrapper cannot start
+    b.engine._coordinator._procs._python = os.path.join(root, "no-such-python")    # the shim cannot start
     r = check_result(b.engine.dispatcher.dispatch_once(), EDGE.dispatch_page)
     assert (r.status, r.run_id) == ("launch_failed", rid)
     assert r.reason == "shim_failed"          # a real errno in the text, never an invented one
@@ -306,20 +306,19 @@ def test_global_limit_is_a_limited_result(root):
     b.close()
 
 
-def test_engine_exposes_no_coordinator_launcher_or_candidate_read(root):
+def test_engine_exposes_no_coordinator_shim_or_candidate_read(root):
     """ADR-0071 verification 7: walk every public attribute of the Engine (two levels deep):
     nothing reachable is the coordinator, the process adapter, the store port or the raw store
     (whose read() would reach the candidate query), and no method
     named like a launch or candidate read is reachable without an underscore."""
     b = Bench(os.path.join(root, "s"))
-    from qlagent.application.engine import ProcessAdapter
-    from qlagent.application.execution_store import SqliteExecutionStore
-    from qlagent.execution.coordinator import LocalExecutionCoordinator
+    from qlagent.adapters.processes import ShimProcesses
     from qlagent.adapters.sqlite.authority import SqliteAuthority
-    from qlagent.application.store import LocalStore
-    forbidden_types = (LocalExecutionCoordinator, ProcessAdapter, SqliteExecutionStore, LocalStore, SqliteAuthority)
+    from qlagent.adapters.sqlite.store import SqliteStore
+    from qlagent.execution.coordinator import LocalExecutionCoordinator
+    forbidden_types = (LocalExecutionCoordinator, ShimProcesses, SqliteStore, SqliteAuthority)
     forbidden_names = {"candidate_page", "reread", "load_plan", "claim_starting", "spawn", "start", "launch",
-                       "coordinator", "launcher", "materializer", "resolve_secrets"}
+                       "coordinator", "shim", "materializer", "resolve_secrets"}
 
     def public(obj):
         return [n for n in dir(obj) if not n.startswith("_")]
@@ -365,8 +364,8 @@ def test_keyset_cursor_seeks_instead_of_scanning_to_the_cursor(root):
 
 
 def test_recovery_ingests_a_receipt_of_an_attempt_left_starting(root):
-    """The agent died after the claim (Attempt `starting`) but before it recorded the wrapper;
-    the wrapper ran and left its receipt. The next agent ingests it — it must not refuse the
+    """The agent died after the claim (Attempt `starting`) but before it recorded the shim;
+    the shim ran and left its receipt. The next agent ingests it — it must not refuse the
     transition and crash at start-up (a restart loop under systemd)."""
     b = Bench(os.path.join(root, "s"), profile=EDGE)
     b.add(recording_task(root, "t"))
@@ -380,7 +379,7 @@ def test_recovery_ingests_a_receipt_of_an_attempt_left_starting(root):
         time.sleep(0.02)
     b.engine.abandon_all()                         # this agent "dies" without ingesting
     b.store.write(lambda c: (c.execute("UPDATE runs SET state = 'starting' WHERE run_id = ?", (rid,)),
-                             c.execute("UPDATE attempts SET state = 'starting', wrapper_pid = NULL "
+                             c.execute("UPDATE attempts SET state = 'starting', shim_pid = NULL "
                                        "WHERE attempt_id = ?", (aid,))))
     counts = b.engine.recover()                    # the next agent's start-up
     assert counts["ingested"] == 1

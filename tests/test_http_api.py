@@ -108,6 +108,7 @@ script = 'echo foreign'
 """
 
 BASE = "/api/v3/projects/default"
+BUSY_TIMEOUT_S = 1.0
 SCHEMA = "qinglong/task-start@v1"
 
 
@@ -121,11 +122,12 @@ class Agent:
     """``qlagent serve --listen 127.0.0.1:PORT`` in a subprocess; ready once it logs
     ``service.ready`` (stderr is drained by a thread so the pipe never fills)."""
 
-    def __init__(self, state: str, listen: bool = True) -> None:
+    def __init__(self, state: str, listen: bool = True, config: str | None = None) -> None:
         self.state = state
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-        cmd = [sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "serve"]
+        cmd = [sys.executable, "-m", "qlagent.cli.main", "--state-dir", state,
+               *(("--config", config) if config else ()), "serve"]
         if listen:
             cmd += ["--listen", f"127.0.0.1:{self.port}"]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -216,7 +218,10 @@ def env():
     tokens = {"op": token(state, "alice", "operator"), "viewer": token(state, "vera", "viewer"),
               "other": token(state, "oscar", "owner", project="other"),
               "racer": token(state, "rita", "operator"), "gone": token(state, "gus", "operator")}
-    agent = Agent(state)
+    cfg = os.path.join(root, "qlagent.toml")
+    with open(cfg, "w") as f:
+        f.write(f"busy_timeout_s = {BUSY_TIMEOUT_S}\n")    # a store write gives up after 1 s, not 5
+    agent = Agent(state, config=cfg)
     yield agent, state, tokens, root
     agent.stop()
     shutil.rmtree(root, ignore_errors=True)
@@ -495,12 +500,33 @@ def test_store_locked_past_busy_timeout_is_503_task_start_unavailable(env):
     h = head(agent, tok["op"], "hello")
     before = counts(state)
     status, err = _locked_start(agent, state, tok["op"], "hello", start_body(h["revision"], h["contentDigest"]),
-                                lambda c: None, 5.6)   # authority busy_timeout is 5 s
+                                lambda c: None, BUSY_TIMEOUT_S + 0.6)   # held past the agent's busy timeout
     assert (status, err["code"]) == (503, "task_start_unavailable"), "".join(agent.lines[-30:])
     assert counts(state) == before
 
 
 # ---- reads, logs, cancel ----------------------------------------------------------------------
+
+def test_cli_json_and_http_share_one_shape_for_task_run_attempt_and_event(env):
+    """application.presenter renders both surfaces: the same Run, Attempt, RunEvents and Task
+    head read over HTTP and by `qlagent … --json` are equal field for field."""
+    agent, state, tok, _ = env
+    h = head(agent, tok["op"], "hello")
+    rid = start(agent, tok["op"], "hello", start_body(h["revision"], h["contentDigest"]))[1]["runId"]
+    run = await_state(agent, tok["op"], rid, {"succeeded"})
+    shown = json.loads(ok(state, "run", "show", rid, "--json").stdout)
+    attempts, events = shown.pop("attempts"), shown.pop("events")
+    latest = run.pop("latestAttempt")
+    assert shown == run and set(run) >= {"runId", "createdAt", "latestAttemptId", "signal"}
+    assert attempts[-1] == latest and {"peakRssBytes", "cpuTimeUs", "startedAt"} <= set(latest)
+    assert events == agent.json("GET", f"{BASE}/runs/{rid}/events", tok["op"])[1]["items"]
+    listed = json.loads(ok(state, "run", "ls", "--task", "hello", "--json").stdout)["items"]
+    assert listed[0] == agent.json("GET", f"{BASE}/runs?task=hello", tok["op"])[1]["items"][0]
+    task = json.loads(ok(state, "task", "show", "hello", "--json").stdout)
+    assert task.pop("definition")["name"] == "hello" and task.pop("skippedFires") == 0
+    assert task.pop("secrets") == {} and "PATH" in task.pop("env")          # `task show` extras
+    assert task == head(agent, tok["op"], "hello")
+
 
 def test_run_list_keyset_pagination_and_filters(env):
     agent, state, tok, _ = env

@@ -20,6 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from qlagent.core.errors import ValidationError
+from qlagent.core.models import RoleBinding
 from qlagent.http.routing import Router
 from qlagent.http.server import (
     FileRange,
@@ -30,8 +32,8 @@ from qlagent.http.server import (
     Response,
     byte_range,
     content_range,
-    parse_listen,
 )
+from qlagent.service.config import parse_listen
 
 FILE_SIZE = 50 * 1024 * 1024
 
@@ -474,8 +476,10 @@ class DictTokens:
     def lookup_token(self, digest: str) -> tuple[str, str] | None:
         return self.tokens.get(digest)
 
-    def latest_binding(self, project_id: str, subject: str) -> tuple[str, int] | None:
-        return self.bindings.get((project_id, subject))
+    def latest_binding(self, project_id: str, subject: str) -> RoleBinding | None:
+        b = self.bindings.get((project_id, subject))
+        return None if b is None else RoleBinding(project_id=project_id, subject=subject, role=b[0],
+                                                  binding_version=b[1])
 
 
 def test_bearer_auth_and_permissions_over_http():
@@ -611,14 +615,15 @@ def test_log_style_reads_offset_limit_range_and_raw_bytes(tmp_path):
 
 @pytest.mark.parametrize("text, expected", [
     ("127.0.0.1:8717", ("127.0.0.1", 8717)), ("[::1]:80", ("::1", 80)), ("host:65535", ("host", 65535)),
+    ("127.0.0.1:0", ("127.0.0.1", 0)),
 ])
 def test_parse_listen_accepts(text, expected):
     assert parse_listen(text) == expected
 
 
-@pytest.mark.parametrize("text", ["127.0.0.1", ":80", "h:0", "h:65536", "h:-1", "h:8x", "", "h:\u00b2"])
+@pytest.mark.parametrize("text", ["127.0.0.1", ":80", "h:65536", "h:-1", "h:8x", "", "h:\u00b2", "h:080000"])
 def test_parse_listen_rejects_naming_the_key(text):
-    with pytest.raises(ValueError, match="http.listen must be HOST:PORT with port 1..65535"):
+    with pytest.raises(ValidationError, match=r"http.listen: .* is not HOST:PORT with port 0..65535"):
         parse_listen(text)
 
 

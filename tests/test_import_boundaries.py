@@ -1,8 +1,16 @@
 """Import boundaries (ADR-0071 verification 8; docs/ARCHITECTURE.md "Layers").
 
-Every module under ``qlagent/`` is found by walking the package directory (new modules are
-covered without editing this file), imported alone in a FRESH interpreter, and the resulting
-``sys.modules`` is checked against its layer's rules. Imports point downwards only.
+Two checks over every module under ``qlagent/`` (found by walking the package, so new modules
+are covered without editing this file):
+
+1. **AST edges.** Every ``import``/``from … import`` in the source — at module level or inside a
+   function — is resolved to an absolute module and checked against ``ALLOWED``, the table of
+   docs/ARCHITECTURE.md: which qlagent layers a layer may import, and which drivers
+   (sqlite3, psycopg, pyroute2, psutil, cryptography) only adapters may touch. A lazy import in a
+   function is still an edge.
+2. **Import-time load.** Each module is imported alone in a FRESH interpreter: the pure core loads
+   no I/O module and nothing loads a heavy dependency (pyroute2, cryptography) just by being
+   imported — only the call that needs it does.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -21,33 +29,37 @@ import qlagent
 
 ROOT = os.path.dirname(qlagent.__file__)
 
-# Layer → qlagent packages it must never load (directly or transitively). Order of the table
-# in docs/ARCHITECTURE.md: core < adapters < execution < dispatch < application < service < http < cli.
-ENTRY_POINTS = ("qlagent.service", "qlagent.http", "qlagent.cli")
-UPWARD = {
-    "qlagent.core": ("qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
-                     "qlagent.application", *ENTRY_POINTS),
-    "qlagent.adapters": ("qlagent.execution", "qlagent.dispatch", "qlagent.cluster", "qlagent.application",
-                         *ENTRY_POINTS),
-    "qlagent.execution": ("qlagent.adapters", "qlagent.dispatch", "qlagent.application", *ENTRY_POINTS),
-    "qlagent.dispatch": ("qlagent.adapters", "qlagent.cluster", "qlagent.application", *ENTRY_POINTS),
+# Layer → the qlagent layers its modules may import (its own included), as in
+# docs/ARCHITECTURE.md "Layers". ``qlagent.bootstrap`` is the composition root: the only module
+# above the adapters that may import them.
+ALLOWED: dict[str, frozenset[str]] = {
+    "qlagent.core": frozenset({"qlagent.core"}),
+    "qlagent.adapters": frozenset({"qlagent.core", "qlagent.adapters"}),
+    "qlagent.execution": frozenset({"qlagent.core", "qlagent.execution"}),
+    "qlagent.dispatch": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch"}),
+    # Fleet Worker policy (issue 11): pure decisions between core and application.
+    "qlagent.worker": frozenset({"qlagent.core", "qlagent.worker"}),
     # Cluster policy (ADR-0014) sees only core's records and ports; PostgreSQL is an adapter.
-    "qlagent.cluster": ("qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.application",
-                        *ENTRY_POINTS),
-    "qlagent.application": ENTRY_POINTS,
-    "qlagent.service": ("qlagent.http", "qlagent.cli"),
-    "qlagent.http": ("qlagent.service", "qlagent.cli"),
-    "qlagent.cli": (),
-    "qlagent": ("qlagent.core", "qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
-                "qlagent.application", *ENTRY_POINTS),
+    "qlagent.cluster": frozenset({"qlagent.core", "qlagent.cluster"}),
+    "qlagent.application": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch", "qlagent.worker",
+                                      "qlagent.application"}),
+    "qlagent.bootstrap": frozenset({"qlagent.core", "qlagent.adapters", "qlagent.application", "qlagent.bootstrap"}),
+    "qlagent.http": frozenset({"qlagent.core", "qlagent.application", "qlagent.http"}),
+    "qlagent.service": frozenset({"qlagent.core", "qlagent.application", "qlagent.bootstrap", "qlagent.http",
+                                  "qlagent.service"}),
+    "qlagent.cli": frozenset({"qlagent.core", "qlagent.application", "qlagent.bootstrap", "qlagent.service",
+                              "qlagent.cli"}),
+    "qlagent": frozenset(),
 }
-# Fleet Worker policy (issue 11): pure decisions between core and application; nothing below
-# it imports it, and it imports nothing but core (not the cluster's control plane either).
-UPWARD["qlagent.worker"] = ("qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
-                            "qlagent.application", *ENTRY_POINTS)
-for _lower in ("qlagent.core", "qlagent.adapters", "qlagent.execution", "qlagent.dispatch", "qlagent.cluster",
-               "qlagent"):
-    UPWARD[_lower] = (*UPWARD[_lower], "qlagent.worker")
+# Drivers and OS bindings: only these layers may import them (anywhere in a module).
+DRIVERS: dict[str, frozenset[str]] = {
+    "sqlite3": frozenset({"qlagent.adapters"}),
+    "psycopg": frozenset({"qlagent.adapters"}),
+    "psycopg_pool": frozenset({"qlagent.adapters"}),
+    "pyroute2": frozenset({"qlagent.adapters"}),
+    "psutil": frozenset({"qlagent.adapters"}),
+    "cryptography": frozenset({"qlagent.adapters"}),
+}
 PURE_LAYERS = ("qlagent.core", "qlagent.worker")
 # The pure layers do no I/O: none of these may be loaded by importing them.
 CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "http", "socket", "subprocess",
@@ -58,34 +70,120 @@ CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "htt
 # Secret, sealing/opening a Secret). What a running service loads per configuration:
 # tests/test_service_imports.py.
 LAZY_EVERYWHERE = ("pyroute2", "cryptography", "nacl", "psycopg", "psycopg_pool")
-# The modules that wrap a lazy dependency load it; importing them is what "lazily" means.
-LAZY_OWNERS = {"qlagent.adapters.netlink"}
-WRAPPER = "qlagent.adapters.launcher.wrapper"      # runs as `python3 -I -S wrapper.py`: stdlib only
+LAZY_OWNERS = {"qlagent.adapters.netlink"}        # importing it is what "lazily" means
+SHIM = "qlagent.adapters.shim.main"               # runs as `python3 -I -S shim/main.py`: stdlib only
 
 
-def discover() -> list[str]:
-    mods = []
-    for dirpath, dirnames, filenames in os.walk(ROOT):
+def discover(root: str = ROOT) -> dict[str, str]:
+    """module name → file path for every module of the package at ``root``."""
+    mods = {}
+    base = os.path.dirname(root)
+    for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-        rel = os.path.relpath(dirpath, os.path.dirname(ROOT)).replace(os.sep, ".")
+        rel = os.path.relpath(dirpath, base).replace(os.sep, ".")
         for f in filenames:
             if f.endswith(".py") and f != "__main__.py":
-                mods.append(rel if f == "__init__.py" else f"{rel}.{f[:-3]}")
-    return sorted(mods)
+                mods[rel if f == "__init__.py" else f"{rel}.{f[:-3]}"] = os.path.join(dirpath, f)
+    return dict(sorted(mods.items()))
 
 
 MODULES = discover()
-PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
-         "print(json.dumps(sorted(sys.modules)))")
 
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
     key = ".".join(parts[:2])
-    if key not in UPWARD:
+    if key not in ALLOWED:
         raise AssertionError(f"{module}: package {key} is not in the layer table of docs/ARCHITECTURE.md; "
                              "add it there and here")
     return key
+
+
+def imports_of(module: str, path: str, known: dict[str, str]) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import statement in the file, function bodies included.
+    ``from pkg import name`` counts ``pkg.name`` when that is a module, else ``pkg``."""
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append((node.lineno, sub if sub in known else base))
+    return out
+
+
+def violations(root: str = ROOT) -> list[str]:
+    """Every import edge of the package at ``root`` that the table forbids, as readable lines."""
+    known = discover(root)
+    bad = []
+    for module, path in known.items():
+        layer = layer_of(module)
+        for line, target in imports_of(module, path, known):
+            where = f"{os.path.relpath(path, os.path.dirname(root))}:{line}"
+            if target == "qlagent" or target.startswith("qlagent."):
+                target_layer = layer_of(target) if target != "qlagent" else "qlagent"
+                if target_layer not in ALLOWED[layer]:
+                    bad.append(f"{where}: {layer} must not import {target}")
+                continue
+            top = target.split(".")[0]
+            if top in DRIVERS and layer not in DRIVERS[top]:
+                bad.append(f"{where}: {layer} must not import the driver {target}")
+    return bad
+
+
+def test_discovery_covers_the_package():
+    for expected in ("qlagent.core.canonical", "qlagent.core.ports", "qlagent.adapters.sqlite.store",
+                     "qlagent.bootstrap", "qlagent.cli.main", "qlagent.dispatch.admission", SHIM):
+        assert expected in MODULES
+    for m in MODULES:
+        layer_of(m)
+
+
+def test_every_import_edge_is_in_the_layer_table():
+    assert violations() == []
+
+
+def test_the_ast_checker_fails_on_a_planted_forbidden_import(tmp_path):
+    """A copy of the package with an HTTP module that reaches the store driver and an adapter
+    from inside a function — exactly what an import-time probe cannot see — is refused."""
+    copy = tmp_path / "qlagent"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "http" / "planted.py").write_text(
+        '"""planted by the test"""\n\n\ndef handler():\n    import sqlite3\n'
+        '    from ..adapters.sqlite import store\n    return sqlite3, store\n')
+    (copy / "service" / "planted.py").write_text("from qlagent.adapters import processes\n")
+    assert sorted(violations(str(copy))) == [
+        "qlagent/http/planted.py:5: qlagent.http must not import the driver sqlite3",
+        "qlagent/http/planted.py:6: qlagent.http must not import qlagent.adapters.sqlite.store",
+        "qlagent/service/planted.py:1: qlagent.service must not import qlagent.adapters.processes",
+    ]
+
+
+def test_the_table_is_the_one_in_architecture_md():
+    """docs/ARCHITECTURE.md states the same edges: each row lists what its layer may import."""
+    doc = open(os.path.join(os.path.dirname(ROOT), "docs", "ARCHITECTURE.md"), encoding="utf-8").read()
+    table = {}
+    for line in doc.split("## Layers", 1)[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`qlagent"):
+            layer = cells[0].strip("`")
+            may = {f"qlagent.{x.strip().strip('`')}" for x in cells[2].split(",") if x.strip() not in ("", "—")}
+            table[layer] = frozenset(may | ({layer} if layer != "qlagent" else set()))
+    assert table == ALLOWED
+
+
+# ---- import-time load, in fresh interpreters ----------------------------------------------------
+
+PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
+         "print(json.dumps(sorted(sys.modules)))")
 
 
 def _probe(module: str):
@@ -101,72 +199,31 @@ def loaded() -> dict[str, tuple[int, str, str]]:
         return dict(zip(MODULES, pool.map(_probe, MODULES)))
 
 
-def _missing_sibling(stderr: str) -> str | None:
-    """The qlagent module an import failed on, if its file is absent from this tree (else None)."""
-    m = (re.search(r"cannot import name '(\w+)' from '(qlagent[\w.]*)'", stderr)
-         or re.search(r"No module named '(qlagent[\w.]*)'", stderr))
-    if not m:
-        return None
-    name = f"{m.group(2)}.{m.group(1)}" if m.lastindex == 2 else m.group(1)
-    rel = os.path.join(os.path.dirname(ROOT), *name.split("."))
-    return None if os.path.exists(rel + ".py") or os.path.isdir(rel) else name
-
-
 def _hits(modules: list[str], prefixes) -> list[str]:
     return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes))
 
 
-def test_discovery_covers_the_package():
-    for expected in ("qlagent.core.canonical", "qlagent.core.definitions", "qlagent.adapters.sqlite.authority",
-                     "qlagent.application.store", "qlagent.cli.main", "qlagent.dispatch.dispatcher"):
-        assert expected in MODULES
-    for m in MODULES:
-        layer_of(m)
-
-
-@pytest.mark.parametrize("module", MODULES)
-def test_layer_rules(loaded, module):
+@pytest.mark.parametrize("module", list(MODULES))
+def test_import_alone_loads_nothing_it_must_not(loaded, module):
     rc, out, err = loaded[module]
-    missing = _missing_sibling(err) if rc else None
-    if missing:
-        pytest.skip(f"{module} needs {missing}, which is not in this build yet (lands from another branch)")
     assert rc == 0, f"importing {module} alone failed:\n{err}"
     mods = json.loads(out)
-    assert module in mods
     layer = layer_of(module)
-    own_parents = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
-    upward = [m for m in _hits(mods, UPWARD[layer]) if m not in own_parents and m != module]
-    assert upward == [], f"{module} ({layer}) imports upward: {upward}"
+    others = [m for m in _hits(mods, set(ALLOWED) - {"qlagent"}) if layer_of(m) not in ALLOWED[layer]]
+    assert others == [], f"{module} ({layer}) loads {others} at import time"
     if layer in PURE_LAYERS:
         assert _hits(mods, CORE_FORBIDDEN) == [], f"pure module {module} loads I/O modules"
     if module not in LAZY_OWNERS:
         assert _hits(mods, LAZY_EVERYWHERE) == [], f"{module} loads a lazy dependency at import time"
 
 
-def test_launcher_wrapper_is_stdlib_only():
-    path = os.path.join(ROOT, "adapters", "launcher", "wrapper.py")
-    if not os.path.exists(path):
-        pytest.skip("launcher wrapper not in this build yet")
-    tree = ast.parse(open(path, encoding="utf-8").read())
+def test_shim_is_stdlib_only():
+    tree = ast.parse(open(MODULES[SHIM], encoding="utf-8").read())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"wrapper.py has a relative import (line {node.lineno}); it runs as a script"
+            assert node.level == 0, f"shim/main.py has a relative import (line {node.lineno}); it runs as a script"
             names.add(node.module.split(".")[0])
     assert names - set(sys.stdlib_module_names) - {"__future__"} == set()
-
-
-def test_the_checker_catches_a_violation(tmp_path):
-    """A probe of a module that imports upward is flagged (the rules are not vacuous)."""
-    pkg = tmp_path / "probe_pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "bad.py").write_text("import qlagent.core.models\nimport qlagent.adapters.sqlite.authority\n")
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    p = subprocess.run([sys.executable, "-c", PROBE, "probe_pkg.bad"], capture_output=True, text=True, env=env)
-    mods = json.loads(p.stdout)
-    assert _hits(mods, UPWARD["qlagent.core"]) == ["qlagent.adapters", "qlagent.adapters.sqlite",
-                                                   "qlagent.adapters.sqlite.authority"]
-    assert "sqlite3" in _hits(mods, CORE_FORBIDDEN)

@@ -283,7 +283,7 @@ def test_serve_runs_imported_sh_and_py_crons_with_the_byte_exact_2x_value(state,
         assert f.read().splitlines()[:3] == ["before", "script", "after"]
     for task in ("py", "ordered"):
         assert "succeeded" in {s for _, s in runs_of(state, task)}
-        assert {r["triggerType"] for r in js(state, "run", "ls", "--task", task)["runs"]} == {"cron"}
+        assert {r["triggerType"] for r in js(state, "run", "ls", "--task", task)["items"]} == {"cron"}
     assert sha(os.path.join(data, "db", "database.sqlite")) == db_hash
 
 
@@ -635,7 +635,7 @@ def test_a_cron_renamed_in_2x_revises_its_task_instead_of_adding_a_second(state,
     assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("old-name", "revised", 2)]
     heads = {t["name"]: t for t in js(state, "task", "ls")}
     assert sorted(heads) == ["o-old-name", "old-name"]                 # not a second Task running ok.sh
-    assert heads["old-name"]["schedules"] == ["0 2 * * *"] and heads["o-old-name"]["revision"] == 1
+    assert [x["cron"] for x in heads["old-name"]["schedules"]] == ["0 2 * * *"] and heads["o-old-name"]["revision"] == 1
     again = js(state, "import", "qinglong", panel)
     assert [(t["task"], t["action"]) for t in again["tasks"]] == [("old-name", "unchanged")]
     assert {r["cronId"]: r["task"] for r in again["renamed"]} == {1: "old-name"}
@@ -699,5 +699,5 @@ def test_removing_a_same_name_cron_in_2x_keeps_the_other_on_its_task(state, work
     report = js(state, "import", "qinglong", panel)
     assert report["skipped"] == []
     assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("x-2", "revised", 2)]
-    assert js(state, "task", "show", "x-2")["schedules"] == ["0 3 * * *"]
+    assert [x["cron"] for x in js(state, "task", "show", "x-2")["schedules"]] == ["0 3 * * *"]
     assert js(state, "task", "show", "x")["revision"] == 1          # cron 1's Task: kept, untouched

@@ -1,5 +1,5 @@
 """Run lifecycle end to end through a real ``qlagent serve`` subprocess (or ``run start --wait``)
-with real wrapper processes, FIFOs and log files (issue 3 items 4-6 and its acceptance).
+with real shim processes, FIFOs and log files (issue 3 items 4-6 and its acceptance).
 
 Covers every router-task fixture (examples/router-tasks.toml), field reports F1 (log quota and
 retention), F2 (cancel kills every process of the run), F3 (timeout on every start path),
@@ -207,8 +207,8 @@ def test_f1_retention_keeps_the_log_folder_bounded(root):
     a.serve()
     try:
         from qlagent.application.runs import RunService
-        from qlagent.application.store import LocalStore
-        other = LocalStore(os.path.join(a.state, "qlagent.db"))    # a second writer, like the CLI
+        from qlagent.adapters.sqlite.store import SqliteStore
+        other = SqliteStore(os.path.join(a.state, "qlagent.db"))    # a second writer, like the CLI
         ids = [RunService(other).start("hi").run_id for _ in range(15)]
         other.close()
         a.poke()
@@ -253,8 +253,8 @@ def test_f2_cancel_leaves_no_process_of_the_run(root):
         none_left(r)
 
 
-def test_f2_wrapper_killed_leaves_no_process_of_the_run(root):
-    """The launcher wrapper itself is killed (an OOM kill on a router): the Run ends lost and
+def test_f2_shim_killed_leaves_no_process_of_the_run(root):
+    """The shim itself is killed (an OOM kill on a router): the Run ends lost and
     every process it started — the setsid grandchild that lost its parent too — is stopped."""
     a = Agent(root)
     a.add(task("tree", command=["/bin/sh", "-c", "sleep 300 & setsid sleep 301 & sleep 302; wait"],
@@ -268,8 +268,8 @@ def test_f2_wrapper_killed_leaves_no_process_of_the_run(root):
             assert time.monotonic() < end
             time.sleep(0.02)
         with a.db() as c:
-            wrapper = c.execute("SELECT wrapper_pid FROM attempts WHERE run_id = ?", (r,)).fetchone()[0]
-        os.kill(wrapper, signal.SIGKILL)
+            shim = c.execute("SELECT shim_pid FROM attempts WHERE run_id = ?", (r,)).fetchone()[0]
+        os.kill(shim, signal.SIGKILL)
         run = a.wait(r)
     finally:
         assert a.stop() == 0
@@ -338,9 +338,9 @@ def test_f5_agent_killed_mid_run_log_keeps_filling_and_receipt_gives_real_exit(r
     a.kill()                                                   # SIGKILL the agent
     at_kill = os.path.getsize(att["artifact_path"])
     assert at_kill < 4194304
-    wrapper = psutil.Process(att["wrapper_pid"])
+    shim = psutil.Process(att["shim_pid"])
     end = time.monotonic() + 10
-    while wrapper.is_running() and wrapper.status() != psutil.STATUS_ZOMBIE:   # task ends on its own
+    while shim.is_running() and shim.status() != psutil.STATUS_ZOMBIE:   # task ends on its own
         assert time.monotonic() < end
         time.sleep(0.05)
     assert os.path.getsize(att["artifact_path"]) == 4194304    # it kept filling, up to the quota
@@ -375,9 +375,9 @@ def test_f5_agent_killed_then_restarted_reattaches_a_live_task(root):
     none_left(rid)
 
 
-def test_f5_wrapper_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
-    """Agent SIGKILLed and the wrapper killed too (no receipt will ever come): after restart the
-    Run ends ``lost`` and the task the wrapper left behind is killed — nothing runs forever."""
+def test_f5_shim_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
+    """Agent SIGKILLed and the shim killed too (no receipt will ever come): after restart the
+    Run ends ``lost`` and the task the shim left behind is killed — nothing runs forever."""
     a = Agent(root)
     a.add(task("orphan", "sleep 60\n", timeout_s=120))
     a.serve()
@@ -388,7 +388,7 @@ def test_f5_wrapper_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
         assert time.monotonic() < end
         time.sleep(0.02)
     a.kill()
-    os.kill(a.attempts(rid)[0]["wrapper_pid"], signal.SIGKILL)
+    os.kill(a.attempts(rid)[0]["shim_pid"], signal.SIGKILL)
     assert procs_with_env("QL3_RUN_ID", rid)                   # the task is still there
     a.serve()
     try:
@@ -513,7 +513,7 @@ def test_deadline_and_cancel_survive_an_agent_restart(root):
 
 def test_pid_budget_holds_back_the_next_run(root):
     """Edge: 64 PIDs for the whole service tree. A run holding ~62 processes leaves no room for
-    another wrapper + task: the next Run waits (dispatch.refused pids) until the first ends."""
+    another shim + task: the next Run waits (dispatch.refused pids) until the first ends."""
     a = Agent(root)
     a.add(task("forky", "i=0; while [ $i -lt 62 ]; do sleep 30 & i=$((i+1)); done; wait\n", timeout_s=60),
           task("next", "echo next\n"))
@@ -552,8 +552,8 @@ def test_service_walks_past_a_long_blocked_backlog(root):
         a.wait(first, ("running",))
         from qlagent.adapters.sqlite import definitions as defs
         from qlagent.adapters.sqlite import runs as runs_repo
-        from qlagent.application.store import LocalStore
-        other = LocalStore(os.path.join(a.state, "qlagent.db"))
+        from qlagent.adapters.sqlite.store import SqliteStore
+        other = SqliteStore(os.path.join(a.state, "qlagent.db"))
 
         def tx(c):
             head = defs.get_head(c, other.project.project_id, "single")
@@ -571,7 +571,7 @@ def test_service_walks_past_a_long_blocked_backlog(root):
 
 
 def test_inline_wait_after_an_interrupted_one_recovers_the_first_run(root):
-    """`run start --wait --timeout` gives up while its task still runs (the wrapper carries on);
+    """`run start --wait --timeout` gives up while its task still runs (the shim carries on);
     the next inline `run start --wait` of that single-instance Task re-attaches the first Run,
     lets it finish with its real status, then runs its own."""
     a = Agent(root)
@@ -587,7 +587,7 @@ def test_inline_wait_after_an_interrupted_one_recovers_the_first_run(root):
 
 def test_orphan_holding_the_output_does_not_keep_the_run_alive(root):
     """The main process exits 0 while a background child still holds the FIFO open for 30 s:
-    the Run ends succeeded after the wrapper's linger (2 s), not after 30 s."""
+    the Run ends succeeded after the shim's linger (2 s), not after 30 s."""
     a = Agent(root)
     a.add(task("bg", command=["/bin/sh", "-c", "sleep 30 & echo started; exit 0"], timeout_s=60))
     a.serve()
@@ -616,7 +616,7 @@ def test_wait_without_a_service_answers_cancel_and_interruption(root):
                                   env=a.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         end = time.monotonic() + 10
         while True:
-            runs = json.loads(a.cli("run", "ls", "--json").stdout)["runs"]
+            runs = json.loads(a.cli("run", "ls", "--json").stdout)["items"]
             live = [r for r in runs if r["state"] == "running"]
             if live and len(procs_with_env("QL3_RUN_ID", live[0]["runId"])) >= 3:
                 break

@@ -4,7 +4,7 @@ A missing Secret, execution revision or context recipe, and low space on a real 
 each end a pass ``unavailable`` with no log file, no run directory and no child process; the
 Run's failure is recorded with a reason code and without secret text. The task's environment is
 exactly the run user's HOME/USER/LOGNAME/SHELL, the recipe, the secrets, ``QL3_*`` and the
-recipe's PATH, whatever the agent's own environment holds. Secret plaintext is never in the DB, WAL, events, errors, journal, wrapper
+recipe's PATH, whatever the agent's own environment holds. Secret plaintext is never in the DB, WAL, events, errors, journal, shim
 argv/environment or run files (byte search, with a positive control).
 """
 
@@ -197,7 +197,7 @@ def test_task_env_under_serve_with_a_real_notify_socket(root):
 
 def test_secret_plaintext_never_leaves_the_launch(root):
     """Byte search after a success, a failure, a timeout-free cancel and a missing-secret refusal,
-    with the wrapper's own argv and environment checked while it runs."""
+    with the shim's own argv and environment checked while it runs."""
     a = Agent(root)
     a.add(task("uses", 'echo "len ${#TOK}"\nexit 3\n', secrets={"TOK": "tok", "TOK2": "tok2"}),
           task("sleeper", "sleep 30\n", secrets={"TOK": "tok"}),
@@ -214,10 +214,10 @@ def test_secret_plaintext_never_leaves_the_launch(root):
         sleeper = a.start("sleeper")
         a.wait(sleeper, ("running",))
         att = a.attempts(sleeper)[0]
-        wrapper = psutil.Process(att["wrapper_pid"])
-        assert SECRET.decode() not in " ".join(wrapper.cmdline())
-        with open(f"/proc/{wrapper.pid}/environ", "rb") as f:
-            assert f.read() == b""                  # the wrapper itself runs with an empty environment
+        shim = psutil.Process(att["shim_pid"])
+        assert SECRET.decode() not in " ".join(shim.cmdline())
+        with open(f"/proc/{shim.pid}/environ", "rb") as f:
+            assert f.read() == b""                  # the shim itself runs with an empty environment
         a.cli("run", "cancel", sleeper)
         assert a.wait(sleeper)["state"] == "cancelled"
         leaky = a.start("leaky")

@@ -49,7 +49,7 @@ command = ["/bin/sleep", "30"]
         ok(state, "run", "start", "long")
         wait_until(lambda: [r[1] for r in runs_of(state, "short") + runs_of(state, "long")] == ["running"] * 2)
     finally:
-        first.kill()             # the agent dies; its wrappers live on
+        first.kill()             # the agent dies; its shims live on
         first.wait()
     # "short" ends while no agent runs: its receipt waits on disk, the Run still says running.
     time.sleep(1.5)

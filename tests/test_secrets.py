@@ -13,7 +13,18 @@ import sys
 import pytest
 from qlcli import cli, js, ok, state, workdir  # noqa: F401  (fixtures)
 
-from qlagent.application.secrets import resolve_secrets
+from qlagent.adapters.sqlite.store import SqliteStore
+from qlagent.bootstrap import cipher_factory
+from qlagent.dispatch.secrets import resolve_secrets as _resolve
+
+
+def resolve_secrets(state: str, key: str, names: list[str]) -> dict[str, bytes]:
+    """The materialiser's step 4 over the real store file of ``state`` and key file ``key``."""
+    store = SqliteStore(os.path.join(state, "qlagent.db"), migrate=False, create_project=False)
+    try:
+        return _resolve(store, cipher_factory(key), store.project.project_id, names)
+    finally:
+        store.close()
 from qlagent.core.errors import UnavailableError
 
 SECRET = b"QLSECRET-5e1f0c9a-ddns-token-\xc3\xa9-do-not-leak"
@@ -96,9 +107,7 @@ def test_plaintext_never_reaches_disk_events_or_output(state, workdir):
     finally:
         holder.close()
     # the stored value decrypts to exactly what was piped in (trailing newline of `echo` dropped)
-    with sqlite3.connect(db) as c:
-        pid = c.execute("SELECT project_id FROM projects WHERE name = 'default'").fetchone()[0]
-        assert resolve_secrets(c, os.path.join(state, "secret.key"), pid, ["ddns_token"]) == {"ddns_token": SECRET}
+    assert resolve_secrets(state, os.path.join(state, "secret.key"), ["ddns_token"]) == {"ddns_token": SECRET}
 
 
 def test_secret_ls_shows_names_only_and_rm(state):
@@ -145,13 +154,11 @@ def test_wrong_key_does_not_decrypt(state):
     key = os.path.join(state, "secret.key")
     with open(key, "r+b") as f:
         f.write(os.urandom(32))                           # same file, other key
-    with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
-        pid = c.execute("SELECT project_id FROM projects").fetchone()[0]
-        with pytest.raises(UnavailableError, match="does not decrypt with this key file") as ei:
-            resolve_secrets(c, key, pid, ["tok"])
-        assert leaks(str(ei.value).encode()) == []
-        with pytest.raises(UnavailableError, match="'nope' is not set"):
-            resolve_secrets(c, key, pid, ["nope"])
+    with pytest.raises(UnavailableError, match="does not decrypt with this key file") as ei:
+        resolve_secrets(state, key, ["tok"])
+    assert leaks(str(ei.value).encode()) == []
+    with pytest.raises(UnavailableError, match="'nope' is not set"):
+        resolve_secrets(state, key, ["nope"])
 
 
 def test_ciphertext_is_bound_to_its_name(state):
@@ -160,10 +167,8 @@ def test_ciphertext_is_bound_to_its_name(state):
     db = os.path.join(state, "qlagent.db")
     with sqlite3.connect(db) as c:
         c.execute("INSERT INTO secrets SELECT project_id, 'copy', ciphertext, key_id, updated_at_us FROM secrets")
-    with sqlite3.connect(db) as c:
-        pid = c.execute("SELECT project_id FROM projects").fetchone()[0]
-        with pytest.raises(UnavailableError, match="'copy' does not decrypt"):
-            resolve_secrets(c, os.path.join(state, "secret.key"), pid, ["copy"])
+    with pytest.raises(UnavailableError, match="'copy' does not decrypt"):
+        resolve_secrets(state, os.path.join(state, "secret.key"), ["copy"])
 
 
 # --- stores written before PyNaCl (issue 14) -----------------------------------------------
@@ -208,7 +213,7 @@ def test_new_ciphertext_is_versioned_xchacha20poly1305(state):
 
 
 def test_init_reencrypts_a_store_written_by_the_aes_gcm_version(state):
-    pid = write_legacy_store(state, {"ddns_token": SECRET, "other": b"second value"})
+    write_legacy_store(state, {"ddns_token": SECRET, "other": b"second value"})
     ok(state, "secret", "set", "fresh", stdin=b"already new")
     before = stored(state)
     out = ok(state, "init").stdout.decode()
@@ -216,9 +221,8 @@ def test_init_reencrypts_a_store_written_by_the_aes_gcm_version(state):
     after = stored(state)
     assert {n: b[:5] for n, b in after.items()} == {"ddns_token": b"qlsb2", "other": b"qlsb2", "fresh": b"qlsb2"}
     assert after["fresh"] == before["fresh"]                   # a current row is not touched
-    with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
-        key = os.path.join(state, "secret.key")
-        assert resolve_secrets(c, key, pid, ["ddns_token", "other"]) == {"ddns_token": SECRET, "other": b"second value"}
+    key = os.path.join(state, "secret.key")
+    assert resolve_secrets(state, key, ["ddns_token", "other"]) == {"ddns_token": SECRET, "other": b"second value"}
     assert "re-encrypted" not in ok(state, "init").stdout.decode()    # once only
     assert stored(state) == after
 
@@ -265,10 +269,8 @@ def test_truncated_ciphertext_is_a_clear_error(state, blob):
     db = os.path.join(state, "qlagent.db")
     with sqlite3.connect(db) as c:
         c.execute("UPDATE secrets SET ciphertext = ? WHERE name = 'tok'", (blob,))
-    with sqlite3.connect(db) as c:
-        pid = c.execute("SELECT project_id FROM projects").fetchone()[0]
-        with pytest.raises(UnavailableError, match="'tok' is (truncated|not in a known format)"):
-            resolve_secrets(c, os.path.join(state, "secret.key"), pid, ["tok"])
+    with pytest.raises(UnavailableError, match="'tok' is (truncated|not in a known format)"):
+        resolve_secrets(state, os.path.join(state, "secret.key"), ["tok"])
 
 
 def test_task_add_warns_only_about_a_secret_that_is_not_set(state, workdir):

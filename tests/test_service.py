@@ -92,6 +92,13 @@ def test_config_unknown_key_is_an_error_naming_the_key(state, workdir):  # noqa:
     wrong = _config(workdir, "drain_grace_s = 9000\n", "range.toml")
     p = cli(state, "--config", wrong, "config", "check")
     assert p.returncode == 2 and b"drain_grace_s" in p.stderr and b"600" in p.stderr
+    # busy_timeout_s: 0.05..60 s, both edges accepted, one step past each refused naming the bound
+    for value, good in (("0.05", True), ("60", True), ("0.049", False), ("60.5", False)):
+        p = cli(state, "--config", _config(workdir, f"busy_timeout_s = {value}\n", "busy.toml"), "config", "check")
+        assert (p.returncode == 0) is good, (value, p.stderr)
+        if not good:
+            assert b"busy_timeout_s" in p.stderr and (b"0.05" in p.stderr or b"60" in p.stderr)
+            assert b"Traceback" not in p.stderr
     # serve refuses the same file before touching anything
     p = cli(state, "--config", bad, "serve", "--exit-after", "0.1")
     assert p.returncode == 2 and b"bogus_key" in p.stderr
@@ -250,7 +257,7 @@ command = ["/bin/true"]
 def test_two_schedulers_on_one_database_create_an_instant_once(state, workdir):  # noqa: F811
     """The idempotency key, not the cursor, is what stops a second loop: B plans from the cursor
     A had before it fired, as a loop that read it a moment earlier would."""
-    from qlagent.application.store import LocalStore
+    from qlagent.adapters.sqlite.store import SqliteStore
     from qlagent.service.scheduler import Scheduler
     add_tasks(state, workdir, '''
 [[task]]
@@ -261,7 +268,7 @@ command = ["/bin/true"]
     instant = 1_800_000_000 * 1_000_000            # a whole minute (UTC)
     now = [instant - 30_000_000]
     dbp = os.path.join(state, "qlagent.db")
-    a_store, b_store = LocalStore(dbp, "default"), LocalStore(dbp, "default")
+    a_store, b_store = SqliteStore(dbp, "default"), SqliteStore(dbp, "default")
     try:
         a = Scheduler(a_store, "UTC", lambda: now[0])
         b = Scheduler(b_store, "UTC", lambda: now[0])
@@ -349,7 +356,7 @@ command = ["/bin/true"]
 
 def _epoch(iso: str) -> int:
     import calendar
-    return calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%SZ"))
+    return calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ"))
 
 
 def test_f4_single_instance_never_runs_beside_itself(state, workdir):  # noqa: F811
@@ -401,7 +408,7 @@ command = ["/bin/true"]
 def test_clock_steps_through_the_store_cursor(state, workdir):  # noqa: F811
     """A router without RTC: the persisted cursor makes a forward jump give one catch-up Run and
     a backward jump repeat nothing — across a scheduler restart (a new Scheduler on the store)."""
-    from qlagent.application.store import LocalStore
+    from qlagent.adapters.sqlite.store import SqliteStore
     from qlagent.service.scheduler import Scheduler
     add_tasks(state, workdir, '''
 [[task]]
@@ -415,7 +422,7 @@ command = ["/bin/true"]
     dbp = os.path.join(state, "qlagent.db")
 
     def fire_with_new_scheduler():
-        store = LocalStore(dbp, "default")
+        store = SqliteStore(dbp, "default")
         try:
             s = Scheduler(store, "UTC", lambda: now[0])
             s.reload()

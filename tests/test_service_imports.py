@@ -66,7 +66,7 @@ def test_plain_service_loads_none_of_the_heavy_modules(state, workdir):  # noqa:
     add_tasks(state, workdir, TASK)
     mods = serve(state, "--exit-after", "0.3")
     assert "qlagent.service.scheduler" in mods                    # the probe saw a real start
-    assert loaded(mods, (*HEAVY, "nacl", "qlagent.http", "qlagent.service.netgate")) == []
+    assert loaded(mods, (*HEAVY, "nacl", "qlagent.http", "qlagent.adapters.netgate")) == []
     # nor what the plain idle figure was trimmed of (bench/results/service.md): argparse (serve
     # is parsed without it), importlib.resources, dataclasses/inspect, shutil with bz2/lzma
     assert loaded(mods, ("argparse", "importlib.resources", "dataclasses", "shutil", "bz2", "lzma")) == []
@@ -97,13 +97,13 @@ def test_http_service_answers_a_token_request_without_openssl(state, workdir):  
     mods = serve(state, "--listen", f"127.0.0.1:{port}", until=request)
     assert answers[0][0] == 200 and "items" in answers[0][1]       # authenticated with the token
     assert "qlagent.http.service" in mods
-    assert loaded(mods, (*HEAVY, "nacl", "secrets", "hashlib", "qlagent.service.netgate")) == []
+    assert loaded(mods, (*HEAVY, "nacl", "secrets", "hashlib", "qlagent.adapters.netgate")) == []
 
 
 def test_gated_service_watches_the_network_without_pyroute2(state, workdir):  # noqa: F811
     add_tasks(state, workdir, TASK.replace('command', 'network = "default_route"\ncommand'))
     mods = serve(state, "--exit-after", "0.3")
-    assert "qlagent.service.netgate" in mods and "qlagent.adapters.netlink_wake" in mods   # the gate ran
+    assert "qlagent.adapters.netgate" in mods and "qlagent.adapters.netlink_wake" in mods   # the gate ran
     assert loaded(mods, (*HEAVY, "nacl")) == []
 
 

@@ -16,7 +16,8 @@ from qlcli import cli, workdir  # noqa: F401  (fixture)
 from qlagent.adapters.sqlite import definitions as defs
 from qlagent.adapters.sqlite import migrations
 from qlagent.application.definitions import DefinitionWriter
-from qlagent.application.store import LocalStore, now_us
+from qlagent.adapters.sqlite.store import SqliteStore
+from qlagent.core.clock import now_us
 from qlagent.core.errors import ConflictError, StoreIntegrityError, UnavailableError
 
 TASK = {"task": [{"name": "t", "command": ["/bin/echo", "one"], "env": {"A": "1"}}]}
@@ -39,7 +40,7 @@ def db(workdir):
 
 @pytest.fixture
 def store(db):
-    s = LocalStore(db)
+    s = SqliteStore(db)
     yield s
     s.close()
 
@@ -47,7 +48,7 @@ def store(db):
 # ---- migrations ----------------------------------------------------------------------------
 
 def test_fresh_database_gets_every_migration_with_checksums(db):
-    s = LocalStore(db)
+    s = SqliteStore(db)
     try:
         known = migrations.known_migrations()
         assert s.applied == [f"{m.version:04d}_{m.name}" for m in known]
@@ -55,7 +56,7 @@ def test_fresh_database_gets_every_migration_with_checksums(db):
             "SELECT version, name, checksum FROM schema_migrations ORDER BY version")])
         assert history == [(m.version, m.name, m.checksum) for m in known]
         assert [m.version for m in known] == sorted({m.version for m in known})      # no duplicate numbers
-        assert s.capabilities["local-control-core"] >= 3 and s.capabilities["local_dispatch_plan"] >= 1
+        assert s.capabilities()["local-control-core"] >= 3 and s.capabilities()["local_dispatch_plan"] >= 1
     finally:
         s.close()
     assert oct(os.stat(db).st_mode & 0o777) == "0o600"
@@ -63,9 +64,9 @@ def test_fresh_database_gets_every_migration_with_checksums(db):
 
 
 def test_reopen_is_idempotent(db):
-    LocalStore(db).close()
+    SqliteStore(db).close()
     before = count(db, "schema_migrations"), count(db, "capabilities"), count(db, "projects")
-    s = LocalStore(db)
+    s = SqliteStore(db)
     try:
         assert s.applied == []
     finally:
@@ -81,12 +82,12 @@ def test_reopen_is_idempotent(db):
      ("9999_from_the_future", "does not know", "refusing")),
 ])
 def test_altered_or_unknown_history_is_refused(db, workdir, tamper, words):
-    LocalStore(db).close()
+    SqliteStore(db).close()
     with sqlite3.connect(db) as c:
         c.execute(tamper)
     tasks_before = count(db, "tasks")
     with pytest.raises(StoreIntegrityError) as ei:
-        LocalStore(db)
+        SqliteStore(db)
     for w in words:
         assert w in str(ei.value)
     p = cli(os.path.dirname(db), "task", "ls")
@@ -110,12 +111,12 @@ def test_capability_rows_exist_only_after_their_migration(db, monkeypatch):
 
     monkeypatch.setattr(migrations, "known_migrations", lambda: ddl_only)
     with pytest.raises(UnavailableError, match="capability local-control-core"):
-        LocalStore(db)                                  # DDL applied, readiness refuses
+        SqliteStore(db)                                  # DDL applied, readiness refuses
     with sqlite3.connect(db) as c:
         assert not c.execute("SELECT 1 FROM sqlite_master WHERE name = 'capabilities'").fetchone()
         assert c.execute("SELECT 1 FROM sqlite_master WHERE name = 'execution_revisions'").fetchone()
     monkeypatch.undo()
-    s = LocalStore(db)
+    s = SqliteStore(db)
     try:
         assert s.applied == [f"{m.version:04d}_{m.name}" for m in every if m.version >= min(cap_versions)]
         declared_by = dict(s.read(lambda c: [tuple(r) for r in c.execute("SELECT name, declared_by FROM capabilities")]))
@@ -132,6 +133,24 @@ def test_wal_busy_timeout_and_foreign_keys(store, db):
         store.write(lambda c: c.execute("INSERT INTO tasks(task_id, project_id, name, head_revision, created_at_us, "
                                         "updated_at_us) VALUES ('x', 'no-such-project', 'n', 1, 0, 0)"))
     assert count(db, "tasks") == 0
+
+
+def test_a_lock_held_past_the_busy_timeout_is_store_busy_and_writes_nothing(db):
+    """SQLite's "database is locked" never leaves the adapter: it is UnavailableError(store_busy),
+    after the injected busy timeout (50 ms here, not the 5 s default)."""
+    s = SqliteStore(db, busy_timeout_ms=50)
+    holder = sqlite3.connect(db, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        with pytest.raises(UnavailableError) as e:
+            s.add_tasks(s.project.project_id, [prepared("a")])
+        assert e.value.code == "store_busy" and e.value.exit_code == 5
+        assert not isinstance(e.value.__cause__, sqlite3.Error) and e.value.__suppress_context__
+        holder.execute("ROLLBACK")
+        assert [h.name for h in s.add_tasks(s.project.project_id, [prepared("a")])] == ["a"]
+    finally:
+        holder.close()
+        s.close()
 
 
 def test_failed_write_rolls_back_everything(store, db):
@@ -192,7 +211,7 @@ def test_immutable_tables_refuse_updates(store):
 def test_concurrent_writers_from_threads_are_serialised(db):
     """Threads on one authority and a second authority (another 'process' view) on the same file:
     every write lands, none sees "database is locked"."""
-    a, b = LocalStore(db), LocalStore(db)
+    a, b = SqliteStore(db), SqliteStore(db)
     errors: list[BaseException] = []
     start = threading.Barrier(8)
 
@@ -230,7 +249,7 @@ def test_cli_never_migrates_under_a_running_service(db, monkeypatch, tmp_path):
     whose schema is behind instead of changing it under an older running agent."""
     every = migrations.known_migrations()
     monkeypatch.setattr(migrations, "known_migrations", lambda: every[:-1])
-    LocalStore(db).close()                                # an "older" agent's store
+    SqliteStore(db).close()                                # an "older" agent's store
     monkeypatch.undo()
     state = os.path.dirname(db)
     p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "task", "ls"],

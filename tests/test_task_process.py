@@ -1,5 +1,5 @@
 """The task's process starts the way cron and systemd start it, and why a Run could not start is
-always visible (issue 12 §1, §2). Real Engine over a real SQLite file, the real launcher shim,
+always visible (issue 12 §1, §2). Real Engine over a real SQLite file, the real shim,
 real child processes and files; ``run show``, ``--json`` and the HTTP Run through a real
 ``qlagent serve`` subprocess on loopback.
 """
@@ -355,7 +355,7 @@ def test_start_failures_are_visible_in_run_show_json_http_events_and_journal(roo
     assert SECRET.decode() not in journal
 
 
-def test_the_launcher_runs_precompiled_from_the_private_runs_root(root):
+def test_the_shim_runs_precompiled_from_the_private_runs_root(root):
     from qlagent.adapters import processes
     b = Bench(os.path.join(root, "s"))
     b.add(task("t", "sleep 0.5; echo done\n"))
@@ -370,26 +370,28 @@ def test_the_launcher_runs_precompiled_from_the_private_runs_root(root):
     # A file at that name that is not ours alone is never run (nor replaced): the source is.
     assert processes.compiled_shim(b.runs_dir, sys.executable) == program      # written once
     os.chmod(program, 0o622)
-    assert processes.compiled_shim(b.runs_dir, sys.executable) == processes.WRAPPER_PATH
+    assert processes.compiled_shim(b.runs_dir, sys.executable) == processes.SHIM_PATH
     b.close()
 
 
 def test_recovery_keeps_the_reason_of_a_start_failure_the_previous_agent_never_read(root):
-    """The agent died while waiting for the start status; the launcher wrote its receipt with
+    """The agent died while waiting for the start status; the shim wrote its receipt with
     the start error. The next agent ends the Attempt with that reason, not as lost."""
     from qlagent.adapters import processes
+    from qlagent.adapters.artifacts import ArtifactAllocator
+    from qlagent.core.profiles import EDGE
     b = Bench(os.path.join(root, "s"))
     b.add(task("t", "echo ran\n", cwd="/nonexistent/dir"))
     rid = b.start("t")
     aid = b.attempts(rid)[0].attempt_id
-    run_dir = b.engine._alloc.run_dir(aid)
+    run_dir = ArtifactAllocator(b.artifact_dir, EDGE, runs_root=b.runs_dir).run_dir(aid)
     art = os.path.join(root, "art.log")
     os.close(os.open(art, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    h = processes.spawn_wrapper({"attempt_id": aid, "argv": ["/bin/sh", "-c", "echo ran"], "env": {},
+    h = processes.spawn_shim({"attempt_id": aid, "argv": ["/bin/sh", "-c", "echo ran"], "env": {},
                                  "cwd": "/nonexistent/dir", "run_dir": run_dir, "artifact_path": art,
                                  "quota_bytes": 1024})
     assert h.popen.wait(10) == 0
-    h.close()
+    os.close(h.pidfd)
     b.store.write(lambda c: (c.execute("UPDATE runs SET state = 'starting' WHERE run_id = ?", (rid,)),
                              c.execute("UPDATE attempts SET state = 'starting' WHERE attempt_id = ?", (aid,))))
     assert b.engine.recover()["ingested"] == 1

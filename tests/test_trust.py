@@ -134,7 +134,7 @@ def test_a_planted_foreign_database_is_never_opened(state, workdir):  # noqa: F8
 def test_a_non_root_agent_trusts_its_own_and_root_owned_files_only(workdir):  # noqa: F811
     """The packaged agent runs as its own user and reads the root-owned /etc/qlagent config: root
     can already act as any user, so root-owned is trusted; a third uid's file is not."""
-    from qlagent.adapters.trust import problem
+    from qlagent.service.trust import problem
     agent_uid = FOREIGN_UID
     path = os.path.join(workdir, "qlagent.toml")
     _make(path, False)

@@ -3,7 +3,7 @@ issue 3 item 3).
 
 Layout: ``<root>/<first 2 hex of the Attempt ID>/<attempt_id>.log``; root and shard directories
 0700, files 0600 regular files created with O_CREAT|O_EXCL|O_NOFOLLOW; run directories
-``<runs_root>/<attempt_id>`` (0700) for the launcher wrapper. A symlinked root, shard or runs
+``<runs_root>/<attempt_id>`` (0700) for the shim. A symlinked root, shard or runs
 directory, or one owned by another user, is refused; a wrong mode on our own directory is fixed.
 """
 
@@ -16,7 +16,7 @@ import stat
 
 import msgspec
 
-from qlagent.core.errors import ConflictError, UnavailableError, ValidationError
+from qlagent.core.errors import ConflictError, StartError, UnavailableError, ValidationError
 from qlagent.core.profiles import Profile
 
 _ATTEMPT_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
@@ -35,7 +35,7 @@ class ArtifactExistsError(ConflictError):
     code = "artifact_exists"
 
 
-class Admission(msgspec.Struct, frozen=True):
+class SpaceGrant(msgspec.Struct, frozen=True):
     """Result of ArtifactAllocator.admit: ``ok``; ``reason`` (a short stable code, None when ok:
     quota_too_large | low_space | artifact_quota_full); ``free_bytes`` (statvfs
     f_bavail*f_frsize), ``used_bytes`` (sum of Artifact sizes under the root) and ``quota_bytes``
@@ -93,7 +93,7 @@ def _open_private_dir(name: str, dir_fd: int | None, shown: str, path: str) -> i
 class ArtifactAllocator:
     """Allocates private log Artifacts under ``root`` within ``profile``'s log_max_bytes,
     fs_reserve_bytes and artifact_total_bytes (core.profiles, ADR-0071 §5).
-    ``runs_root`` (default: ``<root>/../runs``) holds the wrapper's run directories."""
+    ``runs_root`` (default: ``<root>/../runs``) holds the shim's run directories."""
 
     def __init__(self, root: str, profile: Profile, runs_root: str | None = None):
         self.root = os.path.abspath(root)
@@ -122,7 +122,7 @@ class ArtifactAllocator:
                     total += entry.stat(follow_symlinks=False).st_size
         return total
 
-    def admit(self, attempt_quota_bytes: int) -> Admission:
+    def admit(self, attempt_quota_bytes: int) -> SpaceGrant:
         """Capacity admission before anything is created (ADR-0071 §4 step 6, §5): statvfs free
         bytes minus the profile reserve must cover one full log, and the Artifacts already under
         the root plus this log must stay within the total quota. Creates nothing; the root's
@@ -145,14 +145,14 @@ class ArtifactAllocator:
             reason = "artifact_quota_full"
         else:
             reason = None
-        return Admission(reason is None, reason, free, used, attempt_quota_bytes)
+        return SpaceGrant(reason is None, reason, free, used, attempt_quota_bytes)
 
-    def allocate(self, attempt_id: str, admission: Admission) -> str:
+    def allocate(self, attempt_id: str, admission: SpaceGrant) -> str:
         """Create the Attempt's empty log file (0600, O_CREAT|O_EXCL|O_NOFOLLOW) after a granted
         admission and return its absolute path. Raises ValidationError (field admission: not
         granted; field attempt_id), UnsafeDirectoryError (root or shard is a symlink / not ours),
         ArtifactExistsError (the file is already there)."""
-        if not isinstance(admission, Admission) or not admission.ok:
+        if not isinstance(admission, SpaceGrant) or not admission.ok:
             raise ValidationError("admission", "allocation needs a granted admission")
         path = self.artifact_path(attempt_id)
         root_fd = _open_private_dir(self.root, None, "artifact root", self.root)
@@ -247,3 +247,37 @@ def _size(path: str) -> int:
         return os.lstat(path).st_size
     except FileNotFoundError:
         return 0
+
+
+class Artifacts:
+    """``core.ports.ArtifactPort`` over an ArtifactAllocator: the grant of ``admit`` is kept for
+    the ``allocate`` that follows it in the same pass."""
+
+    def __init__(self, allocator: ArtifactAllocator) -> None:
+        self._a = allocator
+        self._grant: SpaceGrant | None = None
+
+    def admit(self, quota_bytes: int) -> str | None:
+        grant = self._a.admit(quota_bytes)
+        self._grant = grant if grant.ok else None
+        return grant.reason
+
+    def allocate(self, attempt_id: str) -> str:
+        try:
+            return self._a.allocate(attempt_id, self._grant)
+        except ArtifactExistsError as e:
+            raise StartError(e.message, code="artifact_unusable") from None
+
+    def discard(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def discard_attempt(self, attempt_id: str) -> None:
+        self.discard(self._a.artifact_path(attempt_id))
+
+    def prune(self, keep_per_task: int, max_total_bytes: int, entries) -> list[str]:
+        removed = self._a.prune(keep_per_task, max_total_bytes,
+                                [(e.attempt_id, e.task_id, e.artifact_path, e.ended_at_us) for e in entries])
+        return [r.attempt_id for r in removed]

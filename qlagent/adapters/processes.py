@@ -1,9 +1,10 @@
-"""Spawn the per-run launcher wrapper, recognise it after a restart, kill run trees (ADR-0071 §5,
-issue 3 items 4-6, ARCHITECTURE.md "Launcher wrapper contract").
+"""Spawn the per-run shim, recognise it after a restart, signal a run's process tree (ADR-0071
+§5, issue 3 items 4-6, ARCHITECTURE.md "Shim contract"); ``ShimProcesses`` is the
+``core.ports.ProcessPort`` over them.
 
-The wrapper runs in its own session so that it and the task survive an agent crash; the task
+The shim runs in its own session so that it and the task survive an agent crash; the task
 runs in its own process group (pgid = task PID, written to run_dir/task.pid) so the agent can
-signal it without hitting the wrapper.
+signal it without hitting the shim.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pwd
 import select
-import signal
 import stat
 import subprocess
 import sys
@@ -22,46 +23,34 @@ import msgspec
 import psutil
 
 from qlagent.core.canonical import sha256_hex
-from qlagent.core.errors import QlError, UnavailableError, ValidationError
+from qlagent.core.dispatch import LaunchCommand
+from qlagent.core.errors import FACT_LIMIT_BYTES, QlError, RunFileError, StartError, UnavailableError, ValidationError
+from qlagent.core.receipt import Receipt, TruncationFact, decode_receipt, decode_truncation, start_code
 
-WRAPPER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "wrapper.py")
+from .artifacts import UnsafeDirectoryError
 
-RECEIPT_FIELDS = ("attempt_id", "exit_code", "signal", "start_error", "started_at_us", "ended_at_us",
-                  "bytes_total", "bytes_kept", "bytes_dropped", "peak_rss_bytes", "cpu_time_us", "orphans_stopped")
-# Fields a receipt written by an older launcher lacks (a Run that was live across an upgrade).
-_RECEIPT_OPTIONAL = frozenset({"orphans_stopped"})
-# The launcher reports the exec's outcome within its start-up time (~10 ms; seconds on a loaded
+SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
+# The shim reports the exec's outcome within its start-up time (~10 ms; seconds on a loaded
 # router). Past this bound the agent records the Run running and lets the receipt tell.
 START_STATUS_TIMEOUT_S = 30.0
 _STATUS_LIMIT_BYTES = 1024
-# The wrapper refuses a larger spec (launcher/wrapper.py SPEC_LIMIT_BYTES).
+# The shim refuses a larger spec (shim/main.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
-# A receipt or truncation fact is a few hundred bytes; refuse to parse anything much larger.
-_FACT_LIMIT_BYTES = 65536
 _CREATE_TIME_TOLERANCE_S = 0.01
 
 
-class WrapperSpawnError(UnavailableError):
-    """The wrapper could not be started or did not accept its spec (e.g. python missing)."""
+class ShimSpawnError(UnavailableError):
+    """The shim could not be started or did not accept its spec (e.g. python missing)."""
 
     code = "launch_failed"
 
 
-class RunFileError(QlError):
-    """receipt.json, truncated.json or task.pid exists but is not valid; ``field`` names the fault."""
-
-    code = "run_file_invalid"
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}", field=field_name)
-
-
-class WrapperHandle(msgspec.Struct):
-    """A started wrapper: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
-    it identifies the process across PID reuse), ``pidfd`` (an fd readable when the wrapper
+class ShimHandle(msgspec.Struct):
+    """A started shim: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
+    it identifies the process across PID reuse), ``pidfd`` (an fd readable when the shim
     exits, or None where os.pidfd_open is unavailable), the Popen used to reap it and
     ``start_error``: None once the task was exec'd (or the status did not come in
-    START_STATUS_TIMEOUT_S), else the launcher's reason."""
+    START_STATUS_TIMEOUT_S), else the shim's reason."""
 
     pid: int
     create_time: float
@@ -69,19 +58,9 @@ class WrapperHandle(msgspec.Struct):
     popen: subprocess.Popen
     start_error: str | None = None
 
-    def poll(self) -> int | None:
-        """Reap the wrapper if it has exited; returns its exit status (0 = receipt written) or None."""
-        return self.popen.poll()
-
-    def close(self) -> None:
-        """Release the pidfd (the wrapper keeps running)."""
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
-
 
 def _read_status(popen: subprocess.Popen, timeout_s: float) -> str | None:
-    """The launcher's start status line (see launcher/wrapper.py): None for ``ok`` or no answer
+    """The shim's start status line (see shim/main.py): None for ``ok`` or no answer
     within ``timeout_s``; the reason for ``err <reason>`` or an exit before any status."""
     fd = popen.stdout.fileno()
     data = b""
@@ -110,34 +89,34 @@ def _read_status(popen: subprocess.Popen, timeout_s: float) -> str | None:
 
 
 def compiled_shim(cache_dir: str, python: str) -> str:
-    """The launcher precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc
+    """The shim precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc
     script without compiling it, which saves the compiler's memory (USS 4.5 → 2.9 MiB per run)
-    and its time on every run (bench/results/wrapper.md). ``python`` itself writes it (``wrapper.py
+    and its time on every run (bench/results/shim.md). ``python`` itself writes it (``shim/main.py
     --compile``, so its magic number is right and the agent's heap never holds the compiler's
     garbage) into ``cache_dir`` (the agent's private runs root, 0700) as ``.shim-<key>.pyc``,
     mode 0600, where the key is the SHA-256 of the source and of the interpreter file's identity
     (path, inode, mtime, size): a changed source or an upgraded interpreter gets a new file and
     never runs stale bytecode. Cheap once written (a stat and a read of the source per call).
-    Returns WRAPPER_PATH when it cannot be used (not ours, cannot be written)."""
+    Returns SHIM_PATH when it cannot be used (not ours, cannot be written)."""
     try:
         real = os.path.realpath(python)
         st = os.stat(real)
-        with open(WRAPPER_PATH, "rb") as f:
+        with open(SHIM_PATH, "rb") as f:
             source = f.read()
     except OSError:
-        return WRAPPER_PATH
+        return SHIM_PATH
     key = sha256_hex(source + f"\0{real}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_size}".encode())[:32]
     path = os.path.join(cache_dir, f".shim-{key}.pyc")
     try:
         st = os.lstat(path)
         if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
             return path
-        return WRAPPER_PATH            # not ours alone: never run it, never replace it
+        return SHIM_PATH            # not ours alone: never run it, never replace it
     except FileNotFoundError:
         pass
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        subprocess.run([python, "-I", "-S", WRAPPER_PATH, "--compile", tmp], stdin=subprocess.DEVNULL,
+        subprocess.run([python, "-I", "-S", SHIM_PATH, "--compile", tmp], stdin=subprocess.DEVNULL,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/", timeout=30,
                        check=True)
         os.rename(tmp, path)
@@ -146,21 +125,21 @@ def compiled_shim(cache_dir: str, python: str) -> str:
             os.unlink(tmp)
         except OSError:
             pass
-        return WRAPPER_PATH
+        return SHIM_PATH
     return path
 
 
-def spawn_wrapper(spec: dict, python: str = sys.executable,
-                  status_timeout_s: float = START_STATUS_TIMEOUT_S, program: str = WRAPPER_PATH) -> WrapperHandle:
-    """Start ``python -I -S <program>`` (wrapper.py, or its compiled_shim) in a new session
-    with an empty environment, cwd "/", stderr /dev/null, and send ``spec`` (the wrapper
+def spawn_shim(spec: dict, python: str = sys.executable,
+                  status_timeout_s: float = START_STATUS_TIMEOUT_S, program: str = SHIM_PATH) -> ShimHandle:
+    """Start ``python -I -S <program>`` (shim/main.py, or its compiled_shim) in a new session
+    with an empty environment, cwd "/", stderr /dev/null, and send ``spec`` (the shim
     contract's JSON document, which may hold secret plaintext) through its stdin pipe, then
     close the pipe; then wait (at most
     ``status_timeout_s`` seconds) for its start status on stdout, so the caller learns whether
-    the task was exec'd before it records the Run running (``WrapperHandle.start_error``).
+    the task was exec'd before it records the Run running (``ShimHandle.start_error``).
 
     Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
-    WrapperSpawnError when the interpreter cannot be started or exits before reading the spec.
+    ShimSpawnError when the interpreter cannot be started or exits before reading the spec.
     """
     payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
     if len(payload) > SPEC_LIMIT_BYTES:
@@ -171,7 +150,7 @@ def spawn_wrapper(spec: dict, python: str = sys.executable,
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={},
                                  cwd="/", start_new_session=True, close_fds=True)
     except OSError as exc:
-        raise WrapperSpawnError(f"python {python}: cannot start the shim: {errno_text(exc)}",
+        raise ShimSpawnError(f"python {python}: cannot start the shim: {errno_text(exc)}",
                                 field="python") from None
     try:
         popen.stdin.write(payload)
@@ -179,7 +158,7 @@ def spawn_wrapper(spec: dict, python: str = sys.executable,
     except BrokenPipeError:
         popen.stdout.close()
         popen.wait()
-        raise WrapperSpawnError("shim: exited before reading its spec") from None
+        raise ShimSpawnError("shim: exited before reading its spec") from None
     start_error = _read_status(popen, status_timeout_s)
     try:
         create_time = psutil.Process(popen.pid).create_time()
@@ -190,7 +169,7 @@ def spawn_wrapper(spec: dict, python: str = sys.executable,
         pidfd = os.pidfd_open(popen.pid)
     except (AttributeError, OSError):
         pidfd = None
-    return WrapperHandle(popen.pid, create_time, pidfd, popen, start_error)
+    return ShimHandle(popen.pid, create_time, pidfd, popen, start_error)
 
 
 def errno_text(exc: OSError) -> str:
@@ -213,16 +192,6 @@ def process_matches(pid: int, create_time: float) -> bool:
         return False
 
 
-class KillReport(msgspec.Struct):
-    """Outcome of kill_tree: PIDs sent SIGTERM, PIDs that needed SIGKILL, PIDs still alive at
-    the end (empty on success), and the elapsed wall time in seconds."""
-
-    terminated: list[int]
-    killed: list[int]
-    survivors: list[int]
-    elapsed_s: float
-
-
 def _alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -230,9 +199,9 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def _descendants(wrapper_pid: int) -> dict[int, psutil.Process]:
+def _descendants(shim_pid: int) -> dict[int, psutil.Process]:
     try:
-        kids = psutil.Process(wrapper_pid).children(recursive=True)
+        kids = psutil.Process(shim_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return {}
     return {p.pid: p for p in kids}
@@ -249,11 +218,11 @@ def _group_members(pgid: int) -> dict[int, psutil.Process]:
     return members
 
 
-def _targets(task_pgid: int | None, wrapper_pid: int | None, started_after: float | None,
+def _targets(task_pgid: int | None, shim_pid: int | None, started_after: float | None,
              known: dict[int, psutil.Process]) -> tuple[dict[int, psutil.Process], bool]:
     """Live processes of the run and whether the group is proven ours (a member is in the tree).
-    A missing (None) wrapper or group contributes nothing; PIDs ≤ 1 are never looked at."""
-    tree = _descendants(wrapper_pid) if wrapper_pid and wrapper_pid > 1 else {}
+    A missing (None) shim or group contributes nothing; PIDs ≤ 1 are never looked at."""
+    tree = _descendants(shim_pid) if shim_pid and shim_pid > 1 else {}
     group = _group_members(task_pgid) if task_pgid and task_pgid > 1 else {}
     owned = any(pid in tree for pid in group)
     if started_after is not None:
@@ -261,7 +230,7 @@ def _targets(task_pgid: int | None, wrapper_pid: int | None, started_after: floa
     found = dict(known)
     found.update(tree)
     found.update(group)
-    for pid in (wrapper_pid, os.getpid()):
+    for pid in (shim_pid, os.getpid()):
         found.pop(pid, None)
     return {pid: p for pid, p in found.items() if _alive(p)}, owned
 
@@ -298,73 +267,21 @@ def _signal_all(task_pgid: int, owned: bool, procs: dict[int, psutil.Process], s
     return sent
 
 
-def _wait_gone(procs: dict[int, psutil.Process], deadline: float) -> dict[int, psutil.Process]:
-    pending = dict(procs)
-    while True:
-        pending = {pid: p for pid, p in pending.items() if _alive(p)}
-        if not pending or time.monotonic() >= deadline:
-            return pending
-        time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
-
-
-def kill_tree(task_pgid: int | None, wrapper_pid: int, grace_s: float,
-              started_after: float | None = None) -> KillReport:
-    """Stop every process of a run: SIGTERM to the task's process group and to every descendant
-    of the wrapper (also those that escaped the group with setsid), SIGKILL to whatever is left
-    after ``grace_s`` seconds. Returns within grace_s + ~1 s (issue 3 item 5; field report F2).
-
-    Never signals the wrapper (it must still write the receipt) or this process. The wrapper's
-    descendants are snapshotted BEFORE signalling, because children of a killed parent are
-    re-parented out of the tree, and re-scanned before SIGKILL. ``task_pgid`` is the PID in
-    run_dir/task.pid; None (task.pid not written yet) takes the wrapper's only child, the task.
-    killpg() is used only while a group member is in the wrapper's tree (a
-    PID number freed and reused for a stranger's group is never hit); otherwise group members
-    are signalled one by one, and ``started_after`` (epoch seconds, the run's start) excludes
-    members older than the run. Raises ValidationError for a PID <= 1.
-    """
-    if wrapper_pid <= 1 or (task_pgid is not None and task_pgid <= 1):
-        raise ValidationError("task_pgid/wrapper_pid", "must be a process ID > 1")
-    if task_pgid is None:
-        try:
-            kids = psutil.Process(wrapper_pid).children()
-        except psutil.NoSuchProcess:
-            kids = []
-        if not kids:
-            return KillReport([], [], [], 0.0)  # no task was started, or the wrapper is gone
-        task_pgid = kids[0].pid
-    start = time.monotonic()
-    snapshot, owned = _targets(task_pgid, wrapper_pid, started_after, {})
-    terminated = _signal_all(task_pgid, owned, snapshot, signal.SIGTERM)
-    # Re-scan right away: a child forked just before its parent got SIGTERM is caught too.
-    more, owned_now = _targets(task_pgid, wrapper_pid, started_after, snapshot)
-    terminated += _signal_all(task_pgid, False, {p: v for p, v in more.items() if p not in snapshot},
-                              signal.SIGTERM)
-    owned = owned or owned_now
-    pending = _wait_gone(more, start + grace_s)
-    if pending:
-        pending, owned_now = _targets(task_pgid, wrapper_pid, started_after, pending)
-        killed = _signal_all(task_pgid, owned or owned_now, pending, signal.SIGKILL)
-    else:
-        killed = []
-    survivors = _wait_gone(pending, time.monotonic() + 0.8)
-    return KillReport(sorted(set(terminated)), sorted(killed), sorted(survivors),
-                      time.monotonic() - start)
-
-
-def signal_tree(task_pgid: int | None, wrapper_pid: int | None, sig: int, started_after: float | None,
+def signal_tree(task_pgid: int | None, shim_pid: int | None, sig: int, started_after: float | None,
                 known: dict[int, psutil.Process]) -> list[int]:
-    """One non-blocking step of ``kill_tree`` for a loop that must not wait: send ``sig`` to the
-    task's process group, every descendant of the wrapper and every process in ``known``
+    """One non-blocking step of stopping a run (the coordinator sends SIGTERM, then SIGKILL after
+    the grace): send ``sig`` to the task's process group, every descendant of the shim and
+    every process in ``known``
     (processes seen by an earlier step, which a dead parent may have re-parented out of the
     tree). ``known`` is updated with what this step found, so a later SIGKILL still reaches an
-    escaped grandchild. ``wrapper_pid`` None (the wrapper is gone) signals the group's members
-    started after ``started_after`` one by one. Never signals the wrapper or this process.
+    escaped grandchild. ``shim_pid`` None (the shim is gone) signals the group's members
+    started after ``started_after`` one by one. Never signals the shim or this process.
     Returns the PIDs signalled.
     """
-    if task_pgid is None and wrapper_pid and wrapper_pid > 1:
-        kids = _descendants(wrapper_pid)
-        task_pgid = min(kids) if kids else None   # the wrapper's first child is the task
-    live, owned = _targets(task_pgid, wrapper_pid, started_after, known)
+    if task_pgid is None and shim_pid and shim_pid > 1:
+        kids = _descendants(shim_pid)
+        task_pgid = min(kids) if kids else None   # the shim's first child is the task
+    live, owned = _targets(task_pgid, shim_pid, started_after, known)
     known.update(live)
     if not live:
         return []
@@ -374,8 +291,8 @@ def signal_tree(task_pgid: int | None, wrapper_pid: int | None, sig: int, starte
 def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
     """Processes whose environment carries ``QL3_ATTEMPT_ID=<attempt_id>``: every process a run
     started and that kept the environment it was given, even one that escaped the process
-    group with setsid and lost its parent (the wrapper died). Reads /proc/<pid>/environ of this
-    user's processes; used only on the rare paths where the wrapper's tree is gone."""
+    group with setsid and lost its parent (the shim died). Reads /proc/<pid>/environ of this
+    user's processes; used only on the rare paths where the shim's tree is gone."""
     marker = f"\0QL3_ATTEMPT_ID={attempt_id}\0".encode()
     found = {}
     for entry in os.scandir("/proc"):
@@ -396,55 +313,33 @@ def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
 
 
 def default_python() -> str:
-    """The interpreter for the wrapper: this one, or the system python3 when embedded."""
+    """The interpreter for the shim: this one, or the system python3 when embedded."""
     return sys.executable or "/usr/bin/python3"
 
 
-def _read_fact(path: str, name: str) -> dict | None:
+def _read_fact(path: str) -> bytes | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     try:
-        raw = os.read(fd, _FACT_LIMIT_BYTES + 1)
+        return os.read(fd, FACT_LIMIT_BYTES + 1)
     finally:
         os.close(fd)
-    if len(raw) > _FACT_LIMIT_BYTES:
-        raise RunFileError(name, f"larger than {_FACT_LIMIT_BYTES} bytes")
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise RunFileError(name, f"not valid JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise RunFileError(name, "must be a JSON object")
-    return doc
 
 
-def read_receipt(run_dir: str) -> dict | None:
-    """The wrapper's completion receipt (run_dir/receipt.json) with exactly RECEIPT_FIELDS,
-    or None if it is not written yet. Raises RunFileError naming the missing field otherwise."""
-    doc = _read_fact(os.path.join(run_dir, "receipt.json"), "receipt.json")
-    if doc is None:
-        return None
-    for name in RECEIPT_FIELDS:
-        if name not in doc and name not in _RECEIPT_OPTIONAL:
-            raise RunFileError(f"receipt.json.{name}", "missing")
-    return {name: doc.get(name) for name in RECEIPT_FIELDS}
+def read_receipt(run_dir: str) -> Receipt | None:
+    """The completion receipt (run_dir/receipt.json) decoded as core.receipt.Receipt, or None
+    if it is not written yet. Raises RunFileError naming the missing or mistyped field."""
+    raw = _read_fact(os.path.join(run_dir, "receipt.json"))
+    return None if raw is None else decode_receipt(raw)
 
 
-def read_truncation(run_dir: str) -> dict | None:
-    """The truncation fact (run_dir/truncated.json): {"quota_bytes": int, "bytes_kept": int},
-    or None if the quota was never exceeded. Raises RunFileError on a malformed fact."""
-    doc = _read_fact(os.path.join(run_dir, "truncated.json"), "truncated.json")
-    if doc is None:
-        return None
-    out = {}
-    for name in ("quota_bytes", "bytes_kept"):
-        value = doc.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise RunFileError(f"truncated.json.{name}", "must be an integer >= 0")
-        out[name] = value
-    return out
+def read_truncation(run_dir: str) -> TruncationFact | None:
+    """The truncation fact (run_dir/truncated.json), or None if the quota was never exceeded.
+    Raises RunFileError on a malformed fact."""
+    raw = _read_fact(os.path.join(run_dir, "truncated.json"))
+    return None if raw is None else decode_truncation(raw)
 
 
 def read_task_pid(run_dir: str) -> int | None:
@@ -463,10 +358,103 @@ def read_task_pid(run_dir: str) -> int | None:
     return pid
 
 
+def baseline_env(uid: int | None = None) -> dict[str, str]:
+    """HOME, USER, LOGNAME and SHELL of the run user's passwd entry (the agent's effective uid),
+    as cron and systemd give them; {} when the uid has no entry. A recipe value overrides each."""
+    try:
+        pw = pwd.getpwuid(os.geteuid() if uid is None else uid)
+    except KeyError:
+        return {}
+    return {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell or "/bin/sh"}
+
+
+class ShimProcesses:
+    """``core.ports.ProcessPort``: shims started by this agent (``spawn``) or re-attached after
+    a restart, their run directories under the allocator's ``runs_root``, and the signalling of
+    a run's process tree (``signal_tree`` with the processes seen by earlier steps)."""
+
+    def __init__(self, allocator, linger_s: float, python: str | None = None) -> None:
+        self._alloc = allocator            # adapters.artifacts.ArtifactAllocator (safe run dirs)
+        self._linger_s = linger_s
+        self._python = python or default_python()
+        self._handles: dict[int, ShimHandle] = {}
+        self._known: dict[str, dict] = {}         # attempt → processes seen when first signalled
+        self._started: dict[str, float] = {}
+
+    def _run_dir(self, attempt_id: str) -> str:
+        return os.path.join(self._alloc.runs_root, attempt_id)
+
+    def spawn(self, cmd: LaunchCommand) -> tuple[int, float]:
+        attempt_id = cmd.candidate.attempt_id
+        try:
+            run_dir = self._alloc.run_dir(attempt_id)
+        except UnsafeDirectoryError as e:
+            raise StartError(e.message, code="run_dir_unsafe") from None
+        spec = {"attempt_id": attempt_id, "argv": list(cmd.argv), "env": cmd.env, "cwd": cmd.cwd,
+                "run_dir": run_dir, "artifact_path": cmd.artifact_path, "quota_bytes": cmd.quota_bytes,
+                "linger_s": self._linger_s, "umask": cmd.umask, "grace_s": cmd.grace_ms / 1000,
+                "keep_orphans": cmd.keep_orphans}
+        program = compiled_shim(self._alloc.runs_root, self._python)
+        try:
+            h = spawn_shim(spec, self._python, program=program)
+        except QlError as e:              # spec over its bound, no interpreter
+            raise StartError(f"shim: {e.message}", code="shim_failed") from None
+        if h.start_error is not None:
+            h.popen.wait()                # it writes its receipt and exits at once
+            if h.pidfd is not None:
+                os.close(h.pidfd)
+            raise StartError(h.start_error, code=start_code(h.start_error))
+        self._handles[h.pid] = h
+        self._started[attempt_id] = h.create_time
+        return h.pid, h.create_time
+
+    def watch(self, pid: int) -> int | None:
+        h = self._handles.get(pid)
+        if h is not None:
+            fd, h.pidfd = h.pidfd, None   # the coordinator owns and closes it from here on
+            return fd
+        try:
+            return os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return None
+
+    def alive(self, pid: int, create_time: float) -> bool:
+        return process_matches(pid, create_time)
+
+    def reap(self, pid: int) -> None:
+        h = self._handles.pop(pid, None)
+        if h is not None:
+            h.popen.wait()
+
+    def signal_run(self, attempt_id: str, shim_pid: int | None, sig: int) -> int:
+        try:
+            pgid = read_task_pid(self._run_dir(attempt_id))
+        except RunFileError:
+            pgid = None
+        known = self._known.setdefault(attempt_id, {})
+        if shim_pid is None:
+            # The shim is gone (died, or a previous agent's run is lost): its tree can no
+            # longer be walked, so find the run's processes by their QL3_ATTEMPT_ID.
+            known.update(find_by_attempt(attempt_id))
+        return len(signal_tree(pgid, shim_pid, sig, self._started.get(attempt_id), known))
+
+    def collect(self, attempt_id: str) -> tuple[Receipt | None, TruncationFact | None]:
+        run_dir = self._run_dir(attempt_id)
+        try:
+            return read_receipt(run_dir), read_truncation(run_dir)
+        except RunFileError:
+            return None, None
+
+    def cleanup(self, attempt_id: str) -> None:
+        self._known.pop(attempt_id, None)
+        self._started.pop(attempt_id, None)
+        remove_run_dir(self._run_dir(attempt_id))
+
+
 def remove_run_dir(run_dir: str) -> None:
     """Delete a finished Attempt's run directory; errors are ignored (it may be gone already).
 
-    The wrapper writes only files there (FIFO, receipt, facts, task.pid), so a flat removal
+    The shim writes only files there (FIFO, receipt, facts, task.pid), so a flat removal
     does it; ``shutil`` (whose bz2/lzma imports cost the resident agent ~0.2 MiB) is loaded
     only if something made a subdirectory.
     """

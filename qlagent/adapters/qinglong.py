@@ -296,3 +296,16 @@ def find_tools() -> Toolset:
         if p:
             found[name] = os.path.abspath(p)
     return Toolset(interpreters=found, bash_shell=os.access(BASH, os.X_OK))
+
+
+class QinglongPanel:
+    """``core.ports.PanelSource``: a 2.x data directory read through the functions above."""
+
+    def read_panel(self, path: str, scripts_dir: str | None) -> QlPanel:
+        return read_panel(path, scripts_dir)
+
+    def readable_files(self, paths: frozenset[str]) -> frozenset[str]:
+        return readable_files(paths)
+
+    def find_tools(self) -> Toolset:
+        return find_tools()

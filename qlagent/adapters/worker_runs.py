@@ -1,5 +1,5 @@
 """``core.control.WorkerRunsPort``: a fleet Worker's local execution of offered Attempts (issue 11 §4, ADR-0021): the same shim
-(``adapters/launcher/wrapper.py``), FIFO drainer, log quota, truncation fact and receipt as a
+(``adapters/shim/main.py``), FIFO drainer, log quota, truncation fact and receipt as a
 local Run, driven by the Worker's loop.
 
 Layout: ``<runs dir>/<attemptId>/`` (0700) is the Attempt's run directory: its existence is the
@@ -18,31 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
-import shutil
 import signal
 
-from ..core import limits as L
 from ..core.cluster import ExecutionSpec
-from ..core.errors import StartError
+from ..core.errors import RunFileError, StartError
+from ..core.receipt import Receipt, TruncationFact, bounded
 from . import processes
 
 ARTIFACT = "output.log"
 SHIM_FILE = "shim.json"
 LINGER_S = 2.0
-
-
-def baseline_env() -> dict[str, str]:
-    """HOME, USER, LOGNAME, SHELL of the Worker's user (as a local launch gives them)."""
-    try:
-        pw = pwd.getpwuid(os.geteuid())
-    except KeyError:
-        return {}
-    return {"HOME": pw.pw_dir or "/", "USER": pw.pw_name, "LOGNAME": pw.pw_name, "SHELL": pw.pw_shell or "/bin/sh"}
-
-
-def _bounded(text: str) -> str:
-    return text if len(text) <= L.MAX_START_ERROR else text[:L.MAX_START_ERROR - 3] + "..."
 
 
 class RunHandle:
@@ -70,7 +55,7 @@ class WorkerRuns:
         self.runs_dir = runs_dir
         os.makedirs(runs_dir, mode=0o700, exist_ok=True)
         self._python = python or processes.default_python()
-        self._baseline = baseline_env()
+        self._baseline = processes.baseline_env()
 
     def run_dir(self, attempt_id: str) -> str:
         return os.path.join(self.runs_dir, attempt_id)
@@ -117,15 +102,16 @@ class WorkerRuns:
                "grace_s": spec.grace_ms / 1000, "keep_orphans": spec.keep_orphans}
         program = processes.compiled_shim(self.runs_dir, self._python)
         try:
-            h = processes.spawn_wrapper(doc, self._python, program=program)
+            h = processes.spawn_shim(doc, self._python, program=program)
         except Exception as e:       # spec over its bound, no interpreter: never the spec in the text
-            raise StartError(_bounded(f"shim: {getattr(e, 'message', type(e).__name__)}"), code="shim_failed") from None
+            raise StartError(bounded(f"shim: {getattr(e, 'message', type(e).__name__)}"), code="shim_failed") from None
         finally:
             doc = env = plain = None                                   # noqa: F841  (one materialisation)
         if h.start_error is not None:
             h.popen.wait()
-            h.close()
-            raise StartError(_bounded(h.start_error), code="start")
+            if h.pidfd is not None:
+                os.close(h.pidfd)
+            raise StartError(bounded(h.start_error), code="start")
         with open(os.path.join(self.run_dir(aid), SHIM_FILE), "w") as f:
             json.dump({"pid": h.pid, "create_time": h.create_time}, f)
         return RunHandle(aid, h.pid, h.create_time, h.pidfd, h.popen)
@@ -155,7 +141,7 @@ class WorkerRuns:
         """Signal the task's process group and every descendant of the shim (never the shim)."""
         try:
             pgid = processes.read_task_pid(self.run_dir(h.attempt_id))
-        except processes.RunFileError:
+        except RunFileError:
             pgid = None
         if not self.alive(h):
             h.known.update(processes.find_by_attempt(h.attempt_id))
@@ -167,12 +153,12 @@ class WorkerRuns:
             h.popen.wait()
         h.close()
 
-    def collect(self, attempt_id: str) -> tuple[dict | None, dict | None]:
+    def collect(self, attempt_id: str) -> tuple[Receipt | None, TruncationFact | None]:
         """(receipt, truncation fact), None for each that is missing or unreadable."""
         d = self.run_dir(attempt_id)
         try:
             return processes.read_receipt(d), processes.read_truncation(d)
-        except processes.RunFileError:
+        except RunFileError:
             return None, None
 
     def has_receipt(self, attempt_id: str) -> bool:
@@ -208,4 +194,4 @@ class WorkerRuns:
         return before - size
 
     def prune(self, attempt_id: str) -> None:
-        shutil.rmtree(self.run_dir(attempt_id), ignore_errors=True)
+        processes.remove_run_dir(self.run_dir(attempt_id))

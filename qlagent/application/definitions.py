@@ -7,15 +7,15 @@ read candidates or touch Runs other than cancelling queued ones of a disabled/re
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from ..adapters.sqlite import definitions as defs
-from ..adapters.sqlite import execution as ex
-from ..adapters.sqlite import runs as runs_repo
 from ..core import limits as L
 from ..core.definitions import PreparedTask, parse_task_file, prepare_task
 from ..core.errors import ValidationError
-from ..core.models import TaskHead
-from .store import LocalStore, now_us
+from ..core.models import LOCAL_SUBJECT, TaskHead
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import Store
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -36,9 +36,12 @@ def check_fence(revision: int, digest: str, *, revision_field: str = "expectedRe
 
 
 class DefinitionWriter:
-    __slots__ = ("_store",)
+    """Over the store's DefinitionStore port, in the Project the store acts in (``store.project``)."""
 
-    def __init__(self, store: LocalStore) -> None:
+    __slots__ = ("_store", "_pid")
+
+    def __init__(self, store: Store) -> None:
+        self._pid = store.project.project_id
         self._store = store
 
     def __setattr__(self, name, value):
@@ -53,39 +56,19 @@ class DefinitionWriter:
 
     def add(self, prepared: list[PreparedTask]) -> list[TaskHead]:
         """Create every Task of a file in ONE transaction: all or nothing."""
-        pid = self._store.project.project_id
-        return self._store.write(lambda c: [defs.add_task(c, pid, p, now_us()) for p in prepared])
+        return self._store.add_tasks(self._pid, prepared)
 
     def edit(self, name: str, expected_revision: int, expected_digest: str, prepared: PreparedTask) -> TaskHead:
         """Fenced edit (revision+1); ConflictError(definition_changed) on a stale fence,
         ValidationError for a malformed fence (see ``check_fence``)."""
         check_fence(expected_revision, expected_digest)
-        pid = self._store.project.project_id
-        return self._store.write(lambda c: defs.edit_task(c, pid, name, expected_revision, expected_digest,
-                                                          prepared, now_us()))
+        return self._store.edit_task(self._pid, name, expected_revision, expected_digest, prepared)
 
     def set_enabled(self, name: str, enabled: bool) -> tuple[TaskHead, int]:
         """Enable/disable; disabling cancels the Task's queued Runs. Returns (head, cancelled)."""
-        pid = self._store.project.project_id
-
-        def tx(c):
-            head = defs.set_enabled(c, pid, name, enabled, now_us())
-            n = 0 if enabled else runs_repo.cancel_queued_for_task(c, head.task_id, "local:cli", "task_disabled",
-                                                                  now_us())
-            return head, n
-        return self._store.write(tx)
+        return self._store.set_enabled(self._pid, name, enabled, LOCAL_SUBJECT)
 
     def remove(self, name: str) -> tuple[TaskHead, int, int]:
-        """Soft-delete; cancels queued Runs and asks live ones to stop (a removed Task must not
-        keep running unseen). Returns (last head, queued cancelled, live asked to stop)."""
-        pid = self._store.project.project_id
-
-        def tx(c):
-            head = defs.remove_task(c, pid, name, now_us())
-            queued = runs_repo.cancel_queued_for_task(c, head.task_id, "local:cli", "task_removed", now_us())
-            live = [r[0] for r in c.execute("SELECT run_id FROM runs WHERE task_id = ? AND state IN "
-                                            "('starting','running')", (head.task_id,))]
-            for run_id in live:
-                ex.request_cancel(c, run_id, "local:cli", now_us())
-            return head, queued, len(live)
-        return self._store.write(tx)
+        """Soft-delete; cancels queued Runs and asks active ones to stop (a removed Task must not
+        keep running unseen). Returns (last head, queued cancelled, active asked to stop)."""
+        return self._store.remove_task(self._pid, name, LOCAL_SUBJECT)

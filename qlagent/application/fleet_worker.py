@@ -51,7 +51,7 @@ from ..core.control import (Answer, AttemptNotFound, ChunkConflict, ControlAuthE
                             ControlTlsError, ControlUnreachable, LeaseGone, PullTokenMismatch, RequestRefused,
                             SessionGone, WorkerRunsPort)
 from ..core.errors import QlError, StartError
-from ..execution.coordinator import start_code
+from ..core.receipt import start_code
 from ..core.inbox_states import COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, InboxEntry, InboxOffer, recovery_action
 from ..worker import backoff, fencing, heartbeat
 
@@ -718,20 +718,19 @@ class WorkerRuntime:
             # a shim that died without a receipt leaves the ending to the control plane's sweeper.
             self._close_row(j, {"kind": "fenced" if j.fenced else "lost"})
             return
-        if receipt.get("start_error"):
-            self._start_failed(j, start_code(receipt["start_error"]))
+        if receipt.start_error:
+            self._start_failed(j, start_code(receipt.start_error))
             return
-        out = {"kind": "completion", "exitCode": receipt["exit_code"], "signal": receipt["signal"],
-               "killReason": j.kill_reason, "bytesKept": receipt["bytes_kept"],
-               "bytesDropped": receipt["bytes_dropped"], "peakRssBytes": receipt["peak_rss_bytes"],
-               "cpuTimeUs": receipt["cpu_time_us"],
+        out = {"kind": "completion", "exitCode": receipt.exit_code, "signal": receipt.signal,
+               "killReason": j.kill_reason, "bytesKept": receipt.bytes_kept, "bytesDropped": receipt.bytes_dropped,
+               "peakRssBytes": receipt.peak_rss_bytes, "cpuTimeUs": receipt.cpu_time_us,
                "truncated": trunc is not None}
         out = {k: v for k, v in out.items() if v is not None}
         j.entry = self.inbox.advance(j.offer_id, "completed", out)
         j.completion_owed = not j.gone
         self.counts["completed"] += 1
-        self.log("info", "worker.run_ended", attempt=j.attempt_id, exit=receipt["exit_code"],
-                 signal=receipt["signal"], kill_reason=j.kill_reason, truncated=trunc is not None)
+        self.log("info", "worker.run_ended", attempt=j.attempt_id, exit=receipt.exit_code,
+                 signal=receipt.signal, kill_reason=j.kill_reason, truncated=trunc is not None)
 
     def _upload(self, j: Job, final: bool) -> None:
         """Log chunks from ``j.uploaded``; while running only whole chunks (bounded), at the end

@@ -8,16 +8,15 @@ is ever deleted. Secrets are created, updated (value differs) or left (same valu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
-from ..adapters import qinglong as source
-from ..adapters.secretbox import SecretBox
-from ..adapters.sqlite import definitions as defs
-from ..adapters.sqlite import secrets as rows
 from ..core.definitions import definition_digest
-from ..core.errors import NotFoundError
 from ..core.qinglong import ID_LABEL, ImportPlan, QlPanel, plan_import, script_paths
-from .store import LocalStore, now_us
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import CipherFactory, DefinitionBatch, PanelSource, Store
 
 
 class TaskOutcome(msgspec.Struct, frozen=True, rename="camel"):
@@ -74,12 +73,7 @@ class ImportReport(msgspec.Struct, frozen=True, rename="camel"):
     config_other_lines: int
 
 
-class _DryRun(Exception):
-    def __init__(self, result) -> None:
-        self.result = result
-
-
-def read_and_plan(path: str, *, scripts_dir: str | None, prefix: str,
+def read_and_plan(source: PanelSource, path: str, *, scripts_dir: str | None, prefix: str,
                   env_scope: str) -> tuple[QlPanel, ImportPlan]:
     """Read the 2.x panel (read-only) and compute the plan; touches nothing of ours.
 
@@ -90,18 +84,18 @@ def read_and_plan(path: str, *, scripts_dir: str | None, prefix: str,
     return panel, plan_import(panel, present, source.find_tools(), prefix=prefix, env_scope=env_scope)
 
 
-def _imported_before(c, pid: str, prefix: str, cwd: str) -> dict[str, list]:
+def _imported_before(batch: DefinitionBatch, pid: str, prefix: str, cwd: str) -> dict[str, list]:
     """2.x cron id → live Task heads imported from the same panel (same scripts dir as cwd,
     same prefix), whatever their name: a cron renamed in 2.x maps to a new name."""
     out: dict[str, list] = {}
-    for h in defs.list_heads(c, pid):
+    for h in batch.list_heads(pid):
         cron_id = h.definition.labels.get(ID_LABEL)
         if cron_id is not None and h.name.startswith(prefix) and h.definition.execution.cwd == cwd:
             out.setdefault(cron_id, []).append(h)
     return out
 
 
-def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportPlan, *, env_scope: str,
+def apply_import(store: Store, cipher: CipherFactory, panel: QlPanel, plan: ImportPlan, *, env_scope: str,
                  dry_run: bool, prefix: str = "") -> ImportReport:
     """Write the plan in one transaction (all or nothing); ``dry_run`` rolls it back.
 
@@ -110,21 +104,17 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
     be stored and the key file is missing.
     """
     pid = store.project.project_id
-    box = SecretBox(key_file) if plan.secrets else None
+    box = cipher() if plan.secrets else None
 
-    def tx(c):
-        now = now_us()
+    def work(batch: DefinitionBatch):
         tasks, taken = [], []
         earlier = None
         for t in plan.tasks:
-            try:
-                head = defs.get_head(c, pid, t.name)
-            except NotFoundError:
-                head = None
+            head = batch.get_head(pid, t.name)
             notes = t.notes
             if head is None or head.definition.labels.get(ID_LABEL) != str(t.cron_id):
                 if earlier is None:
-                    earlier = _imported_before(c, pid, prefix, panel.scripts_dir)
+                    earlier = _imported_before(batch, pid, prefix, panel.scripts_dir)
                 same = earlier.get(str(t.cron_id), [])
                 if len(same) > 1:
                     taken.append(SkippedOutcome(t.cron_id, t.cron_name, t.name, "imported before as tasks "
@@ -138,7 +128,7 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
                     notes = (*notes, "its name maps elsewhere now (renamed, or a same-name cron removed in 2.x); "
                                       "the Task keeps its name")
             if head is None:
-                h, action = defs.add_task(c, pid, t.prepared, now), "created"
+                h, action = batch.add_task(pid, t.prepared), "created"
             elif head.definition.labels.get(ID_LABEL) != str(t.cron_id):
                 taken.append(SkippedOutcome(t.cron_id, t.cron_name, t.name,
                                             f"task {t.name!r} exists and was not imported from this cron; "
@@ -147,26 +137,21 @@ def apply_import(store: LocalStore, key_file: str, panel: QlPanel, plan: ImportP
             elif head.content_digest == t.prepared.content_digest:
                 h, action = head, "unchanged"
             else:
-                h = defs.edit_task(c, pid, head.task_id, head.revision, head.content_digest, t.prepared, now)
+                h = batch.edit_task(pid, head.task_id, head.revision, head.content_digest, t.prepared)
                 action = "revised"
             tasks.append(TaskOutcome(t.cron_id, t.cron_name, t.name, action, h.revision, h.enabled, notes))
         secrets = []
         for s in plan.secrets:
-            old = rows.get_ciphertexts(c, pid, [s.secret]).get(s.secret)
+            old = batch.ciphertexts(pid, [s.secret]).get(s.secret)
             if old is not None and box.open(pid, s.secret, old) == s.value:
                 action = "unchanged"
             else:
-                rows.put_secret(c, pid, s.secret, box.seal(pid, s.secret, s.value), box.key_id, now)
+                batch.put_secret(pid, s.secret, box.seal(pid, s.secret, s.value), box.key_id)
                 action = "created" if old is None else "updated"
             secrets.append(SecretOutcome(s.env, s.secret, s.source, s.parts, len(s.value), action))
-        if dry_run:
-            raise _DryRun((tasks, taken, secrets))
         return tasks, taken, secrets
 
-    try:
-        tasks, taken, secrets = store.write(tx)
-    except _DryRun as d:
-        tasks, taken, secrets = d.result
+    tasks, taken, secrets = store.definition_batch(work, dry_run=dry_run)
     actual = {t.cron_id: t.task for t in tasks}
     skipped = [SkippedOutcome(k.cron_id, k.cron_name, k.name, k.reason) for k in plan.skipped] + taken
     return ImportReport(

@@ -3,64 +3,63 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from ..adapters.sqlite import definitions as defs
-from ..adapters.sqlite import policy
-from ..adapters.sqlite import runs as runs_repo
 from ..core.errors import NotFoundError, ValidationError
 from ..core.ids import new_id
-from ..core.models import Attempt, Run, RunEvent
-from .store import LocalStore, now_us
+from ..core.models import LOCAL_SUBJECT, Attempt, CreatedRun, Run, RunEvent
+from ..core.receipt import TruncationFact
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import Store
 
 MAX_LOG_READ = 1_048_576     # bytes per log read (CLI pages through; HTTP answers one page)
 MAX_LOG_OFFSET = 2**62       # bytes: a larger offset or limit is bad input, never an OverflowError
 
 
 class RunService:
-    def __init__(self, store: LocalStore) -> None:
+    """Run use cases over the store's RunStore/DefinitionStore/PolicyStore ports."""
+
+    def __init__(self, store: Store) -> None:
         self._store = store
 
-    def start(self, task: str, *, subject: str = policy.LOCAL_SUBJECT, mutation_id: str | None = None,
+    def start(self, task: str, *, subject: str = LOCAL_SUBJECT, mutation_id: str | None = None,
               expected_revision: int | None = None, expected_digest: str | None = None,
               project: str | None = None, admitted_project_version: int | None = None,
-              admitted_binding_version: int | None = None) -> runs_repo.CreatedRun:
+              admitted_binding_version: int | None = None) -> CreatedRun:
         """Task Start in one transaction. Without explicit fences (the CLI) they are read from the
         current head first, exactly as an API client would, and a new mutationId is generated."""
         project = project or self._store.project.project_id
         if expected_revision is None or expected_digest is None:
-            proj = self._store.read(lambda c: policy.get_project(c, project))
-            head = self._store.read(lambda c: defs.get_head(c, proj.project_id, task))
+            proj = self._store.get_project(project)
+            head = self._store.get_head(proj.project_id, task)
             expected_revision, expected_digest = head.revision, head.content_digest
-        mid = mutation_id or new_id()
-        return self._store.write(lambda c: runs_repo.task_start(
-            c, project=project, task=task, subject=subject, mutation_id=mid, expected_revision=expected_revision,
-            expected_digest=expected_digest, admitted_project_version=admitted_project_version,
-            admitted_binding_version=admitted_binding_version, now_us=now_us()))
+        return self._store.task_start(
+            project=project, task=task, subject=subject, mutation_id=mutation_id or new_id(),
+            expected_revision=expected_revision, expected_digest=expected_digest,
+            admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version)
 
     def get(self, run_id: str, project_id: str | None = None) -> Run:
-        return self._store.read(lambda c: runs_repo.get_run(c, run_id, project_id))
+        return self._store.get_run(run_id, project_id)
 
     def list(self, *, task: str | None = None, state: str | None = None, limit: int = 50,
              cursor: str | None = None, project_id: str | None = None) -> tuple[list[Run], str | None]:
         pid = project_id or self._store.project.project_id
-
-        def q(c):
-            task_id = defs.get_head(c, pid, task).task_id if task else None
-            return runs_repo.list_runs(c, pid, task_id=task_id, state=state, limit=limit, cursor=cursor)
-        return self._store.read(q)
+        task_id = self._store.get_head(pid, task).task_id if task else None
+        return self._store.list_runs(pid, task_id=task_id, state=state, limit=limit, cursor=cursor)
 
     def events(self, run_id: str) -> list[RunEvent]:
-        return self._store.read(lambda c: runs_repo.list_events(c, run_id))
+        return self._store.list_events(run_id)
 
     def attempts(self, run_id: str) -> list[Attempt]:
-        return self._store.read(lambda c: runs_repo.list_attempts(c, run_id))
+        return self._store.list_attempts(run_id)
 
-    def log_source(self, run_id: str) -> tuple[str | None, dict | None]:
+    def log_source(self, run_id: str) -> tuple[str | None, TruncationFact | None]:
         """(artifact path or None, truncation fact or None) of the Run's latest Attempt."""
-        return self._store.read(lambda c: runs_repo.latest_artifact(c, run_id))
+        return self._store.latest_artifact(run_id)
 
 
-def log_page_json(run_id: str, path: str | None, fact: dict | None, offset: int, limit: int) -> dict:
+def log_page_json(run_id: str, path: str | None, fact: TruncationFact | None, offset: int, limit: int) -> dict:
     """One page of a Run's log as a JSON object (``run logs --json``; README "Logs").
 
     ``{"runId", "offset", "length", "size", "nextOffset", "eof", "encoding", "data",

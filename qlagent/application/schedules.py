@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import zoneinfo
 
+from ..core.clock import now_us
 from ..core.models import TaskDefinition
 from ..core.schedule import next_fire, parse_schedule
-from .store import now_us
 
 
 def system_timezone() -> str:

@@ -1,72 +1,56 @@
-"""Secret use cases: store encrypted, list names, remove, resolve for one materialisation, and
-re-encrypt what an earlier version stored."""
+"""Secret use cases: store encrypted, list names, remove, re-encrypt what an earlier version
+stored. Decryption for a launch is ``dispatch.secrets.resolve_secrets`` (the materialiser's step 4)."""
 
 from __future__ import annotations
 
-from ..adapters.secretbox import LEGACY_MAGIC, SecretBox
-from ..adapters.sqlite import secrets as rows
+from typing import TYPE_CHECKING
+
 from ..core.errors import UnavailableError
-from .store import LocalStore, now_us
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import CipherFactory, Store
+
 
 
 class SecretService:
-    def __init__(self, store: LocalStore, key_file: str) -> None:
+    """Over the store's SecretStore port and a SecretCipher (``bootstrap.cipher_factory``)."""
+
+    def __init__(self, store: Store, cipher: CipherFactory) -> None:
         self._store = store
-        self._key_file = key_file
+        self._cipher = cipher
 
     def set(self, name: str, value: bytes) -> None:
-        """Encrypt and store; only ciphertext reaches the database."""
-        box = SecretBox(self._key_file)
+        """Encrypt and store; only ciphertext reaches the store."""
+        box = self._cipher()
         pid = self._store.project.project_id
-        blob = box.seal(pid, name, value)
-        self._store.write(lambda c: rows.put_secret(c, pid, name, blob, box.key_id, now_us()))
+        self._store.put_secret(pid, name, box.seal(pid, name, value), box.key_id)
 
     def names(self) -> list[tuple[str, int]]:
-        pid = self._store.project.project_id
-        return self._store.read(lambda c: rows.list_secret_names(c, pid))
+        """(name, updated_at_us), by name; never a value."""
+        return self._store.secret_names(self._store.project.project_id)
 
     def remove(self, name: str, *, force: bool = False) -> list[str]:
-        """Delete ``name``; ConflictError naming the Tasks that use it unless ``force``.
-        Returns the Tasks left referring to it (empty without ``force``)."""
-        pid = self._store.project.project_id
-        return self._store.write(lambda c: rows.delete_secret(c, pid, name, force=force))
+        """Delete ``name``; ConflictError(``secret_in_use``) naming the Tasks that use it unless
+        ``force``. Returns the Tasks left referring to it (empty without ``force``)."""
+        return self._store.delete_secret(self._store.project.project_id, name, force=force)
 
     def missing(self) -> list[tuple[str, str]]:
         """(task name, Secret name) of every SecretRef of a live Task whose Secret is not stored."""
-        pid = self._store.project.project_id
-        return [(t, n) for t, n, present in self._store.read(lambda c: rows.secret_uses(c, pid)) if not present]
+        return [(t, n) for t, n, present in self._store.secret_uses(self._store.project.project_id)
+                if not present]
 
 
-def resolve_secrets(conn, key_file: str, project_id: str, names: list[str]) -> dict[str, bytes]:
-    """Decrypt the de-duplicated SecretRefs ``names`` for one launch (ADR-0071 §4 step 4).
-
-    Raises UnavailableError(code="secret_missing", field=the name) naming the first missing Secret; the
-    plaintext returned must live only in the caller's stack.
-    """
-    wanted = sorted(set(names))
-    blobs = rows.get_ciphertexts(conn, project_id, wanted)
-    missing = [n for n in wanted if n not in blobs]
-    if missing:
-        raise UnavailableError(f"secret {missing[0]!r} is not set", code="secret_missing", field=missing[0])
-    if not wanted:
-        return {}
-    box = SecretBox(key_file)
-    return {n: box.open(project_id, n, blobs[n]) for n in wanted}
-
-
-def migrate_legacy_secrets(store: LocalStore, key_file: str) -> tuple[int, list[str]]:
-    """Re-encrypt every Secret still in the ``qlsb1`` (AES-GCM) format in today's format, in
-    every Project of the store (issue 14: existing stores migrate on upgrade).
-
-    Returns (rows re-encrypted, one problem line per row left as it was: wrong key file, or
-    ``cryptography`` not installed). With no legacy row it reads neither the key file nor any
-    crypto library. A row changed meanwhile (``secret set``) is left to its new value.
-    """
-    legacy = store.read(lambda c: rows.legacy_ciphertexts(c, LEGACY_MAGIC))
+def migrate_legacy_secrets(store: Store, cipher: CipherFactory, legacy_magic: bytes) -> tuple[int, list[str]]:
+    """Re-encrypt every Secret still in an earlier format (ciphertext starting ``legacy_magic``,
+    ``qlsb1`` AES-GCM) in today's, in every Project of the store (issue 14: stores migrate on
+    upgrade). Returns (rows re-encrypted, one problem line per row left as it was: wrong key
+    file, or ``cryptography`` not installed). With no legacy row it opens no cipher. A row
+    changed meanwhile (``secret set``) keeps its new value (compare-and-set on the ciphertext)."""
+    legacy = store.legacy_ciphertexts(legacy_magic)
     if not legacy:
         return 0, []
     try:
-        box = SecretBox(key_file)
+        box = cipher()
     except UnavailableError as e:
         return 0, [str(e)]
     done, problems = [], []
@@ -75,7 +59,4 @@ def migrate_legacy_secrets(store: LocalStore, key_file: str) -> tuple[int, list[
             done.append((project_id, name, old, box.seal(project_id, name, box.open(project_id, name, old))))
         except UnavailableError as e:
             problems.append(str(e))
-
-    def write(c) -> int:
-        return sum(rows.replace_ciphertext(c, pid, name, old, new, box.key_id) for pid, name, old, new in done)
-    return (store.write(write) if done else 0), problems
+    return (store.replace_ciphertexts(done, box.key_id) if done else 0), problems

@@ -65,12 +65,12 @@ class Ctx:
             if not os.path.exists(self.settings.db_path) and self.args.command != "init":
                 raise E.UnavailableError(f"no store at {self.settings.db_path}; run `qlagent init` first",
                                          code="not_initialised")
-            from ..application.store import LocalStore
+            from .. import bootstrap
             a = self.args
             reads = (a.command in ("doctor", "config") or getattr(a, "dry_run", False)
                      or (a.command, getattr(a, "sub", None)) in READ_COMMANDS)
-            self._store = LocalStore(self.settings.db_path, a.project or self.settings.config.project,
-                                     migrate=a.command == "init", create_project=not reads)
+            self._store = bootstrap.open_store(self.settings, a.project, migrate=a.command == "init",
+                                               create_project=not reads)
         return self._store
 
     def close(self) -> None:
@@ -84,7 +84,7 @@ class Ctx:
 
 
 def _load_toml(path: str) -> dict:
-    from ..adapters.tomlfile import read_toml
+    from ..service.tomlfile import read_toml
     from ..core.limits import MAX_TASK_FILE_BYTES
     return read_toml(path, "file", MAX_TASK_FILE_BYTES)
 
@@ -92,8 +92,7 @@ def _load_toml(path: str) -> dict:
 # ---- commands --------------------------------------------------------------------------------
 
 def cmd_init(ctx: Ctx) -> int:
-    from ..adapters.secretbox import create_key_file
-    from ..application.secrets import migrate_legacy_secrets
+    from ..bootstrap import create_key_file, migrate_legacy_secrets
     s = ctx.settings
     os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
     store = ctx.store
@@ -101,7 +100,7 @@ def cmd_init(ctx: Ctx) -> int:
     # Secrets an earlier version stored (AES-GCM) are re-encrypted here, in a short-lived
     # process, so the service never loads `cryptography` for them. A row that cannot be read
     # stays as it was; init itself has succeeded (the package's postinst must not fail on it).
-    migrated, problems = migrate_legacy_secrets(store, s.key_file)
+    migrated, problems = migrate_legacy_secrets(s, store)
     for problem in problems:
         print(f"qlagent: warning: {problem}", file=sys.stderr)
     if ctx.args.json:
@@ -141,17 +140,16 @@ def cmd_config_check(ctx: Ctx) -> int:
     return 0
 
 
-def _next_fires(head, count: int = 3) -> list[int]:
+def _next_fires(head, count: int) -> list[int]:
     from ..application.schedules import upcoming
-    return upcoming(head.definition, count)
+    return upcoming(head.definition, count) if head.enabled else []
 
 
-def _head_json(h, with_next: bool = True) -> dict:
-    d = {"taskId": h.task_id, "name": h.name, "revision": h.revision, "contentDigest": h.content_digest,
-         "enabled": h.enabled, "schedules": list(h.definition.schedules), "timezone": h.definition.timezone,
-         "definition": msgspec.to_builtins(h.definition)}
-    if with_next:
-        d["nextFires"] = [_fmt_us(u) for u in _next_fires(h)]
+def _head_json(ctx: Ctx, h) -> dict:
+    """The shared Task head shape (application.presenter) plus the full ``definition``."""
+    from ..application import presenter
+    d = presenter.task_head(h, ctx.store.now_us())
+    d["definition"] = msgspec.to_builtins(h.definition)
     return d
 
 
@@ -161,7 +159,7 @@ def cmd_task_add(ctx: Ctx) -> int:
     heads = DefinitionWriter(ctx.store).add(prepared)
     ctx.poke_service()
     if ctx.args.json:
-        _print_json([_head_json(h, False) for h in heads])
+        _print_json([_head_json(ctx, h) for h in heads])
     else:
         for h in heads:
             print(f"added {h.name} revision {h.revision} {h.content_digest}")
@@ -172,7 +170,8 @@ def cmd_task_add(ctx: Ctx) -> int:
 def _warn_missing_secrets(ctx: Ctx, names: set[str]) -> None:
     """A Task whose Secret is not stored yet is accepted (set it next), but said so on stderr."""
     from ..application.secrets import SecretService
-    for task, secret in SecretService(ctx.store, ctx.settings.key_file).missing():
+    from ..bootstrap import cipher_factory
+    for task, secret in SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).missing():
         if task in names:
             print(f"qlagent: warning: task {task} uses secret {secret!r}, which is not set; its runs fail "
                   f"secret_missing:{secret} until `qlagent secret set {secret}`", file=sys.stderr)
@@ -189,7 +188,7 @@ def cmd_task_edit(ctx: Ctx) -> int:
                                          prepared[0])
     ctx.poke_service()
     if ctx.args.json:
-        _print_json(_head_json(h, False))
+        _print_json(_head_json(ctx, h))
     else:
         print(f"{h.name} now at revision {h.revision} {h.content_digest}")
     _warn_missing_secrets(ctx, {h.name})
@@ -197,11 +196,9 @@ def cmd_task_edit(ctx: Ctx) -> int:
 
 
 def cmd_task_ls(ctx: Ctx) -> int:
-    from ..adapters.sqlite import definitions as defs
-    pid = ctx.store.project.project_id
-    heads = ctx.store.read(lambda c: defs.list_heads(c, pid))
+    heads = ctx.store.list_heads(ctx.store.project.project_id)
     if ctx.args.json:
-        _print_json([_head_json(h) for h in heads])
+        _print_json([_head_json(ctx, h) for h in heads])
         return 0
     rows = []
     for h in heads:
@@ -213,14 +210,11 @@ def cmd_task_ls(ctx: Ctx) -> int:
 
 
 def cmd_task_show(ctx: Ctx) -> int:
-    from ..adapters.sqlite import definitions as defs
-    pid = ctx.store.project.project_id
-    h = ctx.store.read(lambda c: defs.get_head(c, pid, ctx.args.name))
-    skipped = ctx.store.read(lambda c: c.execute("SELECT skipped_fires FROM tasks WHERE task_id = ?",
-                                                 (h.task_id,)).fetchone()[0])
-    d = _head_json(h)
+    h = ctx.store.get_head(ctx.store.project.project_id, ctx.args.name)
+    skipped = ctx.store.skipped_fires(h.task_id)
+    d = _head_json(ctx, h)
     d["skippedFires"] = skipped
-    recipe = ctx.store.read(lambda c: defs.get_recipe(c, h.definition.recipe_ref))
+    recipe = ctx.store.get_recipe(h.definition.recipe_ref)
     d["env"], d["secrets"] = recipe.public, recipe.secret_refs     # Secret names only, never values
     if ctx.args.json:
         _print_json(d)
@@ -232,7 +226,7 @@ def cmd_task_show(ctx: Ctx) -> int:
     print(f"digest        {h.content_digest}")
     print(f"enabled       {'yes' if h.enabled else 'no'}")
     print(f"schedules     {' | '.join(df.schedules)}  (timezone {df.timezone or 'system'})")
-    print(f"next fires    {', '.join(d['nextFires']) or '-'}")
+    print(f"next fires    {', '.join(_fmt_us(u) for u in _next_fires(h, 3)) or '-'}")
     print(f"command       {' '.join(ex.argv) if ex.kind == 'local_process' else ex.shell + ' -c <script>'}")
     print(f"process       cwd {ex.cwd or '$HOME'}; umask {ex.umask or 'of the service'}; leftovers "
           f"{'kept (keep_orphans)' if ex.keep_orphans else 'stopped at exit'}")
@@ -270,6 +264,7 @@ def cmd_task_rm(ctx: Ctx) -> int:
 
 def cmd_secret_set(ctx: Ctx) -> int:
     from ..application.secrets import SecretService
+    from ..bootstrap import cipher_factory
     from ..core.definitions import check_secret_name
     from ..core.limits import MAX_SECRET_VALUE
     if ctx.args.stray:
@@ -292,14 +287,15 @@ def cmd_secret_set(ctx: Ctx) -> int:
         raise E.ValidationError("value", "is empty")
     if b"\x00" in value:
         raise E.ValidationError("value", "contains a NUL byte", limit="no NUL")
-    SecretService(ctx.store, ctx.settings.key_file).set(name, value)
+    SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).set(name, value)
     print(f"secret {name} stored ({len(value)} bytes, encrypted)")
     return 0
 
 
 def cmd_secret_ls(ctx: Ctx) -> int:
     from ..application.secrets import SecretService
-    names = SecretService(ctx.store, ctx.settings.key_file).names()
+    from ..bootstrap import cipher_factory
+    names = SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).names()
     if ctx.args.json:
         _print_json([{"name": n, "updatedAt": _fmt_us(u)} for n, u in names])
     else:
@@ -309,7 +305,9 @@ def cmd_secret_ls(ctx: Ctx) -> int:
 
 def cmd_secret_rm(ctx: Ctx) -> int:
     from ..application.secrets import SecretService
-    users = SecretService(ctx.store, ctx.settings.key_file).remove(ctx.args.name, force=ctx.args.force)
+    from ..bootstrap import cipher_factory
+    users = SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).remove(ctx.args.name,
+                                                                                   force=ctx.args.force)
     print(f"secret {ctx.args.name} removed")
     if users:
         print(f"qlagent: warning: task(s) {', '.join(users)} still use secret {ctx.args.name!r}; their runs fail "
@@ -318,11 +316,13 @@ def cmd_secret_rm(ctx: Ctx) -> int:
 
 
 def _run_json(run, attempts=None, events=None) -> dict:
-    d = msgspec.to_builtins(run)
+    """The shared Run shape (application.presenter); ``run show`` adds every Attempt and RunEvent."""
+    from ..application import presenter
+    d = presenter.run(run)
     if attempts is not None:
-        d["attempts"] = msgspec.to_builtins(attempts)
+        d["attempts"] = [presenter.attempt(a) for a in attempts]
     if events is not None:
-        d["events"] = msgspec.to_builtins(events)
+        d["events"] = [presenter.event(e) for e in events]
     return d
 
 
@@ -341,7 +341,7 @@ def cmd_run_start(ctx: Ctx) -> int:
         else:
             print(created.run_id)
         return 0
-    from ..application.waiter import wait_for_run
+    from .wait import wait_for_run
     run = wait_for_run(ctx.settings, ctx.store, created.run_id, ctx.args.timeout)
     if ctx.args.json:
         _print_json(_run_json(run))
@@ -356,7 +356,7 @@ def cmd_run_ls(ctx: Ctx) -> int:
     runs, nxt = RunService(ctx.store).list(task=ctx.args.task, state=ctx.args.state, limit=ctx.args.limit,
                                            cursor=ctx.args.cursor)
     if ctx.args.json:
-        _print_json({"runs": msgspec.to_builtins(runs), "nextCursor": nxt})
+        _print_json({"items": [_run_json(r) for r in runs], "nextCursor": nxt})
         return 0
     _table([[r.run_id, r.task_name, r.state, r.trigger_type, _fmt_us(r.created_at_us),
              str(r.exit_code) if r.exit_code is not None else f"sig{r.exit_signal}" if r.exit_signal else "-"]
@@ -419,7 +419,7 @@ def cmd_run_logs(ctx: Ctx) -> int:
             remaining -= len(chunk)
     out.flush()
     if fact:      # stdout stays the log's bytes; the truncation fact goes to stderr, always
-        print(f"qlagent: note: log truncated at {fact['quotaBytes']} bytes; {fact['bytesDropped']} bytes dropped",
+        print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {fact.bytes_dropped} bytes dropped",
               file=sys.stderr)
     return 0
 
@@ -453,7 +453,7 @@ def cmd_token_ls(ctx: Ctx) -> int:
     if ctx.args.json:
         _print_json(rows)
     else:
-        _table([[r["tokenId"], r["subject"], _fmt_us(r["createdAtUs"]), _fmt_us(r["revokedAtUs"])] for r in rows],
+        _table([[r.token_id, r.subject, _fmt_us(r.created_at_us), _fmt_us(r.revoked_at_us)] for r in rows],
                ["TOKEN ID", "SUBJECT", "CREATED", "REVOKED"])
     return 0
 
@@ -475,11 +475,13 @@ def cmd_role_set(ctx: Ctx) -> int:
 
 def cmd_import_qinglong(ctx: Ctx) -> int:
     from ..application.qinglong_import import apply_import, read_and_plan
+    from ..bootstrap import cipher_factory, panel_source
     a = ctx.args
     # The 2.x side is read (and every refusal raised) before our store is even opened.
-    panel, plan = read_and_plan(a.path, scripts_dir=a.scripts_dir, prefix=a.prefix, env_scope=a.env_scope)
-    report = apply_import(ctx.store, ctx.settings.key_file, panel, plan, env_scope=a.env_scope, dry_run=a.dry_run,
-                          prefix=a.prefix)
+    panel, plan = read_and_plan(panel_source(), a.path, scripts_dir=a.scripts_dir, prefix=a.prefix,
+                                env_scope=a.env_scope)
+    report = apply_import(ctx.store, cipher_factory(ctx.settings.key_file), panel, plan, env_scope=a.env_scope,
+                          dry_run=a.dry_run, prefix=a.prefix)
     if not a.dry_run:
         ctx.poke_service()
     if a.json:

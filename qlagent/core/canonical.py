@@ -66,6 +66,11 @@ def snapshot_ref(revision: int, digest: str) -> str:
     return f"qltd:v1:{revision}:{digest}"
 
 
+def idempotency_key(mutation_id: str) -> str:
+    """Project-scoped idempotency key of a Task Start (ADR-0376 §2): ``ql3:task-start:v1:{id}``."""
+    return f"ql3:task-start:v1:{mutation_id}"
+
+
 def recipe_ref(digest: str) -> str:
     """Context recipe identity ``localctx:sha256:<digest>`` (ADR-0071 §2)."""
     return f"localctx:sha256:{digest}"

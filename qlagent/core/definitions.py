@@ -15,7 +15,7 @@ import msgspec
 
 from . import limits as L
 from .canonical import content_digest, recipe_ref
-from .errors import ValidationError
+from .errors import ValidationError, from_msgspec
 from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, RetryPolicy,
                      TaskDefinition)
 from .schedule import ScheduleError, parse_schedules, validate_timezone
@@ -128,13 +128,7 @@ def parse_task_file(data: dict) -> list[TaskInput]:
     try:
         tf = msgspec.convert(data, TaskFile, strict=True)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        path = msg.rsplit("- at `", 1)[1].rstrip("`") if "- at `" in msg else "task file"
-        path = path[2:] if path.startswith("$.") else path
-        named = re.search(r"field `([^`]+)`", msg)
-        if named:
-            path = f"{path}.{named.group(1)}"
-        raise ValidationError(path, msg.split(" - at ")[0]) from None
+        raise from_msgspec(e, root="task file") from None
     if not tf.task:
         raise ValidationError("task", "the file defines no [[task]]")
     if len(tf.task) > L.MAX_TASKS_PER_FILE:

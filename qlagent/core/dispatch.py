@@ -62,9 +62,8 @@ class LiveAttempt(msgspec.Struct, frozen=True):
     task_id: str
     task_revision: int
     state: str
-    wrapper_pid: int | None
-    wrapper_start_time: float | None
-    task_pgid: int | None
+    shim_pid: int | None
+    shim_start_time: float | None       # psutil create_time, s since the epoch (PID-reuse check)
     deadline_at_us: int | None
     artifact_path: str | None
     cancel_requested: bool

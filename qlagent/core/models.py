@@ -9,6 +9,8 @@ from __future__ import annotations
 import msgspec
 
 ROLES = ("owner", "admin", "operator", "viewer")
+# The local operator: whoever can open the database file owns it (the CLI acts as this subject).
+LOCAL_SUBJECT = "local:cli"
 # ADR-0376 §2: run.start needs owner/admin/operator; viewers read only.
 START_ROLES = frozenset({"owner", "admin", "operator"})
 
@@ -165,6 +167,46 @@ class Attempt(Base):
     ended_at_us: int | None
     start_error: str | None = None       # why the task could not start: paths and errno names
     orphans_stopped: int | None = None   # processes left by the main one, stopped at its exit
+
+
+class CreatedRun(msgspec.Struct, frozen=True, rename="camel"):
+    """Identities of a Run as created, or as persisted on an exact replay (``existing=True``)."""
+
+    run_id: str
+    attempt_id: str
+    event_ids: tuple[str, ...]
+    task_revision: int
+    task_snapshot_ref: str
+    state: str
+    created_at_us: int
+    existing: bool = False
+
+
+class TokenInfo(Base):
+    """An API token as listed (never the token: only its ID). Times µs; ``revoked_at_us`` None
+    while the token is live."""
+
+    token_id: str
+    subject: str
+    created_at_us: int
+    revoked_at_us: int | None
+
+
+class ScheduleCursor(Base):
+    """A Task's schedule cursor: the last clock instant handled and the wall time observed then
+    (µs), so a restart neither fires twice nor misses a due instant (core.schedule.plan_due)."""
+
+    last_instant_us: int | None
+    observed_wall_us: int | None
+
+
+class RetentionEntry(Base):
+    """An ended Attempt whose log Artifact still exists (retention input). ``ended_at_us`` µs."""
+
+    attempt_id: str
+    task_id: str
+    artifact_path: str
+    ended_at_us: int
 
 
 class RunEvent(Base):

@@ -1,37 +1,324 @@
-"""Ports: what the dispatcher and the coordinator need from the outside world (ADR-0071 §1).
+"""Ports: every fact the service, the HTTP API, the CLI and the engine read or write, as typed
+calls with no driver in sight (ADR-0071 §1; ADR-0014 "only the Repository and transport change").
 
-Adapters (SQLite, filesystem, processes) implement these; the application wires them. The
-dispatcher and coordinator see nothing else — no connection, no path, no Popen.
+One store implements every *store* port (today ``adapters.sqlite.store.SqliteStore``; the
+cluster's PostgreSQL authority implements the same calls). Rules every implementation keeps,
+checked by ``tests/contract/``:
+
+- each call is one transaction (a read sees one snapshot; a write is all or nothing);
+- where the store decides time (``created_at_us``, ``ended_at_us`` …) it uses its own clock,
+  integer µs since the epoch;
+- a busy or unreachable store raises ``UnavailableError`` with code ``store_busy`` /
+  ``store_unavailable``; nobody above the adapter sees a driver exception;
+- refusals raise the core errors named in each docstring and write nothing.
+
+The process, filesystem, budget and network ports are implemented by ``qlagent.adapters``
+(processes, artifacts, budget, netgate) and wired by ``qlagent.bootstrap``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
+from .definitions import PreparedTask
 from .dispatch import Candidate, Finish, LaunchCommand, LiveAttempt, Plan
-from .models import RetryPolicy
+from .inbox_states import InboxEntry, InboxOffer, PendingPull
+from .models import (
+    Attempt,
+    ContextRecipe,
+    CreatedRun,
+    Project,
+    RetentionEntry,
+    RetryPolicy,
+    RoleBinding,
+    Run,
+    RunEvent,
+    ScheduleCursor,
+    TaskHead,
+    TokenInfo,
+)
+from .qinglong import QlPanel, Toolset
+from .receipt import Receipt, TruncationFact
+
+T = TypeVar("T")
+
+# ---- store ports ---------------------------------------------------------------------------
+
+
+class TokenPort(Protocol):
+    """Authentication reads (HTTP): the two lookups of ADR-0376 §2's Policy fence."""
+
+    def lookup_token(self, digest: str) -> tuple[str, str] | None:
+        """(project_id, subject) of a live token with this SHA-256 hex digest, else None."""
+
+    def latest_binding(self, project_id: str, subject: str) -> RoleBinding | None:
+        """The subject's latest RoleBinding in the Project if it is active, else None."""
+
+
+class PolicyStore(TokenPort, Protocol):
+    """Projects, RoleBindings (append-only ``bindingVersion``) and API token digests."""
+
+    def ensure_project(self, name: str) -> Project:
+        """Project ``name``, created (``local:cli`` its owner) if missing. ValidationError for a bad name."""
+
+    def get_project(self, name_or_id: str) -> Project:
+        """NotFoundError(``project_not_found``) if unknown."""
+
+    def bind_role(self, project_id: str, subject: str, role: str | None) -> int:
+        """Append bindingVersion+1 (``role=None`` revokes); returns it. ValidationError for an
+        unknown role or a subject outside 1..128 characters."""
+
+    def grant_token(self, project: str, subject: str, role: str, digest: str) -> str:
+        """In one transaction: ensure Project ``project`` (name), bind ``role`` unless it is the
+        subject's current one, store the token digest. Returns the token ID."""
+
+    def revoke_token(self, *, token_id: str, digest: str | None = None) -> None:
+        """Revoke the token with ``digest`` if one has it, else the one with ``token_id``
+        (idempotent). NotFoundError(``token_not_found``) if neither exists."""
+
+    def list_tokens(self, project_id: str) -> list[TokenInfo]:
+        """Tokens of the Project, oldest first."""
+
+
+class DefinitionBatch(Protocol):
+    """The writes of one ``DefinitionStore.definition_batch``: all inside ONE transaction, with
+    the same rules as the single-call methods (``import qinglong`` uses it)."""
+
+    def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:
+        """The live head, or None."""
+
+    def list_heads(self, project_id: str) -> list[TaskHead]:
+        """Live heads of the Project, by name."""
+
+    def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
+        """Create at revision 1; ConflictError(``task_exists``)."""
+
+    def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
+                  prepared: PreparedTask) -> TaskHead:
+        """Fenced edit as ``DefinitionStore.edit_task``."""
+
+    def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]: ...
+
+    def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None: ...
+
+
+class DefinitionStore(Protocol):
+    """Task heads and their append-only revisions (ADR-0071 §2: same content idempotent,
+    different content ConflictError)."""
+
+    def definition_batch(self, work: Callable[[DefinitionBatch], T], *, dry_run: bool = False) -> T:
+        """Run ``work`` in one write transaction and return its result; an exception from it
+        writes nothing, and ``dry_run`` rolls everything back even when it succeeds."""
+
+    def add_tasks(self, project_id: str, prepared: list[PreparedTask]) -> list[TaskHead]:
+        """Create every Task at revision 1, all or nothing. ConflictError(``task_exists``)."""
+
+    def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
+                  prepared: PreparedTask) -> TaskHead:
+        """Fenced edit → revision+1. ConflictError(``definition_changed``) on a stale fence; the
+        head's own content again is a no-op; ValidationError(``name``) for a rename."""
+
+    def set_enabled(self, project_id: str, name_or_id: str, enabled: bool, actor: str) -> tuple[TaskHead, int]:
+        """Enable/disable; disabling cancels the Task's queued Runs. Returns (head, cancelled)."""
+
+    def remove_task(self, project_id: str, name_or_id: str, actor: str) -> tuple[TaskHead, int, int]:
+        """Soft-delete; cancel queued Runs, request cancellation of active ones.
+        Returns (last head, queued cancelled, active asked to stop)."""
+
+    def get_head(self, project_id: str, name_or_id: str) -> TaskHead:
+        """Live head by name or ID. NotFoundError(``task_not_found``)."""
+
+    def list_heads(self, project_id: str | None) -> list[TaskHead]:
+        """Live heads of one Project (None: of every Project), by name."""
+
+    def skipped_fires(self, task_id: str) -> int:
+        """Schedule fires skipped because a single-instance Run was live."""
+
+    def get_recipe(self, recipe_ref: str) -> ContextRecipe:
+        """The context recipe (public values and SecretRef names). NotFoundError(``recipe_not_found``)."""
+
+
+class RunStore(Protocol):
+    """Runs, Attempts and RunEvents as the API and CLI see them."""
+
+    def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
+                   expected_digest: str, admitted_project_version: int | None = None,
+                   admitted_binding_version: int | None = None) -> CreatedRun:
+        """ADR-0376 §2 in one transaction. Idempotency key ``ql3:task-start:v1:{mutationId}``:
+        an exact replay returns the persisted identities with ``existing=True``. Raises
+        NotFoundError(``task_not_found``), FenceRejected(authorization_changed |
+        mutation_conflict | definition_changed | task_disabled | task_not_executable),
+        UnavailableError(``task_start_unavailable``) for a corrupt execution revision."""
+
+    def get_run(self, run_id: str, project_id: str | None = None) -> Run:
+        """By ID (without ``project_id``: also a unique prefix ≥ 8 chars). NotFoundError(``run_not_found``)."""
+
+    def list_runs(self, project_id: str, *, task_id: str | None = None, state: str | None = None,
+                  limit: int = 50, cursor: str | None = None) -> tuple[list[Run], str | None]:
+        """Keyset page, newest first (created desc, run_id desc): (Runs, next cursor or None).
+        ``limit`` 1..200; ValidationError(limit | state | cursor)."""
+
+    def list_events(self, run_id: str) -> list[RunEvent]:
+        """RunEvents by ``sequence`` (1, 2, … without gaps)."""
+
+    def list_attempts(self, run_id: str) -> list[Attempt]:
+        """Attempts by ``attempt_no``."""
+
+    def latest_artifact(self, run_id: str) -> tuple[str | None, TruncationFact | None]:
+        """(log path of the latest Attempt that has one, its truncation fact). NotFoundError
+        (``log_not_found``) if retention pruned a log that had bytes."""
+
+    def request_cancel(self, run_id: str, actor: str, project_id: str | None = None) -> Run:
+        """Idempotent: queued → cancelled at once; an active Run gets the intent (its process
+        tree is stopped by the coordinator). Returns the Run as it now stands."""
+
+    def queued_count(self) -> int:
+        """Runs waiting in ``queued`` (STATUS)."""
+
+
+class ScheduleStore(Protocol):
+    """Schedule cursors and the Runs they fire, exactly once per instant."""
+
+    def schedule_cursors(self) -> dict[str, ScheduleCursor]:
+        """task_id → cursor, for every Task that has one."""
+
+    def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
+                      scheduled_for_us: int | None, actor: str,
+                      cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, missed: str | None = None) -> str:
+        """One transaction: compare-and-set the cursor ``(expected, new)`` (None: leave it) and,
+        when ``idempotency_key`` is not None, create the Run of that key from the Task's current
+        head (``missed``: the coalesced instants, recorded on ``run.created``). Returns ``created``, ``exists`` (the key's Run is there), ``skipped`` (single-instance
+        Task with a live Run; counted in ``skipped_fires``), ``gone`` (disabled or removed),
+        ``moved`` (the cursor is no longer ``expected``: nothing written) or ``cursor`` (no Run
+        asked, cursor written)."""
+
+
+class SecretStore(Protocol):
+    """Secret ciphertext by (Project, name); plaintext never reaches a store."""
+
+    def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None: ...
+
+    def secret_names(self, project_id: str) -> list[tuple[str, int]]:
+        """(name, updated_at_us), by name."""
+
+    def delete_secret(self, project_id: str, name: str, *, force: bool = False) -> list[str]:
+        """Delete; returns the live Tasks still referring to it. Without ``force`` a used Secret
+        is ConflictError(``secret_in_use``) naming them; NotFoundError(``secret_not_found``)."""
+
+    def secret_uses(self, project_id: str | None) -> list[tuple[str, str, bool]]:
+        """(task name, Secret name, stored?) per SecretRef of each live Task head (every Project
+        when None), by task then Secret name."""
+
+    def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
+        """Ciphertext of each present name (missing ones are absent)."""
+
+    def legacy_ciphertexts(self, magic: bytes) -> list[tuple[str, str, bytes]]:
+        """(project_id, name, ciphertext) of every Secret whose ciphertext starts with ``magic``."""
+
+    def replace_ciphertexts(self, rows: list[tuple[str, str, bytes, bytes]], key_id: str) -> int:
+        """In one transaction, for each (project_id, name, old, new): replace ``old`` by ``new``
+        where the row still holds ``old``. Returns how many rows were replaced."""
 
 
 class DispatchStore(Protocol):
+    """What one dispatcher pass reads and the few writes it makes (ADR-0071 §3–4)."""
+
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
-        """Up to ``limit + 1`` candidates in keyset order after ``after``."""
+        """Up to ``limit + 1`` due candidates in keyset order (priority desc, created, attempt
+        created, attempt id) strictly after ``after`` (a ``Candidate.key()``), never OFFSET."""
 
     def reread(self, c: Candidate) -> bool:
-        """Is the exact candidate still queued with the same version and claimed Attempt?"""
+        """Is the exact candidate still queued, uncancelled, same version and claimed Attempt?"""
 
     def load_plan(self, c: Candidate) -> tuple[Plan | None, str | None]:
         """Pinned execution revision + recipe, or (None, ``revision_missing``/``recipe_missing``)."""
-
-    def resolve_secrets(self, project_id: str, names: list[str]) -> dict[str, bytes]:
-        """Plaintext of each de-duplicated SecretRef; raises UnavailableError(secret_missing …)."""
 
     def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
                         start_error: str | None = None) -> None:
         """End a candidate that can never launch as it stands (no process): Attempt
         ``start_failed`` with ``reason`` (a code) and ``start_error`` (the bounded text)."""
 
+    def active_count(self) -> int:
+        """Runs starting or running (global concurrency); reads only live Runs."""
+
+    def task_active_count(self, task_id: str) -> int:
+        """The Task's starting or running Runs (single-instance admission)."""
+
+
+class ExecutionStore(Protocol):
+    """Attempt/Run transitions after dispatch: compare-and-set, one RunEvent each."""
+
+    def claim_starting(self, c: Candidate, artifact_path: str) -> bool:
+        """queued → starting (CAS on the candidate's version). False: another pass won; do not spawn."""
+
+    def mark_running(self, c: Candidate, shim_pid: int, shim_start: float, deadline_us: int) -> None:
+        """starting → running once the shim exists (its PID and start time identify it)."""
+
+    def finish(self, run_id: str, attempt_id: str, f: Finish, truncation: TruncationFact | None,
+               retry: RetryPolicy | None) -> str:
+        """End the Attempt (or queue a retry Attempt) and record the truncation fact once.
+        Idempotent for an Attempt already terminal. Returns the Run's state."""
+
+    def live_attempts(self) -> list[LiveAttempt]:
+        """Attempts starting or running (restart recovery)."""
+
+    def cancel_requested(self) -> set[str]:
+        """Attempt IDs of active Runs whose cancellation was requested."""
+
+    def retry_policy(self, task_id: str, revision: int) -> RetryPolicy | None: ...
+
+    def timing(self, task_id: str, revision: int) -> tuple[int, int]:
+        """(timeout_ms, grace_ms) of the revision (defaults if it is gone)."""
+
+    def next_backoff_us(self) -> int | None:
+        """Earliest ``not_before_us`` of a queued retry that is not yet due."""
+
+    def claimed_attempt_ids(self) -> list[str]:
+        """Attempts still ``claimed`` (a crash may have left their log file)."""
+
+    def retention_entries(self) -> list[RetentionEntry]:
+        """Ended Attempts that still have a log, oldest first."""
+
+    def forget_artifacts(self, attempt_ids: list[str]) -> None:
+        """Clear the log path of pruned Artifacts (rows and truncation facts stay)."""
+
+
+class Store(PolicyStore, DefinitionStore, RunStore, ScheduleStore, SecretStore, DispatchStore, ExecutionStore,
+            Protocol):
+    """Everything one authority provides. ``project`` is the Project this process acts in."""
+
+    project: Project
+
+    def now_us(self) -> int:
+        """The store's clock (µs since the epoch)."""
+
+    def capabilities(self) -> dict[str, int]:
+        """Declared store capabilities; UnavailableError if a required one is missing (readiness)."""
+
+    def close(self) -> None: ...
+
+
+# ---- host ports ----------------------------------------------------------------------------
+
+
+class SecretCipher(Protocol):
+    """Authenticated encryption of Secret values, bound to (Project, name) (``adapters.secretbox``)."""
+
+    key_id: str
+
+    def seal(self, project_id: str, name: str, plaintext: bytes) -> bytes: ...
+
+    def open(self, project_id: str, name: str, blob: bytes) -> bytes:
+        """UnavailableError if the blob was not sealed by this key for this (Project, name)."""
+
+
+CipherFactory = Callable[[], SecretCipher]
+
 
 class ArtifactPort(Protocol):
+    """Log Artifacts on the filesystem (``adapters.artifacts``)."""
+
     def admit(self, quota_bytes: int) -> str | None:
         """None if one full log fits above the reserve and within the total quota, else a reason."""
 
@@ -44,33 +331,18 @@ class ArtifactPort(Protocol):
     def discard(self, path: str) -> None:
         """Remove a log file this pass created but could not use."""
 
+    def discard_attempt(self, attempt_id: str) -> None:
+        """Remove the (deterministic) log file of an Attempt that never started, if present."""
 
-class Admission(Protocol):
-    def global_block(self) -> str | None:
-        """A reason no Run may start now (draining, concurrency, pids, memory), or None."""
-
-    def run_block(self, c: Candidate, plan: Plan) -> str | None:
-        """A reason this Run must wait (single_instance, network), or None."""
-
-
-class ExecutionStore(Protocol):
-    def claim_starting(self, c: Candidate, artifact_path: str) -> bool: ...
-    def mark_running(self, c: Candidate, wrapper_pid: int, wrapper_start: float, deadline_us: int) -> None: ...
-    def set_task_pgid(self, attempt_id: str, pgid: int) -> None: ...
-    def finish(self, run_id: str, attempt_id: str, f: Finish, truncation: dict | None,
-               retry: RetryPolicy | None) -> str: ...
-    def live_attempts(self) -> list[LiveAttempt]: ...
-    def cancel_requested(self) -> set[str]:
-        """Attempt IDs of live Runs whose cancellation was requested."""
-    def retry_policy(self, task_id: str, revision: int) -> RetryPolicy | None: ...
-    def timing(self, task_id: str, revision: int) -> tuple[int, int]: ...
+    def prune(self, keep_per_task: int, max_total_bytes: int, entries: list[RetentionEntry]) -> list[str]:
+        """Delete the oldest logs beyond the rule; returns the Attempt IDs whose log went."""
 
 
 class ProcessPort(Protocol):
-    """Launcher wrapper processes (``adapters.processes``)."""
+    """Shim processes (``adapters.processes``): one shim per Attempt, in its own session."""
 
     def spawn(self, cmd: LaunchCommand) -> tuple[int, float]:
-        """Start the launcher in its own session and wait for its start status; returns
+        """Start the shim in its own session and wait for its start status; returns
         (pid, create_time) once the task was exec'd. Raises errors.StartError with the reason
         when it was not (nothing of the Run is left running; the run directory remains)."""
 
@@ -83,18 +355,59 @@ class ProcessPort(Protocol):
     def reap(self, pid: int) -> None:
         """Collect the exit status if ``pid`` is our child (no zombie)."""
 
-    def signal_run(self, attempt_id: str, wrapper_pid: int | None, sig: int) -> int:
-        """Signal the task's process group and every descendant of the wrapper (never the
-        wrapper itself); returns how many processes were signalled."""
+    def signal_run(self, attempt_id: str, shim_pid: int | None, sig: int) -> int:
+        """Signal the task's process group and every descendant of the shim (never the shim
+        itself); returns how many processes were signalled."""
 
-    def collect(self, attempt_id: str) -> tuple[dict | None, dict | None]:
-        """(completion receipt, truncation fact) left by the wrapper, or None for each."""
+    def collect(self, attempt_id: str) -> tuple[Receipt | None, TruncationFact | None]:
+        """(completion receipt, truncation fact) left by the shim, or None for each."""
 
     def cleanup(self, attempt_id: str) -> None:
         """Remove the run directory once its facts are in the store."""
 
 
-from .inbox_states import InboxEntry, InboxOffer, PendingPull  # noqa: E402  (kept beside its port)
+class Usage(Protocol):
+    rss_bytes: int
+    pids: int
+
+
+class BudgetPort(Protocol):
+    """The service tree's memory and PID use (``adapters.budget``: cgroup or psutil)."""
+
+    def block_reason(self, extra_roots: list[int]) -> str | None:
+        """``pids`` or ``memory`` when one more Run would pass the Profile budget, else None."""
+
+    def recent(self, max_age_s: float, extra_roots: list[int]) -> Usage:
+        """Figures measured within ``max_age_s`` s, else fresh ones (bytes, count)."""
+
+
+class PanelSource(Protocol):
+    """A qinglong 2.x data directory, read-only (``adapters.qinglong``)."""
+
+    def read_panel(self, path: str, scripts_dir: str | None) -> QlPanel:
+        """The panel's crons, Envs and config.sh. ValidationError (not 2.x, corrupt, unreadable)
+        or UnavailableError (its database is locked or kept changing)."""
+
+    def readable_files(self, paths: frozenset[str]) -> frozenset[str]:
+        """Those of ``paths`` this user can read."""
+
+    def find_tools(self) -> Toolset:
+        """The interpreters present on the task PATH."""
+
+
+class NetworkPort(Protocol):
+    """Network conditions for gated Runs (``adapters.netgate``, netlink)."""
+
+    def satisfied(self, require: str, interface: str | None) -> bool:
+        """``default_route``: an IPv4/IPv6 default route exists; ``interface``: that link is up."""
+
+    def fileno(self) -> int:
+        """A descriptor readable when conditions may have changed."""
+
+    def process(self) -> bool:
+        """Consume pending events; True if a condition changed."""
+
+    def close(self) -> None: ...
 
 
 class InboxPort(Protocol):

@@ -4,19 +4,67 @@ Run:     queued → starting → running → succeeded | failed | timed_out | ca
          queued → cancelled;  queued → failed (its plan can never launch: secret or revision missing);  starting → failed (launch failure);  any live → queued (retry,
          with a new claimed Attempt).
 Attempt: claimed → starting → running → succeeded | failed | timed_out | cancelled | lost;
-         claimed → cancelled | start_failed;  starting|running → start_failed (the wrapper could not exec the task).
+         claimed → cancelled | start_failed;  starting|running → start_failed (the shim could not exec the task).
 """
 
 from __future__ import annotations
 
-RUN_LIVE = frozenset({"queued", "starting", "running"})
-RUN_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
-ATTEMPT_TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed"})
+class RunState:
+    """A Run's states, as stored and shown (plain strings: a namespace, as supervisor's
+    ``states.py``, not an Enum class — cheaper to load on a router).
+
+    ``ALL`` in lifecycle order; ``LIVE``: not ended (may still change); ``ACTIVE``: a process may
+    exist; ``TERMINAL``: final."""
+
+    QUEUED = "queued"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+    ALL = (QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED, TIMED_OUT, CANCELLED, LOST)
+    LIVE = frozenset({QUEUED, STARTING, RUNNING})
+    ACTIVE = frozenset({STARTING, RUNNING})
+    TERMINAL = frozenset(ALL) - LIVE
+
+
+class AttemptState:
+    """An Attempt's states (see RunState); ``START_FAILED``: the task never ran."""
+
+    CLAIMED = "claimed"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+    START_FAILED = "start_failed"
+
+    ALL = (CLAIMED, STARTING, RUNNING, SUCCEEDED, FAILED, TIMED_OUT, CANCELLED, LOST, START_FAILED)
+    LIVE = frozenset({CLAIMED, STARTING, RUNNING})
+    ACTIVE = frozenset({STARTING, RUNNING})
+    TERMINAL = frozenset(ALL) - LIVE
+    # Attempts a retry policy may follow with a new Attempt (not after a cancel or success).
+    RETRYABLE = frozenset({FAILED, TIMED_OUT, LOST, START_FAILED})
+
+
+RUN_LIVE = RunState.LIVE
+RUN_ACTIVE = RunState.ACTIVE
+RUN_TERMINAL = RunState.TERMINAL
+ATTEMPT_LIVE = AttemptState.LIVE
+ATTEMPT_ACTIVE = AttemptState.ACTIVE
+ATTEMPT_TERMINAL = AttemptState.TERMINAL
+RETRYABLE = AttemptState.RETRYABLE
+
 
 _RUN = {
     "queued": {"starting", "cancelled", "failed"},
-    # starting → a terminal state: the agent died between the claim and recording the wrapper,
-    # and recovery finds the wrapper's receipt.
+    # starting → a terminal state: the agent died between the claim and recording the shim,
+    # and recovery finds the shim's receipt.
     "starting": {"running", "succeeded", "failed", "timed_out", "queued", "cancelled", "lost"},
     "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "queued"},
 }
@@ -60,7 +108,7 @@ def outcome(exit_code: int | None, signal: int | None, start_error: str | None, 
 
 def retryable(attempt_state: str) -> bool:
     """Attempts that a retry policy may follow with a new Attempt (not after a cancel or success)."""
-    return attempt_state in ("failed", "timed_out", "lost", "start_failed")
+    return attempt_state in RETRYABLE
 
 
 def backoff_ms(base_ms: int, attempt_no: int) -> int:

@@ -14,12 +14,11 @@ from typing import Literal
 
 import msgspec
 
+from qlagent.core.canonical import idempotency_key, snapshot_ref  # noqa: F401  (part of the wire contract)
 from qlagent.core.errors import QlError
+from qlagent.core.limits import DIGEST_HEX_LEN, REVISION_MAX, REVISION_MIN  # noqa: F401
 
 SCHEMA = "qinglong/task-start@v1"
-REVISION_MIN = 1
-REVISION_MAX = 2_147_483_647
-DIGEST_HEX_LEN = 64
 
 # ADR-0376 §1: "小写 canonical UUID" — 8-4-4-4-12 lowercase hex, nothing else.
 _UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -210,16 +209,6 @@ def decode_task_start(body: bytes) -> TaskStartRequest:
 def encode_task_start(req: TaskStartRequest) -> bytes:
     """Canonical JSON bytes of a request (field order as declared); the CLI sends these."""
     return msgspec.json.encode(req)
-
-
-def idempotency_key(mutation_id: str) -> str:
-    """Project-scoped idempotency key of a Task Start (ADR-0376 §2): ``ql3:task-start:v1:{id}``."""
-    return f"ql3:task-start:v1:{mutation_id}"
-
-
-def snapshot_ref(revision: int, digest: str) -> str:
-    """Task snapshot ref pinned on the Run (ADR-0376 §2): ``qltd:v1:{revision}:{digest}``."""
-    return f"qltd:v1:{revision}:{digest}"
 
 
 def rfc3339_from_us(us: int) -> str:

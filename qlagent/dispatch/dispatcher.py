@@ -10,10 +10,15 @@ cursor, never OFFSET) so that waiting Runs cannot starve the ones behind them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..core.dispatch import DispatchResult
-from ..core.ports import Admission, DispatchStore
 from ..execution.coordinator import LocalExecutionCoordinator
+from .admission import Admission
 from .materializer import Materializer
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import DispatchStore
 
 
 class LocalRunDispatcher:

@@ -15,14 +15,19 @@ Artifact path) is failed with its reason.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from ..core import limits as L
 from ..core.dispatch import Candidate, LaunchCommand, Plan
 from ..core.errors import QlError, StartError, UnavailableError
-from ..core.ports import Admission, ArtifactPort, DispatchStore
 from ..core.profiles import Profile
+from .admission import Admission
+from .secrets import resolve_secrets
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import ArtifactPort, CipherFactory, DispatchStore, SecretStore
 
 
 class Prepared(msgspec.Struct, frozen=True):
@@ -68,12 +73,16 @@ class Materializer:
     """Turns one candidate into a LaunchCommand, or says why not (see module docstring).
 
     ``baseline``: the run user's HOME/USER/LOGNAME/SHELL (recipe values override them; an
-    unset ``cwd`` is the resulting HOME); ``log(priority, event, **fields)``: the journal.
+    unset ``cwd`` is the resulting HOME); ``log(priority, event, **fields)``: the journal;
+    ``secrets``/``cipher``: where SecretRefs are read and opened (step 4).
     """
 
-    def __init__(self, store: DispatchStore, artifacts: ArtifactPort, admission: Admission, profile: Profile,
-                 baseline: dict[str, str] | None = None, log: Callable[..., None] = lambda *a, **k: None) -> None:
+    def __init__(self, store: DispatchStore, secrets: SecretStore, cipher: CipherFactory, artifacts: ArtifactPort,
+                 admission: Admission, profile: Profile, baseline: dict[str, str] | None = None,
+                 log: Callable[..., None] = lambda *a, **k: None) -> None:
         self._store = store
+        self._secrets = secrets
+        self._cipher = cipher
         self._artifacts = artifacts
         self._admission = admission
         self._profile = profile
@@ -95,7 +104,8 @@ class Materializer:
         if blocked:
             return Prepared("skip", blocked)
         try:
-            plain = self._store.resolve_secrets(c.project_id, list(plan.recipe.secret_refs.values()))   # 4
+            plain = resolve_secrets(self._secrets, self._cipher, c.project_id,                # 4
+                                    list(plan.recipe.secret_refs.values()))
             secret_env = {env: plain[name].decode("utf-8", "surrogateescape")
                           for env, name in plan.recipe.secret_refs.items()}
             del plain

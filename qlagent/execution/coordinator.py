@@ -1,9 +1,9 @@
 """LocalExecutionCoordinator: the only owner of Attempt/Run transitions after dispatch.
 
-It starts a launcher wrapper for a LaunchCommand (after winning the claimed → starting CAS),
+It starts a shim for a LaunchCommand (after winning the claimed → starting CAS),
 consumes completion receipts, enforces timeouts (SIGTERM to the task's process group and every
 escaped descendant, SIGKILL after the grace), carries out cancellation and the shutdown drain,
-and reconciles every starting/running Attempt on restart: receipt → ingest; wrapper alive
+and reconciles every starting/running Attempt on restart: receipt → ingest; shim alive
 (PID + start time) → re-attach; otherwise → ``lost``. It has no timer or thread: the service
 loop asks ``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
 """
@@ -13,38 +13,30 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ..core import limits as L
-from ..core import states
 from ..core.dispatch import Finish, LaunchCommand
 from ..core.errors import StartError
-from ..core.ports import ExecutionStore, ProcessPort
+from ..core.receipt import bounded, start_code
+from ..core.states import AttemptState, outcome
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import ExecutionStore, ProcessPort
+    from ..core.receipt import Receipt
 
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
-# A receipt's start_error begins with what could not be used (launcher/wrapper.py).
-_START_CODES = {"cwd": "cwd_unusable", "exec": "exec_failed", "artifact_path": "artifact_unusable"}
 
 
-def start_code(start_error: str) -> str:
-    """The Attempt failure reason (a code) for a launcher start_error text."""
-    return _START_CODES.get(start_error.split(" ", 1)[0], "shim_failed")
-
-
-def bounded(text: str) -> str:
-    """A start-failure reason cut to limits.MAX_START_ERROR characters."""
-    return text if len(text) <= L.MAX_START_ERROR else text[:L.MAX_START_ERROR - 3] + "..."
-
-
-class LiveRun:
+class TrackedAttempt:
     """In-memory view of one running Attempt (the store stays the authority)."""
 
-    __slots__ = ("run_id", "attempt_id", "task_id", "revision", "wrapper_pid", "create_time", "pidfd",
+    __slots__ = ("run_id", "attempt_id", "task_id", "revision", "shim_pid", "create_time", "pidfd",
                  "deadline_us", "grace_us", "kill_reason", "kill_at_us", "retry")
 
-    def __init__(self, run_id, attempt_id, task_id, revision, wrapper_pid, create_time, pidfd, deadline_us,
+    def __init__(self, run_id, attempt_id, task_id, revision, shim_pid, create_time, pidfd, deadline_us,
                  grace_us, retry) -> None:
         self.run_id, self.attempt_id, self.task_id, self.revision = run_id, attempt_id, task_id, revision
-        self.wrapper_pid, self.create_time, self.pidfd = wrapper_pid, create_time, pidfd
+        self.shim_pid, self.create_time, self.pidfd = shim_pid, create_time, pidfd
         self.deadline_us, self.grace_us, self.retry = deadline_us, grace_us, retry
         self.kill_reason: str | None = None
         self.kill_at_us: int | None = None
@@ -57,7 +49,7 @@ class LocalExecutionCoordinator:
         self._procs = procs
         self._now = clock_us
         self._log = log
-        self.live: dict[str, LiveRun] = {}
+        self.live: dict[str, TrackedAttempt] = {}
 
     # ---- start ---------------------------------------------------------------------------
     def start(self, cmd: LaunchCommand) -> tuple[str, str | None]:
@@ -73,7 +65,7 @@ class LocalExecutionCoordinator:
             pid, ctime = self._procs.spawn(cmd)
         except StartError as e:
             text = bounded(str(e))
-            self._store.finish(c.run_id, c.attempt_id, Finish("start_failed", failure_reason=e.code,
+            self._store.finish(c.run_id, c.attempt_id, Finish(AttemptState.START_FAILED, failure_reason=e.code,
                                                               start_error=text), None, cmd.retry)
             if e.code != "run_dir_unsafe":     # never remove a directory we refused to use
                 self._procs.cleanup(c.attempt_id)
@@ -82,23 +74,23 @@ class LocalExecutionCoordinator:
         now = self._now()
         deadline = now + cmd.timeout_ms * 1000
         self._store.mark_running(c, pid, ctime, deadline)
-        self.live[c.attempt_id] = LiveRun(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
+        self.live[c.attempt_id] = TrackedAttempt(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
                                           self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry)
         self._log("info", "run.started", run=c.run_id, attempt=c.attempt_id, pid=pid)
         return "activated", None
 
     # ---- completion ----------------------------------------------------------------------
     def on_exit(self, attempt_id: str) -> str | None:
-        """The wrapper ended: ingest its receipt and truncation fact; returns the Run state."""
+        """The shim ended: ingest its receipt and truncation fact; returns the Run state."""
         lr = self.live.pop(attempt_id, None)
         if lr is None:
             return None
-        self._procs.reap(lr.wrapper_pid)
+        self._procs.reap(lr.shim_pid)
         receipt, trunc = self._procs.collect(attempt_id)
         if receipt is None:
-            # Wrapper died without a receipt: stop whatever it left and call the Attempt lost.
+            # Shim died without a receipt: stop whatever it left and call the Attempt lost.
             self._procs.signal_run(attempt_id, None, signal.SIGKILL)
-            f = Finish("lost", failure_reason="wrapper_died")
+            f = Finish(AttemptState.LOST, failure_reason="shim_died")
         else:
             f = self._finish_from_receipt(receipt, lr.kill_reason)
         retry = lr.retry or self._store.retry_policy(lr.task_id, lr.revision)
@@ -114,22 +106,20 @@ class LocalExecutionCoordinator:
         return state
 
     @staticmethod
-    def _finish_from_receipt(r: dict, kill_reason: str | None) -> Finish:
-        error = r.get("start_error")
-        error = bounded(error) if isinstance(error, str) else None
-        st = states.outcome(r.get("exit_code"), r.get("signal"), error, kill_reason)
-        return Finish(st, exit_code=r.get("exit_code"), exit_signal=r.get("signal"), bytes_kept=r.get("bytes_kept"),
-                      bytes_dropped=r.get("bytes_dropped"), peak_rss_bytes=r.get("peak_rss_bytes"),
-                      cpu_time_us=r.get("cpu_time_us"), ended_at_us=r.get("ended_at_us"),
-                      failure_reason=(start_code(error) if error else kill_reason), start_error=error,
-                      orphans_stopped=r.get("orphans_stopped"))
+    def _finish_from_receipt(r: Receipt, kill_reason: str | None) -> Finish:
+        error = bounded(r.start_error) if r.start_error is not None else None
+        st = outcome(r.exit_code, r.signal, error, kill_reason)
+        return Finish(st, exit_code=r.exit_code, exit_signal=r.signal, bytes_kept=r.bytes_kept,
+                      bytes_dropped=r.bytes_dropped, peak_rss_bytes=r.peak_rss_bytes, cpu_time_us=r.cpu_time_us,
+                      ended_at_us=r.ended_at_us, failure_reason=(start_code(error) if error else kill_reason),
+                      start_error=error, orphans_stopped=r.orphans_stopped)
 
     # ---- time, cancellation, shutdown ----------------------------------------------------
-    def _stop(self, lr: LiveRun, reason: str, now: int, grace_us: int | None = None) -> None:
+    def _stop(self, lr: TrackedAttempt, reason: str, now: int, grace_us: int | None = None) -> None:
         if lr.kill_reason is None:
             lr.kill_reason = reason
             lr.kill_at_us = now + (lr.grace_us if grace_us is None else grace_us)
-            n = self._procs.signal_run(lr.attempt_id, lr.wrapper_pid, signal.SIGTERM)
+            n = self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGTERM)
             self._log("notice", "run.stopping", run=lr.run_id, reason=reason, signalled=n)
 
     def tick(self) -> None:
@@ -137,11 +127,11 @@ class LocalExecutionCoordinator:
         now = self._now()
         for lr in list(self.live.values()):
             if lr.kill_at_us is not None and now >= lr.kill_at_us:
-                self._procs.signal_run(lr.attempt_id, lr.wrapper_pid, signal.SIGKILL)
+                self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGKILL)
                 lr.kill_at_us = None
             elif lr.kill_reason is None and lr.deadline_us is not None and now >= lr.deadline_us:
                 self._stop(lr, "timeout", now)
-            if lr.pidfd is None and not self._procs.alive(lr.wrapper_pid, lr.create_time):
+            if lr.pidfd is None and not self._procs.alive(lr.shim_pid, lr.create_time):
                 self.on_exit(lr.attempt_id)
 
     def next_wakeup_us(self) -> int | None:
@@ -190,7 +180,7 @@ class LocalExecutionCoordinator:
             if la.attempt_id in self.live:
                 continue
             receipt, trunc = self._procs.collect(la.attempt_id)
-            alive = la.wrapper_pid is not None and self._procs.alive(la.wrapper_pid, la.wrapper_start_time or 0.0)
+            alive = la.shim_pid is not None and self._procs.alive(la.shim_pid, la.shim_start_time or 0.0)
             if receipt is not None and not alive:
                 f = self._finish_from_receipt(receipt, None)
                 self._store.finish(la.run_id, la.attempt_id, f, trunc,
@@ -202,8 +192,8 @@ class LocalExecutionCoordinator:
                 counts["ingested"] += 1
             elif alive:
                 _, grace_ms = self._store.timing(la.task_id, la.task_revision)
-                lr = LiveRun(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.wrapper_pid,
-                             la.wrapper_start_time, self._procs.watch(la.wrapper_pid), la.deadline_at_us,
+                lr = TrackedAttempt(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.shim_pid,
+                             la.shim_start_time, self._procs.watch(la.shim_pid), la.deadline_at_us,
                              grace_ms * 1000, None)
                 self.live[la.attempt_id] = lr
                 if la.attempt_id in cancels:
@@ -211,7 +201,7 @@ class LocalExecutionCoordinator:
                 counts["reattached"] += 1
             else:
                 self._procs.signal_run(la.attempt_id, None, signal.SIGKILL)
-                self._store.finish(la.run_id, la.attempt_id, Finish("lost", failure_reason="agent_restart"), None,
+                self._store.finish(la.run_id, la.attempt_id, Finish(AttemptState.LOST, failure_reason="agent_restart"), None,
                                    self._store.retry_policy(la.task_id, la.task_revision))
                 self._procs.cleanup(la.attempt_id)
                 counts["lost"] += 1

@@ -1,9 +1,9 @@
 """Route functions of the local API (issue 5 §2–§7, ADR-0376): Task Start, reads, log reads,
 cancel, health and the OpenAPI document.
 
-Every store access goes through the single operation queue (``LocalStore.read``/``write``) and
-the application services the CLI uses (``RunService``, ``request_cancel``), so HTTP and CLI share
-one semantics. Route templates equal the OpenAPI document's paths
+Every store access goes through the store ports (``core.ports.Store``) and the application
+services the CLI uses (``RunService``, ``request_cancel``, the presenter), so HTTP and CLI share
+one semantics and one JSON shape. Route templates equal the OpenAPI document's paths
 (``routing.documented_routes()``); :func:`build_router` registers exactly those.
 
 Path ``projectId`` is the Project's name or ID. Authentication comes first (401), then the
@@ -14,19 +14,16 @@ foreign Project's existence is not revealed (issue 5 §2).
 from __future__ import annotations
 
 import os
-import sqlite3
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from qlagent.adapters.sqlite import definitions as defs
-from qlagent.adapters.sqlite import migrations, policy
+from qlagent.application import presenter
 from qlagent.application.cancel import request_cancel
 from qlagent.application.runs import MAX_LOG_READ, RunService
-from qlagent.application.schedules import system_timezone, upcoming
-from qlagent.application.store import LocalStore, now_us
 from qlagent.core import taskstart as ts
 from qlagent.core.errors import FenceRejected, NotFoundError, QlError, UnavailableError, ValidationError
-from qlagent.core.models import Attempt, Run, RunEvent, TaskHead
-from qlagent.core.schedule import next_fire, parse_schedule
+from qlagent.core.models import Run
+from qlagent.core.states import RUN_TERMINAL, RunState
 from qlagent.http.auth import AuthError, Principal, authorize
 from qlagent.http.routing import Router, openapi_document
 from qlagent.http.server import (
@@ -39,77 +36,15 @@ from qlagent.http.server import (
     query_int,
 )
 
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from qlagent.core.ports import Store
+
 PREFIX = "/api/v3/projects/{projectId}"
 RUN_PAGE_MAX = 100          # items per GET .../runs page (OpenAPI RunPage.maxItems)
 RUN_PAGE_DEFAULT = 20
 EVENT_PAGE_MAX = 100        # items per GET .../events page
 EVENT_PAGE_DEFAULT = 50
 LOG_READ_DEFAULT = 65_536   # bytes of a log read without limit or Range
-NEXT_FIRES = 5              # merged upcoming fire instants on a Task read
-RUN_STATES = ("queued", "starting", "running", "succeeded", "failed", "timed_out", "cancelled", "lost")
-TERMINAL = frozenset({"succeeded", "failed", "timed_out", "cancelled", "lost"})
-
-
-class StoreTokens:
-    """:class:`qlagent.http.auth.TokenPort` over the local store (one queued read each)."""
-
-    def __init__(self, store: LocalStore) -> None:
-        self._store = store
-
-    def lookup_token(self, digest: str) -> tuple[str, str] | None:
-        """(project_id, subject) of a live token with this SHA-256 hex digest, else None."""
-        return self._store.read(lambda c: policy.lookup_token(c, digest))
-
-    def latest_binding(self, project_id: str, subject: str) -> tuple[str, int] | None:
-        """(role, bindingVersion) of the subject's latest active RoleBinding, else None."""
-        b = self._store.read(lambda c: policy.latest_binding(c, project_id, subject))
-        return None if b is None else (b.role, b.binding_version)
-
-
-def _time(us: int | None) -> str | None:
-    return None if us is None else ts.rfc3339_from_us(us)
-
-
-def _attempt_json(a: Attempt) -> dict:
-    return {"attemptId": a.attempt_id, "attemptNo": a.attempt_no, "state": a.state,
-            "executorType": a.executor_type, "exitCode": a.exit_code, "signal": a.exit_signal,
-            "bytesKept": a.bytes_kept, "bytesDropped": a.bytes_dropped, "truncated": a.truncated,
-            "failureReason": a.failure_reason, "startError": a.start_error,
-            "orphansStopped": a.orphans_stopped, "startedAt": _time(a.started_at_us),
-            "endedAt": _time(a.ended_at_us)}
-
-
-def _run_json(r: Run, latest: Attempt | None = None, with_attempt: bool = False) -> dict:
-    d = {"runId": r.run_id, "projectId": r.project_id, "taskId": r.task_id, "taskName": r.task_name,
-         "state": r.state, "taskRevision": r.task_revision, "taskSnapshotRef": r.task_snapshot_ref,
-         "executionOrigin": r.execution_origin, "executionOwner": r.execution_owner,
-         "triggerType": r.trigger_type, "requestedBy": r.requested_by, "priority": r.priority,
-         "version": r.version, "eventSequence": r.event_sequence, "cancelRequested": r.cancel_requested,
-         "exitCode": r.exit_code, "signal": r.exit_signal, "scheduledFor": _time(r.scheduled_for_us),
-         "createdAt": _time(r.created_at_us), "updatedAt": _time(r.updated_at_us),
-         "endedAt": _time(r.ended_at_us)}
-    if with_attempt:
-        d["latestAttempt"] = None if latest is None else _attempt_json(latest)
-    return d
-
-
-def _event_json(e: RunEvent) -> dict:
-    return {"eventId": e.event_id, "runId": e.run_id, "sequence": e.sequence, "type": e.type,
-            "actor": e.actor, "createdAt": _time(e.created_at_us), "payload": e.payload}
-
-
-def _head_json(h: TaskHead, now: int) -> dict:
-    d = h.definition
-    tz = d.timezone or system_timezone()
-    schedules = []
-    for line in d.schedules:
-        nxt = next_fire(parse_schedule(line), now, tz) if h.enabled else None
-        schedules.append({"cron": line, "timezone": tz, "nextFireAt": _time(nxt)})
-    fires = upcoming(d, NEXT_FIRES, now) if h.enabled else []
-    return {"projectId": h.project_id, "taskId": h.task_id, "name": h.name, "revision": h.revision,
-            "contentDigest": h.content_digest, "taskSnapshotRef": ts.snapshot_ref(h.revision, h.content_digest),
-            "enabled": h.enabled, "schedules": schedules, "nextFires": [_time(t) for t in fires],
-            "updatedAt": _time(h.updated_at_us)}
 
 
 def _bad_query(err: ValidationError) -> HttpError:
@@ -117,15 +52,14 @@ def _bad_query(err: ValidationError) -> HttpError:
 
 
 class Api:
-    """The route functions. ``store``: the agent's LocalStore; ``on_change()``: wake the service
+    """The route functions. ``store``: the agent's store (``core.ports.Store``); ``on_change()``: wake the service
     loop after a new Run or a cancellation intent so it dispatches / stops the tree at once;
     ``ready()``: extra readiness (False while draining)."""
 
-    def __init__(self, store: LocalStore, on_change: Callable[[], None],
+    def __init__(self, store: Store, on_change: Callable[[], None],
                  ready: Callable[[], bool] = lambda: True) -> None:
         self.store = store
         self.runs = RunService(store)
-        self.tokens = StoreTokens(store)
         self.on_change = on_change
         self.ready = ready
 
@@ -134,11 +68,11 @@ class Api:
         """Authenticate and authorize ``permission`` in the Project named (or identified) by
         ``project``. Returns (Principal, Project). AuthError 401/403/404."""
         try:
-            proj = self.store.read(lambda c: policy.get_project(c, project))
+            proj = self.store.get_project(project)
         except NotFoundError:
             proj = None
         # An unknown Project still authenticates first: 401 beats 404 (nothing revealed).
-        principal: Principal = authorize(req.headers, self.tokens,
+        principal: Principal = authorize(req.headers, self.store,
                                          proj.project_id if proj else "\0" + project, permission)
         return principal, proj
 
@@ -167,7 +101,7 @@ class Api:
             raise ts.TaskStartError.fence_rejected(e.reason, e.message) from None
         except NotFoundError:
             raise ts.TaskStartError.not_found() from None
-        except (UnavailableError, sqlite3.Error):
+        except UnavailableError:
             raise ts.TaskStartError.unavailable() from None
         result = ts.TaskStartResult.build(
             outcome="existing" if created.existing else "accepted", run_id=created.run_id,
@@ -184,16 +118,16 @@ class Api:
         """GET .../tasks/{taskId}: the current head (revision, contentDigest = the Task Start
         fence, enabled, schedules with their next fire, merged ``nextFires``)."""
         _, proj = self._principal(req, p["projectId"], "task.read")
-        head = self.store.read(lambda c: defs.get_head(c, proj.project_id, p["taskId"]))
-        return Response.json(200, _head_json(head, now_us()))
+        head = self.store.get_head(proj.project_id, p["taskId"])
+        return Response.json(200, presenter.task_head(head, self.store.now_us()))
 
     def list_runs(self, req: Request, p: dict[str, str]) -> Response:
         """GET .../runs?task=&state=&limit=&cursor=: keyset page, newest first (RunPage)."""
         _, proj = self._principal(req, p["projectId"], "run.read")
         limit = query_int(req, "limit", RUN_PAGE_DEFAULT, 1, RUN_PAGE_MAX)
         state = req.query.get("state")
-        if state is not None and state not in RUN_STATES:
-            raise HttpError(400, "bad_query", f"state must be one of {', '.join(RUN_STATES)}", field="state")
+        if state is not None and state not in RunState.ALL:
+            raise HttpError(400, "bad_query", f"state must be one of {', '.join(RunState.ALL)}", field="state")
         task = req.query.get("task")
         if task is not None and not 1 <= len(task) <= 128:
             raise HttpError(400, "bad_query", "task must be 1..128 characters", field="task")
@@ -205,14 +139,14 @@ class Api:
                                        project_id=proj.project_id)
         except ValidationError as e:
             raise _bad_query(e) from None
-        return Response.json(200, {"items": [_run_json(r) for r in runs], "nextCursor": nxt})
+        return Response.json(200, {"items": [presenter.run(r) for r in runs], "nextCursor": nxt})
 
     def get_run(self, req: Request, p: dict[str, str]) -> Response:
         """GET .../runs/{runId}: the Run with its latest Attempt."""
         _, proj = self._principal(req, p["projectId"], "run.read")
         run = self._run(proj.project_id, p["runId"])
         attempts = self.runs.attempts(run.run_id)
-        return Response.json(200, _run_json(run, attempts[-1] if attempts else None, with_attempt=True))
+        return Response.json(200, presenter.run(run, attempts[-1] if attempts else None, with_attempt=True))
 
     def list_events(self, req: Request, p: dict[str, str]) -> Response:
         """GET .../runs/{runId}/events?after=&limit=: RunEvents with sequence > after."""
@@ -223,7 +157,7 @@ class Api:
         events = [e for e in self.runs.events(run.run_id) if e.sequence > after]
         page = events[:limit]
         nxt = page[-1].sequence if len(events) > limit else None
-        return Response.json(200, {"items": [_event_json(e) for e in page], "nextAfter": nxt})
+        return Response.json(200, {"items": [presenter.event(e) for e in page], "nextAfter": nxt})
 
     def read_log(self, req: Request, p: dict[str, str]) -> Response:
         """GET .../runs/{runId}/log?offset=&limit= (or ``Range``): raw bytes of the latest
@@ -252,8 +186,8 @@ class Api:
                    ("X-Qlagent-Log-Size", str(size)),
                    ("X-Qlagent-Log-Truncated", "true" if fact else "false")]
         if fact:
-            dropped = fact["bytesDropped"]
-            headers.append(("X-Qlagent-Truncation", f"quota={fact['quotaBytes']} kept={fact['bytesKept']} "
+            dropped = fact.bytes_dropped
+            headers.append(("X-Qlagent-Truncation", f"quota={fact.quota_bytes} kept={fact.bytes_kept} "
                             f"dropped={'unknown' if dropped is None else dropped}"))
         status = 200
         if partial:
@@ -270,7 +204,7 @@ class Api:
         Run got the intent and the loop is stopping its process tree (CancelResult)."""
         principal, proj = self._principal(req, p["projectId"], "run.cancel")
         run = request_cancel(self.store, p["runId"], principal.subject, proj.project_id)
-        if run.state in TERMINAL:
+        if run.state in RUN_TERMINAL:
             return Response.json(200, {"runId": run.run_id, "state": run.state})
         self.on_change()
         return Response.json(202, {"runId": run.run_id, "state": run.state})
@@ -285,10 +219,14 @@ class Api:
         agent is not draining; else 503 ``not_ready`` with the failing check."""
         checks = {"store": "ok", "capability": "ok", "service": "ok" if self.ready() else "draining"}
         try:
-            self.store.read(migrations.check_capabilities)
+            self.store.capabilities()
         except UnavailableError as e:
-            checks["capability"] = str(e)[:200]
-        except (QlError, sqlite3.Error) as e:
+            if e.code in ("store_busy", "store_unavailable"):
+                checks["store"] = str(e)[:200]
+                checks["capability"] = "unknown"
+            else:
+                checks["capability"] = str(e)[:200]
+        except QlError as e:
             checks["store"] = str(e)[:200]
             checks["capability"] = "unknown"
         ok = all(v == "ok" for v in checks.values())
@@ -314,16 +252,3 @@ def build_router(api: Api) -> Router:
     r.add("GET", "/readyz", api.readyz)
     r.add("GET", "/api/v3/openapi.json", api.openapi)
     return r
-
-
-def handler(router: Router) -> Callable[[Request], Response]:
-    """Wrap ``router`` so a SQLite failure outside Task Start (locked, I/O) answers 503
-    ``unavailable`` with Retry-After instead of a 500."""
-    def handle(req: Request) -> Response:
-        try:
-            return router(req)
-        except sqlite3.Error:
-            return Response.json(503, {"code": "unavailable", "message": "store is busy; retry later"},
-                                 [("Retry-After", "1")])
-    return handle
-

@@ -1,40 +1,32 @@
 """Bearer tokens and the run/read permission table (issue 5 §2, ADR-0376 §2 Policy fence).
 
 Tokens look like ``qlt_`` + ``secrets.token_urlsafe(32)``; only ``token_digest(token)`` (SHA-256
-hex) is stored. The store implements :class:`TokenPort`; this module never touches storage.
+hex) is stored. The store implements ``core.ports.TokenPort``; this module never touches storage.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import TYPE_CHECKING, Mapping
 
-from qlagent.core.tokens import TOKEN_PREFIX, new_token, token_digest  # noqa: F401  (re-exported)
+from qlagent.core.models import ROLES, START_ROLES
+from qlagent.core.tokens import new_token, token_digest  # noqa: F401  (re-exported for callers)
 from qlagent.http.server import HttpError
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from qlagent.core.ports import TokenPort
 
 _TOKEN_RE = re.compile(r"qlt_[A-Za-z0-9_-]{43}")
 
-RUN_ROLES = frozenset({"owner", "admin", "operator"})
-READ_ROLES = RUN_ROLES | {"viewer"}
-ROLES = READ_ROLES
+READ_ROLES = frozenset(ROLES)
 PERMISSIONS: Mapping[str, frozenset[str]] = {
-    "run.start": RUN_ROLES,
-    "run.cancel": RUN_ROLES,
+    "run.start": START_ROLES,
+    "run.cancel": START_ROLES,
     "task.read": READ_ROLES,
     "run.read": READ_ROLES,
     "log.read": READ_ROLES,
 }
-
-
-class TokenPort(Protocol):
-    """Store side of authentication (implemented by the SQLite repository)."""
-
-    def lookup_token(self, digest: str) -> tuple[str, str] | None:
-        """(project_id, subject) of an active, unrevoked token with this SHA-256 hex digest."""
-
-    def latest_binding(self, project_id: str, subject: str) -> tuple[str, int] | None:
-        """(role, binding_version) of the subject's latest active RoleBinding in the Project."""
 
 
 class AuthError(HttpError):
@@ -96,7 +88,6 @@ def authorize(headers: Mapping[str, str], port: TokenPort, project_id: str, perm
     binding = port.latest_binding(project_id, subject)
     if binding is None:
         raise AuthError(403, "permission_denied", f"no active role binding grants {permission}")
-    role, version = binding
-    if not allowed(role, permission):
-        raise AuthError(403, "permission_denied", f"role {role!r} does not grant {permission}")
-    return Principal(project_id, subject, role, version)
+    if not allowed(binding.role, permission):
+        raise AuthError(403, "permission_denied", f"role {binding.role!r} does not grant {permission}")
+    return Principal(project_id, subject, binding.role, binding.binding_version)

@@ -221,17 +221,6 @@ def _decimal(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[IPv6]:PORT`` (config ``http.listen``, ``serve --listen``) → (host, port).
-    Raises ValueError naming ``http.listen`` and the rule (port 1..65535, host required)."""
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not _decimal(port) or not 1 <= int(port) <= 65535:
-        raise ValueError(f"http.listen must be HOST:PORT with port 1..65535, got {text!r}")
-    return host, int(port)
-
-
 def _tokens(value: str) -> set[str]:
     """A comma-separated token list (``Connection``, ``Transfer-Encoding``), lower-cased."""
     return {t.strip(" \t").lower() for t in value.split(",") if t.strip(" \t")}

@@ -3,7 +3,7 @@
 Imported by the service loop only when ``http.listen`` / ``http.unix_socket`` / ``serve
 --listen`` is set, so a headless agent loads none of ``qlagent.http``. The server runs on the
 loop thread; route functions reach the store through the same single operation queue as the
-dispatcher (``LocalStore.read``/``write``).
+dispatcher (the store ports).
 """
 
 from __future__ import annotations
@@ -12,11 +12,14 @@ import selectors
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from qlagent.application.store import LocalStore
 from qlagent.core.errors import ValidationError
-from qlagent.http.api import Api, build_router, handler
+from qlagent.http.api import Api, build_router
 from qlagent.http.server import HttpLimits, HttpServer
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from qlagent.core.ports import Store
 
 # Config overrides may only stay within these bounds (edge: never above the Profile's own
 # 4 in flight / 512-byte body, ADR-0376 §4).
@@ -57,7 +60,7 @@ def limits_for(settings) -> HttpLimits:
 
 
 class HttpSurface:
-    """``HttpSurface(settings, store, engine, log, on_change)``: the API server for the loop.
+    """``HttpSurface(settings, store, on_change)``: the API server for the loop.
 
     ``on_change()`` pokes the loop (a new Run to dispatch, a cancellation to carry out).
     Drive it with ``listen_tcp``/``listen_unix``, ``register(selector)``, ``owns(key)`` +
@@ -66,12 +69,11 @@ class HttpSurface:
     ``[http]`` override out of bounds (see :func:`limits_for`).
     """
 
-    def __init__(self, settings, store: LocalStore, engine, log, on_change: Callable[[], None]) -> None:
-        self.log = log
+    def __init__(self, settings, store: Store, on_change: Callable[[], None]) -> None:
         self.draining = False
         self.api = Api(store, on_change, ready=lambda: not self.draining)
         self.router = build_router(self.api)
-        self.server = HttpServer(limits_for(settings), handler(self.router), probe_paths=PROBE_PATHS)
+        self.server = HttpServer(limits_for(settings), self.router, probe_paths=PROBE_PATHS)
 
     def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
         """Bind HOST:PORT (port 0 picks a free one); returns the bound (host, port)."""

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Annotated
 
 import msgspec
 
-from ..adapters.tomlfile import read_toml
-from ..adapters.trust import TrustedPath, require_trusted, trusted_paths
 from ..core import limits as L
 from ..core.definitions import check_project_name
-from ..core.errors import ValidationError
+from ..core.errors import ValidationError, from_msgspec
 from ..core.profiles import Profile, get_profile
+from .tomlfile import read_toml
+from .trust import TrustedPath, require_trusted, trusted_paths
 
 DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
 DEFAULT_HTTP_PORT = 7380
@@ -34,8 +35,8 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    keep_per_task: int = 20                # newest log Artifacts kept per Task
-    max_total_bytes: int | None = None     # default: the Profile's artifact_total_bytes
+    keep_per_task: Annotated[int, msgspec.Meta(ge=1)] = 20     # newest log Artifacts kept per Task
+    max_total_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None   # default: the Profile's
 
 
 class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -49,20 +50,25 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     labels: dict[str, str] = {}
     executors: list[str] = msgspec.field(default_factory=lambda: ["local_process"])
     slots: int = 1                          # runs at once: 1..max_concurrent_runs of the Profile
-    heartbeat_interval_s: float = 5.0       # 1..60
-    pull_wait_s: int = 20                   # long-poll, 0..30
-    log_store_bytes: int | None = None      # unuploaded logs kept locally; default the Profile's artifact_total_bytes
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(ge=1, le=60)] = 5.0      # s
+    pull_wait_s: Annotated[int, msgspec.Meta(ge=0, le=30)] = 20                   # long-poll, s
+    # Logs not yet uploaded kept locally (bytes); default the Profile's artifact_total_bytes.
+    log_store_bytes: Annotated[int, msgspec.Meta(ge=65_536)] | None = None
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Every range is a ``msgspec.Meta`` bound, enforced when the file is converted."""
+
     profile: str = "edge"
     project: str = "default"
     state_dir: str | None = None
     artifact_dir: str | None = None
     secret_key_file: str | None = None
-    drain_grace_s: float = 20.0
-    kill_grace_s: float = 5.0
-    max_concurrent_runs: int | None = None
+    drain_grace_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 20.0      # s
+    kill_grace_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 5.0         # s
+    max_concurrent_runs: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    # How long a store write waits for another process's lock before "store_busy" (s).
+    busy_timeout_s: Annotated[float, msgspec.Meta(ge=0.05, le=60)] = 5.0
     http: HttpConfig | None = None
     retention: RetentionConfig = RetentionConfig()
     worker: WorkerConfig | None = None
@@ -95,7 +101,7 @@ def load_config(path: str | None, *, trust: bool = True) -> tuple[Config, str | 
 
     Raises ValidationError naming the file and key for unknown keys, wrong types or bad values;
     with ``trust`` (all but ``doctor``, which lists it instead) UntrustedPathError (exit 5) for
-    a file another user could write (adapters.trust), before reading it.
+    a file another user could write (service.trust), before reading it.
     """
     explicit = path is not None
     path = path or os.environ.get("QLAGENT_CONFIG") or DEFAULT_CONFIG
@@ -108,20 +114,17 @@ def load_config(path: str | None, *, trust: bool = True) -> tuple[Config, str | 
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        m = re.search(r"field `([^`]+)`", msg)
-        at = msg.rsplit("- at `$", 1)[1].rstrip("`").lstrip(".") if "- at `$" in msg else ""
-        key = ".".join(x for x in (at, m.group(1) if m else "") if x) or "config"
-        raise ValidationError(key, f"{path}: {msg.split(' - at ')[0]}") from None
+        raise from_msgspec(e, root="config", where=path, data=data, type_=Config) from None
     validate(cfg)
     return cfg, path
 
 
 def parse_listen(value: str, field: str = "http.listen") -> tuple[str, int]:
-    """``"HOST:PORT"`` or ``"[v6]:PORT"`` (port 0..65535; 0 picks a free one) → (host, port);
+    """``"HOST:PORT"`` or ``"[IPv6]:PORT"`` (config ``http.listen``, ``serve --listen``) → (host,
+    port). Port 0..65535 in ASCII digits (0 binds a free port); a host is required. Raises
     ValidationError naming ``field`` (``http.listen`` or ``--listen``) and the rule."""
-    m = re.match(r"^\[([0-9a-fA-F:.]+)\]:([0-9]{1,5})$", value) or re.match(r"^([^:\[\]]+):([0-9]{1,5})$", value)
-    if not m or not (0 <= int(m.group(2)) <= 65535):
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:([0-9]{1,5})", value) or re.fullmatch(r"([^:\[\]]+):([0-9]{1,5})", value)
+    if not m or int(m.group(2)) > 65535:
         raise ValidationError(field, f"{value!r} is not HOST:PORT with port 0..65535", limit="0..65535")
     return m.group(1), int(m.group(2))
 
@@ -129,14 +132,6 @@ def parse_listen(value: str, field: str = "http.listen") -> tuple[str, int]:
 def validate(cfg: Config) -> None:
     get_profile(cfg.profile)
     check_project_name(cfg.project)
-    if not (0 <= cfg.drain_grace_s <= 600):
-        raise ValidationError("drain_grace_s", f"{cfg.drain_grace_s} outside 0..600 seconds", limit="0..600")
-    if not (0 <= cfg.kill_grace_s <= 60):
-        raise ValidationError("kill_grace_s", f"{cfg.kill_grace_s} outside 0..60 seconds", limit="0..60")
-    if cfg.max_concurrent_runs is not None and not (1 <= cfg.max_concurrent_runs <= 64):
-        raise ValidationError("max_concurrent_runs", "outside 1..64", limit="1..64")
-    if cfg.retention.keep_per_task < 1:
-        raise ValidationError("retention.keep_per_task", "must be at least 1")
     if cfg.http is not None and cfg.http.listen:
         parse_listen(cfg.http.listen)
     if cfg.worker is not None:
@@ -171,11 +166,7 @@ def validate_worker(w: WorkerConfig, profile: Profile) -> None:
     if not 1 <= w.slots <= profile.max_concurrent_runs:
         raise ValidationError("worker.slots", f"outside 1..{profile.max_concurrent_runs} (the Profile's live runs)",
                               limit=profile.max_concurrent_runs)
-    if not 1.0 <= w.heartbeat_interval_s <= 60.0:
-        raise ValidationError("worker.heartbeat_interval_s", "outside 1..60 seconds", limit="1..60")
-    if not 0 <= w.pull_wait_s <= 30:
-        raise ValidationError("worker.pull_wait_s", "outside 0..30 seconds", limit="0..30")
-    if w.log_store_bytes is not None and not 65_536 <= w.log_store_bytes <= profile.artifact_total_bytes:
+    if w.log_store_bytes is not None and w.log_store_bytes > profile.artifact_total_bytes:
         raise ValidationError("worker.log_store_bytes", f"outside 65536..{profile.artifact_total_bytes} bytes",
                               limit=f"65536..{profile.artifact_total_bytes}")
 
@@ -184,7 +175,7 @@ def resolve(config_path: str | None = None, *, state_dir: str | None = None, pro
             trust: bool = True) -> Settings:
     """Load the config and apply environment and flag overrides; see the module docstring.
 
-    With ``trust``, every path the agent trusts (adapters.trust.trusted_paths) is checked and
+    With ``trust``, every path the agent trusts (service.trust.trusted_paths) is checked and
     UntrustedPathError (exit 5) raised for the first one another user could write."""
     cfg, used = load_config(config_path, trust=trust)
     prof_name = profile or os.environ.get("QLAGENT_PROFILE") or cfg.profile

@@ -1,7 +1,7 @@
 """``qlagent serve``: one selectors main loop that is idle when idle.
 
 It sleeps until the next of: a cron due time, a run deadline or kill escalation, a retry
-backoff, the watchdog ping, a wrapper exit (pidfd), a control-socket poke, an HTTP request, a
+backoff, the watchdog ping, a shim exit (pidfd), a control-socket poke, an HTTP request, a
 netlink event or a signal — no fixed-interval polling. After each wake-up it fires due
 schedules, sweeps cancellations, enforces deadlines and calls the dispatcher until it reports
 no candidate or a limit. systemd: READY=1 after migrations, capability check and recovery;
@@ -15,16 +15,14 @@ import os
 import selectors
 import signal
 import socket
-import sqlite3
 import time
 
-from ..application.engine import Engine
+from .. import bootstrap
 from ..application.schedules import system_timezone
-from ..application.secrets import migrate_legacy_secrets
-from ..application.store import LocalStore, now_us
+from ..core.clock import now_us
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
+from ..core.states import RUN_LIVE
 from . import control
-from .budget import BudgetMeter
 from .config import Settings, parse_listen, resolve
 from .journal import Journal
 from .lock import ServiceLock
@@ -80,16 +78,15 @@ class Service:
     # ---- start-up --------------------------------------------------------------------------
     def _open(self) -> None:
         s = self.settings
-        self.store = LocalStore(s.db_path, s.config.project)
-        self.budget = BudgetMeter(s.profile) if self.inline_run is None else None
+        self.store = bootstrap.open_store(s, clock_us=self._now)
+        self.budget = bootstrap.budget_meter(s.profile) if self.inline_run is None else None
         max_conc = s.config.max_concurrent_runs or s.profile.max_concurrent_runs
-        self.engine = Engine(self.store, profile=s.profile, artifact_dir=s.artifact_dir, runs_dir=s.runs_dir,
-                             key_file=s.key_file, max_concurrent=max_conc, log=self.log, budget=self.budget,
-                             clock_us=self._now)
+        self.engine = bootstrap.build_engine(s, self.store, max_concurrent=max_conc, budget=self.budget,
+                                             clock_us=self._now, log=self.log)
         self.scheduler = Scheduler(self.store, system_timezone(), self._now, self.log)
         # `init` (run by the package's postinst) normally did this already; the service does it
         # too so that no resident agent keeps `cryptography` loaded for the old format.
-        migrated, problems = migrate_legacy_secrets(self.store, s.key_file)
+        migrated, problems = bootstrap.migrate_legacy_secrets(s, self.store)
         if migrated:
             self.log("notice", "secrets.migrated", count=migrated)
         for problem in problems:
@@ -106,16 +103,14 @@ class Service:
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
 
     def _network_needed(self) -> bool:
-        from ..adapters.sqlite import definitions as defs
-        heads = self.store.read(lambda c: defs.list_heads(c, None))
+        heads = self.store.list_heads(None)
         return any(h.enabled and h.definition.network.require != "none" for h in heads)
 
     def _ensure_netgate(self) -> None:
         """Open the gate's netlink socket only once some enabled task needs the network gate."""
         if self.netgate is not None or not self._network_needed():
             return
-        from .netgate import NetworkGate
-        self.netgate = NetworkGate()
+        self.netgate = bootstrap.network_gate()
         self.engine.admission.network = self.netgate
         self.sel.register(self.netgate.fileno(), selectors.EVENT_READ, ("netlink", None))
         self.log("info", "netgate.started", default_route=self.netgate.satisfied("default_route", None))
@@ -127,7 +122,7 @@ class Service:
         if not listen and not unix:
             return
         from ..http.service import HttpSurface     # the optional surface: imported only when on
-        self.http = HttpSurface(self.settings, self.store, self.engine, self.log, on_change=self._poke_self)
+        self.http = HttpSurface(self.settings, self.store, on_change=self._poke_self)
         bound = None
         try:
             if listen:
@@ -191,10 +186,10 @@ class Service:
             while True:
                 try:
                     self._iteration()
-                except sqlite3.OperationalError as e:
+                except UnavailableError as e:
                     # Another process held the store past busy_timeout: this iteration did not
                     # complete (so no WATCHDOG=1 was sent); retry everything on the next one.
-                    if "locked" not in str(e) and "busy" not in str(e):
+                    if e.code != "store_busy":
                         raise
                     self.log("warning", "store.busy", error=str(e))
                     self.poked = True
@@ -208,13 +203,13 @@ class Service:
 
     def _done(self) -> bool:
         if self.inline_run is not None:
-            from ..application.runs import RunService
+            from ..application.runs import RunService    # `run start --wait` only
             if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us:
-                return True    # the wait timed out; a live wrapper carries on and a service ingests it
+                return True    # the wait timed out; a live shim carries on and a service ingests it
             if self.engine.live_count():
                 return False   # a Run this process launched (ours or one queued before it) is still live
             return self.draining or \
-                RunService(self.store).get(self.inline_run).state not in ("queued", "starting", "running")
+                RunService(self.store).get(self.inline_run).state not in RUN_LIVE
         return self.draining and self.engine.live_count() == 0
 
     def _close(self) -> None:
@@ -413,12 +408,12 @@ class Service:
             self.engine.stop_all("shutdown", kill_grace)
             self.kill_deadline_us = now + int((kill_grace + 2) * 1e6)
         elif self.kill_deadline_us is not None and now >= self.kill_deadline_us:
-            # Everything got SIGKILL; a wrapper that still has not exited is not worth waiting for.
+            # Everything got SIGKILL; a shim that still has not exited is not worth waiting for.
             self.log("err", "service.drain_abandoned", live=self.engine.live_count())
             self.engine.abandon_all()
 
     def _status(self) -> str:
-        queued = self.store.read(lambda c: c.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0])
+        queued = self.store.queued_count()
         nw = self.scheduler.next_wake_us
         parts = [f"running={self.engine.live_count()}", f"queued={queued}",
                  "next=" + (time.strftime("%H:%M:%S", time.gmtime(nw / 1e6)) + "Z" if nw else "-")]

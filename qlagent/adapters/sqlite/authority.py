@@ -5,6 +5,11 @@ on any thread submit a function and block until the owner thread has run it (ADR
 SQLite authority / operation queue"). Mutations run inside ``BEGIN IMMEDIATE`` so that a
 writer takes the lock before it reads the facts it fences on; WAL lets readers in other
 processes (the CLI) proceed meanwhile.
+
+Driver errors stop here: SQLite's "database is locked"/"busy" (another process held the lock
+past the busy timeout) becomes ``UnavailableError(code="store_busy")`` and an I/O, full-disk,
+read-only or corrupt file ``UnavailableError(code="store_unavailable")``; nothing above the
+adapter inspects ``sqlite3`` exceptions.
 """
 
 from __future__ import annotations
@@ -20,7 +25,20 @@ from ...core.errors import UnavailableError
 
 T = TypeVar("T")
 
-BUSY_TIMEOUT_MS = 5_000
+BUSY_TIMEOUT_MS = 5_000          # default wait for another process's write lock (config busy_timeout_s)
+# OperationalError texts that mean the file, not the statement, is the problem.
+_UNAVAILABLE = ("disk i/o error", "database or disk is full", "readonly database", "unable to open",
+                "disk image is malformed", "file is not a database")
+
+
+def domain_error(e: sqlite3.Error) -> BaseException:
+    """The core error for a driver error, or ``e`` itself when it is a programming error."""
+    msg = str(e).lower()
+    if isinstance(e, sqlite3.OperationalError) and ("locked" in msg or "busy" in msg):
+        return UnavailableError(f"store is busy ({e}); retry later", code="store_busy")
+    if isinstance(e, (sqlite3.OperationalError, sqlite3.DatabaseError)) and any(t in msg for t in _UNAVAILABLE):
+        return UnavailableError(f"store is unavailable ({e})", code="store_unavailable")
+    return e
 
 
 class _Op:
@@ -42,8 +60,9 @@ class SqliteAuthority:
     exception, so a refused mutation writes nothing.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
         self.path = path
+        self.busy_timeout_ms = busy_timeout_ms
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, mode=0o700, exist_ok=True)
         if not os.path.exists(path):
@@ -61,7 +80,7 @@ class SqliteAuthority:
         try:
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=True)
             conn.row_factory = sqlite3.Row
-            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA foreign_keys = ON")
             conn.execute("PRAGMA synchronous = NORMAL")
@@ -99,6 +118,10 @@ class SqliteAuthority:
         self._ops.put(op)
         op.done.wait()
         if op.error is not None:
+            if isinstance(op.error, sqlite3.Error):
+                err = domain_error(op.error)
+                if err is not op.error:
+                    raise err from None
             raise op.error
         return op.result
 

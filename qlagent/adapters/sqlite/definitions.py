@@ -169,3 +169,13 @@ def remove_task(conn: sqlite3.Connection, project_id: str, name_or_id: str, now_
     conn.execute("UPDATE tasks SET deleted_at_us = ?, enabled = 0, updated_at_us = ? WHERE task_id = ?",
                  (now_us, now_us, head.task_id))
     return head
+
+
+def skipped_fires(conn: sqlite3.Connection, task_id: str) -> int:
+    """Schedule fires skipped for the Task because a single-instance Run was live."""
+    row = conn.execute("SELECT skipped_fires FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+    return row[0] if row else 0
+
+
+def count_skipped_fire(conn: sqlite3.Connection, task_id: str) -> None:
+    conn.execute("UPDATE tasks SET skipped_fires = skipped_fires + 1 WHERE task_id = ?", (task_id,))

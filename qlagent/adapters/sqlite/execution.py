@@ -14,8 +14,10 @@ import msgspec
 
 from ...core import states
 from ...core.dispatch import Candidate, Finish, LiveAttempt, Plan
-from ...core.models import ContextRecipe, ExecutionSpec, RetryPolicy
-from .runs import append_event, set_holds
+from ...core.ids import new_id
+from ...core.models import ContextRecipe, ExecutionSpec, RetentionEntry, RetryPolicy
+from ...core.receipt import TruncationFact
+from .runs import ATTEMPT_ACTIVE_SQL, RUN_ACTIVE_SQL, RUN_LIVE_SQL, append_event, cancel_queued, set_holds
 
 
 _CAND = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_revision, r.version, r.priority, "
@@ -94,10 +96,10 @@ def load_plan(conn: sqlite3.Connection, task_id: str, revision: int) -> tuple[Pl
 # SQLite uses the partial index runs_by_state only when the query repeats its WHERE term
 # verbatim; without it both counts scan every Run ever stored (the whole table, or the Task's
 # whole history) on every dispatcher pass, so a pass would grow with the backlog.
-_LIVE = "state IN ('queued','starting','running') AND state IN ('starting','running')"
+_LIVE = f"state IN {RUN_LIVE_SQL} AND state IN {RUN_ACTIVE_SQL}"
 
 
-def task_live_count(conn: sqlite3.Connection, task_id: str) -> int:
+def task_active_count(conn: sqlite3.Connection, task_id: str) -> int:
     """Runs of the Task that are starting or running (single-instance admission); reads only
     live Runs, never the Task's history."""
     return conn.execute(f"SELECT count(*) FROM runs INDEXED BY runs_by_state WHERE {_LIVE} AND task_id = ?",
@@ -143,21 +145,17 @@ def claim_starting(conn: sqlite3.Connection, c: Candidate, artifact_path: str, n
 
 
 
-def mark_running(conn: sqlite3.Connection, run_id: str, attempt_id: str, wrapper_pid: int, wrapper_start: float,
+def mark_running(conn: sqlite3.Connection, run_id: str, attempt_id: str, shim_pid: int, shim_start: float,
                  deadline_us: int, now_us: int) -> None:
-    """starting → running once the wrapper process exists."""
+    """starting → running once the shim process exists."""
     states.check_attempt("starting", "running")
-    conn.execute("UPDATE attempts SET state = 'running', wrapper_pid = ?, wrapper_start_time = ?, deadline_at_us = ?, "
+    conn.execute("UPDATE attempts SET state = 'running', shim_pid = ?, shim_start_time = ?, deadline_at_us = ?, "
                  "started_at_us = ?, version = version + 1 WHERE attempt_id = ? AND state = 'starting'",
-                 (wrapper_pid, wrapper_start, deadline_us, now_us, attempt_id))
+                 (shim_pid, shim_start, deadline_us, now_us, attempt_id))
     seq = _bump(conn, run_id, "starting", "running", None, now_us)
     if seq is not None:
         append_event(conn, run_id, seq, "run.running", "coordinator",
                      {"attemptId": attempt_id, "deadlineUs": deadline_us}, now_us)
-
-
-def set_task_pgid(conn: sqlite3.Connection, attempt_id: str, pgid: int) -> None:
-    conn.execute("UPDATE attempts SET task_pgid = ? WHERE attempt_id = ?", (pgid, attempt_id))
 
 
 def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Finish, retry: RetryPolicy | None,
@@ -216,7 +214,6 @@ def finish_attempt(conn: sqlite3.Connection, run_id: str, attempt_id: str, f: Fi
 
 
 def _new_attempt(conn, run_id: str, attempt_no: int, not_before_us: int, now_us: int) -> str:
-    from ...core.ids import new_id
     aid = new_id()
     conn.execute("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, not_before_us, "
                  "created_at_us) VALUES (?, ?, ?, 'claimed', 'local_process', ?, ?)",
@@ -224,20 +221,20 @@ def _new_attempt(conn, run_id: str, attempt_no: int, not_before_us: int, now_us:
     return aid
 
 
-def record_truncation(conn: sqlite3.Connection, attempt_id: str, quota: int, kept: int, dropped: int | None,
-                      now_us: int) -> None:
-    """Write the truncation fact once; a second write keeps the first (write-once)."""
+def record_truncation(conn: sqlite3.Connection, attempt_id: str, fact: TruncationFact, now_us: int) -> None:
+    """Write the truncation fact once; a second write keeps the first (write-once) and only
+    fills in ``bytes_dropped`` if it was unknown."""
     conn.execute("INSERT INTO truncation_facts VALUES (?, ?, ?, ?, ?) ON CONFLICT(attempt_id) DO UPDATE SET "
                  "bytes_dropped = coalesce(truncation_facts.bytes_dropped, excluded.bytes_dropped)",
-                 (attempt_id, quota, kept, dropped, now_us))
+                 (attempt_id, fact.quota_bytes, fact.bytes_kept, fact.bytes_dropped, now_us))
 
 
 def live_attempts(conn: sqlite3.Connection) -> list[LiveAttempt]:
     """Every Attempt in starting/running (restart recovery and cancel sweeps)."""
-    return [LiveAttempt(*r[:10], r[10] is not None) for r in conn.execute(
-        "SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.wrapper_pid, a.wrapper_start_time, "
-        "a.task_pgid, a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a "
-        "JOIN runs r ON r.run_id = a.run_id WHERE a.state IN ('starting','running')")]
+    return [LiveAttempt(*r[:9], r[9] is not None) for r in conn.execute(
+        "SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.shim_pid, a.shim_start_time, "
+        "a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a "
+        f"JOIN runs r ON r.run_id = a.run_id WHERE a.state IN {ATTEMPT_ACTIVE_SQL}")]
 
 
 def claimed_attempt_ids(conn: sqlite3.Connection) -> list[str]:
@@ -251,20 +248,19 @@ def request_cancel(conn: sqlite3.Connection, run_id: str, actor: str, now_us: in
     the coordinator has stopped its process tree. Idempotent. Returns the Run's state."""
     r = conn.execute("SELECT state, version, event_sequence, cancel_requested_at_us FROM runs WHERE run_id = ?",
                      (run_id,)).fetchone()
-    if r[0] == "queued":
-        from .runs import cancel_queued
+    if r[0] == states.RunState.QUEUED:
         cancel_queued(conn, run_id, r[2], r[1], actor, "cancel_requested", now_us)
         return "cancelled"
-    if r[0] in ("starting", "running") and r[3] is None:
+    if r[0] in states.RUN_ACTIVE and r[3] is None:
         conn.execute("UPDATE runs SET cancel_requested_at_us = ?, event_sequence = event_sequence + 1, "
                      "updated_at_us = ? WHERE run_id = ?", (now_us, now_us, run_id))
         append_event(conn, run_id, r[2] + 1, "run.cancel_requested", actor, {}, now_us)
     return r[0]
 
 
-def retention_entries(conn: sqlite3.Connection) -> list[tuple[str, str, str, int]]:
-    """(attempt_id, task_id, artifact_path, ended_at_us) of ended Attempts with a log, oldest first."""
-    return [tuple(r) for r in conn.execute(
+def retention_entries(conn: sqlite3.Connection) -> list[RetentionEntry]:
+    """Ended Attempts with a log, oldest first."""
+    return [RetentionEntry(attempt_id=r[0], task_id=r[1], artifact_path=r[2], ended_at_us=r[3]) for r in conn.execute(
         "SELECT a.attempt_id, r.task_id, a.artifact_path, a.ended_at_us FROM attempts a JOIN runs r "
         "ON r.run_id = a.run_id WHERE a.artifact_path IS NOT NULL AND a.ended_at_us IS NOT NULL "
         "ORDER BY a.ended_at_us")]

@@ -37,7 +37,7 @@ class Migration(msgspec.Struct, frozen=True):
 
 
 def known_migrations() -> list[Migration]:
-    """The migrations shipped with this build, in order. Raises RuntimeError on a gap."""
+    """The migrations shipped with this build, in version order."""
     out = []
     for name in os.listdir(_DIR):
         m = _NAME.match(name)

@@ -7,10 +7,7 @@ import sqlite3
 from ...core.definitions import check_project_name
 from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
-from ...core.models import ROLES, Project, RoleBinding
-
-# The local operator who can open the database file is its owner.
-LOCAL_SUBJECT = "local:cli"
+from ...core.models import LOCAL_SUBJECT, ROLES, Project, RoleBinding, TokenInfo
 
 
 def ensure_project(conn: sqlite3.Connection, name: str, now_us: int) -> Project:
@@ -90,3 +87,16 @@ def lookup_token(conn: sqlite3.Connection, digest: str) -> tuple[str, str] | Non
     row = conn.execute("SELECT project_id, subject FROM api_tokens WHERE token_digest = ? AND revoked_at_us IS NULL",
                        (digest,)).fetchone()
     return (row[0], row[1]) if row else None
+
+
+def token_id_of(conn: sqlite3.Connection, digest: str) -> str | None:
+    """The ID of the token with this SHA-256 hex digest, else None."""
+    row = conn.execute("SELECT token_id FROM api_tokens WHERE token_digest = ?", (digest,)).fetchone()
+    return row[0] if row else None
+
+
+def list_tokens(conn: sqlite3.Connection, project_id: str) -> list[TokenInfo]:
+    """Tokens of the Project, oldest first (IDs only, never a token)."""
+    return [TokenInfo(token_id=r[0], subject=r[1], created_at_us=r[2], revoked_at_us=r[3]) for r in conn.execute(
+        "SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = ? "
+        "ORDER BY created_at_us", (project_id,))]

@@ -13,28 +13,27 @@ import sqlite3
 import msgspec
 
 from ...core import states
-from ...core.canonical import sha256_hex, snapshot_ref
+from ...core.canonical import idempotency_key, sha256_hex, snapshot_ref
 from ...core.cursor import format_run_cursor, parse_run_cursor
 from ...core.errors import FenceRejected, NotFoundError, UnavailableError, ValidationError
 from ...core.ids import new_id
-from ...core.models import START_ROLES, Attempt, Run, RunEvent, TaskHead
+from ...core.models import START_ROLES, Attempt, CreatedRun, Run, RunEvent, ScheduleCursor, TaskHead
+from ...core.receipt import TruncationFact
 from . import definitions as defs
 from . import policy
 
 _enc = msgspec.json.Encoder(order="sorted")
 
 
-class CreatedRun(msgspec.Struct, frozen=True, rename="camel"):
-    """Identities of a Run as created (or as persisted, on replay)."""
+def sql_in(values: frozenset, order: tuple[str, ...]) -> str:
+    """``('a','b')``: a state set (core.states) as a SQL ``IN`` list, in lifecycle ``order`` so the
+    text is stable (SQLite picks a partial index only when a query repeats its WHERE verbatim)."""
+    return "(" + ",".join(f"'{v}'" for v in order if v in values) + ")"
 
-    run_id: str
-    attempt_id: str
-    event_ids: tuple[str, ...]
-    task_revision: int
-    task_snapshot_ref: str
-    state: str
-    created_at_us: int
-    existing: bool = False
+
+RUN_LIVE_SQL = sql_in(states.RUN_LIVE, states.RunState.ALL)     # ('queued','starting','running'): runs_by_state
+RUN_ACTIVE_SQL = sql_in(states.RUN_ACTIVE, states.RunState.ALL)
+ATTEMPT_ACTIVE_SQL = sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)
 
 
 def append_event(conn: sqlite3.Connection, run_id: str, sequence: int, type_: str, actor: str,
@@ -47,7 +46,8 @@ def append_event(conn: sqlite3.Connection, run_id: str, sequence: int, type_: st
 
 
 def live_run_count(conn: sqlite3.Connection, task_id: str) -> int:
-    return conn.execute("SELECT count(*) FROM runs WHERE task_id = ? AND state IN ('queued','starting','running')",
+    """Runs of the Task not yet ended (queued included): a single-instance fire is skipped then."""
+    return conn.execute(f"SELECT count(*) FROM runs WHERE task_id = ? AND state IN {RUN_LIVE_SQL}",
                         (task_id,)).fetchone()[0]
 
 
@@ -135,7 +135,7 @@ def task_start(conn: sqlite3.Connection, *, project: str, task: str, subject: st
     if binding is None or binding.role not in START_ROLES or (
             admitted_binding_version is not None and binding.binding_version != admitted_binding_version):
         raise FenceRejected("authorization_changed", "the subject's role binding no longer allows run.start")
-    key = f"ql3:task-start:v1:{mutation_id}"
+    key = idempotency_key(mutation_id)
     prior = conn.execute("SELECT * FROM runs WHERE project_id = ? AND idempotency_key = ?",
                          (proj.project_id, key)).fetchone()
     if prior is not None:
@@ -229,9 +229,8 @@ def list_runs(conn: sqlite3.Connection, project_id: str, *, task_id: str | None 
     """
     if not (1 <= limit <= MAX_PAGE):
         raise ValidationError("limit", f"{limit} outside 1..{MAX_PAGE}", limit=MAX_PAGE)
-    if state is not None and state not in states.RUN_LIVE | states.RUN_TERMINAL:
-        raise ValidationError("state", f"unknown state {state!r}; one of "
-                                       f"{', '.join(sorted(states.RUN_LIVE | states.RUN_TERMINAL))}")
+    if state is not None and state not in states.RunState.ALL:
+        raise ValidationError("state", f"unknown state {state!r}; one of {', '.join(sorted(states.RunState.ALL))}")
     where, args = ["r.project_id = ?"], [project_id]
     if task_id:
         where.append("r.task_id = ?")
@@ -269,7 +268,7 @@ def list_attempts(conn: sqlite3.Connection, run_id: str) -> list[Attempt]:
                     orphans_stopped=r["orphans_stopped"]) for r in rows]
 
 
-def latest_artifact(conn: sqlite3.Connection, run_id: str) -> tuple[str | None, dict | None]:
+def latest_artifact(conn: sqlite3.Connection, run_id: str) -> tuple[str | None, TruncationFact | None]:
     """(artifact path of the latest Attempt that has one, its truncation fact or None).
 
     Raises NotFoundError(code ``log_not_found``) when the Run wrote output whose log retention
@@ -284,5 +283,39 @@ def latest_artifact(conn: sqlite3.Connection, run_id: str) -> tuple[str | None, 
                         "AND bytes_kept > 0 LIMIT 1", (run_id,)).fetchone():
             raise NotFoundError("the log of this run was pruned by retention", code="log_not_found")
         return None, None
-    fact = None if row[2] is None else {"quotaBytes": row[2], "bytesKept": row[3], "bytesDropped": row[4]}
+    fact = None if row[2] is None else TruncationFact(quota_bytes=row[2], bytes_kept=row[3], bytes_dropped=row[4])
     return row[1], fact
+
+
+def active_run_ids(conn: sqlite3.Connection, task_id: str) -> list[str]:
+    """The Task's Runs that are starting or running."""
+    return [r[0] for r in conn.execute(f"SELECT run_id FROM runs WHERE task_id = ? AND state IN {RUN_ACTIVE_SQL}",
+                                       (task_id,))]
+
+
+def queued_count(conn: sqlite3.Connection) -> int:
+    return conn.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0]
+
+
+def run_id_for_key(conn: sqlite3.Connection, project_id: str, key: str) -> str | None:
+    """The Run created under idempotency ``key`` in the Project, else None."""
+    row = conn.execute("SELECT run_id FROM runs WHERE project_id = ? AND idempotency_key = ?",
+                       (project_id, key)).fetchone()
+    return row[0] if row else None
+
+
+def schedule_cursors(conn: sqlite3.Connection) -> dict[str, ScheduleCursor]:
+    return {r[0]: ScheduleCursor(last_instant_us=r[1], observed_wall_us=r[2]) for r in conn.execute(
+        "SELECT task_id, last_instant_us, observed_wall_us FROM schedule_cursors")}
+
+
+def schedule_cursor(conn: sqlite3.Connection, task_id: str) -> ScheduleCursor | None:
+    row = conn.execute("SELECT last_instant_us, observed_wall_us FROM schedule_cursors WHERE task_id = ?",
+                       (task_id,)).fetchone()
+    return None if row is None else ScheduleCursor(last_instant_us=row[0], observed_wall_us=row[1])
+
+
+def put_schedule_cursor(conn: sqlite3.Connection, task_id: str, cur: ScheduleCursor) -> None:
+    conn.execute("INSERT INTO schedule_cursors VALUES (?, ?, ?) ON CONFLICT(task_id) DO UPDATE SET "
+                 "last_instant_us = excluded.last_instant_us, observed_wall_us = excluded.observed_wall_us",
+                 (task_id, cur.last_instant_us, cur.observed_wall_us))

@@ -11,8 +11,8 @@ pyroute2: the gate costs a socket, not the +23 MiB pyroute2 would keep resident 
 
 from __future__ import annotations
 
-from ..adapters import netstate
-from ..adapters.netlink_wake import NetlinkWake
+from . import netstate
+from .netlink_wake import NetlinkWake
 
 
 class NetworkGate:

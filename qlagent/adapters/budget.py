@@ -4,7 +4,7 @@ systemd enforces MemoryMax/TasksMax; procd on OpenWrt enforces neither, so the a
 new activations itself when the tree is near its budget (a reason code in STATUS and an event).
 Figures come from the service's cgroup when it has one of its own (pids.current,
 memory.stat total_rss), else from walking the process tree with psutil (PSS, so pages the
-agent and the wrappers share are not counted once per process).
+agent and the shims share are not counted once per process).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import psutil
 
 from ..core.profiles import Profile
 
-PIDS_PER_RUN = 4           # wrapper + task + a little headroom for what the task forks
+PIDS_PER_RUN = 4           # shim + task + a little headroom for what the task forks
 MEMORY_HIGH_WATER = 0.85   # refuse activations above this share of the memory budget
 
 
@@ -70,7 +70,7 @@ def _read_int(path: str | None) -> int | None:
 
 
 def _pss(p: psutil.Process) -> int:
-    """Proportional set size: the agent and every wrapper map the same interpreter, and RSS
+    """Proportional set size: the agent and every shim map the same interpreter, and RSS
     would count those shared pages once per process (4 runs looked like 80 MiB more than they
     are). PSS shares them out, so the tree's sum is what the box really spends."""
     try:
@@ -85,7 +85,7 @@ def _pss(p: psutil.Process) -> int:
 
 
 class BudgetMeter:
-    """Reads the service tree's use; ``extra_roots`` are re-attached wrappers (not our children)."""
+    """Reads the service tree's use; ``extra_roots`` are re-attached shims (not our children)."""
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile

@@ -9,30 +9,30 @@ from __future__ import annotations
 
 import time
 
+from .. import bootstrap
+from ..application.runs import RunService
 from ..core.errors import UnavailableError
 from ..core.models import Run
-from .runs import RunService
+from ..core.states import RUN_LIVE
+from ..service.main import Service, service_running
 
 POLL_S = 0.2   # the CLI's own wait; the agent itself never polls
 
 
 def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
     """Block until ``run_id`` is terminal; returns it. UnavailableError (exit 5, ``wait_timeout``)
-    when ``timeout_s`` passes first: the Run is not cancelled — without a service its wrapper
+    when ``timeout_s`` (s) passes first: the Run is not cancelled — without a service its shim
     carries on alone and the next agent start ingests its receipt (README "Exit codes")."""
-    from ..service.main import Service, service_running
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    svc = RunService(store)
     if not service_running(settings.state_dir):
         store.close()       # the inline engine opens its own authority on the same file
         Service(settings, inline_run=run_id, inline_timeout_s=timeout_s).run()
-        from .store import LocalStore
-        reopened = LocalStore(settings.db_path, settings.config.project)
+        reopened = bootstrap.open_store(settings)
         try:
             run = RunService(reopened).get(run_id)
         finally:
             reopened.close()
-        if run.state in ("queued", "starting", "running"):
+        if run.state in RUN_LIVE:
             after = "" if timeout_s is None else f" after {timeout_s:g} s"
             fate = ("it stays queued for the next `qlagent serve` or `run start --wait`" if run.state == "queued"
                     else "it keeps running with no service watching it; the next `qlagent serve` or "
@@ -40,9 +40,10 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
             raise UnavailableError(f"run {run_id} still {run.state}{after}; {fate} (or `qlagent run cancel` it)",
                                    code="wait_timeout")
         return run
+    svc = RunService(store)
     while True:
         run = svc.get(run_id)
-        if run.state not in ("queued", "starting", "running"):
+        if run.state not in RUN_LIVE:
             return run
         if deadline is not None and time.monotonic() >= deadline:
             raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s:g} s; it keeps running "

@@ -1,5 +1,5 @@
-"""Helpers shared by the launcher-wrapper and process-tree tests: the router-task scripts,
-a minimal task environment, polling with a deadline, and a wrapper spec on real files."""
+"""Helpers shared by the shim-shim and process-tree tests: the router-task scripts,
+a minimal task environment, polling with a deadline, and a shim spec on real files."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def wait_for(predicate, timeout=20.0, what="condition"):
 
 
 def make_spec(tmp_path, argv, env=None, quota=EDGE_LOG, linger=0.5, cwd="/"):
-    """A wrapper spec with a fresh 0700 run directory and an empty 0600 Artifact under tmp_path."""
+    """A shim spec with a fresh 0700 run directory and an empty 0600 Artifact under tmp_path."""
     attempt_id = str(uuid.uuid4())
     run_dir = tmp_path / "runs" / attempt_id
     run_dir.mkdir(parents=True, mode=0o700)

@@ -1,4 +1,4 @@
-"""The launcher wrapper with real processes, a real FIFO and real files (issue 3 item 4;
+"""The shim shim with real processes, a real FIFO and real files (issue 3 item 4;
 field reports F1, F9; fixtures in examples/router-tasks)."""
 
 import json
@@ -14,16 +14,18 @@ import pytest
 
 from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
+from qlagent.core.receipt import Receipt, TruncationFact
 
-from wrapkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, wait_for  # noqa: E402
+from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, wait_for  # noqa: E402
 
 
 def run_to_end(spec, timeout=30.0):
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     try:
         assert handle.popen.wait(timeout) == 0
     finally:
-        handle.close()
+        if handle.pidfd is not None:
+            os.close(handle.pidfd)
     receipt = processes.read_receipt(spec["run_dir"])
     assert receipt is not None
     return receipt
@@ -46,13 +48,14 @@ def assert_clean_end(spec):
 def test_heartbeat_exits_zero_with_small_log_and_full_receipt(tmp_path):
     spec = make_spec(tmp_path, fixture("heartbeat.sh"))
     receipt = run_to_end(spec)
-    assert set(receipt) == set(processes.RECEIPT_FIELDS)
-    assert receipt["exit_code"] == 0 and receipt["signal"] is None and receipt["start_error"] is None
+    with open(os.path.join(spec["run_dir"], "receipt.json"), "rb") as f:
+        assert set(json.load(f)) == set(Receipt.__struct_fields__)     # the shim writes every field
+    assert receipt.exit_code == 0 and receipt.signal is None and receipt.start_error is None
     out = log_bytes(spec)
     assert out.startswith(b"heartbeat ") and b"load=" in out
-    assert receipt["bytes_total"] == receipt["bytes_kept"] == len(out) and receipt["bytes_dropped"] == 0
-    assert receipt["started_at_us"] <= receipt["ended_at_us"]
-    assert receipt["peak_rss_bytes"] > 0 and receipt["cpu_time_us"] >= 0
+    assert receipt.bytes_total == receipt.bytes_kept == len(out) and receipt.bytes_dropped == 0
+    assert receipt.started_at_us <= receipt.ended_at_us
+    assert receipt.peak_rss_bytes > 0 and receipt.cpu_time_us >= 0
     assert processes.read_truncation(spec["run_dir"]) is None
     assert stat.S_IMODE(os.stat(os.path.join(spec["run_dir"], "receipt.json")).st_mode) == 0o600
     assert_clean_end(spec)
@@ -61,12 +64,12 @@ def test_heartbeat_exits_zero_with_small_log_and_full_receipt(tmp_path):
 def test_chatty_on_edge_stops_exactly_at_quota_with_one_truncation_fact(tmp_path):
     spec = make_spec(tmp_path, fixture("chatty.sh"))
     receipt = run_to_end(spec, timeout=60)
-    assert receipt["exit_code"] == 0 and receipt["signal"] is None
+    assert receipt.exit_code == 0 and receipt.signal is None
     assert os.path.getsize(spec["artifact_path"]) == EDGE_LOG
-    assert receipt["bytes_kept"] == EDGE_LOG
-    assert receipt["bytes_total"] > 9_000_000  # every byte was drained, none blocked the task
-    assert receipt["bytes_dropped"] == receipt["bytes_total"] - EDGE_LOG
-    assert processes.read_truncation(spec["run_dir"]) == {"quota_bytes": EDGE_LOG, "bytes_kept": EDGE_LOG}
+    assert receipt.bytes_kept == EDGE_LOG
+    assert receipt.bytes_total > 9_000_000  # every byte was drained, none blocked the task
+    assert receipt.bytes_dropped == receipt.bytes_total - EDGE_LOG
+    assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=EDGE_LOG, bytes_kept=EDGE_LOG)
     facts = [n for n in os.listdir(spec["run_dir"]) if n.startswith("truncated")]
     assert facts == ["truncated.json"]
     with open(os.path.join(spec["run_dir"], "truncated.json"), "rb") as f:
@@ -80,7 +83,7 @@ def test_chatty_on_edge_stops_exactly_at_quota_with_one_truncation_fact(tmp_path
 def test_no_newline_megabyte_is_captured_byte_exact(tmp_path):
     spec = make_spec(tmp_path, fixture("no-newline.sh"))
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     assert log_bytes(spec) == b"x" * 1048576
     assert processes.read_truncation(spec["run_dir"]) is None
 
@@ -89,16 +92,16 @@ def test_f9_long_line_is_byte_exact_up_to_a_smaller_quota(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "head -c 1048576 /dev/zero | tr '\\0' x; echo"],
                      quota=1000)
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     assert log_bytes(spec) == b"x" * 1000
-    assert receipt["bytes_total"] == 1048577 and receipt["bytes_dropped"] == 1048577 - 1000
-    assert processes.read_truncation(spec["run_dir"]) == {"quota_bytes": 1000, "bytes_kept": 1000}
+    assert receipt.bytes_total == 1048577 and receipt.bytes_dropped == 1048577 - 1000
+    assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=1000, bytes_kept=1000)
 
 
 def test_fail_exit_code_three_is_recorded(tmp_path):
     spec = make_spec(tmp_path, fixture("fail.sh"))
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 3 and receipt["signal"] is None
+    assert receipt.exit_code == 3 and receipt.signal is None
     assert log_bytes(spec) == b"about to fail\n"
 
 
@@ -110,7 +113,7 @@ def test_backup_config_writes_into_backup_dir(tmp_path):
     spec = make_spec(tmp_path, fixture("backup-config.sh"),
                      env={**PATH_ENV, "CONFIG_DIR": str(config), "BACKUP_DIR": str(backups)})
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0, log_bytes(spec)
+    assert receipt.exit_code == 0, log_bytes(spec)
     archives = os.listdir(backups)
     assert len(archives) == 1 and archives[0].endswith(".tar.gz")
     assert log_bytes(spec).startswith(b"wrote " + str(backups).encode())
@@ -121,7 +124,7 @@ def test_ddns_update_sees_the_secret_but_the_log_holds_only_its_length(tmp_path)
     spec = make_spec(tmp_path, fixture("ddns-update.sh"),
                      env={**PATH_ENV, "DDNS_TOKEN": token, "DDNS_HOST": "home.example"})
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     out = log_bytes(spec)
     assert out == f"ddns: token present ({len(token)} chars), host=home.example\n".encode()
     for name in os.listdir(spec["run_dir"]):
@@ -132,49 +135,48 @@ def test_ddns_update_sees_the_secret_but_the_log_holds_only_its_length(tmp_path)
 def test_ddns_update_without_the_secret_fails(tmp_path):
     spec = make_spec(tmp_path, fixture("ddns-update.sh"))
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] != 0
+    assert receipt.exit_code != 0
     assert b"DDNS_TOKEN secret missing" in log_bytes(spec)
 
 
 def test_wan_check_prints_json(tmp_path):
     spec = make_spec(tmp_path, [sys.executable, os.path.join(FIXTURES, "wan-check.py")])
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     assert "default_route" in json.loads(log_bytes(spec))
 
 
 def test_slow_is_running_until_stopped(tmp_path):
     spec = make_spec(tmp_path, fixture("slow.sh"))
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     wait_for(lambda: log_bytes(spec) == b"slow start\n", what="slow start")
     task = processes.read_task_pid(spec["run_dir"])
-    report = processes.kill_tree(task, handle.pid, grace_s=1.0)
-    assert report.survivors == []
+    assert task in processes.signal_tree(task, handle.pid, signal.SIGTERM, None, {})
     assert handle.popen.wait(10) == 0
     receipt = processes.read_receipt(spec["run_dir"])
-    assert receipt["signal"] == signal.SIGTERM and receipt["exit_code"] is None
+    assert receipt.signal == signal.SIGTERM and receipt.exit_code is None
     assert log_bytes(spec) == b"slow start\n"
 
 
 def test_f1_yes_fills_exactly_the_quota_then_is_killed(tmp_path):
     quota = 65536 * 3 + 17  # not a multiple of the read size
     spec = make_spec(tmp_path, ["/usr/bin/yes", "0123456789abcdef"], quota=quota)
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     fact = wait_for(lambda: processes.read_truncation(spec["run_dir"]), what="truncation fact")
-    assert fact == {"quota_bytes": quota, "bytes_kept": quota}
+    assert fact == TruncationFact(quota_bytes=quota, bytes_kept=quota)
     # The task is not blocked by the quota: output keeps being drained.
     assert psutil.Process(processes.read_task_pid(spec["run_dir"])).status() != psutil.STATUS_STOPPED
-    processes.kill_tree(processes.read_task_pid(spec["run_dir"]), handle.pid, grace_s=1.0)
+    processes.signal_tree(processes.read_task_pid(spec["run_dir"]), handle.pid, signal.SIGTERM, None, {})
     assert handle.popen.wait(10) == 0
     receipt = processes.read_receipt(spec["run_dir"])
-    assert receipt["signal"] == signal.SIGTERM
-    assert receipt["bytes_kept"] == quota and receipt["bytes_total"] > quota
+    assert receipt.signal == signal.SIGTERM
+    assert receipt.bytes_kept == quota and receipt.bytes_total > quota
     out = log_bytes(spec)
     assert len(out) == quota
     assert out == (b"0123456789abcdef\n" * (quota // 17 + 1))[:quota]
 
 
-def test_wrapper_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
+def test_shim_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
     go = tmp_path / "go"
     script = f"while [ ! -e {go} ]; do sleep 0.02; done; head -c 3000000 /dev/zero; exit 7"
     spec = make_spec(tmp_path, ["/bin/sh", "-c", script], quota=1048576)
@@ -183,30 +185,30 @@ def test_wrapper_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path)
          "import json, sys, time\n"
          f"sys.path.insert(0, {REPO!r})\n"
          "from qlagent.adapters import processes\n"
-         "h = processes.spawn_wrapper(json.loads(sys.stdin.readline()))\n"
+         "h = processes.spawn_shim(json.loads(sys.stdin.readline()))\n"
          "print(h.pid, flush=True)\n"
          "time.sleep(60)\n"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     spawner.stdin.write(json.dumps(spec) + "\n")
     spawner.stdin.flush()
-    wrapper_pid = int(spawner.stdout.readline())
+    shim_pid = int(spawner.stdout.readline())
     task_pid = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
     spawner.kill()
     spawner.wait()
-    assert psutil.pid_exists(wrapper_pid) and psutil.Process(task_pid).status() != psutil.STATUS_ZOMBIE
+    assert psutil.pid_exists(shim_pid) and psutil.Process(task_pid).status() != psutil.STATUS_ZOMBIE
     assert os.path.getsize(spec["artifact_path"]) == 0
     go.touch()
     receipt = wait_for(lambda: processes.read_receipt(spec["run_dir"]), what="receipt")
-    assert receipt["exit_code"] == 7
+    assert receipt.exit_code == 7
     assert os.path.getsize(spec["artifact_path"]) == 1048576
-    assert processes.read_truncation(spec["run_dir"]) == {"quota_bytes": 1048576, "bytes_kept": 1048576}
+    assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=1048576, bytes_kept=1048576)
     assert_clean_end(spec)
 
 
-def test_a_kept_orphan_holding_the_fifo_does_not_keep_the_wrapper_past_linger(tmp_path):
+def test_a_kept_orphan_holding_the_fifo_does_not_keep_the_shim_past_linger(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 30 & echo main; exit 5"], linger=0.3)
     spec["keep_orphans"] = True
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     task = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
     fifo = os.path.join(spec["run_dir"], "output.fifo")
     st = os.stat(fifo)
@@ -214,9 +216,9 @@ def test_a_kept_orphan_holding_the_fifo_does_not_keep_the_wrapper_past_linger(tm
     try:
         assert handle.popen.wait(10) == 0  # long before the orphan's 30 s
         receipt = processes.read_receipt(spec["run_dir"])
-        assert receipt["exit_code"] == 5 and receipt["orphans_stopped"] is None
+        assert receipt.exit_code == 5 and receipt.orphans_stopped is None
         assert log_bytes(spec) == b"main\n"
-        with open(os.path.join(spec["run_dir"], "wrapper.err")) as f:
+        with open(os.path.join(spec["run_dir"], "shim.err")) as f:
             assert "stopped draining" in f.read()
         assert_clean_end(spec)
     finally:
@@ -231,8 +233,8 @@ def test_missing_executable_gives_start_error_and_no_task(tmp_path):
     for argv0 in ("/nonexistent/prog", "no-such-command-here"):
         spec = make_spec(tmp_path, [argv0, "x"])
         receipt = run_to_end(spec)
-        assert receipt["exit_code"] is None and receipt["signal"] is None
-        assert receipt["start_error"].startswith("exec " + argv0)
+        assert receipt.exit_code is None and receipt.signal is None
+        assert receipt.start_error.startswith("exec " + argv0)
         assert processes.read_task_pid(spec["run_dir"]) is None
         assert_clean_end(spec)
 
@@ -242,50 +244,50 @@ def test_task_environment_is_exactly_the_given_one(tmp_path, monkeypatch):
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")
     spec = make_spec(tmp_path, ["/usr/bin/env"], env={"A": "1", "B": "two words"})
     receipt = run_to_end(spec)
-    assert receipt["exit_code"] == 0
+    assert receipt.exit_code == 0
     assert log_bytes(spec) == b"A=1\nB=two words\n"
 
 
 def test_task_runs_in_its_own_group_with_null_stdin_in_cwd(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "cut -d' ' -f5 /proc/$$/stat; pwd; cat; echo $$"],
                      cwd=str(tmp_path))
-    handle = processes.spawn_wrapper(spec)
-    assert os.getsid(handle.pid) == handle.pid  # the wrapper leads its own session
+    handle = processes.spawn_shim(spec)
+    assert os.getsid(handle.pid) == handle.pid  # the shim leads its own session
     assert handle.popen.wait(10) == 0
     pgrp, cwd, pid = log_bytes(spec).decode().split("\n")[:3]
     assert pgrp == pid == str(processes.read_task_pid(spec["run_dir"]))
     assert cwd == str(tmp_path)
 
 
-def test_sigterm_to_the_wrapper_is_forwarded_and_a_receipt_still_written(tmp_path):
+def test_sigterm_to_the_shim_is_forwarded_and_a_receipt_still_written(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo up; exec sleep 30"])
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     wait_for(lambda: log_bytes(spec) == b"up\n", what="task output")
     os.kill(handle.pid, signal.SIGTERM)
     assert handle.popen.wait(10) == 0
-    assert processes.read_receipt(spec["run_dir"])["signal"] == signal.SIGTERM
+    assert processes.read_receipt(spec["run_dir"]).signal == signal.SIGTERM
 
 
-def test_sigint_sighup_sigpipe_to_the_wrapper_are_ignored(tmp_path):
+def test_sigint_sighup_sigpipe_to_the_shim_are_ignored(tmp_path):
     go = tmp_path / "go"
     spec = make_spec(tmp_path, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; echo done"])
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
-    wrapper = psutil.Process(handle.pid)
-    assert wrapper.environ() == {} and wrapper.cwd() == "/"  # nothing of the agent's leaks in
+    shim = psutil.Process(handle.pid)
+    assert shim.environ() == {} and shim.cwd() == "/"  # nothing of the agent's leaks in
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         os.kill(handle.pid, sig)
     go.touch()
     assert handle.popen.wait(10) == 0
     receipt = processes.read_receipt(spec["run_dir"])
-    assert receipt["exit_code"] == 0 and log_bytes(spec) == b"done\n"
+    assert receipt.exit_code == 0 and log_bytes(spec) == b"done\n"
 
 
 def test_bad_spec_field_is_named_in_the_receipt_and_nothing_runs(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"])
     spec["quota_bytes"] = -1
     receipt = run_to_end(spec)
-    assert receipt["start_error"] == "bad spec: quota_bytes: must be an integer >= 0"
+    assert receipt.start_error == "bad spec: quota_bytes: must be an integer >= 0"
     assert log_bytes(spec) == b"" and processes.read_task_pid(spec["run_dir"]) is None
 
 
@@ -296,24 +298,24 @@ def test_symlinked_artifact_is_not_followed(tmp_path):
     os.unlink(spec["artifact_path"])
     os.symlink(target, spec["artifact_path"])
     receipt = run_to_end(spec)
-    assert receipt["start_error"] == f"artifact_path {spec['artifact_path']}: ELOOP (Too many levels of symbolic links)"
+    assert receipt.start_error == f"artifact_path {spec['artifact_path']}: ELOOP (Too many levels of symbolic links)"
     assert target.read_bytes() == b""
 
 
 @pytest.mark.parametrize("payload", [b"", b"not json", b'{"attempt_id": "a"} trailing', b"[1]",
                                      b'{"attempt_id": "a", "run_dir": "relative"}'])
 def test_unusable_spec_exits_two_and_writes_nothing(tmp_path, payload):
-    proc = subprocess.run([sys.executable, "-I", "-S", processes.WRAPPER_PATH], input=payload,
+    proc = subprocess.run([sys.executable, "-I", "-S", processes.SHIM_PATH], input=payload,
                           capture_output=True, env={}, cwd=tmp_path, timeout=10)
     assert proc.returncode == 2
-    assert proc.stderr.startswith(b"qlagent wrapper: ")
+    assert proc.stderr.startswith(b"qlagent shim: ")
     assert os.listdir(tmp_path) == []
 
 
 def test_missing_cwd_gives_start_error_naming_cwd(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"], cwd=str(tmp_path / "gone"))
     receipt = run_to_end(spec)
-    assert receipt["start_error"] == f"cwd {tmp_path / 'gone'}: ENOENT (No such file or directory)"
+    assert receipt.start_error == f"cwd {tmp_path / 'gone'}: ENOENT (No such file or directory)"
     assert log_bytes(spec) == b"" and processes.read_task_pid(spec["run_dir"]) is None
 
 
@@ -321,7 +323,7 @@ def test_oversized_spec_is_refused_before_anything_starts(tmp_path):
     spec = make_spec(tmp_path, ["/bin/true"], env={"BIG": "x" * (1 << 20)})
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValidationError, match="spec: .* bytes of JSON, over the limit") as err:
-        processes.spawn_wrapper(spec)
+        processes.spawn_shim(spec)
     assert err.value.limit == 1048576 and err.value.field == "spec"
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     assert os.listdir(spec["run_dir"]) == []
@@ -336,7 +338,7 @@ def test_artifact_that_is_not_a_regular_file_is_refused(tmp_path):
         receipt = run_to_end(spec)
     finally:
         os.close(opener)
-    assert receipt["start_error"] == f"artifact_path {spec['artifact_path']}: not a regular file"
+    assert receipt.start_error == f"artifact_path {spec['artifact_path']}: not a regular file"
     assert processes.read_task_pid(spec["run_dir"]) is None
 
 
@@ -353,11 +355,11 @@ def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
         spec["artifact_path"] = str(small / "a.log")
         os.close(os.open(spec["artifact_path"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         receipt = run_to_end(spec)
-        assert receipt["exit_code"] == 4  # ENOSPC on the log never reaches the task
-        assert receipt["bytes_total"] == 3000000
-        assert 0 < receipt["bytes_kept"] == os.path.getsize(spec["artifact_path"]) <= 1048576
+        assert receipt.exit_code == 4  # ENOSPC on the log never reaches the task
+        assert receipt.bytes_total == 3000000
+        assert 0 < receipt.bytes_kept == os.path.getsize(spec["artifact_path"]) <= 1048576
         assert processes.read_truncation(spec["run_dir"]) is None  # not a quota truncation
-        with open(os.path.join(spec["run_dir"], "wrapper.err")) as f:
+        with open(os.path.join(spec["run_dir"], "shim.err")) as f:
             assert "artifact write failed" in f.read()
     finally:
         subprocess.run(["umount", str(small)], check=True)
@@ -365,7 +367,7 @@ def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
 
 def test_start_status_comes_after_the_exec_and_carries_the_exact_reason(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "exec sleep 30"])
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     try:
         assert handle.start_error is None
         task = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
@@ -373,19 +375,20 @@ def test_start_status_comes_after_the_exec_and_carries_the_exact_reason(tmp_path
     finally:
         os.killpg(task, signal.SIGKILL)
         handle.popen.wait(10)
-        handle.close()
+        if handle.pidfd is not None:
+            os.close(handle.pidfd)
     bad = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"], cwd=str(tmp_path / "gone"))
-    handle = processes.spawn_wrapper(bad)
+    handle = processes.spawn_shim(bad)
     assert handle.start_error == f"cwd {tmp_path / 'gone'}: ENOENT (No such file or directory)"
     assert handle.popen.wait(10) == 0
-    assert processes.read_receipt(bad["run_dir"])["start_error"] == handle.start_error
+    assert processes.read_receipt(bad["run_dir"]).start_error == handle.start_error
 
 
 def test_start_error_is_bounded_whatever_the_path_length(tmp_path):
     deep = "/" + "/".join(["d" * 200] * 20)                 # 4,020 bytes, under MAX_PATH_BYTES
     spec = make_spec(tmp_path, [deep + "/prog"])
     receipt = run_to_end(spec)
-    error = receipt["start_error"]
+    error = receipt.start_error
     assert len(error) <= 512 and error.startswith("exec /ddd") and error.endswith(
         "dd/prog: ENOENT (No such file or directory)")
 
@@ -393,10 +396,10 @@ def test_start_error_is_bounded_whatever_the_path_length(tmp_path):
 def test_shim_that_dies_before_the_status_is_a_start_error_not_a_hang(tmp_path):
     spec = make_spec(tmp_path, ["/bin/true"])
     spec["quota_bytes"] = "not a number"        # bad spec: receipt with start_error, status err
-    handle = processes.spawn_wrapper(spec)
+    handle = processes.spawn_shim(spec)
     assert handle.start_error == "bad spec: quota_bytes: must be an integer >= 0"
     handle.popen.wait(10)
-    proc = subprocess.Popen([sys.executable, "-I", "-S", processes.WRAPPER_PATH], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-I", "-S", processes.SHIM_PATH], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, env={})
     proc.stdin.close()                          # no spec at all: exit 2 without a status line
     assert processes._read_status(proc, 10) == "shim: exited with status 2 before starting the task"

@@ -1,6 +1,6 @@
-"""Per-run launcher wrapper and FIFO drainer (ADR-0071 §5, ARCHITECTURE.md "Launcher wrapper contract").
+"""The shim: the per-run process, and its FIFO drainer (ADR-0071 §5, ARCHITECTURE.md "Shim contract").
 
-Run as ``python3 -I -S wrapper.py`` in its own session, stdin a pipe carrying ONE JSON spec
+Run as ``python3 -I -S shim/main.py`` in its own session, stdin a pipe carrying ONE JSON spec
 (it holds secret plaintext, so it never travels through argv or disk), stdout/stderr /dev/null,
 an empty environment. Stdlib only and no qlagent import: it must start fast, stay small
 (one extra PID, a few MiB) and outlive the agent.
@@ -36,13 +36,13 @@ Files in run_dir:
                   "bytes_total","bytes_kept","bytes_dropped","peak_rss_bytes","cpu_time_us",
                   "orphans_stopped"}. start_error: at most START_ERROR_LIMIT characters, paths
                  and errno names only (never the environment).
-  wrapper.err    the wrapper's own errors (never sent to the agent through a pipe).
+  shim.err       the shim's own errors (never sent to the agent through a pipe).
 
 Exit status: 0 once a receipt is written, 2 when the spec is unusable and no receipt can be written.
 
-It imports the C modules behind json and signal (_json, _signal) directly: the Python wrappers
-pull in re and enum, which cost +1.2 MiB private memory and +6 ms per run
-(bench/results/wrapper.md).
+It imports the C modules behind json and signal (_json, _signal) directly: the pure-Python
+json and signal modules pull in re and enum, which cost +1.2 MiB private memory and +6 ms per run
+(bench/results/shim.md).
 """
 
 import _json
@@ -186,7 +186,7 @@ def _validate(spec):
     }
 
 
-class Wrapper:
+class Shim:
     def __init__(self, attempt_id, run_dir):
         self.attempt_id = attempt_id
         self.run_dir = run_dir
@@ -202,7 +202,7 @@ class Wrapper:
     def log_error(self, message):
         # Own errors go to a file in run_dir; if even that fails there is nowhere left to write.
         try:
-            fd = os.open(os.path.join(self.run_dir, "wrapper.err"),
+            fd = os.open(os.path.join(self.run_dir, "shim.err"),
                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
             try:
                 os.write(fd, ("%d %s\n" % (_now_us(), message)).encode("utf-8", "replace"))
@@ -449,11 +449,19 @@ def _stop_orphans(pgid, attempt_id, grace_s, drain):
         drain(int(ORPHAN_POLL_S * 1000))
 
 
+def new_receipt(attempt_id, start_error=None):
+    """The receipt document (core.receipt.Receipt's fields); ``main`` fills in the byte counts.
+    With ``start_error`` the task never ran and the receipt is final at once."""
+    now = _now_us()
+    return {"attempt_id": attempt_id, "exit_code": None, "signal": None, "start_error": start_error,
+            "started_at_us": now, "ended_at_us": now if start_error is not None else None,
+            "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None,
+            "orphans_stopped": None}
+
+
 def run(w, cfg):
     global _task_pid
-    receipt = {"attempt_id": w.attempt_id, "exit_code": None, "signal": None, "start_error": None,
-               "started_at_us": _now_us(), "ended_at_us": None, "bytes_total": 0, "bytes_kept": 0,
-               "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None, "orphans_stopped": None}
+    receipt = new_receipt(w.attempt_id)
     try:
         w.art_fd = os.open(cfg["artifact_path"], os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         st = os.fstat(w.art_fd)
@@ -568,7 +576,7 @@ def run(w, cfg):
 
 
 def _compile_self(dest):
-    """``wrapper.py --compile DEST``: write this file compiled for this interpreter to DEST
+    """``shim/main.py --compile DEST``: write this file compiled for this interpreter to DEST
     (new, 0600) so that the agent can run it without a compile per run."""
     import marshal
     fd = os.open(__file__, os.O_RDONLY)
@@ -606,28 +614,21 @@ def main():
         attempt_id = _str_field(spec, "attempt_id")
         run_dir = _str_field(spec, "run_dir", absolute=True)
     except SpecError as exc:
-        sys.stderr.write("qlagent wrapper: %s\n" % exc)
+        sys.stderr.write("qlagent shim: %s\n" % exc)
         return 2
-    w = Wrapper(attempt_id, run_dir)
+    w = Shim(attempt_id, run_dir)
     try:
         cfg = _validate(spec)
     except SpecError as exc:
         w.log_error(str(exc))
-        receipt = {"attempt_id": attempt_id, "exit_code": None, "signal": None,
-                   "start_error": "bad spec: %s" % str(exc)[:START_ERROR_LIMIT - 10], "started_at_us": _now_us(),
-                   "ended_at_us": _now_us(), "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0,
-                   "peak_rss_bytes": None, "cpu_time_us": None, "orphans_stopped": None}
+        receipt = new_receipt(attempt_id, "bad spec: %s" % str(exc)[:START_ERROR_LIMIT - 10])
     else:
         del spec
         try:
             receipt = run(w, cfg)
-        except Exception as exc:  # the receipt must still appear; the cause goes to wrapper.err
-            w.log_error("wrapper failure: %r" % (exc,))
-            receipt = {"attempt_id": attempt_id, "exit_code": None, "signal": None,
-                       "start_error": "wrapper failure: %s" % type(exc).__name__,
-                       "started_at_us": _now_us(), "ended_at_us": _now_us(), "bytes_total": w.bytes_total,
-                       "bytes_kept": w.bytes_kept, "bytes_dropped": 0, "peak_rss_bytes": None,
-                       "cpu_time_us": None, "orphans_stopped": None}
+        except Exception as exc:  # the receipt must still appear; the cause goes to shim.err
+            w.log_error("shim failure: %r" % (exc,))
+            receipt = new_receipt(attempt_id, "shim failure: %s" % type(exc).__name__)
     _report(receipt["start_error"])
     if w.art_fd >= 0:
         try:

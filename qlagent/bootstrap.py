@@ -1,0 +1,132 @@
+"""The composition root: the one module above ``qlagent.adapters`` that imports them.
+
+It builds the store, the engine's adapters, the secret cipher, the budget meter and the network
+gate from the resolved configuration (``service.config.Settings``) and hands the entry points
+objects typed by ``core.ports``. Choosing another authority (the cluster's PostgreSQL) changes
+this module, not the service, the HTTP API, the CLI or the application.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .core.clock import now_us
+from .core.profiles import Profile
+
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from .core.ports import BudgetPort, CipherFactory, NetworkPort, PanelSource, SecretCipher, Store
+
+SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits (ARCHITECTURE.md)
+
+
+def open_store(settings, project: str | None = None, *, migrate: bool = True, create_project: bool = True,
+               clock_us: Callable[[], int] = now_us) -> Store:
+    """The local authority at ``settings.db_path`` acting in ``project`` (default: the config's).
+
+    ``migrate=False`` refuses a schema behind this build (UnavailableError ``store_not_migrated``);
+    ``create_project=False`` makes an unknown Project NotFoundError. Raises StoreIntegrityError,
+    UnavailableError as ``SqliteStore`` documents."""
+    from .adapters.sqlite.store import SqliteStore
+    return SqliteStore(settings.db_path, project or settings.config.project, migrate=migrate,
+                       create_project=create_project, clock_us=clock_us,
+                       busy_timeout_ms=int(settings.config.busy_timeout_s * 1000))
+
+
+def cipher_factory(key_file: str) -> CipherFactory:
+    """Opens the secret key file on each call (UnavailableError ``secret_key_unavailable``);
+    nothing of the cipher is imported until a Secret is sealed or opened."""
+    def open_cipher() -> SecretCipher:
+        from .adapters.secretbox import SecretBox
+        return SecretBox(key_file)
+    return open_cipher
+
+
+def migrate_legacy_secrets(settings, store: Store) -> tuple[int, list[str]]:
+    """Re-encrypt Secrets an earlier version stored (``qlsb1``, AES-GCM) with the current cipher
+    (issue 14); see ``application.secrets.migrate_legacy_secrets``. (rows done, problem lines)."""
+    from .adapters.secretbox import LEGACY_MAGIC
+    from .application.secrets import migrate_legacy_secrets as migrate
+    return migrate(store, cipher_factory(settings.key_file), LEGACY_MAGIC)
+
+
+def create_key_file(path: str) -> bool:
+    """Create the 32-byte secret key file (0600) if missing; True if it was created."""
+    from .adapters.secretbox import create_key_file as create
+    return create(path)
+
+
+def budget_meter(profile: Profile) -> BudgetPort:
+    """The service tree's memory/PID meter (cgroup files, else psutil)."""
+    from .adapters.budget import BudgetMeter
+    return BudgetMeter(profile)
+
+
+def network_gate() -> NetworkPort:
+    """The netlink gate; imports pyroute2 (≈ 18 MB), so call it only once a Task needs it."""
+    from .adapters.netgate import NetworkGate
+    return NetworkGate()
+
+
+def build_engine(settings, store: Store, *, max_concurrent: int, budget: BudgetPort | None,
+                 clock_us: Callable[[], int], log, python: str | None = None):
+    """An ``application.engine.Engine`` over ``store`` with the shim, artifact and cipher adapters
+    of ``settings`` (artifact root, runs directory, key file, Profile) and the run user's
+    baseline environment (HOME, USER, LOGNAME, SHELL)."""
+    from .adapters.artifacts import ArtifactAllocator, Artifacts
+    from .adapters.processes import ShimProcesses, baseline_env
+    from .application.engine import Engine
+    alloc = ArtifactAllocator(settings.artifact_dir, settings.profile, runs_root=settings.runs_dir)
+    return Engine(store, procs=ShimProcesses(alloc, SHIM_LINGER_S, python), artifacts=Artifacts(alloc),
+                  cipher=cipher_factory(settings.key_file), profile=settings.profile,
+                  max_concurrent=max_concurrent, budget=budget, clock_us=clock_us, baseline=baseline_env(),
+                  log=log)
+
+
+def panel_source() -> PanelSource:
+    """Reads a qinglong 2.x data directory (read-only) for ``import qinglong``."""
+    from .adapters.qinglong import QinglongPanel
+    return QinglongPanel()
+
+
+def network_check() -> tuple[bool, str]:
+    """(ok, detail) of ``doctor``'s network line: netlink's default routes against the gate's."""
+    from .adapters.netlink import network_check as check
+    return check()
+
+
+def store_checks(db_path: str) -> list[tuple[str, bool, str]]:
+    """``qlagent doctor``'s checks of the store file: (name, ok, detail) each."""
+    from .adapters.sqlite.store import diagnose
+    return diagnose(db_path)
+
+
+def key_file_problem(path: str) -> str | None:
+    """What is wrong with the secret key file (missing, mode, size), or None."""
+    from .adapters.secretbox import check_key_file
+    return check_key_file(path)
+
+
+def build_worker(settings, log, notify):
+    """The fleet Worker of ``settings.config.worker`` (issue 11): its control client (credential
+    and CA checked now: ValidationError naming ``worker.credential_file``/``worker.ca_file``),
+    its inbox (``<state dir>/inbox.sqlite3``) and its run directories
+    (``<state dir>/worker-runs``), in an ``application.fleet_worker.WorkerRuntime``. Nothing of
+    the local store or of the control plane (``qlagent.cluster``, psycopg) is loaded."""
+    import os
+
+    from .adapters.control_client import ControlClient
+    from .adapters.sqlite.inbox import SqliteInbox
+    from .adapters.worker_runs import WorkerRuns
+    from .application.fleet_worker import WorkerRuntime
+    from .core.cluster import Hello
+    w = settings.config.worker
+    client = ControlClient(w.control_url, w.worker_id, w.credential_file, w.ca_file)
+    inbox = SqliteInbox.for_profile(settings.state_dir, settings.profile)
+    runs = WorkerRuns(os.path.join(settings.state_dir, "worker-runs"))
+    return WorkerRuntime(client, inbox, runs, worker_id=w.worker_id,
+                         hello=Hello(labels=dict(w.labels), executor_types=tuple(w.executors), slots=w.slots),
+                         slots=w.slots, heartbeat_s=w.heartbeat_interval_s, pull_wait_s=w.pull_wait_s,
+                         drain_grace_s=settings.config.drain_grace_s,
+                         log_store_bytes=w.log_store_bytes or settings.profile.artifact_total_bytes, log=log,
+                         notify=notify)
