@@ -341,10 +341,10 @@ def test_connection_limit_refuses_with_503():
     limits = replace(HttpLimits.edge(), max_connections=3, read_timeout_s=2.0)
     with running(limits) as (srv, port):
         idle = [connect(port) for _ in range(3)]
-        for s in idle:          # each has started a request: none can be dropped for free
-            s.sendall(b"GET /hello HTTP/1.1\r\n")
+        for s in idle:          # each has a request in flight (its body pending): none can be dropped
+            s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
         deadline = time.monotonic() + 5
-        while srv.connections < 3 and time.monotonic() < deadline:
+        while srv.in_flight < 3 and time.monotonic() < deadline:
             time.sleep(0.005)
         time.sleep(0.1)
         r = raw(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")

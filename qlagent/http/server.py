@@ -16,7 +16,9 @@ bench/results/http.md for the RSS measurement that ruled out h11. Every resource
 * health probes (``probe_paths``, e.g. ``GET /healthz``, ``/readyz`` without a body) are
   answered without an in-flight slot, so peers holding every slot never make them 503;
 * more than ``max_connections`` sockets: an idle keep-alive connection is evicted, else the
-  oldest connection that has sent nothing yet, else the new one is answered 503 and closed.
+  oldest connection that has sent nothing yet, else the one whose unfinished head started
+  first (slowloris), else (every connection has a request in flight) the new one is answered
+  503 and closed.
 
 RFC 9110/9112 conformance: HTTP/1.1 without a valid single ``Host`` → 400; absolute-form
 targets accepted (their authority replaces Host); ``100 Continue`` only to HTTP/1.1;
@@ -545,18 +547,25 @@ class HttpServer:
             self._watch(conn, selectors.EVENT_READ)
 
     def _evict_idle(self) -> bool:
-        silent = None
+        silent = slow = None
         for conn in self._conns:
-            if conn.state == _HEAD and not conn.started:
+            if conn.state != _HEAD or conn.in_flight:
+                continue
+            if not conn.started:
                 if conn.served > 0:         # an idle keep-alive connection first
                     self._close(conn)
                     return True
                 if silent is None or conn.deadline < silent.deadline:
                     silent = conn
-        if silent is not None:
-            # Connected, nothing sent: dropping it loses no request, and sockets left silent
-            # by a peer must not lock out a health probe until their first-byte timeout.
-            self._close(silent)
+            elif slow is None or conn.deadline < slow.deadline:
+                slow = conn
+        # Connected and nothing sent: dropping it loses no request. Else the head that has been
+        # arriving the longest (a slowloris peer; a real client sends its head in one go):
+        # sockets left silent or trickling by a peer must not lock out a health probe until
+        # their read timeout.
+        victim = silent or slow
+        if victim is not None:
+            self._close(victim)
             return True
         return False
 
