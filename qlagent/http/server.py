@@ -244,28 +244,36 @@ def byte_range(request: Request, size: int, max_length: int) -> tuple[int, int, 
     """The slice of a ``size``-byte file a read asks for, bounded by ``max_length`` bytes.
 
     ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` (one range) wins over the ``offset`` /
-    ``limit`` query parameters (defaults 0 and ``max_length``); a Range of another unit, or
-    any Range with ``If-Range`` (no validators are ever sent, so it cannot match), is ignored.
+    ``limit`` query parameters (defaults 0 and ``max_length``); a Range of another unit, a
+    valid list of several ranges, or any Range with ``If-Range`` (no validators are ever sent, so it cannot match), is ignored.
     Returns ``(offset, length, partial)``; ``partial`` means answer 206 with
     :func:`content_range`. Raises HttpError 400 ``bad_query``/``bad_range`` for malformed input and 416 ``range_not_satisfiable`` (with
     ``Content-Range: bytes */size``) for a Range starting at or beyond ``size``. An offset at or
     beyond the end via the query gives length 0 (a tail reader polls that way).
     """
     header = request.headers.get("range")
-    unit = (header or "").partition("=")[0].strip().lower()
-    # RFC 9110 §14.2: a Range with a unit we do not know is ignored; §13.1.5: so is a Range
-    # under an If-Range, which can never match since no validator (ETag, Last-Modified) is sent.
-    if header is None or unit != "bytes" or "if-range" in request.headers:
+    unit, _, spec = (header or "").partition("=")
+    specs = [one.strip().partition("-") for one in spec.split(",")]
+    for first, dash, last in specs:
+        if not dash or not (first or last) or not (_decimal(first) or not first) \
+                or not (_decimal(last) or not last):
+            bad = True
+            break
+    else:
+        bad = False
+    # RFC 9110 §14.2: a Range with a unit we do not know is ignored, and so is a valid list of
+    # several ranges (no multipart/byteranges here); §13.1.5: so is a Range under an If-Range,
+    # which can never match since no validator (ETag, Last-Modified) is sent.
+    if header is None or unit.strip().lower() != "bytes" or "if-range" in request.headers \
+            or (len(specs) > 1 and not bad):
         offset = query_int(request, "offset", 0, 0, 2**62)
         limit = query_int(request, "limit", max_length, 1, max_length)
         start = min(offset, size)
         return start, min(limit, size - start), False
-    unit, _, spec = header.partition("=")
-    first, dash, last = spec.strip().partition("-")
-    if not dash or "," in spec or not (first or last) \
-            or not (_decimal(first) or not first) or not (_decimal(last) or not last):
-        raise HttpError(400, "bad_range", "Range must be one bytes=a-b, bytes=a- or bytes=-n",
+    if bad:
+        raise HttpError(400, "bad_range", "Range must be bytes=a-b, bytes=a- or bytes=-n",
                         field="Range")
+    first, _, last = specs[0]
     if first:
         start = int(first)
         end = min(int(last), size - 1) if last else size - 1
