@@ -353,3 +353,23 @@ def test_fuzzed_numeric_cli_arguments_answer_one_line(store, argv, value):
     if code:
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("qlagent: error: ") and "Traceback" not in err, (args, err)
+
+
+@pytest.mark.parametrize("argv, code, error_code", [
+    (["run", "ls", "--json", "--limit", "x"], 2, "usage"),             # argparse's refusal
+    (["run", "ls", "--json", "--bogus"], 2, "usage"),
+    (["task", "show", "--json"], 2, "usage"),                          # missing NAME
+    (["run", "ls", "--json", "--limit", "0"], 2, "invalid_input"),
+    (["run", "show", "nope", "--json"], 4, "run_not_found"),
+])
+def test_json_refusals_are_one_json_object_on_stdout_and_one_line_on_stderr(store, argv, code, error_code):
+    """A script reading --json output gets an error object for every refusal, usage errors
+    included, as the README says; the human line stays on stderr."""
+    s, _, _ = store
+    p = cli(s, *argv, stdin=b"")
+    assert p.returncode == code, p.stderr
+    out = json.loads(p.stdout)
+    assert out["error"]["code"] == error_code and out["error"]["message"], out
+    lines = p.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qlagent: error: ")
+    assert out["error"]["message"] in lines[0]

@@ -523,6 +523,10 @@ def cmd_serve(ctx: Ctx) -> int:
 
 # ---- parser ----------------------------------------------------------------------------------
 
+class _UsageError(Exception):
+    """argparse's refusal, answered by main() like every other one (exit 2)."""
+
+
 def _ascii_decimal(text: str, fraction: bool = False) -> bool:
     """``text`` is ASCII decimal digits, optionally after a '-' (the range check then names the
     limit) and, with ``fraction``, with one '.': what the HTTP query parser takes. int() and
@@ -557,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
         """argparse with the CLI's one-line refusal (no usage block): exit 2 naming the argument."""
 
         def error(self, message: str):
-            self.exit(E.EXIT_USAGE, f"qlagent: error: {message} (see `{self.prog} --help`)\n")
+            raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
     common = _Parser(add_help=False)
     common.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory (env QLAGENT_STATE_DIR)")
@@ -691,7 +695,13 @@ def _serve_args(argv: list[str]) -> SimpleNamespace | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = _serve_args(argv) or build_parser().parse_args(argv)
+    try:
+        args = _serve_args(argv) or build_parser().parse_args(argv)
+    except _UsageError as e:
+        if "--json" in argv:
+            sys.stdout.buffer.write(msgspec.json.encode({"error": {"code": "usage", "message": str(e)}}) + b"\n")
+        print(f"qlagent: error: {e}", file=sys.stderr)
+        return E.EXIT_USAGE
     for k in ("state_dir", "config", "profile", "project"):
         if not hasattr(args, k):
             setattr(args, k, None)
