@@ -421,3 +421,22 @@ def test_recovery_keeps_the_reason_of_a_start_failure_the_previous_agent_never_r
     assert b.engine.recover()["ingested"] == 1
     assert_start_failed(b, rid, "cwd_unusable", "cwd /nonexistent/dir: ENOENT (No such file or directory)")
     b.close()
+
+
+@pytest.mark.parametrize("first_line, shown", [("#!/nonexistent/interp", "'/nonexistent/interp'"),
+                                               ("#!/bin/sh\r", "'/bin/sh\\r'"),          # CRLF file
+                                               ("#! /nonexistent/env python3", "'/nonexistent/env'")])
+def test_a_script_whose_interpreter_is_missing_names_the_interpreter_not_the_script(root, first_line, shown):
+    # The kernel's ENOENT is about the #! interpreter; "exec /x/job.sh: ENOENT" about a file the
+    # user can see is there sends them looking in the wrong place (cron's classic CRLF fault).
+    script = os.path.join(root, "job.sh")
+    with open(script, "w", newline="") as f:
+        f.write(first_line + "\necho ran\n")
+    os.chmod(script, 0o755)
+    b = Bench(os.path.join(root, "s"))
+    b.add(task("t", None, command=[script]))
+    rid = b.start("t")
+    b.wait_run(rid, 20)
+    assert_start_failed(b, rid, "exec_failed",
+                        f"exec {script}: ENOENT (interpreter {shown} of its #! line not found)")
+    b.close()

@@ -374,8 +374,29 @@ def _spawn(cfg, wfd):
     if stage == b"cwd":
         raise StartFailure("cwd %s: %s" % (_shown(cfg["cwd"]), _errno_text(number)))
     if stage == b"exec":
-        raise StartFailure("exec %s: %s" % (_shown(cfg["argv"][0]), _errno_text(number)))
+        detail = _missing_interpreter(os.path.join(cfg["cwd"], path)) if number == errno.ENOENT else None
+        raise StartFailure("exec %s: %s" % (_shown(cfg["argv"][0]), _errno_text(number, detail)))
     raise StartFailure("shim: the child failed before exec")
+
+
+def _missing_interpreter(path):
+    """When execve said ENOENT about a file that is there, the missing file is its #!
+    interpreter (often ``/bin/sh\\r`` of a CRLF file): the detail naming it (repr, so a \\r
+    shows, bounded like a path), else None. Reads the first line only."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        head = os.read(fd, 256)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].lstrip(b" \t").split(b" ", 1)[0].split(b"\t", 1)[0]
+    return "interpreter %r of its #! line not found" % _shown(words.decode("utf-8", "replace"))
 
 
 def _read_all(path):
