@@ -138,6 +138,19 @@ BAD = [
     (["run", "ls", "--limit", "0"], 2, ["limit", "1..200"]),
     (["run", "ls", "--limit", "201"], 2, ["limit", "1..200"]),
     (["run", "ls", "--limit", "9" * 40], 2, ["limit", "1..200"]),
+    # numbers are ASCII decimal, as the HTTP query takes them: int()/float() alone would take
+    # Arabic-Indic or fullwidth digits, '1_0' (= 10) and surrounding blanks
+    (["run", "ls", "--limit", "\u0663"], 2, ["--limit", "ASCII decimal"]),
+    (["run", "ls", "--limit", "\uff13"], 2, ["--limit", "ASCII decimal"]),
+    (["run", "ls", "--limit", "1_0"], 2, ["--limit", "ASCII decimal"]),
+    (["run", "ls", "--limit", " 5"], 2, ["--limit", "ASCII decimal"]),
+    (["run", "logs", "{done}", "--offset", "\u0663"], 2, ["--offset", "ASCII decimal"]),
+    (["run", "logs", "{done}", "--limit", "1_0"], 2, ["--limit", "ASCII decimal"]),
+    (["run", "start", "hello", "--wait", "--timeout", "\u0663"], 2, ["--timeout", "ASCII decimal"]),
+    (["run", "start", "hello", "--wait", "--timeout", "1_0"], 2, ["--timeout", "ASCII decimal"]),
+    (["task", "edit", "hello", "-f", "{d}/one.toml", "--expect-revision", "\u0661", "--expect-digest", "0" * 64],
+     2, ["--expect-revision", "ASCII decimal"]),
+    (["serve", "--exit-after", "\u0663"], 2, ["--exit-after", "ASCII decimal"]),
     (["run", "ls", "--cursor", "99999999999999999999999999.x"], 2, ["cursor", "0..2^63-1"]),
     (["run", "ls", "--cursor", "-99999999999999999999999999.x"], 2, ["cursor"]),
     (["run", "ls", "--cursor", ""], 2, ["cursor"]),
@@ -340,3 +353,23 @@ def test_fuzzed_numeric_cli_arguments_answer_one_line(store, argv, value):
     if code:
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("qlagent: error: ") and "Traceback" not in err, (args, err)
+
+
+@pytest.mark.parametrize("argv, code, error_code", [
+    (["run", "ls", "--json", "--limit", "x"], 2, "usage"),             # argparse's refusal
+    (["run", "ls", "--json", "--bogus"], 2, "usage"),
+    (["task", "show", "--json"], 2, "usage"),                          # missing NAME
+    (["run", "ls", "--json", "--limit", "0"], 2, "invalid_input"),
+    (["run", "show", "nope", "--json"], 4, "run_not_found"),
+])
+def test_json_refusals_are_one_json_object_on_stdout_and_one_line_on_stderr(store, argv, code, error_code):
+    """A script reading --json output gets an error object for every refusal, usage errors
+    included, as the README says; the human line stays on stderr."""
+    s, _, _ = store
+    p = cli(s, *argv, stdin=b"")
+    assert p.returncode == code, p.stderr
+    out = json.loads(p.stdout)
+    assert out["error"]["code"] == error_code and out["error"]["message"], out
+    lines = p.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qlagent: error: ")
+    assert out["error"]["message"] in lines[0]

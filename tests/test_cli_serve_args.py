@@ -21,13 +21,14 @@ ACCEPTED = [
     ["--json", "serve", "--profile=edge"],
     ["--state-dir", "/a", "serve", "--state-dir", "/b"],            # the last one wins
     ["--state-dir", "serve", "serve"],                               # a value that reads "serve"
-    ["serve", "--exit-after", "1e3", "--config", ""],
+    ["serve", "--exit-after", "1000", "--config", ""],
 ]
 REFUSED = [
     [], ["--state-dir", "/s"], ["serve", "serve"], ["serve", "--help"], ["-h", "serve"],
     ["serve", "--listen"], ["serve", "--listen", "--json"], ["--listen", "x", "serve"],
     ["serve", "--profile", "tiny"], ["serve", "--exit-after", "soon"], ["serve", "--state", "/s"],
     ["serve", "extra"], ["task", "ls"], ["serve", "--json=1"], ["serve", "--exit-after", "-1"],
+    ["serve", "--exit-after", "1e3"], ["serve", "--exit-after", "\u0663"], ["serve", "--exit-after", "nan"],
 ]
 
 

@@ -190,6 +190,30 @@ def test_probes_are_answered_while_silent_sockets_fill_every_connection():
             s.close()
 
 
+def test_probes_are_answered_while_slow_peers_fill_every_connection():
+    # Slowloris: each socket has sent part of a head and trickles on, so none is "silent"; it
+    # would hold its connection until the read timeout (30 s here, 5 s on the edge) and, opened
+    # again, keep every probe at 503. The one whose head has been arriving the longest makes room.
+    limits = replace(HttpLimits.edge(), read_timeout_s=30.0)
+    with running(limits) as (srv, port):
+        srv.probe_paths = frozenset({"/hello"})
+        slow = []
+        for _ in range(limits.max_connections):
+            s = connect(port)
+            s.sendall(b"GET /items/1 HTTP/1.1\r\nHost: x\r\n")
+            slow.append(s)
+        deadline = time.monotonic() + 5
+        while srv.connections < limits.max_connections and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert srv.connections == limits.max_connections
+        t0 = time.monotonic()
+        assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
+        assert time.monotonic() - t0 < 5
+        assert [_closed(s) for s in slow] == [True] + [False] * (limits.max_connections - 1)
+        for s in slow:
+            s.close()
+
+
 def _closed(s: socket.socket) -> bool:
     s.settimeout(0.2)
     try:

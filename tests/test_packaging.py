@@ -249,7 +249,8 @@ def test_ipk_layout_and_control(ipk):
     assert fields["Package"] == "qlagent" and fields["Version"] == ipk_version and fields["Architecture"] == "all"
     depends = [d.strip() for d in fields["Depends"].split(",")]
     # The Makefile's DEPENDS (checked against the imports by test_openwrt_imports.py); no sdnotify.
-    assert depends == ["libc", "python3-light", "python3-codecs", "python3-logging", "python3-openssl", "python3-sqlite3",
+    assert depends == ["libc", "python3-light", "python3-codecs", "python3-ctypes", "python3-logging",
+                       "python3-openssl", "python3-sqlite3",
                        "python3-urllib", "python3-uuid", "python3-cronsim", "python3-msgspec",
                        "python3-psutil", "python3-pynacl", "python3-pyroute2"]
     # Installed-Size as OpenWrt's scripts/ipkg-build computes it: bytes of the uncompressed data tar.

@@ -204,6 +204,30 @@ def test_what_the_main_process_left_behind_is_stopped_and_counted(root):
     b.close()
 
 
+def test_a_daemon_that_double_forks_setsids_and_clears_its_environment_is_stopped_too(root):
+    # The classic daemonize (fork, setsid, fork, exec with an empty environment) leaves neither
+    # the process group nor QL3_ATTEMPT_ID; it must still be found (the wrapper is the task's
+    # subreaper, so the orphan is reparented to it) and stopped, as in a control group.
+    b = Bench(os.path.join(root, "s"))
+    tag = f"review2-daemon-{os.getpid()}"
+    b.add(task("dd", f"(setsid env -i {sys.executable} -c 'import time; open(\"up\", \"w\").close(); "
+                     f"time.sleep(33)' {tag} &)\n"
+                     "while [ ! -e up ]; do sleep 0.01; done; echo started\n",
+               grace_s=1, cwd=workdir(root, "w")))
+    rid = b.start("dd")
+    try:
+        assert b.wait_run(rid, 20).state == "succeeded"
+        left = [p for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or [])
+                and p.status() != psutil.STATUS_ZOMBIE]
+        assert left == []
+        assert b.attempts(rid)[0].orphans_stopped == 1
+    finally:
+        for p in psutil.process_iter(["cmdline"]):
+            if tag in (p.info["cmdline"] or []):
+                p.kill()
+    b.close()
+
+
 def test_keep_orphans_leaves_the_daemon_running(root):
     b = Bench(os.path.join(root, "s"))
     b.add(task("daemon", "sleep 30 >/dev/null 2>&1 & echo started\n", keep_orphans=True))
@@ -396,4 +420,23 @@ def test_recovery_keeps_the_reason_of_a_start_failure_the_previous_agent_never_r
                              c.execute("UPDATE attempts SET state = 'starting' WHERE attempt_id = ?", (aid,))))
     assert b.engine.recover()["ingested"] == 1
     assert_start_failed(b, rid, "cwd_unusable", "cwd /nonexistent/dir: ENOENT (No such file or directory)")
+    b.close()
+
+
+@pytest.mark.parametrize("first_line, shown", [("#!/nonexistent/interp", "'/nonexistent/interp'"),
+                                               ("#!/bin/sh\r", "'/bin/sh\\r'"),          # CRLF file
+                                               ("#! /nonexistent/env python3", "'/nonexistent/env'")])
+def test_a_script_whose_interpreter_is_missing_names_the_interpreter_not_the_script(root, first_line, shown):
+    # The kernel's ENOENT is about the #! interpreter; "exec /x/job.sh: ENOENT" about a file the
+    # user can see is there sends them looking in the wrong place (cron's classic CRLF fault).
+    script = os.path.join(root, "job.sh")
+    with open(script, "w", newline="") as f:
+        f.write(first_line + "\necho ran\n")
+    os.chmod(script, 0o755)
+    b = Bench(os.path.join(root, "s"))
+    b.add(task("t", None, command=[script]))
+    rid = b.start("t")
+    b.wait_run(rid, 20)
+    assert_start_failed(b, rid, "exec_failed",
+                        f"exec {script}: ENOENT (interpreter {shown} of its #! line not found)")
     b.close()

@@ -146,3 +146,42 @@ def test_a_non_root_agent_trusts_its_own_and_root_owned_files_only(workdir):  # 
     text = problem("config file", path, euid=agent_uid)
     assert f"owned by uid {agent_uid - 1}, not the agent's uid {agent_uid} or root" in text
     assert f"fix: chown {agent_uid} {path}" in text
+
+
+def test_a_state_dir_reached_through_another_users_symlink_is_refused(state, workdir):  # noqa: F811
+    """The symlink's owner can point it anywhere at any moment (between the check and the
+    open): a path reached through it is not trusted, although its target is the agent's."""
+    link = os.path.join(workdir, "link")
+    os.symlink(state, link)
+    os.lchown(link, FOREIGN_UID, -1)
+    before = _tree_digest(state)
+    p = cli(link, "task", "ls")
+    err = p.stderr.decode()
+    assert p.returncode == 5, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"symlink {link} is owned by uid {FOREIGN_UID}" in err
+    assert _tree_digest(state) == before
+    os.lchown(link, 0, -1)
+    ok(link, "task", "ls")
+
+
+@pytest.mark.parametrize("mode,trusted", [(0o777, False), (0o775, False), (0o1777, True), (0o755, True)])
+def test_a_state_dir_whose_parent_others_can_write_is_refused_unless_sticky(state, workdir, mode, trusted):  # noqa: F811
+    """Anyone who can write the parent can rename the state dir away and put their own in its
+    place (unless the sticky bit, as on /tmp, keeps them to their own entries)."""
+    os.chmod(workdir, mode)
+    p = cli(state, "task", "ls")
+    err = p.stderr.decode()
+    if trusted:
+        assert p.returncode == 0, err
+    else:
+        assert p.returncode == 5, err
+        assert f"directory {workdir} mode {mode:04o} is group" in err and f"chmod go-w {workdir}" in err
+    p = cli(state, "doctor", "--json")
+    assert [c["ok"] for c in json.loads(p.stdout)["checks"] if c["name"] == "trust"] == [trusted]
+
+
+def test_a_state_dir_inside_another_users_directory_is_refused(state, workdir):  # noqa: F811
+    os.chown(workdir, FOREIGN_UID, -1)
+    p = cli(state, "task", "ls")
+    assert p.returncode == 5 and f"directory {workdir} is owned by uid {FOREIGN_UID}" in p.stderr.decode()

@@ -526,6 +526,37 @@ def cmd_serve(ctx: Ctx) -> int:
 
 # ---- parser ----------------------------------------------------------------------------------
 
+class _UsageError(Exception):
+    """argparse's refusal, answered by main() like every other one (exit 2)."""
+
+
+def _ascii_decimal(text: str, fraction: bool = False) -> bool:
+    """``text`` is ASCII decimal digits, optionally after a '-' (the range check then names the
+    limit) and, with ``fraction``, with one '.': what the HTTP query parser takes. int() and
+    float() alone would also take Arabic-Indic or fullwidth digits, ``1_0`` (= 10), blanks and,
+    for float, ``1e3``, ``nan``, ``inf``."""
+    body = text[1:] if text.startswith("-") else text
+    whole, dot, frac = body.partition(".") if fraction else (body, "", "")
+    return body.isascii() and (whole + frac).isdigit() and (whole.isdigit() or not whole) \
+        and (frac.isdigit() or not dot)
+
+
+def _ascii_int(text: str) -> int:
+    """argparse type for integers (see _ascii_decimal); raises ArgumentTypeError (exit 2)."""
+    if not _ascii_decimal(text):
+        import argparse
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}: ASCII decimal digits only")
+    return int(text)
+
+
+def _ascii_seconds(text: str) -> float:
+    """argparse type for seconds (see _ascii_decimal); raises ArgumentTypeError (exit 2)."""
+    if not _ascii_decimal(text, fraction=True):
+        import argparse
+        raise argparse.ArgumentTypeError(f"invalid seconds {text!r}: ASCII decimal digits only (e.g. 5 or 2.5)")
+    return float(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import argparse     # not for `serve` (see _serve_args)
 
@@ -533,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
         """argparse with the CLI's one-line refusal (no usage block): exit 2 naming the argument."""
 
         def error(self, message: str):
-            self.exit(E.EXIT_USAGE, f"qlagent: error: {message} (see `{self.prog} --help`)\n")
+            raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
     common = _Parser(add_help=False)
     common.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory (env QLAGENT_STATE_DIR)")
@@ -565,7 +596,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = add(task, "edit", cmd_task_edit, "fenced edit: appends revision+1")
     e.add_argument("name")
     e.add_argument("-f", "--file", required=True)
-    e.add_argument("--expect-revision", type=int, required=True, help="the head revision you read")
+    e.add_argument("--expect-revision", type=_ascii_int, required=True, help="the head revision you read")
     e.add_argument("--expect-digest", required=True, help="the head contentDigest you read")
     for nm, fn in (("enable", lambda c: cmd_task_enable(c, True)), ("disable", lambda c: cmd_task_enable(c, False)),
                    ("rm", cmd_task_rm)):
@@ -585,17 +616,17 @@ def build_parser() -> argparse.ArgumentParser:
     st = add(run, "start", cmd_run_start, "start a task now (Task Start semantics)")
     st.add_argument("task")
     st.add_argument("--wait", action="store_true", help="wait for the end; exit 6 unless it succeeded")
-    st.add_argument("--timeout", type=float, default=None, help="--wait at most this many seconds")
+    st.add_argument("--timeout", type=_ascii_seconds, default=None, help="--wait at most this many seconds")
     ls = add(run, "ls", cmd_run_ls, "list runs, newest first")
     ls.add_argument("--task")
     ls.add_argument("--state")
-    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--limit", type=_ascii_int, default=50)
     ls.add_argument("--cursor")
     add(run, "show", cmd_run_show, "show a run, its attempts and events").add_argument("run")
     lg = add(run, "logs", cmd_run_logs, "print a run's log (bounded reads)")
     lg.add_argument("run")
-    lg.add_argument("--offset", type=int, default=0)
-    lg.add_argument("--limit", type=int, default=None)
+    lg.add_argument("--offset", type=_ascii_int, default=0)
+    lg.add_argument("--limit", type=_ascii_int, default=None)
     add(run, "cancel", cmd_run_cancel, "cancel a queued or running run").add_argument("run")
 
     tok = sub.add_parser("token", help="API bearer tokens").add_subparsers(dest="sub", required=True, metavar="SUB")
@@ -621,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = add(sub, "serve", cmd_serve, "run the agent (systemd Type=notify service)")
     sv.add_argument("--listen", default=None, help="HTTP HOST:PORT (overrides http.listen)")
-    sv.add_argument("--exit-after", type=float, default=None, help="drain and exit after this many seconds")
+    sv.add_argument("--exit-after", type=_ascii_seconds, default=None, help="drain and exit after this many seconds")
     return p
 
 
@@ -659,16 +690,21 @@ def _serve_args(argv: list[str]) -> SimpleNamespace | None:
     if not command or args["profile"] not in (None, "edge", "standalone"):
         return None
     if args["exit_after"] is not None:
-        try:
-            args["exit_after"] = float(args["exit_after"])
-        except ValueError:
+        if not _ascii_decimal(args["exit_after"], fraction=True):
             return None
+        args["exit_after"] = float(args["exit_after"])
     return SimpleNamespace(command="serve", fn=cmd_serve, **args)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = _serve_args(argv) or build_parser().parse_args(argv)
+    try:
+        args = _serve_args(argv) or build_parser().parse_args(argv)
+    except _UsageError as e:
+        if "--json" in argv:
+            sys.stdout.buffer.write(msgspec.json.encode({"error": {"code": "usage", "message": str(e)}}) + b"\n")
+        print(f"qlagent: error: {e}", file=sys.stderr)
+        return E.EXIT_USAGE
     for k in ("state_dir", "config", "profile", "project"):
         if not hasattr(args, k):
             setattr(args, k, None)

@@ -16,7 +16,9 @@ bench/results/http.md for the RSS measurement that ruled out h11. Every resource
 * health probes (``probe_paths``, e.g. ``GET /healthz``, ``/readyz`` without a body) are
   answered without an in-flight slot, so peers holding every slot never make them 503;
 * more than ``max_connections`` sockets: an idle keep-alive connection is evicted, else the
-  oldest connection that has sent nothing yet, else the new one is answered 503 and closed.
+  oldest connection that has sent nothing yet, else the one whose unfinished head started
+  first (slowloris), else (every connection has a request in flight) the new one is answered
+  503 and closed.
 
 RFC 9110/9112 conformance: HTTP/1.1 without a valid single ``Host`` → 400; absolute-form
 targets accepted (their authority replaces Host); ``100 Continue`` only to HTTP/1.1;
@@ -242,28 +244,36 @@ def byte_range(request: Request, size: int, max_length: int) -> tuple[int, int, 
     """The slice of a ``size``-byte file a read asks for, bounded by ``max_length`` bytes.
 
     ``Range: bytes=a-b`` / ``bytes=a-`` / ``bytes=-n`` (one range) wins over the ``offset`` /
-    ``limit`` query parameters (defaults 0 and ``max_length``); a Range of another unit, or
-    any Range with ``If-Range`` (no validators are ever sent, so it cannot match), is ignored.
+    ``limit`` query parameters (defaults 0 and ``max_length``); a Range of another unit, a
+    valid list of several ranges, or any Range with ``If-Range`` (no validators are ever sent, so it cannot match), is ignored.
     Returns ``(offset, length, partial)``; ``partial`` means answer 206 with
     :func:`content_range`. Raises HttpError 400 ``bad_query``/``bad_range`` for malformed input and 416 ``range_not_satisfiable`` (with
     ``Content-Range: bytes */size``) for a Range starting at or beyond ``size``. An offset at or
     beyond the end via the query gives length 0 (a tail reader polls that way).
     """
     header = request.headers.get("range")
-    unit = (header or "").partition("=")[0].strip().lower()
-    # RFC 9110 §14.2: a Range with a unit we do not know is ignored; §13.1.5: so is a Range
-    # under an If-Range, which can never match since no validator (ETag, Last-Modified) is sent.
-    if header is None or unit != "bytes" or "if-range" in request.headers:
+    unit, _, spec = (header or "").partition("=")
+    specs = [one.strip().partition("-") for one in spec.split(",")]
+    for first, dash, last in specs:
+        if not dash or not (first or last) or not (_decimal(first) or not first) \
+                or not (_decimal(last) or not last):
+            bad = True
+            break
+    else:
+        bad = False
+    # RFC 9110 §14.2: a Range with a unit we do not know is ignored, and so is a valid list of
+    # several ranges (no multipart/byteranges here); §13.1.5: so is a Range under an If-Range,
+    # which can never match since no validator (ETag, Last-Modified) is sent.
+    if header is None or unit.strip().lower() != "bytes" or "if-range" in request.headers \
+            or (len(specs) > 1 and not bad):
         offset = query_int(request, "offset", 0, 0, 2**62)
         limit = query_int(request, "limit", max_length, 1, max_length)
         start = min(offset, size)
         return start, min(limit, size - start), False
-    unit, _, spec = header.partition("=")
-    first, dash, last = spec.strip().partition("-")
-    if not dash or "," in spec or not (first or last) \
-            or not (_decimal(first) or not first) or not (_decimal(last) or not last):
-        raise HttpError(400, "bad_range", "Range must be one bytes=a-b, bytes=a- or bytes=-n",
+    if bad:
+        raise HttpError(400, "bad_range", "Range must be bytes=a-b, bytes=a- or bytes=-n",
                         field="Range")
+    first, _, last = specs[0]
     if first:
         start = int(first)
         end = min(int(last), size - 1) if last else size - 1
@@ -545,18 +555,25 @@ class HttpServer:
             self._watch(conn, selectors.EVENT_READ)
 
     def _evict_idle(self) -> bool:
-        silent = None
+        silent = slow = None
         for conn in self._conns:
-            if conn.state == _HEAD and not conn.started:
+            if conn.state != _HEAD or conn.in_flight:
+                continue
+            if not conn.started:
                 if conn.served > 0:         # an idle keep-alive connection first
                     self._close(conn)
                     return True
                 if silent is None or conn.deadline < silent.deadline:
                     silent = conn
-        if silent is not None:
-            # Connected, nothing sent: dropping it loses no request, and sockets left silent
-            # by a peer must not lock out a health probe until their first-byte timeout.
-            self._close(silent)
+            elif slow is None or conn.deadline < slow.deadline:
+                slow = conn
+        # Connected and nothing sent: dropping it loses no request. Else the head that has been
+        # arriving the longest (a slowloris peer; a real client sends its head in one go):
+        # sockets left silent or trickling by a peer must not lock out a health probe until
+        # their read timeout.
+        victim = silent or slow
+        if victim is not None:
+            self._close(victim)
             return True
         return False
 

@@ -6,7 +6,8 @@ agent (often root) runs. So each of these paths must be owned by the agent's eff
 by root (root can already act as any user; a root agent so accepts root-owned only) and must
 not be group- or world-writable: the state directory,
 the database and its ``-wal``/``-shm`` files, the secret key file, the artifacts and runs
-directories and the config file. A path that does not exist yet is not a problem (``init``
+directories and the config file; nor may a directory or symlink on the way to them be another
+user's or writable by others (without the sticky bit). A path that does not exist yet is not a problem (``init``
 and the service create them private). Pure ``stat`` checks: nothing is created or changed.
 """
 
@@ -77,13 +78,67 @@ def problem(role: str, path: str, euid: int | None = None) -> str | None:
            f"fix: {' && '.join(fixes)}"
 
 
+def ancestry_problem(role: str, path: str, euid: int | None = None) -> tuple[str, str] | None:
+    """(component, one line) for the first component on the way to an existing ``path`` that
+    another user could change, or None: a symlink not owned by ``euid`` or root (its owner can
+    point it elsewhere between the check and the open), or a parent directory owned by another
+    uid, or group/world-writable without the sticky bit (its writers could rename ``path`` away
+    and put their own in its place; /tmp's sticky bit keeps them to their own entries). Both
+    the path as given and its resolved form are walked up to ``/``."""
+    euid = os.geteuid() if euid is None else euid
+    if not os.path.lexists(path):
+        return None
+    seen = set()
+    for start in (os.path.abspath(path), os.path.realpath(path)):
+        p = start
+        while p not in seen:
+            seen.add(p)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                st = None
+            found = None
+            if st is None:
+                pass
+            elif stat.S_ISLNK(st.st_mode):
+                if st.st_uid not in (euid, 0):
+                    found = (f"symlink {p} is owned by uid {st.st_uid}, not the agent's uid {euid}"
+                             + (" or root" if euid else ""), f"chown -h {euid} {p}")
+            elif p != start and stat.S_ISDIR(st.st_mode):
+                mode = stat.S_IMODE(st.st_mode)
+                if st.st_uid not in (euid, 0):
+                    found = (f"directory {p} is owned by uid {st.st_uid}, not the agent's uid {euid}"
+                             + (" or root" if euid else ""), f"chown {euid} {p}")
+                elif mode & 0o022 and not mode & stat.S_ISVTX:
+                    who = " and ".join(w for bit, w in ((0o020, "group"), (0o002, "world")) if mode & bit)
+                    found = (f"directory {p} mode {mode:04o} is {who}-writable without the sticky bit",
+                             f"chmod go-w {p}")
+            if found:
+                return p, (f"untrusted {role} {path}: {found[0]} (another user could replace what the agent "
+                           f"runs); fix: {found[1]}")
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+    return None
+
+
 def check(paths: list[TrustedPath]) -> list[tuple[TrustedPath, str]]:
-    """The problems of ``paths``, in order: (path, one-line problem)."""
+    """The problems of ``paths``, in order: (path, one-line problem); an unsafe parent directory
+    or symlink is reported once (for the first path under it), and not at all when it is itself
+    a reported path."""
     out = []
+    reported = set()
     for tp in paths:
         p = problem(tp.role, tp.path)
         if p:
             out.append((tp, p))
+            reported.update((os.path.abspath(tp.path), os.path.realpath(tp.path)))
+            continue
+        a = ancestry_problem(tp.role, tp.path)
+        if a and a[0] not in reported:
+            reported.add(a[0])
+            out.append((tp, a[1]))
     return out
 
 
