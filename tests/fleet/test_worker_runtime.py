@@ -185,11 +185,11 @@ def test_control_plane_unreachable_longer_than_the_lease(tmp_path, cp, worker, p
 
 
 def test_a_cut_shorter_than_the_lease_keeps_the_session_and_delivers_what_was_queued(tmp_path, cp, worker):
-    aid = cp.add_run(shell="/bin/sh", script="sleep 1; echo done-during-the-cut")
+    aid = cp.add_run(shell="/bin/sh", script="sleep 0.5; echo done-during-the-cut")
     worker.start()
     assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
     cp.partition(True)
-    cp.wait(lambda: False, 3)                   # the run ends while no request gets through
+    cp.wait(lambda: False, 2)                   # the run ends while no request gets through (TTLs: 6 s)
     assert completion(cp, aid) is None
     cp.partition(False)
     assert cp.wait(lambda: completion(cp, aid) is not None and cp.logs.get(aid) == b"done-during-the-cut\n", 20), \
