@@ -24,6 +24,7 @@ import http.client
 import ipaddress
 import os
 import re
+import select
 import socket
 import ssl
 import stat
@@ -38,6 +39,11 @@ CREDENTIAL = re.compile(r"qlw_[A-Za-z0-9_-]{43}")
 MAX_CREDENTIAL_FILE_BYTES = 256
 MAX_ANSWER_BYTES = 1 << 20          # an offer with its spec is at most a few tens of KiB
 DEFAULT_TIMEOUT_S = 10.0
+# TLS 1.3 servers send session tickets after the handshake: they make the Pull's socket readable
+# before any answer. They are drained right after connecting, and reading an answer never blocks
+# the Worker's loop longer than this (a miss is a lost answer: the Pull is retried byte for byte).
+TICKET_WAIT_S = 0.1
+FINISH_READ_S = 0.5
 SERVER_NOW = "X-Qlagent-Server-Now-Us"
 API = "/api/v3/cluster/workers"
 
@@ -187,6 +193,9 @@ class ControlClient:
         try:
             if conn.sock is not None:
                 conn.sock.settimeout(self.timeout_s)
+            else:
+                self._open(conn)
+                self._drain_tickets(conn.sock)
             self._send(conn, "POST", path, body, "application/json", None)
             # The answer may take wait_s; reading it must not hang past that plus the timeout.
             conn.sock.settimeout(wait_s + self.timeout_s)
@@ -206,12 +215,29 @@ class ControlClient:
         if conn is None:
             raise ControlUnreachable("no Pull in flight")
         try:
+            conn.sock.settimeout(FINISH_READ_S)
             return self._answer(conn.getresponse())
         except ControlError:
             raise
         except BaseException as e:
             self.abort_poll()
             raise self._transport_error(e) from None
+
+    @staticmethod
+    def _drain_tickets(sock) -> None:
+        if not isinstance(sock, ssl.SSLSocket):
+            return
+        sock.setblocking(False)
+        try:
+            for _ in range(4):              # OpenSSL servers send two tickets, maybe in two records
+                if not select.select([sock], [], [], TICKET_WAIT_S)[0]:
+                    return
+                try:
+                    sock.recv(1)            # no request was sent: nothing but tickets can be there
+                except ssl.SSLWantReadError:
+                    continue
+        finally:
+            sock.settimeout(DEFAULT_TIMEOUT_S)
 
     def abort_poll(self) -> None:
         """Drop the poll connection (a lost answer: the Pull is retried byte-identically)."""
@@ -226,10 +252,14 @@ class ControlClient:
         if headers:
             h.update(headers)
         if conn.sock is None:
-            conn.connect()
-            # Small request/answer exchanges: Nagle + delayed ACK would add ~40 ms to each.
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._open(conn)
         conn.request(method, self._base + path, body=body, headers=h)
+
+    @staticmethod
+    def _open(conn) -> None:
+        conn.connect()
+        # Small request/answer exchanges: Nagle + delayed ACK would add ~40 ms to each.
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _answer(self, resp: http.client.HTTPResponse) -> Answer:
         data = resp.read(MAX_ANSWER_BYTES + 1)
