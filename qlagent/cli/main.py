@@ -59,7 +59,8 @@ class Ctx:
     @property
     def store(self):
         if self._store is None:
-            if not os.path.exists(self.settings.db_path) and self.args.command != "init":
+            if (self.settings.config.cluster is None and not os.path.exists(self.settings.db_path)
+                    and self.args.command != "init"):
                 raise E.UnavailableError(f"no store at {self.settings.db_path}; run `qlagent init` first",
                                          code="not_initialised")
             from .. import bootstrap
@@ -88,18 +89,25 @@ def _load_toml(path: str) -> dict:
 
 # ---- commands --------------------------------------------------------------------------------
 
+def _redacted(url: str) -> str:
+    """A libpq URL without its password (``user:***@``), for printing."""
+    import re
+    return re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url)
+
+
 def cmd_init(ctx: Ctx) -> int:
     from ..bootstrap import create_key_file
     s = ctx.settings
     os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
     store = ctx.store
     created = create_key_file(s.key_file)
+    database = s.db_path if s.config.cluster is None else _redacted(s.config.cluster.database)
     if ctx.args.json:
-        _print_json({"stateDir": s.state_dir, "database": s.db_path, "keyFile": s.key_file,
+        _print_json({"stateDir": s.state_dir, "database": database, "keyFile": s.key_file,
                      "keyCreated": created, "migrationsApplied": store.applied, "profile": s.profile.name})
     else:
         print(f"state directory  {s.state_dir}")
-        print(f"database         {s.db_path} ({len(store.applied)} migrations applied)")
+        print(f"database         {database} ({len(store.applied)} migrations applied)")
         print(f"secret key file  {s.key_file} ({'created' if created else 'kept'})")
         print(f"profile          {s.profile.name}")
     return 0
@@ -391,6 +399,8 @@ def cmd_run_logs(ctx: Ctx) -> int:
                                 "the end)", limit=f"1..{MAX_LOG_OFFSET}")
     svc = RunService(ctx.store)
     run = svc.get(ctx.args.run)
+    if ctx.settings.config.cluster is not None:
+        return _cluster_logs(ctx, run.run_id, offset, remaining)
     path, fact = svc.log_source(run.run_id)
     if ctx.args.json:
         _print_json(log_page_json(run.run_id, path, fact, offset, min(remaining or MAX_LOG_READ, MAX_LOG_READ)))
@@ -408,6 +418,31 @@ def cmd_run_logs(ctx: Ctx) -> int:
     if fact:      # stdout stays the log's bytes; the truncation fact goes to stderr, always
         print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {fact.bytes_dropped} bytes dropped",
               file=sys.stderr)
+    return 0
+
+
+def _cluster_logs(ctx: Ctx, run_id: str, offset: int, remaining: int | None) -> int:
+    """``run logs`` on the cluster authority: the chunks the Worker uploaded, from PostgreSQL."""
+    from .. import bootstrap
+    from ..application.runs import MAX_LOG_READ, log_page
+    reader = bootstrap.log_chunks(ctx.store)
+    if ctx.args.json:
+        chunk, size, fact = reader.read_range(run_id, offset, min(remaining or MAX_LOG_READ, MAX_LOG_READ))
+        _print_json(log_page(run_id, chunk, size, offset, fact))
+        return 0
+    out, fact = sys.stdout.buffer, None
+    while remaining is None or remaining > 0:
+        chunk, _, fact = reader.read_range(run_id, offset, min(MAX_LOG_READ, remaining or MAX_LOG_READ))
+        if not chunk:
+            break
+        out.write(chunk)
+        offset += len(chunk)
+        if remaining is not None:
+            remaining -= len(chunk)
+    out.flush()
+    if fact:
+        print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {_or_dash(fact.bytes_dropped)} bytes "
+              "dropped", file=sys.stderr)
     return 0
 
 

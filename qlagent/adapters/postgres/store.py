@@ -15,7 +15,7 @@ Time: the database clock (``ql_now_us()``) unless the caller injects ``clock_us`
 
 from __future__ import annotations
 
-import random
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -48,7 +48,7 @@ from .connection import autocommit, open_pool
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
-RETRY_PAUSE_S = (0.002, 0.020)     # jittered pause between re-runs (s)
+RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
 DEFAULT_TIMEOUT_MS = 3_600_000     # timing() of a revision that is gone (recovery only)
 DEFAULT_GRACE_MS = 5_000
 
@@ -142,7 +142,7 @@ class PgStore:
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
                     raise
-                time.sleep(random.uniform(*RETRY_PAUSE_S) * (attempt + 1))
+                time.sleep(RETRY_PAUSE_S * (1 + os.urandom(1)[0] % 10) * (attempt + 1))
             except psycopg.OperationalError as e:
                 raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}",
                                        code="store_unavailable") from None

@@ -1,0 +1,279 @@
+"""``qlagent serve`` / the CLI with a ``[cluster]`` table against real PostgreSQL: a control-plane
+replica serves the existing HTTP routes on the cluster authority (ADR-0376 matrix over real
+HTTP, two replicas racing one mutationId), the CLI works through the same ports, bad
+``[cluster]`` values are refused naming the field with nothing written, and a configuration
+without ``[cluster]`` never imports psycopg or ``qlagent.cluster``."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+BASE = "/api/v3/projects/default"
+SCHEMA = "qinglong/task-start@v1"
+TASKS = """
+[[task]]
+name = "hello"
+shell = "/bin/sh"
+script = "echo hello"
+
+[[task]]
+name = "racer"
+shell = "/bin/sh"
+script = "echo racer"
+
+[[task]]
+name = "fenced"
+shell = "/bin/sh"
+script = "echo fenced"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Env:
+    """A state directory, a config with ``[cluster]`` on the module's database, the CLI."""
+
+    def __init__(self, root: str, url: str, extra: str = "") -> None:
+        self.root, self.url = root, url
+        self.state = os.path.join(root, "state")
+        self.config = os.path.join(root, "qlagent.toml")
+        with open(self.config, "w") as f:
+            pool = "" if "pool_size" in extra else "pool_size = 4\n"
+            f.write(f'[cluster]\ndatabase = "{url}"\n{pool}{extra}')
+        os.chmod(self.config, 0o600)
+
+    def cli(self, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+        return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state,
+                               "--config", self.config, *args], input=stdin, capture_output=True, env=env,
+                              timeout=60)
+
+    def ok(self, *args: str, stdin: bytes | None = None) -> str:
+        p = self.cli(*args, stdin=stdin)
+        assert p.returncode == 0 and b"Traceback" not in p.stderr, (args, p.stdout, p.stderr)
+        return p.stdout.decode()
+
+    def sql(self, query: str, args=()):
+        with psycopg.connect(self.url, autocommit=True) as c:
+            cur = c.execute(query, args)
+            return cur.fetchall() if cur.description else []
+
+
+class Replica:
+    """``qlagent serve --listen`` with ``[cluster]``: a control-plane replica in a subprocess."""
+
+    def __init__(self, env: Env) -> None:
+        self.port = free_port()
+        penv = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state,
+                                      "--config", env.config, "serve", "--listen", f"127.0.0.1:{self.port}"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env=penv)
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._drain, daemon=True).start()
+        with self.cond:
+            assert self.cond.wait_for(lambda: any("service.ready" in ln or ln == "<eof>" for ln in self.lines), 30)
+        assert any("role=control-plane" in ln for ln in self.lines), "".join(self.lines)
+
+    def _drain(self) -> None:
+        for raw in self.proc.stderr:
+            with self.cond:
+                self.lines.append(raw.decode(errors="replace"))
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append("<eof>")
+            self.cond.notify_all()
+
+    def request(self, method: str, path: str, body: bytes | None = None, token: str | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers={"Authorization": f"Bearer {token}"} if token else {})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read() or b"null")
+        finally:
+            conn.close()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+def body(head: dict, mutation_id: str | None = None) -> bytes:
+    return json.dumps({"schema": SCHEMA, "mutationId": mutation_id or str(uuid.uuid4()),
+                       "expectedRevision": head["revision"], "expectedContentDigest": head["contentDigest"]}).encode()
+
+
+@pytest.fixture(scope="module")
+def cp(pg_url):
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="qlagent-cp-", dir=base)
+    env = Env(root, pg_url)
+    env.ok("init")
+    with open(os.path.join(root, "tasks.toml"), "w") as f:
+        f.write(TASKS)
+    env.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
+    tokens = {s: env.ok("token", "create", "--subject", s, "--role", "operator").strip() for s in ("alice", "rita")}
+    replicas = [Replica(env), Replica(env)]
+    yield env, replicas, tokens
+    for r in replicas:
+        assert r.stop() == 0
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _head(replica, tok, task):
+    status, doc = replica.request("GET", f"{BASE}/tasks/{task}", token=tok)
+    assert status == 200, doc
+    return doc
+
+
+def _runs(env, task):
+    return env.sql("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = %s", (task,))
+
+
+def test_replica_is_ready_and_task_start_is_202_then_200_on_the_other_replica(cp):
+    env, (a, b), tok = cp
+    assert a.request("GET", "/readyz")[0] == 200 and b.request("GET", "/readyz")[0] == 200
+    h = _head(a, tok["alice"], "hello")
+    req = body(h)
+    status, first = a.request("POST", f"{BASE}/tasks/hello/runs", req, tok["alice"])
+    assert (status, first["outcome"], first["state"]) == (202, "accepted", "queued")
+    status, again = b.request("POST", f"{BASE}/tasks/hello/runs", req, tok["alice"])   # another replica
+    assert (status, again["outcome"]) == (200, "existing")
+    assert {k: again[k] for k in ("runId", "attemptId", "eventIds")} == {k: first[k] for k in ("runId", "attemptId",
+                                                                                              "eventIds")}
+    assert env.sql("SELECT a.executor_type, r.requested_by FROM attempts a JOIN runs r USING (run_id) "
+                   "WHERE r.run_id = %s", (first["runId"],)) == [("remote_worker", "alice")]
+    status, run = b.request("GET", f"{BASE}/runs/{first['runId']}", token=tok["alice"])
+    assert status == 200 and run["state"] == "queued"
+
+
+def test_sixteen_concurrent_starts_with_one_mutation_id_across_two_replicas(cp):
+    env, replicas, tok = cp
+    req = body(_head(replicas[0], tok["rita"], "racer"))
+    with ThreadPoolExecutor(16) as ex:
+        answers = list(ex.map(lambda i: replicas[i % 2].request("POST", f"{BASE}/tasks/racer/runs", req, tok["rita"]),
+                              range(16)))
+    assert sorted(s for s, _ in answers) == [200] * 15 + [202]
+    assert len({doc["runId"] for _, doc in answers}) == 1
+    assert len(_runs(env, "racer")) == 1
+
+
+def test_fences_over_http_on_postgresql(cp):
+    env, (a, b), tok = cp
+    h = _head(a, tok["alice"], "fenced")
+    mid = str(uuid.uuid4())
+    assert a.request("POST", f"{BASE}/tasks/fenced/runs", body(h, mid), tok["alice"])[0] == 202
+    other = _head(a, tok["alice"], "hello")
+    status, err = b.request("POST", f"{BASE}/tasks/hello/runs", body(other, mid), tok["alice"])
+    assert (status, err["reason"]) == (409, "mutation_conflict")
+    before = len(_runs(env, "fenced"))
+    with open(os.path.join(env.root, "edit.toml"), "w") as f:
+        f.write('[[task]]\nname = "fenced"\nshell = "/bin/sh"\nscript = "echo edited"\n')
+    env.ok("task", "edit", "fenced", "-f", os.path.join(env.root, "edit.toml"), "--expect-revision",
+           str(h["revision"]), "--expect-digest", h["contentDigest"])
+    status, err = b.request("POST", f"{BASE}/tasks/fenced/runs", body(h), tok["alice"])
+    assert (status, err["code"], err["reason"]) == (409, "task_start_fence_rejected", "definition_changed")
+    env.ok("task", "disable", "fenced")
+    status, err = a.request("POST", f"{BASE}/tasks/fenced/runs", body(_head(a, tok["alice"], "fenced")), tok["alice"])
+    assert (status, err["reason"]) == (409, "task_disabled")
+    env.ok("task", "enable", "fenced")
+    env.ok("role", "set", "alice", "viewer")                                   # authorization revoked
+    status, err = b.request("POST", f"{BASE}/tasks/fenced/runs", body(_head(a, tok["alice"], "fenced")), tok["alice"])
+    assert status == 403 or (status, err["reason"]) == (409, "authorization_changed")
+    env.ok("role", "set", "alice", "operator")
+    status, err = a.request("POST", f"{BASE}/tasks/nope/runs", body(h), tok["alice"])
+    assert (status, err["code"]) == (404, "task_not_found")
+    assert len(_runs(env, "fenced")) == before                               # no refusal wrote a Run
+
+
+def test_cli_runs_logs_and_cancel_through_the_ports_on_postgresql(cp):
+    env, (a, _), tok = cp
+    run_id = env.ok("run", "start", "hello").strip()
+    shown = json.loads(env.ok("run", "show", run_id, "--json"))
+    assert shown["state"] == "queued" and [a["executorType"] for a in shown["attempts"]] == ["remote_worker"]
+    assert run_id in env.ok("run", "ls")
+    (attempt_id,) = env.sql("SELECT attempt_id FROM attempts WHERE run_id = %s", (run_id,))[0]
+    for off, data in ((0, b"hello "), (6, b"from a worker\n")):     # what a Worker's upload leaves
+        env.sql("INSERT INTO log_chunks VALUES (%s, %s, %s)", (attempt_id, off, data))
+    assert env.ok("run", "logs", run_id) == "hello from a worker\n"
+    page = json.loads(env.ok("run", "logs", run_id, "--json", "--offset", "6", "--limit", "4"))
+    assert (page["data"], page["size"], page["nextOffset"], page["eof"]) == ("from", 20, 10, False)
+    assert env.ok("run", "cancel", run_id).split() == [run_id, "cancelled"]
+    assert env.sql("SELECT state FROM runs WHERE run_id = %s", (run_id,)) == [("cancelled",)]
+    env.ok("secret", "set", "api-key", stdin=b"s3cr3t\n")
+    (blob,) = env.sql("SELECT ciphertext FROM secrets WHERE name = 'api-key'")[0]
+    assert b"s3cr3t" not in bytes(blob)                                        # ciphertext only
+
+
+@pytest.mark.parametrize("extra, field", [
+    ("[cluster.dispatcher]\ncandidate_pages = 17\n", "cluster.dispatcher.candidate_pages"),
+    ("[cluster.dispatcher]\nclaim_tries = 65\n", "cluster.dispatcher.claim_tries"),
+    ("[cluster.dispatcher]\nworker_page_size = 64\nworker_pages = 2\n", "cluster.dispatcher.worker_pages"),
+    ("pool_size = 65\n", "cluster.pool_size"),
+    ("lease_ttl_s = 4\n", "cluster.lease_ttl_s"),
+    ('tls_cert = "/etc/cert.pem"\n', "cluster.tls_key"),
+])
+def test_bad_cluster_config_is_refused_at_start_up_naming_the_field_and_writes_nothing(tmp_path, extra, field):
+    from conftest import create_database, db_url, drop_database
+    name = create_database(f"badcfg_{abs(hash(field)) % 10_000}")
+    try:
+        env = Env(str(tmp_path), db_url(name), extra)
+        for args in (("serve",), ("init",)):
+            p = env.cli(*args)
+            lines = p.stderr.decode().strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1 and field in lines[0], (args, p.stderr)
+        assert env.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+    finally:
+        drop_database(name)
+
+
+def test_several_hosts_need_target_session_attrs_read_write(tmp_path):
+    env = Env(str(tmp_path), "postgresql://postgres@127.0.0.1:5432,127.0.0.2:5432/x")
+    p = env.cli("task", "ls")
+    assert p.returncode == 2 and b"cluster.database.target_session_attrs" in p.stderr and b"Traceback" not in p.stderr
+    env = Env(str(tmp_path), "postgresql://postgres@127.0.0.1:5432,127.0.0.1:5432/postgres"
+                             "?target_session_attrs=read-write")
+    assert env.cli("config", "check").returncode == 0
+
+
+def test_without_cluster_nothing_of_the_cluster_is_imported(tmp_path):
+    """A local agent (serve with HTTP, the CLI) in a fresh interpreter loads neither psycopg nor
+    qlagent.cluster nor the PostgreSQL adapter."""
+    state = str(tmp_path / "state")
+    code = f"""
+import sys, threading
+from qlagent.cli.main import main
+assert main(["--state-dir", {state!r}, "init"]) == 0
+assert main(["--state-dir", {state!r}, "task", "ls"]) == 0
+from qlagent.service.config import resolve
+from qlagent.service.main import Service
+s = Service(resolve(None, state_dir={state!r}), listen="127.0.0.1:0", exit_after_s=0.2)
+assert s.run() == 0
+bad = sorted(m for m in sys.modules if m.startswith(("psycopg", "qlagent.cluster", "qlagent.adapters.postgres",
+                                                      "qlagent.service.controlplane")))
+print("LOADED", bad)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=60, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode().strip().splitlines()[-1] == "LOADED []"
