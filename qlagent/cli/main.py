@@ -42,7 +42,7 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
 
 # Reads never create a Project: a mistyped --project is "not found", not an empty new tenant.
 READ_COMMANDS = {("task", "ls"), ("task", "show"), ("run", "ls"), ("run", "show"), ("run", "logs"),
-                 ("secret", "ls"), ("token", "ls")}
+                 ("secret", "ls"), ("token", "ls"), ("workers", "ls")}
 
 
 class Ctx:
@@ -495,6 +495,68 @@ def cmd_role_set(ctx: Ctx) -> int:
     return 0
 
 
+def _registry(ctx: Ctx):
+    """The cluster's Worker registry; ``workers`` needs ``[cluster]`` (exit 2 otherwise)."""
+    if ctx.settings.config.cluster is None:
+        raise E.ValidationError("cluster", "`qlagent workers` acts on the cluster authority; the configuration "
+                                           "has no [cluster] table")
+    from .. import bootstrap
+    return bootstrap.worker_registry(ctx.settings, ctx.store)
+
+
+def _labels(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise E.ValidationError("--label", f"{pair!r} is not KEY=VALUE")
+        if key in out:
+            raise E.ValidationError("--label", f"{key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def cmd_workers_enroll(ctx: Ctx) -> int:
+    a = ctx.args
+    labels = _labels(a.label or [])
+    worker_id, credential = _registry(ctx).enroll(a.name, labels, tuple(a.executor or ["local_process"]), a.slots)
+    if a.json:
+        _print_json({"workerId": worker_id, "name": a.name, "credential": credential})
+    else:
+        print(f"worker      {a.name} {worker_id}")
+        print(f"credential  {credential}")
+        print("qlagent: the credential is shown once (only its SHA-256 is stored); give it to the Worker",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_workers_ls(ctx: Ctx) -> int:
+    registry, rows, after = _registry(ctx), [], None
+    while True:
+        page = registry.list(64, after)
+        rows += page
+        if len(page) < 64:
+            break
+        after = page[-1]["name"]
+    if ctx.args.json:
+        _print_json({"items": [{"name": r["name"], "workerId": r["worker_id"], "state": r["state"],
+                                "generation": r["generation"], "sessionId": r["session_id"],
+                                "lastHeartbeatUs": r["last_heartbeat_us"], "slots": r["slots"],
+                                "freeSlots": max(0, r["free_slots"])} for r in rows]})
+        return 0
+    _table([[r["name"], r["worker_id"], r["state"], str(r["generation"]), _or_dash(r["session_id"]),
+             _fmt_us(r["last_heartbeat_us"]), str(max(0, r["free_slots"])), str(r["slots"])] for r in rows],
+           ["NAME", "WORKER", "STATE", "GEN", "SESSION", "HEARTBEAT", "FREE", "SLOTS"])
+    return 0
+
+
+def cmd_workers_state(ctx: Ctx, drain: bool) -> int:
+    registry = _registry(ctx)
+    worker_id = registry.drain(ctx.args.name) if drain else registry.remove(ctx.args.name)
+    print(f"{ctx.args.name} {worker_id} {'draining' if drain else 'removed'}")
+    return 0
+
+
 def cmd_import_qinglong(ctx: Ctx) -> int:
     from ..application.qinglong_import import apply_import, read_and_plan
     from ..bootstrap import cipher_factory, panel_source
@@ -626,6 +688,18 @@ def build_parser() -> argparse.ArgumentParser:
     rs = add(role, "set", cmd_role_set, "bind a subject's role in the project ('none' revokes)")
     rs.add_argument("subject")
     rs.add_argument("role", choices=["owner", "admin", "operator", "viewer", "none"])
+
+    wk = sub.add_parser("workers", help="cluster Workers ([cluster] only)").add_subparsers(dest="sub", required=True,
+                                                                                        metavar="SUB")
+    we = add(wk, "enroll", cmd_workers_enroll, "enroll a Worker; prints its credential once")
+    we.add_argument("name")
+    we.add_argument("--label", action="append", metavar="KEY=VALUE", help="a Placement label (repeatable)")
+    we.add_argument("--executor", action="append", choices=["local_process"], help="executor type (repeatable)")
+    we.add_argument("--slots", type=int, default=1, help="concurrent Attempts (1..256)")
+    add(wk, "ls", cmd_workers_ls, "list Workers: state, generation, Session, last heartbeat, free slots")
+    add(wk, "drain", lambda c: cmd_workers_state(c, True), "no new offers to the Worker").add_argument("name")
+    add(wk, "rm", lambda c: cmd_workers_state(c, False), "remove the Worker (its Leases are fenced)"
+        ).add_argument("name")
 
     imp = sub.add_parser("import", help="import from another scheduler").add_subparsers(dest="sub", required=True,
                                                                                         metavar="SUB")

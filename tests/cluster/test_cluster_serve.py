@@ -277,3 +277,62 @@ print("LOADED", bad)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=60, cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert p.stdout.decode().strip().splitlines()[-1] == "LOADED []"
+
+
+def test_workers_enroll_ls_drain_rm(cp):
+    import hashlib
+
+    from qlagent.adapters.postgres.connection import open_pool
+    from qlagent.adapters.postgres.registry import PgWorkerRegistry
+    from qlagent.cluster.registry import WorkerRegistry
+    env, _, _ = cp
+    out = json.loads(env.ok("workers", "enroll", "edge-1", "--label", "site=lab", "--label", "arch=arm64",
+                            "--slots", "2", "--json"))
+    credential = out["credential"]
+    assert env.sql("SELECT name, credential_digest, labels, slots FROM workers WHERE worker_id = %s",
+                   (out["workerId"],)) == [("edge-1", hashlib.sha256(credential.encode()).hexdigest(),
+                                            {"arch": "arm64", "site": "lab"}, 2)]
+    listed = json.loads(env.ok("workers", "ls", "--json"))["items"]
+    assert [(w["name"], w["state"], w["generation"], w["freeSlots"]) for w in listed] == [("edge-1", "offline", 0, 2)]
+    pool = open_pool(env.url, 1)
+    try:                                                  # the Worker connects: a Session, generation 1
+        WorkerRegistry(PgWorkerRegistry(pool)).open_session(out["workerId"], credential)
+    finally:
+        pool.close()
+    (w,) = json.loads(env.ok("workers", "ls", "--json"))["items"]
+    assert (w["state"], w["generation"], w["sessionId"] is not None, w["lastHeartbeatUs"] is not None) == \
+        ("online", 1, True, True)
+    assert "edge-1" in env.ok("workers", "ls") and credential not in env.ok("workers", "ls")
+    assert env.ok("workers", "drain", "edge-1").split()[-1] == "draining"
+    assert json.loads(env.ok("workers", "ls", "--json"))["items"][0]["state"] == "draining"
+    assert env.cli("workers", "enroll", "edge-1").returncode == 3                   # the live name is taken
+    env.ok("workers", "rm", "edge-1")
+    assert json.loads(env.ok("workers", "ls", "--json"))["items"] == []
+    p = env.cli("workers", "rm", "edge-1")
+    assert p.returncode == 4 and b"edge-1" in p.stderr
+
+
+@pytest.mark.parametrize("args, field", [
+    (("Bad Name",), b"name"),
+    (("w", "--label", "site"), b"--label"),
+    (("w", "--label", "a=1", "--label", "a=2"), b"--label"),
+    (("w", "--slots", "0"), b"slots"),
+    (("w", "--slots", "257"), b"slots"),
+    (("w", "--slots", "two"), b"--slots"),
+    (("w", "--executor", "remote_worker"), b"--executor"),
+    (("w", "--label", "k=" + "v" * 129), b"label.k"),
+])
+def test_bad_workers_enroll_is_one_line_exit_2_and_writes_nothing(cp, args, field):
+    env, _, _ = cp
+    before = env.sql("SELECT count(*) FROM workers")
+    p = env.cli("workers", "enroll", *args)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and field.decode() in lines[0], p.stderr
+    assert env.sql("SELECT count(*) FROM workers") == before
+
+
+def test_workers_need_a_cluster_table(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", str(tmp_path / "s"), "workers", "ls"],
+                       capture_output=True, env=env, timeout=60)
+    assert p.returncode == 2 and b"[cluster]" in p.stderr and not (tmp_path / "s").exists()
