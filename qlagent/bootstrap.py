@@ -142,7 +142,8 @@ def log_chunks(store):
 class ClusterServices:
     """What one control-plane replica serves besides the store's routes, built over ONE pool:
     ``registry`` (WorkerRegistry), ``pull`` (WorkerPull, long-poll woken by LISTEN/NOTIFY),
-    ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``log_reader``
+    ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``placement_report``
+    (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
     (PgLogStore), ``budgets`` (DispatcherBudgets), the ``[cluster]`` table as ``config``, and
     ``close()`` for the LISTEN connection. The Worker HTTP routes take it whole."""
 
@@ -150,6 +151,7 @@ class ClusterServices:
         from .adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
         from .adapters.postgres.leases import PgLeaseStore
         from .adapters.postgres.notify import PgCandidateSignal
+        from .adapters.postgres.placement import PgPlacementReport
         from .adapters.postgres.registry import PgWorkerRegistry
         from .adapters.postgres.secrets import PgSecretResolver
         from .adapters.secretbox import SecretBox
@@ -172,6 +174,7 @@ class ClusterServices:
         self.log_reader = log_chunks(store)
         self.logs = LogUpload(self.log_reader, settings.profile)
         self.sweeper = LeaseSweeper(leases, PgWorkerRegistry(store.pool), c.sweep_batch)
+        self.placement_report = PgPlacementReport(store.pool)
 
     def close(self) -> None:
         self.signal.close()

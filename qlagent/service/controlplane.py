@@ -3,7 +3,8 @@
 Several replicas run side by side on one PostgreSQL authority with no leader of their own;
 every state change is a transaction there. One selectors loop, idle when idle, wakes for: an
 HTTP request, the scheduler's next due instant, the lease sweeper's cadence
-(``[cluster] sweep_interval_s``), the definition reload (other replicas and CLIs change Tasks
+(``[cluster] sweep_interval_s``; the same pass reports queued Runs no enrolled Worker can
+match), the definition reload (other replicas and CLIs change Tasks
 without poking this process), or a signal. It runs no local engine: Runs are executed by
 Workers that Pull them.
 
@@ -89,6 +90,10 @@ class ControlPlane:
                 for _ in range(MAX_SWEEPS_PER_WAKE):
                     result = self._guarded(self.services.sweeper.sweep_once)
                     if result is None or not result.truncated:
+                        break
+                for _ in range(MAX_SWEEPS_PER_WAKE):
+                    checked = self._guarded(lambda: self.services.placement_report.report(self.cluster.sweep_batch))
+                    if checked is None or checked[0] < self.cluster.sweep_batch:
                         break
                 next_sweep = now + int(self.cluster.sweep_interval_s * 1e6)
             if exit_at is not None and now >= exit_at:

@@ -39,6 +39,19 @@ script = "echo racer"
 name = "fenced"
 shell = "/bin/sh"
 script = "echo fenced"
+
+[[task]]
+name = "on-mars"
+shell = "/bin/sh"
+script = "echo mars"
+placement = { required = { site = "mars" }, preferred = { arch = "arm64" } }
+
+[[task]]
+name = "in-lab"
+shell = "/bin/sh"
+script = "echo lab"
+executor = "remote_worker"
+placement = { required = { site = "lab" } }
 """
 
 
@@ -127,7 +140,7 @@ def body(head: dict, mutation_id: str | None = None) -> bytes:
 def cp(pg_url):
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="qlagent-cp-", dir=base)
-    env = Env(root, pg_url)
+    env = Env(root, pg_url, "sweep_interval_s = 0.5\n")
     env.ok("init")
     with open(os.path.join(root, "tasks.toml"), "w") as f:
         f.write(TASKS)
@@ -336,3 +349,38 @@ def test_workers_need_a_cluster_table(tmp_path):
     p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", str(tmp_path / "s"), "workers", "ls"],
                        capture_output=True, env=env, timeout=60)
     assert p.returncode == 2 and b"[cluster]" in p.stderr and not (tmp_path / "s").exists()
+
+
+def test_a_run_no_enrolled_worker_can_match_is_reported_not_left_waiting_silently(cp):
+    import time
+    env, _, _ = cp
+    env.ok("workers", "enroll", "lab-1", "--label", "site=lab")
+    mars, lab = env.ok("run", "start", "on-mars").strip(), env.ok("run", "start", "in-lab").strip()
+    deadline = time.monotonic() + 20                     # the replicas' sweep pass (every 0.5 s) checks it
+    while time.monotonic() < deadline and "run.unplaceable" not in env.ok("run", "show", mars):
+        time.sleep(0.2)
+    shown = json.loads(env.ok("run", "show", mars, "--json"))
+    (ev,) = [e for e in shown["events"] if e["type"] == "run.unplaceable"]
+    assert ev["payload"]["required"] == {"site": "mars", "executor": "local_process"} and shown["state"] == "queued"
+    while time.monotonic() < deadline and env.sql("SELECT placement_checked FROM runs WHERE run_id = %s",
+                                                  (lab,)) != [(True,)]:
+        time.sleep(0.2)
+    assert "run.unplaceable" not in env.ok("run", "show", lab)         # lab-1 can take it
+    env.ok("workers", "rm", "lab-1")
+
+
+def test_placement_and_executor_fields_are_validated_naming_the_field(cp):
+    env, _, _ = cp
+    for body_, field in (('executor = "docker"', "executor"),
+                         ('executor = "local_process"', "executor"),      # the cluster runs remote_worker
+                         ('placement = { required = { executor = "ssh" } }', "placement.required.executor"),
+                         ('placement = { anywhere = { a = "b" } }', "placement"),
+                         ("placement = { preferred = { %s } }" % ", ".join(f'k{i} = "v"' for i in range(33)),
+                          "placement.preferred")):
+        path = os.path.join(env.root, "bad.toml")
+        with open(path, "w") as f:
+            f.write(f'[[task]]\nname = "bad"\nshell = "/bin/sh"\nscript = "true"\n{body_}\n')
+        p = env.cli("task", "add", "-f", path)
+        lines = p.stderr.decode().strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and field in lines[0], (body_, p.stderr)
+    assert "bad" not in env.ok("task", "ls")

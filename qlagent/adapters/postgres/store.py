@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ...core import states
-from ...core.definitions import PreparedTask
+from ...core.definitions import PreparedTask, check_executor
 from ...core.dispatch import Candidate, Finish, LiveAttempt, Plan
 from ...core.errors import NotFoundError, UnavailableError
 from ...core.models import (
@@ -61,8 +61,8 @@ class _Rollback(Exception):
 class _Batch:
     """``core.ports.DefinitionBatch`` on the cursor of one open write transaction."""
 
-    def __init__(self, cur, now_us: int) -> None:
-        self._c, self._now = cur, now_us
+    def __init__(self, cur, now_us: int, executor_type: str) -> None:
+        self._c, self._now, self._executor = cur, now_us, executor_type
 
     def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:
         try:
@@ -74,10 +74,12 @@ class _Batch:
         return defs.list_heads(self._c, project_id)
 
     def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, self._executor)
         return defs.add_task(self._c, project_id, prepared, self._now)
 
     def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
                   prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, self._executor)
         return defs.edit_task(self._c, project_id, name_or_id, expected_revision, expected_digest, prepared,
                               self._now)
 
@@ -212,6 +214,9 @@ class PgStore:
 
     # ---- DefinitionStore -----------------------------------------------------------------------
     def add_tasks(self, project_id: str, prepared: list[PreparedTask]) -> list[TaskHead]:
+        for p in prepared:
+            check_executor(p.definition, self.executor_type)
+
         def tx(c):
             now = self._now_in(c)
             return [defs.add_task(c, project_id, p, now) for p in prepared]
@@ -219,6 +224,7 @@ class PgStore:
 
     def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
                   prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, self.executor_type)
         return self.write(lambda c: defs.edit_task(c, project_id, name_or_id, expected_revision, expected_digest,
                                                    prepared, self._now_in(c)))
 
@@ -243,7 +249,7 @@ class PgStore:
 
     def definition_batch(self, work: Callable[[_Batch], T], *, dry_run: bool = False) -> T:
         def tx(c):
-            result = work(_Batch(c, self._now_in(c)))
+            result = work(_Batch(c, self._now_in(c), self.executor_type))
             if dry_run:
                 raise _Rollback(result)
             return result
