@@ -212,11 +212,45 @@ def test_fences_over_http_on_postgresql(cp):
     env.ok("task", "enable", "fenced")
     env.ok("role", "set", "alice", "viewer")                                   # authorization revoked
     status, err = b.request("POST", f"{BASE}/tasks/fenced/runs", body(_head(a, tok["alice"], "fenced")), tok["alice"])
-    assert status == 403 or (status, err["reason"]) == (409, "authorization_changed")
+    assert (status, err["code"]) == (403, "permission_denied"), err
     env.ok("role", "set", "alice", "operator")
     status, err = a.request("POST", f"{BASE}/tasks/nope/runs", body(h), tok["alice"])
     assert (status, err["code"]) == (404, "task_not_found")
     assert len(_runs(env, "fenced")) == before                               # no refusal wrote a Run
+
+
+def test_execution_revision_missing_corrupt_and_unprovable_over_http(cp):
+    env, (a, b), tok = cp
+    h = _head(a, tok["alice"], "hello")
+    task_id = env.sql("SELECT task_id FROM tasks WHERE name = 'hello' AND deleted_at_us IS NULL")[0][0]
+    before = len(_runs(env, "hello"))
+    env.sql("ALTER TABLE execution_revisions DISABLE TRIGGER execution_revisions_append_only")
+    try:
+        env.sql("CREATE TABLE qlt_saved AS SELECT * FROM execution_revisions WHERE task_id = %s", (task_id,))
+        env.sql("UPDATE execution_revisions SET spec_json = spec_json || ' ' WHERE task_id = %s", (task_id,))
+        status, err = a.request("POST", f"{BASE}/tasks/hello/runs", body(h), tok["alice"])
+        assert (status, err["code"]) == (503, "task_start_unavailable")
+        env.sql("DELETE FROM execution_revisions WHERE task_id = %s", (task_id,))
+        status, err = b.request("POST", f"{BASE}/tasks/hello/runs", body(h), tok["alice"])
+        assert (status, err["reason"]) == (409, "task_not_executable")
+    finally:
+        env.sql("DELETE FROM execution_revisions WHERE task_id = %s", (task_id,))
+        env.sql("INSERT INTO execution_revisions SELECT * FROM qlt_saved")
+        env.sql("DROP TABLE qlt_saved")
+        env.sql("ALTER TABLE execution_revisions ENABLE TRIGGER execution_revisions_append_only")
+    # A transaction that can never be proven consistent (every try a serialization failure):
+    # bounded re-runs, then 503 task_start_unavailable, nothing written.
+    env.sql("CREATE FUNCTION qlt_conflict() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'could not serialize' USING ERRCODE = '40001'; END $$")
+    env.sql("CREATE TRIGGER qlt_conflict BEFORE INSERT ON runs FOR EACH ROW EXECUTE FUNCTION qlt_conflict()")
+    try:
+        status, err = a.request("POST", f"{BASE}/tasks/hello/runs", body(h), tok["alice"])
+    finally:
+        env.sql("DROP TRIGGER qlt_conflict ON runs")
+        env.sql("DROP FUNCTION qlt_conflict()")
+    assert (status, err["code"]) == (503, "task_start_unavailable")
+    assert len(_runs(env, "hello")) == before
+    assert a.request("POST", f"{BASE}/tasks/hello/runs", body(h), tok["alice"])[0] == 202   # and it recovers
 
 
 def test_cli_runs_logs_and_cancel_through_the_ports_on_postgresql(cp):
