@@ -97,6 +97,12 @@ def store_checks(db_path: str) -> list[tuple[str, bool, str]]:
     return diagnose(db_path)
 
 
+def cluster_store_checks(settings) -> list[tuple[str, bool, str]]:
+    """``qlagent doctor``'s checks of the ``[cluster]`` database: (name, ok, detail) each."""
+    from .adapters.postgres.store import diagnose
+    return diagnose(settings.config.cluster.database)
+
+
 def key_file_problem(path: str) -> str | None:
     """What is wrong with the secret key file (missing, mode, size), or None."""
     from .adapters.secretbox import check_key_file

@@ -418,3 +418,12 @@ def test_placement_and_executor_fields_are_validated_naming_the_field(cp):
         lines = p.stderr.decode().strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and field in lines[0], (body_, p.stderr)
     assert "bad" not in env.ok("task", "ls")
+
+
+def test_doctor_checks_the_cluster_database(cp, tmp_path):
+    env, _, _ = cp
+    checks = {c["name"]: c for c in json.loads(env.ok("doctor", "--json"))["checks"]}
+    assert all(checks[n]["ok"] for n in ("database", "schema", "capability", "secrets"))
+    gone = Env(str(tmp_path), "postgresql://postgres@127.0.0.1:1/none")
+    p = gone.cli("doctor")
+    assert p.returncode == 5 and b"FAIL  database" in p.stdout and b"Traceback" not in p.stderr

@@ -434,3 +434,41 @@ class PgStore:
 
     def forget_artifacts(self, attempt_ids: list[str]) -> None:
         self.write(lambda c: ex.forget_artifacts(c, attempt_ids))
+
+
+def diagnose(url: str) -> list[tuple[str, bool, str]]:
+    """``qlagent doctor``'s checks of the cluster authority without migrating: (name, ok, detail)
+    for reachability (a primary, not a standby), schema history, capability and Secrets a Task
+    uses but the store lacks. Never raises for what it inspects."""
+    from psycopg.rows import dict_row
+
+    from ...core.errors import QlError
+    try:
+        with autocommit(url) as conn:
+            return _diagnose(conn, dict_row)
+    except QlError as e:
+        return [("database", False, str(e))]
+
+
+def _diagnose(conn, dict_row) -> list[tuple[str, bool, str]]:
+    from ...core.errors import QlError
+    standby = conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]
+    out = [("database", not standby, "a standby (read-only): the authority is the primary" if standby
+            else "reachable, primary (read-write)")]
+    try:
+        pending = migrations.verify_history(conn, migrations.known_migrations())
+        out.append(("schema", not pending, "up to date" if not pending else f"{len(pending)} migration(s) pending: "
+                    + ", ".join(f"{m.version:04d}_{m.name}" for m in pending)))
+        caps = migrations.check_capabilities(conn)
+        out.append(("capability", True, ", ".join(f"{k}:{v}" for k, v in sorted(caps.items()))))
+    except QlError as e:
+        out.append(("schema" if len(out) == 1 else "capability", False, str(e)))
+        return out
+    with conn.cursor(row_factory=dict_row) as cur:
+        missing = [(t, n) for t, n, stored in secret_rows.secret_uses(cur, None) if not stored]
+    for task, name in missing:
+        out.append(("secrets", False, f"task {task} uses secret {name!r}, which is not set "
+                                      f"(`qlagent secret set {name}`); its runs fail secret_missing:{name}"))
+    if not missing:
+        out.append(("secrets", True, "every secret a task uses is set"))
+    return out
