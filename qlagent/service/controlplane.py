@@ -11,7 +11,7 @@ Workers that Pull them.
 Start-up: migrations under the advisory lock (``PgStore``), capability check (readiness), the
 cluster services (``bootstrap.ClusterServices``), the HTTP surface with the existing routes on
 PostgreSQL plus the route modules of ``CLUSTER_ROUTE_MODULES``. SIGTERM/SIGINT: stop accepting,
-finish requests in progress, exit 0.
+finish requests in progress, exit 0. SIGHUP: re-read the Task heads at once.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class ControlPlane:
         self._listen = listen
         self._exit_after_s = exit_after_s
         self.sel = selectors.DefaultSelector()
-        self._signals: list[int] = []
+        self._stop = self._hup = False
         self.http = None
         self.services = None
         self.store = None
@@ -77,9 +77,11 @@ class ControlPlane:
         next_sweep = next_reload = started     # the first iteration loads the Task heads and sweeps
         self.log("info", "service.ready", role="control-plane", profile=self.settings.profile.name)
         self.notify.ready("control plane ready")
-        while not self._signals:
+        while not self._stop:
             now = now_us()
             due = self.scheduler.next_wake_us
+            if self._hup:                  # SIGHUP: re-read the Task heads now
+                self._hup, next_reload = False, now
             if now >= next_reload:
                 if self._guarded(self.scheduler.reload) is not None:
                     due = now              # a Task may have been added: plan from the new heads
@@ -131,7 +133,8 @@ class ControlPlane:
         self._sig_r, self._sig_w = r, w
         signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda n, f: self._signals.append(n))
+            signal.signal(sig, lambda n, f: setattr(self, "_stop", True))
+        signal.signal(signal.SIGHUP, lambda n, f: setattr(self, "_hup", True))
         self.sel.register(r, selectors.EVENT_READ, "signal")
 
     def _start_http(self) -> None:

@@ -427,3 +427,23 @@ def test_doctor_checks_the_cluster_database(cp, tmp_path):
     gone = Env(str(tmp_path), "postgresql://postgres@127.0.0.1:1/none")
     p = gone.cli("doctor")
     assert p.returncode == 5 and b"FAIL  database" in p.stdout and b"Traceback" not in p.stderr
+
+
+def test_two_replica_processes_fire_each_instant_once_and_sighup_reloads(cp):
+    import time
+    env, replicas, _ = cp
+    path = os.path.join(env.root, "tick.toml")
+    with open(path, "w") as f:        # every second (6 fields, seconds first); added after the replicas started
+        f.write('[[task]]\nname = "tick"\nshell = "/bin/sh"\nscript = "true"\nschedule = "* * * * * *"\n'
+                'concurrency = "parallel"\n')
+    env.ok("task", "add", "-f", path)
+    for r in replicas:
+        r.proc.send_signal(signal.SIGHUP)              # re-read the heads now, not at the 10 s reload
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and len(_runs(env, "tick")) < 3:
+        time.sleep(0.2)
+    env.ok("task", "disable", "tick")
+    per_instant = env.sql("SELECT r.scheduled_for_us, count(*) FROM runs r JOIN tasks t USING (task_id) "
+                          "WHERE t.name = 'tick' GROUP BY 1")
+    assert len(per_instant) >= 3 and all(n == 1 for _, n in per_instant)
+    assert all(r.proc.poll() is None for r in replicas)
