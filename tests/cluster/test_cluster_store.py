@@ -187,3 +187,29 @@ def test_three_scheduler_replicas_make_exactly_one_run_per_instant(open_store, p
     assert sum(created) == len(rows)
     assert _sql(pool, "SELECT count(*) FROM schedule_fires f JOIN tasks t USING (task_id) WHERE t.project_id = %s",
                 (pid,)) == [(len(rows),)]
+
+
+def test_a_run_started_through_the_store_ports_is_placed_claimed_and_completed_by_a_worker(kit, pg_url):
+    """End to end on one authority: PgStore's Task Start (the port the HTTP API and CLI use)
+    creates what the ADR-0014 dispatcher claims; the Task's Placement decides the Worker."""
+    store = PgStore(pg_url, f"p-{new_id()[:8]}", pool_size=2)
+    try:
+        (head,) = store.add_tasks(store.project.project_id, [prepared(
+            "placed", placement={"required": {"site": "lab"}, "preferred": {"arch": "arm64"}})])
+        created = _start(store, head)
+        kit.worker("mars-1", {"site": "mars"})
+        assert kit.dispatcher().dispatch_once().status == "unmatched"   # required site = lab: not on mars
+        kit.worker("lab-amd", {"site": "lab", "arch": "amd64"})
+        arm = kit.worker("lab-arm", {"site": "lab", "arch": "arm64"})
+        (offer,) = kit.claim(1)
+        assert (offer.run_id, offer.attempt_id, offer.worker_id) == (created.run_id, created.attempt_id,
+                                                                     arm["worker_id"])   # preferred arch scores
+        for kind, facts in (("starting", {}), ("running", {}), ("completion", {"exit_code": 0, "bytes_kept": 3})):
+            kit.ack(arm, offer, kind, **facts)
+        run = store.get_run(created.run_id)
+        assert (run.state, run.exit_code) == ("succeeded", 0)
+        types = [e.type for e in store.list_events(created.run_id)]
+        assert types[:3] == ["run.created", "run.queued", "run.dispatching"] and types[-1] == "run.succeeded"
+        assert [e.sequence for e in store.list_events(created.run_id)] == list(range(1, len(types) + 1))
+    finally:
+        store.close()
