@@ -14,7 +14,7 @@ from .. import bootstrap
 from ..application.runs import RunService
 from ..core.errors import UnavailableError
 from ..core.models import Run
-from ..core.states import RUN_LIVE
+from ..core.states import RUN_LIVE, RUN_TERMINAL
 from ..service.main import Service, service_running
 
 POLL_S = 0.2   # the CLI's own wait; the agent itself never polls
@@ -45,7 +45,7 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
     svc = RunService(store)
     while True:
         run = svc.get(run_id)
-        if run.state not in RUN_LIVE:
+        if run.state in RUN_TERMINAL:      # not "not live": a cluster Run may be ``dispatching``
             return run
         if deadline is not None and time.monotonic() >= deadline:
             raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s:g} s; it keeps running "

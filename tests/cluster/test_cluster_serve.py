@@ -447,3 +447,27 @@ def test_two_replica_processes_fire_each_instant_once_and_sighup_reloads(cp):
                           "WHERE t.name = 'tick' GROUP BY 1")
     assert len(per_instant) >= 3 and all(n == 1 for _, n in per_instant)
     assert all(r.proc.poll() is None for r in replicas)
+
+
+def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
+    """``--wait`` waits through ``dispatching`` (a Lease offered) and ends with the Worker's
+    outcome; the replica never runs it itself."""
+    import time
+    env, _, _ = cp
+    p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state, "--config", env.config,
+                          "run", "start", "hello", "--wait", "--timeout", "30"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items()
+                                                      if not k.startswith("QLAGENT_")})
+    deadline = time.monotonic() + 15
+    run_id = None
+    while run_id is None and time.monotonic() < deadline:
+        rows = env.sql("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = 'hello' "
+                       "AND r.state = 'queued' AND r.requested_by = 'local:cli' ORDER BY r.created_at_us DESC LIMIT 1")
+        run_id = rows[0][0] if rows else None
+        time.sleep(0.1)
+    env.sql("UPDATE runs SET state = 'dispatching' WHERE run_id = %s", (run_id,))   # what a claim does
+    time.sleep(1.0)
+    assert p.poll() is None                                                       # still waiting
+    env.sql("UPDATE runs SET state = 'succeeded', exit_code = 0 WHERE run_id = %s", (run_id,))   # the Worker's end
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and out.decode().split() == [run_id, "succeeded", "exit=0"], err
