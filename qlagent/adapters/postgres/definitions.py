@@ -20,7 +20,8 @@ _dec = msgspec.json.Decoder(TaskDefinition)
 def append_recipe(cur, prepared: PreparedTask, now_us: int) -> None:
     """Append the context recipe; the same ref with other content is ConflictError ``recipe_conflict``."""
     doc = canonical_json(recipe_document(prepared.recipe)).decode()
-    row = cur.execute("SELECT recipe_json FROM context_recipes WHERE recipe_ref = %s", (prepared.recipe_ref,)).fetchone()
+    row = cur.execute("SELECT recipe_json FROM context_recipes WHERE recipe_ref = %s",
+                      (prepared.recipe_ref,)).fetchone()
     if row is not None:
         if row["recipe_json"] != doc:
             raise ConflictError(f"context recipe {prepared.recipe_ref} exists with other content",

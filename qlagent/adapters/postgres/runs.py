@@ -119,7 +119,8 @@ def task_start(cur, *, project: str, task: str, subject: str, mutation_id: str, 
         raise FenceRejected("mutation_conflict", "this mutationId was used for a different request")
     head = defs.get_head(cur, proj.project_id, task, lock=True)
     if (head.revision, head.content_digest) != (expected_revision, expected_digest):
-        raise FenceRejected("definition_changed", f"task is at revision {head.revision} with digest {head.content_digest}")
+        raise FenceRejected("definition_changed",
+                            f"task is at revision {head.revision} with digest {head.content_digest}")
     if not head.enabled:
         raise FenceRejected("task_disabled", "the task is disabled")
     ex = cur.execute("SELECT kind, execution_digest, spec_json FROM execution_revisions "

@@ -1,5 +1,6 @@
-"""Secret rows (``core.ports.SecretStore``: names and ciphertext only) and the secret values for a claimed offer (``core.cluster.SecretResolver``): ciphertext rows from
-the authority, opened with the control plane's SecretBox key (which never enters the database)."""
+"""Secret rows of ``core.ports.SecretStore`` (names and ciphertext only; plaintext never reaches
+the database) and the values of a claimed offer (``core.cluster.SecretResolver``): ciphertext
+rows opened with the control plane's SecretBox key (which never enters the database)."""
 
 from __future__ import annotations
 
