@@ -5,6 +5,7 @@ rollback and failure to prove consistency, and the scheduler firing from several
 from __future__ import annotations
 
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -75,6 +76,23 @@ def test_sixteen_concurrent_starts_with_one_mutation_id_on_two_replicas_make_one
         [("claimed", "remote_worker")]
     assert [r[0] for r in _sql(pool, "SELECT type FROM run_events WHERE run_id = %s ORDER BY sequence",
                                (run[0],))] == ["run.created", "run.queued"]
+
+
+def test_concurrent_starts_with_distinct_mutation_ids_all_succeed(open_store, pool):
+    """16 callers on two replicas, 64 different starts of one Task: every one is a new Run —
+    none exhausts its serialization retries (Run-creating writes queue on one advisory lock
+    instead of failing each other's commit on shared index pages)."""
+    a, b = open_store(), open_store()
+    (head,) = a.add_tasks(a.project.project_id, [prepared("busy", concurrency="parallel")])
+    barrier = threading.Barrier(16)
+
+    def go(i):
+        barrier.wait()
+        return [_start(a if i % 2 else b, head, mutation_id=str(uuid.uuid4())) for _ in range(4)]
+    with ThreadPoolExecutor(16) as ex:
+        created = [c for batch in ex.map(go, range(16)) for c in batch]
+    assert len({c.run_id for c in created}) == 64 and not any(c.existing for c in created)
+    assert len(_runs(pool, a.project.project_id)) == 64
 
 
 def test_task_start_uses_the_database_clock_and_server_identities(open_store, pool):

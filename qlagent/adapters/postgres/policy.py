@@ -93,4 +93,4 @@ def list_tokens(cur, project_id: str) -> list[TokenInfo]:
     return [TokenInfo(token_id=r["token_id"], subject=r["subject"], created_at_us=r["created_at_us"],
                       revoked_at_us=r["revoked_at_us"]) for r in cur.execute(
         "SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = %s "
-        "ORDER BY created_at_us, token_id", (project_id,))]
+        "ORDER BY created_at_us, seq", (project_id,))]

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ...core import states
+from ...core.canonical import sha256_hex
 from ...core.definitions import PreparedTask, check_executor
 from ...core.dispatch import Candidate, Finish, LiveAttempt, Plan
 from ...core.errors import NotFoundError, UnavailableError
@@ -49,6 +50,9 @@ from .connection import autocommit, open_pool
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
 RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
+QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
+# Session advisory lock of the Run-creating writes: first 8 bytes of sha256("qlagent:run-create").
+RUN_CREATE_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:run-create")[:16]), "big", signed=True)
 DEFAULT_TIMEOUT_MS = 3_600_000     # timing() of a revision that is gone (recovery only)
 DEFAULT_GRACE_MS = 5_000
 
@@ -128,28 +132,41 @@ class PgStore:
             raise
 
     # ---- transactions --------------------------------------------------------------------------
-    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy"):
+    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", queue: bool = False):
+        """``fn(cursor)`` in one transaction (see the module docstring). ``queue``: the writes that
+        create Runs (Task Start, schedule fires) first take the session advisory lock
+        ``RUN_CREATE_LOCK`` (at most ``QUEUE_WAIT_MS``), outside the transaction so its snapshot
+        starts after the wait: they touch the same index pages (idempotency key, Runs by Task),
+        which SSI tracks per page, and would otherwise keep failing each other's commit."""
         import psycopg
         from psycopg import errors
         from psycopg.rows import dict_row
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
                 with self.pool.connection() as conn:
-                    with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-                        if write:
-                            cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
-                        else:
-                            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                        return fn(cur)
+                    if queue:       # lock_timeout bounds the wait (and this transaction's row locks)
+                        conn.execute(f"SET lock_timeout = {QUEUE_WAIT_MS}")
+                        conn.execute("SELECT pg_advisory_lock(%s)", (RUN_CREATE_LOCK,))
+                        conn.commit()
+                    try:
+                        with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                            cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
+                                        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                            return fn(cur)
+                    finally:
+                        if queue:
+                            conn.execute("SELECT pg_advisory_unlock(%s)", (RUN_CREATE_LOCK,))
+                            conn.execute("RESET lock_timeout")
+                            conn.commit()
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
                     raise
                 time.sleep(RETRY_PAUSE_S * (1 + os.urandom(1)[0] % 10) * (attempt + 1))
+            except (errors.LockNotAvailable, errors.QueryCanceled) as e:
+                raise UnavailableError(f"cluster database: {str(e).splitlines()[0]}", code=busy_code) from None
             except psycopg.OperationalError as e:
                 raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}",
                                        code="store_unavailable") from None
-            except psycopg.errors.QueryCanceled as e:
-                raise UnavailableError(f"cluster database: {str(e).splitlines()[0]}", code=busy_code) from None
         raise UnavailableError(f"cluster database: the transaction kept conflicting after {WRITE_RETRIES} tries; "
                                "retry later", code=busy_code)
 
@@ -281,7 +298,8 @@ class PgStore:
             c, project=project, task=task, subject=subject, mutation_id=mutation_id,
             expected_revision=expected_revision, expected_digest=expected_digest,
             admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
-            now_us=self._now_in(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable")
+            now_us=self._now_in(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
+            queue=True)
 
     def get_run(self, run_id: str, project_id: str | None = None) -> Run:
         return self.read(lambda c: runs_repo.get_run(c, run_id, project_id))
@@ -346,7 +364,7 @@ class PgStore:
             if trigger == "cron":
                 runs_repo.record_fire(c, task_id, scheduled_for_us, created.run_id, now)
             return "created"
-        return self.write(tx)
+        return self._run(tx, write=True, queue=idempotency_key is not None)
 
     # ---- SecretStore ---------------------------------------------------------------------------
     def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
