@@ -1,21 +1,30 @@
-"""Idle cost of ``qlagent serve`` (issue 4 §1, §6): RSS and wake-ups over 60 s with 50 scheduled
-Tasks that never fire in the window (``0 3 * * *``), with NOTIFY_SOCKET and WATCHDOG_USEC=30 s,
-against an idle supervisord with one program measured in the same window (the anchor).
+"""Idle cost of ``qlagent serve`` (issues 4 §1, §6 and 14), on two interpreters: this dev venv's
+and Debian 13's ``/usr/bin/python3`` in the trixie rootfs ``packaging/e2e-systemd`` builds
+(run through ``chroot`` with Debian's own python3-msgspec, -psutil, -nacl, … and the working
+tree's ``qlagent`` copied in). Per interpreter, measured in the same window:
 
-Also: the same agent with one network-gated Task (pyroute2 loaded), and the RSS of a bare
-interpreter after ``import selectors`` vs ``import asyncio``.
+- **plain**: 50 scheduled Tasks that never fire in the window (``0 3 * * *``);
+- **router**: ``serve --profile edge --listen 127.0.0.1:PORT`` with ``examples/router-tasks.toml``
+  (its network-gated ``wan-check``/``ddns-update``) + the 50 Tasks, after one
+  ``run start ddns-update`` (resolves a Secret), one ``chatty`` Run (9.7 MB of output) and one
+  authenticated HTTP request; the set's own ``* * * * *`` Tasks keep firing meanwhile;
+- baselines: an idle ``supervisord`` with one program, and ``python3 -c pass`` (RSS/PSS read
+  by the interpreter itself at exit).
 
-Wake-ups: voluntary context switches summed over every thread of the process
-(``/proc/PID/task/*/status``) between two reads 60 s apart; loop iterations are counted from
-the WATCHDOG=1 datagrams received on a real NOTIFY_SOCKET (one per healthy iteration that was due).
+Every figure is RSS and PSS (``/proc/PID/smaps_rollup``) of the one process, and its ratio to
+the supervisord anchor of the same interpreter. Wake-ups (dev interpreter, plain agent): voluntary
+context switches over every thread (``/proc/PID/task/*/status``) between two reads a window
+apart, and the WATCHDOG=1 datagrams received on a real NOTIFY_SOCKET.
 
-Run from the repository root: ``python3 bench/bench_idle.py [--seconds 60]``.
-supervisord is taken from PATH, else pip-installed into a temporary venv.
+Run as root from the repository root: ``python3 bench/bench_idle.py [--seconds 60] [--no-trixie]``.
+supervisord is pip-installed into a temporary directory; the rootfs tarball is built (or found
+cached) with ``QLAGENT_E2E_BUILD_ONLY=1 packaging/e2e-systemd``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -23,12 +32,17 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB = 1024
 WATCHDOG_USEC = 30_000_000
+MEM_PROBE = ("import sys\n"
+             "s = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
+             "r = dict(l.split(':', 1) for l in open('/proc/self/smaps_rollup') if ':' in l and 'Pss' in l)\n"
+             "print(int(s['VmRSS'].split()[0]), int(r['Pss'].split()[0]))\n")
 
 
 def vol_switches(pid: int) -> int:
@@ -44,35 +58,51 @@ def vol_switches(pid: int) -> int:
     return total
 
 
-def rss_kib(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss // KiB
-
-
-def cli(state: str, *args: str, stdin: bytes | None = None) -> None:
-    subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, *args], check=True,
-                   capture_output=True, input=stdin, cwd=REPO, env=clean_env())
+def mem_kib(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of one process in KiB."""
+    rss = psutil.Process(pid).memory_info().rss // KiB
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        pss = next(int(ln.split()[1]) for ln in f if ln.startswith("Pss:"))
+    return rss, pss
 
 
 def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("QLAGENT_", "NOTIFY_SOCKET", "WATCHDOG_", "JOURNAL_STREAM"))}
+           if not k.startswith(("QLAGENT_", "NOTIFY_SOCKET", "WATCHDOG_", "JOURNAL_STREAM", "PYTHON"))}
     env.update(extra)
     return env
 
 
-def prepare_agent(root: str, name: str, gated: bool) -> tuple[str, str]:
-    state = os.path.join(root, name)
-    cli(state, "init")
-    tasks = "".join(f'[[task]]\nname = "t{i:02d}"\nschedule = "0 3 * * *"\ncommand = ["/bin/true"]\n\n'
-                    for i in range(50))
-    if gated:
-        tasks += '[[task]]\nname = "gated"\nschedule = "0 3 * * *"\nnetwork = "default_route"\ncommand = ["/bin/true"]\n'
-    path = os.path.join(root, f"{name}.toml")
-    with open(path, "w") as f:
-        f.write(tasks)
-    cli(state, "task", "add", "-f", path)
-    sock_path = os.path.join(root, f"{name}.notify")
-    return state, sock_path
+class Interpreter:
+    """How to start a python (and qlagent) and where its files are seen from outside."""
+
+    def __init__(self, name: str, argv: list[str], entry: str, root: str = "", pythonpath: str = "",
+                 site_dir: str = "") -> None:
+        self.name, self.argv, self.root, self.pythonpath, self.site_dir = name, argv, root, pythonpath, site_dir
+        self.entry = entry          # the installed `qlagent` script, run as the package runs it
+
+    def outside(self, inner: str) -> str:
+        return self.root + inner
+
+    def env(self, **extra) -> dict:
+        env = clean_env(**extra)
+        if self.pythonpath:
+            env["PYTHONPATH"] = self.pythonpath
+        return env
+
+    def python(self, *args: str, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.argv, *args], capture_output=True, cwd=REPO if not self.root else "/",
+                              env=self.env(), **kw)
+
+    def cli(self, state: str, *args: str, stdin: bytes | None = None) -> bytes:
+        p = self.python(self.entry, "--state-dir", state, *args, input=stdin)
+        if p.returncode != 0:
+            raise SystemExit(f"{self.name}: qlagent {' '.join(args)} exited {p.returncode}: {p.stderr.decode()}")
+        return p.stdout
+
+    def popen(self, args: list[str], **env) -> subprocess.Popen:
+        return subprocess.Popen([*self.argv, *args], cwd=REPO if not self.root else "/", env=self.env(**env),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 class Notify:
@@ -80,7 +110,6 @@ class Notify:
         self.s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.s.bind(path)
         self.s.setblocking(False)
-        self.path = path
         self.lines: list[tuple[float, str]] = []
 
     def pump(self) -> None:
@@ -96,130 +125,248 @@ class Notify:
         return sum(1 for t, ln in self.lines if ln == "WATCHDOG=1" and a <= t < b)
 
 
-def start_agent(state: str, notify: Notify, no_site: bool = False) -> subprocess.Popen:
-    """``no_site``: ``python -S`` with PYTHONPATH = repo + site-packages, i.e. without this dev
-    box's ``.pth`` hooks (editable-install finder, a CA bundle loader) that a packaged install
-    does not run; the supervisord anchor runs from a venv that does not load them either."""
-    env = clean_env(NOTIFY_SOCKET=notify.path, WATCHDOG_USEC=str(WATCHDOG_USEC))
-    flags = []
-    if no_site:
-        import site
-        env["PYTHONPATH"] = os.pathsep.join([REPO, *site.getsitepackages()])
-        flags = ["-S"]
-    p = subprocess.Popen([sys.executable, *flags, "-m", "qlagent.cli.main", "--state-dir", state, "serve"], cwd=REPO,
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while not any(ln == "READY=1" for _, ln in notify.lines):
-        if time.monotonic() > deadline or p.poll() is not None:
-            raise SystemExit("agent did not become ready")
-        time.sleep(0.05)
-        notify.pump()
-    return p
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def supervisord_binary(root: str) -> str:
-    found = shutil.which("supervisord")
-    if found:
-        return found
-    venv = os.path.join(root, "venv")
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-    subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "supervisor"], check=True)
-    return os.path.join(venv, "bin", "supervisord")
+class Agent:
+    """One ``qlagent serve`` with its state in ``inner_dir`` (a path as the interpreter sees it)."""
+
+    def __init__(self, interp: Interpreter, inner_dir: str, name: str, router: bool) -> None:
+        self.interp, self.name, self.router = interp, name, router
+        self.state = f"{inner_dir}/{name}"
+        interp.cli(self.state, "init")
+        tasks = "".join(f'[[task]]\nname = "t{i:02d}"\nschedule = "0 3 * * *"\ncommand = ["/bin/true"]\n\n'
+                        for i in range(50))
+        with open(interp.outside(f"{inner_dir}/{name}-50.toml"), "w") as f:
+            f.write(tasks)
+        interp.cli(self.state, "task", "add", "-f", f"{inner_dir}/{name}-50.toml")
+        if router:
+            shutil.copy(os.path.join(REPO, "examples", "router-tasks.toml"), interp.outside(f"{inner_dir}/router.toml"))
+            interp.cli(self.state, "task", "add", "-f", f"{inner_dir}/router.toml")
+            interp.cli(self.state, "secret", "set", "ddns_token", stdin=b"bench-ddns-token-0123456789\n")
+            self.token = interp.cli(self.state, "token", "create", "--subject", "bench", "--role", "viewer").decode().strip()
+            self.port = free_port()
+        self.notify_inner = f"{inner_dir}/{name}.notify"
+        self.notify = Notify(interp.outside(self.notify_inner))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        args = [self.interp.entry, "--state-dir", self.state]
+        if self.router:
+            args += ["--profile", "edge", "serve", "--listen", f"127.0.0.1:{self.port}"]
+        else:
+            args += ["serve"]
+        self.proc = self.interp.popen(args, NOTIFY_SOCKET=self.notify_inner, WATCHDOG_USEC=str(WATCHDOG_USEC))
+        deadline = time.monotonic() + 30
+        while not any(ln == "READY=1" for _, ln in self.notify.lines):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit(f"{self.interp.name} {self.name}: agent did not become ready")
+            time.sleep(0.05)
+            self.notify.pump()
+
+    def exercise(self) -> None:
+        """The router configuration's activity: a Secret Run, a chatty Run, one HTTP request."""
+        for task in ("ddns-update", "chatty"):
+            out = self.interp.cli(self.state, "--json", "run", "start", task, "--wait", "--timeout", "120")
+            state = json.loads(out)["state"]
+            if state != "succeeded":
+                raise SystemExit(f"{self.interp.name}: {task} ended {state}")
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/v3/projects/default/runs?limit=5",
+                                     headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            if r.status != 200 or not json.loads(r.read())["items"]:
+                raise SystemExit(f"{self.interp.name}: HTTP run list failed")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
-def start_supervisord(root: str) -> subprocess.Popen:
-    conf = os.path.join(root, "supervisord.conf")
-    with open(conf, "w") as f:
-        f.write(f"[supervisord]\nnodaemon=true\nlogfile={root}/supervisord.log\npidfile={root}/supervisord.pid\n"
-                f"childlogdir={root}\n\n[program:sleeper]\ncommand=/bin/sleep 3600\n")
-    p = subprocess.Popen([supervisord_binary(root), "-c", conf], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_supervisord(interp: Interpreter, inner_dir: str) -> subprocess.Popen:
+    conf = f"{inner_dir}/supervisord.conf"
+    with open(interp.outside(conf), "w") as f:
+        f.write(f"[supervisord]\nnodaemon=true\nlogfile={inner_dir}/supervisord.log\n"
+                f"pidfile={inner_dir}/supervisord.pid\nchildlogdir={inner_dir}\n\n"
+                "[program:sleeper]\ncommand=/bin/sleep 3600\n")
+    p = subprocess.Popen([*interp.argv, "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+                          "from supervisor.supervisord import main; main()", interp.site_dir, "-c", conf],
+                         cwd="/", env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
     while not psutil.Process(p.pid).children():
         if time.monotonic() > deadline or p.poll() is not None:
-            raise SystemExit("supervisord did not start its program")
+            raise SystemExit(f"{interp.name}: supervisord did not start its program")
         time.sleep(0.05)
     return p
 
 
-def import_rss(stmt: str) -> int:
-    code = (f"{stmt}\n"
-            "for line in open('/proc/self/status'):\n"
-            "    if line.startswith('VmRSS:'): print(line.split()[1])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, cwd=REPO, env=clean_env())
-    return int(out.stdout)
+def import_kib(interp: Interpreter, stmt: str) -> tuple[int, int]:
+    out = interp.python("-c", stmt + "\n" + MEM_PROBE, check=True)
+    rss, pss = out.stdout.split()[-2:]
+    return int(rss), int(pss)
+
+
+class TrixieRoot:
+    """The e2e rootfs, extracted, with proc/sys/dev mounted and this tree's qlagent in /opt."""
+
+    def __init__(self, tmp: str, supervisor_src: str) -> None:
+        out = subprocess.run([os.path.join(REPO, "packaging", "e2e-systemd")], capture_output=True, text=True,
+                             env=dict(os.environ, QLAGENT_E2E_BUILD_ONLY="1"))
+        tarball = next((ln for ln in out.stdout.splitlines() if ln.endswith(".tar.gz")), "")
+        if out.returncode != 0 or not tarball:
+            raise SystemExit(f"e2e rootfs: {out.stdout}{out.stderr}")
+        self.root = os.path.join(tmp, "rootfs")
+        os.makedirs(self.root)
+        subprocess.run(["tar", "-C", self.root, "--numeric-owner", "-xzf", tarball], check=True)
+        shutil.copytree(os.path.join(REPO, "qlagent"), os.path.join(self.root, "opt/qlagent/qlagent"),
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(supervisor_src, os.path.join(self.root, "opt/supervisor"))
+        # /usr/bin/qlagent exactly as packaging/build-deb writes it; bytecode compiled as the
+        # postinst does (a service compiling its modules at every start would not be measured).
+        with open(os.path.join(REPO, "packaging", "build-deb")) as f:
+            build_deb = f.read()
+        script = build_deb.split("cat > \"$R/usr/bin/qlagent\" <<'PY'\n", 1)[1].split("\nPY\n", 1)[0] + "\n"
+        with open(os.path.join(self.root, "usr/bin/qlagent"), "w") as f:
+            f.write(script)
+        subprocess.run(["chroot", self.root, "/usr/bin/python3", "-m", "compileall", "-q", "/opt/qlagent/qlagent"],
+                       check=True)
+        self.mounts = []
+        for kind, target in (("proc", "proc"), ("/sys", "sys"), ("/dev", "dev")):
+            path = os.path.join(self.root, target)
+            cmd = ["mount", "-t", "proc", "proc", path] if kind == "proc" else ["mount", "--rbind", kind, path]
+            subprocess.run(cmd, check=True)
+            self.mounts.append(path)
+        self.tarball = tarball
+
+    def interpreter(self) -> Interpreter:
+        return Interpreter("debian13", ["chroot", self.root, "/usr/bin/python3"], "/usr/bin/qlagent", root=self.root,
+                           pythonpath="/opt/qlagent", site_dir="/opt/supervisor")
+
+    def close(self) -> None:
+        for path in reversed(self.mounts):
+            subprocess.run(["umount", "-R", "-l", path], capture_output=True)
+
+
+def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool,
+            installed: Interpreter | None = None) -> dict:
+    """``installed``: the same interpreter in a venv holding only what ``pip install .`` brings
+    (no editable-install finder, no test dependencies: typing_extensions, present in the dev
+    venv for jsonschema, makes msgspec import inspect/ast/dis, +1.25 MiB); it runs one more
+    plain agent."""
+    os.makedirs(interp.outside(inner_dir), exist_ok=True)
+    plain = Agent(interp, inner_dir, "plain", router=False)
+    router = Agent(interp, inner_dir, "router", router=True)
+    agents = [plain, router]
+    if installed is not None:
+        agents.append(Agent(installed, inner_dir, "plain-installed", router=False))
+    procs = []
+    try:
+        sup = start_supervisord(interp, inner_dir)
+        procs.append(sup)
+        for a in agents:
+            a.start()
+        time.sleep(2.0)
+        fig = {"router, right after start": mem_kib(router.proc.pid)}
+        router.exercise()
+        pid = plain.proc.pid
+        before = vol_switches(pid)
+        t0 = time.monotonic()
+        end = t0 + window
+        while time.monotonic() < end:
+            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
+            for a in agents:
+                a.notify.pump()
+        t1 = time.monotonic()
+        switches = vol_switches(pid) - before
+        plain.notify.pump()
+        fig["router, after Secret + chatty Runs + HTTP"] = mem_kib(router.proc.pid)
+        fig["plain, 50 cron tasks"] = mem_kib(plain.proc.pid)
+        if installed is not None:
+            fig["plain, 50 cron tasks, pip-installed venv"] = mem_kib(agents[2].proc.pid)
+        fig["supervisord + 1 program"] = mem_kib(sup.pid)
+        fig["python3 -c pass"] = import_kib(interp, "pass")
+        result = {"figures": fig, "window": t1 - t0, "threads": psutil.Process(pid).num_threads()}
+        if wakeups:
+            result["switches"] = switches
+            result["pings"] = plain.notify.pings_between(t0, t1)
+        modules = interp.python("-c", "import sys, qlagent.service.main, qlagent.http.service; "
+                                "print(' '.join(m for m in ('pyroute2', 'cryptography', 'nacl', '_hashlib', "
+                                "'_ssl', 'asyncio') if m in sys.modules))", check=True)
+        result["heavy modules in the HTTP service closure"] = modules.stdout.decode().strip() or "none"
+        return result
+    finally:
+        for a in agents:
+            a.stop()
+        for p in procs:
+            p.terminate()
+            p.wait(30)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60.0)
-    window = ap.parse_args().seconds
-    root = tempfile.mkdtemp(prefix="qlbench-idle-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-    procs: list[subprocess.Popen] = []
+    ap.add_argument("--no-trixie", action="store_true", help="only the dev interpreter")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp(prefix="qlbench-idle-", dir="/var/tmp")
+    trixie = None
     try:
-        plain_state, plain_sock = prepare_agent(root, "plain", gated=False)
-        gated_state, gated_sock = prepare_agent(root, "gated", gated=True)
-        nosite_state, nosite_sock = prepare_agent(root, "nosite", gated=False)
-        n_plain, n_gated, n_nosite = Notify(plain_sock), Notify(gated_sock), Notify(nosite_sock)
-        sup = start_supervisord(root)
-        procs.append(sup)
-        plain = start_agent(plain_state, n_plain)
-        procs.append(plain)
-        gated = start_agent(gated_state, n_gated)
-        procs.append(gated)
-        nosite = start_agent(nosite_state, n_nosite, no_site=True)
-        procs.append(nosite)
-        time.sleep(2.0)                    # past start-up
-        pids = {"qlagent serve, 50 tasks": plain.pid, "qlagent serve, 50 tasks + 1 gated": gated.pid,
-                "qlagent serve, 50 tasks, python -S": nosite.pid, "supervisord + 1 program": sup.pid}
-        before = {k: vol_switches(p) for k, p in pids.items()}
-        t0 = time.monotonic()
-        end = t0 + window
-        while time.monotonic() < end:
-            time.sleep(min(0.5, max(0.0, end - time.monotonic())))
-            for n in (n_plain, n_gated, n_nosite):
-                n.pump()
-        t1 = time.monotonic()
-        after = {k: vol_switches(p) for k, p in pids.items()}
-        rss = {k: rss_kib(p) for k, p in pids.items()}
-        threads = {k: psutil.Process(p).num_threads() for k, p in pids.items()}
-        children = {k: len(psutil.Process(p).children(recursive=True)) for k, p in pids.items()}
-        for n in (n_plain, n_gated, n_nosite):
-            n.pump()
-        pings = {"qlagent serve, 50 tasks": n_plain.pings_between(t0, t1),
-                 "qlagent serve, 50 tasks + 1 gated": n_gated.pings_between(t0, t1),
-                 "qlagent serve, 50 tasks, python -S": n_nosite.pings_between(t0, t1)}
+        sup_dir = os.path.join(tmp, "supervisor")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", sup_dir, "supervisor"],
+                       check=True, capture_output=True)
+        interps = [Interpreter("dev venv", [sys.executable], os.path.join(os.path.dirname(sys.executable), "qlagent"),
+                               site_dir=sup_dir)]
+        if not args.no_trixie:
+            trixie = TrixieRoot(tmp, sup_dir)
+            interps.append(trixie.interpreter())
+        results = {}
+        for i, interp in enumerate(interps):
+            inner = f"{tmp}/run" if not interp.root else "/tmp/qlbench"
+            installed = None
+            if not interp.root:
+                venv = os.path.join(tmp, "installed-venv")
+                subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+                subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "--disable-pip-version-check", REPO],
+                               check=True, capture_output=True)
+                installed = Interpreter("dev, pip-installed", [os.path.join(venv, "bin", "python")],
+                                        os.path.join(venv, "bin", "qlagent"))
+            results[interp.name] = measure(interp, inner, args.seconds, wakeups=(i == 0), installed=installed)
+        dev = interps[0]
+        extra = {stmt: import_kib(dev, stmt)[0] for stmt in (
+            "pass", "import selectors", "import asyncio", "import pyroute2", "import hashlib",
+            "from cryptography.hazmat.primitives.ciphers.aead import AESGCM", "import nacl.bindings",
+            "import qlagent.service.main", "import qlagent.service.main, qlagent.http.service")}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(root, ignore_errors=True)
+        if trixie is not None:
+            trixie.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
-    span = t1 - t0
-    half = WATCHDOG_USEC / 2e6
-    anchor = "supervisord + 1 program"
-    print(f"idle window {span:.1f} s; WATCHDOG_USEC={WATCHDOG_USEC} (ping due every {half:g} s)")
-    print(f"{'process':36} {'RSS KiB':>9} {'vs anchor':>9} {'vol. switches':>13} {'per half-int.':>13} "
-          f"{'pings':>5} {'threads':>7} {'children':>8}")
-    for k in pids:
-        sw = after[k] - before[k]
-        print(f"{k:36} {rss[k]:>9} {rss[k] / rss[anchor]:>8.2f}x {sw:>13} {sw / (span / half):>13.2f} "
-              f"{pings.get(k, '-'):>5} {threads[k]:>7} {children[k]:>8}")
-    gated_cost = rss["qlagent serve, 50 tasks + 1 gated"] - rss["qlagent serve, 50 tasks"]
-    print(f"pyroute2 gate cost: +{gated_cost} KiB RSS")
-    base = import_rss("pass")
-    sel = import_rss("import selectors")
-    aio = import_rss("import asyncio")
-    svc = import_rss("import qlagent.service.main, qlagent.cli.main")
-    hl = import_rss("import hashlib")
-    print(f"RSS bare interpreter {base} KiB; import selectors {sel} KiB (+{sel - base}); "
-          f"import asyncio {aio} KiB (+{aio - base}); import qlagent.service.main {svc} KiB (+{svc - base}); "
-          f"import hashlib (OpenSSL) {hl} KiB (+{hl - base})")
-    for k in ("qlagent serve, 50 tasks", "qlagent serve, 50 tasks, python -S"):
-        print(f"goal idle RSS <= 20 MiB ({k}): {'met' if rss[k] <= 20 * 1024 else 'NOT met'}")
+    for name, r in results.items():
+        fig = r["figures"]
+        anchor = fig["supervisord + 1 program"]
+        py = subprocess.run([*(i.argv for i in interps if i.name == name)][0] + ["--version"],
+                            capture_output=True, text=True).stdout.strip() if name == "dev venv" else "Debian 13"
+        print(f"\n== {name} ({py}); window {r['window']:.1f} s")
+        print(f"{'process':44} {'RSS KiB':>8} {'PSS KiB':>8} {'RSS vs anchor':>13} {'vs -c pass':>10}")
+        for k, (rss, pss) in fig.items():
+            print(f"{k:44} {rss:>8} {pss:>8} {rss / anchor[0]:>12.2f}x {rss / fig['python3 -c pass'][0]:>9.2f}x")
+        if "switches" in r:
+            half = WATCHDOG_USEC / 2e6
+            print(f"plain agent: {r['switches']} voluntary switches ({r['switches'] / (r['window'] / half):.2f} per "
+                  f"{half:g} s watchdog half-interval), {r['pings']} WATCHDOG=1, {r['threads']} thread(s)")
+        print(f"heavy modules in the service + HTTP import closure: {r['heavy modules in the HTTP service closure']}")
+        for k, limit in (("router, after Secret + chatty Runs + HTTP", 28), ("plain, 50 cron tasks", 20),
+                         ("plain, 50 cron tasks, pip-installed venv", 20)):
+            if k in fig:
+                print(f"goal {k} RSS <= {limit} MiB: {'met' if fig[k][0] <= limit * 1024 else 'NOT met'}")
+    base = extra["pass"]
+    print("\nimport cost, dev interpreter (VmRSS KiB over `pass`): " +
+          "; ".join(f"{k} +{v - base}" for k, v in extra.items() if k != "pass"))
 
 
 if __name__ == "__main__":

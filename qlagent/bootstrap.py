@@ -52,6 +52,14 @@ def cipher_factory(key_file: str) -> CipherFactory:
     return open_cipher
 
 
+def migrate_legacy_secrets(settings, store: Store) -> tuple[int, list[str]]:
+    """Re-encrypt Secrets an earlier version stored (``qlsb1``, AES-GCM) with the current cipher
+    (issue 14); see ``application.secrets.migrate_legacy_secrets``. (rows done, problem lines)."""
+    from .adapters.secretbox import LEGACY_MAGIC
+    from .application.secrets import migrate_legacy_secrets as migrate
+    return migrate(store, cipher_factory(settings.key_file), LEGACY_MAGIC)
+
+
 def create_key_file(path: str) -> bool:
     """Create the 32-byte secret key file (0600) if missing; True if it was created."""
     from .adapters.secretbox import create_key_file as create
@@ -89,6 +97,12 @@ def panel_source() -> PanelSource:
     """Reads a qinglong 2.x data directory (read-only) for ``import qinglong``."""
     from .adapters.qinglong import QinglongPanel
     return QinglongPanel()
+
+
+def network_check() -> tuple[bool, str]:
+    """(ok, detail) of ``doctor``'s network line: netlink's default routes against the gate's."""
+    from .adapters.netlink import network_check as check
+    return check()
 
 
 def store_checks(db_path: str) -> list[tuple[str, bool, str]]:

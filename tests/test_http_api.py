@@ -524,6 +524,7 @@ def test_cli_json_and_http_share_one_shape_for_task_run_attempt_and_event(env):
     assert listed[0] == agent.json("GET", f"{BASE}/runs?task=hello", tok["op"])[1]["items"][0]
     task = json.loads(ok(state, "task", "show", "hello", "--json").stdout)
     assert task.pop("definition")["name"] == "hello" and task.pop("skippedFires") == 0
+    assert task.pop("secrets") == {} and "PATH" in task.pop("env")          # `task show` extras
     assert task == head(agent, tok["op"], "hello")
 
 

@@ -65,10 +65,13 @@ PURE_LAYERS = ("qlagent.core", "qlagent.worker")
 # The pure layers do no I/O: none of these may be loaded by importing them.
 CORE_FORBIDDEN = ("sqlite3", "_sqlite3", "psycopg", "psycopg2", "pyroute2", "http", "socket", "subprocess",
                   "cryptography", "urllib.request", "selectors", "psutil")
-# Heavy dependencies are lazy everywhere (pyroute2 ~18 MB, cryptography, psycopg: never on a
-# local agent): importing a module must not load them; only the call that needs them does.
-LAZY_EVERYWHERE = ("pyroute2", "cryptography", "psycopg", "psycopg_pool")
-LAZY_OWNERS = {"qlagent.adapters.netgate"}        # importing it is what "lazily" means
+# Heavy dependencies are lazy everywhere (pyroute2 +23 MiB, cryptography +7.5 MiB, PyNaCl
+# +2 MiB; bench/README.md; psycopg: never on a local agent): importing a module must not load
+# them; only the call that needs them does (doctor's network check, reading an old-format
+# Secret, sealing/opening a Secret). What a running service loads per configuration:
+# tests/test_service_imports.py.
+LAZY_EVERYWHERE = ("pyroute2", "cryptography", "nacl", "psycopg", "psycopg_pool")
+LAZY_OWNERS = {"qlagent.adapters.netlink"}        # importing it is what "lazily" means
 SHIM = "qlagent.adapters.shim.main"               # runs as `python3 -I -S shim/main.py`: stdlib only
 
 

@@ -3,11 +3,13 @@
 ``qlagent serve`` runs inside the namespace (``ip netns exec``); the namespace has a veth pair
 of its own and no default route. A gated Run waits in the queue with no process while the
 condition is false and starts within 1 s of it becoming true (netlink events, no polling).
-pyroute2 (~18 MB) is imported only when an enabled Task needs the gate.
+The resident agent never imports pyroute2 (~23 MB): the gate is a netlink wake-up socket plus
+/proc and /sys reads; the tests create routes and links with iproute2.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -90,6 +92,32 @@ command = ["/bin/sleep", "0.2"]
         listener.close()
 
 
+def test_ipv6_default_route_opens_the_gate_within_1s(state, workdir, netns):  # noqa: F811
+    """An IPv6-only uplink (no IPv4 default route at all) is a default route too."""
+    ip("netns", "exec", netns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=0")
+    ip("-n", netns, "-6", "addr", "add", "fd00:200::1/64", "dev", "v0", "nodad")
+    add_tasks(state, workdir, '''
+[[task]]
+name = "online6"
+network = "default_route"
+command = ["/bin/true"]
+''')
+    listener = NotifyListener(workdir)
+    p = _serve_in(netns, state, listener)
+    try:
+        run_id = ok(state, "run", "start", "online6").stdout.decode().strip()
+        time.sleep(1.0)
+        assert dict(runs_of(state, "online6"))[run_id] == "queued"
+        took = _time_to_leave_queue(state, "online6", run_id,
+                                    lambda: ip("-n", netns, "-6", "route", "add", "default", "via", "fd00:200::2",
+                                               "dev", "v0"))
+        assert took < 1.0, took
+        wait_until(lambda: dict(runs_of(state, "online6"))[run_id] == "succeeded")
+    finally:
+        assert stop(p) == 0
+        listener.close()
+
+
 def test_interface_gate_follows_link_state(state, workdir, netns):  # noqa: F811
     add_tasks(state, workdir, '''
 [[task]]
@@ -106,6 +134,11 @@ command = ["/bin/true"]
         took = _time_to_leave_queue(state, "on-v1", run_id, lambda: ip("-n", netns, "link", "set", "v1", "up"))
         assert took < 1.0, took
         wait_until(lambda: dict(runs_of(state, "on-v1"))[run_id] == "succeeded")
+        # the link going down again gates the next Run
+        ip("-n", netns, "link", "set", "v1", "down")
+        second = ok(state, "run", "start", "on-v1").stdout.decode().strip()
+        time.sleep(0.7)
+        assert dict(runs_of(state, "on-v1"))[second] == "queued"
     finally:
         assert stop(p) == 0
         listener.close()
@@ -117,14 +150,15 @@ from qlagent.service.config import resolve
 from qlagent.service.main import Service
 svc = Service(resolve(state_dir=sys.argv[1]), exit_after_s=0.2)
 assert svc.run() == 0
-print("pyroute2" in sys.modules)
+print(svc.netgate is not None, "pyroute2" in sys.modules or "asyncio" in sys.modules)
 '''
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_pyroute2_is_imported_only_for_a_gated_task(state, workdir, gated):  # noqa: F811
+def test_gate_runs_without_pyroute2(state, workdir, gated):  # noqa: F811
     """The real Service start-up (store, recovery, scheduler, loop, drain) in a fresh
-    interpreter; ``sys.modules`` says whether pyroute2 was ever imported."""
+    interpreter: the gate is started for a gated Task only, and neither configuration ever
+    imports pyroute2 (nor its asyncio)."""
     add_tasks(state, workdir, f'''
 [[task]]
 name = "t"
@@ -135,4 +169,19 @@ command = ["/bin/true"]
     out = subprocess.run([sys.executable, "-c", PROBE, state], capture_output=True, env=clean_env(),
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=30)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.decode().strip() == str(gated)
+    assert out.stdout.decode().split() == [str(gated), "False"]
+
+
+def test_doctor_shows_the_default_route_as_netlink_reports_it(state, netns):  # noqa: F811
+    """``doctor`` (short-lived: pyroute2 decodes netlink there) names gateway and device, and
+    agrees with what the gate reads from /proc."""
+    def network_check():
+        p = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "qlagent.cli.main", "--state-dir",
+                            state, "doctor", "--json"], capture_output=True, env=clean_env(), timeout=60)
+        assert b"Traceback" not in p.stderr
+        return [c for c in json.loads(p.stdout)["checks"] if c["name"] == "network"][0]
+    before = network_check()
+    assert before["ok"] and before["detail"].startswith("no default route")
+    ip("-n", netns, "route", "add", "default", "via", "10.200.0.2")
+    after = network_check()
+    assert after["ok"] and after["detail"] == "IPv4 default via 10.200.0.2 dev v0", after

@@ -5,7 +5,8 @@ which names the OpenWrt package that ships it (taken from the packages feed's py
 subpackage lists).  Standard-library modules are followed further: what they import at module
 level, unconditionally, must be installed too (e.g. a module in python3-light that imports one in
 python3-urllib).  The Depends of openwrt/qlagent/Makefile, and so of the .ipk, must be exactly the
-resulting set.  sdnotify is the one systemd-only import: procd sets no NOTIFY_SOCKET.
+resulting set.  sdnotify is the one systemd-only import: procd sets no NOTIFY_SOCKET; cryptography
+the one upgrade-only import (it reads Secrets an earlier version stored, to re-encrypt them).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def test_depends_are_exactly_the_packages_of_the_imports():
     closure = {m.split(".")[0] for m in unconditional_stdlib_closure({m for m in direct if m in sys.stdlib_module_names})}
     # A stdlib module not listed is in python3-light: the table lists every module of every
     # other python3-* subpackage (python3-light = the stdlib minus those).
-    needed = {rows.get(m, "python3-light") for m in direct | closure} - {"systemd-only", "cluster-only"}
+    needed = {rows.get(m, "python3-light") for m in direct | closure} - {"systemd-only", "cluster-only", "upgrade-only"}
     assert makefile_depends() == needed
     # The agent's own imports named by issue 13 beyond python3-light:
     assert {"python3-uuid", "python3-codecs", "python3-logging", "python3-urllib", "python3-sqlite3"} <= needed

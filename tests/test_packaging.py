@@ -30,7 +30,7 @@ DEB_DEPENDS = [
     "python3-sdnotify",
     "python3-cronsim",
     "python3-pyroute2",
-    "python3-cryptography",
+    "python3-nacl",
 ]
 SHELL_SCRIPTS = [
     "packaging/build-deb",
@@ -172,6 +172,8 @@ def test_deb_control_depends_and_conffile(deb):
     depends = [d.strip() for d in fields["Depends"].split(",")]
     for dep in DEB_DEPENDS:
         assert dep in depends
+    # cryptography only reads Secrets an earlier version stored: recommended (kept on upgrade), not required
+    assert "python3-cryptography" not in depends and fields["Recommends"] == "python3-cryptography"
     conffiles = subprocess.run(["dpkg-deb", "-I", str(deb), "conffiles"], check=True, capture_output=True, text=True).stdout
     assert conffiles.split() == ["/etc/qlagent/qlagent.toml"]
 
@@ -248,8 +250,8 @@ def test_ipk_layout_and_control(ipk):
     depends = [d.strip() for d in fields["Depends"].split(",")]
     # The Makefile's DEPENDS (checked against the imports by test_openwrt_imports.py); no sdnotify.
     assert depends == ["libc", "python3-light", "python3-codecs", "python3-logging", "python3-sqlite3",
-                       "python3-urllib", "python3-uuid", "python3-cronsim", "python3-cryptography",
-                       "python3-msgspec", "python3-psutil", "python3-pyroute2"]
+                       "python3-urllib", "python3-uuid", "python3-cronsim", "python3-msgspec",
+                       "python3-psutil", "python3-pynacl", "python3-pyroute2"]
     # Installed-Size as OpenWrt's scripts/ipkg-build computes it: bytes of the uncompressed data tar.
     assert int(fields["Installed-Size"]) == len(gzip.decompress(data_tgz))
     assert fields["Require-User"] == "qlagent=377:qlagent=377"

@@ -7,6 +7,8 @@ import json
 import os
 import sqlite3
 import stat
+import subprocess
+import sys
 
 import pytest
 from qlcli import cli, js, ok, state, workdir  # noqa: F401  (fixtures)
@@ -167,3 +169,122 @@ def test_ciphertext_is_bound_to_its_name(state):
         c.execute("INSERT INTO secrets SELECT project_id, 'copy', ciphertext, key_id, updated_at_us FROM secrets")
     with pytest.raises(UnavailableError, match="'copy' does not decrypt"):
         resolve_secrets(state, os.path.join(state, "secret.key"), ["copy"])
+
+
+# --- stores written before PyNaCl (issue 14) -----------------------------------------------
+
+def seal_qlsb1(key: bytes, project_id: str, name: str, plaintext: bytes) -> bytes:
+    """Exactly what ``SecretBox.seal`` wrote before issue 14 (AES-256-GCM via cryptography):
+    ``b"qlsb1" || nonce(12) || AESGCM(key).encrypt(nonce, plaintext, project_id NUL name)``."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    nonce = os.urandom(12)
+    return b"qlsb1" + nonce + AESGCM(key).encrypt(nonce, plaintext, f"{project_id}\x00{name}".encode())
+
+
+def write_legacy_store(state: str, values: dict[str, bytes]) -> str:
+    """Store ``values`` the way the AES-GCM version did (row layout of ``put_secret``, key_id
+    of that version's SecretBox); returns the Project id."""
+    from qlagent.core.canonical import sha256_hex
+    with open(os.path.join(state, "secret.key"), "rb") as f:
+        key = f.read()
+    with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
+        pid = c.execute("SELECT project_id FROM projects WHERE name = 'default'").fetchone()[0]
+        for name, value in values.items():
+            c.execute("INSERT INTO secrets VALUES (?, ?, ?, ?, ?)",
+                      (pid, name, seal_qlsb1(key, pid, name, value), sha256_hex(b"qlagent-key-id" + key)[:16], 1))
+    return pid
+
+
+def stored(state: str) -> dict[str, bytes]:
+    with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
+        return {n: bytes(b) for n, b in c.execute("SELECT name, ciphertext FROM secrets")}
+
+
+def test_new_ciphertext_is_versioned_xchacha20poly1305(state):
+    ok(state, "secret", "set", "tok", stdin=SECRET)
+    blob = stored(state)["tok"]
+    assert blob[:5] == b"qlsb2" and len(blob) == 5 + 24 + len(SECRET) + 16
+    from nacl.bindings import crypto_aead_xchacha20poly1305_ietf_decrypt
+    with open(os.path.join(state, "secret.key"), "rb") as f:
+        key = f.read()
+    with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
+        pid = c.execute("SELECT project_id FROM projects").fetchone()[0]
+    assert crypto_aead_xchacha20poly1305_ietf_decrypt(blob[29:], f"{pid}\x00tok".encode(), blob[5:29], key) == SECRET
+
+
+def test_init_reencrypts_a_store_written_by_the_aes_gcm_version(state):
+    write_legacy_store(state, {"ddns_token": SECRET, "other": b"second value"})
+    ok(state, "secret", "set", "fresh", stdin=b"already new")
+    before = stored(state)
+    out = ok(state, "init").stdout.decode()
+    assert "2 re-encrypted" in out
+    after = stored(state)
+    assert {n: b[:5] for n, b in after.items()} == {"ddns_token": b"qlsb2", "other": b"qlsb2", "fresh": b"qlsb2"}
+    assert after["fresh"] == before["fresh"]                   # a current row is not touched
+    key = os.path.join(state, "secret.key")
+    assert resolve_secrets(state, key, ["ddns_token", "other"]) == {"ddns_token": SECRET, "other": b"second value"}
+    assert "re-encrypted" not in ok(state, "init").stdout.decode()    # once only
+    assert stored(state) == after
+
+
+def test_service_start_reencrypts_and_the_run_gets_the_value(state, workdir):
+    write_legacy_store(state, {"ddns_token": SECRET})
+    f = os.path.join(workdir, "tasks.toml")
+    with open(f, "w") as fh:
+        fh.write(TASKS.replace('network = "default_route"\n', ""))
+    ok(state, "task", "add", "-f", f)
+    ok(state, "serve", "--exit-after", "0.5")
+    assert stored(state)["ddns_token"][:5] == b"qlsb2"
+    run = js(state, "run", "start", "ddns-update", "--wait", "--timeout", "30")
+    assert run["state"] == "succeeded"
+    log = ok(state, "run", "logs", run["runId"]).stdout
+    # the value arrived whole: its length in bytes (dash) or characters (a UTF-8 shell)
+    assert log in (f"token length {len(SECRET)}\n".encode(), f"token length {len(SECRET.decode())}\n".encode())
+
+
+NO_CRYPTOGRAPHY = r'''
+import sys
+sys.modules["cryptography"] = None          # as on a box where it is not installed
+from qlagent.cli.main import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_legacy_row_without_cryptography_is_one_clear_line_and_kept(state):
+    write_legacy_store(state, {"ddns_token": SECRET})
+    before = stored(state)
+    p = subprocess.run([sys.executable, "-c", NO_CRYPTOGRAPHY, "--state-dir", state, "init"], capture_output=True)
+    assert p.returncode == 0, p.stderr                      # init did its job; the row waits
+    err = p.stderr.decode()
+    assert err.count("\n") == 1 and "'ddns_token'" in err and "python3-cryptography" in err, err
+    assert "Traceback" not in err and leaks(p.stderr) == []
+    assert stored(state) == before
+    ok(state, "init")                                       # with cryptography: migrated
+    assert stored(state)["ddns_token"][:5] == b"qlsb2"
+
+
+@pytest.mark.parametrize("blob", [b"qlsb2" + b"\x00" * 39, b"qlsb1" + b"\x00" * 27, b"qlsb2", b""])
+def test_truncated_ciphertext_is_a_clear_error(state, blob):
+    ok(state, "secret", "set", "tok", stdin=SECRET)
+    db = os.path.join(state, "qlagent.db")
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE secrets SET ciphertext = ? WHERE name = 'tok'", (blob,))
+    with pytest.raises(UnavailableError, match="'tok' is (truncated|not in a known format)"):
+        resolve_secrets(state, os.path.join(state, "secret.key"), ["tok"])
+
+
+def test_task_add_warns_only_about_a_secret_that_is_not_set(state, workdir):
+    """Through the real store (its rows are sqlite3.Row): a stored Secret is no warning, a
+    missing one is, and doctor agrees."""
+    f = os.path.join(workdir, "tasks.toml")
+    with open(f, "w") as fh:
+        fh.write(TASKS)
+    ok(state, "secret", "set", "ddns_token", stdin=SECRET)
+    added = ok(state, "task", "add", "-f", f)
+    assert b"warning" not in added.stderr, added.stderr
+    checks = json.loads(cli(state, "doctor", "--json").stdout)["checks"]
+    assert [c["ok"] for c in checks if c["name"] == "secrets"] == [True]
+    with open(f, "w") as fh:
+        fh.write(TASKS.replace("ddns_token", "other_token").replace('"ddns-update"', '"other-update"'))
+    warned = ok(state, "task", "add", "-f", f)
+    assert b"uses secret 'other_token', which is not set" in warned.stderr

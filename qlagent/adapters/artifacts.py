@@ -13,7 +13,8 @@ import errno
 import os
 import re
 import stat
-from dataclasses import dataclass
+
+import msgspec
 
 from qlagent.core.errors import ConflictError, StartError, UnavailableError, ValidationError
 from qlagent.core.profiles import Profile
@@ -34,8 +35,7 @@ class ArtifactExistsError(ConflictError):
     code = "artifact_exists"
 
 
-@dataclass(frozen=True)
-class SpaceGrant:
+class SpaceGrant(msgspec.Struct, frozen=True):
     """Result of ArtifactAllocator.admit: ``ok``; ``reason`` (a short stable code, None when ok:
     quota_too_large | low_space | artifact_quota_full); ``free_bytes`` (statvfs
     f_bavail*f_frsize), ``used_bytes`` (sum of Artifact sizes under the root) and ``quota_bytes``
@@ -48,8 +48,7 @@ class SpaceGrant:
     quota_bytes: int
 
 
-@dataclass(frozen=True)
-class Pruned:
+class Pruned(msgspec.Struct, frozen=True):
     """One log removed by ArtifactAllocator.prune: its Attempt ID, path, size in bytes (0 when
     it was already gone) and the rule that removed it: ``per_task`` or ``total_bytes``."""
 

@@ -14,13 +14,12 @@ import json
 import os
 import pwd
 import select
-import shutil
 import stat
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
+import msgspec
 import psutil
 
 from qlagent.core.canonical import sha256_hex
@@ -46,8 +45,7 @@ class ShimSpawnError(UnavailableError):
     code = "launch_failed"
 
 
-@dataclass
-class ShimHandle:
+class ShimHandle(msgspec.Struct):
     """A started shim: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
     it identifies the process across PID reuse), ``pidfd`` (an fd readable when the shim
     exits, or None where os.pidfd_open is unavailable), the Popen used to reap it and
@@ -57,7 +55,7 @@ class ShimHandle:
     pid: int
     create_time: float
     pidfd: int | None
-    popen: subprocess.Popen = field(repr=False)
+    popen: subprocess.Popen
     start_error: str | None = None
 
 
@@ -450,4 +448,30 @@ class ShimProcesses:
     def cleanup(self, attempt_id: str) -> None:
         self._known.pop(attempt_id, None)
         self._started.pop(attempt_id, None)
-        shutil.rmtree(self._run_dir(attempt_id), ignore_errors=True)
+        remove_run_dir(self._run_dir(attempt_id))
+
+
+def remove_run_dir(run_dir: str) -> None:
+    """Delete a finished Attempt's run directory; errors are ignored (it may be gone already).
+
+    The shim writes only files there (FIFO, receipt, facts, task.pid), so a flat removal
+    does it; ``shutil`` (whose bz2/lzma imports cost the resident agent ~0.2 MiB) is loaded
+    only if something made a subdirectory.
+    """
+    try:
+        entries = list(os.scandir(run_dir))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                import shutil
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(run_dir)
+    except OSError:
+        pass

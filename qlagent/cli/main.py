@@ -7,15 +7,18 @@ Every read command takes ``--json``. Secret values are never printed.
 
 from __future__ import annotations
 
-import argparse
-import getpass
 import os
 import sys
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from ..core import errors as E
 from ..core.limits import MAX_TIMEOUT_S as MAX_WAIT_S     # --timeout/--exit-after: seconds
+
+if TYPE_CHECKING:
+    import argparse
 
 
 def _print_json(obj) -> None:
@@ -96,19 +99,28 @@ def _redacted(url: str) -> str:
 
 
 def cmd_init(ctx: Ctx) -> int:
-    from ..bootstrap import create_key_file
+    from ..bootstrap import create_key_file, migrate_legacy_secrets
     s = ctx.settings
     os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
     store = ctx.store
     created = create_key_file(s.key_file)
     database = s.db_path if s.config.cluster is None else _redacted(s.config.cluster.database)
+    # Secrets an earlier version stored (AES-GCM) are re-encrypted here, in a short-lived
+    # process, so the service never loads `cryptography` for them. A row that cannot be read
+    # stays as it was; init itself has succeeded (the package's postinst must not fail on it).
+    migrated, problems = migrate_legacy_secrets(s, store)
+    for problem in problems:
+        print(f"qlagent: warning: {problem}", file=sys.stderr)
     if ctx.args.json:
         _print_json({"stateDir": s.state_dir, "database": database, "keyFile": s.key_file,
-                     "keyCreated": created, "migrationsApplied": store.applied, "profile": s.profile.name})
+                     "keyCreated": created, "migrationsApplied": store.applied, "profile": s.profile.name,
+                     "secretsReencrypted": migrated})
     else:
         print(f"state directory  {s.state_dir}")
         print(f"database         {database} ({len(store.applied)} migrations applied)")
         print(f"secret key file  {s.key_file} ({'created' if created else 'kept'})")
+        if migrated:
+            print(f"secrets          {migrated} re-encrypted from the AES-GCM format")
         print(f"profile          {s.profile.name}")
     return 0
 
@@ -268,6 +280,7 @@ def cmd_secret_set(ctx: Ctx) -> int:
                                 "argument: command lines are visible to every user")
     name = check_secret_name(ctx.args.name)
     if sys.stdin.isatty():
+        import getpass       # termios: only for an interactive `secret set`
         value = getpass.getpass(f"value for {name}: ").encode()
     else:
         value = sys.stdin.buffer.read(MAX_SECRET_VALUE + 2)
@@ -607,14 +620,15 @@ def cmd_serve(ctx: Ctx) -> int:
 
 # ---- parser ----------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with the CLI's one-line refusal (no usage block): exit 2 naming the argument."""
-
-    def error(self, message: str):
-        self.exit(E.EXIT_USAGE, f"qlagent: error: {message} (see `{self.prog} --help`)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    import argparse     # not for `serve` (see _serve_args)
+
+    class _Parser(argparse.ArgumentParser):
+        """argparse with the CLI's one-line refusal (no usage block): exit 2 naming the argument."""
+
+        def error(self, message: str):
+            self.exit(E.EXIT_USAGE, f"qlagent: error: {message} (see `{self.prog} --help`)\n")
+
     common = _Parser(add_help=False)
     common.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory (env QLAGENT_STATE_DIR)")
     common.add_argument("--config", default=argparse.SUPPRESS, help="config file (env QLAGENT_CONFIG)")
@@ -717,9 +731,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# `qlagent serve` is parsed without argparse: the service keeps every module it imports for its
+# lifetime, and argparse with gettext and the ~25 subcommand parsers cost it ~0.5 MiB RSS
+# (bench/README.md). Only this exact grammar is taken here; anything else (help, an unknown or
+# abbreviated option, a bad value) goes to build_parser(), which is the reference and reports
+# it. tests/test_cli_serve_args.py checks that both agree.
+_SERVE_VALUE_OPTIONS = {"--state-dir": "state_dir", "--config": "config", "--profile": "profile",
+                        "--project": "project", "--listen": "listen", "--exit-after": "exit_after"}
+_SERVE_ONLY = ("listen", "exit_after")         # options of the subcommand, not of `qlagent` itself
+
+
+def _serve_args(argv: list[str]) -> SimpleNamespace | None:
+    """The namespace build_parser() would give for a ``serve`` command line, or None."""
+    args = dict.fromkeys(_SERVE_VALUE_OPTIONS.values())
+    args["json"] = False
+    command = False
+    tokens = iter(argv)
+    for tok in tokens:
+        if tok == "serve" and not command:
+            command = True
+        elif tok == "--json":
+            args["json"] = True
+        else:
+            name, eq, value = tok.partition("=")
+            key = _SERVE_VALUE_OPTIONS.get(name)
+            if key is None or (key in _SERVE_ONLY and not command):
+                return None
+            if not eq:
+                value = next(tokens, None)
+                if value is None or value.startswith("-"):
+                    return None
+            args[key] = value
+    if not command or args["profile"] not in (None, "edge", "standalone"):
+        return None
+    if args["exit_after"] is not None:
+        try:
+            args["exit_after"] = float(args["exit_after"])
+        except ValueError:
+            return None
+    return SimpleNamespace(command="serve", fn=cmd_serve, **args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _serve_args(argv) or build_parser().parse_args(argv)
     for k in ("state_dir", "config", "profile", "project"):
         if not hasattr(args, k):
             setattr(args, k, None)

@@ -213,6 +213,13 @@ class SecretStore(Protocol):
     def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         """Ciphertext of each present name (missing ones are absent)."""
 
+    def legacy_ciphertexts(self, magic: bytes) -> list[tuple[str, str, bytes]]:
+        """(project_id, name, ciphertext) of every Secret whose ciphertext starts with ``magic``."""
+
+    def replace_ciphertexts(self, rows: list[tuple[str, str, bytes, bytes]], key_id: str) -> int:
+        """In one transaction, for each (project_id, name, old, new): replace ``old`` by ``new``
+        where the row still holds ``old``. Returns how many rows were replaced."""
+
 
 class DispatchStore(Protocol):
     """What one dispatcher pass reads and the few writes it makes (ADR-0071 §3–4)."""

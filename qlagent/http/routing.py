@@ -16,8 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import urllib.parse
-from importlib import resources
 from typing import Callable
 
 from qlagent.core.errors import QlError
@@ -139,8 +139,10 @@ def error_response(err: QlError) -> Response:
 
 @functools.cache
 def openapi_document() -> bytes:
-    """The OpenAPI 3.1 document shipped as package data (served at ``/api/v3/openapi.json``)."""
-    return resources.files("qlagent.http").joinpath("openapi.json").read_bytes()
+    """The OpenAPI 3.1 document shipped as package data (served at ``/api/v3/openapi.json``); a
+    plain file next to this module, read with os (importlib.resources costs the agent ~1 MiB)."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "openapi.json"), "rb") as f:
+        return f.read()
 
 
 def documented_routes() -> set[tuple[str, str]]:

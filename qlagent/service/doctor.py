@@ -1,6 +1,7 @@
 """``qlagent doctor``: trusted paths, schema history, capability, integrity, key file, free
-space, dirs. Before ``init`` it reports only what is missing (no ``ok`` line among them). With
-``[cluster]``: the database's reachability, schema, capability and Secrets, and the key file."""
+space, dirs, network. Before ``init`` it reports only what is missing (no ``ok`` line among
+them). With ``[cluster]``: the database's reachability, schema, capability and Secrets, and the
+key file."""
 
 from __future__ import annotations
 
@@ -64,5 +65,5 @@ def run_checks(s: Settings) -> list[dict]:
             add(name, ok, f"{path} mode {oct(st.st_mode & 0o777)}" + ("" if ok else "; expected a 0700 directory"))
         except FileNotFoundError:
             add(name, name == "artifact dir", f"{path} not created yet")
+    add("network", *bootstrap.network_check())
     return out
-

@@ -103,6 +103,13 @@ class Service:
         self.engine = bootstrap.build_engine(s, self.store, max_concurrent=max_conc, budget=self.budget,
                                              clock_us=self._now, log=self.log)
         self.scheduler = Scheduler(self.store, system_timezone(), self._now, self.log)
+        # `init` (run by the package's postinst) normally did this already; the service does it
+        # too so that no resident agent keeps `cryptography` loaded for the old format.
+        migrated, problems = bootstrap.migrate_legacy_secrets(s, self.store)
+        if migrated:
+            self.log("notice", "secrets.migrated", count=migrated)
+        for problem in problems:
+            self.log("warning", "secrets.migration_failed", error=problem)
 
     def _install_signals(self) -> None:
         r, w = socket.socketpair()
@@ -119,7 +126,7 @@ class Service:
         return any(h.enabled and h.definition.network.require != "none" for h in heads)
 
     def _ensure_netgate(self) -> None:
-        """Import pyroute2 (≈18 MB) only once some enabled task needs the network gate."""
+        """Open the gate's netlink socket only once some enabled task needs the network gate."""
         if self.netgate is not None or not self._network_needed():
             return
         self.netgate = bootstrap.network_gate()

@@ -63,6 +63,20 @@ def secret_uses(cur, project_id: str | None) -> list[tuple[str, str, bool]]:
     return out
 
 
+def legacy_ciphertexts(cur, magic: bytes) -> list[tuple[str, str, bytes]]:
+    """(project_id, name, ciphertext) of every row whose ciphertext starts with ``magic``."""
+    return [(r["project_id"], r["name"], bytes(r["ciphertext"])) for r in cur.execute(
+        "SELECT project_id, name, ciphertext FROM secrets WHERE substr(ciphertext, 1, %s) = %s "
+        "ORDER BY project_id, name", (len(magic), magic))]
+
+
+def replace_ciphertext(cur, project_id: str, name: str, old: bytes, new: bytes, key_id: str) -> bool:
+    """Swap ``old`` for ``new`` (the same value re-encrypted) unless the row changed meanwhile;
+    ``updated_at_us`` stays. True if swapped."""
+    return cur.execute("UPDATE secrets SET ciphertext = %s, key_id = %s WHERE project_id = %s AND name = %s "
+                       "AND ciphertext = %s", (new, key_id, project_id, name, old)).rowcount == 1
+
+
 def delete_secret(cur, project_id: str, name: str, *, force: bool = False) -> list[str]:
     """Delete; returns the live Tasks still using it. ConflictError ``secret_in_use`` without
     ``force``; NotFoundError ``secret_not_found``."""

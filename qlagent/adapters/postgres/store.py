@@ -382,6 +382,13 @@ class PgStore:
     def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         return self.read(lambda c: secret_rows.ciphertexts(c, project_id, names))
 
+    def legacy_ciphertexts(self, magic: bytes) -> list[tuple[str, str, bytes]]:
+        return self.read(lambda c: secret_rows.legacy_ciphertexts(c, magic))
+
+    def replace_ciphertexts(self, rows: list[tuple[str, str, bytes, bytes]], key_id: str) -> int:
+        return self.write(lambda c: sum(secret_rows.replace_ciphertext(c, pid, name, old, new, key_id)
+                                        for pid, name, old, new in rows))
+
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
         return self.read(lambda c: ex.candidate_page(c, limit, after, self._now_in(c), self.executor_type))

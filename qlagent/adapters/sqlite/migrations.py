@@ -21,9 +21,9 @@ from ...core.canonical import sha256_hex
 from ...core.errors import StoreIntegrityError, UnavailableError
 
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-# Package data installed as files next to this module (importlib.resources would cost the
-# agent ~1 MiB of imports — zipfile, tempfile, bz2, lzma — for reading a directory).
-MIGRATIONS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
+# Installed as plain files next to this module (wheel, .deb, .ipk): read with os, not
+# importlib.resources, whose zipfile/pathlib/tempfile imports cost the agent ~1 MiB RSS.
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
 
 # Readiness: the capabilities this build needs before it may dispatch (ADR-0071 §2).
 REQUIRED_CAPABILITIES = {"local-control-core": 3, "local_dispatch_plan": 1}
@@ -39,10 +39,10 @@ class Migration(msgspec.Struct, frozen=True):
 def known_migrations() -> list[Migration]:
     """The migrations shipped with this build, in version order."""
     out = []
-    for name in os.listdir(MIGRATIONS_DIR):
+    for name in os.listdir(_DIR):
         m = _NAME.match(name)
         if m:
-            with open(os.path.join(MIGRATIONS_DIR, name), encoding="utf-8") as f:
+            with open(os.path.join(_DIR, name), encoding="utf-8") as f:
                 sql = f.read()
             out.append(Migration(int(m.group(1)), m.group(2), sql, sha256_hex(sql.encode())))
     out.sort(key=lambda x: x.version)

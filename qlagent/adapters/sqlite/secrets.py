@@ -49,7 +49,8 @@ def secret_uses(conn: sqlite3.Connection, project_id: str | None) -> list[tuple[
     """(task name, Secret name, stored?) for each SecretRef of each live Task head of the
     Project (every Project when None), by task then Secret name (names only: a recipe never
     holds a value)."""
-    stored = set(conn.execute("SELECT project_id, name FROM secrets"))
+    # Tuples, not the connection's row objects: an sqlite3.Row never equals a tuple.
+    stored = {(r[0], r[1]) for r in conn.execute("SELECT project_id, name FROM secrets")}
     out = []
     for pid, task, doc in conn.execute(
             "SELECT t.project_id, t.name, cr.recipe_json FROM tasks t JOIN execution_revisions e "
@@ -59,3 +60,18 @@ def secret_uses(conn: sqlite3.Connection, project_id: str | None) -> list[tuple[
         for name in sorted(set(msgspec.json.decode(doc).get("secretRefs", {}).values())):
             out.append((task, name, (pid, name) in stored))
     return out
+
+
+def legacy_ciphertexts(conn: sqlite3.Connection, magic: bytes) -> list[tuple[str, str, bytes]]:
+    """(project_id, name, ciphertext) of every row whose ciphertext starts with ``magic``."""
+    return [(r[0], r[1], bytes(r[2])) for r in conn.execute(
+        "SELECT project_id, name, ciphertext FROM secrets WHERE substr(ciphertext, 1, ?) = ? ORDER BY project_id, name",
+        (len(magic), magic))]
+
+
+def replace_ciphertext(conn: sqlite3.Connection, project_id: str, name: str, old: bytes, new: bytes,
+                       key_id: str) -> bool:
+    """Swap ``old`` for ``new`` (same value, re-encrypted) unless the row changed meanwhile;
+    ``updated_at_us`` stays: the value is the one the operator set then. True if swapped."""
+    return conn.execute("UPDATE secrets SET ciphertext = ?, key_id = ? WHERE project_id = ? AND name = ? "
+                        "AND ciphertext = ?", (new, key_id, project_id, name, old)).rowcount == 1
