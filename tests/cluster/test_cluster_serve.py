@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
+from conftest import create_database, db_url, drop_database
+
 BASE = "/api/v3/projects/default"
 SCHEMA = "qinglong/task-start@v1"
 TASKS = """
@@ -281,7 +283,6 @@ def test_cli_runs_logs_and_cancel_through_the_ports_on_postgresql(cp):
     ('tls_cert = "/etc/cert.pem"\n', "cluster.tls_key"),
 ])
 def test_bad_cluster_config_is_refused_at_start_up_naming_the_field_and_writes_nothing(tmp_path, extra, field):
-    from conftest import create_database, db_url, drop_database
     name = create_database(f"badcfg_{abs(hash(field)) % 10_000}")
     try:
         env = Env(str(tmp_path), db_url(name), extra)
