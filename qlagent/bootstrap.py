@@ -3,7 +3,10 @@
 It builds the store, the engine's adapters, the secret cipher, the budget meter and the network
 gate from the resolved configuration (``service.config.Settings``) and hands the entry points
 objects typed by ``core.ports``. Choosing another authority (the cluster's PostgreSQL) changes
-this module, not the service, the HTTP API, the CLI or the application.
+this module, not the service, the HTTP API, the CLI or the application: with a ``[cluster]``
+table ``open_store`` returns the PostgreSQL store and ``cluster_services`` the control plane's
+Worker registry, Pull, ACKs, log upload and lease sweeper. Without one nothing of
+``qlagent.cluster`` or psycopg is imported.
 """
 
 from __future__ import annotations
@@ -22,11 +25,18 @@ SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits
 
 def open_store(settings, project: str | None = None, *, migrate: bool = True, create_project: bool = True,
                clock_us: Callable[[], int] = now_us) -> Store:
-    """The local authority at ``settings.db_path`` acting in ``project`` (default: the config's).
+    """The authority acting in ``project`` (default: the config's): the local SQLite file at
+    ``settings.db_path``, or with ``[cluster]`` the PostgreSQL database (whose own clock decides
+    time; ``clock_us`` applies to the local store only).
 
     ``migrate=False`` refuses a schema behind this build (UnavailableError ``store_not_migrated``);
     ``create_project=False`` makes an unknown Project NotFoundError. Raises StoreIntegrityError,
-    UnavailableError as ``SqliteStore`` documents."""
+    UnavailableError as ``SqliteStore`` / ``PgStore`` document."""
+    cluster = settings.config.cluster
+    if cluster is not None:
+        from .adapters.postgres.store import PgStore
+        return PgStore(cluster.database, project or settings.config.project, migrate=migrate,
+                       create_project=create_project, pool_size=cluster.pool_size)
     from .adapters.sqlite.store import SqliteStore
     return SqliteStore(settings.db_path, project or settings.config.project, migrate=migrate,
                        create_project=create_project, clock_us=clock_us,
@@ -101,6 +111,12 @@ def store_checks(db_path: str) -> list[tuple[str, bool, str]]:
     return diagnose(db_path)
 
 
+def cluster_store_checks(settings) -> list[tuple[str, bool, str]]:
+    """``qlagent doctor``'s checks of the ``[cluster]`` database: (name, ok, detail) each."""
+    from .adapters.postgres.store import diagnose
+    return diagnose(settings.config.cluster.database)
+
+
 def key_file_problem(path: str) -> str | None:
     """What is wrong with the secret key file (missing, mode, size), or None."""
     from .adapters.secretbox import check_key_file
@@ -130,3 +146,93 @@ def build_worker(settings, log, notify):
                          drain_grace_s=settings.config.drain_grace_s,
                          log_store_bytes=w.log_store_bytes or settings.profile.artifact_total_bytes, log=log,
                          notify=notify)
+
+
+# ---- the cluster control plane ([cluster]) -------------------------------------------------
+
+def check_cluster(cluster) -> None:
+    """Start-up checks of a ``service.config.ClusterConfig`` beyond its msgspec bounds: the libpq
+    URL and ADR-0014's dispatcher ceilings. Raises ValidationError naming the ``cluster.*`` field."""
+    from .adapters.postgres.connection import check_url
+    from .cluster.dispatcher import check_budgets
+    check_url(cluster.database)
+    check_budgets(_budgets(cluster))
+
+
+def _budgets(cluster):
+    from .cluster.dispatcher import DispatcherBudgets
+    d = cluster.dispatcher
+    return DispatcherBudgets(recovery_page_size=d.recovery_page_size, recovery_pages=d.recovery_pages,
+                             candidate_page_size=d.candidate_page_size, candidate_pages=d.candidate_pages,
+                             worker_page_size=d.worker_page_size, worker_pages=d.worker_pages,
+                             claim_tries=d.claim_tries, lease_ttl_s=cluster.lease_ttl_s)
+
+
+def worker_registry(settings, store):
+    """``cluster.registry.WorkerRegistry`` on the PostgreSQL ``store``'s pool, with the Session and
+    Lease lifetimes of ``[cluster]``."""
+    from .adapters.postgres.registry import PgWorkerRegistry
+    from .cluster.registry import Timings, WorkerRegistry
+    c = settings.config.cluster
+    return WorkerRegistry(PgWorkerRegistry(store.pool), Timings(session_ttl_s=c.session_ttl_s,
+                                                                lease_ttl_s=c.lease_ttl_s))
+
+
+def log_chunks(store):
+    """Reader of the Worker-uploaded log chunks: ``read(attempt_id, offset, limit) -> bytes``."""
+    from .adapters.postgres.logs import PgLogStore
+    return PgLogStore(store.pool)
+
+
+class ClusterServices:
+    """What one control-plane replica serves besides the store's routes, built over ONE pool:
+    ``registry`` (WorkerRegistry), ``pull`` (WorkerPull, long-poll woken by LISTEN/NOTIFY),
+    ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``placement_report``
+    (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
+    (PgLogStore), ``budgets`` (DispatcherBudgets), the ``[cluster]`` table as ``config``, and
+    ``close()`` for the LISTEN connection. The Worker HTTP routes take it whole."""
+
+    def __init__(self, settings, store) -> None:
+        from .adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
+        from .adapters.postgres.leases import PgLeaseStore
+        from .adapters.postgres.notify import PgCandidateSignal
+        from .adapters.postgres.placement import PgPlacementReport
+        from .adapters.postgres.registry import PgWorkerRegistry
+        from .adapters.postgres.secrets import PgSecretResolver
+        from .adapters.secretbox import SecretBox
+        from .cluster.acks import AckService
+        from .cluster.leases import LeaseSweeper
+        from .cluster.logs import LogUpload
+        from .cluster.pull import WorkerPull
+        c = settings.config.cluster
+        self.config = c
+        self.store = store
+        self.budgets = _budgets(c)
+        self.registry = worker_registry(settings, store)
+        dispatch = PgDispatchStore(store.pool)
+        self.signal = PgCandidateSignal(c.database)
+        self.pull = WorkerPull(dispatch, dispatch, PgPlanSource(store.pool, settings.profile),
+                               PgSecretResolver(store.pool, _LazyBox(settings.key_file, SecretBox)), self.budgets,
+                               self.signal)
+        leases = PgLeaseStore(store.pool)
+        self.acks = AckService(leases, c.lease_ttl_s)
+        self.log_reader = log_chunks(store)
+        self.logs = LogUpload(self.log_reader, settings.profile)
+        self.sweeper = LeaseSweeper(leases, PgWorkerRegistry(store.pool), c.sweep_batch)
+        self.placement_report = PgPlacementReport(store.pool)
+
+    def close(self) -> None:
+        self.signal.close()
+
+
+class _LazyBox:
+    """Opens the secret key file at the first Secret a claimed offer needs (a replica without
+    Secrets never needs the key)."""
+
+    def __init__(self, path: str, box_class) -> None:
+        self._path, self._cls, self._box = path, box_class, None
+
+    def open(self, project_id: str, name: str, blob: bytes) -> bytes:
+        if self._box is None:
+            self._box = self._cls(self._path)
+        return self._box.open(project_id, name, blob)

@@ -238,3 +238,24 @@ def test_token_revoke_by_id_or_token_and_ls(state):
     ok(state, "token", "revoke", token)                            # by the token itself
     assert js(state, "token", "ls")[0]["revokedAtUs"] is not None
     assert cli(state, "token", "revoke", "no-such-id").returncode == 4
+
+
+def test_cluster_fields_on_the_local_agent(state, workdir):
+    """An empty ``placement`` leaves the contentDigest as it was before the field existed (it is
+    out of the canonical document), a set one is content; a ``remote_worker`` executor is
+    refused locally naming the field, nothing written."""
+    def task_file(name: str, extra: str) -> str:
+        path = os.path.join(workdir, f"{name}.toml")
+        with open(path, "w") as f:
+            f.write(f'[[task]]\nname = "t"\nshell = "/bin/sh"\nscript = "true"\n{extra}\n')
+        return path
+    ok(state, "task", "add", "-f", task_file("plain", ""))
+    ok(state, "--project", "empty", "task", "add", "-f", task_file("empty", "placement = { required = {} }"))
+    ok(state, "--project", "set", "task", "add",
+       "-f", task_file("set", 'placement = { preferred = { site = "lab" } }\nexecutor = "local_process"'))
+    digests = [js(state, "--project", p, "task", "show", "t")["contentDigest"] for p in ("default", "empty", "set")]
+    assert digests[0] == digests[1] != digests[2]
+    before = rows(state, "tasks")
+    r = cli(state, "task", "add", "-f", task_file("remote", 'executor = "remote_worker"'))
+    assert r.returncode == 2 and b"executor" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert rows(state, "tasks") == before

@@ -23,7 +23,9 @@ from servehelp import add_tasks, clean_env, runs_of, wait_until
 from test_secrets import write_legacy_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HEAVY = ("pyroute2", "asyncio", "cryptography", "_hashlib", "_ssl", "psycopg")
+# … and nothing of the cluster without a [cluster] table (issue 10): its policy, its adapter, its role.
+HEAVY = ("pyroute2", "asyncio", "cryptography", "_hashlib", "_ssl", "psycopg", "qlagent.cluster",
+         "qlagent.adapters.postgres", "qlagent.service.controlplane")
 PROBE = r'''
 import json, sys
 from qlagent.cli.main import main

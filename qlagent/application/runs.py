@@ -69,6 +69,12 @@ def log_page_json(run_id: str, path: str | None, fact: TruncationFact | None, of
     is the truncation fact (``quotaBytes``, ``bytesKept``, ``bytesDropped``) or null.
     """
     chunk, size = read_log_range(path, offset, limit)
+    return log_page(run_id, chunk, size, offset, fact)
+
+
+def log_page(run_id: str, chunk: bytes, size: int, offset: int, fact: TruncationFact | None) -> dict:
+    """The page object of :func:`log_page_json` for ``chunk`` read at ``offset`` of a
+    ``size``-byte log (wherever it is kept: a local file, the cluster's chunks)."""
     try:
         encoding, data = "utf-8", chunk.decode("utf-8")
     except UnicodeDecodeError:

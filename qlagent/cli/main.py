@@ -45,7 +45,7 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
 
 # Reads never create a Project: a mistyped --project is "not found", not an empty new tenant.
 READ_COMMANDS = {("task", "ls"), ("task", "show"), ("run", "ls"), ("run", "show"), ("run", "logs"),
-                 ("secret", "ls"), ("token", "ls")}
+                 ("secret", "ls"), ("token", "ls"), ("workers", "ls")}
 
 
 class Ctx:
@@ -62,7 +62,8 @@ class Ctx:
     @property
     def store(self):
         if self._store is None:
-            if not os.path.exists(self.settings.db_path) and self.args.command != "init":
+            if (self.settings.config.cluster is None and not os.path.exists(self.settings.db_path)
+                    and self.args.command != "init"):
                 raise E.UnavailableError(f"no store at {self.settings.db_path}; run `qlagent init` first",
                                          code="not_initialised")
             from .. import bootstrap
@@ -91,12 +92,19 @@ def _load_toml(path: str) -> dict:
 
 # ---- commands --------------------------------------------------------------------------------
 
+def _redacted(url: str) -> str:
+    """A libpq URL without its password (``user:***@``), for printing."""
+    import re
+    return re.sub(r"://([^:/@]*):[^@/]*@", r"://\1:***@", url)
+
+
 def cmd_init(ctx: Ctx) -> int:
     from ..bootstrap import create_key_file, migrate_legacy_secrets
     s = ctx.settings
     os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
     store = ctx.store
     created = create_key_file(s.key_file)
+    database = s.db_path if s.config.cluster is None else _redacted(s.config.cluster.database)
     # Secrets an earlier version stored (AES-GCM) are re-encrypted here, in a short-lived
     # process, so the service never loads `cryptography` for them. A row that cannot be read
     # stays as it was; init itself has succeeded (the package's postinst must not fail on it).
@@ -104,12 +112,12 @@ def cmd_init(ctx: Ctx) -> int:
     for problem in problems:
         print(f"qlagent: warning: {problem}", file=sys.stderr)
     if ctx.args.json:
-        _print_json({"stateDir": s.state_dir, "database": s.db_path, "keyFile": s.key_file,
+        _print_json({"stateDir": s.state_dir, "database": database, "keyFile": s.key_file,
                      "keyCreated": created, "migrationsApplied": store.applied, "profile": s.profile.name,
                      "secretsReencrypted": migrated})
     else:
         print(f"state directory  {s.state_dir}")
-        print(f"database         {s.db_path} ({len(store.applied)} migrations applied)")
+        print(f"database         {database} ({len(store.applied)} migrations applied)")
         print(f"secret key file  {s.key_file} ({'created' if created else 'kept'})")
         if migrated:
             print(f"secrets          {migrated} re-encrypted from the AES-GCM format")
@@ -404,6 +412,8 @@ def cmd_run_logs(ctx: Ctx) -> int:
                                 "the end)", limit=f"1..{MAX_LOG_OFFSET}")
     svc = RunService(ctx.store)
     run = svc.get(ctx.args.run)
+    if ctx.settings.config.cluster is not None:
+        return _cluster_logs(ctx, run.run_id, offset, remaining)
     path, fact = svc.log_source(run.run_id)
     if ctx.args.json:
         _print_json(log_page_json(run.run_id, path, fact, offset, min(remaining or MAX_LOG_READ, MAX_LOG_READ)))
@@ -421,6 +431,31 @@ def cmd_run_logs(ctx: Ctx) -> int:
     if fact:      # stdout stays the log's bytes; the truncation fact goes to stderr, always
         print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {fact.bytes_dropped} bytes dropped",
               file=sys.stderr)
+    return 0
+
+
+def _cluster_logs(ctx: Ctx, run_id: str, offset: int, remaining: int | None) -> int:
+    """``run logs`` on the cluster authority: the chunks the Worker uploaded, from PostgreSQL."""
+    from .. import bootstrap
+    from ..application.runs import MAX_LOG_READ, log_page
+    reader = bootstrap.log_chunks(ctx.store)
+    if ctx.args.json:
+        chunk, size, fact = reader.read_range(run_id, offset, min(remaining or MAX_LOG_READ, MAX_LOG_READ))
+        _print_json(log_page(run_id, chunk, size, offset, fact))
+        return 0
+    out, fact = sys.stdout.buffer, None
+    while remaining is None or remaining > 0:
+        chunk, _, fact = reader.read_range(run_id, offset, min(MAX_LOG_READ, remaining or MAX_LOG_READ))
+        if not chunk:
+            break
+        out.write(chunk)
+        offset += len(chunk)
+        if remaining is not None:
+            remaining -= len(chunk)
+    out.flush()
+    if fact:
+        print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {_or_dash(fact.bytes_dropped)} bytes "
+              "dropped", file=sys.stderr)
     return 0
 
 
@@ -470,6 +505,68 @@ def cmd_role_set(ctx: Ctx) -> int:
     v = set_role(ctx.store, ctx.args.project or ctx.settings.config.project, ctx.args.subject,
                  None if ctx.args.role == "none" else ctx.args.role)
     print(f"{ctx.args.subject}: {ctx.args.role} (bindingVersion {v})")
+    return 0
+
+
+def _registry(ctx: Ctx):
+    """The cluster's Worker registry; ``workers`` needs ``[cluster]`` (exit 2 otherwise)."""
+    if ctx.settings.config.cluster is None:
+        raise E.ValidationError("cluster", "`qlagent workers` acts on the cluster authority; the configuration "
+                                           "has no [cluster] table")
+    from .. import bootstrap
+    return bootstrap.worker_registry(ctx.settings, ctx.store)
+
+
+def _labels(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            raise E.ValidationError("--label", f"{pair!r} is not KEY=VALUE")
+        if key in out:
+            raise E.ValidationError("--label", f"{key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def cmd_workers_enroll(ctx: Ctx) -> int:
+    a = ctx.args
+    labels = _labels(a.label or [])
+    worker_id, credential = _registry(ctx).enroll(a.name, labels, tuple(a.executor or ["local_process"]), a.slots)
+    if a.json:
+        _print_json({"workerId": worker_id, "name": a.name, "credential": credential})
+    else:
+        print(f"worker      {a.name} {worker_id}")
+        print(f"credential  {credential}")
+        print("qlagent: the credential is shown once (only its SHA-256 is stored); give it to the Worker",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_workers_ls(ctx: Ctx) -> int:
+    registry, rows, after = _registry(ctx), [], None
+    while True:
+        page = registry.list(64, after)
+        rows += page
+        if len(page) < 64:
+            break
+        after = page[-1]["name"]
+    if ctx.args.json:
+        _print_json({"items": [{"name": r["name"], "workerId": r["worker_id"], "state": r["state"],
+                                "generation": r["generation"], "sessionId": r["session_id"],
+                                "lastHeartbeatUs": r["last_heartbeat_us"], "slots": r["slots"],
+                                "freeSlots": max(0, r["free_slots"])} for r in rows]})
+        return 0
+    _table([[r["name"], r["worker_id"], r["state"], str(r["generation"]), _or_dash(r["session_id"]),
+             _fmt_us(r["last_heartbeat_us"]), str(max(0, r["free_slots"])), str(r["slots"])] for r in rows],
+           ["NAME", "WORKER", "STATE", "GEN", "SESSION", "HEARTBEAT", "FREE", "SLOTS"])
+    return 0
+
+
+def cmd_workers_state(ctx: Ctx, drain: bool) -> int:
+    registry = _registry(ctx)
+    worker_id = registry.drain(ctx.args.name) if drain else registry.remove(ctx.args.name)
+    print(f"{ctx.args.name} {worker_id} {'draining' if drain else 'removed'}")
     return 0
 
 
@@ -639,6 +736,18 @@ def build_parser() -> argparse.ArgumentParser:
     rs = add(role, "set", cmd_role_set, "bind a subject's role in the project ('none' revokes)")
     rs.add_argument("subject")
     rs.add_argument("role", choices=["owner", "admin", "operator", "viewer", "none"])
+
+    wk = sub.add_parser("workers", help="cluster Workers ([cluster] only)").add_subparsers(dest="sub", required=True,
+                                                                                        metavar="SUB")
+    we = add(wk, "enroll", cmd_workers_enroll, "enroll a Worker; prints its credential once")
+    we.add_argument("name")
+    we.add_argument("--label", action="append", metavar="KEY=VALUE", help="a Placement label (repeatable)")
+    we.add_argument("--executor", action="append", choices=["local_process"], help="executor type (repeatable)")
+    we.add_argument("--slots", type=int, default=1, help="concurrent Attempts (1..256)")
+    add(wk, "ls", cmd_workers_ls, "list Workers: state, generation, Session, last heartbeat, free slots")
+    add(wk, "drain", lambda c: cmd_workers_state(c, True), "no new offers to the Worker").add_argument("name")
+    add(wk, "rm", lambda c: cmd_workers_state(c, False), "remove the Worker (its Leases are fenced)"
+        ).add_argument("name")
 
     imp = sub.add_parser("import", help="import from another scheduler").add_subparsers(dest="sub", required=True,
                                                                                         metavar="SUB")

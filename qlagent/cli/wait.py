@@ -1,6 +1,7 @@
 """``run start --wait``: wait for a Run to end, through the service or on our own.
 
-With a service running (it holds the state directory's lock) the CLI only watches the store.
+With a service running (it holds the state directory's lock), or with ``[cluster]`` (Workers
+run it), the CLI only watches the store.
 Without one, the CLI runs the same engine in-process until the Run ends — the store stays the
 single authority either way.
 """
@@ -13,7 +14,7 @@ from .. import bootstrap
 from ..application.runs import RunService
 from ..core.errors import UnavailableError
 from ..core.models import Run
-from ..core.states import RUN_LIVE
+from ..core.states import RUN_LIVE, RUN_TERMINAL
 from ..service.main import Service, service_running
 
 POLL_S = 0.2   # the CLI's own wait; the agent itself never polls
@@ -24,7 +25,8 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
     when ``timeout_s`` (s) passes first: the Run is not cancelled — without a service its shim
     carries on alone and the next agent start ingests its receipt (README "Exit codes")."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    if not service_running(settings.state_dir):
+    # On the cluster authority Workers run it: the CLI only watches, as with a local service.
+    if settings.config.cluster is None and not service_running(settings.state_dir):
         store.close()       # the inline engine opens its own authority on the same file
         Service(settings, inline_run=run_id, inline_timeout_s=timeout_s).run()
         reopened = bootstrap.open_store(settings)
@@ -43,7 +45,7 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
     svc = RunService(store)
     while True:
         run = svc.get(run_id)
-        if run.state not in RUN_LIVE:
+        if run.state in RUN_TERMINAL:      # not "not live": a cluster Run may be ``dispatching``
             return run
         if deadline is not None and time.monotonic() >= deadline:
             raise UnavailableError(f"run {run_id} still {run.state} after {timeout_s:g} s; it keeps running "

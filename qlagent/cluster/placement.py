@@ -13,10 +13,8 @@ from __future__ import annotations
 import msgspec
 
 from ..core import limits as L
-from ..core.cluster import WorkerSnapshot
+from ..core.cluster import EXECUTOR_LABEL, WorkerSnapshot
 from ..core.errors import ValidationError
-
-EXECUTOR_LABEL = "executor"
 
 
 class Placement(msgspec.Struct, frozen=True):

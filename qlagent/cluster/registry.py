@@ -49,6 +49,9 @@ def check_generation(field: str, value) -> int:
     return value
 
 
+MAX_LIST = 256                 # Workers per page of ``WorkerRegistry.list``
+
+
 class Timings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Seconds: Session lifetime without a heartbeat, running-Lease lifetime without one."""
 
@@ -141,6 +144,14 @@ class WorkerRegistry:
     def remove(self, name: str) -> str:
         """Remove the Worker: Sessions closed, Leases fenced, name freed. Returns the Worker ID."""
         return self._store.set_state(name, "removed")
+
+    def list(self, limit: int = 64, after: str | None = None) -> list[dict]:
+        """One page of live Workers in name order after ``after``: name, worker_id, state
+        (online/draining/offline), generation, session_id, last_heartbeat_us (µs), slots,
+        free_slots. ``limit`` 1..256 (ValidationError otherwise)."""
+        if not 1 <= limit <= MAX_LIST:
+            raise ValidationError("limit", f"{limit} outside 1..{MAX_LIST}", limit=MAX_LIST)
+        return self._store.workers(limit, after)
 
     def expire_sessions(self, limit: int) -> int:
         """Mark up to ``limit`` (1..64) Sessions past their expiry offline."""

@@ -19,6 +19,7 @@ from .states import backoff_ms, retryable
 
 # Worker executor types a Worker may offer and an ExecutionSpec may need.
 WORKER_EXECUTORS = ("local_process",)
+EXECUTOR_LABEL = "executor"      # the Placement label naming the executor a Worker must offer
 
 
 class ClusterCandidate(msgspec.Struct, frozen=True):

@@ -16,7 +16,8 @@ import msgspec
 from . import limits as L
 from .canonical import content_digest, recipe_ref
 from .errors import ValidationError, from_msgspec
-from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, RetryPolicy,
+from .cluster import EXECUTOR_LABEL, WORKER_EXECUTORS
+from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, PlacementSpec, RetryPolicy,
                      TaskDefinition)
 from .schedule import ScheduleError, parse_schedules, validate_timezone
 
@@ -59,6 +60,15 @@ class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     description: str = ""
     catch_up: str = "latest"
     catch_up_within_s: float | None = None
+    placement: PlacementInput | None = None
+    executor: str | None = None
+
+
+class PlacementInput(msgspec.Struct, forbid_unknown_fields=True):
+    """``placement = { required = { k = "v" }, preferred = { k = "v" } }``."""
+
+    required: dict[str, str] = msgspec.field(default_factory=dict)
+    preferred: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class TaskFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -272,6 +282,39 @@ def _network(prefix: str, value: str) -> NetworkRequirement:
     raise ValidationError(f"{prefix}network", "expected 'none', 'default_route' or 'interface:NAME' (1..15 chars)")
 
 
+EXECUTORS = ("local_process", "remote_worker")     # a Task's ``executor`` (the Attempt's executor type)
+
+
+def _placement(p: str, placement: PlacementInput | None) -> PlacementSpec | None:
+    """The validated Placement (≤ 32 labels per table, names/values ≤ 128 bytes, no NUL;
+    ``required.executor`` one a Worker offers); None when both tables are empty, so a Task
+    without one keeps its contentDigest."""
+    if placement is None or not (placement.required or placement.preferred):
+        return None
+    for table in ("required", "preferred"):
+        labels = getattr(placement, table)
+        if len(labels) > L.MAX_LABELS:
+            raise ValidationError(f"{p}placement.{table}", f"{len(labels)} labels", limit=L.MAX_LABELS)
+        for k, v in labels.items():
+            if not k or _utf8_len(k) > L.MAX_LABEL_BYTES or _utf8_len(v) > L.MAX_LABEL_BYTES or "\x00" in k + v:
+                raise ValidationError(f"{p}placement.{table}.{k}", "label name empty, too long or contains NUL",
+                                      limit=L.MAX_LABEL_BYTES)
+    wanted = placement.required.get(EXECUTOR_LABEL)
+    if wanted is not None and wanted not in WORKER_EXECUTORS:
+        raise ValidationError(f"{p}placement.required.{EXECUTOR_LABEL}",
+                              f"{wanted!r} is not one of {', '.join(WORKER_EXECUTORS)}")
+    return PlacementSpec(required=dict(sorted(placement.required.items())),
+                         preferred=dict(sorted(placement.preferred.items())))
+
+
+def check_executor(d: TaskDefinition, available: str) -> None:
+    """Refuse a Task whose ``executor`` this authority cannot run (``available``: the local
+    agent runs ``local_process``, the cluster ``remote_worker``): ValidationError(``executor``)."""
+    if d.executor is not None and d.executor != available:
+        where = "the cluster ([cluster])" if d.executor == "remote_worker" else "a local agent (no [cluster])"
+        raise ValidationError("executor", f"{d.executor!r} runs only on {where}; this authority runs {available!r}")
+
+
 def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
     """Validate one TaskInput and compute its contentDigest (canonical JSON, see core.canonical).
 
@@ -316,6 +359,9 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
         if t.catch_up != "latest":
             raise ValidationError(f"{p}catch_up_within_s", 'applies only to catch_up = "latest"')
         within_ms = _ms(f"{p}catch_up_within_s", t.catch_up_within_s, 1, L.MAX_CATCH_UP_WITHIN_S)
+    if t.executor is not None and t.executor not in EXECUTORS:
+        raise ValidationError(f"{p}executor", f"{t.executor!r} is not one of {', '.join(EXECUTORS)}")
+    placement = _placement(p, t.placement)
     execution = prepare_execution(p, t)
     recipe, rref = prepare_recipe(p, t.env, t.secrets)
     definition = TaskDefinition(
@@ -324,7 +370,7 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
         retry=RetryPolicy(max_attempts=t.retry.max_attempts, backoff_ms=backoff_ms),
         labels=dict(sorted(t.labels.items())), network=_network(p, t.network),
         priority=t.priority, execution=execution, recipe_ref=rref,
-        catch_up=t.catch_up, catch_up_within_ms=within_ms,
+        catch_up=t.catch_up, catch_up_within_ms=within_ms, placement=placement, executor=t.executor,
     )
     return PreparedTask(definition=definition, content_digest=definition_digest(definition),
                         recipe=recipe, recipe_ref=rref,

@@ -83,6 +83,15 @@ class ContextRecipe(Base):
     secret_refs: dict[str, str]
 
 
+class PlacementSpec(Base):
+    """A Task's Placement (ADR-0014 §2): Worker labels it ``required`` (all must match) and
+    ``preferred`` (score = how many match). ``required.executor`` names the executor a Worker
+    must offer."""
+
+    required: dict[str, str] = msgspec.field(default_factory=dict)
+    preferred: dict[str, str] = msgspec.field(default_factory=dict)
+
+
 class TaskDefinition(Base, omit_defaults=True):
     """One revision of a Task: everything its contentDigest covers.
 
@@ -107,6 +116,11 @@ class TaskDefinition(Base, omit_defaults=True):
     recipe_ref: str
     catch_up: str = "latest"
     catch_up_within_ms: int | None = None
+    # Cluster fields, also out of the canonical document while unset: where a Worker may run it
+    # and which executor runs its Attempts (None: the authority's own, local_process locally,
+    # remote_worker on the cluster).
+    placement: PlacementSpec | None = None
+    executor: str | None = None
 
 
 class TaskHead(Base):

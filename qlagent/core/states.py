@@ -25,7 +25,11 @@ class RunState:
     CANCELLED = "cancelled"
     LOST = "lost"
 
+    # The cluster authority only: a Lease is offered to a Worker (ADR-0014 §5); never stored locally.
+    DISPATCHING = "dispatching"
+
     ALL = (QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED, TIMED_OUT, CANCELLED, LOST)
+    ALL_CLUSTER = (QUEUED, DISPATCHING, STARTING, RUNNING, SUCCEEDED, FAILED, TIMED_OUT, CANCELLED, LOST)
     LIVE = frozenset({QUEUED, STARTING, RUNNING})
     ACTIVE = frozenset({STARTING, RUNNING})
     TERMINAL = frozenset(ALL) - LIVE
@@ -53,6 +57,7 @@ class AttemptState:
 
 
 RUN_LIVE = RunState.LIVE
+RUN_LIVE_CLUSTER = RunState.LIVE | {RunState.DISPATCHING}
 RUN_ACTIVE = RunState.ACTIVE
 RUN_TERMINAL = RunState.TERMINAL
 ATTEMPT_LIVE = AttemptState.LIVE

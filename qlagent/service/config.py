@@ -56,6 +56,35 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     log_store_bytes: Annotated[int, msgspec.Meta(ge=65_536)] | None = None
 
 
+class DispatcherConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``[cluster.dispatcher]``: ADR-0014 §1 per-cycle budgets. Ceilings (page size 64, pages
+    16, Workers per cycle 64, claim tries 64) are refused at start-up naming the field."""
+
+    recovery_page_size: int = 8
+    recovery_pages: int = 2
+    candidate_page_size: int = 8
+    candidate_pages: int = 2
+    worker_page_size: int = 8
+    worker_pages: int = 2
+    claim_tries: int = 8
+
+
+class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """``[cluster]``: this process acts on the PostgreSQL authority (control-plane replica for
+    ``serve``, the CLI against it). The one table of the cluster's times: Session and Lease
+    lifetimes (s) and the lease sweeper's cadence (s) and batch."""
+
+    database: str                           # libpq URL; several hosts need target_session_attrs=read-write
+    pool_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
+    session_ttl_s: Annotated[int, msgspec.Meta(ge=5, le=3600)] = 30
+    lease_ttl_s: Annotated[int, msgspec.Meta(ge=5, le=3600)] = 30
+    sweep_interval_s: Annotated[float, msgspec.Meta(ge=0.5, le=300)] = 5.0
+    sweep_batch: Annotated[int, msgspec.Meta(ge=1, le=64)] = 32
+    dispatcher: DispatcherConfig = DispatcherConfig()
+    tls_cert: str | None = None             # PEM files; both or neither (HTTPS on the control plane)
+    tls_key: str | None = None
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Every range is a ``msgspec.Meta`` bound, enforced when the file is converted."""
 
@@ -72,6 +101,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     http: HttpConfig | None = None
     retention: RetentionConfig = RetentionConfig()
     worker: WorkerConfig | None = None
+    cluster: ClusterConfig | None = None
 
 
 class Settings(msgspec.Struct, frozen=True):
@@ -134,12 +164,29 @@ def validate(cfg: Config) -> None:
     check_project_name(cfg.project)
     if cfg.http is not None and cfg.http.listen:
         parse_listen(cfg.http.listen)
+    if cfg.worker is not None and cfg.cluster is not None:
+        raise ValidationError("worker", "a fleet Worker is not a control-plane replica: give [worker] or [cluster]")
     if cfg.worker is not None:
         validate_worker(cfg.worker, get_profile(cfg.profile))
     for key in ("state_dir", "artifact_dir", "secret_key_file"):
         v = getattr(cfg, key)
         if v is not None and not os.path.isabs(v):
             raise ValidationError(key, f"{v!r} must be an absolute path")
+    if cfg.cluster is not None:
+        _validate_cluster(cfg.cluster)
+
+
+def _validate_cluster(c: ClusterConfig) -> None:
+    """The ``[cluster]`` rules msgspec bounds cannot state; imports nothing of the cluster."""
+    from .. import bootstrap
+    bootstrap.check_cluster(c)
+    if (c.tls_cert is None) != (c.tls_key is None):
+        raise ValidationError("cluster.tls_key" if c.tls_key is None else "cluster.tls_cert",
+                              "tls_cert and tls_key are set together")
+    for key in ("tls_cert", "tls_key"):
+        v = getattr(c, key)
+        if v is not None and not os.path.isabs(v):
+            raise ValidationError(f"cluster.{key}", f"{v!r} must be an absolute path")
 
 
 def validate_worker(w: WorkerConfig, profile: Profile) -> None:

@@ -1,5 +1,7 @@
 """``qlagent doctor``: trusted paths, schema history, capability, integrity, key file, free
-space, dirs, network. Before ``init`` it reports only what is missing (no ``ok`` line among them)."""
+space, dirs, network. Before ``init`` it reports only what is missing (no ``ok`` line among
+them). With ``[cluster]``: the database's reachability, schema, capability and Secrets, and the
+key file."""
 
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ def run_checks(s: Settings) -> list[dict]:
     untrusted = check_trust(trusted_paths(s))
     for _, text in untrusted:
         add("trust", False, text)
+    if s.config.cluster is not None:      # the authority is the cluster's database, not a file
+        for name, ok, detail in bootstrap.cluster_store_checks(s):
+            add(name, ok, detail)
+        problem = bootstrap.key_file_problem(s.key_file)
+        add("key file", problem is None, problem or f"{s.key_file} (0600, 32 bytes)")
+        return out
     if not os.path.exists(s.db_path):
         add("database", False, f"{s.db_path} does not exist (run `qlagent init`)")
         problem = bootstrap.key_file_problem(s.key_file)

@@ -441,6 +441,10 @@ class _NoNotify:
 
 
 def serve(settings: Settings, args) -> int:
-    """Entry of ``qlagent serve``; returns the process exit code (0 after a clean drain)."""
+    """Entry of ``qlagent serve``; returns the process exit code (0 after a clean drain). With a
+    ``[cluster]`` table this process is a control-plane replica (``service.controlplane``)."""
+    if settings.config.cluster is not None:
+        from .controlplane import serve_cluster
+        return serve_cluster(settings, args)
     return Service(settings, listen=getattr(args, "listen", None),
                    exit_after_s=getattr(args, "exit_after", None)).run()

@@ -50,7 +50,7 @@ def test_four_concurrent_migrators_apply_each_migration_once(fresh_db):
     assert sum(1 for r in results if r) == 1
     with autocommit(fresh_db) as conn:
         assert conn.execute("SELECT count(*) FROM schema_migrations").fetchone()[0] == len(expected)
-        assert check_capabilities(conn) == {"cluster-control-core": 1}
+        assert check_capabilities(conn) == {"cluster-control-core": 1, "store-ports": 1}
         assert migrate(conn) == []                  # a later start finds nothing pending
 
 

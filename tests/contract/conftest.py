@@ -1,30 +1,29 @@
 """The store contract suite: every test here talks to ``core.ports.Store`` only, so any
-authority that implements the ports (today SQLite; the cluster's PostgreSQL next) must pass it
-unchanged.
+authority that implements the ports must pass it unchanged. Registered today: SQLite (a file
+per test) and PostgreSQL (the cluster authority: one migrated database per session on the
+machine's server at 127.0.0.1:5432, every domain table emptied before each test).
 
 Adding an implementation
 ------------------------
-Write one factory and register it in ``STORE_FACTORIES``::
-
-    def postgres_store(tmp_path, clock):
-        dsn = create_database(f"qlagent_contract_{os.getpid()}_{uuid4().hex[:8]}")  # a fresh DB
-        store = PostgresStore(dsn, "default", clock_us=clock)   # migrated, Project "default"
-        return store, lambda: (store.close(), drop_database(dsn))
-
-    STORE_FACTORIES["postgres"] = postgres_store
-
-A factory gets pytest's ``tmp_path`` and ``clock`` (a ``() -> int`` µs callable the test moves
-forward: the store must take every time it decides from it) and returns ``(store, close)``:
-a store acting in a fresh Project ``default`` whose owner is ``local:cli``, and a callable
-that releases everything it created. Every test then runs once per registered factory
-(``-k sqlite`` / ``-k postgres`` selects one).
+Write one factory and register it in ``STORE_FACTORIES``. A factory gets pytest's
+``tmp_path`` and ``clock`` (a ``() -> int`` µs callable the test moves forward: the store must
+take every time it decides from it) and returns ``(store, close)``: a store acting in a fresh
+Project ``default`` whose owner is ``local:cli``, and a callable that releases everything it
+created. Every test then runs once per registered factory (``-k sqlite`` / ``-k postgres``
+selects one).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+
 import pytest
 
 from qlagent.adapters.sqlite.store import SqliteStore
+
+PG_ADMIN_URL = os.environ.get("QLAGENT_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 class Clock:
@@ -46,7 +45,64 @@ def sqlite_store(tmp_path, clock):
     return store, store.close
 
 
-STORE_FACTORIES = {"sqlite": sqlite_store}
+class _PgDatabase:
+    """One database for the session (named after the branch and the PID), created and migrated
+    on first use, dropped at the end; each test starts from empty domain tables."""
+
+    name: str | None = None
+    url: str | None = None
+    pool = None
+
+    @classmethod
+    def fresh(cls) -> str:
+        import psycopg
+        if cls.url is None:
+            branch = subprocess.run(["git", "rev-parse", "--abbrev-ref", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__), timeout=10).stdout.strip().lower()
+            cls.name = f"qlt_contract_{re.sub(r'[^a-z0-9]', '_', branch) or 'qlagent'}_{os.getpid()}"[:63]
+            try:
+                admin = psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5)
+            except psycopg.OperationalError as e:
+                pytest.fail(f"PostgreSQL at {PG_ADMIN_URL} is unreachable ({str(e).splitlines()[0]}); "
+                            "./tests/run installs and starts it", pytrace=False)
+            with admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{cls.name}" WITH (FORCE)')
+                admin.execute(f'CREATE DATABASE "{cls.name}"')
+            cls.url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + cls.name
+            from qlagent.adapters.postgres.connection import autocommit
+            from qlagent.adapters.postgres.migrations import migrate
+            with autocommit(cls.url) as conn:
+                migrate(conn)
+        with psycopg.connect(cls.url, autocommit=True) as conn:
+            tables = [r[0] for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'public' "
+                "AND tablename NOT IN ('schema_migrations', 'capabilities')")]
+            conn.execute("TRUNCATE " + ", ".join(tables) + " CASCADE")
+        return cls.url
+
+    @classmethod
+    def drop(cls) -> None:
+        if cls.name is None:
+            return
+        import psycopg
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{cls.name}" WITH (FORCE)')
+        cls.name = cls.url = None
+
+
+def postgres_store(tmp_path, clock):
+    from qlagent.adapters.postgres.store import PgStore
+    store = PgStore(_PgDatabase.fresh(), "default", clock_us=clock, pool_size=2)
+    return store, store.close
+
+
+STORE_FACTORIES = {"sqlite": sqlite_store, "postgres": postgres_store}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _drop_pg_database():
+    yield
+    _PgDatabase.drop()
 
 
 @pytest.fixture

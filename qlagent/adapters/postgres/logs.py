@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...core.cluster import LeaseFence
 from ...core.errors import ConflictError
+from ...core.receipt import TruncationFact
 from .connection import transaction
 from .transitions import fenced_lease, now_us
 
@@ -64,3 +65,25 @@ class PgLogStore:
         out = b"".join(bytes(r["data"]) for r in rows)
         start = offset - rows[0]["offset_bytes"] if rows else 0
         return out[start:start + limit]
+
+    def read_range(self, run_id: str, offset: int, limit: int) -> tuple[bytes, int, TruncationFact | None]:
+        """``run logs`` of a Worker-run Attempt from the authority (any replica): (up to ``limit``
+        bytes at ``offset`` of the Run's latest Attempt's uploaded log, the log's size in bytes,
+        its truncation fact or None), in one snapshot."""
+        def tx(cur):
+            a = cur.execute("SELECT a.attempt_id, f.quota_bytes, f.bytes_kept, f.bytes_dropped,"
+                            " (SELECT coalesce(max(c.offset_bytes + length(c.data)), 0) FROM log_chunks c"
+                            "  WHERE c.attempt_id = a.attempt_id) AS size FROM attempts a"
+                            " LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id"
+                            " WHERE a.run_id = %s ORDER BY a.attempt_no DESC LIMIT 1", (run_id,)).fetchone()
+            if a is None:
+                return b"", 0, None
+            rows = cur.execute("SELECT offset_bytes, data FROM log_chunks WHERE attempt_id = %s"
+                               " AND offset_bytes + length(data) > %s AND offset_bytes < %s ORDER BY offset_bytes",
+                               (a["attempt_id"], offset, offset + limit)).fetchall()
+            out = b"".join(bytes(r["data"]) for r in rows)
+            start = offset - rows[0]["offset_bytes"] if rows else 0
+            fact = None if a["quota_bytes"] is None else TruncationFact(a["quota_bytes"], a["bytes_kept"],
+                                                                         a["bytes_dropped"])
+            return out[start:start + limit], a["size"], fact
+        return transaction(self._pool, tx)

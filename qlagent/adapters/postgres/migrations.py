@@ -21,7 +21,7 @@ from ...core.errors import StoreIntegrityError, UnavailableError
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 # First 8 bytes of sha256("qlagent:cluster:migrations") as a signed bigint: one fixed lock key.
 MIGRATION_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:cluster:migrations")[:16]), "big", signed=True)
-REQUIRED_CAPABILITIES = {"cluster-control-core": 1}
+REQUIRED_CAPABILITIES = {"cluster-control-core": 1, "store-ports": 1}
 
 
 class Migration(msgspec.Struct, frozen=True):

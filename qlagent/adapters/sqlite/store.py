@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from ...core import states
 from ...core.clock import now_us as wall_us
-from ...core.definitions import PreparedTask
+from ...core.definitions import PreparedTask, check_executor
 from ...core.dispatch import Candidate, Finish, LiveAttempt, Plan
 from ...core.errors import NotFoundError, QlError, UnavailableError
 from ...core.models import (
@@ -43,6 +43,7 @@ from .authority import BUSY_TIMEOUT_MS, SqliteAuthority
 T = TypeVar("T")
 DEFAULT_TIMEOUT_MS = 3_600_000      # timing() of a revision that is gone (recovery only)
 DEFAULT_GRACE_MS = 5_000
+EXECUTOR = "local_process"          # the only executor of the local authority's Attempts
 
 
 class _Rollback(Exception):
@@ -68,10 +69,12 @@ class _Batch:
         return defs.list_heads(self._c, project_id)
 
     def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, EXECUTOR)
         return defs.add_task(self._c, project_id, prepared, self._now)
 
     def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
                   prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, EXECUTOR)
         return defs.edit_task(self._c, project_id, name_or_id, expected_revision, expected_digest, prepared,
                               self._now)
 
@@ -173,10 +176,13 @@ class SqliteStore:
 
     # ---- DefinitionStore -----------------------------------------------------------------------
     def add_tasks(self, project_id: str, prepared: list[PreparedTask]) -> list[TaskHead]:
+        for p in prepared:
+            check_executor(p.definition, EXECUTOR)
         return self.write(lambda c: [defs.add_task(c, project_id, p, self._now()) for p in prepared])
 
     def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
                   prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, EXECUTOR)
         return self.write(lambda c: defs.edit_task(c, project_id, name_or_id, expected_revision, expected_digest,
                                                    prepared, self._now()))
 

@@ -1,0 +1,184 @@
+"""``qlagent serve`` with a ``[cluster]`` table: one control-plane replica (issue 10 "Shape").
+
+Several replicas run side by side on one PostgreSQL authority with no leader of their own;
+every state change is a transaction there. One selectors loop, idle when idle, wakes for: an
+HTTP request, the scheduler's next due instant, the lease sweeper's cadence
+(``[cluster] sweep_interval_s``; the same pass reports queued Runs no enrolled Worker can
+match), the definition reload (other replicas and CLIs change Tasks
+without poking this process), or a signal. It runs no local engine: Runs are executed by
+Workers that Pull them.
+
+Start-up: migrations under the advisory lock (``PgStore``), capability check (readiness), the
+cluster services (``bootstrap.ClusterServices``), the HTTP surface with the existing routes on
+PostgreSQL plus the route modules of ``CLUSTER_ROUTE_MODULES``. SIGTERM/SIGINT: stop accepting,
+finish requests in progress, exit 0. SIGHUP: re-read the Task heads at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import selectors
+import signal
+import socket
+import time
+
+from .. import bootstrap
+from ..application.schedules import system_timezone
+from ..core.clock import now_us
+from ..core.errors import QlError, UnavailableError
+from .config import Settings, parse_listen
+from .journal import Journal
+from .notify import Notifier
+from .scheduler import Scheduler
+
+# Modules whose ``mount(router, services)`` adds routes to a control plane's HTTP surface
+# (``services``: ``bootstrap.ClusterServices``). The Worker routes register here.
+CLUSTER_ROUTE_MODULES: tuple[str, ...] = ()
+RELOAD_INTERVAL_US = 10_000_000    # re-read Task heads this often (s × 1e6): peers change them silently
+MAX_SWEEPS_PER_WAKE = 4            # sweeper passes after one wake-up while a pass reports a full batch
+
+
+class ControlPlane:
+    """One replica. ``run()`` returns the exit code (0 after SIGTERM, the QlError's otherwise)."""
+
+    def __init__(self, settings: Settings, *, listen: str | None = None, exit_after_s: float | None = None) -> None:
+        self.settings = settings
+        self.cluster = settings.config.cluster
+        self.log = Journal(min_priority="info")
+        self.notify = Notifier()
+        self._listen = listen
+        self._exit_after_s = exit_after_s
+        self.sel = selectors.DefaultSelector()
+        self._stop = self._hup = False
+        self.http = None
+        self.services = None
+        self.store = None
+
+    def run(self) -> int:
+        try:
+            return self._run()
+        except QlError as e:
+            self.log("err", "service.failed", code=e.code, error=str(e))
+            return e.exit_code
+        finally:
+            self._close()
+
+    def _run(self) -> int:
+        started = now_us()
+        self.store = bootstrap.open_store(self.settings)        # migrates under the advisory lock
+        if self.store.applied:
+            self.log("info", "store.migrated", applied=",".join(self.store.applied))
+        self.services = bootstrap.ClusterServices(self.settings, self.store)
+        self.scheduler = Scheduler(self.store, system_timezone(), now_us, self.log)
+        self._install_signals()
+        self._start_http()
+        exit_at = None if self._exit_after_s is None else started + int(self._exit_after_s * 1e6)
+        next_sweep = next_reload = started     # the first iteration loads the Task heads and sweeps
+        self.log("info", "service.ready", role="control-plane", profile=self.settings.profile.name)
+        self.notify.ready("control plane ready")
+        while not self._stop:
+            now = now_us()
+            due = self.scheduler.next_wake_us
+            if self._hup:                  # SIGHUP: re-read the Task heads now
+                self._hup, next_reload = False, now
+            if now >= next_reload:
+                if self._guarded(self.scheduler.reload) is not None:
+                    due = now              # a Task may have been added: plan from the new heads
+                next_reload = now + RELOAD_INTERVAL_US
+            if due is not None and now >= due:
+                self._guarded(self.scheduler.fire_due)
+            if now >= next_sweep:
+                for _ in range(MAX_SWEEPS_PER_WAKE):
+                    result = self._guarded(self.services.sweeper.sweep_once)
+                    if result is None or not result.truncated:
+                        break
+                for _ in range(MAX_SWEEPS_PER_WAKE):
+                    checked = self._guarded(lambda: self.services.placement_report.report(self.cluster.sweep_batch))
+                    if checked is None or checked[0] < self.cluster.sweep_batch:
+                        break
+                next_sweep = now + int(self.cluster.sweep_interval_s * 1e6)
+            if exit_at is not None and now >= exit_at:
+                break
+            wake = [t for t in (self.scheduler.next_wake_us, next_sweep, next_reload, exit_at,
+                                self.http.next_timeout_us(now) if self.http else None,
+                                self.notify.next_ping_us(now)) if t is not None]
+            for key, mask in self.sel.select(max(0.0, (min(wake) - now_us()) / 1e6)):
+                if self.http is not None and self.http.owns(key):
+                    self.http.handle_event(key, mask)
+                elif key.data == "signal":
+                    self._sig_r.recv(64)
+            if self.http is not None:
+                self.http.tick(now_us())
+            self.notify.ping_if_due(now_us())
+        self.notify.stopping()
+        self._drain_http()
+        self.log("info", "service.stopped", role="control-plane")
+        return 0
+
+    def _guarded(self, fn):
+        """One pass of the scheduler or the sweeper; a busy or unreachable authority is logged
+        and the pass retried at the next wake-up (no iteration is half-done: each write is one
+        transaction)."""
+        try:
+            return fn()
+        except UnavailableError as e:
+            self.log("warning", "store.unavailable", code=e.code, error=str(e))
+            return None
+
+    def _install_signals(self) -> None:
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        self._sig_r, self._sig_w = r, w
+        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda n, f: setattr(self, "_stop", True))
+        signal.signal(signal.SIGHUP, lambda n, f: setattr(self, "_hup", True))
+        self.sel.register(r, selectors.EVENT_READ, "signal")
+
+    def _start_http(self) -> None:
+        cfg = self.settings.config.http
+        listen = self._listen or (cfg.listen if cfg else None)
+        if not listen:
+            return
+        from ..http.service import HttpSurface
+        self.http = HttpSurface(self.settings, self.store, on_change=lambda: None)
+        for name in CLUSTER_ROUTE_MODULES:
+            importlib.import_module(name).mount(self.http.router, self.services)
+        host, port = parse_listen(listen, "--listen" if self._listen else "http.listen")
+        try:
+            bound = self.http.listen_tcp(host, port)
+        except OSError as e:
+            name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "error"
+            raise UnavailableError(f"cannot listen on {listen}: {name} ({e.strerror or e})",
+                                   code="listen_failed") from None
+        self.http.register(self.sel)
+        self.log("info", "http.listening", address="%s:%d" % bound[:2])
+
+    def _drain_http(self) -> None:
+        """Stop accepting; finish requests in progress for at most ``drain_grace_s``."""
+        if self.http is None:
+            return
+        self.http.begin_drain()
+        deadline = time.monotonic() + self.settings.config.drain_grace_s
+        while self.http.connections and time.monotonic() < deadline:
+            for key, mask in self.sel.select(0.1):
+                if self.http.owns(key):
+                    self.http.handle_event(key, mask)
+            self.http.tick(now_us())
+
+    def _close(self) -> None:
+        if self.http is not None:
+            self.http.close()
+        if self.services is not None:
+            self.services.close()
+        if self.store is not None:
+            self.store.close()
+        signal.set_wakeup_fd(-1)
+
+
+def serve_cluster(settings: Settings, args) -> int:
+    """Entry of ``qlagent serve`` when the configuration has ``[cluster]``."""
+    return ControlPlane(settings, listen=getattr(args, "listen", None),
+                        exit_after_s=getattr(args, "exit_after", None)).run()

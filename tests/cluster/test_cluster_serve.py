@@ -1,0 +1,474 @@
+"""``qlagent serve`` / the CLI with a ``[cluster]`` table against real PostgreSQL: a control-plane
+replica serves the existing HTTP routes on the cluster authority (ADR-0376 matrix over real
+HTTP, two replicas racing one mutationId), the CLI works through the same ports, bad
+``[cluster]`` values are refused naming the field with nothing written, and a configuration
+without ``[cluster]`` never imports psycopg or ``qlagent.cluster``."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import psycopg
+import pytest
+
+from conftest import create_database, db_url, drop_database
+
+BASE = "/api/v3/projects/default"
+SCHEMA = "qinglong/task-start@v1"
+TASKS = """
+[[task]]
+name = "hello"
+shell = "/bin/sh"
+script = "echo hello"
+
+[[task]]
+name = "racer"
+shell = "/bin/sh"
+script = "echo racer"
+
+[[task]]
+name = "fenced"
+shell = "/bin/sh"
+script = "echo fenced"
+
+[[task]]
+name = "on-mars"
+shell = "/bin/sh"
+script = "echo mars"
+placement = { required = { site = "mars" }, preferred = { arch = "arm64" } }
+
+[[task]]
+name = "in-lab"
+shell = "/bin/sh"
+script = "echo lab"
+executor = "remote_worker"
+placement = { required = { site = "lab" } }
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Env:
+    """A state directory, a config with ``[cluster]`` on the module's database, the CLI."""
+
+    def __init__(self, root: str, url: str, extra: str = "") -> None:
+        self.root, self.url = root, url
+        self.state = os.path.join(root, "state")
+        self.config = os.path.join(root, "qlagent.toml")
+        with open(self.config, "w") as f:
+            pool = "" if "pool_size" in extra else "pool_size = 4\n"
+            f.write(f'[cluster]\ndatabase = "{url}"\n{pool}{extra}')
+        os.chmod(self.config, 0o600)
+
+    def cli(self, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+        return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state,
+                               "--config", self.config, *args], input=stdin, capture_output=True, env=env,
+                              timeout=60)
+
+    def ok(self, *args: str, stdin: bytes | None = None) -> str:
+        p = self.cli(*args, stdin=stdin)
+        assert p.returncode == 0 and b"Traceback" not in p.stderr, (args, p.stdout, p.stderr)
+        return p.stdout.decode()
+
+    def sql(self, query: str, args=()):
+        with psycopg.connect(self.url, autocommit=True) as c:
+            cur = c.execute(query, args)
+            return cur.fetchall() if cur.description else []
+
+
+class Replica:
+    """``qlagent serve --listen`` with ``[cluster]``: a control-plane replica in a subprocess."""
+
+    def __init__(self, env: Env) -> None:
+        self.port = free_port()
+        penv = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state,
+                                      "--config", env.config, "serve", "--listen", f"127.0.0.1:{self.port}"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env=penv)
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._drain, daemon=True).start()
+        with self.cond:
+            assert self.cond.wait_for(lambda: any("service.ready" in ln or ln == "<eof>" for ln in self.lines), 30)
+        assert any("role=control-plane" in ln for ln in self.lines), "".join(self.lines)
+
+    def _drain(self) -> None:
+        for raw in self.proc.stderr:
+            with self.cond:
+                self.lines.append(raw.decode(errors="replace"))
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append("<eof>")
+            self.cond.notify_all()
+
+    def request(self, method: str, path: str, body: bytes | None = None, token: str | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request(method, path, body=body, headers={"Authorization": f"Bearer {token}"} if token else {})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read() or b"null")
+        finally:
+            conn.close()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+def body(head: dict, mutation_id: str | None = None) -> bytes:
+    return json.dumps({"schema": SCHEMA, "mutationId": mutation_id or str(uuid.uuid4()),
+                       "expectedRevision": head["revision"], "expectedContentDigest": head["contentDigest"]}).encode()
+
+
+@pytest.fixture(scope="module")
+def cp(pg_url):
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="qlagent-cp-", dir=base)
+    env = Env(root, pg_url, "sweep_interval_s = 0.5\n")
+    env.ok("init")
+    with open(os.path.join(root, "tasks.toml"), "w") as f:
+        f.write(TASKS)
+    env.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
+    tokens = {s: env.ok("token", "create", "--subject", s, "--role", "operator").strip() for s in ("alice", "rita")}
+    replicas = [Replica(env), Replica(env)]
+    yield env, replicas, tokens
+    for r in replicas:
+        assert r.stop() == 0
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _head(replica, tok, task):
+    status, doc = replica.request("GET", f"{BASE}/tasks/{task}", token=tok)
+    assert status == 200, doc
+    return doc
+
+
+def _runs(env, task):
+    return env.sql("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = %s", (task,))
+
+
+def test_replica_is_ready_and_task_start_is_202_then_200_on_the_other_replica(cp):
+    env, (a, b), tok = cp
+    assert a.request("GET", "/readyz")[0] == 200 and b.request("GET", "/readyz")[0] == 200
+    h = _head(a, tok["alice"], "hello")
+    req = body(h)
+    status, first = a.request("POST", f"{BASE}/tasks/hello/runs", req, tok["alice"])
+    assert (status, first["outcome"], first["state"]) == (202, "accepted", "queued")
+    status, again = b.request("POST", f"{BASE}/tasks/hello/runs", req, tok["alice"])   # another replica
+    assert (status, again["outcome"]) == (200, "existing")
+    assert {k: again[k] for k in ("runId", "attemptId", "eventIds")} == {k: first[k] for k in ("runId", "attemptId",
+                                                                                              "eventIds")}
+    assert env.sql("SELECT a.executor_type, r.requested_by FROM attempts a JOIN runs r USING (run_id) "
+                   "WHERE r.run_id = %s", (first["runId"],)) == [("remote_worker", "alice")]
+    status, run = b.request("GET", f"{BASE}/runs/{first['runId']}", token=tok["alice"])
+    assert status == 200 and run["state"] == "queued"
+
+
+def test_sixteen_concurrent_starts_with_one_mutation_id_across_two_replicas(cp):
+    env, replicas, tok = cp
+    req = body(_head(replicas[0], tok["rita"], "racer"))
+    with ThreadPoolExecutor(16) as ex:
+        answers = list(ex.map(lambda i: replicas[i % 2].request("POST", f"{BASE}/tasks/racer/runs", req, tok["rita"]),
+                              range(16)))
+    assert sorted(s for s, _ in answers) == [200] * 15 + [202]
+    assert len({doc["runId"] for _, doc in answers}) == 1
+    assert len(_runs(env, "racer")) == 1
+
+
+def test_fences_over_http_on_postgresql(cp):
+    env, (a, b), tok = cp
+    h = _head(a, tok["alice"], "fenced")
+    mid = str(uuid.uuid4())
+    assert a.request("POST", f"{BASE}/tasks/fenced/runs", body(h, mid), tok["alice"])[0] == 202
+    other = _head(a, tok["alice"], "hello")
+    status, err = b.request("POST", f"{BASE}/tasks/hello/runs", body(other, mid), tok["alice"])
+    assert (status, err["reason"]) == (409, "mutation_conflict")
+    before = len(_runs(env, "fenced"))
+    with open(os.path.join(env.root, "edit.toml"), "w") as f:
+        f.write('[[task]]\nname = "fenced"\nshell = "/bin/sh"\nscript = "echo edited"\n')
+    env.ok("task", "edit", "fenced", "-f", os.path.join(env.root, "edit.toml"), "--expect-revision",
+           str(h["revision"]), "--expect-digest", h["contentDigest"])
+    status, err = b.request("POST", f"{BASE}/tasks/fenced/runs", body(h), tok["alice"])
+    assert (status, err["code"], err["reason"]) == (409, "task_start_fence_rejected", "definition_changed")
+    env.ok("task", "disable", "fenced")
+    status, err = a.request("POST", f"{BASE}/tasks/fenced/runs", body(_head(a, tok["alice"], "fenced")), tok["alice"])
+    assert (status, err["reason"]) == (409, "task_disabled")
+    env.ok("task", "enable", "fenced")
+    env.ok("role", "set", "alice", "viewer")                                   # authorization revoked
+    status, err = b.request("POST", f"{BASE}/tasks/fenced/runs", body(_head(a, tok["alice"], "fenced")), tok["alice"])
+    assert (status, err["code"]) == (403, "permission_denied"), err
+    env.ok("role", "set", "alice", "operator")
+    status, err = a.request("POST", f"{BASE}/tasks/nope/runs", body(h), tok["alice"])
+    assert (status, err["code"]) == (404, "task_not_found")
+    assert len(_runs(env, "fenced")) == before                               # no refusal wrote a Run
+
+
+def test_execution_revision_missing_corrupt_and_unprovable_over_http(cp):
+    env, (a, b), tok = cp
+    h = _head(a, tok["alice"], "hello")
+    task_id = env.sql("SELECT task_id FROM tasks WHERE name = 'hello' AND deleted_at_us IS NULL")[0][0]
+    before = len(_runs(env, "hello"))
+    env.sql("ALTER TABLE execution_revisions DISABLE TRIGGER execution_revisions_append_only")
+    try:
+        env.sql("CREATE TABLE qlt_saved AS SELECT * FROM execution_revisions WHERE task_id = %s", (task_id,))
+        env.sql("UPDATE execution_revisions SET spec_json = spec_json || ' ' WHERE task_id = %s", (task_id,))
+        status, err = a.request("POST", f"{BASE}/tasks/hello/runs", body(h), tok["alice"])
+        assert (status, err["code"]) == (503, "task_start_unavailable")
+        env.sql("DELETE FROM execution_revisions WHERE task_id = %s", (task_id,))
+        status, err = b.request("POST", f"{BASE}/tasks/hello/runs", body(h), tok["alice"])
+        assert (status, err["reason"]) == (409, "task_not_executable")
+    finally:
+        env.sql("DELETE FROM execution_revisions WHERE task_id = %s", (task_id,))
+        env.sql("INSERT INTO execution_revisions SELECT * FROM qlt_saved")
+        env.sql("DROP TABLE qlt_saved")
+        env.sql("ALTER TABLE execution_revisions ENABLE TRIGGER execution_revisions_append_only")
+    # A transaction that can never be proven consistent (every try a serialization failure):
+    # bounded re-runs, then 503 task_start_unavailable, nothing written.
+    env.sql("CREATE FUNCTION qlt_conflict() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'could not serialize' USING ERRCODE = '40001'; END $$")
+    env.sql("CREATE TRIGGER qlt_conflict BEFORE INSERT ON runs FOR EACH ROW EXECUTE FUNCTION qlt_conflict()")
+    try:
+        status, err = a.request("POST", f"{BASE}/tasks/hello/runs", body(h), tok["alice"])
+    finally:
+        env.sql("DROP TRIGGER qlt_conflict ON runs")
+        env.sql("DROP FUNCTION qlt_conflict()")
+    assert (status, err["code"]) == (503, "task_start_unavailable")
+    assert len(_runs(env, "hello")) == before
+    assert a.request("POST", f"{BASE}/tasks/hello/runs", body(h), tok["alice"])[0] == 202   # and it recovers
+
+
+def test_cli_runs_logs_and_cancel_through_the_ports_on_postgresql(cp):
+    env, (a, _), tok = cp
+    run_id = env.ok("run", "start", "hello").strip()
+    shown = json.loads(env.ok("run", "show", run_id, "--json"))
+    assert shown["state"] == "queued" and [a["executorType"] for a in shown["attempts"]] == ["remote_worker"]
+    assert run_id in env.ok("run", "ls")
+    (attempt_id,) = env.sql("SELECT attempt_id FROM attempts WHERE run_id = %s", (run_id,))[0]
+    for off, data in ((0, b"hello "), (6, b"from a worker\n")):     # what a Worker's upload leaves
+        env.sql("INSERT INTO log_chunks VALUES (%s, %s, %s)", (attempt_id, off, data))
+    assert env.ok("run", "logs", run_id) == "hello from a worker\n"
+    page = json.loads(env.ok("run", "logs", run_id, "--json", "--offset", "6", "--limit", "4"))
+    assert (page["data"], page["size"], page["nextOffset"], page["eof"]) == ("from", 20, 10, False)
+    assert env.ok("run", "cancel", run_id).split() == [run_id, "cancelled"]
+    assert env.sql("SELECT state FROM runs WHERE run_id = %s", (run_id,)) == [("cancelled",)]
+    env.ok("secret", "set", "api-key", stdin=b"s3cr3t\n")
+    (blob,) = env.sql("SELECT ciphertext FROM secrets WHERE name = 'api-key'")[0]
+    assert b"s3cr3t" not in bytes(blob)                                        # ciphertext only
+
+
+@pytest.mark.parametrize("extra, field", [
+    ("[cluster.dispatcher]\ncandidate_pages = 17\n", "cluster.dispatcher.candidate_pages"),
+    ("[cluster.dispatcher]\nclaim_tries = 65\n", "cluster.dispatcher.claim_tries"),
+    ("[cluster.dispatcher]\nworker_page_size = 64\nworker_pages = 2\n", "cluster.dispatcher.worker_pages"),
+    ("pool_size = 65\n", "cluster.pool_size"),
+    ("lease_ttl_s = 4\n", "cluster.lease_ttl_s"),
+    ('tls_cert = "/etc/cert.pem"\n', "cluster.tls_key"),
+])
+def test_bad_cluster_config_is_refused_at_start_up_naming_the_field_and_writes_nothing(tmp_path, extra, field):
+    name = create_database(f"badcfg_{abs(hash(field)) % 10_000}")
+    try:
+        env = Env(str(tmp_path), db_url(name), extra)
+        for args in (("serve",), ("init",)):
+            p = env.cli(*args)
+            lines = p.stderr.decode().strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1 and field in lines[0], (args, p.stderr)
+        assert env.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+    finally:
+        drop_database(name)
+
+
+def test_several_hosts_need_target_session_attrs_read_write(tmp_path):
+    env = Env(str(tmp_path), "postgresql://postgres@127.0.0.1:5432,127.0.0.2:5432/x")
+    p = env.cli("task", "ls")
+    assert p.returncode == 2 and b"cluster.database.target_session_attrs" in p.stderr and b"Traceback" not in p.stderr
+    env = Env(str(tmp_path), "postgresql://postgres@127.0.0.1:5432,127.0.0.1:5432/postgres"
+                             "?target_session_attrs=read-write")
+    assert env.cli("config", "check").returncode == 0
+
+
+def test_without_cluster_nothing_of_the_cluster_is_imported(tmp_path):
+    """A local agent (serve with HTTP, the CLI) in a fresh interpreter loads neither psycopg nor
+    qlagent.cluster nor the PostgreSQL adapter."""
+    state = str(tmp_path / "state")
+    code = f"""
+import sys, threading
+from qlagent.cli.main import main
+assert main(["--state-dir", {state!r}, "init"]) == 0
+assert main(["--state-dir", {state!r}, "task", "ls"]) == 0
+from qlagent.service.config import resolve
+from qlagent.service.main import Service
+s = Service(resolve(None, state_dir={state!r}), listen="127.0.0.1:0", exit_after_s=0.2)
+assert s.run() == 0
+bad = sorted(m for m in sys.modules if m.startswith(("psycopg", "qlagent.cluster", "qlagent.adapters.postgres",
+                                                      "qlagent.service.controlplane")))
+print("LOADED", bad)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=60, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.decode().strip().splitlines()[-1] == "LOADED []"
+
+
+def test_workers_enroll_ls_drain_rm(cp):
+    import hashlib
+
+    from qlagent.adapters.postgres.connection import open_pool
+    from qlagent.adapters.postgres.registry import PgWorkerRegistry
+    from qlagent.cluster.registry import WorkerRegistry
+    env, _, _ = cp
+    out = json.loads(env.ok("workers", "enroll", "edge-1", "--label", "site=lab", "--label", "arch=arm64",
+                            "--slots", "2", "--json"))
+    credential = out["credential"]
+    assert env.sql("SELECT name, credential_digest, labels, slots FROM workers WHERE worker_id = %s",
+                   (out["workerId"],)) == [("edge-1", hashlib.sha256(credential.encode()).hexdigest(),
+                                            {"arch": "arm64", "site": "lab"}, 2)]
+    listed = json.loads(env.ok("workers", "ls", "--json"))["items"]
+    assert [(w["name"], w["state"], w["generation"], w["freeSlots"]) for w in listed] == [("edge-1", "offline", 0, 2)]
+    pool = open_pool(env.url, 1)
+    try:                                                  # the Worker connects: a Session, generation 1
+        WorkerRegistry(PgWorkerRegistry(pool)).open_session(out["workerId"], credential)
+    finally:
+        pool.close()
+    (w,) = json.loads(env.ok("workers", "ls", "--json"))["items"]
+    assert (w["state"], w["generation"], w["sessionId"] is not None, w["lastHeartbeatUs"] is not None) == \
+        ("online", 1, True, True)
+    assert "edge-1" in env.ok("workers", "ls") and credential not in env.ok("workers", "ls")
+    assert env.ok("workers", "drain", "edge-1").split()[-1] == "draining"
+    assert json.loads(env.ok("workers", "ls", "--json"))["items"][0]["state"] == "draining"
+    assert env.cli("workers", "enroll", "edge-1").returncode == 3                   # the live name is taken
+    env.ok("workers", "rm", "edge-1")
+    assert json.loads(env.ok("workers", "ls", "--json"))["items"] == []
+    p = env.cli("workers", "rm", "edge-1")
+    assert p.returncode == 4 and b"edge-1" in p.stderr
+
+
+@pytest.mark.parametrize("args, field", [
+    (("Bad Name",), b"name"),
+    (("w", "--label", "site"), b"--label"),
+    (("w", "--label", "a=1", "--label", "a=2"), b"--label"),
+    (("w", "--slots", "0"), b"slots"),
+    (("w", "--slots", "257"), b"slots"),
+    (("w", "--slots", "two"), b"--slots"),
+    (("w", "--executor", "remote_worker"), b"--executor"),
+    (("w", "--label", "k=" + "v" * 129), b"label.k"),
+])
+def test_bad_workers_enroll_is_one_line_exit_2_and_writes_nothing(cp, args, field):
+    env, _, _ = cp
+    before = env.sql("SELECT count(*) FROM workers")
+    p = env.cli("workers", "enroll", *args)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and field.decode() in lines[0], p.stderr
+    assert env.sql("SELECT count(*) FROM workers") == before
+
+
+def test_workers_need_a_cluster_table(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", str(tmp_path / "s"), "workers", "ls"],
+                       capture_output=True, env=env, timeout=60)
+    assert p.returncode == 2 and b"[cluster]" in p.stderr and not (tmp_path / "s").exists()
+
+
+def test_a_run_no_enrolled_worker_can_match_is_reported_not_left_waiting_silently(cp):
+    import time
+    env, _, _ = cp
+    env.ok("workers", "enroll", "lab-1", "--label", "site=lab")
+    mars, lab = env.ok("run", "start", "on-mars").strip(), env.ok("run", "start", "in-lab").strip()
+    deadline = time.monotonic() + 20                     # the replicas' sweep pass (every 0.5 s) checks it
+    while time.monotonic() < deadline and "run.unplaceable" not in env.ok("run", "show", mars):
+        time.sleep(0.2)
+    shown = json.loads(env.ok("run", "show", mars, "--json"))
+    (ev,) = [e for e in shown["events"] if e["type"] == "run.unplaceable"]
+    assert ev["payload"]["required"] == {"site": "mars", "executor": "local_process"} and shown["state"] == "queued"
+    while time.monotonic() < deadline and env.sql("SELECT placement_checked FROM runs WHERE run_id = %s",
+                                                  (lab,)) != [(True,)]:
+        time.sleep(0.2)
+    assert "run.unplaceable" not in env.ok("run", "show", lab)         # lab-1 can take it
+    env.ok("workers", "rm", "lab-1")
+
+
+def test_placement_and_executor_fields_are_validated_naming_the_field(cp):
+    env, _, _ = cp
+    for body_, field in (('executor = "docker"', "executor"),
+                         ('executor = "local_process"', "executor"),      # the cluster runs remote_worker
+                         ('placement = { required = { executor = "ssh" } }', "placement.required.executor"),
+                         ('placement = { anywhere = { a = "b" } }', "placement"),
+                         ("placement = { preferred = { %s } }" % ", ".join(f'k{i} = "v"' for i in range(33)),
+                          "placement.preferred")):
+        path = os.path.join(env.root, "bad.toml")
+        with open(path, "w") as f:
+            f.write(f'[[task]]\nname = "bad"\nshell = "/bin/sh"\nscript = "true"\n{body_}\n')
+        p = env.cli("task", "add", "-f", path)
+        lines = p.stderr.decode().strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and field in lines[0], (body_, p.stderr)
+    assert "bad" not in env.ok("task", "ls")
+
+
+def test_doctor_checks_the_cluster_database(cp, tmp_path):
+    env, _, _ = cp
+    checks = {c["name"]: c for c in json.loads(env.ok("doctor", "--json"))["checks"]}
+    assert all(checks[n]["ok"] for n in ("database", "schema", "capability", "secrets"))
+    gone = Env(str(tmp_path), "postgresql://postgres@127.0.0.1:1/none")
+    p = gone.cli("doctor")
+    assert p.returncode == 5 and b"FAIL  database" in p.stdout and b"Traceback" not in p.stderr
+
+
+def test_two_replica_processes_fire_each_instant_once_and_sighup_reloads(cp):
+    import time
+    env, replicas, _ = cp
+    path = os.path.join(env.root, "tick.toml")
+    with open(path, "w") as f:        # every second (6 fields, seconds first); added after the replicas started
+        f.write('[[task]]\nname = "tick"\nshell = "/bin/sh"\nscript = "true"\nschedule = "* * * * * *"\n'
+                'concurrency = "parallel"\n')
+    env.ok("task", "add", "-f", path)
+    for r in replicas:
+        r.proc.send_signal(signal.SIGHUP)              # re-read the heads now, not at the 10 s reload
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and len(_runs(env, "tick")) < 3:
+        time.sleep(0.2)
+    env.ok("task", "disable", "tick")
+    per_instant = env.sql("SELECT r.scheduled_for_us, count(*) FROM runs r JOIN tasks t USING (task_id) "
+                          "WHERE t.name = 'tick' GROUP BY 1")
+    assert len(per_instant) >= 3 and all(n == 1 for _, n in per_instant)
+    assert all(r.proc.poll() is None for r in replicas)
+
+
+def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
+    """``--wait`` waits through ``dispatching`` (a Lease offered) and ends with the Worker's
+    outcome; the replica never runs it itself."""
+    import time
+    env, _, _ = cp
+    p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state, "--config", env.config,
+                          "run", "start", "hello", "--wait", "--timeout", "30"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items()
+                                                      if not k.startswith("QLAGENT_")})
+    deadline = time.monotonic() + 15
+    run_id = None
+    while run_id is None and time.monotonic() < deadline:
+        rows = env.sql("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = 'hello' "
+                       "AND r.state = 'queued' AND r.requested_by = 'local:cli' ORDER BY r.created_at_us DESC LIMIT 1")
+        run_id = rows[0][0] if rows else None
+        time.sleep(0.1)
+    env.sql("UPDATE runs SET state = 'dispatching' WHERE run_id = %s", (run_id,))   # what a claim does
+    time.sleep(1.0)
+    assert p.poll() is None                                                       # still waiting
+    env.sql("UPDATE runs SET state = 'succeeded', exit_code = 0 WHERE run_id = %s", (run_id,))   # the Worker's end
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0 and out.decode().split() == [run_id, "succeeded", "exit=0"], err
