@@ -11,8 +11,9 @@ the cancel intents of its Attempts. A Session past its expiry is offline.
 
 from __future__ import annotations
 
+import base64
+import os
 import re
-import secrets
 
 import msgspec
 
@@ -27,6 +28,11 @@ _CREDENTIAL = re.compile(r"^qlw_[A-Za-z0-9_-]{43}$")
 WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MAX_SLOTS = 256
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def new_credential() -> str:
+    """``qlw_`` + 43 URL-safe characters: 256 bits from ``os.urandom`` (docs/worker-protocol.md)."""
+    return CREDENTIAL_PREFIX + base64.urlsafe_b64encode(os.urandom(32)).rstrip(b"=").decode("ascii")
 
 
 def credential_digest(credential: str) -> str:
@@ -116,7 +122,7 @@ class WorkerRegistry:
         labels = check_labels("label", labels or {})
         executors = check_executors("executor", executor_types)
         slots = check_slots("slots", slots)
-        credential = CREDENTIAL_PREFIX + secrets.token_urlsafe(32)
+        credential = new_credential()
         worker_id = self._store.enroll(name, labels, executors, slots, credential_digest(credential))
         return worker_id, credential
 
@@ -136,6 +142,15 @@ class WorkerRegistry:
                                                 check_generation("generation", generation),
                                                 self._t.session_ttl_s * 1_000_000, self._t.lease_ttl_s * 1_000_000)
         return Heartbeat(expires, cancel)
+
+    def credential_owner(self, credential: str) -> str | None:
+        """The live Worker ID this credential was issued to, else None (tells a credential used
+        on another Worker's route, 403 ``worker_mismatch``, from an unknown one, 401)."""
+        try:
+            digest = credential_digest(credential)
+        except WorkerAuthError:
+            return None
+        return self._store.worker_for_credential(digest)
 
     def drain(self, name: str) -> str:
         """No new claims for the Worker; its Leases run on. Returns the Worker ID."""

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import msgspec
 
-from .errors import EXIT_USAGE, QlError
+from .errors import EXIT_USAGE, ConflictError, QlError
 from .models import RetryPolicy
 from .states import backoff_ms, retryable
 
@@ -186,6 +186,16 @@ class WorkerAuthError(QlError):
     exit_code = EXIT_USAGE
 
 
+class ChunkConflict(ConflictError):
+    """A log chunk refused at its offset (``chunk_gap``: beyond the received end;
+    ``chunk_mismatch``: the offset holds other bytes). ``next_offset`` (bytes) is where the
+    Worker resumes its upload."""
+
+    def __init__(self, message: str, *, code: str, next_offset: int) -> None:
+        super().__init__(message, code=code)
+        self.next_offset = next_offset
+
+
 class Ack(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
     """A Worker fact about one leased Attempt (ADR-0109), fenced by Session, generation, lease
     generation and lease token. ``kind``: starting | running | start_failure | completion.
@@ -276,6 +286,13 @@ class Hello(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=T
     labels: dict[str, str] | None = None
     executor_types: tuple[str, ...] | None = None
     slots: int | None = None
+
+
+class HeartbeatRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    """Body of ``POST …/heartbeat``: the Session being renewed and its generation."""
+
+    session_id: str
+    generation: int
 
 
 class Heartbeat(msgspec.Struct, frozen=True, rename="camel"):

@@ -26,6 +26,14 @@ targets accepted (their authority replaces Host); ``100 Continue`` only to HTTP/
 
 The handler is synchronous and runs on the loop thread; it may raise :class:`HttpError` for a
 JSON error answer. Any other exception in it becomes a generic 500 JSON body (the traceback goes to the ``qlagent.http`` logger only, never to the client).
+A handler that must wait (a database call, a long-poll) returns a :class:`Deferred` instead:
+the connection is parked (not read, not expired before the Deferred's own bound) while another
+thread computes the answer, and the loop resumes it when :meth:`Deferred.resolve` wakes it
+through a socketpair; the loop itself never blocks.
+
+TLS (control plane, issue 10 §10): ``listen_tcp(..., tls=...)`` with a ``qlagent.http.tls``
+acceptor wraps each accepted socket and runs the handshake non-blocking in this loop, bounded
+by ``read_timeout_s``; ``ssl`` is imported only there, never on a router.
 """
 
 from __future__ import annotations
@@ -199,6 +207,37 @@ def json_error(status: int, code: str, message: str, headers: list[tuple[str, st
     return Response.json(status, body, headers)
 
 
+class Deferred:
+    """A response another thread supplies later. ``timeout_s``: the longest the connection
+    waits for it (then 503 and the late answer is dropped). :meth:`resolve` may be called from
+    any thread, once (later calls are ignored) with a :class:`Response`, an :class:`HttpError`
+    or any other exception (answered as a generic 500)."""
+
+    __slots__ = ("timeout_s", "_lock", "_result", "_notify")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._result: object = None
+        self._notify: Callable[[Deferred], None] | None = None
+
+    def resolve(self, result: object) -> None:
+        with self._lock:
+            if self._result is not None:
+                return
+            self._result = result
+            notify = self._notify
+        if notify is not None:
+            notify(self)
+
+    def _watch(self, notify: Callable[[Deferred], None]) -> None:
+        with self._lock:
+            self._notify = notify
+            done = self._result is not None
+        if done:
+            notify(self)
+
+
 class HttpError(Exception):
     """Raise from a handler (or a helper it calls) to answer a JSON error: ``status``, stable
     ``code``, ``message`` naming the field and the limit, extra body members (e.g.
@@ -294,20 +333,34 @@ def content_range(offset: int, length: int, size: int) -> str:
 
 # Connection states.
 _HEAD, _BODY, _WRITE, _LINGER = "head", "body", "write", "linger"
+_HANDSHAKE, _DEFER = "handshake", "defer"
 
 
 class _Listener:
-    __slots__ = ("sock", "unix")
+    __slots__ = ("sock", "unix", "tls")
 
-    def __init__(self, sock: socket.socket, unix: bool) -> None:
+    def __init__(self, sock: socket.socket, unix: bool, tls=None) -> None:
         self.sock = sock
         self.unix = unix
+        self.tls = tls
+
+
+class _Waker:
+    """The socketpair through which another thread's :meth:`Deferred.resolve` wakes the loop."""
+
+    __slots__ = ("r", "w", "done")
+
+    def __init__(self) -> None:
+        self.r, self.w = socket.socketpair()
+        self.r.setblocking(False)
+        self.w.setblocking(False)
+        self.done: list[tuple[_Conn, Deferred]] = []
 
 
 class _Conn:
     __slots__ = ("sock", "peer", "buf", "state", "deadline", "in_flight", "served", "request",
                  "body_needed", "out", "file", "copy_file", "close_after", "registered_mask",
-                 "started")
+                 "started", "tls", "deferred")
 
     def __init__(self, sock: socket.socket, peer: str, now: float, first_byte_timeout: float) -> None:
         self.sock = sock
@@ -325,6 +378,8 @@ class _Conn:
         self.copy_file = False  # sendfile refused this file: pread + send instead
         self.close_after = False
         self.registered_mask = 0
+        self.tls = False          # sendfile would bypass TLS: file ranges are copied instead
+        self.deferred: Deferred | None = None
 
 
 class HttpServer:
@@ -338,11 +393,18 @@ class HttpServer:
     Not thread-safe except :meth:`stop`.
     """
 
-    def __init__(self, limits: HttpLimits, handler: Callable[[Request], Response],
-                 probe_paths: frozenset[str] = frozenset()) -> None:
+    def __init__(self, limits: HttpLimits, handler: Callable[[Request], Response | Deferred],
+                 probe_paths: frozenset[str] = frozenset(),
+                 error_response: Callable[[int, str, str, list[tuple[str, str]] | None], Response] | None = None
+                 ) -> None:
         self.limits = limits
         self.handler = handler
         self.probe_paths = probe_paths
+        # The server's own error answers (413, 503, 408 …): ``error_response(status, code,
+        # message, headers)``; default :func:`json_error` (a protocol may fix another shape).
+        self._error = error_response or (lambda status, code, message, headers: json_error(
+            status, code, message, headers))
+        self._waker: _Waker | None = None
         self._listeners: list[_Listener] = []
         self._paused: list[tuple[float, _Listener]] = []
         self._conns: set[_Conn] = set()
@@ -355,8 +417,9 @@ class HttpServer:
         self.ready = threading.Event()
 
     # -- listeners -----------------------------------------------------------------------
-    def listen_tcp(self, host: str, port: int, backlog: int = 16) -> tuple[str, int]:
+    def listen_tcp(self, host: str, port: int, backlog: int = 16, tls=None) -> tuple[str, int]:
         """Listen on ``host:port`` (port 0 picks one); returns the bound (host, port).
+        ``tls``: a ``qlagent.http.tls.TlsAcceptor`` to serve HTTPS only on this listener.
         Raises OSError (e.g. EADDRINUSE) unchanged."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -368,7 +431,7 @@ class HttpServer:
         except BaseException:
             sock.close()
             raise
-        self._add_listener(_Listener(sock, unix=False))
+        self._add_listener(_Listener(sock, unix=False, tls=tls))
         addr = sock.getsockname()
         return addr[0], addr[1]
 
@@ -407,6 +470,8 @@ class HttpServer:
         self._selector = selector
         for lst in self._listeners:
             selector.register(lst.sock, selectors.EVENT_READ, (self, lst))
+        if self._waker is not None:
+            selector.register(self._waker.r, selectors.EVENT_READ, (self, self._waker))
 
     def owns(self, key: selectors.SelectorKey) -> bool:
         """True when ``key`` was registered by this server."""
@@ -418,11 +483,16 @@ class HttpServer:
         if isinstance(target, _Listener):
             self._accept(target)
             return
+        if isinstance(target, _Waker):
+            self._resume()
+            return
         conn: _Conn = target
         if conn not in self._conns:
             return
         try:
-            if mask & selectors.EVENT_READ and conn.state in (_HEAD, _BODY, _LINGER):
+            if conn.state == _HANDSHAKE:
+                self._handshake(conn)
+            elif mask & selectors.EVENT_READ and conn.state in (_HEAD, _BODY, _LINGER):
                 self._on_readable(conn)
             elif mask & selectors.EVENT_WRITE and conn.state == _WRITE:
                 self._flush(conn)
@@ -511,6 +581,11 @@ class HttpServer:
         for conn in list(self._conns):
             self._close(conn)
         self._close_listeners()
+        if self._waker is not None:
+            self._unregister(self._waker.r)
+            self._waker.r.close()
+            self._waker.w.close()
+            self._waker = None
 
     def _close_listeners(self) -> None:
         for lst in self._listeners:
@@ -542,17 +617,29 @@ class HttpServer:
             try:
                 sock.setblocking(False)
                 if len(self._conns) >= self.limits.max_connections and not self._evict_idle():
-                    self._refuse(sock)
+                    if lst.tls is not None:   # a plaintext 503 means nothing to a TLS client
+                        sock.close()
+                    else:
+                        self._refuse(sock)
                     continue
                 if not lst.unix:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if lst.tls is not None:
+                    sock = lst.tls.wrap(sock)
             except OSError:  # the peer reset before we looked at it
                 sock.close()
                 continue
             peer = "unix" if lst.unix else f"{addr[0]}:{addr[1]}"
             conn = _Conn(sock, peer, time.monotonic(), self.limits.read_timeout_s)
             self._conns.add(conn)
-            self._watch(conn, selectors.EVENT_READ)
+            if lst.tls is not None:
+                # The handshake shares the first-byte bound: a silent or slow TLS peer is
+                # closed at its deadline like any other.
+                conn.tls = True
+                conn.state = _HANDSHAKE
+                self._handshake(conn)
+            else:
+                self._watch(conn, selectors.EVENT_READ)
 
     def _evict_idle(self) -> bool:
         silent = slow = None
@@ -577,10 +664,22 @@ class HttpServer:
             return True
         return False
 
+    def _handshake(self, conn: _Conn) -> None:
+        try:
+            want = conn.sock.handshake()
+        except OSError:      # ssl.SSLError included: wrong CA, plaintext, protocol too old
+            self._close(conn)
+            return
+        if want is not None:
+            self._watch(conn, selectors.EVENT_WRITE if want == "write" else selectors.EVENT_READ)
+            return
+        conn.state = _HEAD
+        self._watch(conn, selectors.EVENT_READ)
+
     def _refuse(self, sock: socket.socket) -> None:
-        resp = json_error(503, "too_many_connections",
-                          f"at most {self.limits.max_connections} connections; retry after 1 s",
-                          [("Retry-After", "1")])
+        resp = self._error(503, "too_many_connections",
+                           f"at most {self.limits.max_connections} connections; retry after 1 s",
+                           [("Retry-After", "1")])
         try:
             sock.send(self._head_bytes(resp, len(resp.body), close=True) + resp.body)
             sock.shutdown(socket.SHUT_WR)
@@ -792,6 +891,9 @@ class HttpServer:
     def _dispatch(self, conn: _Conn, req: Request) -> None:
         try:
             resp = self.handler(req)
+            if isinstance(resp, Deferred):
+                self._defer(conn, resp)
+                return
             if not isinstance(resp, Response):
                 raise TypeError(f"handler returned {type(resp).__name__}, not Response")
         except HttpError as exc:
@@ -799,6 +901,59 @@ class HttpServer:
         except Exception:
             log.exception("handler failed for %s %s", req.method, req.path)
             resp = json_error(500, "internal_error", "internal error")
+        self._answer(conn, req, resp)
+
+    def _defer(self, conn: _Conn, d: Deferred) -> None:
+        """Park the connection until ``d`` resolves (or its bound passes)."""
+        if self._waker is None:
+            self._waker = _Waker()
+            if self._selector is not None:
+                self._selector.register(self._waker.r, selectors.EVENT_READ, (self, self._waker))
+        waker = self._waker
+        conn.state = _DEFER
+        conn.deferred = d
+        conn.deadline = time.monotonic() + d.timeout_s
+        if conn.registered_mask:     # a parked socket must not make a level-triggered loop spin
+            self._unregister(conn.sock)
+            conn.registered_mask = 0
+
+        def notify(done: Deferred, conn: _Conn = conn) -> None:
+            waker.done.append((conn, done))       # list.append is atomic under the GIL
+            try:
+                waker.w.send(b"x")
+            except OSError:      # buffer full: the loop is already due to wake
+                pass
+        d._watch(notify)
+
+    def _resume(self) -> None:
+        """Answer every parked connection whose Deferred resolved (loop thread)."""
+        waker = self._waker
+        assert waker is not None
+        try:
+            while waker.r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while waker.done:
+            conn, d = waker.done.pop(0)
+            if conn not in self._conns or conn.deferred is not d or conn.request is None:
+                continue       # closed, or already answered 503 at its bound
+            conn.deferred = None
+            result = d._result
+            if isinstance(result, Response):
+                resp = result
+            elif isinstance(result, HttpError):
+                resp = result.response()
+            else:
+                log.error("deferred handler failed for %s %s: %r", conn.request.method, conn.request.path, result)
+                resp = json_error(500, "internal_error", "internal error")
+            try:
+                self._answer(conn, conn.request, resp)
+                self._advance(conn)  # pipelined requests that waited for this answer
+            except OSError:
+                self._close(conn)
+
+    def _answer(self, conn: _Conn, req: Request, resp: Response) -> None:
         conn.served += 1
         close = (
             req.version == "HTTP/1.0"
@@ -810,7 +965,7 @@ class HttpServer:
 
     def _fail(self, conn: _Conn, status: int, code: str, message: str) -> None:
         headers = [("Retry-After", "1")] if status == 503 else None
-        self._respond(conn, json_error(status, code, message, headers), close=True, head_only=False)
+        self._respond(conn, self._error(status, code, message, headers), close=True, head_only=False)
 
     def _respond(self, conn: _Conn, resp: Response, *, close: bool, head_only: bool) -> None:
         if resp.file is not None:
@@ -837,7 +992,7 @@ class HttpServer:
         conn.file = resp.file if resp.file is not None and resp.file.length > 0 else None
         if resp.file is not None and conn.file is None:
             os.close(resp.file.fd)
-        conn.copy_file = False
+        conn.copy_file = conn.tls
         conn.close_after = close
         conn.state = _WRITE
         conn.deadline = time.monotonic() + self.limits.write_timeout_s
@@ -935,7 +1090,11 @@ class HttpServer:
         self._watch(conn, selectors.EVENT_READ)
 
     def _expire(self, conn: _Conn, now: float) -> None:
-        if conn.state == _HEAD and not conn.started:
+        if conn.state == _DEFER:
+            conn.deferred = None
+            conn.state = _BODY
+            self._fail(conn, 503, "unavailable", "no answer in time; retry later")
+        elif conn.state == _HEAD and not conn.started:
             self._close(conn)
         elif conn.state in (_HEAD, _BODY):
             self._fail(conn, 408, "request_timeout",

@@ -3,7 +3,7 @@ at a quota with a write-once truncation fact, so any replica serves ``run logs``
 
 from __future__ import annotations
 
-from ...core.cluster import LeaseFence
+from ...core.cluster import ChunkConflict, LeaseFence
 from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
 from .connection import transaction
@@ -39,10 +39,12 @@ class PgLogStore:
                 stored = bytes(kept["data"]) if kept else b""
                 if offset + len(data) > end or stored != data[:len(stored)] or (
                         not stored and offset < min(end, quota_bytes)):
-                    raise ConflictError(f"offset {offset} already holds other bytes", code="chunk_mismatch")
+                    raise ChunkConflict(f"offset {offset} already holds other bytes", code="chunk_mismatch",
+                                        next_offset=end)
                 return end, truncated
             if offset > end:
-                raise ConflictError(f"offset {offset} leaves a gap; next expected offset is {end}", code="chunk_gap")
+                raise ChunkConflict(f"offset {offset} leaves a gap; next expected offset is {end}", code="chunk_gap",
+                                    next_offset=end)
             keep = max(0, min(len(data), quota_bytes - offset))
             if keep:
                 cur.execute("INSERT INTO log_chunks(attempt_id, offset_bytes, data) VALUES (%s, %s, %s)",

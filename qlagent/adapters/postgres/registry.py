@@ -40,6 +40,13 @@ class PgWorkerRegistry:
         return Enrolment(row["worker_id"], row["name"], row["labels"], tuple(row["executor_types"]), row["slots"],
                          row["state"])
 
+    def worker_for_credential(self, credential_digest: str) -> str | None:
+        """The live Worker ID holding this credential digest, else None."""
+        row = transaction(self._pool, lambda cur: cur.execute(
+            "SELECT worker_id FROM workers WHERE credential_digest = %s AND state <> 'removed'",
+            (credential_digest,)).fetchone())
+        return None if row is None else row["worker_id"]
+
     def open_session(self, worker_id: str, credential_digest: str, labels: dict[str, str],
                      executor_types: tuple[str, ...], slots: int, ttl_us: int) -> SessionGrant:
         """New Session with generation + 1; every older Session closes and its Leases are fenced."""

@@ -1,0 +1,108 @@
+"""A control-plane replica's Worker routes for tests: the real HttpServer on loopback (a
+thread running its own selectors loop) over the cluster services on the module's PostgreSQL
+database, optionally with TLS. The ``[cluster]`` serve role replaces it with ``qlagent serve``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import threading
+from dataclasses import replace
+
+from qlagent.adapters.postgres.notify import PgCandidateSignal
+from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
+from qlagent.cluster.pull import WorkerPull
+from qlagent.core.profiles import EDGE
+from qlagent.http.routing import Router
+from qlagent.http.server import HttpLimits, HttpServer
+from qlagent.http.worker_routes import DbClock, WorkerRouteLimits, WorkerRoutes, WorkerServices
+
+BASE = "/api/v3/cluster/workers"
+
+
+class ControlPlane:
+    """``ControlPlane(kit, pg_url)`` serving on 127.0.0.1 at ``.port``; ``tls`` = (cert, key)."""
+
+    def __init__(self, kit, pg_url: str, *, tls: tuple[str, str] | None = None,
+                 limits: WorkerRouteLimits = WorkerRouteLimits(), in_flight: int = 64) -> None:
+        self.signal = PgCandidateSignal(pg_url)
+        services = WorkerServices(registry=kit.registry, acks=kit.acks, logs=LogUpload(kit.logs, EDGE),
+                                  pull=WorkerPull(kit.store, kit.store, kit.plans, kit.secrets, signal=self.signal),
+                                  clock=DbClock(kit.store.now_us))
+        self.routes = WorkerRoutes(services, limits)
+        router = Router()
+        self.routes.register(router)
+        http_limits = replace(HttpLimits.standalone(), max_in_flight=in_flight, max_connections=in_flight + 16,
+                              max_body_bytes=MAX_CHUNK_BYTES, read_timeout_s=5.0, idle_timeout_s=60.0,
+                              max_requests_per_connection=100_000)
+        self.server = HttpServer(http_limits, self.routes.handler(router), error_response=self.routes.error_response)
+        acceptor = None
+        if tls is not None:
+            from qlagent.http.tls import TlsAcceptor
+            acceptor = TlsAcceptor(*tls)
+        _, self.port = self.server.listen_tcp("127.0.0.1", 0, backlog=128, tls=acceptor)
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.2}, daemon=True)
+        self._thread.start()
+        self.server.ready.wait(5)
+
+    def close(self) -> None:
+        self.server.stop()
+        self._thread.join(10)
+        self.routes.close()
+        self.signal.close()
+
+
+class Client:
+    """A Worker's view: one keep-alive connection; ``call`` returns (status, headers, body)."""
+
+    def __init__(self, port: int, worker: dict | None = None, ssl_context=None, timeout: float = 40) -> None:
+        if ssl_context is None:
+            self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        else:
+            self.conn = http.client.HTTPSConnection("localhost", port, timeout=timeout, context=ssl_context)
+        self.worker = worker
+
+    def call(self, method: str, path: str, body=None, *, auth: str | None = None, headers: dict | None = None,
+             raw: bytes | None = None, content_type: str = "application/json"):
+        w = self.worker or {}
+        hdrs = {"Content-Type": content_type}
+        if auth is None and w:
+            auth = f"Worker {w['credential']}"
+        if auth:
+            hdrs["Authorization"] = auth
+        hdrs.update(headers or {})
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else b"")
+        self.conn.request(method, path, body=data, headers=hdrs)
+        r = self.conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+
+    def post(self, route: str, body, worker_id: str | None = None, **kw):
+        wid = worker_id or self.worker["worker_id"]
+        status, headers, data = self.call("POST", f"{BASE}/{wid}/{route}", body, **kw)
+        return status, headers, (json.loads(data) if data else None), data
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def make_ca(directory: str, name: str) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for ``localhost``/127.0.0.1 signed by it, made
+    with the openssl CLI at test time: (ca.pem, server cert, server key)."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+    ca_key, ca = os.path.join(directory, f"{name}-ca.key"), os.path.join(directory, f"{name}-ca.pem")
+    key, csr, cert = (os.path.join(directory, f"{name}-server.{ext}") for ext in ("key", "csr", "pem"))
+    ext = os.path.join(directory, f"{name}.ext")
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+        "-subj", f"/CN=qlagent test CA {name}", "-keyout", ca_key, "-out", ca)
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", "/CN=localhost",
+        "-keyout", key, "-out", csr)
+    with open(ext, "w") as f:
+        f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+                "keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n")
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1",
+        "-extfile", ext, "-out", cert)
+    return ca, cert, key
