@@ -397,3 +397,13 @@ def _until(cond, timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < end, "condition not reached"
         time.sleep(0.02)
+
+
+def test_the_local_http_surface_loads_no_tls_pool_or_cluster_module():
+    import subprocess
+    import sys
+    code = ("import sys, qlagent.http.server, qlagent.http.service, qlagent.http.api; "
+            "print([m for m in ('ssl', 'concurrent.futures', 'psycopg', 'qlagent.cluster', "
+            "'qlagent.http.worker_routes', 'qlagent.http.tls') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

@@ -31,14 +31,19 @@ class PgCandidateSignal:
     def _listen(self) -> None:
         while not self._stop:
             try:
-                n = sum(1 for _ in self._conn.notifies(timeout=0.5))
+                # Wake the waiters at each notification as it arrives: the generator itself
+                # runs until its timeout, so counting it first would delay every wake-up.
+                for _ in self._conn.notifies(timeout=0.5):
+                    self._bump()
             except Exception:
                 # The connection broke: wake every waiter so it re-reads (and sees the store error).
-                n, self._stop = 1, True
-            if n:
-                with self._cond:
-                    self._seq += 1
-                    self._cond.notify_all()
+                self._stop = True
+                self._bump()
+
+    def _bump(self) -> None:
+        with self._cond:
+            self._seq += 1
+            self._cond.notify_all()
 
     def seq(self) -> int:
         """The current wake-up number."""

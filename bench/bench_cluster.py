@@ -1,0 +1,254 @@
+"""Cluster control plane benchmark (issue 10 "Bench"): Worker Pull claims through HTTP.
+
+Same run, same PostgreSQL server, same number of connections:
+* baseline: N threads, each with its own connection, loop on one transaction
+  ``SELECT … FOR UPDATE SKIP LOCKED LIMIT 1`` + ``UPDATE runs SET state = 'dispatching'``;
+* HTTP Pull: N pullers (threads of this process, one keep-alive connection each) against one
+  control-plane replica in a child process (``tests/cluster/cpkit.py``: the real HttpServer,
+  the Worker routes and the PostgreSQL adapters), each ``POST …/pull?waitS=0`` a full claim
+  (Session check, pullId lookup, candidate page, plan, atomic claim, offer, secrets).
+The queue is refilled (fresh tables) before every phase; each puller owns enough enrolled
+Workers that a full Session (slots) is replaced by the next one outside the measured window.
+Then pull-to-offer latency with the LISTEN/NOTIFY wake-up (a Pull waiting with ``waitS=10``,
+a Run committed, time until the offer arrives) against the latency of a Pull that finds the Run
+already queued, and the replica's RSS and threads.
+
+Usage: python3 bench/bench_cluster.py [--seconds 3] [--pullers 1,4,16] [--threads 4]
+Needs PostgreSQL at $QLAGENT_TEST_PG (default postgresql://postgres@127.0.0.1:5432/postgres).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "cluster")]
+
+import psutil  # noqa: E402
+
+import pgkit  # noqa: E402  (seeding helpers of the cluster tests)
+from conftest import create_database, db_url, drop_database  # noqa: E402
+from qlagent.adapters.postgres.connection import autocommit, open_pool  # noqa: E402
+from qlagent.adapters.postgres.migrations import migrate  # noqa: E402
+
+BASE = "/api/v3/cluster/workers"
+SLOTS = 256
+_TABLES = ("log_chunks", "run_leases", "worker_sessions", "workers", "truncation_facts", "run_events", "attempts",
+           "runs", "execution_revisions", "context_recipes", "task_revisions", "tasks", "secrets", "projects")
+
+
+def serve(url: str, threads: int) -> None:
+    """Child: one control-plane replica on 127.0.0.1; prints its port, serves until stdin closes."""
+    from cpkit import ControlPlane
+    from qlagent.http.worker_routes import WorkerRouteLimits
+    pool = open_pool(url, threads + 4)
+    plane = ControlPlane(pgkit.Kit(pool), url, limits=WorkerRouteLimits(threads=threads, max_long_polls=64),
+                         in_flight=96)
+    print(plane.port, flush=True)
+    sys.stdin.read()
+    plane.close()
+    pool.close()
+
+
+def reset(kit, runs: int) -> dict:
+    """Empty tables, one Task, ``runs`` queued Runs with claimed remote_worker Attempts."""
+    with kit.pool.connection() as conn:
+        conn.execute("TRUNCATE " + ", ".join(_TABLES) + " CASCADE")
+    kit.project_id = None
+    task = kit.task("bench")
+    with kit.pool.connection() as conn:
+        conn.execute(
+            "WITH g AS (SELECT gen_random_uuid()::text AS run_id, gen_random_uuid()::text AS attempt_id, i,"
+            " ql_now_us() + i AS t FROM generate_series(1, %s) i),"
+            " r AS (INSERT INTO runs(run_id, project_id, task_id, task_revision, task_snapshot_ref, state, priority,"
+            " execution_origin, execution_owner, trigger_type, idempotency_key, requested_by, version, event_sequence,"
+            " latest_attempt_id, latest_attempt_created_at_us, created_at_us, updated_at_us)"
+            " SELECT run_id, %s, %s, 1, %s, 'queued', 0, 'manual', 'runtime', 'task_start',"
+            " 'ql3:task-start:v1:' || run_id, 'bench', 2, 2, attempt_id, t, t, t FROM g RETURNING 1)"
+            " INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, created_at_us)"
+            " SELECT attempt_id, run_id, 1, 'claimed', 'remote_worker', t FROM g",
+            (runs, task["project_id"], task["task_id"], pgkit.snapshot_ref(1, task["digest"])))
+    return task
+
+
+def baseline(url: str, n: int, seconds: float) -> int:
+    """Claims by a bare SKIP LOCKED + UPDATE loop on ``n`` connections in ``seconds``."""
+    import psycopg
+    counts = [0] * n
+    stop = time.monotonic() + seconds
+
+    def loop(i: int) -> None:
+        with psycopg.connect(url) as conn:
+            while time.monotonic() < stop:
+                with conn.transaction():
+                    # The candidate index's own predicate and order (runs_dispatch_candidates).
+                    row = conn.execute("SELECT run_id FROM runs WHERE state = 'queued'"
+                                       " AND cancel_requested_at_us IS NULL AND NOT held"
+                                       " ORDER BY (-priority), created_at_us, latest_attempt_created_at_us,"
+                                       " latest_attempt_id LIMIT 1 FOR UPDATE SKIP LOCKED").fetchone()
+                    if row is None:
+                        return
+                    conn.execute("UPDATE runs SET state = 'dispatching', version = version + 1 WHERE run_id = %s",
+                                 (row[0],))
+                counts[i] += 1
+    _threads(loop, n)
+    return sum(counts)
+
+
+class Puller:
+    """One simulated Worker process: its own Workers (rotated when a Session's slots are full)."""
+
+    def __init__(self, kit, port: int, name: str, workers: int) -> None:
+        self.port = port
+        self.ws = []
+        for j in range(workers):
+            w = kit.worker(f"{name}-{j}", slots=SLOTS)
+            self.ws.append(w)
+        self.i = 0
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.latencies: list[float] = []
+
+    def pull(self, wait_s: int = 0) -> dict:
+        w = self.ws[self.i]
+        body = json.dumps({"sessionId": w["session_id"], "generation": w["generation"],
+                           "pullId": str(uuid.uuid4()), "leaseToken": secrets.token_urlsafe(32)})
+        self.conn.request("POST", f"{BASE}/{w['worker_id']}/pull?waitS={wait_s}", body=body,
+                          headers={"Authorization": f"Worker {w['credential']}", "Content-Type": "application/json"})
+        r = self.conn.getresponse()
+        answer = json.loads(r.read())
+        if r.status != 200:
+            raise RuntimeError(f"pull answered {r.status}: {answer}")
+        return answer
+
+
+def http_claims(kit, port: int, n: int, seconds: float, expected: int) -> tuple[int, dict]:
+    per = max(2, expected // (n * SLOTS) + 2)
+    pullers = [Puller(kit, port, f"p{n}-{i}", per) for i in range(n)]
+    counts, other = [0] * n, {}
+    stop = time.monotonic() + seconds
+
+    def loop(i: int) -> None:
+        p = pullers[i]
+        while time.monotonic() < stop:
+            a = p.pull()
+            if a["status"] == "offered":
+                counts[i] += 1
+            elif a.get("reason") == "no_free_slot" and p.i + 1 < len(p.ws):
+                p.i += 1
+            else:
+                other[a["status"] + ":" + str(a.get("reason"))] = other.get(a["status"] + ":" + str(a.get("reason")),
+                                                                           0) + 1
+                if a["status"] == "idle":
+                    return
+    _threads(loop, n)
+    return sum(counts), other
+
+
+def wake_latency(kit, port: int, rounds: int) -> tuple[list[float], list[float]]:
+    """(pull-to-offer µs with a waiting Pull woken by NOTIFY, µs of a Pull finding a queued Run)."""
+    reset(kit, 0)
+    task = kit.task("wake")
+    p = Puller(kit, port, "wake", 1)
+    woken, direct = [], []
+    for _ in range(rounds):
+        out = {}
+
+        def wait() -> None:
+            out["a"] = p.pull(wait_s=10)
+            out["t"] = time.perf_counter()
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.05)            # the Pull is parked on the signal (an empty queue answers only at 10 s)
+        kit.queue(task)             # commits: the trigger's NOTIFY goes out at commit
+        t0 = time.perf_counter()
+        t.join(15)
+        assert out["a"]["status"] == "offered", out
+        woken.append((out["t"] - t0) * 1e6)
+        kit.queue(task)
+        t0 = time.perf_counter()
+        assert p.pull()["status"] == "offered"
+        direct.append((time.perf_counter() - t0) * 1e6)
+    return woken, direct
+
+
+def _threads(fn, n: int) -> None:
+    ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--pullers", default="1,4,16")
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--wake-rounds", type=int, default=60)
+    ap.add_argument("--serve")
+    args = ap.parse_args()
+    if args.serve:
+        serve(args.serve, args.threads)
+        return
+    name = create_database(f"bench_cluster_{os.getpid()}")
+    url = db_url(name)
+    child = None
+    try:
+        with autocommit(url) as conn:
+            migrate(conn)
+        pool = open_pool(url, 8)
+        kit = pgkit.Kit(pool)
+        child = subprocess.Popen([sys.executable, __file__, "--serve", url, "--threads", str(args.threads)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        port = int(child.stdout.readline())
+        proc = psutil.Process(child.pid)
+        rss_idle = proc.memory_info().rss
+        print(f"replica: pid {child.pid}, {args.threads} route threads, idle RSS {rss_idle / 2**20:.1f} MiB")
+        print(f"{'pullers':>7} | {'baseline claims/s':>17} | {'HTTP Pull claims/s':>18} | {'ratio':>5} | other answers")
+        rss_peak = rss_idle
+        for n in (int(x) for x in args.pullers.split(",")):
+            reset(kit, 20_000)
+            base = baseline(url, n, args.seconds) / args.seconds
+            expected = int(base * args.seconds)
+            reset(kit, max(2_000, expected))
+            claims, other = http_claims(kit, port, n, args.seconds, expected)
+            rate = claims / args.seconds
+            rss_peak = max(rss_peak, proc.memory_info().rss)
+            print(f"{n:>7} | {base:>17,.0f} | {rate:>18,.0f} | {rate / base:>5.2f} | {other or '-'}")
+            sys.stdout.flush()
+        double = kit.one("SELECT count(*) FROM (SELECT attempt_id FROM run_leases GROUP BY attempt_id"
+                         " HAVING count(*) > 1) d")
+        woken, direct = wake_latency(kit, port, args.wake_rounds)
+        print(f"pull-to-offer, waiting Pull woken by NOTIFY: p50 {pct(woken, .5):,.0f} µs, "
+              f"p99 {pct(woken, .99):,.0f} µs ({len(woken)} rounds)")
+        print(f"baseline, Pull finding a queued Run:         p50 {pct(direct, .5):,.0f} µs, "
+              f"p99 {pct(direct, .99):,.0f} µs")
+        rss_peak = max(rss_peak, proc.memory_info().rss)
+        print(f"replica RSS: idle {rss_idle / 2**20:.1f} MiB, peak {rss_peak / 2**20:.1f} MiB, "
+              f"threads {proc.num_threads()}; double claims in the last phase: {double}")
+        print(f"median woken/direct: {statistics.median(woken) / statistics.median(direct):.2f}x")
+        pool.close()
+    finally:
+        if child is not None:
+            child.stdin.close()
+            child.wait(20)
+        drop_database(name)
+
+
+if __name__ == "__main__":
+    main()
