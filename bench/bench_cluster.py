@@ -219,17 +219,21 @@ def main() -> None:
         proc = psutil.Process(child.pid)
         rss_idle = proc.memory_info().rss
         print(f"replica: pid {child.pid}, {args.threads} route threads, idle RSS {rss_idle / 2**20:.1f} MiB")
-        print(f"{'pullers':>7} | {'baseline claims/s':>17} | {'HTTP Pull claims/s':>18} | {'ratio':>5} | other answers")
+        print(f"{'pullers':>7} | {'baseline claims/s':>17} | {'HTTP Pull claims/s':>18} | {'ratio':>5} | "
+              f"{'replica CPU µs/claim':>11} | other answers")
         rss_peak = rss_idle
         for n in (int(x) for x in args.pullers.split(",")):
             reset(kit, 20_000)
             base = baseline(url, n, args.seconds) / args.seconds
             expected = int(base * args.seconds)
             reset(kit, max(2_000, expected))
+            cpu0 = sum(proc.cpu_times()[:2])
             claims, other = http_claims(kit, port, n, args.seconds, expected)
+            cpu = sum(proc.cpu_times()[:2]) - cpu0
             rate = claims / args.seconds
             rss_peak = max(rss_peak, proc.memory_info().rss)
-            print(f"{n:>7} | {base:>17,.0f} | {rate:>18,.0f} | {rate / base:>5.2f} | {other or '-'}")
+            print(f"{n:>7} | {base:>17,.0f} | {rate:>18,.0f} | {rate / base:>5.2f} | "
+                  f"{cpu / max(claims, 1) * 1e6:>11,.0f} | {other or '-'}")
             sys.stdout.flush()
         double = kit.one("SELECT count(*) FROM (SELECT attempt_id FROM run_leases GROUP BY attempt_id"
                          " HAVING count(*) > 1) d")

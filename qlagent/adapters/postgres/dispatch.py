@@ -123,6 +123,11 @@ class PgDispatchStore:
                 return ClaimOutcome("worker_unavailable", "session_not_current")
             if s["used"] >= s["slots"]:
                 return ClaimOutcome("worker_unavailable", "no_free_slot")
+            # A Run another claimer holds is lost to it: stop this candidate at once rather than
+            # wait for that commit only to fail the version check after it.
+            if cur.execute("SELECT 1 FROM runs WHERE run_id = %s FOR NO KEY UPDATE SKIP LOCKED",
+                           (c.run_id,)).fetchone() is None:
+                return ClaimOutcome("attempt_unavailable", "run_locked")
             run = cur.execute("UPDATE runs SET state = 'dispatching', version = version + 1, updated_at_us = %s"
                               " WHERE run_id = %s AND version = %s AND state = 'queued'"
                               " AND cancel_requested_at_us IS NULL AND latest_attempt_id = %s RETURNING run_id",
