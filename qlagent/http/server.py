@@ -675,6 +675,9 @@ class HttpServer:
             return
         conn.state = _HEAD
         self._watch(conn, selectors.EVENT_READ)
+        # Request bytes that arrived with the handshake may already sit decrypted in the TLS
+        # object, where the selector cannot see them.
+        self._on_readable(conn)
 
     def _refuse(self, sock: socket.socket) -> None:
         resp = self._error(503, "too_many_connections",

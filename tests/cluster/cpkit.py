@@ -27,7 +27,8 @@ class ControlPlane:
     """``ControlPlane(kit, pg_url)`` serving on 127.0.0.1 at ``.port``; ``tls`` = (cert, key)."""
 
     def __init__(self, kit, pg_url: str, *, tls: tuple[str, str] | None = None,
-                 limits: WorkerRouteLimits = WorkerRouteLimits(), in_flight: int = 64) -> None:
+                 limits: WorkerRouteLimits = WorkerRouteLimits(), in_flight: int = 64,
+                 read_timeout_s: float = 5.0) -> None:
         self.signal = PgCandidateSignal(pg_url)
         services = WorkerServices(registry=kit.registry, acks=kit.acks, logs=LogUpload(kit.logs, EDGE),
                                   pull=WorkerPull(kit.store, kit.store, kit.plans, kit.secrets, signal=self.signal),
@@ -36,7 +37,7 @@ class ControlPlane:
         router = Router()
         self.routes.register(router)
         http_limits = replace(HttpLimits.standalone(), max_in_flight=in_flight, max_connections=in_flight + 16,
-                              max_body_bytes=MAX_CHUNK_BYTES, read_timeout_s=5.0, idle_timeout_s=60.0,
+                              max_body_bytes=MAX_CHUNK_BYTES, read_timeout_s=read_timeout_s, idle_timeout_s=60.0,
                               max_requests_per_connection=100_000)
         self.server = HttpServer(http_limits, self.routes.handler(router), error_response=self.routes.error_response)
         acceptor = None

@@ -381,6 +381,9 @@ def test_tls_client_pinned_to_the_right_ca_succeeds_and_another_ca_fails(kit, pg
         assert grant["generation"] == 1
         st, _, hb, _ = c.post("heartbeat", {"sessionId": grant["sessionId"], "generation": 1})
         assert st == 200 and c.conn.sock.version() in ("TLSv1.2", "TLSv1.3")
+        offer = offered(kit, c)                 # a full-size chunk spans many TLS records
+        assert put_log(c, offer, 0, b"t" * MAX_CHUNK_BYTES)[::2] == (200, {"nextOffset": MAX_CHUNK_BYTES,
+                                                                         "truncated": False})
         old = ssl.create_default_context(cafile=ca)
         with warnings.catch_warnings():       # TLS 1.1 is deprecated: the point is that it is refused
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -388,6 +391,25 @@ def test_tls_client_pinned_to_the_right_ca_succeeds_and_another_ca_fails(kit, pg
             old.minimum_version = ssl.TLSVersion.MINIMUM_SUPPORTED
         with pytest.raises(ssl.SSLError):
             Client(plane.port, w, ssl_context=old).post("heartbeat", {})
+    finally:
+        plane.close()
+
+
+def test_a_stalled_tls_handshake_is_closed_at_its_bound_and_blocks_nobody(kit, pg_url, tmp_path):
+    import socket
+    ca, cert, key = make_ca(str(tmp_path), "hs")
+    plane = ControlPlane(kit, pg_url, tls=(cert, key), read_timeout_s=1.0)
+    try:
+        silent = socket.create_connection(("127.0.0.1", plane.port), timeout=10)
+        half = socket.create_connection(("127.0.0.1", plane.port), timeout=10)
+        half.sendall(b"\x16\x03\x01\x00\xff")      # the start of a ClientHello, then nothing
+        c = Client(plane.port, enrolled(kit), ssl_context=ssl.create_default_context(cafile=ca))
+        assert session(c)["generation"] == 1               # served while two handshakes stall
+        t0 = time.monotonic()
+        assert silent.recv(1) == b"" and half.recv(1) == b""  # closed by the server ...
+        assert time.monotonic() - t0 < 8                   # ... at its bound, not at the client's timeout
+        silent.close()
+        half.close()
     finally:
         plane.close()
 
