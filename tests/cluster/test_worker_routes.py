@@ -361,6 +361,21 @@ def test_long_polls_beyond_the_bound_are_503_with_retry_after(kit, pg_url):
         plane.close()
 
 
+def test_an_unreachable_authority_is_503_cluster_unavailable_with_retry_after(kit, pg_url):
+    from pgkit import Kit
+    from qlagent.adapters.postgres.connection import open_pool
+    own = open_pool(pg_url, 2)
+    plane = ControlPlane(Kit(own), pg_url)
+    try:
+        c = Client(plane.port, enrolled(kit))
+        session(c)
+        own.close()                     # the replica loses its database
+        st, h, body, _ = c.post("heartbeat", {"sessionId": c.worker["session_id"], "generation": 1})
+        assert (st, body["error"], h["retry-after"]) == (503, "cluster_unavailable", "1")
+    finally:
+        plane.close()
+
+
 # -- TLS -------------------------------------------------------------------------------------------
 def test_tls_client_pinned_to_the_right_ca_succeeds_and_another_ca_fails(kit, pg_url, tmp_path):
     ca, cert, key = make_ca(str(tmp_path), "right")
