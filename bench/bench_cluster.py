@@ -13,7 +13,7 @@ Then pull-to-offer latency with the LISTEN/NOTIFY wake-up (a Pull waiting with `
 a Run committed, time until the offer arrives) against the latency of a Pull that finds the Run
 already queued, and the replica's RSS and threads.
 
-Usage: python3 bench/bench_cluster.py [--seconds 3] [--pullers 1,4,16] [--threads 4]
+Usage: python3 bench/bench_cluster.py [--seconds 3] [--pullers 1,4,16] [--threads 4] [--replicas 1]
 Needs PostgreSQL at $QLAGENT_TEST_PG (default postgresql://postgres@127.0.0.1:5432/postgres).
 """
 
@@ -131,9 +131,9 @@ class Puller:
         return answer
 
 
-def http_claims(kit, port: int, n: int, seconds: float, expected: int) -> tuple[int, dict]:
+def http_claims(kit, ports: list[int], n: int, seconds: float, expected: int) -> tuple[int, dict]:
     per = max(2, expected // (n * SLOTS) + 2)
-    pullers = [Puller(kit, port, f"p{n}-{i}", per) for i in range(n)]
+    pullers = [Puller(kit, ports[i % len(ports)], f"p{n}-{i}", per) for i in range(n)]
     counts, other = [0] * n, {}
     stop = time.monotonic() + seconds
 
@@ -200,6 +200,7 @@ def main() -> None:
     ap.add_argument("--pullers", default="1,4,16")
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--wake-rounds", type=int, default=60)
+    ap.add_argument("--replicas", type=int, default=1, help="control-plane replicas; pullers spread over them")
     ap.add_argument("--serve")
     args = ap.parse_args()
     if args.serve:
@@ -207,18 +208,21 @@ def main() -> None:
         return
     name = create_database(f"bench_cluster_{os.getpid()}")
     url = db_url(name)
-    child = None
+    children = []
     try:
         with autocommit(url) as conn:
             migrate(conn)
         pool = open_pool(url, 8)
         kit = pgkit.Kit(pool)
-        child = subprocess.Popen([sys.executable, __file__, "--serve", url, "--threads", str(args.threads)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        port = int(child.stdout.readline())
-        proc = psutil.Process(child.pid)
+        for _ in range(args.replicas):
+            children.append(subprocess.Popen([sys.executable, __file__, "--serve", url, "--threads",
+                                              str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                             text=True))
+        ports = [int(child.stdout.readline()) for child in children]
+        procs = [psutil.Process(child.pid) for child in children]
+        proc, port = procs[0], ports[0]
         rss_idle = proc.memory_info().rss
-        print(f"replica: pid {child.pid}, {args.threads} route threads, idle RSS {rss_idle / 2**20:.1f} MiB")
+        print(f"{args.replicas} replica(s), {args.threads} route threads each; idle RSS {rss_idle / 2**20:.1f} MiB")
         print(f"{'pullers':>7} | {'baseline claims/s':>17} | {'HTTP Pull claims/s':>18} | {'ratio':>5} | "
               f"{'replica CPU µs/claim':>11} | other answers")
         rss_peak = rss_idle
@@ -227,9 +231,9 @@ def main() -> None:
             base = baseline(url, n, args.seconds) / args.seconds
             expected = int(base * args.seconds)
             reset(kit, max(2_000, expected))
-            cpu0 = sum(proc.cpu_times()[:2])
-            claims, other = http_claims(kit, port, n, args.seconds, expected)
-            cpu = sum(proc.cpu_times()[:2]) - cpu0
+            cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
+            claims, other = http_claims(kit, ports, n, args.seconds, expected)
+            cpu = sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0
             rate = claims / args.seconds
             rss_peak = max(rss_peak, proc.memory_info().rss)
             print(f"{n:>7} | {base:>17,.0f} | {rate:>18,.0f} | {rate / base:>5.2f} | "
@@ -248,7 +252,7 @@ def main() -> None:
         print(f"median woken/direct: {statistics.median(woken) / statistics.median(direct):.2f}x")
         pool.close()
     finally:
-        if child is not None:
+        for child in children:
             child.stdin.close()
             child.wait(20)
         drop_database(name)
