@@ -97,6 +97,26 @@ def transaction(pool, fn: Callable):
     raise UnavailableError("cluster database: transaction kept conflicting; retry later")
 
 
+def read(pool, fn: Callable):
+    """Run the read-only ``fn(cursor)`` (a dict-row cursor) without BEGIN/COMMIT and return its
+    result. At READ COMMITTED every statement takes its own snapshot whether or not it is in a
+    transaction block, so a read gains nothing from one but two round trips. ``fn`` must not
+    write or lock rows. OperationalError → UnavailableError; a QlError propagates unchanged.
+    """
+    import psycopg
+    from psycopg.rows import dict_row
+    try:
+        with pool.connection() as conn:
+            conn.autocommit = True
+            try:
+                with conn.cursor(row_factory=dict_row) as cur:
+                    return fn(cur)
+            finally:
+                conn.autocommit = False     # the pool's next user expects a transaction per unit
+    except psycopg.OperationalError as e:
+        raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}") from None
+
+
 @contextmanager
 def autocommit(url: str):
     """A short-lived autocommit connection (migrations, administration)."""

@@ -16,7 +16,7 @@ import json
 from ...core.cluster import ClaimOutcome, ClusterCandidate, DispatchPlan, Lease, Page, Recovery, WorkerSnapshot
 from ...core.errors import ConflictError
 from ...core.profiles import Profile
-from .connection import transaction
+from .connection import read, transaction
 from .transitions import authenticate, event
 
 _CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,
@@ -55,7 +55,7 @@ class PgDispatchStore:
         self._pool = pool
 
     def now_us(self) -> int:
-        return transaction(self._pool, lambda cur: cur.execute("SELECT ql_now_us() AS now").fetchone()["now"])
+        return read(self._pool, lambda cur: cur.execute("SELECT ql_now_us() AS now").fetchone()["now"])
 
     def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
         sql = (f"SELECT {_CANDIDATE_COLS} FROM runs r JOIN attempts a ON a.attempt_id = r.latest_attempt_id"
@@ -67,7 +67,7 @@ class PgDispatchStore:
             sql += f" AND ({_KEY}) > (%s, %s, %s, %s)"
             args += list(after)
         sql += f" ORDER BY {_KEY} LIMIT %s"
-        rows = transaction(self._pool, lambda cur: cur.execute(sql, (*args, limit + 1)).fetchall())
+        rows = read(self._pool, lambda cur: cur.execute(sql, (*args, limit + 1)).fetchall())
         return _page([_candidate(r) for r in rows], limit)
 
     def recovery_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
@@ -84,7 +84,7 @@ class PgDispatchStore:
             sql += " AND l.attempt_id > %(after)s"
             args["after"] = after[0]
         sql += " ORDER BY l.attempt_id LIMIT %(lim)s"
-        rows = transaction(self._pool, lambda cur: cur.execute(sql, args).fetchall())
+        rows = read(self._pool, lambda cur: cur.execute(sql, args).fetchall())
         return _page([Recovery(_candidate(r), lease_of(r)) for r in rows], limit)
 
     def worker_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
@@ -99,7 +99,7 @@ class PgDispatchStore:
             sql += " AND w.worker_id > %(after)s"
             args["after"] = after[0]
         sql += " ORDER BY w.worker_id LIMIT %(lim)s"
-        rows = transaction(self._pool, lambda cur: cur.execute(sql, args).fetchall())
+        rows = read(self._pool, lambda cur: cur.execute(sql, args).fetchall())
         return _page([WorkerSnapshot(r["worker_id"], r["session_id"], r["generation"], r["labels"],
                                      tuple(r["executor_types"]), r["slots"], max(0, r["free"])) for r in rows], limit)
 
@@ -171,10 +171,10 @@ class PgDispatchStore:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
             return WorkerSnapshot(worker_id, session_id, generation, s["labels"], tuple(s["executor_types"]),
                                   s["slots"], max(0, s["slots"] - s["used"]), w["state"] == "draining")
-        return transaction(self._pool, tx)
+        return read(self._pool, tx)
 
     def lease_for_pull(self, session_id: str, pull_id: str) -> tuple[Lease, ClusterCandidate, str] | None:
-        row = transaction(self._pool, lambda cur: cur.execute(
+        row = read(self._pool, lambda cur: cur.execute(
             f"SELECT {_CANDIDATE_COLS}, l.*, a.state AS attempt_state FROM run_leases l"
             " JOIN attempts a ON a.attempt_id = l.attempt_id JOIN runs r ON r.run_id = l.run_id"
             " WHERE l.session_id = %s AND l.pull_id = %s", (session_id, pull_id)).fetchone())
@@ -191,7 +191,7 @@ class PgPlanSource:
         self._pool, self._profile = pool, profile
 
     def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
-        row = transaction(self._pool, lambda cur: cur.execute(
+        row = read(self._pool, lambda cur: cur.execute(
             "SELECT r.run_id, r.project_id, r.task_id, r.task_revision, a.attempt_id, a.worker_executor,"
             " tr.definition_json, er.spec_json, cr.recipe_json"
             " FROM runs r JOIN attempts a ON a.attempt_id = %s AND a.run_id = r.run_id"

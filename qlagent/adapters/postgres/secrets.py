@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from ...core.errors import ConflictError, NotFoundError, UnavailableError
-from .connection import transaction
+from .connection import read
 
 
 class PgSecretResolver:
@@ -19,7 +19,7 @@ class PgSecretResolver:
     def resolve(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         """Plaintext of each named Secret of the Project. UnavailableError ``secret_missing``
         naming the first absent one, ``secret_unreadable`` when a value does not decrypt."""
-        rows = transaction(self._pool, lambda cur: cur.execute(
+        rows = read(self._pool, lambda cur: cur.execute(
             "SELECT name, ciphertext FROM secrets WHERE project_id = %s AND name = ANY(%s)",
             (project_id, list(names))).fetchall())
         blobs = {r["name"]: bytes(r["ciphertext"]) for r in rows}
