@@ -45,7 +45,7 @@ ALLOWED: dict[str, frozenset[str]] = {
                                       "qlagent.application"}),
     "qlagent.bootstrap": frozenset({"qlagent.core", "qlagent.adapters", "qlagent.application", "qlagent.cluster",
                                     "qlagent.bootstrap"}),
-    "qlagent.http": frozenset({"qlagent.core", "qlagent.application", "qlagent.http"}),
+    "qlagent.http": frozenset({"qlagent.core", "qlagent.application", "qlagent.cluster", "qlagent.http"}),
     "qlagent.service": frozenset({"qlagent.core", "qlagent.application", "qlagent.bootstrap", "qlagent.http",
                                   "qlagent.service"}),
     "qlagent.cli": frozenset({"qlagent.core", "qlagent.application", "qlagent.bootstrap", "qlagent.service",
