@@ -10,37 +10,21 @@ migration this build does not know, or whose checksum/name differs, is refused
 
 from __future__ import annotations
 
-import re
-from importlib import resources
-
-import msgspec
+import os
 
 from ...core.canonical import sha256_hex
-from ...core.errors import StoreIntegrityError, UnavailableError
+from ...core.errors import UnavailableError
+from ..migration_files import Migration, pending, read_migrations
 
-_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
 # First 8 bytes of sha256("qlagent:cluster:migrations") as a signed bigint: one fixed lock key.
 MIGRATION_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:cluster:migrations")[:16]), "big", signed=True)
 REQUIRED_CAPABILITIES = {"cluster-control-core": 1, "store-ports": 1}
 
 
-class Migration(msgspec.Struct, frozen=True):
-    version: int
-    name: str
-    sql: str
-    checksum: str
-
-
 def known_migrations() -> list[Migration]:
     """The migrations shipped with this build, in order."""
-    out = []
-    for entry in resources.files(__package__).joinpath("migrations").iterdir():
-        m = _NAME.match(entry.name)
-        if m:
-            sql = entry.read_text(encoding="utf-8")
-            out.append(Migration(int(m.group(1)), m.group(2), sql, sha256_hex(sql.encode())))
-    out.sort(key=lambda x: x.version)
-    return out
+    return read_migrations(_DIR)
 
 
 def verify_history(conn, known: list[Migration]) -> list[Migration]:
@@ -52,19 +36,7 @@ def verify_history(conn, known: list[Migration]) -> list[Migration]:
         version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,
         applied_at_us bigint NOT NULL)""")
     applied = conn.execute("SELECT version, name, checksum FROM schema_migrations ORDER BY version").fetchall()
-    by_version = {m.version: m for m in known}
-    for version, name, checksum in applied:
-        m = by_version.get(version)
-        if m is None:
-            raise StoreIntegrityError(
-                f"database history has migration {version:04d}_{name} which this qlagent does not know; "
-                "it was written by a newer or different build — refusing to start")
-        if m.checksum != checksum or m.name != name:
-            raise StoreIntegrityError(
-                f"migration {version:04d}_{name} in the database differs from this build's "
-                f"(checksum {checksum[:12]}… vs {m.checksum[:12]}…) — refusing to start")
-    done = {v for v, _, _ in applied}
-    return [m for m in known if m.version not in done]
+    return pending([tuple(r) for r in applied], known)
 
 
 def migrate(conn) -> list[str]:

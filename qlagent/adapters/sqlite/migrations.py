@@ -11,42 +11,21 @@ Capabilities are declared by their own migration after the DDL they depend on is
 from __future__ import annotations
 
 import os
-import re
 import sqlite3
 import time
 
-import msgspec
+from ...core.errors import UnavailableError
+from ..migration_files import Migration, pending, read_migrations
 
-from ...core.canonical import sha256_hex
-from ...core.errors import StoreIntegrityError, UnavailableError
-
-_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
-# Installed as plain files next to this module (wheel, .deb, .ipk): read with os, not
-# importlib.resources, whose zipfile/pathlib/tempfile imports cost the agent ~1 MiB RSS.
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
 
 # Readiness: the capabilities this build needs before it may dispatch (ADR-0071 §2).
 REQUIRED_CAPABILITIES = {"local-control-core": 3, "local_dispatch_plan": 1}
 
 
-class Migration(msgspec.Struct, frozen=True):
-    version: int
-    name: str
-    sql: str
-    checksum: str
-
-
 def known_migrations() -> list[Migration]:
     """The migrations shipped with this build, in version order."""
-    out = []
-    for name in os.listdir(_DIR):
-        m = _NAME.match(name)
-        if m:
-            with open(os.path.join(_DIR, name), encoding="utf-8") as f:
-                sql = f.read()
-            out.append(Migration(int(m.group(1)), m.group(2), sql, sha256_hex(sql.encode())))
-    out.sort(key=lambda x: x.version)
-    return out
+    return read_migrations(_DIR)
 
 
 def _history(conn: sqlite3.Connection) -> list[tuple[int, str, str]]:
@@ -61,20 +40,7 @@ def verify_history(conn: sqlite3.Connection, known: list[Migration]) -> list[Mig
 
     Raises StoreIntegrityError naming the first unknown or altered migration.
     """
-    by_version = {m.version: m for m in known}
-    applied = _history(conn)
-    for version, name, checksum in applied:
-        m = by_version.get(version)
-        if m is None:
-            raise StoreIntegrityError(
-                f"database history has migration {version:04d}_{name} which this qlagent does not know; "
-                "it was written by a newer or different build — refusing to start")
-        if m.checksum != checksum or m.name != name:
-            raise StoreIntegrityError(
-                f"migration {version:04d}_{name} in the database differs from this build's "
-                f"(checksum {checksum[:12]}… vs {m.checksum[:12]}…) — refusing to start")
-    done = {v for v, _, _ in applied}
-    return [m for m in known if m.version not in done]
+    return pending(_history(conn), known)
 
 
 def migrate(conn: sqlite3.Connection) -> list[str]:
