@@ -4,13 +4,18 @@ One selectors loop, no thread and no busy polling: it sleeps until the next duty
 reconnect, a fencing instant, a timeout, a kill grace) or an event (a shim's pidfd, the Pull's
 socket, a signal). Duties, in order, on every pass:
 
-1. **Session**: with none, reconnect when the backoff (``worker.backoff``, full jitter, capped)
-   allows. A restarted Worker whose inbox still holds open rows first renews their Session with a
-   heartbeat (so re-attached runs keep their Leases); when that Session is gone it opens a new
-   one (``Hello`` → ``SessionGrant``), which fences the older Leases.
+1. **Session**: with none (every process start, or the Session was lost), open a new one when
+   the backoff (``worker.backoff``, full jitter, capped) allows: ``Hello`` → ``SessionGrant``.
+   The hello asks the new Session to adopt the Leases of the rows the Worker still holds
+   (``_adopt_claims``: started runs, re-attached or not yet collected, then completions or log
+   chunks still owed); the control plane re-binds the ones it may keep to the new generation,
+   and everything else of the older Sessions is fenced. An adopted row goes on under the new
+   Session (owed ACKs and chunks re-sent with its fence); a refused or unnamed one is
+   self-fenced (``on_lease_loss``) and what it owed is dropped.
 2. **Heartbeat** every ``heartbeat_interval_s`` with jitter (``worker.heartbeat``); its answer
-   renews the Leases of started runs (``worker.fencing.Renewal`` anchored at the send time) and
-   names the Attempts whose cancel was requested: their whole process tree is stopped.
+   renews the Leases of started runs, each with the expiry the control plane gave it
+   (``worker.fencing.Renewal`` anchored at the send time), and names the Attempts whose cancel
+   was requested: their whole process tree is stopped.
 3. **Offers** (inbox rows in receipt order): ACK ``starting`` → crash barrier (inbox, fsync'd) →
    run directory (fsync'd) → spawn the shim → ACK ``running`` (``start_failure`` with the reason
    code when it could not start). Secret values live only in memory from the Pull answer to the
@@ -28,9 +33,11 @@ socket, a signal). Duties, in order, on every pass:
    Session is open; the request (pullId + fresh lease token) is kept in the inbox before it is
    sent, so a retry after a lost answer is byte-identical.
 
-Lease TTL: the Worker learns it from its first offer (``leaseExpiresAtUs`` minus the answer's
-``X-Qlagent-Server-Now-Us``) and assumes each renewal grants the same span from the renewing
-answer's server time; the fencing safety (1 s) covers the request's own duration.
+Lease expiry: an offer, a heartbeat answer (each renewed Lease) and an adopting SessionGrant
+name it, with the answer's ``X-Qlagent-Server-Now-Us``. Only a ``starting``/``running`` ACK does
+not: the Worker takes it to grant the TTL learnt from its first offer (``leaseExpiresAtUs``
+minus the server time) again from the answer's server time; the fencing safety (1 s) covers
+the request's own duration.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ import uuid
 
 import msgspec
 
-from ..core.cluster import Ack, AckResult, ChunkAnswer, ExecutionSpec, Heartbeat, Hello, PullAnswer, SessionGrant
+from ..core.cluster import (MAX_ADOPT, Ack, AckResult, AdoptClaim, ChunkAnswer, ExecutionSpec, Heartbeat, Hello,
+                            PullAnswer, SessionGrant)
 from ..core.control import (Answer, AttemptNotFound, ChunkConflict, ControlAuthError, ControlError, ControlPort,
                             ControlTlsError, ControlUnreachable, LeaseGone, PullTokenMismatch, RequestRefused,
                             SessionGone, WorkerRunsPort)
@@ -68,12 +76,14 @@ def _mono_us() -> int:
 class Job:
     """The loop's view of one open inbox row (the inbox stays the authority)."""
 
-    __slots__ = ("entry", "spec", "secrets", "handle", "renewal", "ttl_us", "deadline_us", "kill_reason", "kill_at_us",
-                 "fenced", "keep_reported", "cancel", "running_owed", "completion_owed", "uploaded", "log_done",
-                 "gone")
+    __slots__ = ("entry", "spec", "secrets", "session", "handle", "renewal", "ttl_us", "deadline_us", "kill_reason",
+                 "kill_at_us", "fenced", "keep_reported", "cancel", "running_owed", "completion_owed", "uploaded",
+                 "log_done", "gone")
 
     def __init__(self, entry: InboxEntry, spec: ExecutionSpec, secrets: dict[str, bytes] | None = None) -> None:
         self.entry, self.spec, self.secrets = entry, spec, secrets
+        # (Session ID, generation) the Lease is fenced by: the offer's, or the Session that adopted it.
+        self.session = (entry.offer.session_id, entry.offer.generation)
         self.handle = None                        # WorkerRunsPort handle of the live shim
         self.renewal: fencing.Renewal | None = None
         self.ttl_us = 0
@@ -126,7 +136,6 @@ class WorkerRuntime:
         self.sel = selectors.DefaultSelector()
         self.log_store_bytes = log_store_bytes
         self.session: tuple[str, int] | None = None
-        self.resume: tuple[str, int] | None = None     # a restarted Worker's previous Session
         # Consecutive failures per duty (connect, heartbeat, send, pull): each backs off on its own,
         # so chunks refused with 503 do not hold back Pulls or heartbeats.
         self.failures = {"connect": 0, "heartbeat": 0, "send": 0, "pull": 0}
@@ -157,7 +166,6 @@ class WorkerRuntime:
             h = self.runs.reattach(aid) if self.runs.exists(aid) else None
             action = recovery_action(entry.state, run_dir_exists=self.runs.exists(aid), alive=h is not None,
                                      receipt=self.runs.has_receipt(aid))
-            self.resume = (entry.offer.session_id, entry.offer.generation)
             if action == SPAWN:
                 counts["pending"] += 1
             elif action == REATTACH:
@@ -320,17 +328,8 @@ class WorkerRuntime:
 
     def _connect(self) -> None:
         try:
-            if self.resume is not None:
-                self.session = self.resume
-                try:
-                    self._heartbeat(raise_errors=True)
-                    self.log("info", "worker.session_resumed", session=self.session[0], generation=self.session[1])
-                    self.resume, self.connected_once = None, True
-                    self.failures["connect"] = 0
-                    return
-                except SessionGone:
-                    self.session = self.resume = None
-            ans, _ = self._rpc("POST", "/sessions", msgspec.json.encode(self.hello))
+            hello = msgspec.structs.replace(self.hello, adopt=tuple(self._adopt_claims()))
+            ans, sent = self._rpc("POST", "/sessions", msgspec.json.encode(hello))
             grant = msgspec.json.decode(ans.body, type=SessionGrant)
             self.session = (grant.session_id, grant.generation)
             self.connected_once = True
@@ -338,7 +337,8 @@ class WorkerRuntime:
             self.next_beat_us = self.now() + self._beat_delay_us()
             self.next_send_us = self.next_pull_us = 0
             self.log("info", "worker.session_opened", session=grant.session_id, generation=grant.generation,
-                     slots=grant.slots)
+                     slots=grant.slots, adopted=len(grant.adopted), refused=len(grant.refused))
+            self._take_over(grant, ans, sent)
         except ControlError as e:
             self.session = None
             if isinstance(e, ControlTlsError) and not self.connected_once:
@@ -348,24 +348,49 @@ class WorkerRuntime:
             self.session = None
             self._fail(ControlUnreachable("unreadable SessionGrant"), "connect")
 
+    def _adopt_claims(self) -> list[AdoptClaim]:
+        """The Leases a new Session is asked to adopt (at most ``MAX_ADOPT``): rows whose run was
+        started (barrier/started: re-attached, to be collected or spawned after an applied
+        ``starting`` ACK) first, then completed rows still owing their completion or log chunks.
+        A ``received`` row is never named: nothing ran, and the control plane re-offers it."""
+        held = [j for j in self.jobs.values() if not j.gone and not j.fenced]     # a fenced run is being stopped
+        rows = [j for j in held if j.entry.state in ("barrier", "started")]
+        rows += [j for j in held if j.entry.state == "completed"]
+        return [AdoptClaim(attempt_id=j.attempt_id, lease_generation=j.entry.offer.lease_generation,
+                           lease_token=j.entry.offer.lease_token) for j in rows[:MAX_ADOPT]]
+
+    def _take_over(self, grant: SessionGrant, ans: Answer, sent: int) -> None:
+        """Rows of older Sessions after a hello: an adopted Lease goes on under the new Session
+        (its fencing deadline from the Lease's expiry); a refused or unnamed one is gone."""
+        adopted = {(a.attempt_id, a.lease_generation): a for a in grant.adopted}
+        refused = {r.attempt_id: r.reason for r in grant.refused}
+        for j in list(self.jobs.values()):
+            if j.gone or j.session == self.session:
+                continue
+            a = adopted.get((j.attempt_id, j.entry.offer.lease_generation))
+            if a is None:
+                self._lease_gone(j, refused.get(j.attempt_id, "not_adopted"))
+                continue
+            j.session, j.keep_reported = self.session, False      # a kept run is under a valid Lease again
+            if ans.server_now_us is not None:
+                j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
+                                            expires_at_us=a.expires_at_us)
+            self.log("info", "worker.lease_adopted", attempt=j.attempt_id, generation=grant.generation)
+
     def _beat_delay_us(self) -> int:
         return int(heartbeat.heartbeat_delay_s(self.heartbeat_s, self.rand()) * 1e6)
 
-    def _heartbeat(self, raise_errors: bool = False) -> None:
+    def _heartbeat(self) -> None:
         sid, gen = self.session
         body = msgspec.json.encode({"sessionId": sid, "generation": gen})
         try:
             ans, sent = self._rpc("POST", "/heartbeat", body)
             hb = msgspec.json.decode(ans.body, type=Heartbeat)
         except SessionGone as e:
-            if raise_errors:
-                raise
             self.log("warning", "worker.session_gone", code=e.code)
             self._lose_session()
             return
         except ControlError as e:
-            if raise_errors:
-                raise
             # No answer is not a lost Session: keep it (its Leases stay ours while they are
             # valid; fencing decides when they are not) and beat again at the usual cadence,
             # never later, or the Session would expire while the link is only slow.
@@ -374,21 +399,20 @@ class WorkerRuntime:
             self._fail(e, "heartbeat", delay_us / 1e6)
             return
         except msgspec.DecodeError:
-            if raise_errors:
-                raise ControlUnreachable("unreadable Heartbeat") from None
             return
         self.next_beat_us = self.now() + self._beat_delay_us()
         self.failures["heartbeat"] = 0
+        renewed = {x.attempt_id: x.expires_at_us for x in hb.leases}
         if ans.server_now_us is not None and not self.ttl_us:
-            # A restarted Worker has seen no offer yet: the Session's span stands in for the
-            # Lease TTL (the control plane's defaults are equal; see the report on the protocol).
-            self.ttl_us = max(0, hb.expires_at_us - ans.server_now_us)
+            # A restarted Worker has seen no offer yet: a renewed Lease's span (else the
+            # Session's) stands in for the Lease TTL its ACKs renew.
+            self.ttl_us = max(0, min(renewed.values(), default=hb.expires_at_us) - ans.server_now_us)
         for j in self.jobs.values():
-            # The heartbeat renews the Leases of starting/running Attempts of this Session.
-            if (j.entry.offer.session_id, j.entry.offer.generation) == (sid, gen) and j.entry.state in (
-                    "barrier", "started") and not j.gone and ans.server_now_us is not None and self._ttl(j):
+            # The heartbeat renewed these Leases of this Session to the expiry it answers.
+            expires = renewed.get(j.attempt_id)
+            if expires is not None and j.session == (sid, gen) and not j.gone and ans.server_now_us is not None:
                 j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
-                                            expires_at_us=ans.server_now_us + self._ttl(j))
+                                            expires_at_us=expires)
         for aid in hb.cancel:
             for j in self.jobs.values():
                 if j.attempt_id == aid and not j.cancel:
@@ -563,7 +587,7 @@ class WorkerRuntime:
 
     def _ack(self, j: Job, kind: str, **fields) -> AckResult:
         o = j.entry.offer
-        ack = Ack(session_id=o.session_id, generation=o.generation, attempt_id=o.attempt_id,
+        ack = Ack(session_id=j.session[0], generation=j.session[1], attempt_id=o.attempt_id,
                   lease_generation=o.lease_generation, lease_token=o.lease_token, kind=kind, **fields)
         ans, sent = self._rpc("POST", "/acks", msgspec.json.encode(ack))
         if kind in ("starting", "running") and ans.server_now_us is not None and self._ttl(j):
@@ -582,7 +606,7 @@ class WorkerRuntime:
             except (LeaseGone, AttemptNotFound) as e:
                 self._lease_gone(j, e.code)
             except SessionGone as e:
-                if (j.entry.offer.session_id, j.entry.offer.generation) != self.session:
+                if j.session != self.session:
                     # An older Session's Lease: the control plane fenced it when this Session opened.
                     self._lease_gone(j, e.code)
                 else:
@@ -736,7 +760,7 @@ class WorkerRuntime:
         """Log chunks from ``j.uploaded``; while running only whole chunks (bounded), at the end
         everything. ``log_done`` once the control plane holds every byte of the Artifact."""
         o = j.entry.offer
-        headers = {"X-Qlagent-Session": o.session_id, "X-Qlagent-Generation": str(o.generation),
+        headers = {"X-Qlagent-Session": j.session[0], "X-Qlagent-Generation": str(j.session[1]),
                    "X-Qlagent-Lease-Generation": str(o.lease_generation), "X-Qlagent-Lease-Token": o.lease_token}
         size = self.runs.log_size(j.attempt_id)
         while size - j.uploaded >= (1 if final else CHUNK_BYTES):

@@ -11,26 +11,12 @@ import re
 from ..core.canonical import sha256_hex
 from ..core.cluster import Ack, AckResult, LeaseFence
 from ..core.errors import ValidationError
-from ..core.inbox_states import MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
 from ..core.states import outcome
-from .registry import check_generation, check_uuid, credential_digest
+from .registry import check_generation, check_token, check_uuid, credential_digest
 
 KINDS = ("starting", "running", "start_failure", "completion")
 KILL_REASONS = ("timeout", "cancel", "shutdown")
 START_ERROR = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def check_token(field: str, token) -> str:
-    """A lease token: 32..256 URL-safe characters (≥ 192 bits, the Worker inbox's own rule in
-    ``core.inbox_states``); never echoed in the error."""
-    if (not isinstance(token, str) or not MIN_LEASE_TOKEN <= len(token) <= MAX_LEASE_TOKEN
-            or not LEASE_TOKEN.fullmatch(token)):
-        raise ValidationError(field, f"must be {MIN_LEASE_TOKEN}..{MAX_LEASE_TOKEN} URL-safe characters",
-                              limit=MAX_LEASE_TOKEN)
-    return token
-
-
 def lease_fence(worker_id: str, credential: str, session_id: str, generation: int, attempt_id: str,
                 lease_generation: int, lease_token: str) -> LeaseFence:
     """A validated fence; ValidationError names the field, WorkerAuthError for a bad credential."""

@@ -25,7 +25,7 @@ from ..core.canonical import sha256_hex
 from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, ClusterDispatchStore, PlanSource, PullAnswer,
                              PullRequest, SecretResolver, SessionView)
 from ..core.errors import ConflictError, ValidationError
-from .acks import check_token
+from .registry import check_token
 from .dispatcher import (BudgetExhausted, CandidateClaimer, CycleCounts, DispatcherBudgets, FailClosed, build_offer,
                          check_budgets)
 from .execspec import sanitize

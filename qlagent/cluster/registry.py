@@ -7,6 +7,17 @@ The Session hello may narrow, never widen, what the enrolment allows: a subset o
 (same values), of its executor types, and at most its slots. Heartbeats extend the Session by
 ``session_ttl_s`` and the Leases of its starting/running Attempts by ``lease_ttl_s``, and return
 the cancel intents of its Attempts. A Session past its expiry is offline.
+
+Adoption (issue 11 "a Worker restart re-attaches live shims"; docs/worker-protocol.md): the
+hello may name up to ``MAX_ADOPT`` Leases of this Worker's older Sessions with their tokens. In
+the transaction that opens the new Session, each one that is still the Worker's, proven by its
+token digest, and either ``completed`` (its log chunks and a replayed completion still need a
+fence) or active, unexpired by the database clock, its Attempt ``starting``/``running`` and its
+Run not asked to cancel, is re-bound to the new Session and generation (RunEvent
+``lease.adopted``); every other active Lease of the older Sessions is fenced as before. A
+``claimed`` Attempt is never adopted: the Worker writes its crash barrier only after the
+``starting`` ACK was applied, so an Attempt still claimed was never spawned, and ADR-0014 ends
+its re-delivery with the Session replacement (it is re-offered).
 """
 
 from __future__ import annotations
@@ -18,9 +29,10 @@ import re
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import WORKER_EXECUTORS, Enrolment, Heartbeat, Hello, SessionGrant, WorkerAuthError
+from ..core.cluster import (MAX_ADOPT, WORKER_EXECUTORS, Enrolment, Heartbeat, Hello, LeaseExpiry, SessionGrant,
+                            WorkerAuthError)
 from ..core.errors import ValidationError
-from ..core.inbox_states import MAX_GENERATION
+from ..core.inbox_states import MAX_GENERATION, MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
 from .placement import check_labels
 
 CREDENTIAL_PREFIX = "qlw_"
@@ -53,6 +65,35 @@ def check_generation(field: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_GENERATION:
         raise ValidationError(field, "must be an integer 1..2^63-1", limit=MAX_GENERATION)
     return value
+
+
+LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def check_token(field: str, token) -> str:
+    """A lease token: 32..256 URL-safe characters (≥ 192 bits, the Worker inbox's own rule in
+    ``core.inbox_states``); never echoed in the error."""
+    if (not isinstance(token, str) or not MIN_LEASE_TOKEN <= len(token) <= MAX_LEASE_TOKEN
+            or not LEASE_TOKEN.fullmatch(token)):
+        raise ValidationError(field, f"must be {MIN_LEASE_TOKEN}..{MAX_LEASE_TOKEN} URL-safe characters",
+                              limit=MAX_LEASE_TOKEN)
+    return token
+
+
+def adopt_claims(hello: Hello) -> list[tuple[str, int, str]]:
+    """(Attempt ID, lease generation, token SHA-256 hex) of ``hello.adopt`` in Attempt ID order.
+    ValidationError naming ``hello.adopt`` (over ``MAX_ADOPT``, an Attempt named twice) or
+    ``hello.adopt[i].attemptId`` / ``.leaseGeneration`` / ``.leaseToken``."""
+    if len(hello.adopt) > MAX_ADOPT:
+        raise ValidationError("hello.adopt", f"{len(hello.adopt)} Leases; at most {MAX_ADOPT}", limit=MAX_ADOPT)
+    out = {}
+    for i, c in enumerate(hello.adopt):
+        aid = check_uuid(f"hello.adopt[{i}].attemptId", c.attempt_id)
+        if aid in out:
+            raise ValidationError("hello.adopt", f"Attempt {aid} named twice")
+        out[aid] = (aid, check_generation(f"hello.adopt[{i}].leaseGeneration", c.lease_generation),
+                    sha256_hex(check_token(f"hello.adopt[{i}].leaseToken", c.lease_token).encode()))
+    return [out[k] for k in sorted(out)]
 
 
 MAX_LIST = 256                 # Workers per page of ``WorkerRegistry.list``
@@ -127,21 +168,27 @@ class WorkerRegistry:
         return worker_id, credential
 
     def open_session(self, worker_id: str, credential: str, hello: Hello = Hello()) -> SessionGrant:
-        """Open a new Session (generation + 1; older Sessions' Leases fenced)."""
+        """Open a new Session (generation + 1): the Leases of ``hello.adopt`` that qualify (module
+        docstring) are re-bound to it, every other active Lease of older Sessions is fenced, in
+        one transaction. The grant lists each named Lease as adopted or refused (reason codes
+        ``core.cluster.ADOPT_REFUSALS``). WorkerAuthError; ValidationError naming the ``hello.*``
+        field (nothing written)."""
         digest = credential_digest(credential)
+        claims = adopt_claims(hello)
         enrolment = self._store.enrolment(check_uuid("workerId", worker_id), digest)
         labels, executors, slots = narrow(enrolment, hello)
-        return self._store.open_session(worker_id, digest, labels, executors, slots, self._t.session_ttl_s * 1_000_000)
+        return self._store.open_session(worker_id, digest, labels, executors, slots, self._t.session_ttl_s * 1_000_000,
+                                        claims)
 
     def heartbeat(self, worker_id: str, credential: str, session_id: str, generation: int) -> Heartbeat:
-        """Extend the Session and its running Leases; the answer names Attempts to cancel.
-        ConflictError ``stale_generation`` / ``session_expired``."""
+        """Extend the Session and its running Leases; the answer names Attempts to cancel and
+        each renewed Lease's new expiry (µs). ConflictError ``stale_generation`` / ``session_expired``."""
         digest = credential_digest(credential)
-        expires, cancel = self._store.heartbeat(check_uuid("workerId", worker_id), digest,
+        expires, cancel, leases = self._store.heartbeat(check_uuid("workerId", worker_id), digest,
                                                 check_uuid("sessionId", session_id),
                                                 check_generation("generation", generation),
                                                 self._t.session_ttl_s * 1_000_000, self._t.lease_ttl_s * 1_000_000)
-        return Heartbeat(expires, cancel)
+        return Heartbeat(expires, cancel, [LeaseExpiry(a, e) for a, e in leases])
 
     def credential_owner(self, credential: str) -> str | None:
         """The live Worker ID this credential was issued to, else None (tells a credential used

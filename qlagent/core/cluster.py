@@ -242,8 +242,37 @@ class LeaseFence(msgspec.Struct, frozen=True, kw_only=True):
     token_digest: str
 
 
+# Leases one hello may ask to adopt (docs/worker-protocol.md "Sessions and adoption"): a
+# Worker's live runs (≤ its slots, ≤ 256) are what matters; completed-but-unacknowledged rows
+# come after them, and the rest of those are let go.
+MAX_ADOPT = 64
+
+# Why a Lease named in ``Hello.adopt`` was not adopted (``AdoptRefusal.reason``).
+ADOPT_REFUSALS = ("lease_not_found", "lease_token_mismatch", "lease_not_active", "lease_expired", "not_started",
+                  "run_cancelled")
+
+
+class AdoptedLease(msgspec.Struct, frozen=True, rename="camel"):
+    """A Lease re-bound to the new Session/generation; ``expires_at_us`` its expiry (µs,
+    database clock), unchanged by the adoption."""
+
+    attempt_id: str
+    lease_generation: int
+    expires_at_us: int
+
+
+class AdoptRefusal(msgspec.Struct, frozen=True, rename="camel"):
+    """A Lease the hello named but the new Session did not adopt (``reason``: one of
+    ``ADOPT_REFUSALS``); the Worker self-fences it and drops what it owed for it."""
+
+    attempt_id: str
+    lease_generation: int
+    reason: str
+
+
 class SessionGrant(msgspec.Struct, frozen=True, rename="camel"):
-    """An opened Session: labels/executors/slots as narrowed by the hello; expiry in µs."""
+    """An opened Session: labels/executors/slots as narrowed by the hello; expiry in µs; the
+    Leases of ``Hello.adopt`` adopted or refused (together: every one named, Attempt ID order)."""
 
     worker_id: str
     session_id: str
@@ -252,6 +281,8 @@ class SessionGrant(msgspec.Struct, frozen=True, rename="camel"):
     executor_types: tuple[str, ...]
     slots: int
     expires_at_us: int
+    adopted: tuple[AdoptedLease, ...] = ()
+    refused: tuple[AdoptRefusal, ...] = ()
 
 
 class Enrolment(msgspec.Struct, frozen=True):
@@ -280,12 +311,28 @@ class CandidateSignal(Protocol):
 # ---- Worker protocol bodies (docs/worker-protocol.md). Plain Structs kept in core so that a
 # fleet Worker decodes them without importing the control plane (``qlagent.cluster``).
 
+class AdoptClaim(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    """A Lease a restarted Worker still holds and proves with its token (sent over TLS only,
+    never logged: ``repr`` leaves it out)."""
+
+    attempt_id: str
+    lease_generation: int
+    lease_token: str
+
+    def __repr__(self) -> str:
+        return f"AdoptClaim(attempt={self.attempt_id}, lease={self.lease_generation})"
+
+    __str__ = __repr__
+
+
 class Hello(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
-    """What a Worker announces when it opens a Session; None keeps the enrolment's value."""
+    """What a Worker announces when it opens a Session; None keeps the enrolment's value.
+    ``adopt`` (≤ ``MAX_ADOPT``): the Leases of older Sessions it asks the new one to take over."""
 
     labels: dict[str, str] | None = None
     executor_types: tuple[str, ...] | None = None
     slots: int | None = None
+    adopt: tuple[AdoptClaim, ...] = ()
 
 
 class HeartbeatRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
@@ -295,12 +342,20 @@ class HeartbeatRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unkno
     generation: int
 
 
+class LeaseExpiry(msgspec.Struct, frozen=True, rename="camel"):
+    """One Lease a heartbeat renewed and its new expiry (µs, database clock)."""
+
+    attempt_id: str
+    expires_at_us: int
+
+
 class Heartbeat(msgspec.Struct, frozen=True, rename="camel"):
-    """A renewed Session: its new expiry (µs, database clock) and the Attempt IDs whose cancel
-    was requested."""
+    """A renewed Session: its new expiry (µs, database clock), the Attempt IDs whose cancel
+    was requested and each renewed Lease's expiry (the Worker's fencing deadline follows it)."""
 
     expires_at_us: int
     cancel: list[str]
+    leases: list[LeaseExpiry] = []
 
 
 class PullRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):

@@ -5,8 +5,8 @@ Five routes under ``/api/v3/cluster/workers/{workerId}``: ``POST sessions`` (201
 SessionGrant), ``POST heartbeat``, ``POST pull?waitS=N``, ``POST acks`` and
 ``PUT attempts/{attemptId}/log?offset=N``. On the loop thread a route only checks what needs
 no database: the credential kind (``Authorization: Worker qlw_…``; an API token is 401), the
-body (JSON ≤ 16 KiB → else 413, unknown or mistyped fields → 400 naming the field; a log chunk
-1..262,144 bytes) and the path; the service call then runs on a bounded thread pool and the
+body (JSON ≤ 16 KiB, a Session hello ≤ 64 KiB → else 413, unknown or mistyped fields → 400
+naming the field; a log chunk 1..262,144 bytes) and the path; the service call then runs on a bounded thread pool and the
 answer comes back through :class:`qlagent.http.server.Deferred`, so the selectors loop never
 waits on PostgreSQL. A Pull with ``waitS`` > 0 holds one of ``max_long_polls`` slots on its own
 pool (503 ``cluster_unavailable`` + ``Retry-After`` beyond), so long-polls never starve the
@@ -45,6 +45,9 @@ log = logging.getLogger("qlagent.http")
 
 PREFIX = "/api/v3/cluster/workers/{workerId}"
 MAX_JSON_BYTES = 16_384
+# A hello may name up to MAX_ADOPT Leases (≤ ~360 bytes each with a 256-character token) beside
+# 32 labels: it gets a larger body than the other routes.
+MAX_HELLO_BYTES = 65_536
 SERVER_NOW = "X-Qlagent-Server-Now-Us"
 _CREDENTIAL = re.compile(r"qlw_[A-Za-z0-9_-]{43}")
 _MSGSPEC_FIELD = re.compile(r"field `([^`]{1,64})")
@@ -196,7 +199,7 @@ class WorkerRoutes:
     # -- routes (loop thread: no database) ----------------------------------------------------
     def _sessions(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)
-        hello = self._json(req, Hello)
+        hello = self._json(req, Hello, MAX_HELLO_BYTES)
         return self._submit(lambda: Response.json(201, self._s.registry.open_session(worker_id, credential, hello)),
                             worker_id, credential)
 
@@ -281,11 +284,11 @@ class WorkerRoutes:
             raise WorkerError(400, "invalid_request", f"Content-Type must be {expected}", "Content-Type")
 
     @staticmethod
-    def _json(req: Request, type_):
+    def _json(req: Request, type_, limit: int = MAX_JSON_BYTES):
         WorkerRoutes._content_type(req, "application/json")
-        if len(req.body) > MAX_JSON_BYTES:
+        if len(req.body) > limit:
             raise WorkerError(413, "body_too_large",
-                              f"request body is {len(req.body)} bytes; the limit is {MAX_JSON_BYTES} bytes")
+                              f"request body is {len(req.body)} bytes; the limit is {limit} bytes")
         try:
             return msgspec.json.decode(req.body, type=type_)
         except msgspec.ValidationError as e:

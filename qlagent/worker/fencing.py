@@ -3,9 +3,9 @@ so that the run is dead before the control plane may offer the Attempt again?
 
 The control plane re-offers an Attempt only after its Run Lease expired by the DATABASE clock
 (ADR-0014 §5; the sweeper reads ``now()`` of PostgreSQL). The Worker cannot read that clock; it
-keeps, from its last successful renewal (the claim itself or a heartbeat answer), a ``Renewal``:
-its own monotonic time when it SENT that request, and the database time and Lease expiry in the
-answer.
+keeps, from its last successful renewal (the claim itself, a heartbeat answer naming the
+Lease's new expiry, or the SessionGrant that adopted it after a restart), a ``Renewal``: its own
+monotonic time when it SENT that request, and the database time and Lease expiry in the answer.
 
 Clock-skew assumption (documented, and the only one):
 - No assumption about the offset between the Worker's clock and the database clock: it is

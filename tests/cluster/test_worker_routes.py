@@ -266,6 +266,29 @@ def test_path_query_and_header_input_is_checked_before_the_database(kit, cp):
     assert snapshot(kit) == before
 
 
+def test_a_hello_adopts_a_started_lease_over_http_and_a_full_adopt_list_fits_its_body(kit, cp):
+    c = Client(cp.port, enrolled(kit, slots=2))
+    session(c)
+    offer = offered(kit, c)
+    assert c.post("acks", ack_body(offer, "starting"))[0] == 200
+    # 64 claims with 256-character tokens (the largest hello the protocol allows) plus the real one.
+    fillers = [{"attemptId": new_id(), "leaseGeneration": 1, "leaseToken": "t" * 256} for _ in range(63)]
+    claim = {"attemptId": offer["attemptId"], "leaseGeneration": offer["leaseGeneration"],
+             "leaseToken": offer["leaseToken"]}
+    assert len(json.dumps({"adopt": [claim, *fillers]})) > MAX_JSON_BYTES      # over the other routes' limit
+    status, _, grant, raw = c.post("sessions", {"adopt": [claim, *fillers]})
+    assert status == 201, grant
+    assert [(a["attemptId"], a["leaseGeneration"]) for a in grant["adopted"]] == [(offer["attemptId"], 1)]
+    assert {r["reason"] for r in grant["refused"]} == {"lease_not_found"} and len(grant["refused"]) == 63
+    assert offer["leaseToken"] not in raw.decode()
+    moved = {**offer, "sessionId": grant["sessionId"], "generation": grant["generation"]}
+    refused(c.post("acks", ack_body(offer, "running")), 409, "stale_generation")
+    assert c.post("acks", ack_body(moved, "running"))[2]["attemptState"] == "running"
+    before = snapshot(kit)
+    refused(c.post("sessions", {"adopt": [claim] * 2}), 400, "invalid_request", "hello.adopt")
+    assert snapshot(kit) == before
+
+
 def test_bodies_at_and_over_their_limits(kit, cp):
     c = Client(cp.port, enrolled(kit))
     session(c)

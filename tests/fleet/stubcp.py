@@ -4,15 +4,16 @@ fleet integration test replaces it with real replicas on PostgreSQL.
 
 Real HTTP/1.1 over loopback, real TLS with a throwaway CA made at test time (``cryptography``),
 in-memory state guarded by one lock. It follows the protocol page and the rules of the real
-control plane that a Worker can observe: Sessions and generations (a new Session fences every
-Lease of the older ones), Pull retried by (Session, pullId) with the token checked, Lease fence
+control plane that a Worker can observe: Sessions and generations (a new Session adopts the
+Leases its hello names and may keep, and fences every other Lease of the older ones), Pull retried by (Session, pullId) with the token checked, Lease fence
 on ACKs and chunks (token, Session, generation), ACK replays, offset-addressed chunks with the
 quota and a truncation flag, ``X-Qlagent-Server-Now-Us`` on every answer, the documented
 error codes. It is not a scheduler: the test queues Runs with ``add_run``.
 
 Test handles: ``partition(True)`` (every request is dropped unanswered and nothing is written),
 ``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``refuse_chunks`` (503), ``cancel(attempt)``,
-``pull_bodies`` (raw request bodies), ``chunk_times``, ``acks``, ``logs``, ``lease()``.
+``pull_bodies`` (raw request bodies), ``chunk_times``, ``acks``, ``logs``, ``lease()``, ``hellos``,
+``expire_lease(attempt)``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import uuid
 import msgspec
 
 from qlagent.core.canonical import content_digest
-from qlagent.core.cluster import (Ack, AckResult, ChunkAnswer, ClaimedExecutionOffer, ExecutionSpec, Heartbeat, Hello,
-                                  PullAnswer, PullRequest, SessionGrant)
+from qlagent.core.cluster import (Ack, AckResult, AdoptedLease, AdoptRefusal, ChunkAnswer, ClaimedExecutionOffer,
+                                  ExecutionSpec, Heartbeat, Hello, LeaseExpiry, PullAnswer, PullRequest, SessionGrant)
 
 OFFER_NAMESPACE = uuid.UUID("4d2b8a8e-1f0c-5a7e-9b61-0c1a7e3f5d20")     # as cluster.offer
 MAX_JSON = 16_384
@@ -107,6 +108,7 @@ class StubControlPlane:
         self.log_ends: dict[str, int] = {}
         self.truncated: dict[str, bool] = {}
         self.pull_bodies: list[bytes] = []
+        self.hellos: list[Hello] = []
         self.chunk_times: list[tuple[float, str, int]] = []     # (time.monotonic(), attempt, bytes) per chunk
         self.requests: list[tuple[str, str, int]] = []     # (method, route, status)
         self._partition = False
@@ -176,6 +178,11 @@ class StubControlPlane:
     def cancel(self, attempt_id: str) -> None:
         with self.lock:
             self.attempts[attempt_id]["cancel"] = True
+
+    def expire_lease(self, attempt_id: str) -> None:
+        """The Lease runs out now (as if its Worker had been down longer than the TTL)."""
+        with self.lock:
+            self.attempts[attempt_id]["lease"]["expires"] = now_us() - 1
 
     def partition(self, on: bool) -> None:
         with self.lock:
@@ -304,24 +311,52 @@ class StubControlPlane:
 
     def _session(self, wid: str, hello: Hello) -> SessionGrant:
         with self.lock:
+            self.hellos.append(hello)
             w = self.workers[wid]
             w["generation"] += 1
             sid = str(uuid.uuid4())
             for s in self.sessions.values():
                 if s["worker"] == wid:
                     s["state"] = "closed"
-            for a in self.attempts.values():           # every Lease of an older Session is fenced
+            now = now_us()
+            adopted, refused = [], []
+            for c in sorted(hello.adopt, key=lambda c: c.attempt_id):
+                a = self.attempts.get(c.attempt_id)
+                lease = a["lease"] if a else None
+                reason = self._adopt_refusal(wid, a, lease, c, now)
+                if reason:
+                    refused.append(AdoptRefusal(c.attempt_id, c.lease_generation, reason))
+                    continue
+                lease["session"], lease["worker_generation"] = sid, w["generation"]
+                adopted.append(AdoptedLease(c.attempt_id, c.lease_generation, lease["expires"]))
+            for a in self.attempts.values():           # every other Lease of an older Session is fenced
                 lease = a["lease"]
-                if lease and lease["worker"] == wid and lease["state"] == "active":
+                if lease and lease["worker"] == wid and lease["state"] == "active" and lease["session"] != sid:
                     lease["state"] = "fenced"
                     self._requeue(a)
-            now = now_us()
             self.sessions[sid] = {"worker": wid, "generation": w["generation"], "expires": now + self.session_ttl_us,
                                   "slots": hello.slots or 1, "state": "open"}
             w["session"] = sid
             return SessionGrant(worker_id=wid, session_id=sid, generation=w["generation"], labels=hello.labels or {},
                                 executor_types=tuple(hello.executor_types or ("local_process",)),
-                                slots=hello.slots or 1, expires_at_us=now + self.session_ttl_us)
+                                slots=hello.slots or 1, expires_at_us=now + self.session_ttl_us,
+                                adopted=tuple(adopted), refused=tuple(refused))
+
+    @staticmethod
+    def _adopt_refusal(wid: str, a: dict | None, lease: dict | None, c, now: int) -> str | None:
+        if lease is None or lease["worker"] != wid or lease["generation"] != c.lease_generation:
+            return "lease_not_found"
+        if lease["digest"] != hashlib.sha256(c.lease_token.encode()).hexdigest():
+            return "lease_token_mismatch"
+        if lease["state"] in ("expired", "fenced"):
+            return "lease_not_active"
+        if lease["state"] == "active" and lease["expires"] <= now:
+            return "lease_expired"
+        if lease["state"] == "active" and a["state"] == "leased":
+            return "not_started"
+        if lease["state"] == "active" and a["cancel"]:
+            return "run_cancelled"
+        return None
 
     def _requeue(self, a: dict) -> None:
         if a["state"] in ("leased", "starting", "running"):
@@ -344,15 +379,16 @@ class StubControlPlane:
             s = self._live_session(wid, body["sessionId"], body["generation"])
             now = now_us()
             s["expires"] = now + self.session_ttl_us
-            cancel = []
+            cancel, renewed = [], []
             for a in self.attempts.values():
                 lease = a["lease"]
                 if lease and lease["session"] == body["sessionId"] and lease["state"] == "active" \
                         and a["state"] in ("starting", "running"):
                     lease["expires"] = max(lease["expires"], now + self.lease_ttl_us)
+                    renewed.append(LeaseExpiry(a["spec"].attempt_id, lease["expires"]))
                     if a["cancel"]:
                         cancel.append(a["spec"].attempt_id)
-            return Heartbeat(expires_at_us=s["expires"], cancel=cancel)
+            return Heartbeat(expires_at_us=s["expires"], cancel=cancel, leases=renewed)
 
     def _offer(self, a: dict, wid: str, s_id: str, gen: int, token: str) -> ClaimedExecutionOffer:
         lease, spec = a["lease"], a["spec"]

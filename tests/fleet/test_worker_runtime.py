@@ -157,8 +157,33 @@ def test_worker_sigkilled_mid_run_restarts_reattaches_and_resends(tmp_path, cp, 
     assert cp.acks_of(aid) == ["starting", "running", "completion"]
     assert completion(cp, aid).exit_code == 0
     assert cp.wait(lambda: cp.log_of(aid) == b"finished\n", 20)
-    assert "worker.session_resumed" in worker.journal()
-    assert cp.lease(aid)["generation"] == 1 and cp.state(aid) == "ended"
+    # The restart opened a new Session whose hello adopted the live run's Lease (same lease
+    # generation, now fenced by the new Worker generation): completed once, never re-offered.
+    first, second = cp.hellos
+    assert first.adopt == () and [c.attempt_id for c in second.adopt] == [aid]
+    lease = cp.lease(aid)
+    assert (lease["generation"], lease["worker_generation"], lease["session"]) == (1, 2, cp.workers[
+        worker.worker_id]["session"]) and cp.state(aid) == "ended"
+    assert second.adopt[0].lease_token not in worker.journal()
+    assert "worker.lease_adopted" in worker.journal()
+
+
+def test_a_restart_whose_adoption_is_refused_kills_the_reattached_run(tmp_path, cp, worker):
+    pidfile = tmp_path / "task.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; exec sleep 60")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    pid = read_pid(pidfile)
+    worker.kill()
+    cp.expire_lease(aid)                        # down longer than the Lease: the new Session may not adopt it
+    worker.start()
+    end = time.monotonic() + 15
+    while time.monotonic() < end and not gone(pid):
+        time.sleep(0.05)
+    assert gone(pid), worker.journal()
+    assert [c.attempt_id for c in cp.hellos[-1].adopt] == [aid]
+    assert f"worker.lease_gone attempt={aid} code=lease_expired" in worker.journal()
+    assert completion(cp, aid) is None          # nothing of the refused Lease is reported
 
 
 @pytest.mark.parametrize("policy", ["kill", "keep"])

@@ -1,5 +1,6 @@
 """The Worker registry on PostgreSQL: enrolment (credential SHA-256 only), Sessions with a
-per-Worker generation, heartbeats, drain, removal and Session expiry (ADR-0014 §2, issue 10 §3)."""
+per-Worker generation and Lease adoption at hello, heartbeats, drain, removal and Session expiry
+(ADR-0014 §2, issue 10 §3, issue 11 restart)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from ...core.cluster import Enrolment, SessionGrant
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from .connection import transaction
-from .transitions import authenticate, fence_sessions, now_us
+from .transitions import adopt_leases, authenticate, fence_sessions, now_us
 
 
 class PgWorkerRegistry:
@@ -48,8 +49,11 @@ class PgWorkerRegistry:
         return None if row is None else row["worker_id"]
 
     def open_session(self, worker_id: str, credential_digest: str, labels: dict[str, str],
-                     executor_types: tuple[str, ...], slots: int, ttl_us: int) -> SessionGrant:
-        """New Session with generation + 1; every older Session closes and its Leases are fenced."""
+                     executor_types: tuple[str, ...], slots: int, ttl_us: int,
+                     adopt: list[tuple[str, int, str]] = ()) -> SessionGrant:
+        """New Session with generation + 1; the Leases of ``adopt`` ((Attempt ID, lease
+        generation, token digest), Attempt ID order) that qualify move to it (``adopt_leases``),
+        then every older Session closes and its remaining active Leases are fenced."""
         from psycopg.types.json import Jsonb
         session_id = new_id()
 
@@ -64,15 +68,17 @@ class PgWorkerRegistry:
                          now + ttl_us))
             cur.execute("UPDATE workers SET generation = %s, current_session_id = %s, updated_at_us = %s "
                         "WHERE worker_id = %s", (gen, session_id, now, worker_id))
+            adopted, refused = adopt_leases(cur, worker_id, session_id, gen, adopt, now)
             fence_sessions(cur, worker_id, session_id, "session_replaced", now)
-            return SessionGrant(worker_id, session_id, gen, labels, executor_types, slots, now + ttl_us)
+            return SessionGrant(worker_id, session_id, gen, labels, executor_types, slots, now + ttl_us,
+                                tuple(adopted), tuple(refused))
         return transaction(self._pool, tx)
 
     def heartbeat(self, worker_id: str, credential_digest: str, session_id: str, generation: int,
                   session_ttl_us: int, lease_ttl_us: int) -> tuple[int, list[str]]:
-        """Extend the Session and the Leases of its starting/running Attempts; return (Session
-        expiry µs, Attempt IDs whose Run asked to be cancelled). ConflictError stale_generation /
-        session_expired."""
+        """Extend the Session and the unexpired Leases of its starting/running Attempts; return
+        (Session expiry µs, Attempt IDs whose Run asked to be cancelled, (Attempt ID, new Lease
+        expiry µs) of each renewed Lease). ConflictError stale_generation / session_expired."""
         def tx(cur):
             w = authenticate(cur, worker_id, credential_digest)
             s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s"
@@ -85,15 +91,17 @@ class PgWorkerRegistry:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
             cur.execute("UPDATE worker_sessions SET last_heartbeat_us = %s, expires_at_us = %s WHERE session_id = %s",
                         (now, now + session_ttl_us, session_id))
-            cur.execute("UPDATE run_leases l SET expires_at_us = %s FROM attempts a"
-                        " WHERE l.session_id = %s AND l.state = 'active' AND a.attempt_id = l.attempt_id"
-                        " AND a.state IN ('starting', 'running') AND l.expires_at_us > %s",
-                        (now + lease_ttl_us, session_id, now))
+            renewed = cur.execute("UPDATE run_leases l SET expires_at_us = %s FROM attempts a"
+                                  " WHERE l.session_id = %s AND l.state = 'active' AND a.attempt_id = l.attempt_id"
+                                  " AND a.state IN ('starting', 'running') AND l.expires_at_us > %s"
+                                  " RETURNING l.attempt_id, l.expires_at_us",
+                                  (now + lease_ttl_us, session_id, now)).fetchall()
             cancel = cur.execute("SELECT l.attempt_id FROM run_leases l JOIN runs r ON r.run_id = l.run_id"
                                  " WHERE l.session_id = %s AND l.state = 'active'"
                                  " AND r.cancel_requested_at_us IS NOT NULL ORDER BY l.attempt_id",
                                  (session_id,)).fetchall()
-            return now + session_ttl_us, [r["attempt_id"] for r in cancel]
+            return (now + session_ttl_us, [r["attempt_id"] for r in cancel],
+                    sorted((r["attempt_id"], r["expires_at_us"]) for r in renewed))
         return transaction(self._pool, tx)
 
     def set_state(self, name: str, state: str) -> str:

@@ -1,13 +1,14 @@
 """Run/Attempt transitions shared by the cluster's PostgreSQL stores, inside the caller's
 transaction: RunEvents with the next per-Run sequence, the Run's retry decision after an
 Attempt ended (``core.cluster.decide_after_attempt``), the end of a Lease (expiry or fencing),
-and the Lease fence every Worker fact passes through."""
+its adoption by a new Session of the same Worker, and the Lease fence every Worker fact passes
+through."""
 
 from __future__ import annotations
 
 import json
 
-from ...core.cluster import AttemptEnd, LeaseFence, WorkerAuthError, decide_after_attempt
+from ...core.cluster import AdoptedLease, AdoptRefusal, AttemptEnd, LeaseFence, WorkerAuthError, decide_after_attempt
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from ...core.models import RetryPolicy
@@ -106,6 +107,46 @@ def fence_sessions(cur, worker_id: str, keep_session: str | None, reason: str, n
     for lease in leases:
         end_lease(cur, lease, "fenced", reason, now)
     return len(leases)
+
+
+def adopt_leases(cur, worker_id: str, session_id: str, generation: int, claims, now: int) -> tuple[list, list]:
+    """Re-bind to the new Session/generation each claimed Lease ((Attempt ID, lease generation,
+    token digest), Attempt ID order: the lock order) that is this Worker's, matches the token
+    digest and is either ``completed`` or active, unexpired at ``now``, its Attempt
+    ``starting``/``running`` and its Run not asked to cancel (``cluster.registry``). Returns
+    (``AdoptedLease`` list, ``AdoptRefusal`` list); each adoption appends ``lease.adopted``
+    (identities and fences only, never the token); a refusal writes nothing (the caller's
+    ``fence_sessions`` then ends the Lease if it is still active)."""
+    adopted, refused = [], []
+    for attempt_id, lease_generation, digest in claims:
+        row = cur.execute("SELECT l.*, a.state AS attempt_state, r.cancel_requested_at_us FROM run_leases l"
+                          " JOIN attempts a ON a.attempt_id = l.attempt_id JOIN runs r ON r.run_id = l.run_id"
+                          " WHERE l.attempt_id = %s AND l.lease_generation = %s AND l.worker_id = %s"
+                          " FOR UPDATE OF l", (attempt_id, lease_generation, worker_id)).fetchone()
+        reason = None
+        if row is None:
+            reason = "lease_not_found"              # also another Worker's Lease: nothing said about it
+        elif row["token_digest"] != digest:
+            reason = "lease_token_mismatch"
+        elif row["state"] in ("expired", "fenced"):
+            reason = "lease_not_active"
+        elif row["state"] == "active" and row["expires_at_us"] <= now:
+            reason = "lease_expired"
+        elif row["state"] == "active" and row["attempt_state"] not in ("starting", "running"):
+            reason = "not_started"                  # claimed: never spawned, ADR-0014 re-offers it
+        elif row["state"] == "active" and row["cancel_requested_at_us"] is not None:
+            reason = "run_cancelled"
+        if reason is not None:
+            refused.append(AdoptRefusal(attempt_id, lease_generation, reason))
+            continue
+        cur.execute("UPDATE run_leases SET session_id = %s, worker_generation = %s"
+                    " WHERE attempt_id = %s AND lease_generation = %s",
+                    (session_id, generation, attempt_id, lease_generation))
+        event(cur, row["run_id"], "lease.adopted", f"worker:{worker_id}",
+              {"attemptId": attempt_id, "leaseGeneration": lease_generation, "sessionId": session_id,
+               "generation": generation, "fromGeneration": row["worker_generation"]}, now)
+        adopted.append(AdoptedLease(attempt_id, lease_generation, row["expires_at_us"]))
+    return adopted, refused
 
 
 def authenticate(cur, worker_id: str, credential_digest: str, *, lock: bool = False) -> dict:
