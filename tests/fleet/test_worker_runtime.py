@@ -168,6 +168,22 @@ def test_worker_sigkilled_mid_run_restarts_reattaches_and_resends(tmp_path, cp, 
     assert "worker.lease_adopted" in worker.journal()
 
 
+def test_a_run_that_ended_while_the_worker_was_down_is_adopted_and_its_completion_accepted(tmp_path, cp, worker):
+    done = tmp_path / "done"
+    aid = cp.add_run(shell="/bin/sh", script=f"sleep 1; echo ended-alone; touch {done}")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    worker.kill()
+    end = time.monotonic() + 20
+    while time.monotonic() < end and not done.exists():
+        time.sleep(0.05)
+    worker.start()
+    assert cp.wait(lambda: completion(cp, aid) is not None and cp.log_of(aid) == b"ended-alone\n", 30), \
+        worker.journal()
+    assert [c.attempt_id for c in cp.hellos[-1].adopt] == [aid]
+    assert completion(cp, aid).generation == 2 and completion(cp, aid).exit_code == 0
+
+
 def test_a_restart_whose_adoption_is_refused_kills_the_reattached_run(tmp_path, cp, worker):
     pidfile = tmp_path / "task.pid"
     aid = cp.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; exec sleep 60")
