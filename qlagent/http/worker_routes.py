@@ -1,16 +1,16 @@
 """The Worker routes of a control-plane replica (docs/worker-protocol.md; ADR-0108 Pull,
 ADR-0109 ACKs, issue 10 §3/§6/§7/§9/§10) over the cluster services.
 
-Five routes under ``/api/v3/cluster/workers/{workerId}``: ``POST sessions`` (201
-SessionGrant), ``POST heartbeat``, ``POST pull?waitS=N``, ``POST acks`` and
-``PUT attempts/{attemptId}/log?offset=N``. On the loop thread a route only checks what needs
-no database: the credential kind (``Authorization: Worker qlw_…``; an API token is 401), the
-body (JSON ≤ 16 KiB, a Session hello ≤ 64 KiB → else 413, unknown or mistyped fields → 400
-naming the field; a log chunk 1..262,144 bytes) and the path; the service call then runs on a bounded thread pool and the
-answer comes back through :class:`qlagent.http.server.Deferred`, so the selectors loop never
-waits on PostgreSQL. A Pull with ``waitS`` > 0 holds one of ``max_long_polls`` slots on its own
-pool (503 ``cluster_unavailable`` + ``Retry-After`` beyond), so long-polls never starve the
-other routes.
+Five routes under ``/api/v3/cluster/workers/{workerId}``: ``POST sessions`` (201 SessionGrant),
+``POST heartbeat``, ``POST pull?waitS=N``, ``POST acks`` and
+``PUT attempts/{attemptId}/log?offset=N``. On the loop thread a route only checks what needs no
+database: the credential kind (``Authorization: Worker qlw_…``; an API token is 401), the body
+(JSON ≤ 16 KiB, a Session hello ≤ 64 KiB → else 413, unknown or mistyped fields → 400 naming
+the field; a log chunk 1..262,144 bytes) and the path; the service call then runs on a bounded
+thread pool and the answer comes back through :class:`qlagent.http.server.Deferred`, so the
+selectors loop never waits on PostgreSQL. A Pull with ``waitS`` > 0 holds one of
+``max_long_polls`` slots on its own pool (503 ``cluster_unavailable`` + ``Retry-After``
+beyond), so long-polls never starve the other routes.
 
 Errors are ``{"error", "field", "message"}`` with the documented status; a credential the
 database does not know for this ``workerId`` is 401, one issued to another Worker is 403

@@ -5,10 +5,11 @@ fleet integration test replaces it with real replicas on PostgreSQL.
 Real HTTP/1.1 over loopback, real TLS with a throwaway CA made at test time (``cryptography``),
 in-memory state guarded by one lock. It follows the protocol page and the rules of the real
 control plane that a Worker can observe: Sessions and generations (a new Session adopts the
-Leases its hello names and may keep, and fences every other Lease of the older ones), Pull retried by (Session, pullId) with the token checked, Lease fence
-on ACKs and chunks (token, Session, generation), ACK replays, offset-addressed chunks with the
-quota and a truncation flag, ``X-Qlagent-Server-Now-Us`` on every answer, the documented
-error codes. It is not a scheduler: the test queues Runs with ``add_run``.
+Leases its hello names and may keep, and fences every other Lease of the older ones), Pull
+retried by (Session, pullId) with the token checked, Lease fence on ACKs and chunks (token,
+Session, generation), ACK replays, offset-addressed chunks with the quota and a truncation
+flag, ``X-Qlagent-Server-Now-Us`` on every answer, the documented error codes. It is not a
+scheduler: the test queues Runs with ``add_run``.
 
 Test handles: ``partition(True)`` (every request is dropped unanswered and nothing is written),
 ``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``refuse_chunks`` (503), ``cancel(attempt)``,
