@@ -189,8 +189,11 @@ class ClusterServices:
     ``registry`` (WorkerRegistry), ``pull`` (WorkerPull, long-poll woken by LISTEN/NOTIFY),
     ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``placement_report``
     (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
-    (PgLogStore), ``budgets`` (DispatcherBudgets), the ``[cluster]`` table as ``config``, and
-    ``close()`` for the LISTEN connection. The Worker HTTP routes take it whole."""
+    (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
+    ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``), the
+    ``[cluster]`` table as ``config``, ``stop_waiting()`` (SIGTERM: long-polling Pulls answer at
+    once) and ``close()`` for the LISTEN connection. ``qlagent.http.service`` mounts the Worker
+    routes over it."""
 
     def __init__(self, settings, store) -> None:
         from .adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
@@ -220,9 +223,30 @@ class ClusterServices:
         self.logs = LogUpload(self.log_reader, settings.profile)
         self.sweeper = LeaseSweeper(leases, PgWorkerRegistry(store.pool), c.sweep_batch)
         self.placement_report = PgPlacementReport(store.pool)
+        self.now_us = dispatch.now_us
+
+    def stop_waiting(self) -> None:
+        """End every long-poll now (each answers what it has: idle) and every later one at
+        once; the replica is stopping. Idempotent."""
+        self.signal.close()
 
     def close(self) -> None:
         self.signal.close()
+
+
+def check_replica_pool(cluster) -> int:
+    """The Worker routes' database threads of a replica (``[cluster] threads``, default
+    ``pool_size`` − 2 capped at 4). One connection serves the loop thread (HTTP API routes,
+    scheduler, sweeper) and one the long-polls re-reading after a wake-up (they hold none while
+    waiting), so ``pool_size`` ≥ threads + 2; ValidationError naming ``cluster.pool_size``
+    otherwise (issue 10 §6)."""
+    from .core.errors import ValidationError
+    threads = cluster.threads if cluster.threads is not None else max(1, min(4, cluster.pool_size - 2))
+    if cluster.pool_size < threads + 2:
+        raise ValidationError("cluster.pool_size", f"{cluster.pool_size} connections cannot serve {threads} "
+                              "route threads + the loop + long-polls: needs at least threads + 2",
+                              limit=threads + 2)
+    return threads
 
 
 class _LazyBox:

@@ -51,17 +51,35 @@ def _bad_query(err: ValidationError) -> HttpError:
     return HttpError(400, "bad_query", err.message, field=err.field or "query")
 
 
+def _log_answer(size: int, fact, offset: int, length: int, partial: bool) -> tuple[int, list[tuple[str, str]]]:
+    """Status and headers of a log read: 200/206, ``X-Qlagent-Log-Size`` (bytes), the
+    truncation headers and, for a partial read, ``Content-Range``."""
+    headers = [("Content-Type", "application/octet-stream"), ("Accept-Ranges", "bytes"),
+               ("X-Qlagent-Log-Size", str(size)),
+               ("X-Qlagent-Log-Truncated", "true" if fact else "false")]
+    if fact:
+        dropped = fact.bytes_dropped
+        headers.append(("X-Qlagent-Truncation", f"quota={fact.quota_bytes} kept={fact.bytes_kept} "
+                        f"dropped={'unknown' if dropped is None else dropped}"))
+    if partial:
+        headers.append(("Content-Range", content_range(offset, length, size)))
+    return (206 if partial else 200), headers
+
+
 class Api:
     """The route functions. ``store``: the agent's store (``core.ports.Store``); ``on_change()``: wake the service
     loop after a new Run or a cancellation intent so it dispatches / stops the tree at once;
     ``ready()``: extra readiness (False while draining)."""
 
     def __init__(self, store: Store, on_change: Callable[[], None],
-                 ready: Callable[[], bool] = lambda: True) -> None:
+                 ready: Callable[[], bool] = lambda: True, log_chunks=None) -> None:
         self.store = store
         self.runs = RunService(store)
         self.on_change = on_change
         self.ready = ready
+        # On a control plane the logs are the chunks Workers uploaded to the authority
+        # (``read_range(run_id, offset, limit) -> (bytes, size, TruncationFact | None)``).
+        self.log_chunks = log_chunks
 
     # ---- helpers -----------------------------------------------------------------------------
     def _principal(self, req: Request, project: str, permission: str):
@@ -126,8 +144,10 @@ class Api:
         _, proj = self._principal(req, p["projectId"], "run.read")
         limit = query_int(req, "limit", RUN_PAGE_DEFAULT, 1, RUN_PAGE_MAX)
         state = req.query.get("state")
-        if state is not None and state not in RunState.ALL:
-            raise HttpError(400, "bad_query", f"state must be one of {', '.join(RunState.ALL)}", field="state")
+        # ``dispatching`` exists on the cluster authority only: the store refuses it elsewhere.
+        if state is not None and state not in RunState.ALL_CLUSTER:
+            raise HttpError(400, "bad_query", f"state must be one of {', '.join(RunState.ALL_CLUSTER)}",
+                            field="state")
         task = req.query.get("task")
         if task is not None and not 1 <= len(task) <= 128:
             raise HttpError(400, "bad_query", "task must be 1..128 characters", field="task")
@@ -166,6 +186,8 @@ class Api:
         when truncated, ``X-Qlagent-Truncation`` ``quota=N kept=N dropped=N|unknown`` (bytes)."""
         _, proj = self._principal(req, p["projectId"], "log.read")
         run = self._run(proj.project_id, p["runId"])
+        if self.log_chunks is not None:
+            return self._read_chunks(req, run.run_id)
         path, fact = self.runs.log_source(run.run_id)
         fd = -1
         size = 0
@@ -182,20 +204,21 @@ class Api:
             if fd >= 0:
                 os.close(fd)
             raise
-        headers = [("Content-Type", "application/octet-stream"), ("Accept-Ranges", "bytes"),
-                   ("X-Qlagent-Log-Size", str(size)),
-                   ("X-Qlagent-Log-Truncated", "true" if fact else "false")]
-        if fact:
-            dropped = fact.bytes_dropped
-            headers.append(("X-Qlagent-Truncation", f"quota={fact.quota_bytes} kept={fact.bytes_kept} "
-                            f"dropped={'unknown' if dropped is None else dropped}"))
-        status = 200
-        if partial:
-            status = 206
-            headers.append(("Content-Range", content_range(offset, length, size)))
+        status, headers = _log_answer(size, fact, offset, length, partial)
         if fd < 0:
             return Response(status, headers, b"")
         return Response(status, headers, file=FileRange(fd, offset, length))
+
+    def _read_chunks(self, req: Request, run_id: str) -> Response:
+        """``read_log`` on the cluster authority: the same answer over the log chunks the Worker
+        uploaded (issue 10 §9, ``PgLogStore.read_range``). The size is read first, then the
+        range: a log only grows, so the range never reaches past the size announced."""
+        _, size, fact = self.log_chunks.read_range(run_id, 0, 0)
+        cap = MAX_LOG_READ if ("range" in req.headers or "limit" in req.query) else LOG_READ_DEFAULT
+        offset, length, partial = byte_range(req, size, cap)
+        data = self.log_chunks.read_range(run_id, offset, length)[0] if length else b""
+        status, headers = _log_answer(size, fact, offset, len(data), partial)
+        return Response(status, headers, data)
 
     # ---- cancel ------------------------------------------------------------------------------
     def cancel(self, req: Request, p: dict[str, str]) -> Response:

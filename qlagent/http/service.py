@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import selectors
 import time
+
+import msgspec
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from qlagent.core.errors import ValidationError
 from qlagent.http.api import Api, build_router
-from qlagent.http.server import HttpLimits, HttpServer
+from qlagent.http.server import Deferred, HttpError, HttpLimits, HttpServer, Request, Response
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from qlagent.core.ports import Store
@@ -27,6 +29,8 @@ MAX_IN_FLIGHT = 64
 MAX_BODY_BYTES = 65_536
 MIN_BODY_BYTES = 256           # a Task Start body is ~200 bytes
 READ_TIMEOUT_S = (0.5, 60.0)
+WORKER_PATHS = "/api/v3/cluster/workers/"
+WORKER_IDLE_S = 65.0          # keep-alive idle bound on a control plane (s): above the longest heartbeat interval
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})   # answered without an in-flight slot (README "HTTP API")
 
 
@@ -60,24 +64,44 @@ def limits_for(settings) -> HttpLimits:
 
 
 class HttpSurface:
-    """``HttpSurface(settings, store, on_change)``: the API server for the loop.
+    """``HttpSurface(settings, store, on_change, cluster=None)``: the API server for the loop.
 
     ``on_change()`` pokes the loop (a new Run to dispatch, a cancellation to carry out).
+    ``cluster`` (a control-plane replica: ``bootstrap.ClusterServices``) adds the Worker routes
+    (:func:`mount_worker_routes`) and serves the logs from the uploaded chunks.
     Drive it with ``listen_tcp``/``listen_unix``, ``register(selector)``, ``owns(key)`` +
     ``handle_event(key, mask)``, ``next_timeout_us(now_us)`` and ``tick(now_us)`` each turn,
     ``begin_drain()`` on SIGTERM and ``close()`` at exit. Raises ValidationError for an
     ``[http]`` override out of bounds (see :func:`limits_for`).
     """
 
-    def __init__(self, settings, store: Store, on_change: Callable[[], None]) -> None:
+    def __init__(self, settings, store: Store, on_change: Callable[[], None], cluster=None,
+                 threads: int = 4) -> None:
         self.draining = False
-        self.api = Api(store, on_change, ready=lambda: not self.draining)
+        self.api = Api(store, on_change, ready=lambda: not self.draining,
+                       log_chunks=cluster.log_reader if cluster is not None else None)
         self.router = build_router(self.api)
-        self.server = HttpServer(limits_for(settings), self.router, probe_paths=PROBE_PATHS)
+        limits = limits_for(settings)
+        self.worker_routes = None
+        if cluster is None:
+            self.server = HttpServer(limits, self.router, probe_paths=PROBE_PATHS)
+        else:   # a control plane: the cluster is loaded only here (never on a local agent)
+            from qlagent.cluster.logs import MAX_CHUNK_BYTES
+            self.worker_routes, handler, error_response = mount_worker_routes(
+                self.router, cluster, threads, limits.max_body_bytes)
+            # Every Worker route request is in flight while its database work (or long-poll)
+            # runs; a Worker keeps its connection between heartbeats (≤ 60 s).
+            in_flight = limits.max_in_flight + threads + cluster.config.max_long_polls
+            limits = replace(limits, max_body_bytes=max(limits.max_body_bytes, MAX_CHUNK_BYTES),
+                             max_in_flight=in_flight, max_connections=max(limits.max_connections, in_flight + 16),
+                             idle_timeout_s=max(limits.idle_timeout_s, WORKER_IDLE_S),
+                             max_requests_per_connection=max(limits.max_requests_per_connection, 100_000))
+            self.server = HttpServer(limits, handler, probe_paths=PROBE_PATHS, error_response=error_response)
 
-    def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
-        """Bind HOST:PORT (port 0 picks a free one); returns the bound (host, port)."""
-        return self.server.listen_tcp(host, port)
+    def listen_tcp(self, host: str, port: int, tls=None) -> tuple[str, int]:
+        """Bind HOST:PORT (port 0 picks a free one); returns the bound (host, port). ``tls``: a
+        ``qlagent.http.tls.TlsAcceptor`` (HTTPS on this listener)."""
+        return self.server.listen_tcp(host, port, tls=tls)
 
     def listen_unix(self, path: str) -> str:
         """Bind a unix stream socket at ``path`` (mode 0660); returns the path."""
@@ -114,4 +138,40 @@ class HttpSurface:
         self.server.begin_drain()
 
     def close(self) -> None:
+        """Close every connection, then stop the Worker routes' threads."""
         self.server.close()
+        if self.worker_routes is not None:
+            self.worker_routes.close()
+
+
+def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int):
+    """Add the Worker routes (docs/worker-protocol.md) over ``cluster`` (``bootstrap.
+    ClusterServices``) to ``router``, with ``threads`` database threads and ``[cluster]``
+    ``max_long_polls``/``answer_timeout_s``. Returns (WorkerRoutes, the server handler, the
+    server's ``error_response``).
+
+    The handler stamps ``X-Qlagent-Server-Now-Us`` (the database clock) on every answer and
+    keeps the API routes' body bound at ``api_body_bytes`` (413) although the server admits a
+    log chunk (``cluster.logs.MAX_CHUNK_BYTES``). The server's own refusals carry both error shapes: the Worker
+    protocol's ``error``/``field`` and the API's ``code``."""
+    from qlagent.http.worker_routes import DbClock, WorkerRouteLimits, WorkerRoutes, WorkerServices
+    c = cluster.config
+    routes = WorkerRoutes(WorkerServices(registry=cluster.registry, pull=cluster.pull, acks=cluster.acks,
+                                         logs=cluster.logs, clock=DbClock(cluster.now_us)),
+                          WorkerRouteLimits(threads=threads, max_long_polls=c.max_long_polls,
+                                            answer_timeout_s=c.answer_timeout_s))
+    routes.register(router)
+    inner = routes.handler(router)
+
+    def handle(req: Request) -> Response | Deferred:
+        if len(req.body) > api_body_bytes and not req.path.startswith(WORKER_PATHS):
+            raise HttpError(413, "body_too_large",
+                            f"request body is {len(req.body)} bytes; the limit is {api_body_bytes} bytes")
+        return inner(req)
+
+    def error_response(status: int, code: str, message: str, headers: list[tuple[str, str]] | None) -> Response:
+        resp = routes.error_response(status, code, message, headers)
+        resp.body = msgspec.json.encode({"code": code, **msgspec.json.decode(resp.body)})
+        return resp
+
+    return routes, handle, error_response

@@ -67,8 +67,9 @@ class TlsConnection:
 
 
 class TlsAcceptor:
-    """Server-side TLS from a PEM certificate chain and its private key (``tls_cert``,
-    ``tls_key``). Raises ValidationError naming the field when either cannot be loaded."""
+    """Server-side TLS from a PEM certificate chain and its private key (``[cluster]``
+    ``tls_cert``, ``tls_key``). Raises ValidationError naming ``cluster.tls_cert`` or
+    ``cluster.tls_key`` when either cannot be read or they do not load as a pair."""
 
     def __init__(self, cert_file: str, key_file: str) -> None:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -77,10 +78,10 @@ class TlsAcceptor:
         try:
             ctx.load_cert_chain(cert_file, key_file)
         except FileNotFoundError as e:
-            raise ValidationError("tls_cert" if e.filename in (None, cert_file) else "tls_key",
+            raise ValidationError("cluster.tls_cert" if e.filename in (None, cert_file) else "cluster.tls_key",
                                   f"cannot read {e.filename or cert_file}") from None
         except (ssl.SSLError, OSError) as e:
-            raise ValidationError("tls_key", f"certificate and key do not load as a pair ({e.__class__.__name__})") \
+            raise ValidationError("cluster.tls_key", f"certificate and key do not load as a pair ({e.__class__.__name__})") \
                 from None
         self.context = ctx
 

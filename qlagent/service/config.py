@@ -83,6 +83,12 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     dispatcher: DispatcherConfig = DispatcherConfig()
     tls_cert: str | None = None             # PEM files; both or neither (HTTPS on the control plane)
     tls_key: str | None = None
+    # Worker routes (docs/worker-protocol.md): database threads (default pool_size − 2, at most
+    # 4; pool_size must be ≥ threads + 2), Pulls long-polling at once (503 beyond), and the
+    # longest a route's database work may take before a 503 (s; a long-poll adds its waitS).
+    threads: Annotated[int, msgspec.Meta(ge=1, le=64)] | None = None
+    max_long_polls: Annotated[int, msgspec.Meta(ge=1, le=256)] = 32
+    answer_timeout_s: Annotated[float, msgspec.Meta(ge=1, le=300)] = 30.0
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -8,16 +8,19 @@ match), the definition reload (other replicas and CLIs change Tasks
 without poking this process), or a signal. It runs no local engine: Runs are executed by
 Workers that Pull them.
 
-Start-up: migrations under the advisory lock (``PgStore``), capability check (readiness), the
-cluster services (``bootstrap.ClusterServices``), the HTTP surface with the existing routes on
-PostgreSQL plus the route modules of ``CLUSTER_ROUTE_MODULES``. SIGTERM/SIGINT: stop accepting,
-finish requests in progress, exit 0. SIGHUP: re-read the Task heads at once.
+Start-up: first what needs no database (``[cluster]`` pool size against the route threads,
+``bootstrap.check_replica_pool``; the TLS certificate and key, ``http.tls``), so a bad value is
+one line naming the field with nothing written; then migrations under the advisory lock
+(``PgStore``), capability check (readiness), the cluster services (``bootstrap.ClusterServices``)
+and the HTTP surface: the existing routes on PostgreSQL, the Worker routes
+(``http.service.mount_worker_routes``), HTTPS when ``tls_cert``/``tls_key`` are set.
+SIGTERM/SIGINT: stop accepting, answer every long-polling Pull at once (idle), finish requests in
+progress, exit 0. SIGHUP: re-read the Task heads at once.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib
 import selectors
 import signal
 import socket
@@ -32,9 +35,6 @@ from .journal import Journal
 from .notify import Notifier
 from .scheduler import Scheduler
 
-# Modules whose ``mount(router, services)`` adds routes to a control plane's HTTP surface
-# (``services``: ``bootstrap.ClusterServices``). The Worker routes register here.
-CLUSTER_ROUTE_MODULES: tuple[str, ...] = ()
 RELOAD_INTERVAL_US = 10_000_000    # re-read Task heads this often (s × 1e6): peers change them silently
 MAX_SWEEPS_PER_WAKE = 4            # sweeper passes after one wake-up while a pass reports a full batch
 
@@ -66,13 +66,18 @@ class ControlPlane:
 
     def _run(self) -> int:
         started = now_us()
+        threads = bootstrap.check_replica_pool(self.cluster)
+        tls = None
+        if self.cluster.tls_cert is not None:
+            from ..http.tls import TlsAcceptor
+            tls = TlsAcceptor(self.cluster.tls_cert, self.cluster.tls_key)
         self.store = bootstrap.open_store(self.settings)        # migrates under the advisory lock
         if self.store.applied:
             self.log("info", "store.migrated", applied=",".join(self.store.applied))
         self.services = bootstrap.ClusterServices(self.settings, self.store)
         self.scheduler = Scheduler(self.store, system_timezone(), now_us, self.log)
         self._install_signals()
-        self._start_http()
+        self._start_http(threads, tls)
         exit_at = None if self._exit_after_s is None else started + int(self._exit_after_s * 1e6)
         next_sweep = next_reload = started     # the first iteration loads the Task heads and sweeps
         self.log("info", "service.ready", role="control-plane", profile=self.settings.profile.name)
@@ -112,6 +117,7 @@ class ControlPlane:
                 self.http.tick(now_us())
             self.notify.ping_if_due(now_us())
         self.notify.stopping()
+        self.services.stop_waiting()
         self._drain_http()
         self.log("info", "service.stopped", role="control-plane")
         return 0
@@ -137,24 +143,23 @@ class ControlPlane:
         signal.signal(signal.SIGHUP, lambda n, f: setattr(self, "_hup", True))
         self.sel.register(r, selectors.EVENT_READ, "signal")
 
-    def _start_http(self) -> None:
+    def _start_http(self, threads: int, tls) -> None:
         cfg = self.settings.config.http
         listen = self._listen or (cfg.listen if cfg else None)
         if not listen:
             return
         from ..http.service import HttpSurface
-        self.http = HttpSurface(self.settings, self.store, on_change=lambda: None)
-        for name in CLUSTER_ROUTE_MODULES:
-            importlib.import_module(name).mount(self.http.router, self.services)
+        self.http = HttpSurface(self.settings, self.store, on_change=lambda: None, cluster=self.services,
+                                threads=threads)
         host, port = parse_listen(listen, "--listen" if self._listen else "http.listen")
         try:
-            bound = self.http.listen_tcp(host, port)
+            bound = self.http.listen_tcp(host, port, tls=tls)
         except OSError as e:
             name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "error"
             raise UnavailableError(f"cannot listen on {listen}: {name} ({e.strerror or e})",
                                    code="listen_failed") from None
         self.http.register(self.sel)
-        self.log("info", "http.listening", address="%s:%d" % bound[:2])
+        self.log("info", "http.listening", address="%s:%d" % bound[:2], tls="on" if tls else "off")
 
     def _drain_http(self) -> None:
         """Stop accepting; finish requests in progress for at most ``drain_grace_s``."""

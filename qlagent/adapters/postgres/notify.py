@@ -56,6 +56,10 @@ class PgCandidateSignal:
             return self._cond.wait_for(lambda: self._seq != seq or self._stop, timeout_s) and not self._stop
 
     def close(self) -> None:
+        """Stop listening and wake every waiter (``wait`` then returns False at once, now and
+        later). Idempotent."""
         self._stop = True
-        self._thread.join(5)
+        self._bump()
+        if self._thread.is_alive():
+            self._thread.join(5)
         self._conn.close()

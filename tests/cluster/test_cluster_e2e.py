@@ -1,0 +1,224 @@
+"""End to end through real processes: ``qlagent serve`` with ``[cluster]`` (HTTPS from a throwaway
+CA) on a fresh PostgreSQL database, a Worker enrolled with ``qlagent workers enroll``, and
+``qlagent serve`` with ``[worker]`` running a Task started from the CLI — its outcome and its log
+read back from PostgreSQL by ``run show`` / ``run logs`` and over HTTPS. Also: a Worker trusting
+another CA is refused with one line and writes nothing; bad TLS or pool values stop the replica
+before anything is written; SIGTERM ends the replica promptly while the Worker long-polls."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import create_database, db_url, drop_database
+from cpkit import make_ca
+
+BASE = "/api/v3/projects/default"
+TASKS = """
+[[task]]
+name = "greet"
+shell = "/bin/sh"
+script = "echo hello-from-the-worker; echo second line"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+
+
+class Node:
+    """A state directory and a config file (0600); ``cli`` runs ``qlagent`` on them."""
+
+    def __init__(self, root: str, name: str, config: str) -> None:
+        self.state = os.path.join(root, f"{name}-state")
+        self.config = os.path.join(root, f"{name}.toml")
+        with open(self.config, "w") as f:
+            f.write(config)
+        os.chmod(self.config, 0o600)
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state, "--config", self.config, *args]
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(*args), capture_output=True, timeout=60, env=_env())
+
+    def ok(self, *args: str) -> str:
+        p = self.cli(*args)
+        assert p.returncode == 0 and b"Traceback" not in p.stderr, (args, p.stdout, p.stderr)
+        return p.stdout.decode()
+
+
+class Proc:
+    """``qlagent serve`` in a subprocess; its journal lines (stderr) collected as they come."""
+
+    def __init__(self, node: Node, *args: str) -> None:
+        self.proc = subprocess.Popen(node.argv("serve", *args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=_env())
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for raw in self.proc.stderr:
+            with self.cond:
+                self.lines.append(raw.decode(errors="replace"))
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append("<eof>")
+            self.cond.notify_all()
+
+    def wait_line(self, text: str, timeout_s: float = 20) -> str:
+        with self.cond:
+            self.cond.wait_for(lambda: any(text in ln or ln == "<eof>" for ln in self.lines), timeout_s)
+            found = [ln for ln in self.lines if text in ln]
+        assert found, "".join(self.lines)
+        return found[0]
+
+    def stop(self, timeout_s: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+
+def sql(url: str, query: str, args=()):
+    with psycopg.connect(url, autocommit=True) as c:
+        cur = c.execute(query, args)
+        return cur.fetchall() if cur.description else []
+
+
+@pytest.fixture(scope="module")
+def plane(pg_url):
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="qlagent-e2e-", dir=base)
+    ca, cert, key = make_ca(root, "cp")
+    other_ca, _, other_key = make_ca(root, "other")
+    port = free_port()
+    cp = Node(root, "cp", f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nsweep_interval_s = 0.5\n'
+                          f'tls_cert = "{cert}"\ntls_key = "{key}"\n')
+    cp.ok("init")
+    with open(os.path.join(root, "tasks.toml"), "w") as f:
+        f.write(TASKS)
+    cp.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
+    replica = Proc(cp, "--listen", f"127.0.0.1:{port}")
+    assert "tls=on" in replica.wait_line("http.listening")
+    replica.wait_line("service.ready")
+    state = {"root": root, "ca": ca, "cert": cert, "key": key, "other_ca": other_ca, "other_key": other_key,
+             "port": port, "cp": cp, "replica": replica, "url": pg_url, "workers": []}
+    yield state
+    for w in state["workers"]:
+        w.stop()
+    replica.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def start_worker(plane, name: str, ca_file: str) -> tuple[Proc, str]:
+    enrolled = json.loads(plane["cp"].ok("workers", "enroll", name, "--json"))
+    cred = os.path.join(plane["root"], f"{name}.credential")
+    fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, enrolled["credential"].encode() + b"\n")
+    os.close(fd)
+    node = Node(plane["root"], name, f'[worker]\nworker_id = "{enrolled["workerId"]}"\n'
+                                     f'control_url = "https://127.0.0.1:{plane["port"]}"\n'
+                                     f'credential_file = "{cred}"\nca_file = "{ca_file}"\n'
+                                     'heartbeat_interval_s = 1\npull_wait_s = 20\n')
+    proc = Proc(node)
+    plane["workers"].append(proc)
+    return proc, enrolled["workerId"]
+
+
+def https(plane, path: str, token: str, headers: dict | None = None):
+    ctx = ssl.create_default_context(cafile=plane["ca"])
+    conn = http.client.HTTPSConnection("127.0.0.1", plane["port"], timeout=30, context=ctx)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def test_a_real_worker_runs_a_task_started_from_the_cli_and_its_log_is_read_from_postgresql(plane):
+    cp = plane["cp"]
+    worker, worker_id = start_worker(plane, "edge-1", plane["ca"])
+    worker.wait_line("worker.ready")
+    run_id = cp.ok("run", "start", "greet").strip()
+    deadline = time.monotonic() + 20          # the Worker ends the Run: it ACKs the outcome to the replica
+    while sql(plane["url"], "SELECT state FROM runs WHERE run_id = %s", (run_id,)) != [("succeeded",)] \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    shown = cp.ok("run", "show", run_id)
+    assert "state     succeeded exit=0" in shown, shown
+    assert cp.ok("run", "logs", run_id) == "hello-from-the-worker\nsecond line\n"
+    assert sql(plane["url"], "SELECT w.name FROM attempts a JOIN workers w ON w.worker_id = a.worker_id "
+                             "WHERE a.run_id = %s", (run_id,)) == [("edge-1",)]
+    assert cp.ok("run", "ls", "--state", "dispatching").count(run_id) == 0
+    token = cp.ok("token", "create", "--subject", "alice", "--role", "operator").strip()
+    status, headers, body = https(plane, f"{BASE}/runs/{run_id}/log", token)
+    assert (status, body, headers["x-qlagent-log-size"]) == (200, b"hello-from-the-worker\nsecond line\n", "34")
+    assert int(headers["x-qlagent-server-now-us"]) > 0
+    status, headers, body = https(plane, f"{BASE}/runs/{run_id}/log", token, {"Range": "bytes=6-9"})
+    assert (status, body, headers["content-range"]) == (206, b"from", "bytes 6-9/34")
+    status, _, body = https(plane, f"{BASE}/runs?state=dispatching", token)
+    assert status == 200 and json.loads(body)["items"] == []
+
+
+def test_a_worker_trusting_another_ca_is_refused_with_one_line_and_writes_nothing(plane):
+    worker, worker_id = start_worker(plane, "edge-wrong-ca", plane["other_ca"])
+    assert worker.proc.wait(20) == 2
+    worker.wait_line("<eof>")
+    errors = [ln for ln in worker.lines if " ERR " in ln]
+    assert len(errors) == 1 and "worker.ca_file" in errors[0] and "Traceback" not in "".join(worker.lines), \
+        worker.lines
+    assert sql(plane["url"], "SELECT generation FROM workers WHERE worker_id = %s", (worker_id,)) == [(0,)]
+    assert sql(plane["url"], "SELECT count(*) FROM worker_sessions WHERE worker_id = %s", (worker_id,)) == [(0,)]
+
+
+@pytest.mark.parametrize("cluster, field", [
+    ('tls_cert = "{root}/missing.pem"\ntls_key = "{key}"\n', "cluster.tls_cert"),
+    ('tls_cert = "{cert}"\ntls_key = "{other_key}"\n', "cluster.tls_key"),
+    ("pool_size = 3\nthreads = 4\n", "cluster.pool_size"),
+])
+def test_bad_tls_or_pool_values_stop_the_replica_naming_the_field_and_write_nothing(plane, cluster, field):
+    root = plane["root"]
+    name = create_database(f"e2e_bad_{field.rsplit('.', 1)[-1]}")
+    try:
+        node = Node(root, f"bad-{field}", f'[cluster]\ndatabase = "{db_url(name)}"\n' +
+                    cluster.format(root=root, cert=plane["cert"], key=plane["key"], other_key=plane["other_key"]))
+        p = subprocess.run(node.argv("serve", "--listen", "127.0.0.1:0"), capture_output=True, timeout=30,
+                           env=_env())
+        lines = p.stderr.decode().strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and field in lines[0], p.stderr
+        assert sql(db_url(name), "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+    finally:
+        drop_database(name)
+
+
+def test_sigterm_ends_the_replica_promptly_while_the_worker_long_polls(plane):
+    replica, worker = plane["replica"], plane["workers"][0]
+    # The Worker is idle: its Pull waits up to pull_wait_s = 20 s on the replica. The replica
+    # answers it at once on SIGTERM instead of holding the drain until the wait ends.
+    time.sleep(1.0)                  # the Worker's Pull after its last ACK is parked on the replica
+    replica.proc.send_signal(signal.SIGTERM)
+    assert replica.proc.wait(5) == 0
+    replica.wait_line("service.stopped")
+    assert worker.proc.poll() is None                     # the Worker survives and retries
+    assert worker.stop() == 0
