@@ -147,6 +147,7 @@ class ControlPlane:
         cfg = self.settings.config.http
         listen = self._listen or (cfg.listen if cfg else None)
         if not listen:
+            self.log("warning", "http.off", reason="no [http] listen or --listen: Workers cannot reach this replica")
             return
         from ..http.service import HttpSurface
         self.http = HttpSurface(self.settings, self.store, on_change=lambda: None, cluster=self.services,

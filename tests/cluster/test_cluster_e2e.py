@@ -145,11 +145,11 @@ def start_worker(plane, name: str, ca_file: str) -> tuple[Proc, str]:
     return proc, enrolled["workerId"]
 
 
-def https(plane, path: str, token: str, headers: dict | None = None):
+def https(plane, path: str, token: str, headers: dict | None = None, method: str = "GET", body: bytes | None = None):
     ctx = ssl.create_default_context(cafile=plane["ca"])
     conn = http.client.HTTPSConnection("127.0.0.1", plane["port"], timeout=30, context=ctx)
     try:
-        conn.request("GET", path, headers={"Authorization": f"Bearer {token}", **(headers or {})})
+        conn.request(method, path, body=body, headers={"Authorization": f"Bearer {token}", **(headers or {})})
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
@@ -179,6 +179,17 @@ def test_a_real_worker_runs_a_task_started_from_the_cli_and_its_log_is_read_from
     assert (status, body, headers["content-range"]) == (206, b"from", "bytes 6-9/34")
     status, _, body = https(plane, f"{BASE}/runs?state=dispatching", token)
     assert status == 200 and json.loads(body)["items"] == []
+    # The listener admits a Worker's 256 KiB log chunk; the API keeps its own body bound, and the
+    # server's refusals carry both error shapes (API ``code``, Worker protocol ``error``).
+    big = json.dumps({"pad": "x" * 4096}).encode()
+    status, _, body = https(plane, f"{BASE}/tasks/greet/runs", token, {"Content-Type": "application/json"},
+                            "POST", big)
+    assert status == 413 and json.loads(body)["code"] == "body_too_large", body
+    status, _, body = https(plane, f"{BASE}/tasks/greet/runs", token, {"Content-Type": "application/json"},
+                            "POST", b"x" * 300_000)
+    doc = json.loads(body)
+    assert status == 413 and doc["code"] == doc["error"] == "body_too_large", body
+    assert sql(plane["url"], "SELECT count(*) FROM runs") == [(1,)]
 
 
 def test_a_worker_trusting_another_ca_is_refused_with_one_line_and_writes_nothing(plane):

@@ -454,7 +454,7 @@ def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
     """``--wait`` waits through ``dispatching`` (a Lease offered) and ends with the Worker's
     outcome; the replica never runs it itself."""
     import time
-    env, _, _ = cp
+    env, replicas, tokens = cp
     p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state, "--config", env.config,
                           "run", "start", "hello", "--wait", "--timeout", "30"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items()
@@ -467,6 +467,10 @@ def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
         run_id = rows[0][0] if rows else None
         time.sleep(0.1)
     env.sql("UPDATE runs SET state = 'dispatching' WHERE run_id = %s", (run_id,))   # what a claim does
+    assert run_id in env.ok("run", "ls", "--state", "dispatching")               # the filter knows the state
+    status, page = replicas[0].request("GET", f"{BASE}/runs?state=dispatching&limit=100", token=tokens["alice"])
+    assert status == 200 and run_id in [r["runId"] for r in page["items"]], page
+    assert {r["state"] for r in page["items"]} == {"dispatching"}
     time.sleep(1.0)
     assert p.poll() is None                                                       # still waiting
     env.sql("UPDATE runs SET state = 'succeeded', exit_code = 0 WHERE run_id = %s", (run_id,))   # the Worker's end
