@@ -243,8 +243,8 @@ def check_replica_pool(cluster) -> int:
     from .core.errors import ValidationError
     threads = cluster.threads if cluster.threads is not None else max(1, min(4, cluster.pool_size - 2))
     if cluster.pool_size < threads + 2:
-        raise ValidationError("cluster.pool_size", f"{cluster.pool_size} connections cannot serve {threads} "
-                              "route threads + the loop + long-polls: needs at least threads + 2",
+        raise ValidationError("cluster.pool_size", f"{cluster.pool_size} connections are too few for {threads} "
+                              f"route threads: a replica needs threads + 2 = {threads + 2} (the loop, long-polls)",
                               limit=threads + 2)
     return threads
 

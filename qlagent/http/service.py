@@ -68,7 +68,9 @@ class HttpSurface:
 
     ``on_change()`` pokes the loop (a new Run to dispatch, a cancellation to carry out).
     ``cluster`` (a control-plane replica: ``bootstrap.ClusterServices``) adds the Worker routes
-    (:func:`mount_worker_routes`) and serves the logs from the uploaded chunks.
+    (:func:`mount_worker_routes`, ``threads`` database threads) and serves the logs from the
+    uploaded chunks; the listener then also admits a log chunk's body and holds a Worker's
+    keep-alive connection between heartbeats.
     Drive it with ``listen_tcp``/``listen_unix``, ``register(selector)``, ``owns(key)`` +
     ``handle_event(key, mask)``, ``next_timeout_us(now_us)`` and ``tick(now_us)`` each turn,
     ``begin_drain()`` on SIGTERM and ``close()`` at exit. Raises ValidationError for an

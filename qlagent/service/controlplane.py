@@ -59,7 +59,7 @@ class ControlPlane:
         try:
             return self._run()
         except QlError as e:
-            self.log("err", "service.failed", code=e.code, error=str(e))
+            self.log("err", "service.failed", code=e.code, field=e.field, error=str(e))
             return e.exit_code
         finally:
             self._close()
