@@ -161,19 +161,23 @@ def test_a_real_worker_runs_a_task_started_from_the_cli_and_its_log_is_read_from
     worker, worker_id = start_worker(plane, "edge-1", plane["ca"])
     worker.wait_line("worker.ready")
     run_id = cp.ok("run", "start", "greet").strip()
-    deadline = time.monotonic() + 20          # the Worker ends the Run: it ACKs the outcome to the replica
-    while sql(plane["url"], "SELECT state FROM runs WHERE run_id = %s", (run_id,)) != [("succeeded",)] \
-            and time.monotonic() < deadline:
+    # The Worker ends the Run (completion ACK), then uploads the log's chunks: the completion
+    # carries no log size, so wait for the bytes too before reading them back.
+    output = b"hello-from-the-worker\nsecond line\n"
+    deadline = time.monotonic() + 20
+    while sql(plane["url"], "SELECT r.state, a.log_next_offset FROM runs r JOIN attempts a "
+                            "ON a.attempt_id = r.latest_attempt_id WHERE r.run_id = %s",
+              (run_id,)) != [("succeeded", len(output))] and time.monotonic() < deadline:
         time.sleep(0.1)
     shown = cp.ok("run", "show", run_id)
     assert "state     succeeded exit=0" in shown, shown
-    assert cp.ok("run", "logs", run_id) == "hello-from-the-worker\nsecond line\n"
+    assert cp.ok("run", "logs", run_id) == output.decode()
     assert sql(plane["url"], "SELECT w.name FROM attempts a JOIN workers w ON w.worker_id = a.worker_id "
                              "WHERE a.run_id = %s", (run_id,)) == [("edge-1",)]
     assert cp.ok("run", "ls", "--state", "dispatching").count(run_id) == 0
     token = cp.ok("token", "create", "--subject", "alice", "--role", "operator").strip()
     status, headers, body = https(plane, f"{BASE}/runs/{run_id}/log", token)
-    assert (status, body, headers["x-qlagent-log-size"]) == (200, b"hello-from-the-worker\nsecond line\n", "34")
+    assert (status, body, headers["x-qlagent-log-size"]) == (200, output, str(len(output)))
     assert int(headers["x-qlagent-server-now-us"]) > 0
     status, headers, body = https(plane, f"{BASE}/runs/{run_id}/log", token, {"Range": "bytes=6-9"})
     assert (status, body, headers["content-range"]) == (206, b"from", "bytes 6-9/34")
@@ -229,7 +233,7 @@ def test_sigterm_ends_the_replica_promptly_while_the_worker_long_polls(plane):
     # answers it at once on SIGTERM instead of holding the drain until the wait ends.
     time.sleep(1.0)                  # the Worker's Pull after its last ACK is parked on the replica
     replica.proc.send_signal(signal.SIGTERM)
-    assert replica.proc.wait(5) == 0
+    assert replica.proc.wait(10) == 0               # not held until the Pull's 20 s are up
     replica.wait_line("service.stopped")
     assert worker.proc.poll() is None                     # the Worker survives and retries
     assert worker.stop() == 0
