@@ -9,6 +9,13 @@ Single-instance Tasks skip a fire while a Run of theirs is live and count it
 A Task's catch-up policy (``core.schedule.apply_catch_up``) may refuse a late instant: journal
 ``schedule.missed``. Coalesced instants are counted in the journal and in the ``run.created``
 event as ``missed`` (``"≥100"`` once capped).
+
+Bounded work per pass (issue 10 "Scheduler on PostgreSQL"): one ``fire_due`` pass makes at most
+``max_writes`` store writes (fires and cursor moves). The Tasks it did not reach are carried to
+the next pass, which starts with them (``next_wake_us`` is then the pass's own instant, so the
+service loop runs it at once), counted in ``carried`` and journalled ``schedule.carried``: a
+thousand Tasks due at one instant cannot hold one replica's loop for a thousand transactions,
+and no Task is starved by the ones before it.
 """
 
 from __future__ import annotations
@@ -23,26 +30,35 @@ if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import Store
 
 ACTOR = "scheduler"
+MAX_WRITES_PER_PASS = 64     # store writes (one transaction each) in one fire_due pass
 
 
 class Scheduler:
     """Over the store's DefinitionStore and ScheduleStore ports; ``next_wake_us`` is the next
-    instant ``fire_due`` has work (µs), None when no clock schedule is pending."""
+    instant ``fire_due`` has work (µs), None when no clock schedule is pending; ``carried`` how
+    many Tasks the last pass left to the next one. ``max_writes`` (1..MAX_WRITES_PER_PASS,
+    ValueError otherwise) bounds the writes of one pass (see the module docstring)."""
 
     def __init__(self, store: Store, system_tz: str, clock_us: Callable[[], int],
-                 log: Callable[..., None] = lambda *a, **k: None) -> None:
+                 log: Callable[..., None] = lambda *a, **k: None, max_writes: int = MAX_WRITES_PER_PASS) -> None:
+        if not 1 <= max_writes <= MAX_WRITES_PER_PASS:
+            raise ValueError(f"max_writes {max_writes} outside 1..{MAX_WRITES_PER_PASS}")
         self._store = store
         self._tz = system_tz
         self._now = clock_us
         self._log = log
+        self._max_writes = max_writes
         self._tasks: list[tuple[TaskHead, tuple[sch.Schedule, ...]]] = []
+        self._resume = 0             # index in _tasks where the next pass starts (the carried ones)
         self.next_wake_us: int | None = None
+        self.carried = 0
 
     def reload(self) -> int:
         """Re-read enabled Task heads (after a poke or SIGHUP); returns how many are scheduled."""
         heads = self._store.list_heads(None)
         self._tasks = [(h, tuple(sch.parse_schedule(s) for s in h.definition.schedules))
                        for h in heads if h.enabled]
+        self._resume = 0
         self.next_wake_us = None
         return len(self._tasks)
 
@@ -55,20 +71,29 @@ class Scheduler:
         return n
 
     def fire_due(self) -> int:
-        """Create Runs for every instant that is due now; sets ``next_wake_us``. Returns count."""
+        """Create Runs for the instants due now, within the pass's write bound; sets
+        ``next_wake_us`` and ``carried``. Returns how many Runs were created."""
         now = self._now()
-        created = 0
+        created = writes = 0
         wake: list[int] = []
         # One read of every cursor; a write transaction only for a Task that has an instant due,
         # no cursor yet, or a clock that stepped back (recorded and logged once). Writing every
         # cursor at every wake-up would be a write per Task per wake on a router's flash, for
         # nothing: between due instants the cursor decides nothing.
         cursors = self._store.schedule_cursors()
-        for head, scheds in self._tasks:
+        start = self._resume % len(self._tasks) if self._tasks else 0
+        order = self._tasks[start:] + self._tasks[:start]
+        self._resume, self.carried = start, 0
+        for i, (head, scheds) in enumerate(order):
+            if writes >= self._max_writes:
+                self._carry(start, i, len(order), writes)
+                wake.append(now)             # the carried Tasks are due now: the next pass at once
+                break
             if not any(s.kind == "cron" for s in scheds):
                 continue
             tz = head.definition.timezone or self._tz
             cur = cursors.get(head.task_id)
+            outcome: int | None = 0          # nothing to write unless an instant is due
             while True:
                 plan = sch.plan_due(scheds, tz, cur.last_instant_us if cur else None,
                                     cur.observed_wall_us if cur else None, now)
@@ -80,15 +105,28 @@ class Scheduler:
                 new = ScheduleCursor(last_instant_us=plan.last_instant_us, observed_wall_us=plan.observed_wall_us)
                 key = None if plan.due_us is None else sch.idempotency_key(head.task_id, plan.due_us)
                 outcome = self._fire(head, key, "cron", plan.due_us, (cur, new), plan, now)
+                writes += 1
                 if outcome is not None:
                     created += outcome
                     break
+                if writes >= self._max_writes:
+                    break
                 # Another loop moved the cursor since it was read: plan again from the stored one.
                 cur = self._store.schedule_cursors().get(head.task_id)
+            if outcome is None and writes >= self._max_writes:
+                self._carry(start, i, len(order), writes)  # its cursor moved on the last write: plan it again
+                wake.append(now)
+                break
             if plan.wake_us is not None:
                 wake.append(plan.wake_us)
         self.next_wake_us = min(wake) if wake else None
         return created
+
+    def _carry(self, start: int, i: int, total: int, writes: int) -> None:
+        """Leave ``order[i:]`` to the next pass, which starts with it; count and journal them."""
+        self._resume = (start + i) % len(self._tasks)
+        self.carried = total - i
+        self._log("notice", "schedule.carried", tasks=self.carried, writes=writes)
 
     def _fire(self, head: TaskHead, key: str | None, trigger: str, instant: int | None,
               cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, plan: sch.Plan | None = None,

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import pytest
 
+from conftest import create_database, db_url, drop_database
 from qlagent.adapters.postgres.store import WRITE_RETRIES, PgStore
 from qlagent.core.definitions import TaskInput, prepare_task
 from qlagent.core.errors import FenceRejected, UnavailableError
@@ -205,6 +206,79 @@ def test_three_scheduler_replicas_make_exactly_one_run_per_instant(open_store, p
     assert sum(created) == len(rows)
     assert _sql(pool, "SELECT count(*) FROM schedule_fires f JOIN tasks t USING (task_id) WHERE t.project_id = %s",
                 (pid,)) == [(len(rows),)]
+
+
+@pytest.fixture
+def own_db_stores():
+    """PgStore factory on a database of this test alone (a scheduler reads every Project's Tasks)."""
+    name, opened = create_database("sched_bound"), []
+
+    def make(**kw):
+        opened.append(PgStore(db_url(name), pool_size=2, **kw))
+        return opened[-1]
+    yield make
+    for s in opened:
+        s.close()
+    drop_database(name)
+
+
+def test_a_scheduler_pass_is_bounded_and_carries_the_rest_to_the_next_pass(own_db_stores):
+    """Issue 10 "bounded work per pass": with 4 writes per pass, 4 due Tasks fit one pass, a
+    fifth is carried (counted, next pass due at once) and fired by the next pass; two replicas
+    firing that same instant together still leave exactly one Run per (Task, instant)."""
+    class Clock:
+        now = 1_767_225_600_000_000 + 1_000_000          # 2026-01-01T00:00:01Z
+
+    clock, minutes = Clock(), 60_000_000
+    a, b = own_db_stores(clock_us=lambda: clock.now), own_db_stores(clock_us=lambda: clock.now)
+    pool = a.pool
+    pid = a.project.project_id
+    a.add_tasks(pid, [prepared(f"t{i}", schedule="*/5 * * * *", concurrency="parallel") for i in range(4)]
+                + [prepared("t4", schedule="*/10 * * * *", concurrency="parallel")])
+    journal: list[tuple] = []
+    sa = Scheduler(a, "UTC", lambda: clock.now, lambda *e, **f: journal.append((e[1], f)), max_writes=4)
+    sb = Scheduler(b, "UTC", lambda: clock.now, max_writes=4)
+    for sc in (sa, sb):
+        sc.reload()
+
+    def cursors() -> int:
+        return _sql(pool, "SELECT count(*) FROM schedule_cursors c JOIN tasks t USING (task_id) "
+                          "WHERE t.project_id = %s", (pid,))[0][0]
+
+    def runs_at(instant: int) -> list:
+        return _sql(pool, "SELECT t.name, count(*) FROM runs r JOIN tasks t USING (task_id) WHERE r.project_id = %s"
+                          " AND r.scheduled_for_us = %s GROUP BY 1 ORDER BY 1", (pid, instant))
+
+    # First look: five cursors to write, four per pass.
+    assert (sa.fire_due(), sa.carried, sa.next_wake_us, cursors()) == (0, 1, clock.now, 4)
+    assert journal == [("schedule.carried", {"tasks": 1, "writes": 4})]
+    assert (sa.fire_due(), sa.carried, cursors()) == (0, 0, 5)
+    sb.fire_due()
+    # 00:05: four due Tasks, at the limit: one pass fires them all and carries nothing.
+    clock.now += 5 * minutes
+    at5 = clock.now - 1_000_000
+    assert (sa.fire_due(), sa.carried) == (4, 0) and sa.next_wake_us > clock.now
+    assert runs_at(at5) == [(f"t{i}", 1) for i in range(4)]
+    # 00:10: five due Tasks, one over: both replicas fire the same instant at once.
+    clock.now += 5 * minutes
+    at10 = clock.now - 1_000_000
+    barrier = threading.Barrier(2)
+
+    def replica(sc):
+        barrier.wait()
+        first = (sc.fire_due(), sc.carried, sc.next_wake_us)
+        passes = 1
+        while sc.carried and passes < 4:
+            sc.fire_due()
+            passes += 1
+        return first, sc.carried
+    with ThreadPoolExecutor(2) as ex:
+        results = list(ex.map(replica, (sa, sb)))
+    for (created, carried, wake), left in results:
+        assert created <= 4 and carried >= 1 and wake == clock.now and left == 0
+    assert runs_at(at10) == [(f"t{i}", 1) for i in range(5)]        # one Run per (Task, instant)
+    assert _sql(pool, "SELECT count(*) FROM schedule_fires f JOIN tasks t USING (task_id) "
+                      "WHERE t.project_id = %s AND f.instant_us = %s", (pid, at10)) == [(5,)]
 
 
 def test_a_run_started_through_the_store_ports_is_placed_claimed_and_completed_by_a_worker(kit, pg_url):
