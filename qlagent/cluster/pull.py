@@ -8,7 +8,12 @@ as the dispatcher (``dispatcher.CandidateClaimer``) and stores only the token's 
 Lease together with the pullId. The answer's offerId is derived from the Lease
 (``offer.offer_id``). The same request retried after a lost response finds its Lease by
 (Session, pullId) and rebuilds the SAME answer from it; a different token with that pullId is
-refused. Secret values are resolved only after the claim committed.
+refused. Secret values are resolved only after the claim committed (ADR-0108); a Secret that
+is then missing or does not decrypt fails closed: the Lease is released (``completed``), the
+Attempt ends ``start_failed`` with reason ``secret_missing:NAME`` / ``secret_unreadable:NAME``
+(the name, never a value; event ``attempt.start_failed``), the Task's retry policy decides the
+Run, and the answer is ``lease_ended`` with that reason — never a 503 the Worker would retry
+against a Lease held until it expires.
 
 With ``wait_s`` > 0 (at most 30 s) a Pull that found nothing long-polls: it waits on the
 CandidateSignal (LISTEN/NOTIFY, no polling loop) and tries again when woken, until the wait is
@@ -24,7 +29,7 @@ import msgspec
 from ..core.canonical import sha256_hex
 from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, ClusterDispatchStore, PlanSource, PullAnswer,
                              PullRequest, SecretResolver, SessionView)
-from ..core.errors import ConflictError, ValidationError
+from ..core.errors import ConflictError, UnavailableError, ValidationError
 from .registry import check_token
 from .dispatcher import (BudgetExhausted, CandidateClaimer, CycleCounts, DispatcherBudgets, FailClosed, build_offer,
                          check_budgets)
@@ -34,6 +39,7 @@ from .registry import check_generation, check_uuid, credential_digest
 
 
 MAX_WAIT_S = 30
+SECRET_FAILURES = ("secret_missing", "secret_unreadable")    # a claimed offer that fails closed
 
 
 class WorkerPull:
@@ -86,8 +92,7 @@ class WorkerPull:
                 placement = with_executor(plan.placement, c.executor_type)
             except ValidationError:
                 return PullAnswer(status="refused", reason="recovery_plan_drift")
-            offer = build_offer(c, lease, spec, req.lease_token, "new_claim", score(placement, w))
-            return PullAnswer(status="offered", reason="new_claim", offer=self._with_secrets(offer))
+            return self._offered(build_offer(c, lease, spec, req.lease_token, "new_claim", score(placement, w)))
         if w.draining:
             return PullAnswer(status="idle", reason="draining")
         if w.free_slots <= 0:
@@ -101,11 +106,22 @@ class WorkerPull:
             return PullAnswer(status="truncated", reason=e.reason)
         if offer is None:
             return PullAnswer(status="unmatched" if n.skipped else "idle", reason=n.skip_reason)
-        return PullAnswer(status="offered", reason="new_claim", offer=self._with_secrets(offer))
+        return self._offered(offer)
 
-    def _with_secrets(self, offer: ClaimedExecutionOffer) -> ClaimedExecutionOffer:
+    def _offered(self, offer: ClaimedExecutionOffer) -> PullAnswer:
+        """The claimed offer with its Secret values, or its fail-closed end (module docstring).
+        Any other UnavailableError (the authority unreachable) propagates: the Worker retries
+        the same pull and gets the same Lease."""
         refs = offer.spec.secret_refs
         if not refs:
-            return offer
-        values = self._secrets.resolve(offer.project_id, sorted(set(refs.values())))
-        return msgspec.structs.replace(offer, secrets={env: values[name] for env, name in sorted(refs.items())})
+            return PullAnswer(status="offered", reason="new_claim", offer=offer)
+        try:
+            values = self._secrets.resolve(offer.project_id, sorted(set(refs.values())))
+        except UnavailableError as e:
+            if e.code not in SECRET_FAILURES:
+                raise
+            reason = f"{e.code}:{e.field}"
+            self._store.fail_claimed(offer.attempt_id, offer.lease_generation, reason)
+            return PullAnswer(status="lease_ended", reason=reason)
+        return PullAnswer(status="offered", reason="new_claim", offer=msgspec.structs.replace(
+            offer, secrets={env: values[name] for env, name in sorted(refs.items())}))

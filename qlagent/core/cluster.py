@@ -154,7 +154,8 @@ class PlanSource(Protocol):
 
 class SecretResolver(Protocol):
     def resolve(self, project_id: str, names: list[str]) -> dict[str, bytes]:
-        """Plaintext of each SecretRef; raises UnavailableError(secret_missing …)."""
+        """Plaintext of each SecretRef; raises UnavailableError ``secret_missing`` or
+        ``secret_unreadable`` with ``field`` = the Secret's name (never its value)."""
 
 
 class ClusterDispatchStore(Protocol):
@@ -177,6 +178,12 @@ class ClusterDispatchStore(Protocol):
 
     def lease_for_pull(self, session_id: str, pull_id: str) -> tuple[Lease, ClusterCandidate, str] | None:
         """The Lease a Pull request created, its candidate and the Attempt's state, or None."""
+
+    def fail_claimed(self, attempt_id: str, lease_generation: int, reason: str) -> str | None:
+        """End an active Lease whose Attempt is still ``claimed`` because its offer cannot be
+        built (a Secret missing or unreadable): Lease ``completed``, Attempt ``start_failed``
+        with ``reason``, the retry policy decides the Run. Returns the Run's new state, or None
+        when that Lease had already ended (nothing written)."""
 
 
 class WorkerAuthError(QlError):

@@ -65,15 +65,47 @@ def test_pull_claims_for_this_session_only_and_resolves_secrets_after_the_claim(
     assert (again.status, again.offer) == ("idle", None) and kit.secrets.calls == 1
 
 
-def test_a_missing_secret_is_reported_after_the_claim_and_the_retry_answers_the_same(kit):
+def test_a_secret_missing_after_the_claim_fails_the_attempt_releases_the_lease_and_frees_the_worker(kit):
+    """ADR-0108: values are decrypted only after the claim, so a Secret missing then fails
+    closed: start_failed naming the Secret, the Lease released, the Worker not stuck on 503."""
     w = kit.worker("edge-1")
-    kit.queue(kit.task(secrets_={"TOKEN": "not-stored"}))
-    req = PullRequest(session_id=w["session_id"], generation=w["generation"], pull_id=new_id(), lease_token=token())
-    for _ in range(2):
-        with pytest.raises(UnavailableError) as e:
-            kit.pull().pull(w["worker_id"], w["credential"], req)
-        assert e.value.code == "secret_missing" and "not-stored" in str(e.value)
-    assert kit.one("SELECT count(*) FROM run_leases") == 1      # one Lease; it expires if never resolved
+    run_id, attempt_id = kit.queue(kit.task(secrets_={"TOKEN": "not-stored", "API_KEY": "api-key"}))
+    answer, req = _pull(kit, w)
+    assert (answer.status, answer.reason, answer.offer) == ("lease_ended", "secret_missing:not-stored", None)
+    assert kit.sql("SELECT state FROM run_leases WHERE attempt_id = %s", (attempt_id,)) == [("completed",)]
+    assert kit.sql("SELECT a.state, a.failure_reason, r.state FROM attempts a JOIN runs r USING (run_id) "
+                   "WHERE a.attempt_id = %s", (attempt_id,)) == [("start_failed", "secret_missing:not-stored",
+                                                                  "failed")]
+    assert kit.events(run_id)[-2:] == ["attempt.start_failed", "run.failed"]
+    assert kit.one("SELECT payload_json->>'reason' FROM run_events WHERE run_id = %s AND type = "
+                   "'attempt.start_failed'", (run_id,)) == "secret_missing:not-stored"
+    assert b"s3cr3t" not in str(kit.sql("SELECT * FROM run_events")).encode()
+    # The same pull retried (its answer lost) ends the same way and writes nothing more.
+    events = kit.events(run_id)
+    again = kit.pull().pull(w["worker_id"], w["credential"], req)
+    assert again.status == "lease_ended" and kit.events(run_id) == events
+    # The Worker's one slot is free again: the next Run is offered to it.
+    kit.queue(kit.task("plain"))
+    assert _pull(kit, w)[0].status == "offered"
+
+
+def test_a_secret_that_does_not_decrypt_after_the_claim_fails_closed_and_the_retry_policy_decides(kit, tmp_path):
+    from qlagent.adapters.secretbox import SecretBox, create_key_file
+    w = kit.worker("edge-1")
+    pid = kit.project()
+    create_key_file(str(tmp_path / "other.key"))               # sealed under a key this replica does not have
+    other = SecretBox(str(tmp_path / "other.key"))
+    kit.sql("INSERT INTO secrets VALUES (%s, 'rotated', %s, %s, ql_now_us())",
+            (pid, other.seal(pid, "rotated", b"0ld-v4lue"), other.key_id))
+    run_id, attempt_id = kit.queue(kit.task(secrets_={"OLD": "rotated"}, max_attempts=2))
+    answer, _ = _pull(kit, w)
+    assert (answer.status, answer.reason) == ("lease_ended", "secret_unreadable:rotated")
+    assert kit.one("SELECT count(*) FROM run_leases WHERE state = 'active'") == 0
+    assert kit.sql("SELECT failure_reason FROM attempts WHERE attempt_id = %s", (attempt_id,)) == \
+        [("secret_unreadable:rotated",)]
+    assert kit.one("SELECT state FROM runs WHERE run_id = %s", (run_id,)) == "queued"     # attempt 2 of 2 follows
+    assert kit.events(run_id)[-2:] == ["attempt.start_failed", "run.retrying"]
+    assert b"0ld-v4lue" not in str(kit.sql("SELECT * FROM run_events")).encode()
 
 
 def test_pull_retried_after_a_lost_response_rebuilds_the_identical_answer(kit):

@@ -225,6 +225,19 @@ def test_lease_and_session_rows_of_the_error_table(kit, cp):
     assert snapshot(kit) == before
 
 
+def test_a_pull_whose_secret_is_missing_is_answered_lease_ended_not_503(kit, cp):
+    c = Client(cp.port, enrolled(kit))
+    session(c)
+    kit.queue(kit.task("needs-absent", secrets_={"TOKEN": "absent"}))
+    req = pull_body(c.worker)
+    status, _, body, _ = c.post("pull", req)
+    assert (status, body["status"], body["reason"]) == (200, "lease_ended", "secret_missing:absent"), body
+    status, _, body, _ = c.post("pull", req)             # the same pull again: no 503 loop
+    assert (status, body["status"], body["reason"]) == (200, "lease_ended", "lease_completed"), body
+    assert kit.sql("SELECT state FROM run_leases") == [("completed",)]
+    assert kit.sql("SELECT state FROM runs") == [("failed",)]
+
+
 @pytest.mark.parametrize("route, body, field", [
     ("sessions", {"bogus": 1}, "bogus"),
     ("sessions", {"slots": "2"}, "slots"),

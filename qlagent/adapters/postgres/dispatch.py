@@ -17,7 +17,7 @@ from ...core.cluster import ClaimOutcome, ClusterCandidate, DispatchPlan, Lease,
 from ...core.errors import ConflictError
 from ...core.profiles import Profile
 from .connection import read, transaction
-from .transitions import authenticate, event
+from .transitions import authenticate, event, finish_attempt, now_us
 
 _CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,
     r.version, r.priority, r.created_at_us, r.latest_attempt_created_at_us, a.lease_generation"""
@@ -181,6 +181,22 @@ class PgDispatchStore:
         if row is None:
             return None
         return lease_of(row), _candidate(row), row["attempt_state"]
+
+    def fail_claimed(self, attempt_id: str, lease_generation: int, reason: str) -> str | None:
+        """``core.cluster.ClusterDispatchStore.fail_claimed`` in one transaction; the events are
+        ``attempt.start_failed`` (payload ``reason``) then ``run.failed`` or ``run.retrying``."""
+        def tx(cur):
+            lease = cur.execute("SELECT l.run_id, a.state FROM run_leases l JOIN attempts a USING (attempt_id)"
+                                " WHERE l.attempt_id = %s AND l.lease_generation = %s AND l.state = 'active'"
+                                " FOR UPDATE OF l, a", (attempt_id, lease_generation)).fetchone()
+            if lease is None or lease["state"] != "claimed":
+                return None
+            now = now_us(cur)
+            cur.execute("UPDATE run_leases SET state = 'completed', ended_at_us = %s"
+                        " WHERE attempt_id = %s AND lease_generation = %s", (now, attempt_id, lease_generation))
+            return finish_attempt(cur, lease["run_id"], attempt_id, "start_failed", "control-plane", now,
+                                  failure_reason=reason)
+        return transaction(self._pool, tx)
 
 
 class PgPlanSource:

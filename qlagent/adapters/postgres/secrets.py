@@ -18,15 +18,23 @@ class PgSecretResolver:
 
     def resolve(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         """Plaintext of each named Secret of the Project. UnavailableError ``secret_missing``
-        naming the first absent one, ``secret_unreadable`` when a value does not decrypt."""
+        for the first absent one, ``secret_unreadable`` for the first that does not decrypt,
+        each with ``field`` = that name (the Pull turns them into the Attempt's reason)."""
         rows = read(self._pool, lambda cur: cur.execute(
             "SELECT name, ciphertext FROM secrets WHERE project_id = %s AND name = ANY(%s)",
             (project_id, list(names))).fetchall())
         blobs = {r["name"]: bytes(r["ciphertext"]) for r in rows}
         for name in names:
             if name not in blobs:
-                raise UnavailableError(f"secret {name!r} does not exist in this Project", code="secret_missing")
-        return {name: self._box.open(project_id, name, blobs[name]) for name in names}
+                raise UnavailableError(f"secret {name!r} does not exist in this Project", code="secret_missing",
+                                       field=name)
+        out = {}
+        for name in names:
+            try:
+                out[name] = self._box.open(project_id, name, blobs[name])
+            except UnavailableError as e:
+                raise UnavailableError(e.message, code="secret_unreadable", field=name) from None
+        return out
 
 
 # ---- Secret rows (SecretStore): names and ciphertext only, inside the caller's transaction ----
