@@ -55,8 +55,15 @@ def credential_digest(credential: str) -> str:
 
 
 def check_uuid(field: str, value) -> str:
-    if not isinstance(value, str) or not UUID.match(value):
+    if not isinstance(value, str) or not UUID.fullmatch(value):
         raise ValidationError(field, "must be a lowercase canonical UUID")
+    return value
+
+
+def check_name(value) -> str:
+    """A Worker name: 1..64 of [a-z0-9._-], starting alphanumeric; ValidationError ``name``."""
+    if not isinstance(value, str) or not WORKER_NAME.fullmatch(value):
+        raise ValidationError("name", "must be 1..64 of [a-z0-9._-], starting alphanumeric", limit=64)
     return value
 
 
@@ -158,8 +165,7 @@ class WorkerRegistry:
                executor_types: tuple[str, ...] = ("local_process",), slots: int = 1) -> tuple[str, str]:
         """Enroll a Worker; return (Worker ID, credential). The credential is not retrievable later.
         ValidationError (name/labels/executor/slots) or ConflictError(worker_exists)."""
-        if not isinstance(name, str) or not WORKER_NAME.match(name):
-            raise ValidationError("name", "must be 1..64 of [a-z0-9._-], starting alphanumeric", limit=64)
+        name = check_name(name)
         labels = check_labels("label", labels or {})
         executors = check_executors("executor", executor_types)
         slots = check_slots("slots", slots)
@@ -200,12 +206,14 @@ class WorkerRegistry:
         return self._store.worker_for_credential(digest)
 
     def drain(self, name: str) -> str:
-        """No new claims for the Worker; its Leases run on. Returns the Worker ID."""
-        return self._store.set_state(name, "draining")
+        """No new claims for the Worker; its Leases run on. Returns the Worker ID.
+        ValidationError for a name no Worker can have, NotFoundError(worker_not_found)."""
+        return self._store.set_state(check_name(name), "draining")
 
     def remove(self, name: str) -> str:
-        """Remove the Worker: Sessions closed, Leases fenced, name freed. Returns the Worker ID."""
-        return self._store.set_state(name, "removed")
+        """Remove the Worker: Sessions closed, Leases fenced, name freed. Returns the Worker ID.
+        ValidationError for a name no Worker can have, NotFoundError(worker_not_found)."""
+        return self._store.set_state(check_name(name), "removed")
 
     def list(self, limit: int = 64, after: str | None = None) -> list[dict]:
         """One page of live Workers in name order after ``after``: name, worker_id, state

@@ -360,23 +360,74 @@ def test_workers_enroll_ls_drain_rm(cp):
     assert p.returncode == 4 and b"edge-1" in p.stderr
 
 
-@pytest.mark.parametrize("args, field", [
-    (("Bad Name",), b"name"),
-    (("w", "--label", "site"), b"--label"),
-    (("w", "--label", "a=1", "--label", "a=2"), b"--label"),
-    (("w", "--slots", "0"), b"slots"),
-    (("w", "--slots", "257"), b"slots"),
-    (("w", "--slots", "two"), b"--slots"),
-    (("w", "--executor", "remote_worker"), b"--executor"),
-    (("w", "--label", "k=" + "v" * 129), b"label.k"),
+def _labels(n: int, key_bytes: int = 1, value_bytes: int = 1) -> list[str]:
+    """``n`` --label options; the first has a key and value of exactly these byte lengths."""
+    out = []
+    for i in range(n):
+        key = ("k" * key_bytes) if i == 0 else f"l{i}"
+        out += ["--label", f"{key}={'v' * value_bytes if i == 0 else 'x'}"]
+    return out
+
+
+@pytest.mark.parametrize("args, field, limit", [
+    (("Bad Name",), "name", "64"),
+    (("w" * 65,), "name", "64"),                                     # 64 is the longest name
+    (("edge\n",), "name", "64"),
+    (("w", "--label", "site"), "--label", None),
+    (("w", "--label", "=v"), "--label", None),
+    (("w", "--label", "a=1", "--label", "a=2"), "--label", None),
+    (("w", *_labels(33)), "label", "32"),                           # 32 labels is the most
+    (("w", *_labels(1, key_bytes=129)), "label.kkk", "128"),         # 128-byte keys and values pass
+    (("w", *_labels(1, value_bytes=129)), "label.k", "128"),
+    (("w", "--label", "k=" + "é" * 65), "label.k", "128"),           # bytes, not characters
+    (("w", "--slots", "0"), "slots", "256"),
+    (("w", "--slots", "257"), "slots", "256"),
+    (("w", "--slots", "two"), "--slots", None),
+    (("w", "--executor", "remote_worker"), "--executor", None),
+    (("w", "--executor", "local_process", "--executor", "local_process"), "executor", None),
 ])
-def test_bad_workers_enroll_is_one_line_exit_2_and_writes_nothing(cp, args, field):
+def test_bad_workers_enroll_is_one_line_exit_2_and_writes_nothing(cp, args, field, limit):
     env, _, _ = cp
-    before = env.sql("SELECT count(*) FROM workers")
+    before = env.sql("SELECT * FROM workers ORDER BY worker_id")
     p = env.cli("workers", "enroll", *args)
     lines = p.stderr.decode().strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1 and field.decode() in lines[0], p.stderr
-    assert env.sql("SELECT count(*) FROM workers") == before
+    assert p.returncode == 2 and len(lines) == 1 and field in lines[0], p.stderr
+    assert limit is None or limit in lines[0], lines
+    assert b"Traceback" not in p.stderr and p.stdout == b""
+    assert env.sql("SELECT * FROM workers ORDER BY worker_id") == before
+
+
+def test_workers_enroll_at_every_limit_is_accepted_exactly(cp):
+    env, _, _ = cp
+    name = "w" * 64
+    out = json.loads(env.ok("workers", "enroll", name, *_labels(32, key_bytes=128, value_bytes=128),
+                            "--slots", "256", "--json"))
+    small = json.loads(env.ok("workers", "enroll", "w", "--label", "k=" + "é" * 64, "--slots", "1", "--json"))
+    try:
+        (labels, slots), = env.sql("SELECT labels, slots FROM workers WHERE worker_id = %s", (out["workerId"],))
+        assert (len(labels), labels["k" * 128], slots) == (32, "v" * 128, 256)
+        assert env.sql("SELECT name, labels, slots FROM workers WHERE worker_id = %s", (small["workerId"],)) == \
+            [("w", {"k": "é" * 64}, 1)]
+    finally:
+        env.ok("workers", "rm", name)
+        env.ok("workers", "rm", "w")
+
+
+def test_bad_workers_drain_and_rm_name_the_field_and_write_nothing(cp):
+    env, _, _ = cp
+    env.ok("workers", "enroll", "keep-me")
+    try:
+        before = env.sql("SELECT * FROM workers ORDER BY worker_id")
+        for verb in ("drain", "rm"):
+            for name, code, text in (("w" * 65, 2, "name"), ("Bad Name", 2, "name"), ("absent", 4, "absent")):
+                p = env.cli("workers", verb, name)
+                lines = p.stderr.decode().strip().splitlines()
+                assert p.returncode == code and len(lines) == 1 and text in lines[0], (verb, name, p.stderr)
+            p = env.cli("workers", verb)                                 # NAME missing: usage
+            assert p.returncode == 2 and len(p.stderr.decode().strip().splitlines()) == 1, p.stderr
+        assert env.sql("SELECT * FROM workers ORDER BY worker_id") == before
+    finally:
+        env.ok("workers", "rm", "keep-me")
 
 
 def test_workers_need_a_cluster_table(tmp_path):
