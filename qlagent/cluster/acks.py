@@ -17,6 +17,11 @@ from .registry import check_generation, check_token, check_uuid, credential_dige
 KINDS = ("starting", "running", "start_failure", "completion")
 KILL_REASONS = ("timeout", "cancel", "shutdown")
 START_ERROR = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+# Completion figures: (Ack attribute, wire name an error names; docs/worker-protocol.md "Errors").
+FIGURES = (("bytes_kept", "bytesKept"), ("bytes_dropped", "bytesDropped"), ("peak_rss_bytes", "peakRssBytes"),
+           ("cpu_time_us", "cpuTimeUs"))
+
+
 def lease_fence(worker_id: str, credential: str, session_id: str, generation: int, attempt_id: str,
                 lease_generation: int, lease_token: str) -> LeaseFence:
     """A validated fence; ValidationError names the field, WorkerAuthError for a bad credential."""
@@ -52,8 +57,8 @@ def target_state(ack: Ack) -> str:
         raise ValidationError("signal", "must be 1..64", limit=64)
     if ack.kill_reason is not None and ack.kill_reason not in KILL_REASONS:
         raise ValidationError("killReason", f"must be one of {list(KILL_REASONS)}")
-    for name in ("bytes_kept", "bytes_dropped", "peak_rss_bytes", "cpu_time_us"):
-        _figure(name, getattr(ack, name))
+    for attr, wire in FIGURES:
+        _figure(wire, getattr(ack, attr))
     return outcome(ack.exit_code, ack.signal, None, ack.kill_reason)
 
 

@@ -267,7 +267,7 @@ def test_long_poll_is_woken_by_notify_when_a_candidate_appears(kit, pg_url):
     ("finished", {}, "kind"), ("start_failure", {"start_error": "Bad Code!"}, "startError"),
     ("completion", {}, "exitCode"), ("completion", {"exit_code": 256}, "exitCode"),
     ("completion", {"signal": 65}, "signal"), ("completion", {"exit_code": 0, "kill_reason": "oom"}, "killReason"),
-    ("completion", {"exit_code": 0, "bytes_kept": -1}, "bytes_kept")])
+    ("completion", {"exit_code": 0, "bytes_kept": -1}, "bytesKept")])
 def test_bad_ack_names_the_field_and_writes_nothing(kit, kind, facts, field):
     w = kit.worker("edge-1")
     run_id, _ = kit.queue(kit.task())

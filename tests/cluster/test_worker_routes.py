@@ -260,6 +260,59 @@ def test_unknown_or_mistyped_fields_are_400_naming_the_field_and_write_nothing(k
     assert snapshot(kit) == before
 
 
+def test_every_bounded_field_at_its_limit_is_taken_and_one_over_is_400_writing_nothing(kit, cp):
+    """Hello labels (32, 128-byte names/values) and slots (256), lease token length (32..256),
+    generation (2^63-1), waitS (30), startError (64), exitCode (255), signal (64), figures (2^62),
+    log offset (≥ 0): at the limit accepted, one over refused naming the field."""
+    labels = {f"l{i:02d}": "x" for i in range(31)} | {"k" * 128: "v" * 128}
+    c = Client(cp.port, enrolled(kit, slots=256, labels=labels))
+
+    def over(route, body, field):
+        before = snapshot(kit)
+        refused(c.post(route, body), 400, "invalid_request", field)
+        assert snapshot(kit) == before
+
+    over("sessions", {"labels": {**labels, "l31": "x"}}, "hello.labels")            # 33 labels
+    over("sessions", {"labels": {"k" * 129: "v"}}, "hello.labels." + "k" * 129)
+    over("sessions", {"labels": {"k" * 128: "v" * 129}}, "hello.labels." + "k" * 128)
+    over("sessions", {"slots": 257}, "hello.slots")
+    over("sessions", {"slots": 0}, "hello.slots")
+    status, _, grant, _ = c.post("sessions", {"labels": labels, "slots": 256})
+    assert (status, len(grant["labels"]), grant["slots"]) == (201, 32, 256), grant
+    c.worker.update(session_id=grant["sessionId"], generation=grant["generation"])
+
+    over("pull", pull_body(c.worker, tok="t" * 31), "leaseToken")
+    over("pull", pull_body(c.worker, tok="t" * 257), "leaseToken")
+    over("pull", {**pull_body(c.worker), "generation": 2**63}, "generation")
+    refused(c.post("pull", {**pull_body(c.worker), "generation": 2**63 - 1}), 409, "stale_generation")
+    assert c.post("pull", pull_body(c.worker, tok="t" * 32))[2]["status"] == "idle"
+    kit.queue(kit.task("edge-a"))
+    kit.queue(kit.task("edge-b"))
+    status, _, first = c.call("POST", f"{BASE}/{c.worker['worker_id']}/pull?waitS=30",
+                              pull_body(c.worker, tok="t" * 256))
+    assert (status, json.loads(first)["status"]) == (200, "offered")
+    a = json.loads(first)["offer"]
+    b = c.post("pull", pull_body(c.worker))[2]["offer"]
+
+    over("acks", ack_body(a, "start_failure", startError="e" * 65), "startError")
+    assert c.post("acks", ack_body(a, "start_failure", startError="e" * 64))[0] == 200
+    for kind in ("starting", "running"):
+        assert c.post("acks", ack_body(b, kind))[0] == 200
+    for facts, field in (({"exitCode": 256}, "exitCode"), ({"exitCode": -1}, "exitCode"),
+                         ({"signal": 65}, "signal"), ({"signal": 0}, "signal"),
+                         ({"exitCode": 0, "bytesKept": 2**62 + 1}, "bytesKept"),
+                         ({"exitCode": 0, "cpuTimeUs": 2**62 + 1}, "cpuTimeUs")):
+        over("acks", ack_body(b, "completion", **facts), field)
+    before = snapshot(kit)
+    status, _, body = put_log(c, b, -1, b"x")
+    assert (status, body["field"]) == (400, "offset") and snapshot(kit) == before
+    status, _, done, _ = c.post("acks", ack_body(b, "completion", signal=64, cpuTimeUs=2**62, bytesKept=0))
+    assert (status, done["attemptState"]) == (200, "failed"), done
+    assert kit.sql("SELECT failure_reason, exit_signal, cpu_time_us FROM attempts WHERE attempt_id IN (%s, %s) "
+                   "ORDER BY exit_signal NULLS FIRST", (a["attemptId"], b["attemptId"])) == \
+        [("e" * 64, None, None), (None, 64, 2**62)]
+
+
 def test_path_query_and_header_input_is_checked_before_the_database(kit, cp):
     c = Client(cp.port, enrolled(kit))
     session(c)
