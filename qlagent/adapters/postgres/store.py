@@ -11,6 +11,9 @@ still failing → UnavailableError (``task_start_unavailable`` for Task Start, `
 otherwise). A server that cannot be reached → UnavailableError ``store_unavailable``.
 
 Time: the database clock (``ql_now_us()``) unless the caller injects ``clock_us`` (tests).
+The methods the SQLite store has alike live in ``adapters.row_store.RowStore``; this class
+adds opening, the retried transactions, Task Start, schedule fires, candidate pages, claims and
+finishes.
 """
 
 from __future__ import annotations
@@ -22,24 +25,11 @@ from typing import TypeVar
 
 from ...core import states
 from ...core.canonical import sha256_hex
-from ...core.definitions import PreparedTask, check_executor
-from ...core.dispatch import Candidate, Finish, LiveAttempt, Plan
+from ...core.dispatch import Candidate, Finish
 from ...core.errors import NotFoundError, UnavailableError
-from ...core.models import (
-    Attempt,
-    ContextRecipe,
-    CreatedRun,
-    Project,
-    RetentionEntry,
-    RetryPolicy,
-    RoleBinding,
-    Run,
-    RunEvent,
-    ScheduleCursor,
-    TaskHead,
-    TokenInfo,
-)
+from ...core.models import CreatedRun, Project, RetryPolicy, ScheduleCursor
 from ...core.receipt import TruncationFact
+from ..row_store import RowStore
 from . import definitions as defs
 from . import execution as ex
 from . import migrations, policy
@@ -53,48 +43,9 @@ RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (
 QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
 # Session advisory lock of the Run-creating writes: first 8 bytes of sha256("qlagent:run-create").
 RUN_CREATE_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:run-create")[:16]), "big", signed=True)
-DEFAULT_TIMEOUT_MS = 3_600_000     # timing() of a revision that is gone (recovery only)
-DEFAULT_GRACE_MS = 5_000
 
 
-class _Rollback(Exception):
-    def __init__(self, result) -> None:
-        self.result = result
-
-
-class _Batch:
-    """``core.ports.DefinitionBatch`` on the cursor of one open write transaction."""
-
-    def __init__(self, cur, now_us: int, executor_type: str) -> None:
-        self._c, self._now, self._executor = cur, now_us, executor_type
-
-    def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:
-        try:
-            return defs.get_head(self._c, project_id, name_or_id)
-        except NotFoundError:
-            return None
-
-    def list_heads(self, project_id: str) -> list[TaskHead]:
-        return defs.list_heads(self._c, project_id)
-
-    def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
-        check_executor(prepared.definition, self._executor)
-        return defs.add_task(self._c, project_id, prepared, self._now)
-
-    def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
-                  prepared: PreparedTask) -> TaskHead:
-        check_executor(prepared.definition, self._executor)
-        return defs.edit_task(self._c, project_id, name_or_id, expected_revision, expected_digest, prepared,
-                              self._now)
-
-    def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
-        return secret_rows.ciphertexts(self._c, project_id, names)
-
-    def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
-        secret_rows.put_secret(self._c, project_id, name, ciphertext, key_id, self._now)
-
-
-class PgStore:
+class PgStore(RowStore):
     """Implements ``core.ports.Store`` on PostgreSQL.
 
     ``PgStore(url, project="default", *, migrate=True, create_project=True, clock_us=None,
@@ -106,6 +57,8 @@ class PgStore:
     ``local_process``). Raises StoreIntegrityError for an unknown/altered migration history,
     UnavailableError when the server is unreachable or a capability is missing.
     """
+
+    _policy, _defs, _runs, _ex, _secrets = policy, defs, runs_repo, ex, secret_rows
 
     def __init__(self, url: str, project: str = "default", *, migrate: bool = True, create_project: bool = True,
                  clock_us: Callable[[], int] | None = None, pool_size: int = 4,
@@ -178,7 +131,7 @@ class PgStore:
         """``fn(cursor)`` in one SERIALIZABLE transaction, re-run on serialization failures."""
         return self._run(fn, write=True)
 
-    def _now_in(self, cur) -> int:
+    def _tx_now(self, cur) -> int:
         if self._clock is not None:
             return self._clock()
         return cur.execute("SELECT ql_now_us() AS now").fetchone()["now"]
@@ -188,104 +141,11 @@ class PgStore:
             self.pool.close()
 
     def now_us(self) -> int:
-        return self._clock() if self._clock is not None else self.read(self._now_in)
+        return self._clock() if self._clock is not None else self.read(self._tx_now)
 
     def capabilities(self) -> dict[str, int]:
         with self.pool.connection() as conn:
             return migrations.check_capabilities(conn)
-
-    # ---- PolicyStore ---------------------------------------------------------------------------
-    def ensure_project(self, name: str) -> Project:
-        return self.write(lambda c: policy.ensure_project(c, name, self._now_in(c)))
-
-    def get_project(self, name_or_id: str) -> Project:
-        return self.read(lambda c: policy.get_project(c, name_or_id))
-
-    def lookup_token(self, digest: str) -> tuple[str, str] | None:
-        return self.read(lambda c: policy.lookup_token(c, digest))
-
-    def latest_binding(self, project_id: str, subject: str) -> RoleBinding | None:
-        return self.read(lambda c: policy.latest_binding(c, project_id, subject))
-
-    def bind_role(self, project_id: str, subject: str, role: str | None) -> int:
-        return self.write(lambda c: policy.bind_role(c, project_id, subject, role, self._now_in(c)))
-
-    def grant_token(self, project: str, subject: str, role: str, digest: str) -> str:
-        def tx(c):
-            now = self._now_in(c)
-            proj = policy.ensure_project(c, project, now)
-            prev = policy.latest_binding(c, proj.project_id, subject)
-            if prev is None or prev.role != role:
-                policy.bind_role(c, proj.project_id, subject, role, now)
-            return policy.add_token(c, proj.project_id, subject, digest, now)
-        return self.write(tx)
-
-    def revoke_token(self, *, token_id: str, digest: str | None = None) -> None:
-        def tx(c):
-            found = policy.token_id_of(c, digest) if digest is not None else None
-            policy.revoke_token(c, found or token_id, self._now_in(c))
-        self.write(tx)
-
-    def list_tokens(self, project_id: str) -> list[TokenInfo]:
-        return self.read(lambda c: policy.list_tokens(c, project_id))
-
-    # ---- DefinitionStore -----------------------------------------------------------------------
-    def add_tasks(self, project_id: str, prepared: list[PreparedTask]) -> list[TaskHead]:
-        for p in prepared:
-            check_executor(p.definition, self.executor_type)
-
-        def tx(c):
-            now = self._now_in(c)
-            return [defs.add_task(c, project_id, p, now) for p in prepared]
-        return self.write(tx)
-
-    def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
-                  prepared: PreparedTask) -> TaskHead:
-        check_executor(prepared.definition, self.executor_type)
-        return self.write(lambda c: defs.edit_task(c, project_id, name_or_id, expected_revision, expected_digest,
-                                                   prepared, self._now_in(c)))
-
-    def set_enabled(self, project_id: str, name_or_id: str, enabled: bool, actor: str) -> tuple[TaskHead, int]:
-        def tx(c):
-            now = self._now_in(c)
-            head = defs.set_enabled(c, project_id, name_or_id, enabled, now)
-            n = 0 if enabled else runs_repo.cancel_queued_for_task(c, head.task_id, actor, "task_disabled", now)
-            return head, n
-        return self.write(tx)
-
-    def remove_task(self, project_id: str, name_or_id: str, actor: str) -> tuple[TaskHead, int, int]:
-        def tx(c):
-            now = self._now_in(c)
-            head = defs.remove_task(c, project_id, name_or_id, now)
-            queued = runs_repo.cancel_queued_for_task(c, head.task_id, actor, "task_removed", now)
-            active = runs_repo.active_run_ids(c, head.task_id)
-            for run_id in active:
-                ex.request_cancel(c, run_id, actor, now)
-            return head, queued, len(active)
-        return self.write(tx)
-
-    def definition_batch(self, work: Callable[[_Batch], T], *, dry_run: bool = False) -> T:
-        def tx(c):
-            result = work(_Batch(c, self._now_in(c), self.executor_type))
-            if dry_run:
-                raise _Rollback(result)
-            return result
-        try:
-            return self.write(tx)
-        except _Rollback as done:
-            return done.result
-
-    def get_head(self, project_id: str, name_or_id: str) -> TaskHead:
-        return self.read(lambda c: defs.get_head(c, project_id, name_or_id))
-
-    def list_heads(self, project_id: str | None) -> list[TaskHead]:
-        return self.read(lambda c: defs.list_heads(c, project_id))
-
-    def skipped_fires(self, task_id: str) -> int:
-        return self.read(lambda c: defs.skipped_fires(c, task_id))
-
-    def get_recipe(self, recipe_ref: str) -> ContextRecipe:
-        return self.read(lambda c: defs.get_recipe(c, recipe_ref))
 
     # ---- RunStore ------------------------------------------------------------------------------
     def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
@@ -298,47 +158,17 @@ class PgStore:
             c, project=project, task=task, subject=subject, mutation_id=mutation_id,
             expected_revision=expected_revision, expected_digest=expected_digest,
             admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
-            now_us=self._now_in(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
+            now_us=self._tx_now(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
             queue=True)
 
-    def get_run(self, run_id: str, project_id: str | None = None) -> Run:
-        return self.read(lambda c: runs_repo.get_run(c, run_id, project_id))
-
-    def list_runs(self, project_id: str, *, task_id: str | None = None, state: str | None = None,
-                  limit: int = 50, cursor: str | None = None) -> tuple[list[Run], str | None]:
-        return self.read(lambda c: runs_repo.list_runs(c, project_id, task_id=task_id, state=state, limit=limit,
-                                                       cursor=cursor))
-
-    def list_events(self, run_id: str) -> list[RunEvent]:
-        return self.read(lambda c: runs_repo.list_events(c, run_id))
-
-    def list_attempts(self, run_id: str) -> list[Attempt]:
-        return self.read(lambda c: runs_repo.list_attempts(c, run_id))
-
-    def latest_artifact(self, run_id: str) -> tuple[str | None, TruncationFact | None]:
-        return self.read(lambda c: runs_repo.latest_artifact(c, run_id))
-
-    def request_cancel(self, run_id: str, actor: str, project_id: str | None = None) -> Run:
-        def tx(c):
-            run = runs_repo.get_run(c, run_id, project_id)
-            ex.request_cancel(c, run.run_id, actor, self._now_in(c))
-            return runs_repo.get_run(c, run.run_id)
-        return self.write(tx)
-
-    def queued_count(self) -> int:
-        return self.read(runs_repo.queued_count)
-
     # ---- ScheduleStore -------------------------------------------------------------------------
-    def schedule_cursors(self) -> dict[str, ScheduleCursor]:
-        return self.read(runs_repo.schedule_cursors)
-
     def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
                       scheduled_for_us: int | None, actor: str,
                       cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, missed: str | None = None) -> str:
         """As ``core.ports.ScheduleStore``; across replicas the (Task, instant) row of
         ``schedule_fires`` and the Run's unique idempotency key make one Run per instant."""
         def tx(c):
-            now = self._now_in(c)
+            now = self._tx_now(c)
             if cursor is not None:
                 expected, new = cursor
                 if runs_repo.schedule_cursor(c, task_id) != expected:
@@ -366,66 +196,27 @@ class PgStore:
             return "created"
         return self._run(tx, write=True, queue=idempotency_key is not None)
 
-    # ---- SecretStore ---------------------------------------------------------------------------
-    def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
-        self.write(lambda c: secret_rows.put_secret(c, project_id, name, ciphertext, key_id, self._now_in(c)))
-
-    def secret_names(self, project_id: str) -> list[tuple[str, int]]:
-        return self.read(lambda c: secret_rows.secret_names(c, project_id))
-
-    def delete_secret(self, project_id: str, name: str, *, force: bool = False) -> list[str]:
-        return self.write(lambda c: secret_rows.delete_secret(c, project_id, name, force=force))
-
-    def secret_uses(self, project_id: str | None) -> list[tuple[str, str, bool]]:
-        return self.read(lambda c: secret_rows.secret_uses(c, project_id))
-
-    def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
-        return self.read(lambda c: secret_rows.ciphertexts(c, project_id, names))
-
-    def legacy_ciphertexts(self, magic: bytes) -> list[tuple[str, str, bytes]]:
-        return self.read(lambda c: secret_rows.legacy_ciphertexts(c, magic))
-
-    def replace_ciphertexts(self, rows: list[tuple[str, str, bytes, bytes]], key_id: str) -> int:
-        return self.write(lambda c: sum(secret_rows.replace_ciphertext(c, pid, name, old, new, key_id)
-                                        for pid, name, old, new in rows))
-
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
-        return self.read(lambda c: ex.candidate_page(c, limit, after, self._now_in(c), self.executor_type))
-
-    def reread(self, c: Candidate) -> bool:
-        return self.read(lambda cur: ex.reread_candidate(cur, c))
-
-    def load_plan(self, c: Candidate) -> tuple[Plan | None, str | None]:
-        return self.read(lambda cur: ex.load_plan(cur, c.task_id, c.task_revision))
+        return self.read(lambda c: ex.candidate_page(c, limit, after, self._tx_now(c), self.executor_type))
 
     def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
                         start_error: str | None = None) -> None:
         f = Finish(states.AttemptState.START_FAILED, failure_reason=reason, start_error=start_error)
-        self.write(lambda cur: ex.finish_attempt(cur, c.run_id, c.attempt_id, f, retry, self._now_in(cur),
+        self.write(lambda cur: ex.finish_attempt(cur, c.run_id, c.attempt_id, f, retry, self._tx_now(cur),
                                                  self.executor_type) if ex.reread_candidate(cur, c) else None)
-
-    def active_count(self) -> int:
-        return self.read(ex.active_count)
-
-    def task_active_count(self, task_id: str) -> int:
-        return self.read(lambda c: ex.task_active_count(c, task_id))
 
     # ---- ExecutionStore ------------------------------------------------------------------------
     def claim_starting(self, c: Candidate, artifact_path: str) -> bool:
         try:
-            return self.write(lambda cur: ex.claim_starting(cur, c, artifact_path, self._now_in(cur)))
+            return self.write(lambda cur: ex.claim_starting(cur, c, artifact_path, self._tx_now(cur)))
         except ex.AttemptNotClaimed:
             return False
-
-    def mark_running(self, c: Candidate, shim_pid: int, shim_start: float, deadline_us: int) -> None:
-        self.write(lambda cur: ex.mark_running(cur, c.run_id, c.attempt_id, shim_pid, shim_start, deadline_us,
-                                               self._now_in(cur)))
 
     def finish(self, run_id: str, attempt_id: str, f: Finish, truncation: TruncationFact | None,
                retry: RetryPolicy | None) -> str:
         def tx(cur):
-            now = self._now_in(cur)
+            now = self._tx_now(cur)
             if truncation is not None:
                 fact = truncation if truncation.bytes_dropped is not None else TruncationFact(
                     quota_bytes=truncation.quota_bytes, bytes_kept=truncation.bytes_kept,
@@ -433,32 +224,6 @@ class PgStore:
                 ex.record_truncation(cur, attempt_id, fact, now)
             return ex.finish_attempt(cur, run_id, attempt_id, f, retry, now, self.executor_type)
         return self.write(tx)
-
-    def live_attempts(self) -> list[LiveAttempt]:
-        return self.read(ex.live_attempts)
-
-    def cancel_requested(self) -> set[str]:
-        return {a.attempt_id for a in self.read(ex.live_attempts) if a.cancel_requested}
-
-    def retry_policy(self, task_id: str, revision: int) -> RetryPolicy | None:
-        plan, _ = self.read(lambda c: ex.load_plan(c, task_id, revision))
-        return plan.retry if plan else None
-
-    def timing(self, task_id: str, revision: int) -> tuple[int, int]:
-        plan, _ = self.read(lambda c: ex.load_plan(c, task_id, revision))
-        return (plan.timeout_ms, plan.grace_ms) if plan else (DEFAULT_TIMEOUT_MS, DEFAULT_GRACE_MS)
-
-    def next_backoff_us(self) -> int | None:
-        return self.read(lambda c: ex.next_backoff_us(c, self._now_in(c)))
-
-    def claimed_attempt_ids(self) -> list[str]:
-        return self.read(ex.claimed_attempt_ids)
-
-    def retention_entries(self) -> list[RetentionEntry]:
-        return self.read(ex.retention_entries)
-
-    def forget_artifacts(self, attempt_ids: list[str]) -> None:
-        self.write(lambda c: ex.forget_artifacts(c, attempt_ids))
 
 
 def diagnose(url: str) -> list[tuple[str, bool, str]]:

@@ -16,7 +16,7 @@ def put_secret(conn: sqlite3.Connection, project_id: str, name: str, ciphertext:
                  (project_id, name, ciphertext, key_id, now_us))
 
 
-def list_secret_names(conn: sqlite3.Connection, project_id: str) -> list[tuple[str, int]]:
+def secret_names(conn: sqlite3.Connection, project_id: str) -> list[tuple[str, int]]:
     """(name, updated_at_us) pairs, by name."""
     return [(r[0], r[1]) for r in conn.execute(
         "SELECT name, updated_at_us FROM secrets WHERE project_id = ? ORDER BY name", (project_id,))]
@@ -36,7 +36,7 @@ def delete_secret(conn: sqlite3.Connection, project_id: str, name: str, *, force
     return users
 
 
-def get_ciphertexts(conn: sqlite3.Connection, project_id: str, names: list[str]) -> dict[str, bytes]:
+def ciphertexts(conn: sqlite3.Connection, project_id: str, names: list[str]) -> dict[str, bytes]:
     """Ciphertext of each present name (missing names are simply absent)."""
     if not names:
         return {}

@@ -1,0 +1,286 @@
+"""``RowStore``: the store-port methods the SQLite and PostgreSQL authorities implement alike
+(ADR-0014 "only the Repository and transport change"; ``core.ports``).
+
+Each method is one ``read`` or ``write`` unit of the subclass over the row functions of its own
+package, which have the same names and arguments in ``adapters/sqlite/`` and
+``adapters/postgres/`` (modules ``policy``, ``definitions``, ``runs``, ``execution``,
+``secrets``, bound as the class attributes ``_policy``, ``_defs``, ``_runs``, ``_ex``,
+``_secrets``). Inside a unit, time is ``_tx_now(conn)`` (µs: the SQLite store's clock, the
+PostgreSQL store's database clock) and new Attempts are of ``executor_type``. What really
+differs — opening, the transactions themselves, Task Start, schedule fires, candidate pages,
+claims and finishes — stays in ``sqlite.store`` and ``postgres.store``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import TypeVar
+
+from ..core.definitions import PreparedTask, check_executor
+from ..core.dispatch import Candidate, LiveAttempt, Plan
+from ..core.errors import NotFoundError
+from ..core.models import (
+    Attempt,
+    ContextRecipe,
+    Project,
+    RetentionEntry,
+    RetryPolicy,
+    RoleBinding,
+    Run,
+    RunEvent,
+    ScheduleCursor,
+    TaskHead,
+    TokenInfo,
+)
+from ..core.receipt import TruncationFact
+
+T = TypeVar("T")
+DEFAULT_TIMEOUT_MS = 3_600_000      # timing() of a revision that is gone (recovery only)
+DEFAULT_GRACE_MS = 5_000
+
+
+class _Rollback(Exception):
+    """Carries a dry run's result out of the transaction it rolls back."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+
+class RowBatch:
+    """``core.ports.DefinitionBatch`` on the connection/cursor of one open write transaction."""
+
+    def __init__(self, store: RowStore, conn, now_us: int) -> None:
+        self._s, self._c, self._now = store, conn, now_us
+
+    def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:
+        try:
+            return self._s._defs.get_head(self._c, project_id, name_or_id)
+        except NotFoundError:
+            return None
+
+    def list_heads(self, project_id: str) -> list[TaskHead]:
+        return self._s._defs.list_heads(self._c, project_id)
+
+    def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, self._s.executor_type)
+        return self._s._defs.add_task(self._c, project_id, prepared, self._now)
+
+    def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
+                  prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, self._s.executor_type)
+        return self._s._defs.edit_task(self._c, project_id, name_or_id, expected_revision, expected_digest, prepared,
+                                       self._now)
+
+    def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
+        return self._s._secrets.ciphertexts(self._c, project_id, names)
+
+    def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
+        self._s._secrets.put_secret(self._c, project_id, name, ciphertext, key_id, self._now)
+
+
+class RowStore:
+    """Base of ``SqliteStore`` and ``PgStore``: a subclass provides ``read(fn)``/``write(fn)``
+    (``fn(conn)`` in one read-only / write transaction), ``_tx_now(conn)``, ``executor_type``
+    and the five row modules (module docstring). Errors are those of the row functions
+    (NotFoundError, ConflictError, ValidationError …) and of the subclass's transactions
+    (UnavailableError)."""
+
+    _policy: ModuleType
+    _defs: ModuleType
+    _runs: ModuleType
+    _ex: ModuleType
+    _secrets: ModuleType
+    executor_type: str
+
+    # ---- PolicyStore ---------------------------------------------------------------------------
+    def ensure_project(self, name: str) -> Project:
+        return self.write(lambda c: self._policy.ensure_project(c, name, self._tx_now(c)))
+
+    def get_project(self, name_or_id: str) -> Project:
+        return self.read(lambda c: self._policy.get_project(c, name_or_id))
+
+    def lookup_token(self, digest: str) -> tuple[str, str] | None:
+        return self.read(lambda c: self._policy.lookup_token(c, digest))
+
+    def latest_binding(self, project_id: str, subject: str) -> RoleBinding | None:
+        return self.read(lambda c: self._policy.latest_binding(c, project_id, subject))
+
+    def bind_role(self, project_id: str, subject: str, role: str | None) -> int:
+        return self.write(lambda c: self._policy.bind_role(c, project_id, subject, role, self._tx_now(c)))
+
+    def grant_token(self, project: str, subject: str, role: str, digest: str) -> str:
+        def tx(c):
+            now, policy = self._tx_now(c), self._policy
+            proj = policy.ensure_project(c, project, now)
+            prev = policy.latest_binding(c, proj.project_id, subject)
+            if prev is None or prev.role != role:
+                policy.bind_role(c, proj.project_id, subject, role, now)
+            return policy.add_token(c, proj.project_id, subject, digest, now)
+        return self.write(tx)
+
+    def revoke_token(self, *, token_id: str, digest: str | None = None) -> None:
+        def tx(c):
+            found = self._policy.token_id_of(c, digest) if digest is not None else None
+            self._policy.revoke_token(c, found or token_id, self._tx_now(c))
+        self.write(tx)
+
+    def list_tokens(self, project_id: str) -> list[TokenInfo]:
+        return self.read(lambda c: self._policy.list_tokens(c, project_id))
+
+    # ---- DefinitionStore -----------------------------------------------------------------------
+    def add_tasks(self, project_id: str, prepared: list[PreparedTask]) -> list[TaskHead]:
+        for p in prepared:
+            check_executor(p.definition, self.executor_type)
+
+        def tx(c):
+            now = self._tx_now(c)
+            return [self._defs.add_task(c, project_id, p, now) for p in prepared]
+        return self.write(tx)
+
+    def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
+                  prepared: PreparedTask) -> TaskHead:
+        check_executor(prepared.definition, self.executor_type)
+        return self.write(lambda c: self._defs.edit_task(c, project_id, name_or_id, expected_revision,
+                                                         expected_digest, prepared, self._tx_now(c)))
+
+    def set_enabled(self, project_id: str, name_or_id: str, enabled: bool, actor: str) -> tuple[TaskHead, int]:
+        def tx(c):
+            now = self._tx_now(c)
+            head = self._defs.set_enabled(c, project_id, name_or_id, enabled, now)
+            n = 0 if enabled else self._runs.cancel_queued_for_task(c, head.task_id, actor, "task_disabled", now)
+            return head, n
+        return self.write(tx)
+
+    def remove_task(self, project_id: str, name_or_id: str, actor: str) -> tuple[TaskHead, int, int]:
+        def tx(c):
+            now = self._tx_now(c)
+            head = self._defs.remove_task(c, project_id, name_or_id, now)
+            queued = self._runs.cancel_queued_for_task(c, head.task_id, actor, "task_removed", now)
+            active = self._runs.active_run_ids(c, head.task_id)
+            for run_id in active:
+                self._ex.request_cancel(c, run_id, actor, now)
+            return head, queued, len(active)
+        return self.write(tx)
+
+    def definition_batch(self, work: Callable[[RowBatch], T], *, dry_run: bool = False) -> T:
+        def tx(c):
+            result = work(RowBatch(self, c, self._tx_now(c)))
+            if dry_run:
+                raise _Rollback(result)
+            return result
+        try:
+            return self.write(tx)
+        except _Rollback as done:
+            return done.result
+
+    def get_head(self, project_id: str, name_or_id: str) -> TaskHead:
+        return self.read(lambda c: self._defs.get_head(c, project_id, name_or_id))
+
+    def list_heads(self, project_id: str | None) -> list[TaskHead]:
+        return self.read(lambda c: self._defs.list_heads(c, project_id))
+
+    def skipped_fires(self, task_id: str) -> int:
+        return self.read(lambda c: self._defs.skipped_fires(c, task_id))
+
+    def get_recipe(self, recipe_ref: str) -> ContextRecipe:
+        return self.read(lambda c: self._defs.get_recipe(c, recipe_ref))
+
+    # ---- RunStore (Task Start is the subclass's) -----------------------------------------------
+    def get_run(self, run_id: str, project_id: str | None = None) -> Run:
+        return self.read(lambda c: self._runs.get_run(c, run_id, project_id))
+
+    def list_runs(self, project_id: str, *, task_id: str | None = None, state: str | None = None,
+                  limit: int = 50, cursor: str | None = None) -> tuple[list[Run], str | None]:
+        return self.read(lambda c: self._runs.list_runs(c, project_id, task_id=task_id, state=state, limit=limit,
+                                                        cursor=cursor))
+
+    def list_events(self, run_id: str) -> list[RunEvent]:
+        return self.read(lambda c: self._runs.list_events(c, run_id))
+
+    def list_attempts(self, run_id: str) -> list[Attempt]:
+        return self.read(lambda c: self._runs.list_attempts(c, run_id))
+
+    def latest_artifact(self, run_id: str) -> tuple[str | None, TruncationFact | None]:
+        return self.read(lambda c: self._runs.latest_artifact(c, run_id))
+
+    def request_cancel(self, run_id: str, actor: str, project_id: str | None = None) -> Run:
+        def tx(c):
+            run = self._runs.get_run(c, run_id, project_id)
+            self._ex.request_cancel(c, run.run_id, actor, self._tx_now(c))
+            return self._runs.get_run(c, run.run_id)
+        return self.write(tx)
+
+    def queued_count(self) -> int:
+        return self.read(self._runs.queued_count)
+
+    # ---- ScheduleStore (fire_schedule is the subclass's) ---------------------------------------
+    def schedule_cursors(self) -> dict[str, ScheduleCursor]:
+        return self.read(self._runs.schedule_cursors)
+
+    # ---- SecretStore ---------------------------------------------------------------------------
+    def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
+        self.write(lambda c: self._secrets.put_secret(c, project_id, name, ciphertext, key_id, self._tx_now(c)))
+
+    def secret_names(self, project_id: str) -> list[tuple[str, int]]:
+        return self.read(lambda c: self._secrets.secret_names(c, project_id))
+
+    def delete_secret(self, project_id: str, name: str, *, force: bool = False) -> list[str]:
+        return self.write(lambda c: self._secrets.delete_secret(c, project_id, name, force=force))
+
+    def secret_uses(self, project_id: str | None) -> list[tuple[str, str, bool]]:
+        return self.read(lambda c: self._secrets.secret_uses(c, project_id))
+
+    def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
+        return self.read(lambda c: self._secrets.ciphertexts(c, project_id, names))
+
+    def legacy_ciphertexts(self, magic: bytes) -> list[tuple[str, str, bytes]]:
+        return self.read(lambda c: self._secrets.legacy_ciphertexts(c, magic))
+
+    def replace_ciphertexts(self, rows: list[tuple[str, str, bytes, bytes]], key_id: str) -> int:
+        return self.write(lambda c: sum(self._secrets.replace_ciphertext(c, pid, name, old, new, key_id)
+                                        for pid, name, old, new in rows))
+
+    # ---- DispatchStore (candidate pages and unlaunched finishes are the subclass's) ------------
+    def reread(self, c: Candidate) -> bool:
+        return self.read(lambda conn: self._ex.reread_candidate(conn, c))
+
+    def load_plan(self, c: Candidate) -> tuple[Plan | None, str | None]:
+        return self.read(lambda conn: self._ex.load_plan(conn, c.task_id, c.task_revision))
+
+    def active_count(self) -> int:
+        return self.read(self._ex.active_count)
+
+    def task_active_count(self, task_id: str) -> int:
+        return self.read(lambda c: self._ex.task_active_count(c, task_id))
+
+    # ---- ExecutionStore (claims and finishes are the subclass's) -------------------------------
+    def mark_running(self, c: Candidate, shim_pid: int, shim_start: float, deadline_us: int) -> None:
+        self.write(lambda conn: self._ex.mark_running(conn, c.run_id, c.attempt_id, shim_pid, shim_start,
+                                                      deadline_us, self._tx_now(conn)))
+
+    def live_attempts(self) -> list[LiveAttempt]:
+        return self.read(self._ex.live_attempts)
+
+    def cancel_requested(self) -> set[str]:
+        return {a.attempt_id for a in self.read(self._ex.live_attempts) if a.cancel_requested}
+
+    def retry_policy(self, task_id: str, revision: int) -> RetryPolicy | None:
+        plan, _ = self.read(lambda c: self._ex.load_plan(c, task_id, revision))
+        return plan.retry if plan else None
+
+    def timing(self, task_id: str, revision: int) -> tuple[int, int]:
+        plan, _ = self.read(lambda c: self._ex.load_plan(c, task_id, revision))
+        return (plan.timeout_ms, plan.grace_ms) if plan else (DEFAULT_TIMEOUT_MS, DEFAULT_GRACE_MS)
+
+    def next_backoff_us(self) -> int | None:
+        return self.read(lambda c: self._ex.next_backoff_us(c, self._tx_now(c)))
+
+    def claimed_attempt_ids(self) -> list[str]:
+        return self.read(self._ex.claimed_attempt_ids)
+
+    def retention_entries(self) -> list[RetentionEntry]:
+        return self.read(self._ex.retention_entries)
+
+    def forget_artifacts(self, attempt_ids: list[str]) -> None:
+        self.write(lambda c: self._ex.forget_artifacts(c, attempt_ids))
