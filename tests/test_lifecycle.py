@@ -437,8 +437,10 @@ def overlap(intervals: list[tuple[int, int]]) -> int:
 
 def test_single_instance_and_global_limit(root):
     a = Agent(root, config="max_concurrent_runs = 2\n")
-    a.add(task("single", "sleep 0.4\n", concurrency="single"),
-          task("par", "sleep 0.4\n", concurrency="parallel"))
+    # 1.5 s each: long enough that two admitted Runs overlap even when a loaded machine takes
+    # most of a second to start each shim (0.4 s did not, once, under 6 parallel test runs).
+    a.add(task("single", "sleep 1.5\n", concurrency="single"),
+          task("par", "sleep 1.5\n", concurrency="parallel"))
     a.serve()
     try:
         singles = [a.start("single") for _ in range(2)]
