@@ -119,6 +119,27 @@ def test_bad_umask_via_cli_is_one_line_exit_2_and_nothing_written(root):
     assert (doc["definition"]["execution"]["umask"], doc["definition"]["execution"]["keepOrphans"]) == ("0027", True)
 
 
+def test_on_lease_loss_round_trips_through_the_store_cli_and_json_and_a_bad_value_is_refused(root):
+    a = Agent(root)
+    path = os.path.join(root, "t.toml")
+    with open(path, "w") as f:
+        f.write('[[task]]\nname = "t"\ncommand = ["/bin/true"]\non_lease_loss = "stay"\n')
+    p = a.cli("task", "add", "-f", path, check=False)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "task[0].on_lease_loss" in lines[0] and "kill, keep" in lines[0]
+    with a.db() as c:
+        assert c.execute("SELECT count(*) FROM tasks").fetchone()[0] == 0
+    with open(path, "w") as f:
+        f.write('[[task]]\nname = "t"\ncommand = ["/bin/true"]\non_lease_loss = "keep"\n')
+    a.cli("task", "add", "-f", path)
+    assert "lease loss    keep" in a.cli("task", "show", "t").stdout.decode()
+    doc = json.loads(a.cli("task", "show", "t", "--json").stdout)
+    assert doc["definition"]["execution"]["onLeaseLoss"] == "keep"
+    stored = prepare_task(parse_task_file({"task": [{"name": "t", "command": ["/bin/true"],
+                                                     "on_lease_loss": "keep"}]})[0])
+    assert doc["contentDigest"] == stored.content_digest
+
+
 # contentDigest / execution digest of these tasks as computed before umask and keep_orphans
 # existed (main at b68204d): a Task that does not use them keeps its digests.
 PRE_EXISTING = [
@@ -135,7 +156,7 @@ PRE_EXISTING = [
 def test_a_task_without_the_new_fields_keeps_its_digests(t, digest, execution_digest):
     p = prepare_task(parse_task_file({"task": [t]})[0])
     assert (p.content_digest, p.execution_digest) == (digest, execution_digest)
-    for extra in ({"umask": "0027"}, {"keep_orphans": True}):
+    for extra in ({"umask": "0027"}, {"keep_orphans": True}, {"on_lease_loss": "kill"}, {"on_lease_loss": "keep"}):
         q = prepare_task(parse_task_file({"task": [{**t, **extra}]})[0])
         assert q.content_digest != digest and q.execution_digest != execution_digest
     explicit_default = prepare_task(parse_task_file({"task": [{**t, "keep_orphans": False}]})[0])

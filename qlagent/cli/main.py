@@ -238,6 +238,8 @@ def cmd_task_show(ctx: Ctx) -> int:
     print(f"command       {' '.join(ex.argv) if ex.kind == 'local_process' else ex.shell + ' -c <script>'}")
     print(f"process       cwd {ex.cwd or '$HOME'}; umask {ex.umask or 'of the service'}; leftovers "
           f"{'kept (keep_orphans)' if ex.keep_orphans else 'stopped at exit'}")
+    if ex.on_lease_loss is not None:
+        print(f"lease loss    {ex.on_lease_loss} (on a fleet Worker that cannot renew the Run Lease)")
     print(f"timeout       {df.timeout_ms / 1000:g} s (grace {df.grace_ms / 1000:g} s); concurrency {df.concurrency}; "
           f"retry {df.retry.max_attempts}x")
     print(f"network       {df.network.require}{':' + df.network.interface if df.network.interface else ''}")

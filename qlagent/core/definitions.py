@@ -28,6 +28,9 @@ SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")   # Linux IFNAMSIZ - 1
 PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 CATCH_UP = ("latest", "none")     # core.schedule.apply_catch_up; README "Catch-up after downtime"
+# What a fleet Worker does with a run whose Run Lease it cannot renew (issue 11 §6): stop it
+# (default; no second copy runs after the Attempt is re-offered) or keep it (at-least-once).
+ON_LEASE_LOSS = ("kill", "keep")
 
 
 class RetryInput(msgspec.Struct, forbid_unknown_fields=True):
@@ -47,6 +50,7 @@ class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     cwd: str | None = None
     umask: str | None = None
     keep_orphans: bool = False
+    on_lease_loss: str | None = None
     timeout_s: float = 3600
     grace_s: float = 5
     concurrency: str = "single"
@@ -226,7 +230,8 @@ def check_secret_name(name: str) -> str:
 
 def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
     """Validate the launch spec (ADR-0071 §2): absolute bounded argv or allowlisted shell;
-    ``cwd`` absolute (unset: HOME at launch); ``umask`` 3-4 octal digits ≤ 0777, kept as 4."""
+    ``cwd`` absolute (unset: HOME at launch); ``umask`` 3-4 octal digits ≤ 0777, kept as 4;
+    ``on_lease_loss`` one of ``ON_LEASE_LOSS`` (issue 11 §6)."""
     if t.cwd is not None:
         _no_nul(f"{prefix}cwd", t.cwd)
         if not t.cwd.startswith("/") or _utf8_len(t.cwd) > L.MAX_PATH_BYTES:
@@ -237,7 +242,10 @@ def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
             raise ValidationError(f"{prefix}umask", f"{t.umask!r} is not 3-4 octal digits up to 0777 (e.g. \"0027\")",
                                   limit="0000..0777")
         umask = "%04o" % int(t.umask, 8)
-    common = {"cwd": t.cwd, "umask": umask, "keep_orphans": t.keep_orphans}
+    if t.on_lease_loss is not None and t.on_lease_loss not in ON_LEASE_LOSS:
+        raise ValidationError(f"{prefix}on_lease_loss",
+                              f"{t.on_lease_loss!r} is not one of {', '.join(ON_LEASE_LOSS)}")
+    common = {"cwd": t.cwd, "umask": umask, "keep_orphans": t.keep_orphans, "on_lease_loss": t.on_lease_loss}
     if t.command is not None and (t.shell is not None or t.script is not None):
         raise ValidationError(f"{prefix}command", "give either command or shell+script, not both")
     if t.command is not None:
@@ -380,7 +388,7 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
 
 # Optional launch fields added after the first release: omitted while unset, so every Task
 # stored before them keeps its contentDigest and execution digest.
-_OMITTED_UNSET = {"umask": None, "keepOrphans": False}
+_OMITTED_UNSET = {"umask": None, "keepOrphans": False, "onLeaseLoss": None}
 
 
 def _execution_builtins(e: ExecutionSpec) -> dict:

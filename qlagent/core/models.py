@@ -53,7 +53,9 @@ class ExecutionSpec(Base):
     ``kind`` is ``local_process`` (absolute, bounded ``argv``) or ``shell`` (``shell`` from the
     allowlist runs ``script`` inline as ``shell -c script``). ``cwd`` None: the task's HOME.
     ``umask`` (4 octal digits, e.g. ``"0027"``) None: the service's umask. ``keep_orphans``:
-    leave what the main process left behind running. The two last are left out of the canonical
+    leave what the main process left behind running. ``on_lease_loss`` (``kill`` | ``keep``)
+    None: ``kill``; what a fleet Worker does with a run whose Run Lease it cannot renew (issue 11
+    §6; a local agent has no Lease and ignores it). The three last are left out of the canonical
     documents while unset, so a Task that does not use them keeps its digests.
     """
 
@@ -64,6 +66,7 @@ class ExecutionSpec(Base):
     cwd: str | None = "/"
     umask: str | None = None
     keep_orphans: bool = False
+    on_lease_loss: str | None = None
 
     def launch_argv(self) -> list[str]:
         """The argv handed to execve."""

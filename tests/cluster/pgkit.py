@@ -80,9 +80,11 @@ class Kit:
         return self.project_id
 
     def task(self, name: str = "job", *, placement: dict | None = None, max_attempts: int = 1,
-             command: list[str] | None = None, secrets_: dict[str, str] | None = None) -> dict:
+             command: list[str] | None = None, secrets_: dict[str, str] | None = None,
+             on_lease_loss: str | None = None) -> dict:
         t = TaskInput(name=name, command=command or [COMMAND_MARK, "hello"], env={"GREETING": "hi"},
-                      secrets=secrets_ or {}, retry=RetryInput(max_attempts=max_attempts, backoff_s=0))
+                      secrets=secrets_ or {}, retry=RetryInput(max_attempts=max_attempts, backoff_s=0),
+                      on_lease_loss=on_lease_loss)
         prepared = prepare_task(t)
         doc = definition_document(prepared.definition)
         if placement is not None:

@@ -126,6 +126,14 @@ def test_pull_retried_after_a_lost_response_rebuilds_the_identical_answer(kit):
     assert (after_ack.status, after_ack.reason, after_ack.offer) == ("lease_ended", "attempt_starting", None)
 
 
+@pytest.mark.parametrize("policy, carried", [(None, "kill"), ("keep", "keep"), ("kill", "kill")])
+def test_the_tasks_on_lease_loss_reaches_the_worker_in_the_execution_spec(kit, policy, carried):
+    w = kit.worker(f"edge-{policy or 'unset'}")
+    kit.queue(kit.task(f"job-{policy or 'unset'}", on_lease_loss=policy))
+    answer, _ = _pull(kit, w)
+    assert answer.status == "offered" and answer.offer.spec.on_lease_loss == carried
+
+
 def test_pull_refuses_a_stale_generation_and_bad_fields(kit):
     w = kit.worker("edge-1")
     kit.registry.open_session(w["worker_id"], w["credential"], Hello())

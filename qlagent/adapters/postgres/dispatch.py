@@ -224,6 +224,7 @@ class PgPlanSource:
                 "argv": execution.get("argv") or [], "shell": execution.get("shell"),
                 "script": execution.get("script"), "cwd": execution.get("cwd"),
                 "umask": execution.get("umask"), "keepOrphans": execution.get("keepOrphans", False),
+                "onLeaseLoss": execution.get("onLeaseLoss") or "kill",
                 "env": recipe.get("public", {}), "secretRefs": recipe.get("secretRefs", {}),
                 "timeoutMs": definition.get("timeoutMs"), "graceMs": definition.get("graceMs"),
                 "logQuotaBytes": self._profile.log_max_bytes}
