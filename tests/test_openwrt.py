@@ -377,3 +377,85 @@ def test_a_list_option_is_refused_not_joined_into_one_value(router):
     assert router.convert().returncode == 0
     config = tomllib.loads((router.conf_dir / "qlagent.toml").read_text())
     assert config["state_dir"] == "/mnt/a" and config["artifact_dir"] == "/mnt/x' 'y"
+
+
+# --- the fleet Worker's options (issue 11: `option control_url …` → [worker]) -----------------------
+
+WORKER_UCI = {"control_url": "https://cp.example:8443", "worker_id": "0a1b2c3d-0000-4000-8000-00000000000a",
+              "credential_file": "/etc/qlagent/worker.cred", "ca_file": "/etc/qlagent/cp-ca.pem"}
+
+
+def set_list(router: Router, name: str, elements: list) -> None:
+    """`uci add_list qlagent.main.NAME=E` for each element (the stand-in's list layout)."""
+    (router.uci / name).mkdir()
+    for i, e in enumerate(elements, 1):
+        (router.uci / name / str(i)).write_bytes(e if isinstance(e, bytes) else e.encode())
+
+
+def test_worker_options_convert_to_the_worker_table_and_the_instance_is_unchanged(router):
+    router.set(**WORKER_UCI, slots="2", heartbeat_interval_s="2.5", pull_wait_s="0", log_store_bytes="65536")
+    set_list(router, "label", ["site=lab", "note=it's \"x\" a=b"])
+    set_list(router, "executor", ["local_process"])
+    out, msg = router.init("start")
+    assert out.returncode == 0 and not any("daemon.err" in ln for ln in router.log_lines()), router.log_lines()
+    config = tomllib.loads((router.conf_dir / "qlagent.toml").read_text())
+    assert config["worker"] == {
+        "control_url": "https://cp.example:8443", "worker_id": "0a1b2c3d-0000-4000-8000-00000000000a",
+        "credential_file": "/etc/qlagent/worker.cred", "ca_file": "/etc/qlagent/cp-ca.pem",
+        "labels": {"site": "lab", "note": "it's \"x\" a=b"}, "executors": ["local_process"], "slots": 2,
+        "heartbeat_interval_s": 2.5, "pull_wait_s": 0, "log_store_bytes": 65536}
+    conf = str(router.conf_dir / "qlagent.toml")
+    assert msg["instances"]["instance1"]["command"] == ["/usr/bin/qlagent", "serve", "--config", conf]
+    # One label given with `uci set` is a one-element list; no label or executor: the enrolment's.
+    shutil.rmtree(router.uci / "label")
+    shutil.rmtree(router.uci / "executor")
+    router.set(label="site=lab")
+    assert router.convert().returncode == 0
+    worker = tomllib.loads((router.conf_dir / "qlagent.toml").read_text())["worker"]
+    assert worker["labels"] == {"site": "lab"} and "executors" not in worker
+
+
+BAD_WORKER = [
+    # (options, lists, message): one per rule the converter adds, and one per [worker] rule of the agent
+    ({"worker_id": WORKER_UCI["worker_id"], "control_url": None},
+     {}, "option worker_id: is a fleet Worker option; set option control_url too"),
+    ({"worker_id": None}, {}, "option worker_id: missing: a Worker needs the worker_id of its enrolment"),
+    ({"credential_file": None}, {}, "option credential_file: missing: a Worker needs its credential file (0600)"),
+    ({"slots": "05"}, {}, "option slots: must be a decimal whole number without leading zeros, got '05'"),
+    ({"slots": "5"}, {}, "option slots: outside 1..4 (the Profile's live runs)"),
+    ({"heartbeat_interval_s": "2.5.1"}, {}, "option heartbeat_interval_s: must be a decimal number of seconds"),
+    ({"heartbeat_interval_s": "0.5"}, {}, "option heartbeat_interval_s: 0.5 outside 1..60 seconds"),
+    ({"pull_wait_s": "31"}, {}, "option pull_wait_s: 31 outside 0..30 seconds"),
+    ({"log_store_bytes": "1e6"}, {}, "option log_store_bytes: must be a decimal whole number of bytes"),
+    ({}, {"label": ["site=lab", "nokey"]}, "option label: 'nokey' is not KEY=VALUE"),
+    ({}, {"label": ["a=1", "a=2"]}, "option label: key 'a' is given twice"),
+    ({}, {"label": ["a=b", "c=\td"]}, "option label: must not contain control characters"),
+    ({}, {"label": ["k=" + "v" * 129]}, "option label: empty, too long or contains NUL (limit 128)"),
+    ({}, {"label": [b"k=\xff"]}, "option label: is not UTF-8"),
+    ({}, {"executor": ["docker"]}, 'option executor: must be a non-empty list of ["local_process"] without repeats'),
+    ({"control_url": "ftp://cp.example"}, {}, "option control_url: must be https://HOST[:PORT]"),
+    ({"ca_file": None}, {}, "option ca_file: required with an https:// control_url"),
+    ({"credential_file": "worker.cred"}, {}, "option credential_file: 'worker.cred' must be an absolute path"),
+    ({"credential_file": b"/etc/\xff"}, {}, "option credential_file: is not UTF-8"),
+    ({"worker_id": "ABC"}, {}, "option worker_id: must be the enrolled Worker's lowercase UUID"),
+]
+
+
+@pytest.mark.parametrize("options,lists,message", BAD_WORKER, ids=[m.split(":")[0] + repr(o) + repr(l)
+                                                                   for o, l, m in BAD_WORKER])
+def test_a_bad_worker_option_exits_2_with_one_line_and_writes_nothing(router, options, lists, message):
+    router.set(**WORKER_UCI)
+    assert router.convert().returncode == 0
+    before = router.snapshot()
+    for k, v in options.items():
+        if v is None:
+            router.unset(k)
+        else:
+            (router.uci / k).write_bytes(v if isinstance(v, bytes) else v.encode())
+    for k, v in lists.items():
+        set_list(router, k, v)
+    out = router.convert()
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    assert out.stderr.endswith("(/etc/config/qlagent, section main)\n") and "Traceback" not in out.stderr
+    assert router.snapshot() == before
