@@ -18,12 +18,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlagent.adapters.sqlite.inbox import FILENAME, SqliteInbox
+from qlagent.adapters.sqlite.inbox import _SCHEMA, FILENAME, SqliteInbox
 from qlagent.core.canonical import content_digest
 from qlagent.core.errors import EXIT_CONFLICT, EXIT_UNAVAILABLE, EXIT_USAGE, NotFoundError, StoreIntegrityError, \
     UnavailableError, ValidationError
 from qlagent.core.inbox_states import (COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, STATES, IllegalInboxTransition,
-                                       InboxFull, InboxOffer, OfferConflict, recovery_action)
+                                       InboxFull, InboxOffer, OfferConflict, pull_body, recovery_action,
+                                       spec_bytes)
 from qlagent.core.profiles import EDGE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -238,6 +239,42 @@ def test_the_files_stay_small_over_many_offers(tmp_path):
     total = sum(os.path.getsize(p) for p in glob.glob(str(tmp_path / (FILENAME + "*"))))
     # 200 × 8 KB specs went through; the files hold the kept rows plus the WAL limit (256 KiB).
     assert total < 524_288, total
+    box.close()
+
+
+def test_the_offer_keeps_the_pull_that_brought_it_so_the_same_body_can_be_sent_again(tmp_path, inbox):
+    session = str(uuid.uuid4())
+    pending = inbox.begin_pull(session, 3, str(uuid.uuid4()), _token())
+    offer = make_offer(session_id=session, lease_token=pending.lease_token)
+    inbox.receive(offer, pull_id=pending.pull_id)
+    inbox.close()                                    # restart
+    box = SqliteInbox.for_profile(str(tmp_path), EDGE)
+    (entry,) = box.open_entries()
+    assert entry.pull_id == pending.pull_id
+    o = entry.offer
+    assert pull_body(o.session_id, o.generation, entry.pull_id, o.lease_token) == pending.body
+    box.close()
+
+
+def test_a_version_1_file_gains_the_pull_id_and_keeps_its_rows(tmp_path):
+    path = str(tmp_path / FILENAME)
+    c = sqlite3.connect(path)                        # the version-1 schema as it shipped
+    c.executescript(_SCHEMA.replace(",\n    pull_id             TEXT                                    "
+                                    "-- the Pull that brought it (v2)", "") + "PRAGMA user_version=1;")
+    assert "pull_id" not in [r[1] for r in c.execute("PRAGMA table_info(offers)")]
+    offer = make_offer()
+    c.execute("INSERT INTO offers (offer_id, attempt_id, session_id, generation, lease_generation, "
+              "lease_expires_at_us, lease_token, spec_digest, spec_json, spec_bytes, state, received_at_us, "
+              "updated_at_us) VALUES (?,?,?,?,?,?,?,?,?,?,'received',1,1)",
+              (offer.offer_id, offer.attempt_id, offer.session_id, offer.generation, offer.lease_generation,
+               offer.lease_expires_at_us, offer.lease_token, offer.spec_digest, spec_bytes(offer.spec),
+               len(spec_bytes(offer.spec))))
+    c.commit()
+    c.close()
+    box = SqliteInbox(path, max_rows=4, max_bytes=65_536)
+    (entry,) = box.open_entries()
+    assert entry.offer == offer and entry.pull_id is None
+    assert box._c.execute("PRAGMA user_version").fetchone()[0] == 2
     box.close()
 
 

@@ -19,7 +19,11 @@ socket, a signal). Duties, in order, on every pass:
 3. **Offers** (inbox rows in receipt order): ACK ``starting`` → crash barrier (inbox, fsync'd) →
    run directory (fsync'd) → spawn the shim → ACK ``running`` (``start_failure`` with the reason
    code when it could not start). Secret values live only in memory from the Pull answer to the
-   spawn; a row that lost them in a restart fails to start (``secrets_unavailable``).
+   spawn. A restart loses them: a row still ``received`` sends the Pull that brought it again,
+   byte for byte (pullId and lease token are on the row), and the control plane rebuilds the
+   same answer, secret values included, while the Attempt is still claimed (ADR-0108); when it
+   no longer is (the ``starting`` ACK had reached it) the row fails to start
+   (``secrets_unavailable``).
 4. **Completion** from the shim's receipt → ACK ``completion`` → log chunks (≤ 256 KiB,
    offset-addressed) until the control plane holds every kept byte → row ``acked`` → run
    directory (and its Artifact) removed. Chunks also go up during a run once a whole chunk is
@@ -60,7 +64,8 @@ from ..core.control import (Answer, AttemptNotFound, ChunkConflict, ControlAuthE
                             SessionGone, WorkerRunsPort)
 from ..core.errors import QlError, StartError
 from ..core.receipt import start_code
-from ..core.inbox_states import COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, InboxEntry, InboxOffer, recovery_action
+from ..core.inbox_states import (COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, InboxEntry, InboxOffer, pull_body,
+                                 recovery_action)
 from ..worker import backoff, fencing, heartbeat
 
 CHUNK_BYTES = 262_144
@@ -78,7 +83,7 @@ class Job:
 
     __slots__ = ("entry", "spec", "secrets", "session", "handle", "renewal", "ttl_us", "deadline_us", "kill_reason",
                  "kill_at_us", "fenced", "keep_reported", "cancel", "running_owed", "completion_owed", "uploaded",
-                 "log_done", "gone")
+                 "log_done", "gone", "refetched")
 
     def __init__(self, entry: InboxEntry, spec: ExecutionSpec, secrets: dict[str, bytes] | None = None) -> None:
         self.entry, self.spec, self.secrets = entry, spec, secrets
@@ -98,6 +103,7 @@ class Job:
         self.uploaded = 0                         # bytes the control plane acknowledged
         self.log_done = False
         self.gone = False                         # the Lease is gone: nothing more is sent
+        self.refetched = False                    # its Pull was sent again for the secret values
 
     @property
     def attempt_id(self) -> str:
@@ -645,6 +651,8 @@ class WorkerRuntime:
         if st == "received":
             if j.fenced or j.gone:
                 return
+            if j.secrets is None and j.spec.secret_refs and j.entry.pull_id is not None and not j.refetched:
+                self._refetch_secrets(j)
             self._ack(j, "starting")
             j.entry = self.inbox.advance(j.offer_id, "barrier")      # the crash barrier, fsync'd
             st = "barrier"
@@ -667,6 +675,36 @@ class WorkerRuntime:
                 self._upload(j, final=True)
             if j.log_done:
                 self._acked(j)
+
+    def _refetch_secrets(self, j: Job) -> None:
+        """ADR-0108: the Pull that brought ``j`` (rebuilt from its row: Session, generation,
+        pullId, lease token) sent again byte for byte; while the Attempt is still claimed the
+        control plane answers the same offer, secret values included. Any other answer leaves
+        them missing (the spawn then fails ``secrets_unavailable``). Transport errors and a lost
+        Session propagate to ``_send_owed``, which retries later."""
+        o = j.entry.offer
+        body = pull_body(o.session_id, o.generation, j.entry.pull_id, o.lease_token)
+        try:
+            ans, sent = self._rpc("POST", "/pull?waitS=0", body)
+            answer = msgspec.json.decode(ans.body, type=PullAnswer)
+        except (PullTokenMismatch, RequestRefused) as e:
+            j.refetched = True
+            self.log("warning", "worker.secrets_refetch_refused", attempt=j.attempt_id, code=e.code)
+            return
+        j.refetched = True
+        got = answer.offer
+        if answer.status != "offered" or got is None or (got.offer_id, got.spec_digest, got.lease_token) != (
+                o.offer_id, o.spec_digest, o.lease_token):
+            self.log("warning", "worker.secrets_refetch_failed", attempt=j.attempt_id, status=answer.status,
+                     reason=answer.reason)
+            return
+        j.secrets = dict(got.secrets)
+        if ans.server_now_us is not None:
+            j.ttl_us = max(0, got.lease_expires_at_us - ans.server_now_us)
+            self.ttl_us = self.ttl_us or j.ttl_us
+            j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
+                                        expires_at_us=got.lease_expires_at_us)
+        self.log("info", "worker.secrets_refetched", attempt=j.attempt_id)
 
     def _spawn(self, j: Job) -> None:
         if self.stopping or j.cancel:

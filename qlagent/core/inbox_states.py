@@ -107,8 +107,10 @@ class InboxOffer(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class InboxEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """One row: the offer, its state, its outcome (set from ``completed``) and the offerId
-    conflicts refused so far (reported, never stored as content)."""
+    """One row: the offer, its state, its outcome (set from ``completed``), the offerId
+    conflicts refused so far (reported, never stored as content) and the ``pull_id`` of the Pull
+    that brought it (None for an offer received without one): with the row's Session,
+    generation and lease token it rebuilds that Pull's exact body (``pull_body``)."""
 
     offer: InboxOffer
     state: str
@@ -116,6 +118,7 @@ class InboxEntry(msgspec.Struct, frozen=True, kw_only=True):
     received_at_us: int
     updated_at_us: int
     conflicts: int = 0
+    pull_id: str | None = None
 
     def __repr__(self) -> str:
         return f"InboxEntry(offer={self.offer.offer_id}, state={self.state})"

@@ -422,8 +422,9 @@ class InboxPort(Protocol):
         """Forget the kept Pull request after its answer arrived (idle, refused or offered)."""
 
     def receive(self, offer: InboxOffer, pull_id: str | None = None) -> tuple[InboxEntry, bool]:
-        """Keep ``offer`` in state ``received`` (and end ``pull_id``) in one commit; returns
-        (entry, True) for a new offer, (existing entry, False) for a retry of the same offer.
+        """Keep ``offer`` in state ``received`` with its ``pull_id`` (and end that Pull) in one
+        commit; returns (entry, True) for a new offer, (existing entry, False) for a retry of the
+        same offer.
         Raises ValidationError, OfferConflict (recorded on the kept row), InboxFull."""
 
     def advance(self, offer_id: str, state: str, outcome: dict | None = None) -> InboxEntry:

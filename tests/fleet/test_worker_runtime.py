@@ -202,6 +202,28 @@ def test_a_restart_whose_adoption_is_refused_kills_the_reattached_run(tmp_path, 
     assert completion(cp, aid) is None          # nothing of the refused Lease is reported
 
 
+def test_a_worker_restarted_between_receipt_and_spawn_gets_the_secrets_again_by_its_kept_pull(tmp_path, cp, worker):
+    aid = cp.add_run(shell="/bin/sh", script='printf %s "$API_TOKEN"', secrets={"API_TOKEN": SECRET.encode()})
+    cp.drop_acks = True                         # the offer arrives; its starting ACK never gets through
+    worker.start()
+    assert cp.wait(lambda: ("POST", "acks", 0) in cp.requests, 30)
+    worker.kill()                               # between receipt and spawn: the secret values are gone
+    assert not os.path.exists(os.path.join(worker.state, "worker-runs", aid))
+    cp.drop_acks = False
+    worker.start()
+    assert cp.wait(lambda: completion(cp, aid) is not None, 30), worker.journal()
+    assert cp.acks_of(aid) == ["starting", "running", "completion"] and completion(cp, aid).exit_code == 0
+    assert cp.wait(lambda: cp.log_of(aid) == SECRET.encode(), 20)        # the task got the value
+    # The Pull that brought the offer went again byte for byte; no second claim.
+    pull_id = cp.lease(aid)["pull_id"]
+    same = [b for b in cp.pull_bodies if json.loads(b)["pullId"] == pull_id]
+    assert len(same) == 2 and same[0] == same[1] and cp.lease(aid)["generation"] == 1
+    assert "worker.secrets_refetched" in worker.journal() and SECRET not in worker.journal()
+    for path in glob.glob(os.path.join(worker.state, "inbox.sqlite3*")):
+        with open(path, "rb") as f:
+            assert SECRET.encode() not in f.read()
+
+
 @pytest.mark.parametrize("policy", ["kill", "keep"])
 def test_control_plane_unreachable_longer_than_the_lease(tmp_path, cp, worker, policy):
     pidfile = tmp_path / "task.pid"

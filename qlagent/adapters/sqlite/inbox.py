@@ -15,8 +15,8 @@ rows are never dropped, so when they alone fill a cap the offer is refused with 
 (``field`` ``inboxRows`` or ``inboxBytes``) and nothing is written. A spec larger than the byte
 cap on its own is bad input (ValidationError ``spec``).
 
-The schema version is ``PRAGMA user_version`` (1); a file of another version is refused with
-StoreIntegrityError rather than guessed at.
+The schema version is ``PRAGMA user_version`` (2; a version-1 file gains the ``pull_id`` column
+in place); a file of another version is refused with StoreIntegrityError rather than guessed at.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ...core.inbox_states import (OPEN_STATES, InboxEntry, InboxFull, InboxOffer
 from ...core.profiles import Profile
 
 FILENAME = "inbox.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_MS = 5_000
 WAL_CHECKPOINT_PAGES = 64
 WAL_LIMIT_BYTES = 262_144
@@ -57,7 +57,8 @@ CREATE TABLE offers (
     updated_at_us       INTEGER NOT NULL,
     conflicts           INTEGER NOT NULL DEFAULT 0,
     last_conflict_digest TEXT,
-    last_conflict_at_us INTEGER
+    last_conflict_at_us INTEGER,
+    pull_id             TEXT                                    -- the Pull that brought it (v2)
 );
 CREATE INDEX offers_state ON offers (state, seq);
 CREATE TABLE pending_pull (
@@ -72,7 +73,10 @@ CREATE TABLE pending_pull (
 """
 
 _COLS = ("offer_id, attempt_id, session_id, generation, lease_generation, lease_expires_at_us, lease_token, "
-         "spec_digest, spec_json, state, outcome_json, received_at_us, updated_at_us, conflicts")
+         "spec_digest, spec_json, state, outcome_json, received_at_us, updated_at_us, conflicts, pull_id")
+# Version 1 → 2: the pullId of each offer, so a restarted Worker can send its Pull again
+# (byte-identical, ADR-0108) and get the secret values back before the spawn.
+_V1_TO_V2 = "ALTER TABLE offers ADD COLUMN pull_id TEXT"
 
 
 def _now_us() -> int:
@@ -123,12 +127,12 @@ class SqliteInbox:
         version = self._c.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
             return
-        if version != 0:
+        if version not in (0, 1):
             raise StoreIntegrityError(f"inbox {self.path}: schema version {version}, this build knows "
                                       f"{SCHEMA_VERSION}")
         self._c.execute("BEGIN IMMEDIATE")
         try:
-            for stmt in filter(str.strip, _SCHEMA.split(";")):
+            for stmt in filter(str.strip, _SCHEMA.split(";")) if version == 0 else (_V1_TO_V2,):
                 self._c.execute(stmt)
             self._c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._c.execute("COMMIT")
@@ -191,14 +195,14 @@ class SqliteInbox:
             now = self._now()
             c.execute("INSERT INTO offers (offer_id, attempt_id, session_id, generation, lease_generation, "
                       "lease_expires_at_us, lease_token, spec_digest, spec_json, spec_bytes, state, "
-                      "received_at_us, updated_at_us) VALUES (?,?,?,?,?,?,?,?,?,?,'received',?,?)",
+                      "received_at_us, updated_at_us, pull_id) VALUES (?,?,?,?,?,?,?,?,?,?,'received',?,?,?)",
                       (offer.offer_id, offer.attempt_id, offer.session_id, offer.generation,
                        offer.lease_generation, offer.lease_expires_at_us, offer.lease_token, offer.spec_digest,
-                       data, len(data), now, now))
+                       data, len(data), now, now, pull_id))
             if pull_id is not None:
                 c.execute("DELETE FROM pending_pull WHERE pull_id = ?", (pull_id,))
             return InboxEntry(offer=offer, state="received", outcome=None, received_at_us=now,
-                              updated_at_us=now), True
+                              updated_at_us=now, pull_id=pull_id), True
 
         result = self._tx(tx)
         if isinstance(result, OfferConflict):
@@ -262,9 +266,10 @@ class SqliteInbox:
 
 def _entry(row) -> InboxEntry:
     (offer_id, attempt_id, session_id, generation, lease_generation, expires, token, digest, spec_json, state,
-     outcome_json, received, updated, conflicts) = row
+     outcome_json, received, updated, conflicts, pull_id) = row
     offer = InboxOffer(offer_id=offer_id, attempt_id=attempt_id, session_id=session_id, generation=generation,
                        lease_generation=lease_generation, lease_expires_at_us=expires, lease_token=token,
                        spec_digest=digest, spec=msgspec.json.decode(spec_json))
     return InboxEntry(offer=offer, state=state, received_at_us=received, updated_at_us=updated,
-                      conflicts=conflicts, outcome=msgspec.json.decode(outcome_json) if outcome_json else None)
+                      conflicts=conflicts, outcome=msgspec.json.decode(outcome_json) if outcome_json else None,
+                      pull_id=pull_id)
