@@ -6,8 +6,9 @@ Layout: ``<runs dir>/<attemptId>/`` (0700) is the Attempt's run directory: its e
 crash-barrier evidence (``core.inbox_states.recovery_action``): it is created and fsync'd after
 the inbox barrier and before the shim is spawned. It holds the shim's files (task.pid,
 receipt.json, truncated.json), ``shim.json`` (the shim's PID and start time, for a PID-reuse
-safe re-attach after a Worker restart) and ``output.log`` (the Artifact, 0600, at most the
-spec's ``logQuotaBytes``). The whole directory is removed only after the control plane
+safe re-attach after a Worker restart), ``output.log`` (the Artifact, 0600, at most the
+spec's ``logQuotaBytes``) and, for ``onLeaseLoss = "kill"``, ``lease``: the instant the shim
+stops the run by itself unless the Worker renewed it (shim "Lease self-fencing"). The whole directory is removed only after the control plane
 acknowledged the completion and the last log chunk (``prune``).
 
 Secret values reach the shim through its stdin pipe (never argv or disk) and are dropped by the
@@ -27,6 +28,7 @@ from . import processes
 
 ARTIFACT = "output.log"
 SHIM_FILE = "shim.json"
+LEASE_FILE = "lease"
 LINGER_S = 2.0
 
 
@@ -82,12 +84,35 @@ class WorkerRuns:
         except OSError as e:
             raise StartError(f"run directory {d}: {processes.errno_text(e)}", code="run_dir_unsafe") from None
 
-    def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes]) -> RunHandle:
+    def set_lease_deadline(self, attempt_id: str, stop_at_us: int) -> bool:
+        """Write ``stop_at_us`` (CLOCK_MONOTONIC µs, ``fencing.stop_at_local_us``) to the run's
+        lease file (temp + rename: the shim never reads half a number); False if it could not."""
+        path = os.path.join(self.run_dir(attempt_id), LEASE_FILE)
+        tmp = path + ".tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, b"%d\n" % stop_at_us)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except OSError:
+            return False
+        return True
+
+    def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes], lease_stop_at_us: int | None = None) -> RunHandle:
         """Materialise the environment (baseline, spec env, secrets, QL3_* identity) and start
-        the shim; returns once the task was exec'd. Otherwise raises StartError: code
-        ``secret_unusable`` or ``shim_failed``, or (the task could not be exec'd) code ``start``
-        with the shim's start error as the message (paths and errno names only)."""
+        the shim; returns once the task was exec'd. With ``lease_stop_at_us`` (µs, CLOCK_MONOTONIC)
+        the lease file is written first and the shim self-fences by it. Otherwise raises
+        StartError: code ``secret_unusable``, ``run_dir_unsafe`` (lease file) or ``shim_failed``,
+        or (the task could not be exec'd) code ``start`` with the shim's start error as the
+        message (paths and errno names only)."""
         aid = spec.attempt_id
+        lease_file = None
+        if lease_stop_at_us is not None:
+            if not self.set_lease_deadline(aid, lease_stop_at_us):
+                raise StartError(f"lease file in {self.run_dir(aid)}: not writable", code="run_dir_unsafe")
+            lease_file = os.path.join(self.run_dir(aid), LEASE_FILE)
         try:
             plain = {k: v.decode("utf-8") for k, v in secrets.items()}
         except UnicodeDecodeError:
@@ -99,7 +124,7 @@ class WorkerRuns:
         doc = {"attempt_id": aid, "argv": argv, "env": env, "cwd": spec.cwd or env.get("HOME") or "/",
                "run_dir": self.run_dir(aid), "artifact_path": self.artifact(aid), "quota_bytes": spec.log_quota_bytes,
                "linger_s": LINGER_S, "umask": int(spec.umask, 8) if spec.umask else None,
-               "grace_s": spec.grace_ms / 1000, "keep_orphans": spec.keep_orphans}
+               "grace_s": spec.grace_ms / 1000, "keep_orphans": spec.keep_orphans, "lease_file": lease_file}
         program = processes.compiled_shim(self.runs_dir, self._python)
         try:
             h = processes.spawn_shim(doc, self._python, program=program)

@@ -32,7 +32,9 @@ socket, a signal). Duties, in order, on every pass:
 5. **Self-fencing** (``worker.fencing``): a run whose Lease could not be renewed in time is stopped
    (``on_lease_loss = "kill"``, the spec's; default) or kept and reported (``"keep"``). A run with
    no renewal since this process started (restart while the control plane is unreachable) is
-   treated the same way at once.
+   treated the same way at once. Under ``kill`` each renewal also moves the shim's own
+   self-fencing instant (its lease file): a run whose Worker died is stopped by its shim at the
+   instant the Worker would have stopped it.
 6. **Pull** (long-poll, own connection) only while a slot is free, the inbox has room and the
    Session is open; the request (pullId + fresh lease token) is kept in the inbox before it is
    sent, so a retry after a lost answer is byte-identical.
@@ -381,6 +383,7 @@ class WorkerRuntime:
             if ans.server_now_us is not None:
                 j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
                                             expires_at_us=a.expires_at_us)
+                self._tell_shim(j)
             self.log("info", "worker.lease_adopted", attempt=j.attempt_id, generation=grant.generation)
 
     def _beat_delay_us(self) -> int:
@@ -419,6 +422,7 @@ class WorkerRuntime:
             if expires is not None and j.session == (sid, gen) and not j.gone and ans.server_now_us is not None:
                 j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
                                             expires_at_us=expires)
+                self._tell_shim(j)
         for aid in hb.cancel:
             for j in self.jobs.values():
                 if j.attempt_id == aid and not j.cancel:
@@ -600,7 +604,22 @@ class WorkerRuntime:
             # A starting/running ACK extends the Lease to at least now + TTL.
             j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
                                         expires_at_us=ans.server_now_us + self._ttl(j))
+            self._tell_shim(j)
         return msgspec.json.decode(ans.body, type=AckResult)
+
+    def _lease_stop_at(self, j: Job) -> int | None:
+        """The shim's self-fencing instant for ``j`` (µs): the Worker's own stop instant under
+        ``on_lease_loss = "kill"``, None under ``keep`` or before any renewal."""
+        if j.spec.on_lease_loss != "kill" or j.renewal is None:
+            return None
+        return fencing.stop_at_local_us(j.renewal, j.kill_grace_us)
+
+    def _tell_shim(self, j: Job) -> None:
+        """A renewal moves the live shim's self-fencing instant (shim "Lease self-fencing"): if
+        this Worker dies, the shim stops the run when this Worker would have."""
+        stop_at = self._lease_stop_at(j)
+        if j.handle is not None and stop_at is not None and not self.runs.set_lease_deadline(j.attempt_id, stop_at):
+            self.log("warning", "worker.lease_file_failed", attempt=j.attempt_id)
 
     def _send_owed(self) -> None:
         for j in list(self.jobs.values()):
@@ -717,7 +736,7 @@ class WorkerRuntime:
         self._bound_log_store(j.spec.log_quota_bytes)
         try:
             self.runs.make_run_dir(j.attempt_id)
-            h = self.runs.spawn(j.spec, j.secrets or {})
+            h = self.runs.spawn(j.spec, j.secrets or {}, self._lease_stop_at(j))
         except StartError as e:
             j.secrets = None
             code = start_code(e.message) if e.code == "start" else e.code
@@ -775,6 +794,11 @@ class WorkerRuntime:
         receipt, trunc = self.runs.collect(j.attempt_id)
         if receipt is None:
             self.runs.kill_orphans(j.attempt_id)
+        if receipt is not None and receipt.lease_lost and not j.fenced:
+            # The shim fenced it by itself (this Worker was down or late): the Lease is lost.
+            j.fenced = True
+            self.counts["fenced"] += 1
+            self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="killed_by_shim")
         if j.fenced or receipt is None:
             # A fenced run's Lease is lost (no completion is sent; the Attempt is re-offered);
             # a shim that died without a receipt leaves the ending to the control plane's sweeper.

@@ -153,8 +153,12 @@ class WorkerRunsPort(Protocol):
     def make_run_dir(self, attempt_id: str) -> None:
         """Create and fsync it (StartError ``run_dir_unsafe``)."""
 
-    def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes]):
-        """Start the shim; StartError whose message is the shim's start error."""
+    def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes], lease_stop_at_us: int | None = None):
+        """Start the shim (self-fencing at ``lease_stop_at_us``, CLOCK_MONOTONIC µs, unless
+        renewed); StartError whose message is the shim's start error."""
+
+    def set_lease_deadline(self, attempt_id: str, stop_at_us: int) -> bool:
+        """Renew the shim's self-fencing instant (µs); False if the lease file is not writable."""
 
     def reattach(self, attempt_id: str):
         """The live shim of an earlier Worker process, or None."""

@@ -35,6 +35,7 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     peak_rss_bytes: int | None
     cpu_time_us: int | None
     orphans_stopped: int | None = None    # absent from a receipt an older shim wrote
+    lease_lost: bool = False              # the shim stopped the run: its Worker did not renew the Lease
 
 
 def start_code(start_error: str) -> str:

@@ -247,6 +247,34 @@ def test_control_plane_unreachable_longer_than_the_lease(tmp_path, cp, worker, p
     cp.partition(False)
 
 
+@pytest.mark.parametrize("policy", ["kill", "keep"])
+def test_a_dead_workers_shim_stops_the_run_before_its_lease_can_expire(tmp_path, cp, worker, policy):
+    pidfile = tmp_path / "task.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; exec sleep 60", on_lease_loss=policy)
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    pid = read_pid(pidfile)
+    cp.wait(lambda: False, 1.5)                 # a heartbeat renews the Lease after running
+    worker.kill()                               # nobody renews it any more; the shim lives on
+    expires_us = cp.lease(aid)["expires"]
+    deadline = time.monotonic() + (expires_us / 1e6 - time.time()) + 1
+    while time.monotonic() < deadline and not gone(pid):
+        time.sleep(0.05)
+    receipt = os.path.join(worker.state, "worker-runs", aid, "receipt.json")
+    if policy == "kill":
+        # Dead before the control plane could see the Lease expire and offer the Attempt again.
+        assert gone(pid) and time.time_ns() // 1000 < expires_us
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not os.path.exists(receipt):
+            time.sleep(0.05)
+        with open(receipt) as f:
+            doc = json.load(f)
+        assert doc["lease_lost"] is True and doc["signal"] == signal.SIGTERM
+    else:
+        assert not gone(pid) and not os.path.exists(receipt)     # keep: at-least-once, it runs on
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_a_cut_shorter_than_the_lease_keeps_the_session_and_delivers_what_was_queued(tmp_path, cp, worker):
     aid = cp.add_run(shell="/bin/sh", script="sleep 0.5; echo done-during-the-cut")
     worker.start()

@@ -11,7 +11,8 @@ artifact_path (absolute, created 0600 by the agent), quota_bytes (int ≥ 0, byt
 Artifact), linger_s (seconds ≥ 0 the drainer keeps reading after the main task exits),
 umask (int 0..0o777 or null: null gives the task the umask this process inherited, i.e. the
 service's), grace_s (seconds ≥ 0 between SIGTERM and SIGKILL when stopping what the main task
-left behind), keep_orphans (bool: leave them running).
+left behind), keep_orphans (bool: leave them running), lease_file (absolute path or null, fleet
+Worker runs under on_lease_loss = "kill" only: see "Lease self-fencing").
 
 Start status (stdout, a pipe to the agent): ONE line once the outcome of the exec is known,
 ``ok`` or ``err <start_error>``; then stdout is pointed at /dev/null. The agent records the
@@ -26,6 +27,16 @@ environment carries QL3_ATTEMPT_ID=<attempt_id>, and the task's orphans: this pr
 subreaper, so a double-forked daemon is re-parented here, not to init) gets SIGTERM, then SIGKILL after grace_s,
 unless keep_orphans; the receipt's orphans_stopped counts them.
 
+Lease self-fencing (issue 11 §6, a fleet Worker that died): lease_file holds one decimal
+integer, the CLOCK_MONOTONIC instant (µs) at which stopping the run must begin so that it is dead
+before its Run Lease can expire (qlagent.worker.fencing.stop_at_local_us); the Worker writes it
+before the spawn and rewrites it (rename) at every renewal. This process sleeps until that
+instant and reads the file again: a later instant means the Worker renewed, so it sleeps on.
+Otherwise (the Worker is gone or cannot renew; an unreadable file counts the same) the task's
+process group and everything of the run (as for leftovers, keep_orphans or not) gets SIGTERM,
+SIGKILL after grace_s, and the receipt says "lease_lost": true. One wake-up per renewal period
+and no thread: the shim stays as small as before.
+
 Files in run_dir:
   output.fifo    0600 FIFO carrying the task's stdout+stderr; removed at the end.
   task.pid       the task PID (= its process group ID), written right after the spawn.
@@ -35,7 +46,7 @@ Files in run_dir:
   receipt.json   atomic completion receipt (temp, fsync, rename, dir fsync):
                  {"attempt_id","exit_code","signal","start_error","started_at_us","ended_at_us",
                   "bytes_total","bytes_kept","bytes_dropped","peak_rss_bytes","cpu_time_us",
-                  "orphans_stopped"}. start_error: at most START_ERROR_LIMIT characters, paths
+                  "orphans_stopped","lease_lost"}. start_error: at most START_ERROR_LIMIT characters, paths
                  and errno names only (never the environment).
   shim.err       the shim's own errors (never sent to the agent through a pipe).
 
@@ -108,12 +119,14 @@ def _loads(text):
 
 
 def _dumps(doc):
-    """Encode a flat dict of str → int | str | None (receipts and facts) as ASCII JSON bytes."""
+    """Encode a flat dict of str → int | bool | str | None (receipts and facts) as ASCII JSON bytes."""
     parts = []
     for key in sorted(doc):
         value = doc[key]
         if value is None:
             text = "null"
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
         elif isinstance(value, str):
             text = _json.encode_basestring_ascii(value)
         else:
@@ -179,7 +192,11 @@ def _validate(spec):
     keep = spec.get("keep_orphans", False)
     if not isinstance(keep, bool):
         raise SpecError("keep_orphans: must be true or false")
+    lease_file = spec.get("lease_file")
+    if lease_file is not None:
+        lease_file = _str_field(spec, "lease_file", absolute=True)
     return {
+        "lease_file": lease_file,
         "argv": argv, "env": env, "quota_bytes": quota, "linger_s": float(linger),
         "grace_s": float(grace), "umask": _inherited_umask if umask is None else umask,
         "keep_orphans": keep,
@@ -504,6 +521,29 @@ def _stop_orphans(pgid, attempt_id, grace_s, drain):
         drain(int(ORPHAN_POLL_S * 1000))
 
 
+def _mono_us():
+    return time.monotonic_ns() // 1000   # CLOCK_MONOTONIC: the Worker's clock too
+
+
+def _lease_deadline(path):
+    """The instant (µs, CLOCK_MONOTONIC) in ``path``, or None when it cannot be read."""
+    data = _read_all(path)
+    try:
+        return int(data.strip()) if data and len(data) <= 32 else None
+    except ValueError:
+        return None
+
+
+def _signal_run(pgid, attempt_id, sig):
+    """``sig`` to the task's process group and to every leftover of the run (``_leftovers``)."""
+    marker = ("\0QL3_ATTEMPT_ID=%s\0" % attempt_id).encode("utf-8", "replace")
+    for pid in _leftovers(pgid, marker) | {pgid}:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
 def new_receipt(attempt_id, start_error=None):
     """The receipt document (core.receipt.Receipt's fields); ``main`` fills in the byte counts.
     With ``start_error`` the task never ran and the receipt is final at once."""
@@ -511,7 +551,7 @@ def new_receipt(attempt_id, start_error=None):
     return {"attempt_id": attempt_id, "exit_code": None, "signal": None, "start_error": start_error,
             "started_at_us": now, "ended_at_us": now if start_error is not None else None,
             "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None,
-            "orphans_stopped": None}
+            "orphans_stopped": None, "lease_lost": False}
 
 
 def run(w, cfg):
@@ -577,6 +617,10 @@ def run(w, cfg):
     eof = False
     status = None
     linger_deadline = None
+    # Lease self-fencing: the instant to look at lease_file again, then (fenced) to SIGKILL.
+    # An unreadable file reads as instant 0: fail closed, the run is stopped at the first look.
+    lease_at = (_lease_deadline(cfg["lease_file"]) or 0) if cfg["lease_file"] else None
+    kill_at = None
 
     def drain(timeout_ms):
         nonlocal eof
@@ -616,11 +660,34 @@ def run(w, cfg):
                 receipt["ended_at_us"] = _now_us()
                 receipt["peak_rss_bytes"] = rusage.ru_maxrss * 1024
                 receipt["cpu_time_us"] = int((rusage.ru_utime + rusage.ru_stime) * 1e6)
-                if not cfg["keep_orphans"]:
+                if receipt["lease_lost"]:
+                    # Nothing of a run past its Lease may go on: what is left gets the rest of the grace.
+                    left_s = max(0.0, (kill_at - _mono_us()) / 1e6) if kill_at is not None else 0.0
+                    receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, left_s, drain)
+                elif not cfg["keep_orphans"]:
                     receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, cfg["grace_s"], drain)
                 linger_deadline = time.monotonic() + cfg["linger_s"]
                 continue
+            now = _mono_us()
+            if kill_at is not None and now >= kill_at:
+                _signal_run(pid, w.attempt_id, _signal.SIGKILL)
+                kill_at = None
+            if lease_at is not None and now >= lease_at:
+                renewed = _lease_deadline(cfg["lease_file"])
+                if renewed is not None and renewed > now:
+                    lease_at = renewed
+                else:
+                    w.log_error("lease not renewed by the Worker: the run is stopped")
+                    receipt["lease_lost"] = True
+                    lease_at = None
+                    kill_at = now + int(cfg["grace_s"] * 1e6)
+                    _signal_run(pid, w.attempt_id, _signal.SIGTERM)
         timeout_ms = None
+        if status is None:
+            for at in (lease_at, kill_at):
+                if at is not None:
+                    wait_ms = max(0, (at - _mono_us()) // 1000 + 1)
+                    timeout_ms = wait_ms if timeout_ms is None else min(timeout_ms, wait_ms)
         if linger_deadline is not None:
             left = linger_deadline - time.monotonic()
             if left <= 0:
