@@ -162,6 +162,31 @@ class WorkerRuntime:
         self._signals: list[int] = []
         self._wake_r = self._wake_w = None
         self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0}
+        self.surface = None                             # the local HTTP status surface, if any
+
+    def attach(self, surface) -> None:
+        """Serve ``surface`` (``http.worker_status.WorkerStatusSurface``) from this loop: its keys
+        are handed to ``handle_event``, its deadlines bound the select, SIGTERM drains it."""
+        self.surface = surface
+        surface.register(self.sel)
+
+    def status(self) -> dict:
+        """The Worker's status (the local ``GET /api/v3/worker``): ``workerId``, ``control``
+        (the control plane's address), ``session`` ({sessionId, generation} or None while
+        connecting), ``draining``, ``slots``, ``freeSlots``, ``liveRuns`` (spawned, not ended),
+        ``inbox`` ({rows, bytes, maxRows, maxBytes, open}: rows and spec bytes kept, their caps,
+        rows not yet acknowledged), ``counts`` (since start: spawned, reattached, completed,
+        fenced, pulls). Never a credential, lease token, command or environment."""
+        live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
+        rows, used = self.inbox.usage()
+        sid_gen = self.session
+        return {"workerId": self.worker_id, "control": repr(self.client),
+                "session": None if sid_gen is None else {"sessionId": sid_gen[0], "generation": sid_gen[1]},
+                "draining": self.stopping, "slots": self.slots, "freeSlots": max(0, self.slots - live),
+                "liveRuns": sum(1 for j in self.jobs.values() if j.handle is not None),
+                "inbox": {"rows": rows, "bytes": used, "maxRows": self.inbox.max_rows,
+                          "maxBytes": self.inbox.max_bytes, "open": len(self.jobs)},
+                "counts": dict(self.counts)}
 
     # ---- start -----------------------------------------------------------------------------------
     def recover(self) -> dict[str, int]:
@@ -221,11 +246,16 @@ class WorkerRuntime:
         while not self._finished():
             self.iteration()
         self.client.close()
+        if self.surface is not None:
+            self.surface.close()
         return 0
 
     def iteration(self) -> None:
         timeout = self._timeout_s()
-        for key, _ in self.sel.select(timeout):
+        for key, mask in self.sel.select(timeout):
+            if self.surface is not None and self.surface.owns(key):
+                self.surface.handle_event(key, mask)
+                continue
             kind, ref = key.data
             if kind == "signal":
                 try:
@@ -287,6 +317,9 @@ class WorkerRuntime:
             if j.renewal is not None and not j.fenced and not j.keep_reported:
                 times.append(fencing.stop_at_local_us(j.renewal, j.kill_grace_us))
         times = [t for t in times if t is not None]
+        http_s = self.surface.next_timeout_s() if self.surface is not None else None
+        if http_s is not None:
+            times.append(now + int(http_s * 1e6))
         if not times:
             return None
         return max(0.0, (min(times) - now) / 1e6)
@@ -303,6 +336,8 @@ class WorkerRuntime:
                         j.deadline_us = min(j.deadline_us or now, now + self.drain_grace_us)
                 if self.pull is not None:
                     self._drop_pull()
+                if self.surface is not None:
+                    self.surface.begin_drain()
                 self.log("info", "worker.draining", live=sum(j.handle is not None for j in self.jobs.values()))
 
     # ---- Session ----------------------------------------------------------------------------------

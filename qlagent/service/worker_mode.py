@@ -3,25 +3,30 @@
 Only wiring: the service lock of the state directory, then the Worker built by the composition
 root (``bootstrap.build_worker``: control client, inbox, run directories; a bad credential or
 CA file is one line naming the field, exit 2) and its loop (``application.fleet_worker``).
-Local tasks and schedules are off in this mode: the local store is not opened at all, and the
-local HTTP API is not started.
+Local tasks and schedules are off in this mode: the local store is not opened at all. The
+local HTTP API cannot be served without it; with ``[http] listen`` / ``unix_socket`` (or ``serve
+--listen``) a read-only status surface is served instead (``http.worker_status``: ``/healthz``,
+``/readyz``, ``/api/v3/worker``), imported only then.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 
 from .. import bootstrap
-from ..core.errors import EXIT_UNAVAILABLE, QlError
-from .config import Settings
+from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
+from .config import Settings, parse_listen
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
 
 
-def serve_worker(settings: Settings) -> int:
+def serve_worker(settings: Settings, listen: str | None = None) -> int:
     """Run the Worker until SIGTERM; returns the exit code (0 after a clean drain; 2 for a bad
-    credential or CA file; 5 when another service holds the state directory)."""
+    credential or CA file or an ``[http]`` value out of bounds; 5 when another service holds the
+    state directory or the status surface cannot listen). ``listen``: ``serve --listen``, over
+    ``[http] listen``."""
     w = settings.config.worker
     log = Journal()
     os.makedirs(settings.state_dir, mode=0o700, exist_ok=True)
@@ -34,6 +39,7 @@ def serve_worker(settings: Settings) -> int:
     try:
         rt = bootstrap.build_worker(settings, log, Notifier())
         counts = rt.recover()
+        _start_status_surface(settings, rt, listen, log)
         rt.install_signals()
         log("info", "worker.ready", worker=w.worker_id, control=repr(rt.client), slots=w.slots, **counts)
         rt.notify.ready(f"worker slots={w.slots}")
@@ -45,3 +51,29 @@ def serve_worker(settings: Settings) -> int:
         if rt is not None:
             rt.inbox.close()
         lock.close()
+
+
+def _start_status_surface(settings: Settings, rt, listen: str | None, log) -> None:
+    """The read-only status surface on ``listen`` / ``[http]``, attached to the Worker's loop
+    (nothing when neither is set). UnavailableError ``listen_failed`` (exit 5) when it cannot bind."""
+    cfg = settings.config.http
+    listen = listen or (cfg.listen if cfg else None)
+    unix = cfg.unix_socket if cfg else None
+    if not listen and not unix:
+        return
+    from ..http.worker_status import WorkerStatusSurface     # imported only when it is on
+    surface = WorkerStatusSurface(settings, rt.status)
+    bound = None
+    try:
+        if listen:
+            bound = "%s:%d" % surface.listen_tcp(*parse_listen(listen))[:2]
+        if unix:
+            surface.listen_unix(unix)
+    except OSError as e:
+        surface.close()
+        where = listen if not unix or (listen and bound is None) else unix
+        name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "error"
+        raise UnavailableError(f"cannot listen on {where}: {name} ({e.strerror or e})",
+                               code="listen_failed") from None
+    rt.attach(surface)
+    log("info", "http.listening", address=bound, unix=unix, surface="worker_status")

@@ -6,9 +6,11 @@ control-plane replicas on PostgreSQL."""
 from __future__ import annotations
 
 import glob
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -322,6 +324,74 @@ def test_cancel_from_a_heartbeat_stops_the_whole_process_tree(tmp_path, cp, work
     assert cp.wait(lambda: completion(cp, aid) is not None, 20)
     assert completion(cp, aid).kill_reason == "cancel"
     assert all(gone(p) for p in tree)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(port: int, path: str, method: str = "GET") -> tuple[int, dict]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request(method, path)
+        r = c.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        c.close()
+
+
+def _wait_http(port: int, path: str, timeout_s: float = 20.0) -> tuple[int, dict]:
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _http(port, path)
+        except OSError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+
+
+def test_with_http_listen_a_worker_serves_a_read_only_status(tmp_path, cp):
+    port = _free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    aid = cp.add_run(shell="/bin/sh", script="exec sleep 30")
+    w.start()
+    try:
+        assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+        status, st = _wait_http(port, "/api/v3/worker")
+        with cp.lock:
+            session = cp.workers[w.worker_id]["session"]
+        assert status == 200 and st["workerId"] == w.worker_id
+        assert st["session"] == {"sessionId": session, "generation": 1} and st["draining"] is False
+        assert (st["slots"], st["freeSlots"], st["liveRuns"]) == (2, 1, 1)
+        assert st["inbox"]["rows"] == st["inbox"]["open"] == 1 and st["inbox"]["maxRows"] == 64
+        assert _http(port, "/healthz") == (200, {"status": "ok"})
+        assert _http(port, "/readyz")[0] == 200
+        assert _http(port, "/api/v3/worker", "POST")[0] == 405        # read-only
+        assert _http(port, "/api/v3/projects/default/runs")[0] == 404  # no local store, no local routes
+        cp.cancel(aid)
+        assert cp.wait(lambda: completion(cp, aid) is not None, 20)
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def test_a_worker_without_a_session_is_alive_but_not_ready(tmp_path, cp):
+    port = _free_port()
+    w = Worker(tmp_path, cp, "http://127.0.0.1:9", extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    w.start()
+    try:
+        assert _wait_http(port, "/healthz") == (200, {"status": "ok"})
+        status, body = _http(port, "/readyz")
+        assert status == 503 and body["checks"]["session"] == "connecting"
+        assert _http(port, "/api/v3/worker")[1]["session"] is None
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
 
 
 def test_a_wrong_ca_is_refused_with_one_clear_error_and_nothing_written(tmp_path, cp):

@@ -1,0 +1,87 @@
+"""The local HTTP surface of a fleet Worker (issue 11: "the local HTTP API stays optional"): read-only.
+
+A Worker has no local store (Tasks, Runs and API tokens live on the control plane), so the local
+agent's routes (``http.api``) cannot be served here. With ``[http] listen`` / ``unix_socket`` (or
+``serve --listen``) in Worker mode this surface answers instead:
+
+- ``GET /healthz``: 200 ``{"status": "ok"}`` while the process answers;
+- ``GET /readyz``: 200 ``{"status": "ready", "checks": …}`` while a Session is open and the
+  Worker is not draining; else 503 ``not_ready`` with the failing check and ``Retry-After: 1``;
+- ``GET /api/v3/worker``: 200, the Worker's status document (``WorkerRuntime.status``: Worker ID,
+  control plane, Session and generation, slots and free slots, live runs, inbox depth and caps).
+
+Any other path is 404 ``not_found``, another method on these 405. No API token is asked for:
+nothing here changes the Worker and nothing shown is secret (never the credential, a lease token,
+a command or an environment); bind it to loopback or a unix socket like the local API.
+
+The same bounded server as the local API (``http.server.HttpServer``, the Profile's limits and
+``[http]`` overrides via ``http.service.limits_for``), driven by the Worker's selectors loop:
+``register(selector)``, ``owns(key)`` + ``handle_event(key, mask)``, ``next_timeout_s()``,
+``begin_drain()`` on SIGTERM, ``close()``.
+"""
+
+from __future__ import annotations
+
+import selectors
+import time
+from collections.abc import Callable
+
+from qlagent.http.routing import Router
+from qlagent.http.server import HttpServer, Request, Response
+from qlagent.http.service import PROBE_PATHS, limits_for
+
+STATUS_PATH = "/api/v3/worker"
+
+
+class WorkerStatusSurface:
+    """``WorkerStatusSurface(settings, status)``: ``status()`` returns the Worker's status document
+    (a dict with at least ``session``, None while no Session is open, and ``draining``). Raises
+    ValidationError for an ``[http]`` override out of bounds."""
+
+    def __init__(self, settings, status: Callable[[], dict]) -> None:
+        self._status = status
+        self.draining = False
+        r = Router()
+        r.add("GET", "/healthz", lambda req, p: Response.json(200, {"status": "ok"}))
+        r.add("GET", "/readyz", self._readyz)
+        r.add("GET", STATUS_PATH, lambda req, p: Response.json(200, self._status()))
+        self.server = HttpServer(limits_for(settings), r, probe_paths=PROBE_PATHS)
+
+    def _readyz(self, req: Request, p: dict[str, str]) -> Response:
+        st = self._status()
+        checks = {"session": "ok" if st["session"] is not None else "connecting",
+                  "service": "draining" if self.draining or st["draining"] else "ok"}
+        ok = all(v == "ok" for v in checks.values())
+        return Response.json(200 if ok else 503, {"status": "ready" if ok else "not_ready", "checks": checks},
+                             None if ok else [("Retry-After", "1")])
+
+    def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
+        """Bind HOST:PORT (0 picks a free port); the bound (host, port). Raises OSError."""
+        return self.server.listen_tcp(host, port)
+
+    def listen_unix(self, path: str) -> str:
+        """Bind a unix stream socket at ``path``; the path. Raises OSError."""
+        return self.server.listen_unix(path)
+
+    def register(self, selector: selectors.BaseSelector) -> None:
+        self.server.register(selector)
+
+    def owns(self, key: selectors.SelectorKey) -> bool:
+        return self.server.owns(key)
+
+    def handle_event(self, key: selectors.SelectorKey, mask: int) -> None:
+        self.server.handle_event(key, mask)
+
+    def next_timeout_s(self) -> float | None:
+        """Expire timed-out connections; seconds until the next connection deadline, or None."""
+        mono = time.monotonic()
+        deadline = self.server.timeouts(mono)
+        return None if deadline is None else max(0.0, deadline - mono)
+
+    def begin_drain(self) -> None:
+        """SIGTERM: stop accepting, finish requests in progress; /readyz answers 503."""
+        self.draining = True
+        self.server.begin_drain()
+
+    def close(self) -> None:
+        self.server.close()
