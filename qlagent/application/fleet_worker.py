@@ -8,7 +8,7 @@ socket, a signal). Duties, in order, on every pass:
    the backoff (``worker.backoff``, full jitter, capped) allows: ``Hello`` → ``SessionGrant``.
    The hello asks the new Session to adopt the Leases of the rows the Worker still holds
    (``_adopt_claims``: started runs, re-attached or not yet collected, then completions or log
-   chunks still owed); the control plane re-binds the ones it may keep to the new generation,
+   chunks still owed, then received rows); the control plane re-binds the ones it may keep to the new generation,
    and everything else of the older Sessions is fenced. An adopted row goes on under the new
    Session (owed ACKs and chunks re-sent with its fence); a refused or unnamed one is
    self-fenced (``on_lease_loss``) and what it owed is dropped.
@@ -19,11 +19,11 @@ socket, a signal). Duties, in order, on every pass:
 3. **Offers** (inbox rows in receipt order): ACK ``starting`` → crash barrier (inbox, fsync'd) →
    run directory (fsync'd) → spawn the shim → ACK ``running`` (``start_failure`` with the reason
    code when it could not start). Secret values live only in memory from the Pull answer to the
-   spawn. A restart loses them: a row still ``received`` sends the Pull that brought it again,
-   byte for byte (pullId and lease token are on the row), and the control plane rebuilds the
-   same answer, secret values included, while the Attempt is still claimed (ADR-0108); when it
-   no longer is (the ``starting`` ACK had reached it) the row fails to start
-   (``secrets_unavailable``).
+   spawn. A restart loses them: before spawning a row it holds under an adopted Lease, the
+   Worker sends the Pull that brought it again (pullId and lease token from the row, the
+   adopting Session's fence) and the control plane rebuilds the same offer, secret values
+   included, while the Attempt is not yet ``running`` (ADR-0108); otherwise the row fails to
+   start (``secrets_unavailable``).
 4. **Completion** from the shim's receipt → ACK ``completion`` → log chunks (≤ 256 KiB,
    offset-addressed) until the control plane holds every kept byte → row ``acked`` → run
    directory (and its Artifact) removed. Chunks also go up during a run once a whole chunk is
@@ -394,11 +394,14 @@ class WorkerRuntime:
     def _adopt_claims(self) -> list[AdoptClaim]:
         """The Leases a new Session is asked to adopt (at most ``MAX_ADOPT``): rows whose run was
         started (barrier/started: re-attached, to be collected or spawned after an applied
-        ``starting`` ACK) first, then completed rows still owing their completion or log chunks.
-        A ``received`` row is never named: nothing ran, and the control plane re-offers it."""
+        ``starting`` ACK) first, then completed rows still owing their completion or log chunks,
+        then ``received`` rows: one whose ``starting`` ACK the control plane applied (its answer
+        lost) is adopted and goes on (ACK replayed, barrier, spawn; never ``lost``); one still
+        claimed is refused ``not_started`` and re-offered, as if it had not been named."""
         held = [j for j in self.jobs.values() if not j.gone and not j.fenced]     # a fenced run is being stopped
         rows = [j for j in held if j.entry.state in ("barrier", "started")]
         rows += [j for j in held if j.entry.state == "completed"]
+        rows += [j for j in held if j.entry.state == "received"]
         return [AdoptClaim(attempt_id=j.attempt_id, lease_generation=j.entry.offer.lease_generation,
                            lease_token=j.entry.offer.lease_token) for j in rows[:MAX_ADOPT]]
 
@@ -705,12 +708,12 @@ class WorkerRuntime:
         if st == "received":
             if j.fenced or j.gone:
                 return
-            if j.secrets is None and j.spec.secret_refs and j.entry.pull_id is not None and not j.refetched:
-                self._refetch_secrets(j)
             self._ack(j, "starting")
             j.entry = self.inbox.advance(j.offer_id, "barrier")      # the crash barrier, fsync'd
             st = "barrier"
         if st == "barrier" and j.handle is None and not self.runs.exists(j.attempt_id):
+            if j.secrets is None and j.spec.secret_refs and j.entry.pull_id is not None and not j.refetched:
+                self._refetch_secrets(j)
             self._spawn(j)
         if j.running_owed:
             self._ack(j, "running")
@@ -731,13 +734,15 @@ class WorkerRuntime:
                 self._acked(j)
 
     def _refetch_secrets(self, j: Job) -> None:
-        """ADR-0108: the Pull that brought ``j`` (rebuilt from its row: Session, generation,
-        pullId, lease token) sent again byte for byte; while the Attempt is still claimed the
-        control plane answers the same offer, secret values included. Any other answer leaves
-        them missing (the spawn then fails ``secrets_unavailable``). Transport errors and a lost
-        Session propagate to ``_send_owed``, which retries later."""
+        """ADR-0108 rebuild after a restart (secret values are never kept): the Pull that brought
+        ``j``, its pullId and lease token from the row, sent under the Session that holds the
+        Lease now (the offer's, or the one that adopted it). While the Lease is active and the
+        Attempt not yet ``running``, the control plane answers the same offer, secret values
+        included. Any other answer leaves them missing (the spawn then fails
+        ``secrets_unavailable``). Transport errors and a lost Session propagate to
+        ``_send_owed``, which retries later."""
         o = j.entry.offer
-        body = pull_body(o.session_id, o.generation, j.entry.pull_id, o.lease_token)
+        body = pull_body(j.session[0], j.session[1], j.entry.pull_id, o.lease_token)
         try:
             ans, sent = self._rpc("POST", "/pull?waitS=0", body)
             answer = msgspec.json.decode(ans.body, type=PullAnswer)
@@ -747,17 +752,13 @@ class WorkerRuntime:
             return
         j.refetched = True
         got = answer.offer
-        if answer.status != "offered" or got is None or (got.offer_id, got.spec_digest, got.lease_token) != (
-                o.offer_id, o.spec_digest, o.lease_token):
+        if answer.status != "offered" or got is None or (got.attempt_id, got.lease_generation, got.lease_token,
+                                                         got.spec_digest) != (o.attempt_id, o.lease_generation,
+                                                                              o.lease_token, o.spec_digest):
             self.log("warning", "worker.secrets_refetch_failed", attempt=j.attempt_id, status=answer.status,
                      reason=answer.reason)
             return
         j.secrets = dict(got.secrets)
-        if ans.server_now_us is not None:
-            j.ttl_us = max(0, got.lease_expires_at_us - ans.server_now_us)
-            self.ttl_us = self.ttl_us or j.ttl_us
-            j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=ans.server_now_us,
-                                        expires_at_us=got.lease_expires_at_us)
         self.log("info", "worker.secrets_refetched", attempt=j.attempt_id)
 
     def _spawn(self, j: Job) -> None:

@@ -13,7 +13,11 @@ is then missing or does not decrypt fails closed: the Lease is released (``compl
 Attempt ends ``start_failed`` with reason ``secret_missing:NAME`` / ``secret_unreadable:NAME``
 (the name, never a value; event ``attempt.start_failed``), the Task's retry policy decides the
 Run, and the answer is ``lease_ended`` with that reason — never a 503 the Worker would retry
-against a Lease held until it expires.
+against a Lease held until it expires. The rebuild answers while
+the Lease is active and its Attempt ``claimed`` or ``starting`` (not yet ``running``), also to
+the Session that adopted the Lease (its sessionId then replaces the first one in the request):
+a Worker restarted between its ``starting`` ACK and the spawn gets the secret values again, the
+one thing it never kept (issue 11 §7).
 
 With ``wait_s`` > 0 (at most 30 s) a Pull that found nothing long-polls: it waits on the
 CandidateSignal (LISTEN/NOTIFY, no polling loop) and tries again when woken, until the wait is
@@ -81,7 +85,7 @@ class WorkerPull:
             lease, c, attempt_state = prior
             if lease.token_digest != token_digest:
                 raise ConflictError("this pullId was answered with another lease token", code="pull_token_mismatch")
-            if lease.state != "active" or attempt_state != "claimed":
+            if lease.state != "active" or attempt_state not in ("claimed", "starting"):
                 return PullAnswer(status="lease_ended", reason=f"attempt_{attempt_state}"
                                   if lease.state == "active" else f"lease_{lease.state}")
             plan = self._plans.prepare(c)

@@ -10,6 +10,7 @@ import pytest
 from pgkit import token
 from qlagent.cluster.leases import LeaseSweeper
 from qlagent.cluster.logs import LogUpload
+from qlagent.cluster.pull import PullRequest
 from qlagent.cluster.registry import Hello
 from qlagent.core.cluster import MAX_ADOPT, AdoptClaim
 from qlagent.core.errors import ConflictError, ValidationError
@@ -176,3 +177,24 @@ def test_a_bad_adopt_list_is_refused_naming_the_field_and_nothing_is_written(kit
     assert e.value.field == field and offer.lease_token not in str(e.value)
     assert (kit.sql("SELECT * FROM run_leases"), kit.sql("SELECT * FROM worker_sessions ORDER BY session_id"),
             kit.sql("SELECT count(*) FROM run_events")) == before
+
+
+def test_the_adopting_session_gets_the_offer_with_its_secrets_again_by_the_same_pull_id_and_token(kit):
+    # A Worker restarted between its starting ACK and the spawn: its new Session adopts the
+    # Lease, and the Pull that brought the offer, under the new Session, answers it again.
+    w = kit.worker("edge-1")
+    kit.queue(kit.task(secrets_={"API_KEY": "api-key"}))
+    req = PullRequest(session_id=w["session_id"], generation=w["generation"], pull_id=new_id(), lease_token=token())
+    first = kit.pull().pull(w["worker_id"], w["credential"], req)
+    kit.ack(w, first.offer, "starting")
+    grant, w2 = _reopen(kit, w, _claim(first.offer))
+    assert [a.attempt_id for a in grant.adopted] == [first.offer.attempt_id]
+    again = kit.pull().pull(w["worker_id"], w["credential"], msgspec.structs.replace(
+        req, session_id=w2["session_id"], generation=w2["generation"]))
+    assert again.status == "offered" and again.offer.secrets == {"API_KEY": b"s3cr3t"}
+    assert (again.offer.attempt_id, again.offer.lease_generation, again.offer.spec_digest, again.offer.session_id) == (
+        first.offer.attempt_id, first.offer.lease_generation, first.offer.spec_digest, w2["session_id"])
+    assert kit.one("SELECT count(*) FROM run_leases") == 1                  # no second claim
+    with pytest.raises(ConflictError) as e:                                  # the old Session is gone
+        kit.pull().pull(w["worker_id"], w["credential"], req)
+    assert e.value.code == "stale_generation"

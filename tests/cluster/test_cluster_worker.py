@@ -122,8 +122,15 @@ def test_pull_retried_after_a_lost_response_rebuilds_the_identical_answer(kit):
         kit.pull().pull(w["worker_id"], w["credential"], msgspec.structs.replace(req, lease_token=token()))
     assert e.value.code == "pull_token_mismatch"
     kit.ack(w, first.offer, "starting")
-    after_ack = kit.pull().pull(w["worker_id"], w["credential"], req)
-    assert (after_ack.status, after_ack.reason, after_ack.offer) == ("lease_ended", "attempt_starting", None)
+    # Until the run is reported running the same answer is rebuilt, secret values included (a
+    # Worker restarted between its starting ACK and the spawn kept none of them).
+    after_starting = kit.pull().pull(w["worker_id"], w["credential"], req).offer
+    assert after_starting.lease_expires_at_us >= first.offer.lease_expires_at_us     # the ACK extended it
+    assert after_starting == msgspec.structs.replace(first.offer, lease_expires_at_us=after_starting.lease_expires_at_us)
+    kit.ack(w, first.offer, "running")
+    after_running = kit.pull().pull(w["worker_id"], w["credential"], req)
+    assert (after_running.status, after_running.reason, after_running.offer) == ("lease_ended", "attempt_running",
+                                                                                 None)
 
 
 @pytest.mark.parametrize("policy, carried", [(None, "kill"), ("keep", "keep"), ("kill", "kill")])

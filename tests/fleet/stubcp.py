@@ -12,8 +12,8 @@ flag, ``X-Qlagent-Server-Now-Us`` on every answer, the documented error codes. I
 scheduler: the test queues Runs with ``add_run``.
 
 Test handles: ``partition(True)`` (every request is dropped unanswered and nothing is written),
-``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``drop_acks`` (every ACK request dropped
-unanswered, nothing written), ``refuse_chunks`` (503), ``cancel(attempt)``, ``pull_bodies`` (raw request
+``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``drop_ack_answers`` (every ACK is applied,
+its answer lost), ``refuse_chunks`` (503), ``cancel(attempt)``, ``pull_bodies`` (raw request
 bodies), ``chunk_times``, ``acks``, ``logs``, ``lease()``, ``hellos``, ``expire_lease(attempt)``.
 """
 
@@ -114,7 +114,7 @@ class StubControlPlane:
         self.requests: list[tuple[str, str, int]] = []     # (method, route, status)
         self._partition = False
         self.refuse_chunks = False                  # answer log chunks 503 cluster_unavailable
-        self.drop_acks = False                      # drop ACK requests unanswered (nothing written)
+        self.drop_ack_answers = False               # apply ACKs, then drop their answers
         self._drop_pull = 0
         self.server = None
 
@@ -253,9 +253,9 @@ class StubControlPlane:
                         self._drop_pull -= 1
                         raise Drop()
             elif h.command == "POST" and parts[5:] == ["acks"]:
-                if self.drop_acks:
-                    raise Drop()
                 status, doc = 200, self._ack(wid, self._decode(h, body, Ack))
+                if self.drop_ack_answers:
+                    raise Drop()
             elif h.command == "PUT" and len(parts) == 8 and parts[5] == "attempts" and parts[7] == "log":
                 if self.refuse_chunks:
                     raise HttpError(503, "cluster_unavailable", "the database is not reachable")
@@ -418,7 +418,7 @@ class StubControlPlane:
                             raise HttpError(409, "pull_token_mismatch", "this pullId was answered with another token")
                         if lease["state"] != "active":
                             return PullAnswer(status="lease_ended", reason=f"lease_{lease['state']}")
-                        if a["state"] != "leased":          # as cluster.pull: only while still claimed
+                        if a["state"] not in ("leased", "starting"):       # as cluster.pull: not once running
                             return PullAnswer(status="lease_ended", reason=f"attempt_{a['state']}")
                         return PullAnswer(status="offered", reason="new_claim",
                                           offer=self._offer(a, wid, req.session_id, req.generation, req.lease_token))

@@ -204,22 +204,25 @@ def test_a_restart_whose_adoption_is_refused_kills_the_reattached_run(tmp_path, 
     assert completion(cp, aid) is None          # nothing of the refused Lease is reported
 
 
-def test_a_worker_restarted_between_receipt_and_spawn_gets_the_secrets_again_by_its_kept_pull(tmp_path, cp, worker):
+def test_a_worker_restarted_between_its_starting_ack_and_the_spawn_gets_the_secrets_again(tmp_path, cp, worker):
     aid = cp.add_run(shell="/bin/sh", script='printf %s "$API_TOKEN"', secrets={"API_TOKEN": SECRET.encode()})
-    cp.drop_acks = True                         # the offer arrives; its starting ACK never gets through
+    cp.drop_ack_answers = True                  # the starting ACK is applied; the Worker never hears so
     worker.start()
-    assert cp.wait(lambda: ("POST", "acks", 0) in cp.requests, 30)
-    worker.kill()                               # between receipt and spawn: the secret values are gone
+    assert cp.wait(lambda: cp.acks_of(aid) == ["starting"], 30)
+    worker.kill()                               # before the spawn: the secret values are gone
     assert not os.path.exists(os.path.join(worker.state, "worker-runs", aid))
-    cp.drop_acks = False
+    cp.drop_ack_answers = False
     worker.start()
     assert cp.wait(lambda: completion(cp, aid) is not None, 30), worker.journal()
     assert cp.acks_of(aid) == ["starting", "running", "completion"] and completion(cp, aid).exit_code == 0
     assert cp.wait(lambda: cp.log_of(aid) == SECRET.encode(), 20)        # the task got the value
-    # The Pull that brought the offer went again byte for byte; no second claim.
+    # The new Session adopted the Lease (the row was still "received") and sent the Pull that
+    # brought the offer again: same pullId and lease token, its own fence; no second claim.
+    assert [c.attempt_id for c in cp.hellos[-1].adopt] == [aid]
     pull_id = cp.lease(aid)["pull_id"]
-    same = [b for b in cp.pull_bodies if json.loads(b)["pullId"] == pull_id]
-    assert len(same) == 2 and same[0] == same[1] and cp.lease(aid)["generation"] == 1
+    same = [json.loads(b) for b in cp.pull_bodies if json.loads(b)["pullId"] == pull_id]
+    assert len(same) == 2 and same[0]["leaseToken"] == same[1]["leaseToken"]
+    assert (same[0]["generation"], same[1]["generation"]) == (1, 2) and cp.lease(aid)["generation"] == 1
     assert "worker.secrets_refetched" in worker.journal() and SECRET not in worker.journal()
     for path in glob.glob(os.path.join(worker.state, "inbox.sqlite3*")):
         with open(path, "rb") as f:
