@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 import uuid
 
 import psutil
@@ -403,3 +404,57 @@ def test_shim_that_dies_before_the_status_is_a_start_error_not_a_hang(tmp_path):
                             stdout=subprocess.PIPE, env={})
     proc.stdin.close()                          # no spec at all: exit 2 without a status line
     assert processes._read_status(proc, 10) == "shim: exited with status 2 before starting the task"
+
+
+# --- lease self-fencing (a fleet Worker's run under on_lease_loss = "kill") ---------------------
+
+def _mono_us():
+    return time.monotonic_ns() // 1000
+
+
+def _write_lease(path, at_us):
+    """As WorkerRuns.set_lease_deadline: the instant, written to a temporary file and renamed."""
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{at_us}\n")
+    os.rename(path + ".tmp", path)
+
+
+def test_a_lease_renewed_in_time_lets_the_run_finish(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 1.5; echo done"])
+    spec["lease_file"] = os.path.join(spec["run_dir"], "lease")
+    _write_lease(spec["lease_file"], _mono_us() + 600_000)
+    handle = processes.spawn_shim(spec)
+    # The Worker renews every 0.2 s: at each instant it was given, the shim finds a later one.
+    while handle.popen.poll() is None:
+        _write_lease(spec["lease_file"], _mono_us() + 600_000)
+        time.sleep(0.2)
+    assert handle.popen.returncode == 0
+    receipt = processes.read_receipt(spec["run_dir"])
+    assert receipt.exit_code == 0 and receipt.lease_lost is False and log_bytes(spec) == b"done\n"
+
+
+def test_a_lease_not_renewed_stops_the_whole_tree_kept_orphans_too_and_the_receipt_says_so(tmp_path):
+    pids = tmp_path / "pids"
+    # The main process ignores SIGTERM (so SIGKILL after grace_s ends it); its background child is
+    # in a session of its own and would be kept as an orphan without the lease.
+    script = f"setsid sleep 60 & echo $! > {pids}; trap '' TERM; sleep 60"
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", script])
+    spec.update(keep_orphans=True, grace_s=0.5, lease_file=os.path.join(spec["run_dir"], "lease"))
+    _write_lease(spec["lease_file"], _mono_us() + 700_000)
+    handle = processes.spawn_shim(spec)
+    assert handle.popen.wait(20) == 0
+    receipt = processes.read_receipt(spec["run_dir"])
+    assert receipt.lease_lost is True and receipt.signal == signal.SIGKILL and receipt.orphans_stopped >= 1
+    orphan = int(pids.read_text())
+    assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
+    with open(os.path.join(spec["run_dir"], "shim.err")) as f:
+        assert "lease not renewed" in f.read()
+
+
+def test_an_unreadable_lease_file_fails_closed(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/sleep", "60"])
+    spec["lease_file"] = os.path.join(spec["run_dir"], "lease")           # never written
+    handle = processes.spawn_shim(spec)
+    assert handle.popen.wait(20) == 0
+    receipt = processes.read_receipt(spec["run_dir"])
+    assert receipt.lease_lost is True and receipt.signal == signal.SIGTERM
