@@ -58,8 +58,8 @@ def serve(args: list[str], err: str, cgroup: Cgroup | None = None) -> subprocess
                     env=clean_env(), stdout=subprocess.DEVNULL, stderr=open(err, "w"))
 
 
-def shim_uss(pid: int) -> dict[str, int]:
-    """USS (bytes) of each live shim below ``pid``, by attempt ID (its run directory's name)."""
+def shim_uss(pid: int) -> dict[int, int]:
+    """USS (bytes) of each live shim below ``pid``, by the shim's PID."""
     out = {}
     for q in psutil.Process(pid).children(recursive=True):
         try:
@@ -71,8 +71,9 @@ def shim_uss(pid: int) -> dict[str, int]:
     return out
 
 
-def lease_shims(pid: int) -> set[int]:
-    """The shims below ``pid`` whose run directory holds a lease file (``on_lease_loss = kill``)."""
+def lease_shims(pid: int, runs_dir: str) -> set[int]:
+    """The shims below ``pid`` whose run directory under ``runs_dir`` holds a lease file
+    (``on_lease_loss = "kill"``)."""
     found = set()
     for q in psutil.Process(pid).children(recursive=True):
         try:
@@ -80,14 +81,12 @@ def lease_shims(pid: int) -> set[int]:
                 for c in q.children():
                     env = c.environ()
                     aid = env.get("QL3_ATTEMPT_ID")
-                    if aid and any(os.path.exists(os.path.join(d, aid, "lease")) for d in RUN_DIRS):
+                    if aid and os.path.exists(os.path.join(runs_dir, aid, "lease")):
                         found.add(q.pid)
         except (psutil.Error, IndexError):
             pass
     return found
 
-
-RUN_DIRS: list[str] = []
 
 
 def rss(pid: int, tree: bool = False) -> int:
@@ -240,7 +239,6 @@ def main() -> None:
                             ca_file=cp.ca_file, slots=4, heartbeat_s=5.0, pull_wait_s=20)
         w = serve(["--config", cfg], os.path.join(root, "w.err"), cg)
         procs.append(w)
-        RUN_DIRS.append(os.path.join(root, "w", "worker-runs"))
         assert cp.wait(lambda: len(cp.sessions) == 2, 30), "the Workers opened no Session"
         status_body = http_get(port, "/api/v3/worker")
         time.sleep(5)
@@ -259,7 +257,7 @@ def main() -> None:
             peak_pids = max(peak_pids, pids_current(cg) or 0)
             http_get(port, "/api/v3/worker")
             peak_http = max(peak_http, rss(h.pid))
-            killers = lease_shims(w.pid)
+            killers = lease_shims(w.pid, os.path.join(root, "w", "worker-runs"))
             for spid, uss in shim_uss(w.pid).items():
                 (uss_kill if spid in killers else uss_keep).append(uss)
             with cp.lock:
@@ -292,8 +290,9 @@ def main() -> None:
 
         print(f"Worker RSS idle: {idle_worker / MiB:.1f} MiB; local agent idle (same run): {idle_local / MiB:.1f} MiB "
               f"({idle_worker / idle_local:.2f}x)")
-        print(f"Worker with [http] status surface, idle: {idle_http / MiB:.1f} MiB (+{(idle_http - idle_worker) / MiB:.1f} "
-              f"MiB); polled during the runs, peak {peak_http / MiB:.1f} MiB; status keys {sorted(status_body)}")
+        print(f"Worker with [http] status surface, idle: {idle_http / MiB:.1f} MiB "
+              f"(+{(idle_http - idle_worker) / MiB:.1f} MiB); polled during the runs, peak {peak_http / MiB:.1f} MiB; "
+              f"status keys {sorted(status_body)}")
         print(f"Worker RSS with 4 chatty runs: peak {peak_w / MiB:.1f} MiB ({peak_w / idle_local:.2f}x local idle); "
               f"whole tree (Worker + 4 shims + tasks) peak {peak_tree / MiB:.1f} MiB")
         if uss_kill and uss_keep:

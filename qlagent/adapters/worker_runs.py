@@ -8,8 +8,9 @@ the inbox barrier and before the shim is spawned. It holds the shim's files (tas
 receipt.json, truncated.json), ``shim.json`` (the shim's PID and start time, for a PID-reuse
 safe re-attach after a Worker restart), ``output.log`` (the Artifact, 0600, at most the
 spec's ``logQuotaBytes``) and, for ``onLeaseLoss = "kill"``, ``lease``: the instant the shim
-stops the run by itself unless the Worker renewed it (shim "Lease self-fencing"). The whole directory is removed only after the control plane
-acknowledged the completion and the last log chunk (``prune``).
+stops the run by itself unless the Worker renewed it (shim "Lease self-fencing"). The whole
+directory is removed only after the control plane acknowledged the completion and the last log
+chunk (``prune``).
 
 Secret values reach the shim through its stdin pipe (never argv or disk) and are dropped by the
 caller after this one materialisation.
