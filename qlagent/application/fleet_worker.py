@@ -12,10 +12,13 @@ socket, a signal). Duties, in order, on every pass:
    and everything else of the older Sessions is fenced. An adopted row goes on under the new
    Session (owed ACKs and chunks re-sent with its fence); a refused or unnamed one is
    self-fenced (``on_lease_loss``) and what it owed is dropped.
-2. **Heartbeat** every ``heartbeat_interval_s`` with jitter (``worker.heartbeat``); its answer
-   renews the Leases of started runs, each with the expiry the control plane gave it
-   (``worker.fencing.Renewal`` anchored at the send time), and names the Attempts whose cancel
-   was requested: their whole process tree is stopped.
+2. **Heartbeat** every ``heartbeat_interval_s`` with jitter (``worker.heartbeat``). It names the
+   Leases of this Session the Worker still holds (``_held``: started runs not self-fenced, then
+   completions still owed) and the control plane renews exactly those; a run that was
+   self-fenced or dropped is left out, so its Lease runs out and the control plane ends the
+   Attempt ``lost`` instead of keeping it ``running`` for ever (issue 11 §6). The answer gives
+   each renewed Lease its expiry (``worker.fencing.Renewal`` anchored at the send time) and names
+   the Attempts whose cancel was requested: their whole process tree is stopped.
 3. **Offers** (inbox rows in receipt order): ACK ``starting`` → crash barrier (inbox, fsync'd) →
    run directory (fsync'd) → spawn the shim → ACK ``running`` (``start_failure`` with the reason
    code when it could not start). Secret values live only in memory from the Pull answer to the
@@ -59,8 +62,8 @@ import uuid
 
 import msgspec
 
-from ..core.cluster import (MAX_ADOPT, Ack, AckResult, AdoptClaim, ChunkAnswer, ExecutionSpec, Heartbeat, Hello,
-                            PullAnswer, SessionGrant)
+from ..core.cluster import (MAX_ADOPT, MAX_HELD, Ack, AckResult, AdoptClaim, ChunkAnswer, ExecutionSpec, Heartbeat,
+                            HeartbeatRequest, HeldLease, Hello, PullAnswer, SessionGrant)
 from ..core.control import (Answer, AttemptNotFound, ChunkConflict, ControlAuthError, ControlError, ControlPort,
                             ControlTlsError, ControlUnreachable, LeaseGone, PullTokenMismatch, RequestRefused,
                             SessionGone, WorkerRunsPort)
@@ -427,9 +430,23 @@ class WorkerRuntime:
     def _beat_delay_us(self) -> int:
         return int(heartbeat.heartbeat_delay_s(self.heartbeat_s, self.rand()) * 1e6)
 
+    def _held(self) -> list[HeldLease]:
+        """The Leases of the current Session a heartbeat asks to renew (at most ``MAX_HELD``):
+        rows whose run was started (barrier/started) and not self-fenced, a ``keep`` run
+        included (it goes on, so its Lease should too), then completed rows whose completion the
+        control plane has not acknowledged yet (their Lease must stay active for it to be
+        accepted). Not named: fenced or gone rows (the run was stopped or dropped: its Lease
+        must run out), ``received`` rows (the Attempt is still ``claimed``; the control plane
+        renews only started Attempts), rows owing only log chunks (their Lease is completed)."""
+        rows = [j for j in self.jobs.values() if not j.gone and not j.fenced and j.session == self.session]
+        held = [j for j in rows if j.entry.state in ("barrier", "started")]
+        held += [j for j in rows if j.entry.state == "completed" and j.completion_owed]
+        return [HeldLease(attempt_id=j.attempt_id, lease_generation=j.entry.offer.lease_generation)
+                for j in held[:MAX_HELD]]
+
     def _heartbeat(self) -> None:
         sid, gen = self.session
-        body = msgspec.json.encode({"sessionId": sid, "generation": gen})
+        body = msgspec.json.encode(HeartbeatRequest(session_id=sid, generation=gen, leases=tuple(self._held())))
         try:
             ans, sent = self._rpc("POST", "/heartbeat", body)
             hb = msgspec.json.decode(ans.body, type=Heartbeat)

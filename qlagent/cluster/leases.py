@@ -5,7 +5,9 @@ Each pass marks at most ``batch`` Sessions past their expiry offline, then ends 
 sweeping together never block or double-process a Lease). A Lease expired before the Worker's
 starting ACK puts its Run back in the queue for a new offer (the Attempt stays ``claimed``; the
 next claim takes lease generation + 1); after ``starting``/``running`` the Attempt is ``lost``
-and the Task's retry policy decides. Every transition appends RunEvents.
+and the Task's retry policy decides. Every transition appends RunEvents. A Lease runs out when
+its Worker's heartbeats stop, or when they go on without naming it (the Worker self-fenced or
+dropped that run: ``WorkerRegistry.heartbeat`` renews only the Leases named).
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ A Worker is enrolled once (name, labels, executor types, slots) and receives a c
 Session it opens increments the Worker's generation and fences every Lease of older Sessions.
 The Session hello may narrow, never widen, what the enrolment allows: a subset of its labels
 (same values), of its executor types, and at most its slots. Heartbeats extend the Session by
-``session_ttl_s`` and the Leases of its starting/running Attempts by ``lease_ttl_s``, and return
-the cancel intents of its Attempts. A Session past its expiry is offline.
+``session_ttl_s`` and, by ``lease_ttl_s``, exactly the Leases of that Session the heartbeat names
+as still held (``leases``, ≤ ``MAX_HELD``) whose Attempts are starting/running; they return the
+cancel intents of its Attempts. A Lease the Worker no longer names (its run self-fenced or
+dropped, issue 11 §6) is not renewed: it runs out and the lease sweeper ends it (Attempt
+``lost``, the retry policy decides). A Session past its expiry is offline.
 
 Adoption (issue 11 "a Worker restart re-attaches live shims"; docs/worker-protocol.md): the
 hello may name up to ``MAX_ADOPT`` Leases of this Worker's older Sessions with their tokens. In
@@ -29,8 +32,8 @@ import re
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import (MAX_ADOPT, WORKER_EXECUTORS, Enrolment, Heartbeat, Hello, LeaseExpiry, SessionGrant,
-                            WorkerAuthError)
+from ..core.cluster import (MAX_ADOPT, MAX_HELD, WORKER_EXECUTORS, Enrolment, Heartbeat, HeldLease, Hello,
+                            LeaseExpiry, SessionGrant, WorkerAuthError)
 from ..core.errors import ValidationError
 from ..core.inbox_states import MAX_GENERATION, MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
 from .placement import check_labels
@@ -100,6 +103,21 @@ def adopt_claims(hello: Hello) -> list[tuple[str, int, str]]:
             raise ValidationError("hello.adopt", f"Attempt {aid} named twice")
         out[aid] = (aid, check_generation(f"hello.adopt[{i}].leaseGeneration", c.lease_generation),
                     sha256_hex(check_token(f"hello.adopt[{i}].leaseToken", c.lease_token).encode()))
+    return [out[k] for k in sorted(out)]
+
+
+def held_leases(leases: tuple[HeldLease, ...]) -> list[tuple[str, int]]:
+    """(Attempt ID, lease generation) of a heartbeat's ``leases`` in Attempt ID order.
+    ValidationError naming ``leases`` (over ``MAX_HELD``, an Attempt named twice) or
+    ``leases[i].attemptId`` / ``leases[i].leaseGeneration``."""
+    if len(leases) > MAX_HELD:
+        raise ValidationError("leases", f"{len(leases)} Leases; at most {MAX_HELD}", limit=MAX_HELD)
+    out = {}
+    for i, h in enumerate(leases):
+        aid = check_uuid(f"leases[{i}].attemptId", h.attempt_id)
+        if aid in out:
+            raise ValidationError("leases", f"Attempt {aid} named twice")
+        out[aid] = (aid, check_generation(f"leases[{i}].leaseGeneration", h.lease_generation))
     return [out[k] for k in sorted(out)]
 
 
@@ -186,13 +204,19 @@ class WorkerRegistry:
         return self._store.open_session(worker_id, digest, labels, executors, slots, self._t.session_ttl_s * 1_000_000,
                                         claims)
 
-    def heartbeat(self, worker_id: str, credential: str, session_id: str, generation: int) -> Heartbeat:
-        """Extend the Session and its running Leases; the answer names Attempts to cancel and
-        each renewed Lease's new expiry (µs). ConflictError ``stale_generation`` / ``session_expired``."""
+    def heartbeat(self, worker_id: str, credential: str, session_id: str, generation: int,
+                  held: tuple[HeldLease, ...] = ()) -> Heartbeat:
+        """Extend the Session, and of its Leases exactly those ``held`` names (≤ ``MAX_HELD``)
+        that are active, unexpired and whose Attempt is starting/running (issue 11 §6: a Lease
+        the Worker let go is not kept alive by its heartbeats). The answer names the Attempts to
+        cancel and each renewed Lease's new expiry (µs, database clock). ValidationError naming
+        ``sessionId``/``generation``/``leases…`` (nothing written); WorkerAuthError;
+        ConflictError ``stale_generation`` / ``session_expired``."""
         digest = credential_digest(credential)
+        named = held_leases(held)
         expires, cancel, leases = self._store.heartbeat(check_uuid("workerId", worker_id), digest,
                                                 check_uuid("sessionId", session_id),
-                                                check_generation("generation", generation),
+                                                check_generation("generation", generation), named,
                                                 self._t.session_ttl_s * 1_000_000, self._t.lease_ttl_s * 1_000_000)
         return Heartbeat(expires, cancel, [LeaseExpiry(a, e) for a, e in leases])
 

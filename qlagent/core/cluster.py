@@ -342,11 +342,28 @@ class Hello(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=T
     adopt: tuple[AdoptClaim, ...] = ()
 
 
+# Leases one heartbeat may name (docs/worker-protocol.md, heartbeat row): a Worker's live runs
+# (≤ its slots, ≤ 64 by the Profile) come first, then completions still owed.
+MAX_HELD = 64
+
+
+class HeldLease(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    """A Lease a Worker still holds and asks a heartbeat to renew (no token: the Session and
+    generation of the heartbeat are the fence, and only Leases of that Session are renewed)."""
+
+    attempt_id: str
+    lease_generation: int
+
+
 class HeartbeatRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
-    """Body of ``POST …/heartbeat``: the Session being renewed and its generation."""
+    """Body of ``POST …/heartbeat``: the Session being renewed, its generation, and ``leases``
+    (≤ ``MAX_HELD``): the Leases of this Session the Worker still holds. Only those are renewed;
+    a Lease of the Session left out (its run self-fenced, dropped or never started) runs out and
+    the lease sweeper ends it (issue 11 §6)."""
 
     session_id: str
     generation: int
+    leases: tuple[HeldLease, ...] = ()
 
 
 class LeaseExpiry(msgspec.Struct, frozen=True, rename="camel"):

@@ -24,6 +24,9 @@ stop at ``stop_at`` and finishing it within ``kill_grace`` (local) leaves the ru
 ``safety`` before the expiry by the database clock, for every offset and every rate within the
 bound. ``on_lease_loss = "kill"`` (default) stops there; ``"keep"`` lets the run go on
 (documented at-least-once: the control plane may start a second copy) and reports the loss.
+A run stopped here is never named again in a heartbeat's ``leases``: should the link come back
+before the expiry, the control plane does not renew that Lease, so it runs out and the sweeper
+ends the Attempt ``lost`` (docs/worker-protocol.md, heartbeat row).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from qlagent.cluster.leases import LeaseSweeper
 from qlagent.cluster.logs import LogUpload
 from qlagent.cluster.pull import PullRequest
 from qlagent.cluster.registry import Hello
-from qlagent.core.cluster import MAX_ADOPT, AdoptClaim
+from qlagent.core.cluster import MAX_ADOPT, AdoptClaim, HeldLease
 from qlagent.core.errors import ConflictError, ValidationError
 from qlagent.core.ids import new_id
 from qlagent.core.profiles import EDGE
@@ -21,6 +21,10 @@ from qlagent.core.profiles import EDGE
 def _claim(offer, tok=None) -> AdoptClaim:
     return AdoptClaim(attempt_id=offer.attempt_id, lease_generation=offer.lease_generation,
                       lease_token=tok or offer.lease_token)
+
+
+def _held(offer) -> HeldLease:
+    return HeldLease(attempt_id=offer.attempt_id, lease_generation=offer.lease_generation)
 
 
 def _reopen(kit, w, *claims):
@@ -71,7 +75,7 @@ def test_a_running_lease_is_adopted_by_the_new_session_and_only_its_new_generati
         kit.registry.heartbeat(w["worker_id"], w["credential"], w["session_id"], w["generation"])
     assert e.value.code == "stale_generation"
     # The new Session's heartbeat renews what it adopted and answers the new expiry.
-    hb = kit.registry.heartbeat(w["worker_id"], w["credential"], w2["session_id"], w2["generation"])
+    hb = kit.registry.heartbeat(w["worker_id"], w["credential"], w2["session_id"], w2["generation"], (_held(offer),))
     assert [x.attempt_id for x in hb.leases] == [attempt_id] and hb.leases[0].expires_at_us >= expires
     assert _ack(kit, w2, offer, "running").replay                  # a re-sent ACK is a replay
     assert _chunk(kit, w2, offer, 0, b"out\n").next_offset == 4
@@ -84,7 +88,9 @@ def test_heartbeat_answers_each_renewed_lease_expiry(kit):
     kit.queue(kit.task("other"))
     started, claimed = kit.claim(2)
     kit.ack(w, started, "starting")
-    hb = kit.registry.heartbeat(w["worker_id"], w["credential"], w["session_id"], w["generation"])
+    # A claimed Attempt's Lease is not renewed even when named: only started ones are.
+    hb = kit.registry.heartbeat(w["worker_id"], w["credential"], w["session_id"], w["generation"],
+                                (_held(started), _held(claimed)))
     stored = kit.one("SELECT expires_at_us FROM run_leases WHERE attempt_id = %s", (started.attempt_id,))
     assert [(x.attempt_id, x.expires_at_us) for x in hb.leases] == [(started.attempt_id, stored)]
 

@@ -9,7 +9,7 @@ from pgkit import COMMAND_MARK, token
 from qlagent.cluster.pull import PullRequest
 from qlagent.cluster.registry import Hello, credential_digest
 from qlagent.core.canonical import sha256_hex
-from qlagent.core.cluster import WorkerAuthError
+from qlagent.core.cluster import HeldLease, WorkerAuthError
 from qlagent.core.errors import ConflictError, NotFoundError, UnavailableError, ValidationError
 from qlagent.core.ids import new_id
 
@@ -221,7 +221,8 @@ def test_heartbeat_renews_running_leases_and_carries_cancel_intents(kit):
     kit.ack(w, a, "starting")
     kit.sql("UPDATE runs SET cancel_requested_at_us = ql_now_us() WHERE run_id = %s", (b.run_id,))
     before = dict(kit.sql("SELECT attempt_id, expires_at_us FROM run_leases"))
-    hb = kit.registry.heartbeat(w["worker_id"], w["credential"], w["session_id"], w["generation"])
+    hb = kit.registry.heartbeat(w["worker_id"], w["credential"], w["session_id"], w["generation"],
+                                (HeldLease(attempt_id=a.attempt_id, lease_generation=a.lease_generation),))
     after = dict(kit.sql("SELECT attempt_id, expires_at_us FROM run_leases"))
     assert hb.cancel == [b.attempt_id]
     assert after[a.attempt_id] >= before[a.attempt_id] and after[b.attempt_id] == before[b.attempt_id]

@@ -5,7 +5,9 @@ fleet integration test replaces it with real replicas on PostgreSQL.
 Real HTTP/1.1 over loopback, real TLS with a throwaway CA made at test time (``cryptography``),
 in-memory state guarded by one lock. It follows the protocol page and the rules of the real
 control plane that a Worker can observe: Sessions and generations (a new Session adopts the
-Leases its hello names and may keep, and fences every other Lease of the older ones), Pull
+Leases its hello names and may keep, and fences every other Lease of the older ones), a
+heartbeat renewing only the Leases it names (≤ 64; an unnamed one runs out, and the sweep,
+run before each request, re-queues its Attempt), Pull
 retried by (Session, pullId) with the token checked, Lease fence on ACKs and chunks (token,
 Session, generation), ACK replays, offset-addressed chunks with the quota and a truncation
 flag, ``X-Qlagent-Server-Now-Us`` on every answer, the documented error codes. It is not a
@@ -14,7 +16,8 @@ scheduler: the test queues Runs with ``add_run``.
 Test handles: ``partition(True)`` (every request is dropped unanswered and nothing is written),
 ``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``drop_ack_answers`` (every ACK is applied,
 its answer lost), ``refuse_chunks`` (503), ``cancel(attempt)``, ``pull_bodies`` (raw request
-bodies), ``chunk_times``, ``acks``, ``logs``, ``lease()``, ``hellos``, ``expire_lease(attempt)``.
+bodies), ``heartbeats`` (decoded requests), ``chunk_times``, ``acks``, ``logs``, ``lease()``, ``hellos``,
+``expire_lease(attempt)``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import msgspec
 
 from qlagent.core.canonical import content_digest
 from qlagent.core.cluster import (Ack, AckResult, AdoptedLease, AdoptRefusal, ChunkAnswer, ClaimedExecutionOffer,
-                                  ExecutionSpec, Heartbeat, Hello, LeaseExpiry, PullAnswer, PullRequest, SessionGrant)
+                                  ExecutionSpec, Heartbeat, HeartbeatRequest, Hello, LeaseExpiry, PullAnswer,
+                                  PullRequest, SessionGrant)
 
 OFFER_NAMESPACE = uuid.UUID("4d2b8a8e-1f0c-5a7e-9b61-0c1a7e3f5d20")     # as cluster.offer
 MAX_JSON = 16_384
@@ -110,6 +114,7 @@ class StubControlPlane:
         self.truncated: dict[str, bool] = {}
         self.pull_bodies: list[bytes] = []
         self.hellos: list[Hello] = []
+        self.heartbeats: list[HeartbeatRequest] = []
         self.chunk_times: list[tuple[float, str, int]] = []     # (time.monotonic(), attempt, bytes) per chunk
         self.requests: list[tuple[str, str, int]] = []     # (method, route, status)
         self._partition = False
@@ -241,7 +246,7 @@ class StubControlPlane:
             if h.command == "POST" and parts[5:] == ["sessions"]:
                 status, doc = 201, self._session(wid, self._decode(h, body, Hello))
             elif h.command == "POST" and parts[5:] == ["heartbeat"]:
-                status, doc = 200, self._heartbeat(wid, self._decode(h, body, dict))
+                status, doc = 200, self._heartbeat(wid, self._decode(h, body, HeartbeatRequest))
             elif h.command == "POST" and parts[5:] == ["pull"]:
                 self.pull_bodies.append(body)
                 wait_s = float(q.get("waitS", ["0"])[0])
@@ -375,23 +380,27 @@ class StubControlPlane:
                 lease["state"] = "expired"
                 self._requeue(a)
 
-    def _heartbeat(self, wid: str, body: dict) -> Heartbeat:
-        if set(body) != {"sessionId", "generation"}:
-            raise HttpError(400, "invalid_request", "sessionId and generation", field="sessionId")
+    def _heartbeat(self, wid: str, req: HeartbeatRequest) -> Heartbeat:
+        if len(req.leases) > 64:
+            raise HttpError(400, "invalid_request", f"{len(req.leases)} Leases; at most 64", field="leases")
+        named = {(x.attempt_id, x.lease_generation) for x in req.leases}
         with self.lock:
+            self.heartbeats.append(req)
             self._sweep()
-            s = self._live_session(wid, body["sessionId"], body["generation"])
+            s = self._live_session(wid, req.session_id, req.generation)
             now = now_us()
             s["expires"] = now + self.session_ttl_us
             cancel, renewed = [], []
             for a in self.attempts.values():
                 lease = a["lease"]
-                if lease and lease["session"] == body["sessionId"] and lease["state"] == "active" \
-                        and a["state"] in ("starting", "running"):
+                if not lease or lease["session"] != req.session_id or lease["state"] != "active":
+                    continue
+                if a["cancel"]:
+                    cancel.append(a["spec"].attempt_id)
+                if (a["spec"].attempt_id, lease["generation"]) in named and a["state"] in ("starting", "running"):
                     lease["expires"] = max(lease["expires"], now + self.lease_ttl_us)
                     renewed.append(LeaseExpiry(a["spec"].attempt_id, lease["expires"]))
-                    if a["cancel"]:
-                        cancel.append(a["spec"].attempt_id)
+            self.lock.notify_all()
             return Heartbeat(expires_at_us=s["expires"], cancel=cancel, leases=renewed)
 
     def _offer(self, a: dict, wid: str, s_id: str, gen: int, token: str) -> ClaimedExecutionOffer:

@@ -294,6 +294,67 @@ def test_a_cut_shorter_than_the_lease_keeps_the_session_and_delivers_what_was_qu
     assert len(cp.sessions) == 1 and "worker.heartbeat_failed" in worker.journal(), worker.journal()
 
 
+def _lock_free(path) -> bool:
+    """True when no process holds ``path``'s flock (a task tree holding it is wholly dead)."""
+    import fcntl
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_a_self_fenced_run_is_not_renewed_after_the_link_returns_and_is_offered_again_once(tmp_path):
+    """Issue 11 §6: a cut past the Worker's fencing instant but shorter than the control plane's
+    Lease (and Session) TTL. The Worker kills the run; when the link returns its heartbeats do
+    not name that Lease, so it runs out and the Attempt is offered again; the killed copy was
+    wholly dead before the second one started, which runs once."""
+    # Lease 8 s; the spec's 3 s grace puts the Worker's stop ~3 s after a renewal, ~5 s before
+    # the control plane's expiry: the link comes back inside that window.
+    cp = StubControlPlane(str(tmp_path), lease_ttl_s=8, session_ttl_s=60)
+    url = cp.start()
+    w = Worker(tmp_path, cp, url, slots=1)
+    lock, out, first = tmp_path / "lock", tmp_path / "out", tmp_path / "first"
+    lock.touch()
+    script = (f"exec 9>>{lock}; flock -n 9 || {{ echo overlap >> {out}; exit 3; }}; "
+              f"if [ -e {first} ]; then echo second >> {out}; exit 0; fi; "
+              f": > {first}; echo first >> {out}; exec sleep 60")
+    aid = cp.add_run(shell="/bin/sh", script=script, grace_ms=3000)
+
+    def named(hb) -> bool:
+        return any(x.attempt_id == aid and x.lease_generation == 1 for x in hb.leases)
+    try:
+        w.start()
+        assert cp.wait(lambda: "running" in cp.acks_of(aid) and any(named(h) for h in cp.heartbeats), 30), \
+            w.journal()
+        assert not _lock_free(lock)
+        cp.partition(True)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not _lock_free(lock):
+            time.sleep(0.05)
+        assert _lock_free(lock), w.journal()                # the whole tree is dead (the Worker killed it)
+        lease = cp.lease(aid)
+        # Still the first Lease, active and unexpired at the control plane: only a heartbeat's
+        # renewal could keep it alive from here.
+        assert (lease["generation"], lease["state"]) == (1, "active") and time.time_ns() // 1000 < lease["expires"]
+        seen = len(cp.heartbeats)
+        cp.partition(False)
+        assert cp.wait(lambda: completion(cp, aid) is not None, 40), w.journal()
+        assert completion(cp, aid).exit_code == 0 and cp.lease(aid)["generation"] == 2
+        assert out.read_text() == "first\nsecond\n"      # never both at once, the second copy once
+        with cp.lock:
+            after = cp.heartbeats[seen:]
+        assert after and not any(named(h) for h in after)
+        assert "worker.lease_lost" in w.journal() and "action=kill" in w.journal()
+        assert len(cp.sessions) == 1                        # the Session outlived the cut: no adoption fenced it
+    finally:
+        if w.p is not None:
+            w.stop()
+        cp.stop()
+
+
 def test_unuploaded_logs_are_bounded_oldest_cut_first_with_a_recorded_fact(tmp_path, cp):
     w = Worker(tmp_path, cp, cp.url, slots=1, extra="log_store_bytes = 250000")
     cp.refuse_chunks = True                     # the control plane takes ACKs but no log chunk

@@ -75,10 +75,13 @@ class PgWorkerRegistry:
         return transaction(self._pool, tx)
 
     def heartbeat(self, worker_id: str, credential_digest: str, session_id: str, generation: int,
-                  session_ttl_us: int, lease_ttl_us: int) -> tuple[int, list[str]]:
-        """Extend the Session and the unexpired Leases of its starting/running Attempts; return
-        (Session expiry µs, Attempt IDs whose Run asked to be cancelled, (Attempt ID, new Lease
-        expiry µs) of each renewed Lease). ConflictError stale_generation / session_expired."""
+                  held: list[tuple[str, int]], session_ttl_us: int,
+                  lease_ttl_us: int) -> tuple[int, list[str], list[tuple[str, int]]]:
+        """Extend the Session, and the Leases of this Session that ``held`` names ((Attempt ID,
+        lease generation)), are active and unexpired and whose Attempt is starting/running; a
+        Lease of the Session not named keeps its expiry (the sweeper ends it). Return (Session
+        expiry µs, Attempt IDs whose Run asked to be cancelled, (Attempt ID, new Lease expiry
+        µs) of each renewed Lease). ConflictError stale_generation / session_expired."""
         def tx(cur):
             w = authenticate(cur, worker_id, credential_digest)
             s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s"
@@ -91,11 +94,15 @@ class PgWorkerRegistry:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
             cur.execute("UPDATE worker_sessions SET last_heartbeat_us = %s, expires_at_us = %s WHERE session_id = %s",
                         (now, now + session_ttl_us, session_id))
-            renewed = cur.execute("UPDATE run_leases l SET expires_at_us = %s FROM attempts a"
-                                  " WHERE l.session_id = %s AND l.state = 'active' AND a.attempt_id = l.attempt_id"
+            # Only the Leases the Worker names: one it let go must run out (issue 11 §6).
+            renewed = cur.execute("UPDATE run_leases l SET expires_at_us = %s FROM attempts a,"
+                                  " unnest(%s::text[], %s::bigint[]) AS h(attempt_id, lease_generation)"
+                                  " WHERE l.attempt_id = h.attempt_id AND l.lease_generation = h.lease_generation"
+                                  " AND l.session_id = %s AND l.state = 'active' AND a.attempt_id = l.attempt_id"
                                   " AND a.state IN ('starting', 'running') AND l.expires_at_us > %s"
                                   " RETURNING l.attempt_id, l.expires_at_us",
-                                  (now + lease_ttl_us, session_id, now)).fetchall()
+                                  (now + lease_ttl_us, [a for a, _ in held], [g for _, g in held], session_id,
+                                   now)).fetchall()
             cancel = cur.execute("SELECT l.attempt_id FROM run_leases l JOIN runs r ON r.run_id = l.run_id"
                                  " WHERE l.session_id = %s AND l.state = 'active'"
                                  " AND r.cancel_requested_at_us IS NOT NULL ORDER BY l.attempt_id",
