@@ -433,8 +433,8 @@ class WorkerRuntime:
     def _held(self) -> list[HeldLease]:
         """The Leases of the current Session a heartbeat asks to renew (at most ``MAX_HELD``):
         rows whose run was started (barrier/started) and not self-fenced, a ``keep`` run
-        included (it goes on, so its Lease should too), then completed rows whose completion the
-        control plane has not acknowledged yet (their Lease must stay active for it to be
+        included (it goes on, so its Lease should too), then completed rows whose completion or
+        start failure the control plane has not acknowledged yet (their Lease must stay active for it to be
         accepted). Not named: fenced or gone rows (the run was stopped or dropped: its Lease
         must run out), ``received`` rows (the Attempt is still ``claimed``; the control plane
         renews only started Attempts), rows owing only log chunks (their Lease is completed)."""
