@@ -20,10 +20,10 @@ Needs PostgreSQL at $QLAGENT_TEST_PG (default postgresql://postgres@127.0.0.1:54
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +34,7 @@ import uuid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "cluster")]
 
+import msgspec  # noqa: E402
 import psutil  # noqa: E402
 
 import pgkit  # noqa: E402  (seeding helpers of the cluster tests)
@@ -81,59 +82,112 @@ def reset(kit, runs: int) -> dict:
     return task
 
 
-def baseline(url: str, n: int, seconds: float) -> int:
-    """Claims by a bare SKIP LOCKED + UPDATE loop on ``n`` connections in ``seconds``."""
+def backend_cpu(kit, name: str) -> dict[int, float]:
+    """CPU seconds (user + system) so far of every client backend connected to ``name`` (not
+    autovacuum: the baseline's figure has none either)."""
+    out = {}
+    for (pid,) in kit.sql("SELECT pid FROM pg_stat_activity WHERE datname = %s AND backend_type = 'client backend'"
+                          " AND pid <> pg_backend_pid()", (name,)):
+        try:
+            out[pid] = sum(psutil.Process(pid).cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return out
+
+
+def baseline(url: str, n: int, seconds: float) -> tuple[int, float]:
+    """(claims, CPU seconds of their PostgreSQL backends) of a bare SKIP LOCKED + UPDATE loop on
+    ``n`` connections in ``seconds``."""
     import psycopg
-    counts = [0] * n
+    counts, cpu = [0] * n, [0.0] * n
     stop = time.monotonic() + seconds
 
     def loop(i: int) -> None:
         with psycopg.connect(url) as conn:
-            while time.monotonic() < stop:
-                with conn.transaction():
-                    # The candidate index's own predicate and order (runs_dispatch_candidates).
-                    row = conn.execute("SELECT run_id FROM runs WHERE state = 'queued'"
-                                       " AND cancel_requested_at_us IS NULL AND NOT held"
-                                       " ORDER BY (-priority), created_at_us, latest_attempt_created_at_us,"
-                                       " latest_attempt_id LIMIT 1 FOR UPDATE SKIP LOCKED").fetchone()
-                    if row is None:
-                        return
-                    conn.execute("UPDATE runs SET state = 'dispatching', version = version + 1 WHERE run_id = %s",
-                                 (row[0],))
-                counts[i] += 1
+            backend = psutil.Process(conn.info.backend_pid)
+            cpu0 = sum(backend.cpu_times()[:2])
+            try:
+                claim_loop(conn, i)
+            finally:
+                cpu[i] = sum(backend.cpu_times()[:2]) - cpu0
+
+    def claim_loop(conn, i: int) -> None:
+        while time.monotonic() < stop:
+            with conn.transaction():
+                # The candidate index's own predicate and order (runs_dispatch_candidates).
+                row = conn.execute("SELECT run_id FROM runs WHERE state = 'queued'"
+                                   " AND cancel_requested_at_us IS NULL AND NOT held"
+                                   " ORDER BY (-priority), created_at_us, latest_attempt_created_at_us,"
+                                   " latest_attempt_id LIMIT 1 FOR UPDATE SKIP LOCKED").fetchone()
+                if row is None:
+                    return
+                conn.execute("UPDATE runs SET state = 'dispatching', version = version + 1 WHERE run_id = %s",
+                             (row[0],))
+            counts[i] += 1
     _threads(loop, n)
-    return sum(counts)
+    return sum(counts), sum(cpu)
+
+
+class Http:
+    """A minimal keep-alive HTTP/1.1 client over one loopback socket. The pullers share the two
+    cores with the replica and PostgreSQL, so their own CPU is kept small: a prebuilt request,
+    one ``sendall``, the answer read by its Content-Length (``http.client`` cost ~3× as much)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def post(self, path: str, headers: str, body: bytes) -> tuple[int, bytes]:
+        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          f"{headers}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        while b"\r\n\r\n" not in self.buf:
+            self._recv()
+        head, _, rest = self.buf.partition(b"\r\n\r\n")
+        length = int(head.lower().partition(b"content-length:")[2].split(b"\r\n", 1)[0])
+        while len(rest) < length:
+            self.buf, rest = b"", rest + self._recv_chunk()
+        self.buf = rest[length:]
+        return int(head[9:12]), rest[:length]
+
+    def _recv_chunk(self) -> bytes:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionError("the replica closed the connection")
+        return data
+
+    def _recv(self) -> None:
+        self.buf += self._recv_chunk()
 
 
 class Puller:
     """One simulated Worker process: its own Workers (rotated when a Session's slots are full)."""
 
     def __init__(self, kit, port: int, name: str, workers: int) -> None:
-        self.port = port
-        self.ws = []
-        for j in range(workers):
-            w = kit.worker(f"{name}-{j}", slots=SLOTS)
-            self.ws.append(w)
+        self.ws = [kit.worker(f"{name}-{j}", slots=SLOTS) for j in range(workers)]
         self.i = 0
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        self.latencies: list[float] = []
+        self.http = Http(port)
 
     def pull(self, wait_s: int = 0) -> dict:
         w = self.ws[self.i]
         body = json.dumps({"sessionId": w["session_id"], "generation": w["generation"],
-                           "pullId": str(uuid.uuid4()), "leaseToken": secrets.token_urlsafe(32)})
-        self.conn.request("POST", f"{BASE}/{w['worker_id']}/pull?waitS={wait_s}", body=body,
-                          headers={"Authorization": f"Worker {w['credential']}", "Content-Type": "application/json"})
-        r = self.conn.getresponse()
-        answer = json.loads(r.read())
-        if r.status != 200:
-            raise RuntimeError(f"pull answered {r.status}: {answer}")
+                           "pullId": str(uuid.uuid4()), "leaseToken": secrets.token_urlsafe(32)}).encode()
+        status, data = self.http.post(f"{BASE}/{w['worker_id']}/pull?waitS={wait_s}",
+                                      f"Authorization: Worker {w['credential']}\r\n", body)
+        answer = msgspec.json.decode(data)
+        if status != 200:
+            raise RuntimeError(f"pull answered {status}: {answer}")
         return answer
 
 
-def http_claims(kit, ports: list[int], n: int, seconds: float, expected: int) -> tuple[int, dict]:
+def pullers_for(kit, ports: list[int], n: int, expected: int) -> list[Puller]:
+    """``n`` pullers spread over the replicas, with Workers enough for ``expected`` claims."""
     per = max(2, expected // (n * SLOTS) + 2)
-    pullers = [Puller(kit, ports[i % len(ports)], f"p{n}-{i}", per) for i in range(n)]
+    return [Puller(kit, ports[i % len(ports)], f"p{n}-{i}", per) for i in range(n)]
+
+
+def http_claims(pullers: list[Puller], seconds: float) -> tuple[int, dict]:
+    n = len(pullers)
     counts, other = [0] * n, {}
     stop = time.monotonic() + seconds
 
@@ -224,20 +278,26 @@ def main() -> None:
         rss_idle = proc.memory_info().rss
         print(f"{args.replicas} replica(s), {args.threads} route threads each; idle RSS {rss_idle / 2**20:.1f} MiB")
         print(f"{'pullers':>7} | {'baseline claims/s':>17} | {'HTTP Pull claims/s':>18} | {'ratio':>5} | "
-              f"{'replica CPU µs/claim':>11} | other answers")
+              f"{'replica CPU µs/claim':>11} | PostgreSQL CPU µs/claim, Pull / baseline | "
+              f"bench client CPU µs/claim | other answers")
         rss_peak = rss_idle
         for n in (int(x) for x in args.pullers.split(",")):
             reset(kit, 20_000)
-            base = baseline(url, n, args.seconds) / args.seconds
-            expected = int(base * args.seconds)
-            reset(kit, max(2_000, expected))
-            cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
-            claims, other = http_claims(kit, ports, n, args.seconds, expected)
+            base_claims, base_pg = baseline(url, n, args.seconds)
+            base = base_claims / args.seconds
+            reset(kit, max(2_000, base_claims))
+            pullers = pullers_for(kit, ports, n, base_claims)
+            cpu0, pg0, me0 = sum(sum(p.cpu_times()[:2]) for p in procs), backend_cpu(kit, name), time.process_time()
+            claims, other = http_claims(pullers, args.seconds)
             cpu = sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0
+            me = time.process_time() - me0
+            pg = sum(v - pg0.get(pid, 0.0) for pid, v in backend_cpu(kit, name).items())
             rate = claims / args.seconds
             rss_peak = max(rss_peak, proc.memory_info().rss)
-            print(f"{n:>7} | {base:>17,.0f} | {rate:>18,.0f} | {rate / base:>5.2f} | "
-                  f"{cpu / max(claims, 1) * 1e6:>11,.0f} | {other or '-'}")
+            per = 1e6 / max(claims, 1)
+            print(f"{n:>7} | {base:>17,.0f} | {rate:>18,.0f} | {rate / base:>5.2f} | {cpu * per:>11,.0f} | "
+                  f"{pg * per:>5,.0f} / {base_pg * 1e6 / max(base_claims, 1):<5,.0f} | {me * per:>6,.0f} | "
+                  f"{other or '-'}")
             sys.stdout.flush()
         double = kit.one("SELECT count(*) FROM (SELECT attempt_id FROM run_leases GROUP BY attempt_id"
                          " HAVING count(*) > 1) d")

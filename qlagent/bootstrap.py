@@ -212,11 +212,10 @@ class ClusterServices:
         self.store = store
         self.budgets = _budgets(c)
         self.registry = worker_registry(settings, store)
-        dispatch = PgDispatchStore(store.pool)
+        dispatch = PgDispatchStore(store.pool, PgPlanSource(store.pool, settings.profile))
         self.signal = PgCandidateSignal(c.database)
-        self.pull = WorkerPull(dispatch, dispatch, PgPlanSource(store.pool, settings.profile),
-                               PgSecretResolver(store.pool, _LazyBox(settings.key_file, SecretBox)), self.budgets,
-                               self.signal)
+        self.pull = WorkerPull(dispatch, PgSecretResolver(store.pool, _LazyBox(settings.key_file, SecretBox)),
+                               self.budgets, self.signal)
         leases = PgLeaseStore(store.pool)
         self.acks = AckService(leases, c.lease_ttl_s)
         self.log_reader = log_chunks(store)

@@ -43,7 +43,7 @@ import msgspec
 
 from ..core.canonical import sha256_hex
 from ..core.cluster import (ClaimOutcome, ClusterCandidate, ClusterDispatchStore, Lease, Page, PlanSource,
-                            WorkerSnapshot)
+                            PullUnit, WorkerSnapshot)
 from ..core.errors import ValidationError
 from .execspec import ExecutionSpec, sanitize, spec_digest
 from .offer import ClaimedExecutionOffer, offer_id
@@ -194,20 +194,22 @@ def build_offer(c: ClusterCandidate, lease: Lease, spec: ExecutionSpec, token: s
 
 
 class CandidateClaimer:
-    """ADR-0014 §2 steps 2–9 over one candidate walk; shared by the dispatcher and Worker Pull."""
+    """ADR-0014 §2 steps 2–9 over one candidate walk; shared by the dispatcher (over the
+    ``ClusterDispatchStore``) and Worker Pull (over its ``PullUnit``)."""
 
-    def __init__(self, store: ClusterDispatchStore, plans: PlanSource, budgets: DispatcherBudgets) -> None:
-        self.store, self.plans, self.b = store, plans, budgets
+    def __init__(self, budgets: DispatcherBudgets) -> None:
+        self.b = budgets
 
-    def run(self, observed_at_us: int, n: CycleCounts, workers: Callable[[], list[WorkerSnapshot]],
-            token_for: Callable[[ClusterCandidate, WorkerSnapshot], str],
+    def run(self, store: ClusterDispatchStore | PullUnit, plans: PlanSource, observed_at_us: int, n: CycleCounts,
+            workers: Callable[[], list[WorkerSnapshot]], token_for: Callable[[ClusterCandidate, WorkerSnapshot], str],
             pull_id: str | None = None) -> ClaimedExecutionOffer | None:
-        """The first committed offer, or None when every candidate was seen and none claimed.
-        Raises FailClosed or BudgetExhausted."""
+        """The first offer whose Lease ``store.claim`` wrote (committed by then for the
+        dispatcher's store; at the end of the unit for a PullUnit), or None when every candidate
+        was seen and none claimed. Raises FailClosed or BudgetExhausted."""
         b = self.b
         after, seen, snapshot = None, set(), None
         for _ in range(b.candidate_pages):
-            page = self.store.candidate_page(observed_at_us, b.candidate_page_size, after)
+            page = store.candidate_page(observed_at_us, b.candidate_page_size, after)
             items = checked_page(page, b.candidate_page_size, after, seen, "candidate")
             n.candidates_read += len(items)
             if not items:
@@ -215,7 +217,7 @@ class CandidateClaimer:
             if snapshot is None:
                 snapshot = workers()
             for c in items:
-                got = self._one(c, n, snapshot, token_for, pull_id)
+                got = self._one(store, plans, c, n, snapshot, token_for, pull_id)
                 if isinstance(got, ClaimedExecutionOffer):
                     return got
             if not page.truncated:
@@ -223,8 +225,8 @@ class CandidateClaimer:
             after = page.next_cursor
         raise BudgetExhausted("candidate_budget")
 
-    def _one(self, c, n: CycleCounts, snapshot: list[WorkerSnapshot], token_for, pull_id):
-        plan = self.plans.prepare(c)
+    def _one(self, store, plans, c, n: CycleCounts, snapshot: list[WorkerSnapshot], token_for, pull_id):
+        plan = plans.prepare(c)
         n.plans += 1
         if plan is None:
             return n.skip("plan_missing")
@@ -244,8 +246,7 @@ class CandidateClaimer:
                 raise BudgetExhausted("claim_budget")
             n.claim_tries += 1
             token = token_for(c, w)
-            out: ClaimOutcome = self.store.claim(c, w, sha256_hex(token.encode()), self.b.lease_ttl_s * 1_000_000,
-                                                 pull_id)
+            out: ClaimOutcome = store.claim(c, w, sha256_hex(token.encode()), self.b.lease_ttl_s * 1_000_000, pull_id)
             if out.status == "claimed":
                 return build_offer(c, out.lease, spec, token, "new_claim", score)
             if out.status == "attempt_unavailable":
@@ -269,7 +270,7 @@ class ClusterDispatcher:
             raise ValidationError("cluster.lease_key", f"needs at least {MIN_LEASE_KEY_BYTES} bytes",
                                   limit=MIN_LEASE_KEY_BYTES)
         self._store, self._plans, self._key = store, plans, lease_key
-        self._claimer = CandidateClaimer(store, plans, self._b)
+        self._claimer = CandidateClaimer(self._b)
         self._recovery_after: tuple | None = None
         self._walked = 0
 
@@ -282,7 +283,8 @@ class ClusterDispatcher:
             offer = self._recover(observed, n)
             if offer is not None:
                 return n.result("offered", "lease_recovery", offer)
-            offer = self._claimer.run(observed, n, lambda: self._workers(observed, n), self._token)
+            offer = self._claimer.run(self._store, self._plans, observed, n, lambda: self._workers(observed, n),
+                                      self._token)
         except FailClosed as e:
             return n.result("refused", e.reason)
         except BudgetExhausted as e:

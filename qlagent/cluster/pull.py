@@ -2,21 +2,24 @@
 
 The Worker brings its Session, generation, a stable ``pullId`` (its offerId candidate: the
 idempotency key of this request, kept until it has an answer) and a fresh high-entropy lease
-token. The server authenticates the Session, reads candidates with the database clock, runs
-Placement for THIS Session only, claims atomically under the same budgets and authorisation order
-as the dispatcher (``dispatcher.CandidateClaimer``) and stores only the token's SHA-256 on the
-Lease together with the pullId. The answer's offerId is derived from the Lease
-(``offer.offer_id``). The same request retried after a lost response finds its Lease by
-(Session, pullId) and rebuilds the SAME answer from it; a different token with that pullId is
-refused. Secret values are resolved only after the claim committed (ADR-0108); a Secret that
-is then missing or does not decrypt fails closed: the Lease is released (``completed``), the
-Attempt ends ``start_failed`` with reason ``secret_missing:NAME`` / ``secret_unreadable:NAME``
-(the name, never a value; event ``attempt.start_failed``), the Task's retry policy decides the
-Run, and the answer is ``lease_ended`` with that reason — never a 503 the Worker would retry
-against a Lease held until it expires. The rebuild answers while
-the Lease is active and its Attempt ``claimed`` or ``starting`` (not yet ``running``), also to
-the Session that adopted the Lease (its sessionId then replaces the first one in the request):
-a Worker restarted between its ``starting`` ACK and the spawn gets the secret values again, the
+token. One Pull is ONE transaction of the authority (``PullStore.pull_unit``), in the ADR-0014
+§2 order: the Session authenticated and locked (its free slots counted under the lock, the
+database clock read), then the Lease this pullId already created (the same request retried
+after a lost response rebuilds the SAME answer from it; a different token with that pullId is
+refused), then candidates read with the database clock, the Runs of each page locked and the
+Runs other Pulls hold skipped (concurrent Pulls take different Runs instead of racing for the
+first), Placement for THIS Session only, one plan at a time (``PullUnit.prepare``), the ExecutionSpec sanitised,
+and the claim (same budgets as the dispatcher: ``dispatcher.CandidateClaimer``). Only the token's
+SHA-256 is stored on the Lease, with the pullId; the answer's offerId is derived from the Lease
+(``offer.offer_id``). Secret values are resolved only after the unit committed (ADR-0108); a
+Secret that is then missing or does not decrypt fails closed: the Lease is released
+(``completed``), the Attempt ends ``start_failed`` with reason ``secret_missing:NAME`` /
+``secret_unreadable:NAME`` (the name, never a value; event ``attempt.start_failed``), the Task's
+retry policy decides the Run, and the answer is ``lease_ended`` with that reason — never a 503
+the Worker would retry against a Lease held until it expires. The rebuild answers while the
+Lease is active and its Attempt ``claimed`` or ``starting`` (not yet ``running``), also to the
+Session that adopted the Lease (its sessionId then replaces the first one in the request): a
+Worker restarted between its ``starting`` ACK and the spawn gets the secret values again, the
 one thing it never kept (issue 11 §7).
 
 With ``wait_s`` > 0 (at most 30 s) a Pull that found nothing long-polls: it waits on the
@@ -31,8 +34,8 @@ import time
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, ClusterDispatchStore, PlanSource, PullAnswer,
-                             PullRequest, SecretResolver, SessionView)
+from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, PullAnswer, PullRequest, PullStore, PullUnit,
+                            SecretResolver)
 from ..core.errors import ConflictError, UnavailableError, ValidationError
 from .registry import check_token
 from .dispatcher import (BudgetExhausted, CandidateClaimer, CycleCounts, DispatcherBudgets, FailClosed, build_offer,
@@ -47,16 +50,15 @@ SECRET_FAILURES = ("secret_missing", "secret_unreadable")    # a claimed offer t
 
 
 class WorkerPull:
-    """ADR-0108 Pull over the dispatch store, the Session view, the plan source and the secret
-    resolver; ``signal`` enables long-polling. Budgets as the dispatcher's (refused over a ceiling)."""
+    """ADR-0108 Pull over the Pull store (``PgDispatchStore``: its units also rebuild plans) and
+    the secret resolver; ``signal`` enables long-polling. Budgets as the dispatcher's (refused over a ceiling)."""
 
-    def __init__(self, store: ClusterDispatchStore, sessions: SessionView, plans: PlanSource,
-                 secrets: SecretResolver, budgets: DispatcherBudgets = DispatcherBudgets(),
+    def __init__(self, store: PullStore, secrets: SecretResolver, budgets: DispatcherBudgets = DispatcherBudgets(),
                  signal: CandidateSignal | None = None) -> None:
         self._b = check_budgets(budgets)
-        self._store, self._sessions, self._plans, self._secrets = store, sessions, plans, secrets
+        self._store, self._secrets = store, secrets
         self._signal = signal
-        self._claimer = CandidateClaimer(store, plans, self._b)
+        self._claimer = CandidateClaimer(self._b)
 
     def pull(self, worker_id: str, credential: str, req: PullRequest, wait_s: float = 0) -> PullAnswer:
         """Answer one Pull, long-polling up to ``wait_s`` seconds (0..30; needs a signal).
@@ -78,9 +80,23 @@ class WorkerPull:
         digest = credential_digest(credential)
         check_uuid("pullId", req.pull_id)
         token_digest = sha256_hex(check_token("leaseToken", req.lease_token).encode())
-        w = self._sessions.session(check_uuid("workerId", worker_id), digest, check_uuid("sessionId", req.session_id),
-                                   check_generation("generation", req.generation))
-        prior = self._store.lease_for_pull(w.session_id, req.pull_id)
+        try:
+            answer = self._store.pull_unit(check_uuid("workerId", worker_id), digest,
+                                           check_uuid("sessionId", req.session_id),
+                                           check_generation("generation", req.generation), req.pull_id,
+                                           lambda unit: self._decide(unit, req, token_digest))
+        except ConflictError as e:
+            if e.code != "lease_exists":
+                raise
+            return PullAnswer(status="refused", reason="lease_exists")
+        if answer.offer is None:
+            return answer
+        return self._offered(answer.offer)
+
+    def _decide(self, unit: PullUnit, req: PullRequest, token_digest: str) -> PullAnswer:
+        """The answer of one Pull inside its unit (ADR-0014 §2 order; see the module docstring)."""
+        w = unit.worker
+        prior = unit.prior()
         if prior is not None:
             lease, c, attempt_state = prior
             if lease.token_digest != token_digest:
@@ -88,7 +104,7 @@ class WorkerPull:
             if lease.state != "active" or attempt_state not in ("claimed", "starting"):
                 return PullAnswer(status="lease_ended", reason=f"attempt_{attempt_state}"
                                   if lease.state == "active" else f"lease_{lease.state}")
-            plan = self._plans.prepare(c)
+            plan = unit.prepare(c)
             if plan is None:
                 return PullAnswer(status="refused", reason="recovery_plan_missing")
             try:
@@ -96,21 +112,23 @@ class WorkerPull:
                 placement = with_executor(plan.placement, c.executor_type)
             except ValidationError:
                 return PullAnswer(status="refused", reason="recovery_plan_drift")
-            return self._offered(build_offer(c, lease, spec, req.lease_token, "new_claim", score(placement, w)))
+            offer = build_offer(c, lease, spec, req.lease_token, "new_claim", score(placement, w))
+            return PullAnswer(status="offered", reason="new_claim", offer=offer)
         if w.draining:
             return PullAnswer(status="idle", reason="draining")
         if w.free_slots <= 0:
             return PullAnswer(status="idle", reason="no_free_slot")
         n = CycleCounts()
         try:
-            offer = self._claimer.run(self._store.now_us(), n, lambda: [w], lambda c, _w: req.lease_token, req.pull_id)
+            offer = self._claimer.run(unit, unit, unit.now_us, n, lambda: [w], lambda c, _w: req.lease_token,
+                                      req.pull_id)
         except FailClosed as e:
             return PullAnswer(status="refused", reason=e.reason)
         except BudgetExhausted as e:
             return PullAnswer(status="truncated", reason=e.reason)
         if offer is None:
             return PullAnswer(status="unmatched" if n.skipped else "idle", reason=n.skip_reason)
-        return self._offered(offer)
+        return PullAnswer(status="offered", reason="new_claim", offer=offer)
 
     def _offered(self, offer: ClaimedExecutionOffer) -> PullAnswer:
         """The claimed offer with its Secret values, or its fail-closed end (module docstring).

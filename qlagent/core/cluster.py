@@ -9,7 +9,8 @@ of its last row when more rows exist (``truncated``).
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -20,6 +21,8 @@ from .states import backoff_ms, retryable
 # Worker executor types a Worker may offer and an ExecutionSpec may need.
 WORKER_EXECUTORS = ("local_process",)
 EXECUTOR_LABEL = "executor"      # the Placement label naming the executor a Worker must offer
+
+T = TypeVar("T")                 # what a PullUnit's work returns
 
 
 class ClusterCandidate(msgspec.Struct, frozen=True):
@@ -176,14 +179,46 @@ class ClusterDispatchStore(Protocol):
               lease_ttl_us: int, pull_id: str | None = None) -> ClaimOutcome:
         """Atomically lease the candidate's Attempt to exactly this Session/generation."""
 
-    def lease_for_pull(self, session_id: str, pull_id: str) -> tuple[Lease, ClusterCandidate, str] | None:
-        """The Lease a Pull request created, its candidate and the Attempt's state, or None."""
+
+
+class PullUnit(Protocol):
+    """One Worker Pull inside ONE transaction of the authority (ADR-0108): ``worker`` is the
+    authenticated Session, its row locked until the unit ends (its free slots counted under that
+    lock), ``now_us`` the authority's clock when the unit began. Candidate pages lock the Runs
+    they return and skip Runs other units hold (``FOR UPDATE SKIP LOCKED``), so concurrent
+    Pulls take different Runs; a claim needs no further check of the Session or the Run."""
+
+    worker: WorkerSnapshot
+    now_us: int
+
+    def prior(self) -> tuple[Lease, ClusterCandidate, str] | None:
+        """The Lease this unit's pullId already created, its candidate and the Attempt's state."""
+
+    def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
+        """Unheld cluster candidates in ``ClusterCandidate.key()`` order, locked for this unit."""
+
+    def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
+        """``PlanSource.prepare`` read within this unit."""
+
+    def claim(self, candidate: ClusterCandidate, worker: WorkerSnapshot, token_digest: str,
+              lease_ttl_us: int, pull_id: str | None = None) -> ClaimOutcome:
+        """Lease a candidate of this unit's pages to this unit's Session."""
+
+
+class PullStore(Protocol):
+    def pull_unit(self, worker_id: str, credential_digest: str, session_id: str, generation: int, pull_id: str,
+                  work: Callable[[PullUnit], T]) -> T:
+        """Run ``work`` in one transaction over the Worker's current open Session and return its
+        result; committed when ``work`` returns, rolled back when it raises. WorkerAuthError,
+        ConflictError ``stale_generation`` / ``session_expired`` / ``lease_exists`` (the
+        database refused a second active Lease), UnavailableError."""
 
     def fail_claimed(self, attempt_id: str, lease_generation: int, reason: str) -> str | None:
-        """End an active Lease whose Attempt is still ``claimed`` because its offer cannot be
-        built (a Secret missing or unreadable): Lease ``completed``, Attempt ``start_failed``
-        with ``reason``, the retry policy decides the Run. Returns the Run's new state, or None
-        when that Lease had already ended (nothing written)."""
+        """In its own transaction, after the Pull's unit committed: end an active Lease whose
+        Attempt is still ``claimed`` because its offer cannot be built (a Secret missing or
+        unreadable): Lease ``completed``, Attempt ``start_failed`` with ``reason``, the retry
+        policy decides the Run. Returns the Run's new state, or None when that Lease had already
+        ended (nothing written)."""
 
 
 class WorkerAuthError(QlError):
@@ -299,12 +334,6 @@ class Enrolment(msgspec.Struct, frozen=True):
     executor_types: tuple[str, ...]
     slots: int
     state: str                      # active | draining | removed
-
-
-class SessionView(Protocol):
-    def session(self, worker_id: str, credential_digest: str, session_id: str, generation: int) -> WorkerSnapshot:
-        """This Worker's current open Session as a snapshot; WorkerAuthError, or ConflictError
-        ``stale_generation`` / ``session_expired``."""
 
 
 class CandidateSignal(Protocol):

@@ -31,7 +31,7 @@ class ControlPlane:
                  read_timeout_s: float = 5.0) -> None:
         self.signal = PgCandidateSignal(pg_url)
         services = WorkerServices(registry=kit.registry, acks=kit.acks, logs=LogUpload(kit.logs, EDGE),
-                                  pull=WorkerPull(kit.store, kit.store, kit.plans, kit.secrets, signal=self.signal),
+                                  pull=WorkerPull(kit.store, kit.secrets, signal=self.signal),
                                   clock=DbClock(kit.store.now_us))
         self.routes = WorkerRoutes(services, limits)
         router = Router()

@@ -49,8 +49,8 @@ class Secrets:
 class Kit:
     def __init__(self, pool) -> None:
         self.pool = pool
-        self.store = PgDispatchStore(pool)
         self.plans = PgPlanSource(pool, EDGE)
+        self.store = PgDispatchStore(pool, self.plans)
         self.registry_store = PgWorkerRegistry(pool)
         self.registry = WorkerRegistry(self.registry_store)
         self.leases = PgLeaseStore(pool)
@@ -145,7 +145,7 @@ class Kit:
         raise AssertionError(f"only {len(out)} of {n} claims; last cycle {r}")
 
     def pull(self, budgets: DispatcherBudgets = DispatcherBudgets(), signal=None) -> WorkerPull:
-        return WorkerPull(self.store, self.store, self.plans, self.secrets, budgets, signal)
+        return WorkerPull(self.store, self.secrets, budgets, signal)
 
     def ack(self, w: dict, offer, kind: str, **facts):
         return self.acks.ack(w["worker_id"], w["credential"], Ack(

@@ -159,8 +159,7 @@ from qlagent.core.ids import new_id
 from qlagent.core.profiles import EDGE
 url, workers = sys.argv[1], json.loads(sys.argv[2])
 pool = open_pool(url, 2)
-store = PgDispatchStore(pool)
-pull = WorkerPull(store, store, PgPlanSource(pool, EDGE), None)
+pull = WorkerPull(PgDispatchStore(pool, PgPlanSource(pool, EDGE)), None)
 idle = 0
 while idle < 3:
     got = False

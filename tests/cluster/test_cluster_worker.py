@@ -6,12 +6,14 @@ import msgspec
 import pytest
 
 from pgkit import COMMAND_MARK, token
-from qlagent.cluster.pull import PullRequest
+from qlagent.adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
+from qlagent.cluster.pull import PullRequest, WorkerPull
 from qlagent.cluster.registry import Hello, credential_digest
 from qlagent.core.canonical import sha256_hex
 from qlagent.core.cluster import HeldLease, WorkerAuthError
 from qlagent.core.errors import ConflictError, NotFoundError, UnavailableError, ValidationError
 from qlagent.core.ids import new_id
+from qlagent.core.profiles import EDGE
 
 
 def _pull(kit, w, pull_id=None, tok=None, **kw):
@@ -139,6 +141,36 @@ def test_the_tasks_on_lease_loss_reaches_the_worker_in_the_execution_spec(kit, p
     kit.queue(kit.task(f"job-{policy or 'unset'}", on_lease_loss=policy))
     answer, _ = _pull(kit, w)
     assert answer.status == "offered" and answer.offer.spec.on_lease_loss == carried
+
+
+def test_a_pull_skips_runs_another_claimer_holds_and_takes_the_next_at_once(kit):
+    w = kit.worker("edge-1", slots=4)
+    task = kit.task()
+    first, _ = kit.queue(task)
+    second, _ = kit.queue(task)
+    # Another replica's Pull is between reading the first Run and committing its claim.
+    with kit.pool.connection() as other, other.transaction():
+        other.execute("SELECT 1 FROM runs WHERE run_id = %s FOR NO KEY UPDATE", (first,))
+        answer, _ = _pull(kit, w)
+        assert (answer.status, answer.offer.run_id) == ("offered", second)
+        nothing, _ = _pull(kit, w)               # the held Run is not waited for, nor claimed twice
+        assert (nothing.status, nothing.offer) == ("idle", None)
+    answer, _ = _pull(kit, w)                     # released unclaimed: the next Pull takes it
+    assert (answer.status, answer.offer.run_id) == ("offered", first)
+    assert kit.one("SELECT count(*) FROM run_leases") == 2
+
+
+def test_plans_come_from_a_bounded_revision_cache_with_each_runs_own_identity(kit):
+    w = kit.worker("edge-1", slots=4)
+    plans = PgPlanSource(kit.pool, EDGE, revisions=1)          # every other Pull evicts the other Task
+    pull = WorkerPull(PgDispatchStore(kit.pool, plans), kit.secrets)
+    a, b = kit.task("a", command=["/bin/echo", "a"]), kit.task("b", command=["/bin/echo", "b"])
+    runs = [kit.queue(t) for t in (a, b, a, b)]
+    offers = [pull.pull(w["worker_id"], w["credential"], PullRequest(
+        session_id=w["session_id"], generation=w["generation"], pull_id=new_id(), lease_token=token())).offer
+        for _ in runs]
+    assert [(o.spec.run_id, o.spec.attempt_id, o.spec.argv[1]) for o in offers] == [
+        (r, at, name) for (r, at), name in zip(runs, "abab")]
 
 
 def test_pull_refuses_a_stale_generation_and_bad_fields(kit):

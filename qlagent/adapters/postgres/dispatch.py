@@ -1,27 +1,73 @@
-"""The cluster dispatch store on PostgreSQL (``core.cluster.ClusterDispatchStore``) and the plan
-source that rebuilds a Run's plan from its pinned revision (``core.cluster.PlanSource``).
+"""The cluster dispatch store on PostgreSQL (``core.cluster.ClusterDispatchStore`` and
+``PullStore``) and the plan source that rebuilds a Run's plan from its pinned revision
+(``core.cluster.PlanSource``).
 
 Pages read ``limit + 1`` rows (the extra one only proves truncation) in keyset order, never
-OFFSET. A claim is one READ COMMITTED transaction: the Session row is locked (its free slots are
-counted under the lock), the Run moves ``queued → dispatching`` by compare-and-set on its
-version, the Attempt's lease generation advances by compare-and-set, and the Lease row is
-inserted under a unique index of one active Lease per Attempt, so concurrent claimers on any
-number of replicas produce exactly one Lease.
+OFFSET. A lease is written by one statement (``_LEASE``): the Attempt's lease generation
+advances by compare-and-set (guarded by the Run's version, state and latest Attempt and by no
+active Lease), the Run moves ``queued → dispatching`` with its next event sequence, the Lease
+row and the ``run.dispatching`` RunEvent are inserted; a unique index keeps one active Lease per
+Attempt, so concurrent claimers on any number of replicas produce exactly one Lease.
+
+The dispatcher's claim is one READ COMMITTED transaction of its own: the Session row locked
+(free slots counted under the lock), the Run locked or skipped when another claimer holds it,
+then ``_LEASE``. A Worker Pull is one transaction from authentication to claim
+(``pull_unit``): the Session locked by the statement that authenticates it, candidate pages
+locked ``FOR NO KEY UPDATE SKIP LOCKED`` (so concurrent Pulls take different Runs), plans from
+the plan source's cache, then ``_LEASE``: 4 statements besides BEGIN/COMMIT for a new claim.
 """
 
 from __future__ import annotations
 
-import json
+import threading
+
+import msgspec
 
 from ...core.cluster import ClaimOutcome, ClusterCandidate, DispatchPlan, Lease, Page, Recovery, WorkerSnapshot
 from ...core.errors import ConflictError
+from ...core.ids import new_id
 from ...core.profiles import Profile
 from .connection import read, transaction
-from .transitions import authenticate, event, finish_attempt, now_us
+from .transitions import authenticate, finish_attempt, now_us
 
 _CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,
     r.version, r.priority, r.created_at_us, r.latest_attempt_created_at_us, a.lease_generation"""
 _KEY = "(-r.priority), r.created_at_us, r.latest_attempt_created_at_us, r.latest_attempt_id"
+_CANDIDATES = (f"SELECT {_CANDIDATE_COLS} FROM runs r JOIN attempts a ON a.attempt_id = r.latest_attempt_id"
+               " WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL AND NOT r.held"
+               " AND a.state = 'claimed' AND a.executor_type = 'remote_worker'"
+               " AND (a.not_before_us IS NULL OR a.not_before_us <= %s)")
+_PRIOR = (f"SELECT {_CANDIDATE_COLS}, l.*, a.state AS attempt_state FROM run_leases l"
+          " JOIN attempts a ON a.attempt_id = l.attempt_id JOIN runs r ON r.run_id = l.run_id"
+          " WHERE l.session_id = %s AND l.pull_id = %s")
+# The Pull's Session: authenticated, current, locked for the unit, its active Leases counted
+# under that lock, the database clock, and whether this pullId already has a Lease.
+_PULL_SESSION = (
+    "SELECT s.labels, s.executor_types, s.slots, s.state, s.expires_at_us, s.generation,"
+    " w.generation AS worker_generation, w.state AS worker_state, ql_now_us() AS now,"
+    " (SELECT count(*) FROM run_leases l WHERE l.session_id = s.session_id AND l.state = 'active') AS used,"
+    " EXISTS (SELECT 1 FROM run_leases p WHERE p.session_id = s.session_id AND p.pull_id = %(pull)s) AS prior"
+    " FROM workers w JOIN worker_sessions s ON s.session_id = %(session)s AND s.worker_id = w.worker_id"
+    " WHERE w.worker_id = %(worker)s AND w.credential_digest = %(credential)s AND w.state <> 'removed'"
+    " FOR NO KEY UPDATE OF s")
+# ADR-0014 §2 step 8 in one statement; the caller holds the Run's row lock, so the guards read
+# in ``a`` still hold when ``r`` writes. No row back: the Attempt is no longer claimable.
+_LEASE = (
+    "WITH a AS (UPDATE attempts SET lease_generation = lease_generation + 1, worker_id = %(worker)s,"
+    "   version = version + 1 WHERE attempt_id = %(attempt)s AND state = 'claimed' AND lease_generation = %(lg)s"
+    "   AND EXISTS (SELECT 1 FROM runs WHERE run_id = %(run)s AND version = %(version)s AND state = 'queued'"
+    "     AND cancel_requested_at_us IS NULL AND latest_attempt_id = %(attempt)s)"
+    "   AND NOT EXISTS (SELECT 1 FROM run_leases WHERE attempt_id = %(attempt)s AND state = 'active')"
+    "   RETURNING lease_generation),"
+    " r AS (UPDATE runs SET state = 'dispatching', version = version + 1, event_sequence = event_sequence + 1,"
+    "   updated_at_us = %(now)s WHERE run_id = %(run)s AND EXISTS (SELECT 1 FROM a) RETURNING event_sequence),"
+    " e AS (INSERT INTO run_events(run_id, sequence, event_id, type, actor, payload_json, created_at_us)"
+    "   SELECT %(run)s, r.event_sequence, %(event)s, 'run.dispatching', 'control-plane', %(payload)s, %(now)s"
+    "   FROM r)"
+    " INSERT INTO run_leases(attempt_id, lease_generation, run_id, worker_id, session_id, worker_generation,"
+    " token_digest, pull_id, state, claimed_at_us, expires_at_us)"
+    " SELECT %(attempt)s, a.lease_generation, %(run)s, %(worker)s, %(session)s, %(generation)s, %(digest)s,"
+    " %(pull)s, 'active', %(now)s, %(expires)s FROM a RETURNING lease_generation")
 
 
 def _candidate(row: dict) -> ClusterCandidate:
@@ -44,31 +90,45 @@ def _page(items: list, limit: int) -> Page:
     return Page(items)
 
 
-class _Unclaimable(Exception):
-    pass
+def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None, lock: bool) -> Page:
+    sql, args = _CANDIDATES, [observed_at_us]
+    if after is not None:
+        sql += f" AND ({_KEY}) > (%s, %s, %s, %s)"
+        args += list(after)
+    sql += f" ORDER BY {_KEY} LIMIT %s" + (" FOR NO KEY UPDATE OF r SKIP LOCKED" if lock else "")
+    rows = cur.execute(sql, (*args, limit + 1)).fetchall()
+    return _page([_candidate(r) for r in rows], limit)
+
+
+def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease_ttl_us: int, pull_id: str | None,
+           now: int) -> ClaimOutcome:
+    """``_LEASE`` for a Run whose row the caller has locked."""
+    from psycopg.types.json import Jsonb
+    row = cur.execute(_LEASE, {
+        "worker": w.worker_id, "session": w.session_id, "generation": w.generation, "attempt": c.attempt_id,
+        "run": c.run_id, "version": c.version, "lg": c.lease_generation, "now": now, "expires": now + lease_ttl_us,
+        "digest": token_digest, "pull": pull_id, "event": new_id(),
+        "payload": Jsonb({"attemptId": c.attempt_id, "workerId": w.worker_id, "sessionId": w.session_id,
+                          "generation": w.generation, "leaseGeneration": c.lease_generation + 1})}).fetchone()
+    if row is None:
+        return ClaimOutcome("attempt_unavailable", "run_changed")
+    return ClaimOutcome("claimed", lease=Lease(c.attempt_id, c.run_id, row["lease_generation"], w.worker_id,
+                                               w.session_id, w.generation, token_digest, "active", now,
+                                               now + lease_ttl_us, pull_id))
 
 
 class PgDispatchStore:
-    """``core.cluster.ClusterDispatchStore`` and ``SessionView`` over a psycopg pool."""
+    """``core.cluster.ClusterDispatchStore`` and ``PullStore`` over a psycopg pool; Pull units
+    rebuild plans with ``plans`` (a ``PgPlanSource``) through their own connection."""
 
-    def __init__(self, pool) -> None:
-        self._pool = pool
+    def __init__(self, pool, plans: PgPlanSource | None = None) -> None:
+        self._pool, self._plans = pool, plans
 
     def now_us(self) -> int:
         return read(self._pool, lambda cur: cur.execute("SELECT ql_now_us() AS now").fetchone()["now"])
 
     def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        sql = (f"SELECT {_CANDIDATE_COLS} FROM runs r JOIN attempts a ON a.attempt_id = r.latest_attempt_id"
-               " WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL AND NOT r.held"
-               " AND a.state = 'claimed' AND a.executor_type = 'remote_worker'"
-               " AND (a.not_before_us IS NULL OR a.not_before_us <= %s)")
-        args: list = [observed_at_us]
-        if after is not None:
-            sql += f" AND ({_KEY}) > (%s, %s, %s, %s)"
-            args += list(after)
-        sql += f" ORDER BY {_KEY} LIMIT %s"
-        rows = read(self._pool, lambda cur: cur.execute(sql, (*args, limit + 1)).fetchall())
-        return _page([_candidate(r) for r in rows], limit)
+        return read(self._pool, lambda cur: _candidate_page(cur, observed_at_us, limit, after, False))
 
     def recovery_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
         sql = (f"SELECT {_CANDIDATE_COLS}, l.* FROM run_leases l"
@@ -128,62 +188,38 @@ class PgDispatchStore:
             if cur.execute("SELECT 1 FROM runs WHERE run_id = %s FOR NO KEY UPDATE SKIP LOCKED",
                            (c.run_id,)).fetchone() is None:
                 return ClaimOutcome("attempt_unavailable", "run_locked")
-            run = cur.execute("UPDATE runs SET state = 'dispatching', version = version + 1, updated_at_us = %s"
-                              " WHERE run_id = %s AND version = %s AND state = 'queued'"
-                              " AND cancel_requested_at_us IS NULL AND latest_attempt_id = %s RETURNING run_id",
-                              (now, c.run_id, c.version, c.attempt_id)).fetchone()
-            if run is None:
-                return ClaimOutcome("attempt_unavailable", "run_changed")
-            a = cur.execute("UPDATE attempts SET lease_generation = lease_generation + 1, worker_id = %s,"
-                            " version = version + 1 WHERE attempt_id = %s AND state = 'claimed'"
-                            " AND lease_generation = %s RETURNING lease_generation",
-                            (w.worker_id, c.attempt_id, c.lease_generation)).fetchone()
-            if a is None:
-                raise _Unclaimable()
-            row = cur.execute(
-                "INSERT INTO run_leases(attempt_id, lease_generation, run_id, worker_id, session_id,"
-                " worker_generation, token_digest, pull_id, state, claimed_at_us, expires_at_us)"
-                " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, 'active', %s, %s) RETURNING *",
-                (c.attempt_id, a["lease_generation"], c.run_id, w.worker_id, w.session_id, w.generation,
-                 token_digest, pull_id, now, now + lease_ttl_us)).fetchone()
-            event(cur, c.run_id, "run.dispatching", "control-plane",
-                  {"attemptId": c.attempt_id, "workerId": w.worker_id, "sessionId": w.session_id,
-                   "generation": w.generation, "leaseGeneration": a["lease_generation"]}, now)
-            return ClaimOutcome("claimed", lease=lease_of(row))
+            return _lease(cur, c, w, token_digest, lease_ttl_us, pull_id, now)
 
         try:
             return transaction(self._pool, tx)
-        except (_Unclaimable, errors.UniqueViolation):
+        except errors.UniqueViolation:
             return ClaimOutcome("attempt_unavailable", "lease_exists")
 
-    def session(self, worker_id: str, credential_digest: str, session_id: str, generation: int) -> WorkerSnapshot:
-        """The authenticated Worker's current Session (``core.cluster.SessionView``)."""
+    def pull_unit(self, worker_id: str, credential_digest: str, session_id: str, generation: int, pull_id: str,
+                  work):
+        """``core.cluster.PullStore.pull_unit``: one transaction, see the module docstring."""
+        from psycopg import errors
+
         def tx(cur):
-            w = authenticate(cur, worker_id, credential_digest)
-            s = cur.execute(
-                "SELECT s.*, ql_now_us() AS now, (SELECT count(*) FROM run_leases l WHERE l.session_id = s.session_id"
-                " AND l.state = 'active') AS used FROM worker_sessions s WHERE s.session_id = %s AND s.worker_id = %s",
-                (session_id, worker_id)).fetchone()
-            if s is None or s["generation"] != generation or w["generation"] != generation:
-                raise ConflictError(f"generation {generation} is stale (current {w['generation']})",
-                                    code="stale_generation")
+            s = cur.execute(_PULL_SESSION, {"worker": worker_id, "credential": credential_digest,
+                                            "session": session_id, "pull": pull_id}).fetchone()
+            if s is None or s["generation"] != generation or s["worker_generation"] != generation:
+                current = s["worker_generation"] if s else authenticate(cur, worker_id, credential_digest)["generation"]
+                raise ConflictError(f"generation {generation} is stale (current {current})", code="stale_generation")
             if s["state"] != "open" or s["expires_at_us"] <= s["now"]:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
-            return WorkerSnapshot(worker_id, session_id, generation, s["labels"], tuple(s["executor_types"]),
-                                  s["slots"], max(0, s["slots"] - s["used"]), w["state"] == "draining")
-        return read(self._pool, tx)
+            w = WorkerSnapshot(worker_id, session_id, generation, s["labels"], tuple(s["executor_types"]), s["slots"],
+                               max(0, s["slots"] - s["used"]), s["worker_state"] == "draining")
+            return work(_PgPullUnit(cur, self._plans, w, s["now"], pull_id if s["prior"] else None))
 
-    def lease_for_pull(self, session_id: str, pull_id: str) -> tuple[Lease, ClusterCandidate, str] | None:
-        row = read(self._pool, lambda cur: cur.execute(
-            f"SELECT {_CANDIDATE_COLS}, l.*, a.state AS attempt_state FROM run_leases l"
-            " JOIN attempts a ON a.attempt_id = l.attempt_id JOIN runs r ON r.run_id = l.run_id"
-            " WHERE l.session_id = %s AND l.pull_id = %s", (session_id, pull_id)).fetchone())
-        if row is None:
-            return None
-        return lease_of(row), _candidate(row), row["attempt_state"]
+        try:
+            return transaction(self._pool, tx)
+        except errors.UniqueViolation:
+            raise ConflictError("the database refused a second active Lease for an Attempt",
+                                code="lease_exists") from None
 
     def fail_claimed(self, attempt_id: str, lease_generation: int, reason: str) -> str | None:
-        """``core.cluster.ClusterDispatchStore.fail_claimed`` in one transaction; the events are
+        """``core.cluster.PullStore.fail_claimed`` in one transaction; the events are
         ``attempt.start_failed`` (payload ``reason``) then ``run.failed`` or ``run.retrying``."""
         def tx(cur):
             lease = cur.execute("SELECT l.run_id, a.state FROM run_leases l JOIN attempts a USING (attempt_id)"
@@ -199,28 +235,93 @@ class PgDispatchStore:
         return transaction(self._pool, tx)
 
 
-class PgPlanSource:
-    """Rebuilds a Run's plan from its pinned Task revision, execution revision and context
-    recipe; identities come from the database rows, never from the candidate passed in."""
+class _PgPullUnit:
+    """``core.cluster.PullUnit`` over the unit's cursor."""
 
-    def __init__(self, pool, profile: Profile) -> None:
-        self._pool, self._profile = pool, profile
+    __slots__ = ("_cur", "_plans", "worker", "now_us", "_prior_pull")
+
+    def __init__(self, cur, plans: PgPlanSource, worker: WorkerSnapshot, now: int, prior_pull: str | None) -> None:
+        self._cur, self._plans, self.worker, self.now_us, self._prior_pull = cur, plans, worker, now, prior_pull
+
+    def prior(self) -> tuple[Lease, ClusterCandidate, str] | None:
+        if self._prior_pull is None:
+            return None
+        row = self._cur.execute(_PRIOR, (self.worker.session_id, self._prior_pull)).fetchone()
+        return lease_of(row), _candidate(row), row["attempt_state"]
+
+    def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
+        return _candidate_page(self._cur, observed_at_us, limit, after, True)
 
     def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
-        row = read(self._pool, lambda cur: cur.execute(
-            "SELECT r.run_id, r.project_id, r.task_id, r.task_revision, a.attempt_id, a.worker_executor,"
-            " tr.definition_json, er.spec_json, cr.recipe_json"
-            " FROM runs r JOIN attempts a ON a.attempt_id = %s AND a.run_id = r.run_id"
-            " JOIN task_revisions tr ON tr.task_id = r.task_id AND tr.revision = r.task_revision"
-            " JOIN execution_revisions er ON er.task_id = r.task_id AND er.revision = r.task_revision"
-            " JOIN context_recipes cr ON cr.recipe_ref = er.recipe_ref WHERE r.run_id = %s",
-            (c.attempt_id, c.run_id)).fetchone())
+        return self._plans.prepare_with(self._cur, c)
+
+    def claim(self, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease_ttl_us: int,
+              pull_id: str | None = None) -> ClaimOutcome:
+        if w != self.worker:
+            # Only this unit's Session is locked and counted: any other Worker is not claimable here.
+            return ClaimOutcome("worker_unavailable", "not_this_session")
+        return _lease(self._cur, c, w, token_digest, lease_ttl_us, pull_id, self.now_us)
+
+
+PLAN_CACHE_REVISIONS = 256      # Task revisions a replica keeps parsed (each a few KiB at most)
+
+
+class _Revision(msgspec.Struct, frozen=True):
+    """The append-only rows of one Task revision a plan is built from, as JSON text."""
+
+    project_id: str
+    definition_json: str
+    spec_json: str
+    recipe_json: str
+
+
+class PgPlanSource:
+    """Rebuilds a Run's plan from its pinned Task revision, execution revision and context
+    recipe. Those rows are append-only (the database refuses UPDATE and DELETE), so the rows of
+    up to ``PLAN_CACHE_REVISIONS`` (Task, revision) pairs are kept, the oldest read dropped
+    first; each plan decodes fresh documents from them, so a caller changing a plan's objects
+    never changes another plan. The Task identity (project, Task, revision) comes from the
+    revision's rows, the Run's and Attempt's from the candidate the authority returned."""
+
+    def __init__(self, pool, profile: Profile, revisions: int = PLAN_CACHE_REVISIONS) -> None:
+        self._pool, self._profile, self._max = pool, profile, revisions
+        self._cache: dict[tuple[str, int], _Revision] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
+        rev = self._cache.get((c.task_id, c.task_revision))
+        if rev is None:
+            rev = read(self._pool, lambda cur: self._load(cur, c.task_id, c.task_revision))
+        return None if rev is None else self._plan(rev, c)
+
+    def prepare_with(self, cur, c: ClusterCandidate) -> DispatchPlan | None:
+        """``prepare`` reading a missing revision through the caller's cursor."""
+        rev = self._cache.get((c.task_id, c.task_revision)) or self._load(cur, c.task_id, c.task_revision)
+        return None if rev is None else self._plan(rev, c)
+
+    def _load(self, cur, task_id: str, revision: int) -> _Revision | None:
+        row = cur.execute(
+            "SELECT t.project_id, tr.definition_json, er.spec_json, cr.recipe_json FROM tasks t"
+            " JOIN task_revisions tr ON tr.task_id = t.task_id AND tr.revision = %s"
+            " JOIN execution_revisions er ON er.task_id = t.task_id AND er.revision = tr.revision"
+            " JOIN context_recipes cr ON cr.recipe_ref = er.recipe_ref WHERE t.task_id = %s",
+            (revision, task_id)).fetchone()
         if row is None:
             return None
-        definition, execution, recipe = (json.loads(row[k]) for k in ("definition_json", "spec_json", "recipe_json"))
-        spec = {"runId": row["run_id"], "attemptId": row["attempt_id"], "projectId": row["project_id"],
-                "taskId": row["task_id"], "taskRevision": row["task_revision"],
-                "executorType": row["worker_executor"], "kind": execution.get("kind"),
+        rev = _Revision(row["project_id"], row["definition_json"], row["spec_json"], row["recipe_json"])
+        with self._lock:
+            while len(self._cache) >= self._max:
+                del self._cache[next(iter(self._cache))]
+            self._cache[(task_id, revision)] = rev
+        return rev
+
+    def _plan(self, rev: _Revision, c: ClusterCandidate) -> DispatchPlan:
+        definition = msgspec.json.decode(rev.definition_json)
+        execution = msgspec.json.decode(rev.spec_json)
+        recipe = msgspec.json.decode(rev.recipe_json)
+        spec = {"runId": c.run_id, "attemptId": c.attempt_id, "projectId": rev.project_id,
+                "taskId": c.task_id, "taskRevision": c.task_revision,
+                "executorType": c.executor_type, "kind": execution.get("kind"),
                 "argv": execution.get("argv") or [], "shell": execution.get("shell"),
                 "script": execution.get("script"), "cwd": execution.get("cwd"),
                 "umask": execution.get("umask"), "keepOrphans": execution.get("keepOrphans", False),
