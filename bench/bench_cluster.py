@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import msgspec  # noqa: E402
 import psutil  # noqa: E402
 
 import pgkit  # noqa: E402  (seeding helpers of the cluster tests)
+from cpkit import RawHttp  # noqa: E402  (a lean client: the pullers share the box's 2 cores)
 from conftest import create_database, db_url, drop_database  # noqa: E402
 from qlagent.adapters.postgres.connection import autocommit, open_pool  # noqa: E402
 from qlagent.adapters.postgres.migrations import migrate  # noqa: E402
@@ -128,45 +128,13 @@ def baseline(url: str, n: int, seconds: float) -> tuple[int, float]:
     return sum(counts), sum(cpu)
 
 
-class Http:
-    """A minimal keep-alive HTTP/1.1 client over one loopback socket. The pullers share the two
-    cores with the replica and PostgreSQL, so their own CPU is kept small: a prebuilt request,
-    one ``sendall``, the answer read by its Content-Length (``http.client`` cost ~3× as much)."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = b""
-
-    def post(self, path: str, headers: str, body: bytes) -> tuple[int, bytes]:
-        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                          f"{headers}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        while b"\r\n\r\n" not in self.buf:
-            self._recv()
-        head, _, rest = self.buf.partition(b"\r\n\r\n")
-        length = int(head.lower().partition(b"content-length:")[2].split(b"\r\n", 1)[0])
-        while len(rest) < length:
-            self.buf, rest = b"", rest + self._recv_chunk()
-        self.buf = rest[length:]
-        return int(head[9:12]), rest[:length]
-
-    def _recv_chunk(self) -> bytes:
-        data = self.sock.recv(65536)
-        if not data:
-            raise ConnectionError("the replica closed the connection")
-        return data
-
-    def _recv(self) -> None:
-        self.buf += self._recv_chunk()
-
-
 class Puller:
     """One simulated Worker process: its own Workers (rotated when a Session's slots are full)."""
 
     def __init__(self, kit, port: int, name: str, workers: int) -> None:
         self.ws = [kit.worker(f"{name}-{j}", slots=SLOTS) for j in range(workers)]
         self.i = 0
-        self.http = Http(port)
+        self.http = RawHttp(port)
 
     def pull(self, wait_s: int = 0) -> dict:
         w = self.ws[self.i]
