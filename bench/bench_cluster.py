@@ -203,6 +203,126 @@ def wake_latency(kit, port: int, rounds: int) -> tuple[list[float], list[float]]
     return woken, direct
 
 
+START_TASK = '[[task]]\nname = "bench"\nshell = "/bin/sh"\nscript = "true"\n'
+START_PATH = "/api/v3/projects/default/tasks/bench/runs"
+
+
+def task_start(seconds: float, clients: int) -> None:
+    """Task Start on PostgreSQL: ``qlagent serve`` with ``[cluster]`` (a real control-plane
+    replica on a fresh database), ``clients`` threads each POSTing Task Start with a new
+    mutationId (each a full ADR-0376 transaction: a queued Run, its Attempt, two RunEvents)
+    against the same rows inserted bare (one transaction each, no check) on as many connections."""
+    import http.client
+    import shutil
+    import socket
+    import tempfile
+    name = create_database(f"bench_cluster_start_{os.getpid()}")
+    url = db_url(name)
+    root = tempfile.mkdtemp(prefix="qlagent-bench-start-")
+    state, config = os.path.join(root, "state"), os.path.join(root, "qlagent.toml")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    proc = None
+
+    def cli(*args: str) -> str:
+        return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "--config", config,
+                               *args], check=True, capture_output=True, env=env, cwd=ROOT).stdout.decode().strip()
+    try:
+        with open(config, "w") as f:
+            f.write(f'[cluster]\ndatabase = "{url}"\npool_size = 6\n')
+        with open(os.path.join(root, "tasks.toml"), "w") as f:
+            f.write(START_TASK)
+        cli("init")
+        cli("task", "add", "-f", os.path.join(root, "tasks.toml"))
+        token = cli("token", "create", "--subject", "bench", "--role", "operator")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "--config", config,
+                                 "serve", "--listen", f"127.0.0.1:{port}"], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+        head = None
+        for _ in range(300):
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/api/v3/projects/default/tasks/bench", headers={"Authorization": f"Bearer {token}"})
+                r = c.getresponse()
+                head = json.loads(r.read()) if r.status == 200 else None
+                c.close()
+            except OSError:
+                pass
+            if head:
+                break
+            time.sleep(0.1)
+        pool = open_pool(url, clients + 1)
+        kit = pgkit.Kit(pool)
+        (project_id, task_id, digest), = kit.sql(
+            "SELECT t.project_id, t.task_id, tr.content_digest FROM tasks t JOIN task_revisions tr"
+            " ON tr.task_id = t.task_id AND tr.revision = t.head_revision WHERE t.name = 'bench'")
+        counts, cpu = [0] * clients, [0.0] * clients
+        stop = time.monotonic() + seconds
+
+        def bare(i: int) -> None:
+            import psycopg
+            with psycopg.connect(url) as conn:
+                backend = psutil.Process(conn.info.backend_pid)
+                cpu0 = sum(backend.cpu_times()[:2])
+                while time.monotonic() < stop:
+                    run_id, attempt_id = str(uuid.uuid4()), str(uuid.uuid4())
+                    with conn.transaction():
+                        conn.execute(
+                            "INSERT INTO runs(run_id, project_id, task_id, task_revision, task_snapshot_ref, state,"
+                            " priority, execution_origin, execution_owner, trigger_type, idempotency_key, requested_by,"
+                            " version, event_sequence, latest_attempt_id, latest_attempt_created_at_us, created_at_us,"
+                            " updated_at_us) VALUES (%s, %s, %s, %s, %s, 'queued', 0, 'manual', 'runtime', 'task_start',"
+                            " %s, 'bench', 2, 2, %s, ql_now_us(), ql_now_us(), ql_now_us())",
+                            (run_id, project_id, task_id, head["revision"], f"qltd:v1:{head['revision']}:{digest}",
+                             f"ql3:task-start:v1:{run_id}", attempt_id))
+                        conn.execute("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type,"
+                                     " created_at_us) VALUES (%s, %s, 1, 'claimed', 'remote_worker', ql_now_us())",
+                                     (attempt_id, run_id))
+                        conn.execute("INSERT INTO run_events VALUES (%s, 1, %s, 'run.created', 'bench', '{}',"
+                                     " ql_now_us()), (%s, 2, %s, 'run.queued', 'bench', '{}', ql_now_us())",
+                                     (run_id, str(uuid.uuid4()), run_id, str(uuid.uuid4())))
+                    counts[i] += 1
+                cpu[i] = sum(backend.cpu_times()[:2]) - cpu0
+        _threads(bare, clients)
+        base, base_pg = sum(counts) / seconds, sum(cpu) * 1e6 / max(sum(counts), 1)
+        # Task Start looks at the Task's live Runs: start from the same empty queue as the baseline.
+        kit.sql("TRUNCATE run_events, attempts, runs CASCADE")
+
+        replica = psutil.Process(proc.pid)
+        answers: dict[int, int] = {}
+        https = [RawHttp(port) for _ in range(clients)]
+        cpu0, pg0 = sum(replica.cpu_times()[:2]), backend_cpu(kit, name)
+        stop = time.monotonic() + seconds
+
+        def start(i: int) -> None:
+            while time.monotonic() < stop:
+                body = json.dumps({"schema": "qinglong/task-start@v1", "mutationId": str(uuid.uuid4()),
+                                   "expectedRevision": head["revision"],
+                                   "expectedContentDigest": head["contentDigest"]}).encode()
+                status, _ = https[i].post(START_PATH, f"Authorization: Bearer {token}\r\n", body)
+                answers[status] = answers.get(status, 0) + 1
+        _threads(start, clients)
+        done = answers.get(202, 0)
+        cpu = sum(replica.cpu_times()[:2]) - cpu0
+        pg = sum(v - pg0.get(pid, 0.0) for pid, v in backend_cpu(kit, name).items())
+        rate = done / seconds
+        print(f"Task Start on PostgreSQL, {clients} clients: {rate:,.0f} req/s (202) vs bare inserts of the same rows "
+              f"{base:,.0f}/s ({rate / base:.2f}); replica CPU {cpu * 1e6 / max(done, 1):,.0f} µs/start, PostgreSQL "
+              f"CPU {pg * 1e6 / max(done, 1):,.0f} / {base_pg:,.0f} µs; answers {answers}; "
+              f"replica RSS {replica.memory_info().rss / 2**20:.1f} MiB")
+        for h in https:
+            h.close()
+        pool.close()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
+        drop_database(name)
+
+
 def _threads(fn, n: int) -> None:
     ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
     for t in ts:
@@ -224,10 +344,13 @@ def main() -> None:
     ap.add_argument("--wake-rounds", type=int, default=60)
     ap.add_argument("--replicas", type=int, default=1, help="control-plane replicas; pullers spread over them")
     ap.add_argument("--serve")
+    ap.add_argument("--start-clients", type=int, default=4, help="Task Start clients (0: skip that phase)")
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, args.threads)
         return
+    if args.start_clients:
+        task_start(args.seconds, args.start_clients)
     name = create_database(f"bench_cluster_{os.getpid()}")
     url = db_url(name)
     children = []

@@ -93,15 +93,20 @@ class Client:
 class RawHttp:
     """A minimal keep-alive HTTP/1.1 client over one loopback socket, for many simulated Workers
     on a shared 2-core box: a prebuilt request, one ``sendall``, the answer read by its
-    Content-Length (``http.client`` costs about 3× the CPU). ``post`` returns (status, body);
-    OSError/ConnectionError when the replica is gone."""
+    Content-Length (``http.client`` costs about 3× the CPU); a new connection after an answer
+    with ``Connection: close``. ``post`` returns (status, body); OSError/ConnectionError when
+    the replica is gone."""
 
     def __init__(self, port: int, timeout: float = 60) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.port, self.timeout = port, timeout
+        self.sock = None
         self.buf = b""
 
     def post(self, path: str, headers: str, body: bytes) -> tuple[int, bytes]:
+        if self.sock is None:
+            self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.buf = b""
         self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                           f"{headers}Content-Length: {len(body)}\r\n\r\n".encode() + body)
         while b"\r\n\r\n" not in self.buf:
@@ -111,6 +116,8 @@ class RawHttp:
         while len(rest) < length:
             rest += self._recv()
         self.buf = rest[length:]
+        if b"\r\nconnection: close" in head.lower():
+            self.close()
         return int(head[9:12]), rest[:length]
 
     def _recv(self) -> bytes:
@@ -120,7 +127,9 @@ class RawHttp:
         return data
 
     def close(self) -> None:
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 def make_ca(directory: str, name: str) -> tuple[str, str, str]:
