@@ -24,11 +24,16 @@ one thing it never kept (issue 11 §7).
 
 With ``wait_s`` > 0 (at most 30 s) a Pull that found nothing long-polls: it waits on the
 CandidateSignal (LISTEN/NOTIFY, no polling loop) and tries again when woken, until the wait is
-spent; the answer is then ``idle``/``unmatched`` as usual.
+spent; the answer is then ``idle``/``unmatched`` as usual. Candidates another Pull held when this
+one read (skipped, then released unclaimed: that Worker did not match) are not announced again,
+so a waiting Pull that found nothing asks whether any were held (``PullUnit.held_elsewhere``)
+and, if so, looks again after ~20 ms instead of waiting for the next NOTIFY (at most
+``HELD_RECHECKS`` times per long-poll).
 """
 
 from __future__ import annotations
 
+import random
 import time
 
 import msgspec
@@ -47,6 +52,8 @@ from .registry import check_generation, check_uuid, credential_digest
 
 MAX_WAIT_S = 30
 SECRET_FAILURES = ("secret_missing", "secret_unreadable")    # a claimed offer that fails closed
+HELD_RECHECKS = 3          # looks again per long-poll while concurrent Pulls held candidates
+HELD_PAUSE_S = 0.02        # mean pause (s) before such a look: a Pull's transaction lasts milliseconds
 
 
 class WorkerPull:
@@ -68,15 +75,26 @@ class WorkerPull:
             raise ValidationError("waitS", f"must be 0..{MAX_WAIT_S} (and needs a candidate signal)",
                                   limit=MAX_WAIT_S)
         deadline = time.monotonic() + wait_s
+        rechecks = 0
         while True:
             seq = self._signal.seq() if self._signal else 0
-            answer = self._pull_once(worker_id, credential, req)
+            answer, held = self._pull_once(worker_id, credential, req, wait_s > 0)
             left = deadline - time.monotonic()
             if answer.status not in ("idle", "unmatched") or answer.reason in ("draining", "no_free_slot") \
-                    or left <= 0 or not self._signal.wait(seq, left):
+                    or left <= 0:
+                return answer
+            if held and rechecks < HELD_RECHECKS:
+                # Concurrent Pulls held candidates this one skipped; they release them unclaimed
+                # (another Worker's Placement) without a NOTIFY, so look again shortly.
+                rechecks += 1
+                time.sleep(min(left, HELD_PAUSE_S * (0.5 + random.random())))
+            elif not self._signal.wait(seq, left):
                 return answer
 
-    def _pull_once(self, worker_id: str, credential: str, req: PullRequest) -> PullAnswer:
+    def _pull_once(self, worker_id: str, credential: str, req: PullRequest,
+                   waiting: bool) -> tuple[PullAnswer, bool]:
+        """(the answer, whether candidates were held by concurrent Pulls: asked only of a
+        ``waiting`` Pull that found nothing)."""
         digest = credential_digest(credential)
         check_uuid("pullId", req.pull_id)
         token_digest = sha256_hex(check_token("leaseToken", req.lease_token).encode())
@@ -84,17 +102,25 @@ class WorkerPull:
             answer = self._store.pull_unit(check_uuid("workerId", worker_id), digest,
                                            check_uuid("sessionId", req.session_id),
                                            check_generation("generation", req.generation), req.pull_id,
-                                           lambda unit: self._decide(unit, req, token_digest))
+                                           lambda unit: self._decide(unit, req, token_digest, waiting))
         except ConflictError as e:
             if e.code != "lease_exists":
                 raise
-            return PullAnswer(status="refused", reason="lease_exists")
+            return PullAnswer(status="refused", reason="lease_exists"), False
+        answer, held = answer
         if answer.offer is None:
-            return answer
-        return self._offered(answer.offer)
+            return answer, held
+        return self._offered(answer.offer), False
 
-    def _decide(self, unit: PullUnit, req: PullRequest, token_digest: str) -> PullAnswer:
+    def _decide(self, unit: PullUnit, req: PullRequest, token_digest: str, waiting: bool) -> tuple[PullAnswer, bool]:
         """The answer of one Pull inside its unit (ADR-0014 §2 order; see the module docstring)."""
+        answer = self._answer(unit, req, token_digest)
+        if waiting and answer.status in ("idle", "unmatched") and answer.reason != "no_free_slot" \
+                and answer.reason != "draining":
+            return answer, unit.held_elsewhere(unit.now_us)
+        return answer, False
+
+    def _answer(self, unit: PullUnit, req: PullRequest, token_digest: str) -> PullAnswer:
         w = unit.worker
         prior = unit.prior()
         if prior is not None:

@@ -197,6 +197,10 @@ class PullUnit(Protocol):
     def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
         """Unheld cluster candidates in ``ClusterCandidate.key()`` order, locked for this unit."""
 
+    def held_elsewhere(self, observed_at_us: int) -> bool:
+        """Are candidates visible that this unit's pages did not return (held by concurrent
+        units for the moment, or queued since)?"""
+
     def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
         """``PlanSource.prepare`` read within this unit."""
 

@@ -311,6 +311,46 @@ def test_long_poll_is_woken_by_notify_when_a_candidate_appears(kit, pg_url):
         signal.close()
 
 
+def test_a_waiting_pull_takes_a_run_another_pull_held_and_released_without_a_notify(kit, pg_url):
+    import threading
+
+    from qlagent.adapters.postgres.notify import PgCandidateSignal
+    w = kit.worker("edge-1")
+    run_id, _ = kit.queue(kit.task())
+    signal = PgCandidateSignal(pg_url)
+    held, release = threading.Event(), threading.Event()
+
+    def other_pull() -> None:       # another Worker's Pull: reads the Run, does not match, lets it go
+        with kit.pool.connection() as conn, conn.transaction():
+            conn.execute("SELECT 1 FROM runs WHERE run_id = %s FOR NO KEY UPDATE", (run_id,))
+            held.set()
+            release.wait(10)
+    class ReleaseOnceSeen:          # the other Pull lets go right after this one skipped its Run
+        def pull_unit(self, *args):
+            work = args[-1]
+
+            def seen(unit):
+                answer, held_elsewhere = work(unit)
+                release.set()
+                return answer, held_elsewhere
+            return kit.store.pull_unit(*args[:-1], seen)
+    t = threading.Thread(target=other_pull)
+    t.start()
+    try:
+        assert held.wait(10)
+        req = PullRequest(session_id=w["session_id"], generation=w["generation"], pull_id=new_id(),
+                          lease_token=token())
+        # No NOTIFY follows the release (the Run was queued before): without looking again the
+        # Pull would sleep through its whole wait and answer idle.
+        answer = WorkerPull(ReleaseOnceSeen(), kit.secrets, signal=signal).pull(
+            w["worker_id"], w["credential"], req, wait_s=20)
+        assert (answer.status, answer.offer.run_id) == ("offered", run_id)
+    finally:
+        release.set()
+        t.join(10)
+        signal.close()
+
+
 @pytest.mark.parametrize("kind,facts,field", [
     ("finished", {}, "kind"), ("start_failure", {"start_error": "Bad Code!"}, "startError"),
     ("completion", {}, "exitCode"), ("completion", {"exit_code": 256}, "exitCode"),

@@ -238,10 +238,11 @@ class PgDispatchStore:
 class _PgPullUnit:
     """``core.cluster.PullUnit`` over the unit's cursor."""
 
-    __slots__ = ("_cur", "_plans", "worker", "now_us", "_prior_pull")
+    __slots__ = ("_cur", "_plans", "worker", "now_us", "_prior_pull", "_returned")
 
     def __init__(self, cur, plans: PgPlanSource, worker: WorkerSnapshot, now: int, prior_pull: str | None) -> None:
         self._cur, self._plans, self.worker, self.now_us, self._prior_pull = cur, plans, worker, now, prior_pull
+        self._returned: list[str] = []
 
     def prior(self) -> tuple[Lease, ClusterCandidate, str] | None:
         if self._prior_pull is None:
@@ -250,7 +251,13 @@ class _PgPullUnit:
         return lease_of(row), _candidate(row), row["attempt_state"]
 
     def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        return _candidate_page(self._cur, observed_at_us, limit, after, True)
+        page = _candidate_page(self._cur, observed_at_us, limit, after, True)
+        self._returned += [c.attempt_id for c in page.items]
+        return page
+
+    def held_elsewhere(self, observed_at_us: int) -> bool:
+        return self._cur.execute(f"SELECT EXISTS ({_CANDIDATES} AND a.attempt_id <> ALL(%s)) AS held",
+                                 (observed_at_us, self._returned)).fetchone()["held"]
 
     def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
         return self._plans.prepare_with(self._cur, c)
