@@ -96,8 +96,10 @@ def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None, l
         sql += f" AND ({_KEY}) > (%s, %s, %s, %s)"
         args += list(after)
     sql += f" ORDER BY {_KEY} LIMIT %s" + (" FOR NO KEY UPDATE OF r SKIP LOCKED" if lock else "")
-    rows = cur.execute(sql, (*args, limit + 1)).fetchall()
-    return _page([_candidate(r) for r in rows], limit)
+    # Plain tuples in ClusterCandidate's field order: no dict per row (a page is up to 65 rows).
+    with cur.connection.cursor() as tuples:
+        rows = tuples.execute(sql, (*args, limit + 1)).fetchall()
+    return _page([ClusterCandidate(*r) for r in rows], limit)
 
 
 def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease_ttl_us: int, pull_id: str | None,
