@@ -273,8 +273,8 @@ def task_start(seconds: float, clients: int) -> None:
                             "INSERT INTO runs(run_id, project_id, task_id, task_revision, task_snapshot_ref, state,"
                             " priority, execution_origin, execution_owner, trigger_type, idempotency_key, requested_by,"
                             " version, event_sequence, latest_attempt_id, latest_attempt_created_at_us, created_at_us,"
-                            " updated_at_us) VALUES (%s, %s, %s, %s, %s, 'queued', 0, 'manual', 'runtime', 'task_start',"
-                            " %s, 'bench', 2, 2, %s, ql_now_us(), ql_now_us(), ql_now_us())",
+                            " updated_at_us) VALUES (%s, %s, %s, %s, %s, 'queued', 0, 'manual', 'runtime',"
+                            " 'task_start', %s, 'bench', 2, 2, %s, ql_now_us(), ql_now_us(), ql_now_us())",
                             (run_id, project_id, task_id, head["revision"], f"qltd:v1:{head['revision']}:{digest}",
                              f"ql3:task-start:v1:{run_id}", attempt_id))
                         conn.execute("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type,"

@@ -2,9 +2,9 @@
 
 ``sanitize(raw, candidate)`` is the only way the dispatcher turns a plan's raw document into a
 spec: explicit deep copy through the document's JSON text (the plan source may keep mutating
-its own objects), unknown fields stripped, the shared domain validation of a local launch (``core.definitions``: absolute
-bounded argv or allowlisted shell, POSIX env names, ``QL3_*`` reserved, kernel string limits),
-then an identity check against the persisted candidate (runId, attemptId, projectId, taskId,
+its own objects), unknown fields stripped, the shared domain validation of a local launch
+(``core.definitions``: absolute bounded argv or allowlisted shell, POSIX env names, ``QL3_*``
+reserved, kernel string limits), then an identity check against the persisted candidate (runId, attemptId, projectId, taskId,
 taskRevision, executorType). ``spec_digest`` is the SHA-256 of its canonical JSON. The spec
 holds the command and environment: it never goes into a log, event, error or unclaimed result.
 """

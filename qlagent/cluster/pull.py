@@ -8,19 +8,19 @@ database clock read), then the Lease this pullId already created (the same reque
 after a lost response rebuilds the SAME answer from it; a different token with that pullId is
 refused), then candidates read with the database clock, the Runs of each page locked and the
 Runs other Pulls hold skipped (concurrent Pulls take different Runs instead of racing for the
-first), Placement for THIS Session only, one plan at a time (``PullUnit.prepare``), the ExecutionSpec sanitised,
-and the claim (same budgets as the dispatcher: ``dispatcher.CandidateClaimer``). Only the token's
-SHA-256 is stored on the Lease, with the pullId; the answer's offerId is derived from the Lease
-(``offer.offer_id``). Secret values are resolved only after the unit committed (ADR-0108); a
-Secret that is then missing or does not decrypt fails closed: the Lease is released
-(``completed``), the Attempt ends ``start_failed`` with reason ``secret_missing:NAME`` /
-``secret_unreadable:NAME`` (the name, never a value; event ``attempt.start_failed``), the Task's
-retry policy decides the Run, and the answer is ``lease_ended`` with that reason — never a 503
-the Worker would retry against a Lease held until it expires. The rebuild answers while the
-Lease is active and its Attempt ``claimed`` or ``starting`` (not yet ``running``), also to the
-Session that adopted the Lease (its sessionId then replaces the first one in the request): a
-Worker restarted between its ``starting`` ACK and the spawn gets the secret values again, the
-one thing it never kept (issue 11 §7).
+first), Placement for THIS Session only, one plan at a time (``PullUnit.prepare``), the
+ExecutionSpec sanitised, and the claim (same budgets as the dispatcher:
+``dispatcher.CandidateClaimer``). Only the token's SHA-256 is stored on the Lease, with the
+pullId; the answer's offerId is derived from the Lease (``offer.offer_id``). Secret values are
+resolved only after the unit committed (ADR-0108); a Secret that is then missing or does not
+decrypt fails closed: the Lease is released (``completed``), the Attempt ends ``start_failed``
+with reason ``secret_missing:NAME`` / ``secret_unreadable:NAME`` (the name, never a value; event
+``attempt.start_failed``), the Task's retry policy decides the Run, and the answer is
+``lease_ended`` with that reason — never a 503 the Worker would retry against a Lease held until
+it expires. The rebuild answers while the Lease is active and its Attempt ``claimed`` or
+``starting`` (not yet ``running``), also to the Session that adopted the Lease (its sessionId
+then replaces the first one in the request): a Worker restarted between its ``starting`` ACK and
+the spawn gets the secret values again, the one thing it never kept (issue 11 §7).
 
 With ``wait_s`` > 0 (at most 30 s) a Pull that found nothing long-polls: it waits on the
 CandidateSignal (LISTEN/NOTIFY, no polling loop) and tries again when woken, until the wait is
@@ -58,7 +58,8 @@ HELD_PAUSE_S = 0.02        # mean pause (s) before such a look: a Pull's transac
 
 class WorkerPull:
     """ADR-0108 Pull over the Pull store (``PgDispatchStore``: its units also rebuild plans) and
-    the secret resolver; ``signal`` enables long-polling. Budgets as the dispatcher's (refused over a ceiling)."""
+    the secret resolver; ``signal`` enables long-polling. Budgets as the dispatcher's (refused
+    over a ceiling)."""
 
     def __init__(self, store: PullStore, secrets: SecretResolver, budgets: DispatcherBudgets = DispatcherBudgets(),
                  signal: CandidateSignal | None = None) -> None:
@@ -99,15 +100,14 @@ class WorkerPull:
         check_uuid("pullId", req.pull_id)
         token_digest = sha256_hex(check_token("leaseToken", req.lease_token).encode())
         try:
-            answer = self._store.pull_unit(check_uuid("workerId", worker_id), digest,
-                                           check_uuid("sessionId", req.session_id),
-                                           check_generation("generation", req.generation), req.pull_id,
-                                           lambda unit: self._decide(unit, req, token_digest, waiting))
+            answer, held = self._store.pull_unit(check_uuid("workerId", worker_id), digest,
+                                                 check_uuid("sessionId", req.session_id),
+                                                 check_generation("generation", req.generation), req.pull_id,
+                                                 lambda unit: self._decide(unit, req, token_digest, waiting))
         except ConflictError as e:
             if e.code != "lease_exists":
                 raise
             return PullAnswer(status="refused", reason="lease_exists"), False
-        answer, held = answer
         if answer.offer is None:
             return answer, held
         return self._offered(answer.offer), False
@@ -115,8 +115,7 @@ class WorkerPull:
     def _decide(self, unit: PullUnit, req: PullRequest, token_digest: str, waiting: bool) -> tuple[PullAnswer, bool]:
         """The answer of one Pull inside its unit (ADR-0014 §2 order; see the module docstring)."""
         answer = self._answer(unit, req, token_digest)
-        if waiting and answer.status in ("idle", "unmatched") and answer.reason != "no_free_slot" \
-                and answer.reason != "draining":
+        if waiting and answer.status in ("idle", "unmatched") and answer.reason not in ("draining", "no_free_slot"):
             return answer, unit.held_elsewhere(unit.now_us)
         return answer, False
 
