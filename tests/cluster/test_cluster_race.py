@@ -58,7 +58,8 @@ def cluster(pg_url, pool):
         f.write(TASKS)
     env.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
     token = env.ok("token", "create", "--subject", "rita", "--role", "operator").strip()
-    replicas = [Replica(env) for _ in range(REPLICAS)]
+    with ThreadPoolExecutor(REPLICAS) as ex:            # each start waits for its readiness line
+        replicas = list(ex.map(lambda _: Replica(env), range(REPLICAS)))
     yield env, replicas, token
     for r in replicas:
         r.stop()
@@ -202,6 +203,9 @@ def test_64_sessions_claim_10000_runs_exactly_once_across_4_replicas_one_sigkill
 
 def test_sixteen_concurrent_task_starts_with_one_mutation_id_across_four_replicas(cluster):
     env, replicas, token = cluster
+    for i, r in enumerate(replicas):           # run alone (-k), or after a failure before the restart
+        if r.proc.poll() is not None:
+            replicas[i] = Replica(env)
     status, head = replicas[0].request("GET", f"{BASE}/tasks/racer", token=token)
     assert status == 200, head
     req = body(head)
