@@ -3,17 +3,22 @@
 Same run, same PostgreSQL server, same number of connections:
 * baseline: N threads, each with its own connection, loop on one transaction
   ``SELECT … FOR UPDATE SKIP LOCKED LIMIT 1`` + ``UPDATE runs SET state = 'dispatching'``;
-* HTTP Pull: N pullers (threads of this process, one keep-alive connection each) against one
-  control-plane replica in a child process (``tests/cluster/cpkit.py``: the real HttpServer,
-  the Worker routes and the PostgreSQL adapters), each ``POST …/pull?waitS=0`` a full claim
-  (Session check, pullId lookup, candidate page, plan, atomic claim, offer, secrets).
+* HTTP Pull: N pullers (threads of this process, one keep-alive ``cpkit.RawHttp`` connection
+  each) against one control-plane replica in a child process (``tests/cluster/cpkit.py``: the
+  real HttpServer, the Worker routes and the PostgreSQL adapters), each ``POST …/pull?waitS=0``
+  a full claim (Session check, pullId lookup, candidate page, plan, atomic claim, offer,
+  secrets). Printed with the CPU per claim of the replica, of its PostgreSQL backends (and the
+  baseline's) and of the pullers.
 The queue is refilled (fresh tables) before every phase; each puller owns enough enrolled
 Workers that a full Session (slots) is replaced by the next one outside the measured window.
 Then pull-to-offer latency with the LISTEN/NOTIFY wake-up (a Pull waiting with ``waitS=10``,
 a Run committed, time until the offer arrives) against the latency of a Pull that finds the Run
-already queued, and the replica's RSS and threads.
+already queued, and the replica's RSS and threads. First (``--start-clients``, 0 skips it): Task
+Start on PostgreSQL through ``qlagent serve`` with ``[cluster]`` against bare inserts of the
+same rows (``task_start``).
 
 Usage: python3 bench/bench_cluster.py [--seconds 3] [--pullers 1,4,16] [--threads 4] [--replicas 1]
+       [--start-clients 4]
 Needs PostgreSQL at $QLAGENT_TEST_PG (default postgresql://postgres@127.0.0.1:5432/postgres).
 """
 
