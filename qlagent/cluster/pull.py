@@ -27,8 +27,8 @@ CandidateSignal (LISTEN/NOTIFY, no polling loop) and tries again when woken, unt
 spent; the answer is then ``idle``/``unmatched`` as usual. Candidates another Pull held when this
 one read (skipped, then released unclaimed: that Worker did not match) are not announced again,
 so a waiting Pull that found nothing asks whether any were held (``PullUnit.held_elsewhere``)
-and, if so, looks again after ~20 ms instead of waiting for the next NOTIFY (at most
-``HELD_RECHECKS`` times per long-poll).
+and, while some are, looks again after a pause (~20 ms, doubling up to ``HELD_PAUSE_MAX_S``; a
+NOTIFY ends it early) instead of only waiting for the next NOTIFY, until its wait is spent.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from .registry import check_generation, check_uuid, credential_digest
 
 MAX_WAIT_S = 30
 SECRET_FAILURES = ("secret_missing", "secret_unreadable")    # a claimed offer that fails closed
-HELD_RECHECKS = 3          # looks again per long-poll while concurrent Pulls held candidates
-HELD_PAUSE_S = 0.02        # mean pause (s) before such a look: a Pull's transaction lasts milliseconds
+HELD_PAUSE_S = 0.02        # mean first pause (s) before looking again at held candidates: a Pull's
+                           # transaction lasts milliseconds; each further pause doubles
+HELD_PAUSE_MAX_S = 0.25    # longest such pause: at most ~125 looks in a 30 s long-poll
 
 
 class WorkerPull:
@@ -76,7 +77,7 @@ class WorkerPull:
             raise ValidationError("waitS", f"must be 0..{MAX_WAIT_S} (and needs a candidate signal)",
                                   limit=MAX_WAIT_S)
         deadline = time.monotonic() + wait_s
-        rechecks = 0
+        pause = HELD_PAUSE_S
         while True:
             seq = self._signal.seq() if self._signal else 0
             answer, held = self._pull_once(worker_id, credential, req, wait_s > 0)
@@ -84,11 +85,16 @@ class WorkerPull:
             if answer.status not in ("idle", "unmatched") or answer.reason in ("draining", "no_free_slot") \
                     or left <= 0:
                 return answer
-            if held and rechecks < HELD_RECHECKS:
+            if held:
                 # Concurrent Pulls held candidates this one skipped; they release them unclaimed
-                # (another Worker's Placement) without a NOTIFY, so look again shortly.
-                rechecks += 1
-                time.sleep(min(left, HELD_PAUSE_S * (0.5 + random.random())))
+                # (another Worker's Placement) without a NOTIFY, so look again shortly. Under a
+                # load that keeps them held longer, every look is a transaction: back off.
+                if not self._signal.wait(seq, min(left, pause * (0.5 + random.random()))) \
+                        and self._signal.seq() != seq:
+                    # Not woken, yet moved: the signal closed (shutdown), or in the instant
+                    # after the timeout a wake-up came; either way this answer stands.
+                    return answer
+                pause = min(pause * 2, HELD_PAUSE_MAX_S)
             elif not self._signal.wait(seq, left):
                 return answer
 

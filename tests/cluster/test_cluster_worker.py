@@ -311,7 +311,8 @@ def test_long_poll_is_woken_by_notify_when_a_candidate_appears(kit, pg_url):
         signal.close()
 
 
-def test_a_waiting_pull_takes_a_run_another_pull_held_and_released_without_a_notify(kit, pg_url):
+@pytest.mark.parametrize("looks", [1, 6])      # 6: held past a few quick looks (a loaded machine)
+def test_a_waiting_pull_takes_a_run_another_pull_held_and_released_without_a_notify(kit, pg_url, looks):
     import threading
 
     from qlagent.adapters.postgres.notify import PgCandidateSignal
@@ -325,13 +326,17 @@ def test_a_waiting_pull_takes_a_run_another_pull_held_and_released_without_a_not
             conn.execute("SELECT 1 FROM runs WHERE run_id = %s FOR NO KEY UPDATE", (run_id,))
             held.set()
             release.wait(10)
-    class ReleaseOnceSeen:          # the other Pull lets go right after this one skipped its Run
+    seen_by = []
+
+    class ReleaseAfterLooks:        # the other Pull lets go once this one skipped its Run `looks` times
         def pull_unit(self, *args):
             work = args[-1]
 
             def seen(unit):
                 answer, held_elsewhere = work(unit)
-                release.set()
+                seen_by.append(answer.status)
+                if len(seen_by) >= looks:
+                    release.set()
                 return answer, held_elsewhere
             return kit.store.pull_unit(*args[:-1], seen)
     t = threading.Thread(target=other_pull)
@@ -342,9 +347,10 @@ def test_a_waiting_pull_takes_a_run_another_pull_held_and_released_without_a_not
                           lease_token=token())
         # No NOTIFY follows the release (the Run was queued before): without looking again the
         # Pull would sleep through its whole wait and answer idle.
-        answer = WorkerPull(ReleaseOnceSeen(), kit.secrets, signal=signal).pull(
+        answer = WorkerPull(ReleaseAfterLooks(), kit.secrets, signal=signal).pull(
             w["worker_id"], w["credential"], req, wait_s=20)
         assert (answer.status, answer.offer.run_id) == ("offered", run_id)
+        assert seen_by == ["idle"] * looks + ["offered"]           # it looked until the Run was let go
     finally:
         release.set()
         t.join(10)
