@@ -132,6 +132,23 @@ def test_pull_run_acks_and_complete_log_chunks_chatty_truncated_at_quota(tmp_pat
     assert worker.stop() == 0
 
 
+def test_a_control_url_list_moves_past_a_replica_that_does_not_answer(tmp_path, cp):
+    """worker.control_url lists replicas: the first refuses connections, so the Worker opens its
+    Session, pulls, ACKs and uploads through the second."""
+    with socket.socket() as s:              # a port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"https://localhost:{s.getsockname()[1]}"
+    w = Worker(tmp_path, cp, [dead, cp.url])
+    small = cp.add_run(argv=["/bin/echo", "via", "the", "second"])
+    w.start()
+    try:
+        assert cp.wait(lambda: cp.logs.get(small) == b"via the second\n", 30)
+        assert cp.acks_of(small) == ["starting", "running", "completion"]
+        assert "localhost:%s" % dead.rsplit(":", 1)[1] in w.journal()      # the refusal named the replica
+    finally:
+        assert w.stop() == 0
+
+
 def test_a_lost_pull_answer_is_retried_byte_identical_and_runs_once(tmp_path, cp, worker):
     marks = tmp_path / "marks"
     cp.drop_next_pull_answer()
@@ -491,6 +508,29 @@ def test_worker_slots_at_the_edge_profile_limit(tmp_path, slots, ok):
         with pytest.raises(ValidationError) as e:
             load_config(str(cfg))
         assert e.value.field == "worker.slots" and e.value.limit == 4
+
+
+@pytest.mark.parametrize("urls, ok", [
+    (["https://a:1", "https://b:2"], True),
+    ([f"https://r{i}:1" for i in range(8)], True),
+    ([f"https://r{i}:1" for i in range(9)], False),         # over the 8 replicas
+    (["https://a:1", "https://a:1"], False),                 # a repeat
+    ([], False),
+    (["https://a:1", "ftp://b:2"], False),
+])
+def test_worker_control_url_list_at_its_edges(tmp_path, urls, ok):
+    cfg = tmp_path / "qlagent.toml"
+    cfg.write_text(f'[worker]\nworker_id = "{"0" * 8}-0000-0000-0000-{"0" * 12}"\n'
+                   f'control_url = {json.dumps(urls)}\nca_file = "/etc/ca.pem"\ncredential_file = "/etc/cred"\n')
+    cfg.chmod(0o600)
+    from qlagent.service.config import load_config
+    from qlagent.core.errors import ValidationError
+    if ok:
+        assert load_config(str(cfg))[0].worker.control_url == urls
+    else:
+        with pytest.raises(ValidationError) as e:
+            load_config(str(cfg))
+        assert e.value.field == "worker.control_url"
 
 
 @pytest.mark.parametrize("value, ok", [(65_536, True), (65_535, False), (67_108_864, True), (67_108_865, False)])
