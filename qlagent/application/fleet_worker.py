@@ -542,8 +542,10 @@ class WorkerRuntime:
         if self.session is None or self.stopping:
             return False
         live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
-        rows, _ = self.inbox.usage()
-        return live < self.slots and rows < self.inbox.max_rows
+        # Room in the inbox = rows not yet acknowledged (``jobs``): acknowledged rows are pruned
+        # when the next offer is received, so counting them would stop the Pulls for good once
+        # the cap's worth of offers had been acknowledged.
+        return live < self.slots and len(self.jobs) < self.inbox.max_rows
 
     def _maybe_pull(self) -> None:
         if self.pull is not None or not self._can_pull() or self.now() < self.next_pull_us:

@@ -149,6 +149,20 @@ def test_a_control_url_list_moves_past_a_replica_that_does_not_answer(tmp_path, 
         assert w.stop() == 0
 
 
+def test_more_offers_than_the_inbox_cap_over_a_lifetime_keep_flowing(tmp_path, cp):
+    """The inbox caps rows at once (edge: 64), not offers ever: acknowledged rows make room, so a
+    Worker that has finished 64 runs still pulls the 65th and later."""
+    from qlagent.core.profiles import EDGE
+    w = Worker(tmp_path, cp, cp.url, slots=4)
+    ids = [cp.add_run(argv=["/bin/true"]) for _ in range(EDGE.inbox_rows + 4)]
+    w.start()
+    try:
+        assert cp.wait(lambda: all(completion(cp, a) is not None for a in ids), 120), \
+            f"{sum(completion(cp, a) is not None for a in ids)} of {len(ids)} completed"
+    finally:
+        assert w.stop() == 0
+
+
 def test_a_lost_pull_answer_is_retried_byte_identical_and_runs_once(tmp_path, cp, worker):
     marks = tmp_path / "marks"
     cp.drop_next_pull_answer()
