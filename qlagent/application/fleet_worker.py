@@ -216,6 +216,10 @@ class WorkerRuntime:
                 counts["collected"] += 1
             elif action == REPORT_LOST:
                 # No ACK says "lost": the control plane's sweeper ends the Lease and the Attempt.
+                # A task may still run without a shim this Worker can re-attach (killed between
+                # the spawn and writing the shim's identity): it is stopped, so the Attempt the
+                # control plane offers again never runs beside it.
+                self.runs.kill_orphans(aid)
                 self.log("warning", "worker.run_lost", attempt=aid)
                 self._close_row(job, {"kind": "lost"})
                 counts["lost"] += 1

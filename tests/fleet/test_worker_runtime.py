@@ -149,6 +149,22 @@ def test_a_control_url_list_moves_past_a_replica_that_does_not_answer(tmp_path, 
         assert w.stop() == 0
 
 
+def test_a_run_that_cannot_be_reattached_after_a_restart_is_stopped_not_left_running(tmp_path, cp, worker):
+    """The Worker died after spawning a shim and before writing its identity (shim.json): the
+    restarted Worker cannot re-attach it, reports it lost, and stops what still runs, so the
+    Attempt offered again never runs beside it."""
+    pidfile = tmp_path / "task.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; exec sleep 60")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    task_pid = read_pid(str(pidfile))
+    worker.kill()
+    os.unlink(os.path.join(worker.state, "worker-runs", aid, "shim.json"))
+    worker.start()
+    assert cp.wait(lambda: gone(task_pid), 20), "the task the Worker lost still runs"
+    assert cp.wait(lambda: f"worker.run_lost attempt={aid}" in worker.journal(), 10)
+
+
 def test_more_offers_than_the_inbox_cap_over_a_lifetime_keep_flowing(tmp_path, cp):
     """The inbox caps rows at once (edge: 64), not offers ever: acknowledged rows make room, so a
     Worker that has finished 64 runs still pulls the 65th and later."""
