@@ -34,8 +34,8 @@ socket, a signal). Duties, in order, on every pass:
    restart.
 5. **Self-fencing** (``worker.fencing``): a run whose Lease could not be renewed in time is stopped
    (``on_lease_loss = "kill"``, the spec's; default) or kept and reported (``"keep"``). A run with
-   no renewal since this process started (restart while the control plane is unreachable) is
-   treated the same way at once. Under ``kill`` each renewal also moves the shim's own
+   no renewal since this process started (restart while no replica of the control plane answers)
+   is treated the same way at once. Under ``kill`` each renewal also moves the shim's own
    self-fencing instant (its lease file): a run whose Worker died is stopped by its shim at the
    instant the Worker would have stopped it.
 6. **Pull** (long-poll, own connection) only while a slot is free, the inbox has room and the
@@ -510,10 +510,11 @@ class WorkerRuntime:
             if j.fenced or j.gone or j.entry.state not in ("received", "barrier", "started"):
                 continue
             if j.renewal is None:
-                if j.handle is None or self.session is not None or not self.failures["connect"]:
+                if j.handle is None or self.session is not None or self.failures["connect"] < self.client.replicas:
                     continue
-                # Re-attached after a restart and the control plane did not answer: no renewal proves
-                # the Lease, so it is treated as lost now.
+                # Re-attached after a restart and no replica answered (one failed connect per
+                # control_url, so one dead replica of two does not condemn the run): no renewal
+                # proves the Lease, so it is treated as lost now.
                 d = fencing.FenceDecision(action=fencing.STOP if j.spec.on_lease_loss == "kill" else fencing.KEEP,
                                           stop_at_local_us=now)
             else:

@@ -179,6 +179,28 @@ def test_more_offers_than_the_inbox_cap_over_a_lifetime_keep_flowing(tmp_path, c
         assert w.stop() == 0
 
 
+def test_a_restart_while_one_replica_is_down_reattaches_through_the_other(tmp_path, cp):
+    """Restarted with its first control_url dead, the Worker must not take that one refusal for
+    "the control plane is unreachable" and kill the run it re-attached: the second replica
+    answers, the Session adopts the Lease, and the run completes once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"https://localhost:{s.getsockname()[1]}"
+    marks = tmp_path / "marks"
+    w = Worker(tmp_path, cp, [dead, cp.url])
+    aid = cp.add_run(shell="/bin/sh", script=f"echo started >> {marks}; sleep 3; echo finished")
+    w.start()
+    try:
+        assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+        w.kill()
+        w.start()
+        assert cp.wait(lambda: completion(cp, aid) is not None, 40)
+        assert completion(cp, aid).exit_code == 0 and marks.read_text() == "started\n"
+        assert "worker.lease_lost" not in w.journal()
+    finally:
+        assert w.stop() == 0
+
+
 def test_a_lost_pull_answer_is_retried_byte_identical_and_runs_once(tmp_path, cp, worker):
     marks = tmp_path / "marks"
     cp.drop_next_pull_answer()
