@@ -677,9 +677,12 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     # -- 1. a Worker SIGKILLed mid-run and started again: its live run is re-attached ----------
     aid_k, wid_k, run_k = _fresh_run(fleet, loader, "long", within_s=2.0, exclude=None)
     victim = by_id[wid_k]
+    sessions = victim.journal().count("worker.session_opened")
     victim.kill()
     time.sleep(1)
     victim.start()
+    wait_for(lambda: victim.journal().count("worker.session_opened") > sessions, 30,
+             f"{victim.name} to open its new Session")
     fig["worker_restart"] = victim.name
 
     # -- 2. the replica every Worker talks to first SIGKILLed: they move to the other one ---------
