@@ -79,7 +79,15 @@ def _fixture(name: str) -> str:
 
 MARK = 'm="$MARKS/$QL3_ATTEMPT_ID"; echo "start $(date +%s%N)" >> "$m"\n'
 END = 'echo "end $(date +%s%N)" >> "$m"\n'
-TRAP = "trap 'echo \"term $(date +%s%N)\" >> \"$m\"; exit 143' TERM\n"
+TERM = 'echo "term $(date +%s%N)" >> "$m"; exit 143'
+TRAP = f"trap '{TERM}' TERM\n"
+
+
+def sleep(seconds: int) -> str:
+    """A sleep that marks ``term`` and ends the script when a signal cut it short: the Worker
+    signals the tree process by process, so the shell may see its child die before its own
+    SIGTERM arrives (the trap covers the other order)."""
+    return f"sleep {seconds} || {{ {TERM}; }}\n"
 
 
 def tasks_toml(marks: str) -> str:
@@ -95,8 +103,8 @@ def tasks_toml(marks: str) -> str:
     return "".join([
         task("tick", MARK + "echo tick\n" + END, schedule="*/2 * * * * *", enabled=False),
         task("quick", MARK + 'echo "quick $QL3_ATTEMPT_ID"\n' + END),
-        task("sleeper", MARK + TRAP + "echo sleeper-start\nsleep 2\necho sleeper-end\n" + END),
-        task("long", MARK + TRAP + "echo long-start\nsleep 10\necho long-end\n" + END),
+        task("sleeper", MARK + TRAP + "echo sleeper-start\n" + sleep(2) + "echo sleeper-end\n" + END),
+        task("long", MARK + TRAP + "echo long-start\n" + sleep(10) + "echo long-end\n" + END),
         task("chatty", MARK + _fixture("chatty.sh").split("\n", 1)[1], timeout_s=120),
         task("hang", MARK + _fixture("hang.sh").split("\n", 1)[1], timeout_s=2),
         task("probe", "true\n", placement='probe = "yes"'),
@@ -819,12 +827,14 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     # 3. The long cut: the run was stopped by the Worker itself (SIGTERM mark, no end) before the
     #    control plane offered the Run again; the next Attempt ran after it, and succeeded.
     cut_marks = _marks(fleet, aid_c)
-    assert [w for w, _ in cut_marks] == ["start", "term"], cut_marks
+    kinds = [w for w, _ in cut_marks]
+    assert kinds[0] == "start" and "term" in kinds and "end" not in kinds, cut_marks
+    stopped_at = next(t for w, t in cut_marks if w == "term")
     assert re.search(rf"worker\.lease_lost attempt={aid_c} action=kill", cut.journal())
     later = fleet.sql("SELECT attempt_id, state FROM attempts WHERE run_id = %s ORDER BY attempt_no", (run_c,))
     assert later[0] == (aid_c, "lost") and later[-1][1] == "succeeded", later
     next_start = min(t for w, t in _marks(fleet, later[1][0]) if w == "start")
-    assert cut_marks[1][1] < next_start, "the re-offered Attempt started before the fenced one was stopped"
+    assert stopped_at < next_start, "the re-offered Attempt started before the fenced one was stopped"
 
     # 4. The short cut: the completion ACK and the log waited for the link, then arrived; the
     #    Attempt was not re-run.
