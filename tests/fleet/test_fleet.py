@@ -48,7 +48,7 @@ pytestmark = [
 ]
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURES = "/work/shared/fixtures/router-tasks"
+FIXTURES = os.path.join(ROOT_DIR, "examples", "router-tasks")     # the router task set (shared fixtures)
 TAG = f"fleet{os.getpid()}"
 RUNS = 300                       # the workload: Runs of the fleet's Tasks, schedule + Task Start
 WORKERS = 3
@@ -309,11 +309,15 @@ class Worker:
 
 
 class Fleet:
-    """PostgreSQL pair, cluster config, two replicas; Workers on demand (``start_workers``)."""
+    """PostgreSQL pair, cluster config, two replicas (``start``); Workers on demand
+    (``start_workers``). ``close`` undoes whatever was made, even after a failed ``start``."""
 
     def __init__(self) -> None:
         self.cleanup: list = []
+        self.workers: list[Worker] = []
         self.root = tempfile.mkdtemp(prefix=f"qlagent-{TAG}-")
+
+    def start(self) -> "Fleet":
         os.chmod(self.root, 0o711)
         self.marks = os.path.join(self.root, "marks")
         os.makedirs(self.marks)
@@ -342,7 +346,7 @@ class Fleet:
         self.cleanup.append(lambda: [r.stop() for r in self.replicas])
         for r in self.replicas:
             r.start()
-        self.workers: list[Worker] = []
+        return self
 
     def start_workers(self) -> list[Worker]:
         if not self.workers:
@@ -384,13 +388,11 @@ class Fleet:
 def fleet():
     if pg_bindir() is None:
         pytest.skip("PostgreSQL server binaries not installed (tests/run installs them as root)")
-    f = None
+    f = Fleet()
     try:
-        f = Fleet()
-        yield f
+        yield f.start()
     finally:
-        if f is not None:
-            f.close()
+        f.close()
 
 
 # ---------------------------------------------------------------- Task Start load
