@@ -3,17 +3,18 @@ failover without losing or doubling a Run.
 
 The parts are real (tests/fleet/harness.py): a PostgreSQL primary with a synchronous standby
 (initdb, pg_basebackup, free ports); two control-plane replicas = `qlagent serve` with
-`[cluster] database = <multi-host URL, target_session_attrs=read-write>` listening with TLS
-(a throwaway CA made here with openssl); three Workers = `qlagent serve` with `[worker]`
-(credential from `qlagent workers enroll`, the CA pinned, both replicas in `control_url`), each
-in its own network namespace (veth to the host) and its own 128 MiB / 64 PID cgroup, each
-with a NOTIFY_SOCKET this test reads (READY=1, WATCHDOG=1 at the shipped unit's WatchdogSec).
+`[cluster] database = <multi-host URL, target_session_attrs=read-write>` listening with TLS on
+0.0.0.0 (a throwaway CA made here with openssl, its certificate naming the host end of every
+veth); three Workers = `qlagent serve` with `[worker]` (credential from `qlagent workers
+enroll`, the CA pinned, both replicas in `control_url` through the host end of its veth), each
+in its own network namespace and its own 128 MiB / 64 PID cgroup, each with a NOTIFY_SOCKET
+this test reads (READY=1, WATCHDOG=1 at the shipped unit's WatchdogSec).
 
 Workload: 300 Runs from a seconds schedule and Task Starts (HTTP with mutationIds on both
 replicas, a few through the CLI), with `chatty` (log quota) and `hang` (timeout) from the router
 task set. Chaos in the same run: a Worker SIGKILLed mid-run and started again, a replica
 SIGKILLed and started again, one Worker's link cut for longer than the Lease TTL, another's
-for less, the standby promoted and the old primary stopped. Every task script marks its start
+for less, the old primary stopped and the standby promoted under load. Every task script marks its start
 (and its end, or the SIGTERM that stopped it) in a file named after its Attempt, so the
 executions are counted from what really ran, not from what the control plane believes.
 
