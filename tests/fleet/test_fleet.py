@@ -517,8 +517,8 @@ def _refused(status: int, doc: dict, want_status: int, want_code: str) -> None:
 
 
 def test_a_forged_offer_is_refused_and_nothing_is_written(fleet):
-    """An ACK for a Lease the control plane never issued: a random Attempt, and a real queued
-    Attempt with an invented lease token (ADR-0109 fencing)."""
+    """ACKs and a log chunk for a Lease the control plane never issued: a random Attempt, and a
+    real queued Attempt with an invented lease token (ADR-0109 fencing)."""
     w = _probe(fleet)
     sid, gen = _session(fleet, w)
     run_id = fleet.ok("run", "start", "probe").strip()
@@ -530,6 +530,12 @@ def test_a_forged_offer_is_refused_and_nothing_is_written(fleet):
         status, doc = _worker_call(fleet, w["worker_id"], w["credential"], "acks", body)
         _refused(status, doc, 404, "attempt_not_found")
         assert "F" * 43 not in json.dumps(doc)                           # the token is never echoed
+        status, doc = fleet.replicas[0].request(
+            "PUT", f"{WORKER_API}/{w['worker_id']}/attempts/{body['attemptId']}/log?offset=0", b"forged log\n",
+            {"Authorization": f"Worker {w['credential']}", "Content-Type": "application/octet-stream",
+             "X-Qlagent-Session": sid, "X-Qlagent-Generation": str(gen), "X-Qlagent-Lease-Generation": "1",
+             "X-Qlagent-Lease-Token": "F" * 43})
+        _refused(status, doc, 404, "attempt_not_found")
     assert _db_facts(fleet) == before
     fleet.ok("run", "cancel", run_id)
 
