@@ -92,12 +92,12 @@ def sleep(seconds: int) -> str:
 
 
 def tasks_toml(marks: str) -> str:
-    """The fleet's Tasks (all `placement.required fleet=yes`, parallel, 3 attempts, no backoff)
-    and `probe` for the bad-input tests (only the probe Worker matches it)."""
+    """The fleet's Tasks (all `placement.required fleet=yes`, parallel, 3 attempts, no backoff,
+    `on_lease_loss = "kill"`) and `probe` for the bad-input tests (only the probe Worker matches it)."""
     def task(name: str, script: str, *, timeout_s: int = 60, schedule: str = "@once", enabled: bool = True,
              placement: str = 'fleet = "yes"') -> str:
         return (f'[[task]]\nname = "{name}"\nschedule = "{schedule}"\nenabled = {str(enabled).lower()}\n'
-                f'concurrency = "parallel"\ntimeout_s = {timeout_s}\ngrace_s = {GRACE_S}\n'
+                f'concurrency = "parallel"\ntimeout_s = {timeout_s}\ngrace_s = {GRACE_S}\non_lease_loss = "kill"\n'
                 f'retry = {{ max_attempts = 3, backoff_s = 0 }}\nenv = {{ MARKS = "{marks}" }}\n'
                 f'placement = {{ required = {{ {placement} }} }}\nshell = "/bin/sh"\n'
                 f"script = '''\n{script}'''\n\n")
