@@ -9,7 +9,11 @@ never appears in a log line, error or ``repr``.
 
 Two persistent connections: ``rpc`` (hello, heartbeat, ACKs, log chunks; blocking, bounded by
 the timeout the caller passes) and ``poll`` (the long-polling Pull, sent and then awaited by the
-Worker's selectors loop through ``poll_fileno``). Every answer's ``X-Qlagent-Server-Now-Us``
+Worker's selectors loop through ``poll_fileno``). ``control_url`` may name several replicas of
+one control plane: both connections use one at a time, and a request that gets no answer at all
+(refused, reset, timed out, TLS refused) moves them to the next, in order and round again; the
+Worker's loop paces the retries (its backoff), and every Worker request is idempotent, so the
+retry on another replica is safe. Every answer's ``X-Qlagent-Server-Now-Us``
 (database clock, µs) is returned with it for lease anchoring (``qlagent.worker.fencing``).
 
 Errors: the documented codes become the typed errors of ``core.control`` carrying
@@ -123,16 +127,24 @@ def tls_context(ca_file: str) -> ssl.SSLContext:
 
 
 class ControlClient:
-    """One Worker's client; ``worker_id`` is the enrolled Worker's UUID. Not thread-safe (the
-    Worker's loop owns it). Construction reads and checks the credential and the CA (raises
-    ValidationError naming the field); nothing is connected until the first request."""
+    """One Worker's client; ``worker_id`` is the enrolled Worker's UUID; ``control_url`` one URL
+    or a list (module docstring: the next one after a request without an answer). Not
+    thread-safe (the Worker's loop owns it). Construction reads and checks the URLs, the
+    credential and the CA (raises ValidationError naming the field); nothing is connected until
+    the first request."""
 
-    def __init__(self, control_url: str, worker_id: str, credential_file: str, ca_file: str | None,
+    def __init__(self, control_url: str | list[str], worker_id: str, credential_file: str, ca_file: str | None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._scheme, self._host, self._port = parse_control_url(control_url)
-        if self._scheme == "https" and not ca_file:
+        urls = [control_url] if isinstance(control_url, str) else list(control_url)
+        if not urls:
+            raise ValidationError("worker.control_url", "at least one URL")
+        self._endpoints = [parse_control_url(u) for u in urls]
+        self.replicas = len(self._endpoints)
+        self._at = 0
+        https = any(scheme == "https" for scheme, _, _ in self._endpoints)
+        if https and not ca_file:
             raise ValidationError("worker.ca_file", "required with an https:// control_url")
-        self._ctx = tls_context(ca_file) if self._scheme == "https" else None
+        self._ctx = tls_context(ca_file) if https else None
         self._auth = f"Worker {read_credential(credential_file)}"
         self._base = f"{API}/{worker_id}"
         self.timeout_s = timeout_s
@@ -140,12 +152,18 @@ class ControlClient:
         self._poll: http.client.HTTPConnection | None = None
 
     def __repr__(self) -> str:
-        return f"ControlClient({self._scheme}://{self._host}:{self._port})"
+        scheme, host, port = self._endpoints[self._at]
+        return f"ControlClient({scheme}://{host}:{port})"
 
     def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
-        if self._ctx is not None:
-            return http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s, context=self._ctx)
-        return http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        """A connection to the current replica; it remembers which one (``endpoint``)."""
+        scheme, host, port = self._endpoints[self._at]
+        if scheme == "https":
+            conn = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=self._ctx)
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        conn.endpoint = self._at
+        return conn
 
     def close(self) -> None:
         for c in (self._rpc, self._poll):
@@ -181,7 +199,7 @@ class ControlClient:
                 if attempt == 1 and reused and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError,
                                                               ConnectionResetError)):
                     continue
-                raise self._transport_error(e) from None
+                raise self._transport_error(e, conn.endpoint) from None
 
     # -- the long-polling Pull on its own connection ---------------------------------------------
     def start_poll(self, path: str, body: bytes, wait_s: float) -> int:
@@ -202,7 +220,7 @@ class ControlClient:
             return conn.sock.fileno()
         except BaseException as e:
             self.abort_poll()
-            raise self._transport_error(e) from None
+            raise self._transport_error(e, conn.endpoint) from None
 
     def poll_pending(self) -> bool:
         """True when TLS already holds decrypted bytes of the answer (select would not wake)."""
@@ -221,7 +239,7 @@ class ControlClient:
             raise
         except BaseException as e:
             self.abort_poll()
-            raise self._transport_error(e) from None
+            raise self._transport_error(e, conn.endpoint) from None
 
     @staticmethod
     def _drain_tickets(sock) -> None:
@@ -286,17 +304,22 @@ class ControlClient:
         raise cls(f"{resp.status} {err.error}: {err.message[:200]}", code=err.error, field=err.field,
                   status=resp.status, retry_after_s=retry_s, next_offset=err.next_offset)
 
-    def _transport_error(self, e: BaseException) -> ControlError:
+    def _transport_error(self, e: BaseException, endpoint: int) -> ControlError:
+        """The typed error for a request to replica ``endpoint`` that got no answer. The next
+        connection goes to the replica after it, unless the other connection already moved on
+        (both failing on one dead replica move once, not twice)."""
+        _, host, port = self._endpoints[endpoint]
+        if endpoint == self._at:
+            self._at = (endpoint + 1) % len(self._endpoints)
         if isinstance(e, ssl.SSLCertVerificationError):
-            return ControlTlsError(f"control plane {self._host}:{self._port}: certificate refused "
+            return ControlTlsError(f"control plane {host}:{port}: certificate refused "
                                    f"({e.verify_message}); worker.ca_file must hold the CA that signed it",
                                    field="worker.ca_file")
         if isinstance(e, ssl.SSLError):
-            return ControlTlsError(f"control plane {self._host}:{self._port}: TLS failed ({e.reason})",
-                                   field="worker.ca_file")
+            return ControlTlsError(f"control plane {host}:{port}: TLS failed ({e.reason})", field="worker.ca_file")
         if isinstance(e, (OSError, http.client.HTTPException)):
             what = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
-            return ControlUnreachable(f"control plane {self._host}:{self._port}: {what}")
+            return ControlUnreachable(f"control plane {host}:{port}: {what}")
         if isinstance(e, Exception):
-            return ControlUnreachable(f"control plane {self._host}:{self._port}: {type(e).__name__}")
+            return ControlUnreachable(f"control plane {host}:{port}: {type(e).__name__}")
         raise e

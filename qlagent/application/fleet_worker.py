@@ -34,8 +34,8 @@ socket, a signal). Duties, in order, on every pass:
    restart.
 5. **Self-fencing** (``worker.fencing``): a run whose Lease could not be renewed in time is stopped
    (``on_lease_loss = "kill"``, the spec's; default) or kept and reported (``"keep"``). A run with
-   no renewal since this process started (restart while the control plane is unreachable) is
-   treated the same way at once. Under ``kill`` each renewal also moves the shim's own
+   no renewal since this process started (restart while no replica of the control plane answers)
+   is treated the same way at once. Under ``kill`` each renewal also moves the shim's own
    self-fencing instant (its lease file): a run whose Worker died is stopped by its shim at the
    instant the Worker would have stopped it.
 6. **Pull** (long-poll, own connection) only while a slot is free, the inbox has room and the
@@ -216,6 +216,10 @@ class WorkerRuntime:
                 counts["collected"] += 1
             elif action == REPORT_LOST:
                 # No ACK says "lost": the control plane's sweeper ends the Lease and the Attempt.
+                # A task may still run without a shim this Worker can re-attach (killed between
+                # the spawn and writing the shim's identity): it is stopped, so the Attempt the
+                # control plane offers again never runs beside it.
+                self.runs.kill_orphans(aid)
                 self.log("warning", "worker.run_lost", attempt=aid)
                 self._close_row(job, {"kind": "lost"})
                 counts["lost"] += 1
@@ -506,10 +510,11 @@ class WorkerRuntime:
             if j.fenced or j.gone or j.entry.state not in ("received", "barrier", "started"):
                 continue
             if j.renewal is None:
-                if j.handle is None or self.session is not None or not self.failures["connect"]:
+                if j.handle is None or self.session is not None or self.failures["connect"] < self.client.replicas:
                     continue
-                # Re-attached after a restart and the control plane did not answer: no renewal proves
-                # the Lease, so it is treated as lost now.
+                # Re-attached after a restart and no replica answered (one failed connect per
+                # control_url, so one dead replica of two does not condemn the run): no renewal
+                # proves the Lease, so it is treated as lost now.
                 d = fencing.FenceDecision(action=fencing.STOP if j.spec.on_lease_loss == "kill" else fencing.KEEP,
                                           stop_at_local_us=now)
             else:
@@ -542,8 +547,10 @@ class WorkerRuntime:
         if self.session is None or self.stopping:
             return False
         live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
-        rows, _ = self.inbox.usage()
-        return live < self.slots and rows < self.inbox.max_rows
+        # Room in the inbox = rows not yet acknowledged (``jobs``): acknowledged rows are pruned
+        # when the next offer is received, so counting them would stop the Pulls for good once
+        # the cap's worth of offers had been acknowledged.
+        return live < self.slots and len(self.jobs) < self.inbox.max_rows
 
     def _maybe_pull(self) -> None:
         if self.pull is not None or not self._can_pull() or self.now() < self.next_pull_us:

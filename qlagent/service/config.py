@@ -23,7 +23,8 @@ from .trust import TrustedPath, require_trusted, trusted_paths
 
 DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
 DEFAULT_HTTP_PORT = 7380
-MAX_CONFIG_BYTES = 65_536      # a config file is a few hundred bytes; refuse anything that is not
+MAX_CONFIG_BYTES = 65_536
+MAX_CONTROL_URLS = 8           # worker.control_url: replicas of one control plane      # a config file is a few hundred bytes; refuse anything that is not
 
 
 class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -44,7 +45,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     schedules are off; the local HTTP API stays optional."""
 
     worker_id: str                          # the enrolled Worker's UUID (`qlagent workers enroll`)
-    control_url: str                        # https://HOST[:PORT] (http:// to loopback only)
+    # https://HOST[:PORT] (http:// to loopback only), or a list of the control plane's replicas
+    # (1..8): a request without an answer moves the Worker to the next one.
+    control_url: str | list[str]
     credential_file: str                    # 0600, owned by the agent: qlw_… from the enrolment
     ca_file: str | None = None              # PEM CA of the control plane (required for https)
     labels: dict[str, str] = {}
@@ -199,10 +202,15 @@ def validate_worker(w: WorkerConfig, profile: Profile) -> None:
     """``[worker]`` rules; ValidationError naming ``worker.<key>`` and its limit."""
     if not re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", w.worker_id):
         raise ValidationError("worker.worker_id", "must be the enrolled Worker's lowercase UUID")
-    u = w.control_url
-    if not re.fullmatch(r"https?://[^/?#@\s]+/?", u):
-        raise ValidationError("worker.control_url", "must be https://HOST[:PORT]")
-    if u.startswith("https://") and not w.ca_file:
+    urls = [w.control_url] if isinstance(w.control_url, str) else w.control_url
+    if not 1 <= len(urls) <= MAX_CONTROL_URLS or len(set(urls)) != len(urls):
+        raise ValidationError("worker.control_url", f"one URL or a list of 1..{MAX_CONTROL_URLS} without repeats",
+                              limit=MAX_CONTROL_URLS)
+    for u in urls:
+        if not re.fullmatch(r"https?://[^/?#@\s]+/?", u):
+            which = "" if isinstance(w.control_url, str) else f" ({u!r})"
+            raise ValidationError("worker.control_url", f"must be https://HOST[:PORT]{which}")
+    if any(u.startswith("https://") for u in urls) and not w.ca_file:
         raise ValidationError("worker.ca_file", "required with an https:// control_url (the control plane's CA)")
     for key in ("credential_file", "ca_file"):
         v = getattr(w, key)

@@ -219,6 +219,24 @@ def test_acks_are_fenced_ordered_and_idempotent(kit):
     assert e.value.field == "exitCode"
 
 
+def test_a_completion_that_dropped_bytes_records_the_truncation_fact(kit):
+    """The Worker uploads only the kept bytes, so the quota's cut is known from the completion
+    ACK alone (issue 10 §7: completion carries the truncation fact)."""
+    w = kit.worker("edge-1", slots=2)
+    task = kit.task()
+    kit.queue(task)
+    kit.queue(task)
+    cut, whole = kit.claim(2)
+    for offer in (cut, whole):
+        kit.ack(w, offer, "starting")
+    kit.ack(w, cut, "completion", exit_code=0, bytes_kept=4_194_304, bytes_dropped=5_000)
+    kit.ack(w, whole, "completion", exit_code=0, bytes_kept=12, bytes_dropped=0)
+    assert kit.sql("SELECT attempt_id, quota_bytes, bytes_kept, bytes_dropped FROM truncation_facts") == [
+        (cut.attempt_id, 4_194_304, 4_194_304, 5_000)]
+    kit.ack(w, cut, "completion", exit_code=0, bytes_kept=4_194_304, bytes_dropped=5_000)     # a replay
+    assert kit.one("SELECT count(*) FROM truncation_facts") == 1
+
+
 def test_stale_generation_ack_is_refused_with_a_distinct_reason(kit):
     w = kit.worker("edge-1")
     kit.queue(kit.task())

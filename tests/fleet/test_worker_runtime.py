@@ -132,6 +132,75 @@ def test_pull_run_acks_and_complete_log_chunks_chatty_truncated_at_quota(tmp_pat
     assert worker.stop() == 0
 
 
+def test_a_control_url_list_moves_past_a_replica_that_does_not_answer(tmp_path, cp):
+    """worker.control_url lists replicas: the first refuses connections, so the Worker opens its
+    Session, pulls, ACKs and uploads through the second."""
+    with socket.socket() as s:              # a port nobody listens on: connection refused
+        s.bind(("127.0.0.1", 0))
+        dead = f"https://localhost:{s.getsockname()[1]}"
+    w = Worker(tmp_path, cp, [dead, cp.url])
+    small = cp.add_run(argv=["/bin/echo", "via", "the", "second"])
+    w.start()
+    try:
+        assert cp.wait(lambda: cp.logs.get(small) == b"via the second\n", 30)
+        assert cp.acks_of(small) == ["starting", "running", "completion"]
+        assert "localhost:%s" % dead.rsplit(":", 1)[1] in w.journal()      # the refusal named the replica
+    finally:
+        assert w.stop() == 0
+
+
+def test_a_run_that_cannot_be_reattached_after_a_restart_is_stopped_not_left_running(tmp_path, cp, worker):
+    """The Worker died after spawning a shim and before writing its identity (shim.json): the
+    restarted Worker cannot re-attach it, reports it lost, and stops what still runs, so the
+    Attempt offered again never runs beside it."""
+    pidfile = tmp_path / "task.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; exec sleep 60")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    task_pid = read_pid(str(pidfile))
+    worker.kill()
+    os.unlink(os.path.join(worker.state, "worker-runs", aid, "shim.json"))
+    worker.start()
+    assert cp.wait(lambda: gone(task_pid), 20), "the task the Worker lost still runs"
+    assert cp.wait(lambda: f"worker.run_lost attempt={aid}" in worker.journal(), 10)
+
+
+def test_more_offers_than_the_inbox_cap_over_a_lifetime_keep_flowing(tmp_path, cp):
+    """The inbox caps rows at once (edge: 64), not offers ever: acknowledged rows make room, so a
+    Worker that has finished 64 runs still pulls the 65th and later."""
+    from qlagent.core.profiles import EDGE
+    w = Worker(tmp_path, cp, cp.url, slots=4)
+    ids = [cp.add_run(argv=["/bin/true"]) for _ in range(EDGE.inbox_rows + 4)]
+    w.start()
+    try:
+        assert cp.wait(lambda: all(completion(cp, a) is not None for a in ids), 120), \
+            f"{sum(completion(cp, a) is not None for a in ids)} of {len(ids)} completed"
+    finally:
+        assert w.stop() == 0
+
+
+def test_a_restart_while_one_replica_is_down_reattaches_through_the_other(tmp_path, cp):
+    """Restarted with its first control_url dead, the Worker must not take that one refusal for
+    "the control plane is unreachable" and kill the run it re-attached: the second replica
+    answers, the Session adopts the Lease, and the run completes once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"https://localhost:{s.getsockname()[1]}"
+    marks = tmp_path / "marks"
+    w = Worker(tmp_path, cp, [dead, cp.url])
+    aid = cp.add_run(shell="/bin/sh", script=f"echo started >> {marks}; sleep 3; echo finished")
+    w.start()
+    try:
+        assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+        w.kill()
+        w.start()
+        assert cp.wait(lambda: completion(cp, aid) is not None, 40)
+        assert completion(cp, aid).exit_code == 0 and marks.read_text() == "started\n"
+        assert "worker.lease_lost" not in w.journal()
+    finally:
+        assert w.stop() == 0
+
+
 def test_a_lost_pull_answer_is_retried_byte_identical_and_runs_once(tmp_path, cp, worker):
     marks = tmp_path / "marks"
     cp.drop_next_pull_answer()
@@ -491,6 +560,29 @@ def test_worker_slots_at_the_edge_profile_limit(tmp_path, slots, ok):
         with pytest.raises(ValidationError) as e:
             load_config(str(cfg))
         assert e.value.field == "worker.slots" and e.value.limit == 4
+
+
+@pytest.mark.parametrize("urls, ok", [
+    (["https://a:1", "https://b:2"], True),
+    ([f"https://r{i}:1" for i in range(8)], True),
+    ([f"https://r{i}:1" for i in range(9)], False),         # over the 8 replicas
+    (["https://a:1", "https://a:1"], False),                 # a repeat
+    ([], False),
+    (["https://a:1", "ftp://b:2"], False),
+])
+def test_worker_control_url_list_at_its_edges(tmp_path, urls, ok):
+    cfg = tmp_path / "qlagent.toml"
+    cfg.write_text(f'[worker]\nworker_id = "{"0" * 8}-0000-0000-0000-{"0" * 12}"\n'
+                   f'control_url = {json.dumps(urls)}\nca_file = "/etc/ca.pem"\ncredential_file = "/etc/cred"\n')
+    cfg.chmod(0o600)
+    from qlagent.service.config import load_config
+    from qlagent.core.errors import ValidationError
+    if ok:
+        assert load_config(str(cfg))[0].worker.control_url == urls
+    else:
+        with pytest.raises(ValidationError) as e:
+            load_config(str(cfg))
+        assert e.value.field == "worker.control_url"
 
 
 @pytest.mark.parametrize("value, ok", [(65_536, True), (65_535, False), (67_108_864, True), (67_108_865, False)])

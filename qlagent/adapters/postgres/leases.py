@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from ...core.cluster import Ack, AckResult, LeaseFence
 from ...core.errors import ConflictError
+from ...core.receipt import TruncationFact
 from .connection import transaction
+from .execution import record_truncation
 from .transitions import end_lease, event, fenced_lease, finish_attempt, now_us
 
 # Attempt progress order: an ACK for a state at or behind the current one is a replay.
@@ -66,6 +68,13 @@ class PgLeaseStore:
             cur.execute("UPDATE run_leases SET state = 'completed', ended_at_us = %s"
                         " WHERE attempt_id = %s AND lease_generation = %s",
                         (now, fence.attempt_id, fence.lease_generation))
+            if ack.bytes_dropped:
+                # The quota cut the log on the Worker: the shim keeps exactly the quota once it
+                # drops (core.receipt), so the completion's figures are the truncation fact. The
+                # Worker uploads only the kept bytes, so no chunk would ever record it.
+                kept = ack.bytes_kept or 0
+                record_truncation(cur, fence.attempt_id, TruncationFact(quota_bytes=kept, bytes_kept=kept,
+                                                                         bytes_dropped=ack.bytes_dropped), now)
             figures = {"exit_code": ack.exit_code, "signal": ack.signal, "bytes_kept": ack.bytes_kept,
                        "bytes_dropped": ack.bytes_dropped, "peak_rss_bytes": ack.peak_rss_bytes,
                        "cpu_time_us": ack.cpu_time_us}
