@@ -362,9 +362,15 @@ class WorkerRuntime:
     def _rpc(self, method: str, path: str, body: bytes, content_type: str = "application/json",
              headers: dict | None = None) -> tuple[Answer, int]:
         """One request; its timeout never runs past the next fencing instant (a blocked call
-        must not make a run outlive its Lease). Returns (answer, local send time µs)."""
+        must not make a run outlive its Lease) nor a quarter of the systemd watchdog interval.
+        Returns (answer, local send time µs)."""
         sent = self.now()
         limit = self.client.timeout_s
+        if self.notify is not None and self.notify.watchdog_us:
+            # A call blocked on a dead link must not starve the watchdog: ping if due, and wait
+            # at most a quarter of WATCHDOG_USEC (pings are due every half).
+            self.notify.ping_if_due(sent)
+            limit = min(limit, self.notify.watchdog_us / 4e6)
         for j in self.jobs.values():
             if j.handle is not None and j.renewal is not None and not j.fenced and j.kill_reason is None:
                 limit = min(limit, (fencing.stop_at_local_us(j.renewal, j.kill_grace_us) - sent) / 1e6)

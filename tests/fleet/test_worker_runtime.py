@@ -615,3 +615,37 @@ def test_worker_mode_never_loads_the_control_plane_and_a_local_agent_never_loads
     local = subprocess.run([sys.executable, "-c", probe, "qlagent.service.main"], capture_output=True, text=True,
                            check=True).stdout.split()
     assert "qlagent.adapters.control_client" not in local and not any(m.startswith("qlagent.cluster") for m in local)
+
+
+def test_a_control_plane_that_never_answers_does_not_starve_the_watchdog(tmp_path, cp):
+    """The replica accepts connections and never answers (a black-holed link): each call waits at
+    most a quarter of WATCHDOG_USEC, so WATCHDOG=1 keeps coming at its half-interval cadence
+    instead of one call's full timeout (10 s) later."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)                       # the kernel completes the handshake; nobody reads
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(0.2)
+    w = Worker(tmp_path, cp, f"https://localhost:{silent.getsockname()[1]}")
+    env = {k: v for k, v in os.environ.items() if k not in ("QLAGENT_CONFIG", "WATCHDOG_PID")}
+    env.update(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), WATCHDOG_USEC="2000000")
+    w.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "serve"],
+                           stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
+    pings = []
+    try:
+        end = time.monotonic() + 9
+        while time.monotonic() < end:
+            try:
+                if b"WATCHDOG=1" in notify.recv(4096).split(b"\n"):
+                    pings.append(time.monotonic())
+            except socket.timeout:
+                pass
+    finally:
+        assert w.stop() == 0
+        silent.close()
+        notify.close()
+    assert len(pings) >= 5, (pings, w.journal())
+    gaps = [b - a for a, b in zip(pings, pings[1:])]
+    assert max(gaps) < 2.0, gaps             # never a missed watchdog
+    assert "worker.connect_failed" in w.journal()    # it did try, and the calls timed out
