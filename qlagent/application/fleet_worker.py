@@ -395,6 +395,10 @@ class WorkerRuntime:
             self.log("info", "worker.session_opened", session=grant.session_id, generation=grant.generation,
                      slots=grant.slots, adopted=len(grant.adopted), refused=len(grant.refused))
             self._take_over(grant, ans, sent)
+            if grant.adopted:
+                # An adopted Lease keeps the expiry it had: after a restart late in the Lease, less
+                # than the fencing margin plus one interval may be left. Renew it in this pass.
+                self.next_beat_us = 0
         except ControlError as e:
             self.session = None
             if isinstance(e, ControlTlsError) and not self.connected_once:

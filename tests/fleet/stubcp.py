@@ -121,6 +121,7 @@ class StubControlPlane:
         self._partition = False
         self.refuse_chunks = False                  # answer log chunks 503 cluster_unavailable
         self.drop_ack_answers = False               # apply ACKs, then drop their answers
+        self.adopt_left_us: int | None = None        # an adopted Lease has only this long left
         self._drop_pull = 0
         self.server = None
 
@@ -338,6 +339,8 @@ class StubControlPlane:
                     refused.append(AdoptRefusal(c.attempt_id, c.lease_generation, reason))
                     continue
                 lease["session"], lease["worker_generation"] = sid, w["generation"]
+                if self.adopt_left_us is not None:     # as if its last renewal were long ago
+                    lease["expires"] = min(lease["expires"], now + self.adopt_left_us)
                 adopted.append(AdoptedLease(c.attempt_id, c.lease_generation, lease["expires"]))
             for a in self.attempts.values():           # every other Lease of an older Session is fenced
                 lease = a["lease"]

@@ -239,6 +239,34 @@ def test_worker_sigkilled_mid_run_restarts_reattaches_and_resends(tmp_path, cp, 
     assert "worker.lease_adopted" in worker.journal()
 
 
+def test_a_restarted_worker_renews_an_adopted_lease_at_once_instead_of_killing_the_run(tmp_path):
+    # The hello adopts the Lease with the expiry it had (docs/worker-protocol.md): after a
+    # restart late in the Lease, less than the fencing margin plus one heartbeat interval is
+    # left. The Worker must renew it at once rather than wait a heartbeat and self-fence a run
+    # it could keep (found by hand: lease_ttl_s 10, heartbeat 2 s, restart ~2 s after a beat).
+    stub = StubControlPlane(str(tmp_path), lease_ttl_s=12, session_ttl_s=12)
+    stub.url = stub.start()
+    w = Worker(tmp_path, stub, stub.url)
+    w.cfg = worker_config(w.cfg, state_dir=w.state, worker_id=w.worker_id, url=stub.url, credential_file=w.cred,
+                          ca_file=stub.ca_file, heartbeat_s=2)
+    try:
+        marks = tmp_path / "marks"
+        aid = stub.add_run(shell="/bin/sh", script=f"echo started >> {marks}; sleep 4; echo finished")  # margin 3 s
+        w.start()
+        assert stub.wait(lambda: "running" in stub.acks_of(aid), 30)
+        w.kill()
+        stub.adopt_left_us = 3_500_000        # margin + 0.5 s, less than the first beat (≥ 1.6 s)
+        w.start()
+        assert stub.wait(lambda: completion(stub, aid) is not None, 30), w.journal()
+        assert completion(stub, aid).exit_code == 0, w.journal()
+        assert stub.wait(lambda: stub.log_of(aid) == b"finished\n", 20)
+        assert "worker.lease_adopted" in w.journal() and "worker.lease_lost" not in w.journal(), w.journal()
+        assert marks.read_text() == "started\n"                 # kept, never killed and run again
+    finally:
+        w.stop()
+        stub.stop()
+
+
 def test_a_run_that_ended_while_the_worker_was_down_is_adopted_and_its_completion_accepted(tmp_path, cp, worker):
     done = tmp_path / "done"
     aid = cp.add_run(shell="/bin/sh", script=f"sleep 1; echo ended-alone; touch {done}")
