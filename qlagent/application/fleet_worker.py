@@ -161,6 +161,7 @@ class WorkerRuntime:
         self.next_pull_us = 0
         self.ttl_us = 0
         self.stopping = False
+        self.exit_at_us: int | None = None          # serve --exit-after
         self.stop_deadline_us: int | None = None
         self._signals: list[int] = []
         self._wake_r = self._wake_w = None
@@ -248,8 +249,11 @@ class WorkerRuntime:
             signal.signal(sig, lambda n, f: self._signals.append(n))
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
 
-    def run(self) -> int:
-        """Run until SIGTERM/SIGINT and the drain are done; returns the exit code (0)."""
+    def run(self, exit_after_s: float | None = None) -> int:
+        """Run until SIGTERM/SIGINT (or ``exit_after_s`` seconds, ``serve --exit-after``: the
+        same drain) and the drain are done; returns the exit code (0)."""
+        if exit_after_s is not None:
+            self.exit_at_us = self.now() + int(exit_after_s * 1e6)
         while not self._finished():
             self.iteration()
         self.client.close()
@@ -277,6 +281,8 @@ class WorkerRuntime:
             elif kind == "pull":
                 self._finish_pull()
         self._handle_signals()
+        if self.exit_at_us is not None and self.now() >= self.exit_at_us:
+            self._begin_drain()
         self.tick()
         if self.notify is not None:
             self.notify.ping_if_due(self.now())
@@ -310,7 +316,8 @@ class WorkerRuntime:
         now = self.now()
         times = [self.next_connect_us if self.session is None and not self.stopping else None,
                  self.next_beat_us if self.session is not None else None,
-                 self.stop_deadline_us, self.notify.next_ping_us(now) if self.notify is not None else None]
+                 self.stop_deadline_us, self.notify.next_ping_us(now) if self.notify is not None else None,
+                 self.exit_at_us if not self.stopping else None]
         if self.session is not None and any(self._owes(j) for j in self.jobs.values()):
             times.append(self.next_send_us)
         if self.pull is None and self._can_pull():
@@ -334,18 +341,24 @@ class WorkerRuntime:
     def _handle_signals(self) -> None:
         while self._signals:
             sig = self._signals.pop()
-            if sig in (signal.SIGTERM, signal.SIGINT) and not self.stopping:
-                self.stopping = True
-                now = self.now()
-                self.stop_deadline_us = now + self.drain_grace_us + 30_000_000
-                for j in self.jobs.values():
-                    if j.handle is not None and j.kill_reason is None:
-                        j.deadline_us = min(j.deadline_us or now, now + self.drain_grace_us)
-                if self.pull is not None:
-                    self._drop_pull()
-                if self.surface is not None:
-                    self.surface.begin_drain()
-                self.log("info", "worker.draining", live=sum(j.handle is not None for j in self.jobs.values()))
+            if sig in (signal.SIGTERM, signal.SIGINT):
+                self._begin_drain()
+
+    def _begin_drain(self) -> None:
+        """SIGTERM/SIGINT or ``--exit-after``: no new Pulls; live runs get ``drain_grace_s``."""
+        if self.stopping:
+            return
+        self.stopping = True
+        now = self.now()
+        self.stop_deadline_us = now + self.drain_grace_us + 30_000_000
+        for j in self.jobs.values():
+            if j.handle is not None and j.kill_reason is None:
+                j.deadline_us = min(j.deadline_us or now, now + self.drain_grace_us)
+        if self.pull is not None:
+            self._drop_pull()
+        if self.surface is not None:
+            self.surface.begin_drain()
+        self.log("info", "worker.draining", live=sum(j.handle is not None for j in self.jobs.values()))
 
     # ---- Session ----------------------------------------------------------------------------------
     def _fail(self, e: ControlError, what: str, delay: float | None = None) -> None:

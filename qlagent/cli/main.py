@@ -613,13 +613,13 @@ def cmd_serve(ctx: Ctx) -> int:
     from ..service.config import parse_listen
     if ctx.args.listen:
         parse_listen(ctx.args.listen, field="--listen")
-    if ctx.settings.config.worker is not None:        # a fleet Worker: nothing local is scheduled
-        from ..service.worker_mode import serve_worker
-        return serve_worker(ctx.settings, ctx.args.listen)
-    from ..service.main import serve
     if ctx.args.exit_after is not None and not (0 <= ctx.args.exit_after <= MAX_WAIT_S):
         raise E.ValidationError("--exit-after", f"{ctx.args.exit_after!r} is outside 0..{MAX_WAIT_S} seconds",
                                 limit=f"0..{MAX_WAIT_S}")
+    if ctx.settings.config.worker is not None:        # a fleet Worker: nothing local is scheduled
+        from ..service.worker_mode import serve_worker
+        return serve_worker(ctx.settings, ctx.args.listen, ctx.args.exit_after)
+    from ..service.main import serve
     return serve(ctx.settings, ctx.args)
 
 

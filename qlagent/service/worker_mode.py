@@ -22,11 +22,11 @@ from .lock import ServiceLock
 from .notify import Notifier
 
 
-def serve_worker(settings: Settings, listen: str | None = None) -> int:
-    """Run the Worker until SIGTERM; returns the exit code (0 after a clean drain; 2 for a bad
-    credential or CA file or an ``[http]`` value out of bounds; 5 when another service holds the
-    state directory or the status surface cannot listen). ``listen``: ``serve --listen``, over
-    ``[http] listen``."""
+def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: float | None = None) -> int:
+    """Run the Worker until SIGTERM (or ``exit_after_s`` seconds, ``serve --exit-after``, then the
+    same drain); returns the exit code (0 after a clean drain; 2 for a bad credential or CA file
+    or an ``[http]`` value out of bounds; 5 when another service holds the state directory or the
+    status surface cannot listen). ``listen``: ``serve --listen``, over ``[http] listen``."""
     w = settings.config.worker
     log = Journal()
     os.makedirs(settings.state_dir, mode=0o700, exist_ok=True)
@@ -43,7 +43,7 @@ def serve_worker(settings: Settings, listen: str | None = None) -> int:
         rt.install_signals()
         log("info", "worker.ready", worker=w.worker_id, control=repr(rt.client), slots=w.slots, **counts)
         rt.notify.ready(f"worker slots={w.slots}")
-        return rt.run()
+        return rt.run(exit_after_s)
     except QlError as e:
         log("err", "service.failed", code=e.code, field=e.field, error=str(e))
         return e.exit_code

@@ -38,9 +38,10 @@ class Worker:
         self.err = str(tmp / "worker.err")
         self.p: subprocess.Popen | None = None
 
-    def start(self) -> "Worker":
+    def start(self, *serve_args: str) -> "Worker":
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
-        self.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", self.cfg, "serve"],
+        self.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", self.cfg, "serve",
+                                   *serve_args],
                                   stdout=subprocess.DEVNULL, stderr=open(self.err, "a"), env=env)
         return self
 
@@ -265,6 +266,20 @@ def test_a_restarted_worker_renews_an_adopted_lease_at_once_instead_of_killing_t
     finally:
         w.stop()
         stub.stop()
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_serve_exit_after_ends_a_worker_with_the_sigterm_drain(tmp_path, cp, worker, reachable):
+    # `serve --exit-after S` was ignored in Worker mode: the Worker ran until killed.
+    if not reachable:
+        worker.cfg = worker_config(worker.cfg, state_dir=worker.state, worker_id=worker.worker_id,
+                                   url=f"https://127.0.0.1:{_free_port()}", credential_file=worker.cred,
+                                   ca_file=cp.ca_file)
+    worker.start("--exit-after", "1")
+    assert worker.p.wait(30) == 0, worker.journal()
+    assert "worker.draining" in worker.journal()
+    assert subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", worker.cfg, "serve",
+                           "--exit-after", "-1"], capture_output=True, timeout=30).returncode == 2
 
 
 def test_a_run_that_ended_while_the_worker_was_down_is_adopted_and_its_completion_accepted(tmp_path, cp, worker):
