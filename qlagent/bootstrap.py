@@ -34,6 +34,7 @@ def open_store(settings, project: str | None = None, *, migrate: bool = True, cr
     UnavailableError as ``SqliteStore`` / ``PgStore`` document."""
     cluster = settings.config.cluster
     if cluster is not None:
+        require_cluster_driver()
         from .adapters.postgres.store import PgStore
         return PgStore(cluster.database, project or settings.config.project, migrate=migrate,
                        create_project=create_project, pool_size=cluster.pool_size)
@@ -111,8 +112,23 @@ def store_checks(db_path: str) -> list[tuple[str, bool, str]]:
     return diagnose(db_path)
 
 
+def require_cluster_driver() -> None:
+    """The ``[cluster]`` role needs psycopg 3 and psycopg_pool, an optional extra a router never
+    installs: without them, UnavailableError ``cluster_driver_missing`` (exit 5) naming
+    ``cluster`` and the install command, instead of an internal ModuleNotFoundError."""
+    import importlib.util
+    missing = [m for m in ("psycopg", "psycopg_pool") if importlib.util.find_spec(m) is None]
+    if missing:
+        from .core.errors import UnavailableError
+        raise UnavailableError(f"cluster: the [cluster] table needs {' and '.join(missing)} (not installed); "
+                               "install them with `pip install 'qlagent[cluster]'`",
+                               code="cluster_driver_missing", field="cluster")
+
+
 def cluster_store_checks(settings) -> list[tuple[str, bool, str]]:
-    """``qlagent doctor``'s checks of the ``[cluster]`` database: (name, ok, detail) each."""
+    """``qlagent doctor``'s checks of the ``[cluster]`` database: (name, ok, detail) each.
+    Raises UnavailableError ``cluster_driver_missing`` (``require_cluster_driver``)."""
+    require_cluster_driver()
     from .adapters.postgres.store import diagnose
     return diagnose(settings.config.cluster.database)
 

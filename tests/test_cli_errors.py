@@ -373,3 +373,28 @@ def test_json_refusals_are_one_json_object_on_stdout_and_one_line_on_stderr(stor
     lines = p.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qlagent: error: ")
     assert out["error"]["message"] in lines[0]
+
+
+def test_a_cluster_config_without_psycopg_is_one_line_exit_5_naming_the_extra(tmp_path):
+    # psycopg is the optional `cluster` extra (README): a router's install has none. Found by
+    # hand: `workers ls` answered "internal error: ModuleNotFoundError" (exit 1).
+    import site
+    import subprocess
+    import sys
+    bare = tmp_path / "site"                  # this interpreter's packages, psycopg really absent
+    bare.mkdir()
+    for sp in site.getsitepackages():
+        for entry in os.listdir(sp):
+            if not entry.startswith("psycopg") and not (bare / entry).exists():
+                os.symlink(os.path.join(sp, entry), bare / entry)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = tmp_path / "cp.toml"
+    config.write_text('[cluster]\ndatabase = "postgresql://postgres@127.0.0.1:1/none"\n')
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": f"{repo}:{bare}"}
+    for args in (["workers", "ls"], ["task", "ls"], ["doctor"], ["serve"]):
+        p = subprocess.run([sys.executable, "-S", "-m", "qlagent.cli.main", "--state-dir", str(tmp_path / "st"),
+                            "--config", str(config), *args], capture_output=True, env=env, timeout=60)
+        lines = p.stderr.decode().strip().splitlines()
+        assert p.returncode == 5 and len(lines) == 1, (args, p.stderr)
+        assert "pip install 'qlagent[cluster]'" in lines[0] and "Traceback" not in lines[0], lines
+    assert not (tmp_path / "st" / "qlagent.db").exists()
