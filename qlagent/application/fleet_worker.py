@@ -67,7 +67,7 @@ from ..core.cluster import (MAX_ADOPT, MAX_HELD, Ack, AckResult, AdoptClaim, Chu
 from ..core.control import (Answer, AttemptNotFound, ChunkConflict, ControlAuthError, ControlError, ControlPort,
                             ControlTlsError, ControlUnreachable, LeaseGone, PullTokenMismatch, RequestRefused,
                             SessionGone, WorkerRunsPort)
-from ..core.errors import QlError, StartError
+from ..core.errors import QlError, StartError, ValidationError
 from ..core.receipt import start_code
 from ..core.inbox_states import (COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, InboxEntry, InboxOffer, pull_body,
                                  recovery_action)
@@ -124,6 +124,18 @@ class Job:
 
     def __repr__(self) -> str:
         return f"Job(attempt={self.attempt_id}, state={self.entry.state})"
+
+
+_HELLO_CONFIG = {"labels": "worker.labels", "executorTypes": "worker.executors", "slots": "worker.slots"}
+
+
+def _config_field(wire_field: str | None) -> str | None:
+    """The ``[worker]`` key a refused hello field comes from (``hello.labels.site`` →
+    ``worker.labels.site``), or None for any other field."""
+    parts = (wire_field or "").split(".")
+    if len(parts) < 2 or parts[0] != "hello" or parts[1] not in _HELLO_CONFIG:
+        return None
+    return ".".join([_HELLO_CONFIG[parts[1]], *parts[2:]])
 
 
 class WorkerRuntime:
@@ -416,6 +428,12 @@ class WorkerRuntime:
             self.session = None
             if isinstance(e, ControlTlsError) and not self.connected_once:
                 raise                   # a wrong ca_file at start-up is bad config: one line, exit 2
+            field = _config_field(e.field) if isinstance(e, RequestRefused) else None
+            if field is not None and not self.connected_once:
+                # [worker] labels/executors/slots wider than the enrolment: the same hello would be
+                # refused for ever, so it is bad config (one line naming the key, exit 2).
+                why = e.message.rsplit(": ", 1)[-1]
+                raise ValidationError(field, f"{why}; `qlagent workers enroll` decides what a Worker may claim") from None
             self._fail(e, "connect")
         except msgspec.DecodeError:
             self.session = None

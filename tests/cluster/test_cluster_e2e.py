@@ -130,8 +130,8 @@ def plane(pg_url):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def start_worker(plane, name: str, ca_file: str) -> tuple[Proc, str]:
-    enrolled = json.loads(plane["cp"].ok("workers", "enroll", name, "--json"))
+def start_worker(plane, name: str, ca_file: str, *enroll_args: str, extra: str = "") -> tuple[Proc, str]:
+    enrolled = json.loads(plane["cp"].ok("workers", "enroll", name, *enroll_args, "--json"))
     cred = os.path.join(plane["root"], f"{name}.credential")
     fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, enrolled["credential"].encode() + b"\n")
@@ -139,7 +139,7 @@ def start_worker(plane, name: str, ca_file: str) -> tuple[Proc, str]:
     node = Node(plane["root"], name, f'[worker]\nworker_id = "{enrolled["workerId"]}"\n'
                                      f'control_url = "https://127.0.0.1:{plane["port"]}"\n'
                                      f'credential_file = "{cred}"\nca_file = "{ca_file}"\n'
-                                     'heartbeat_interval_s = 1\npull_wait_s = 20\n')
+                                     'heartbeat_interval_s = 1\npull_wait_s = 20\n' + extra)
     proc = Proc(node)
     plane["workers"].append(proc)
     return proc, enrolled["workerId"]
@@ -219,6 +219,25 @@ def test_a_worker_trusting_another_ca_is_refused_with_one_line_and_writes_nothin
     assert len(errors) == 1 and "worker.ca_file" in errors[0] and "Traceback" not in "".join(worker.lines), \
         worker.lines
     assert sql(plane["url"], "SELECT generation FROM workers WHERE worker_id = %s", (worker_id,)) == [(0,)]
+    assert sql(plane["url"], "SELECT count(*) FROM worker_sessions WHERE worker_id = %s", (worker_id,)) == [(0,)]
+
+
+@pytest.mark.parametrize("extra, field, why", [
+    # README's example: enrolled with site and arch, configured with site and uplink.
+    ('labels = { site = "lab", uplink = "lte" }\n', "worker.labels.uplink", "not granted by the enrolment"),
+    ("slots = 3\n", "worker.slots", "3 exceeds the enrolled 2"),
+])
+def test_a_worker_claiming_more_than_its_enrolment_stops_naming_the_key_and_opens_no_session(plane, extra, field,
+                                                                                            why):
+    # Found by hand: the hello was refused 400 and the Worker retried it for ever, warning each time.
+    name = f"edge-wide-{field.rsplit('.', 1)[-1]}"
+    worker, worker_id = start_worker(plane, name, plane["ca"], "--label", "site=lab", "--label", "arch=arm64",
+                                     "--slots", "2", extra=extra)
+    assert worker.proc.wait(20) == 2, worker.lines
+    worker.wait_line("<eof>")
+    errors = [ln for ln in worker.lines if " ERR " in ln]
+    assert len(errors) == 1 and f"field={field}" in errors[0] and why in errors[0], worker.lines
+    assert "Traceback" not in "".join(worker.lines) and "connect_failed" not in "".join(worker.lines)
     assert sql(plane["url"], "SELECT count(*) FROM worker_sessions WHERE worker_id = %s", (worker_id,)) == [(0,)]
 
 
