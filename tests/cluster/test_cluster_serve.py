@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psycopg
 import pytest
 
-from conftest import create_database, db_url, drop_database
+from conftest import ADMIN_URL, create_database, db_url, drop_database
 
 BASE = "/api/v3/projects/default"
 SCHEMA = "qinglong/task-start@v1"
@@ -527,3 +527,27 @@ def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
     env.sql("UPDATE runs SET state = 'succeeded', exit_code = 0 WHERE run_id = %s", (run_id,))   # the Worker's end
     out, err = p.communicate(timeout=30)
     assert p.returncode == 0 and out.decode().split() == [run_id, "succeeded", "exit=0"], err
+
+
+def test_readyz_is_503_naming_the_store_while_the_database_refuses_connections(tmp_path):
+    # Found by hand: with the database refusing connections, /readyz answered 500 internal_error
+    # after the pool's 10 s and the replica's journal carried a PoolTimeout traceback.
+    name = create_database("readyz_down")
+    env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")
+    env.ok("init")
+    replica = Replica(env)
+    try:
+        assert replica.request("GET", "/readyz")[0] == 200
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+            status, doc = replica.request("GET", "/readyz")
+            assert status == 503 and doc["status"] == "not_ready", doc
+            assert "cluster database unavailable" in doc["checks"]["store"], doc
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        assert replica.request("GET", "/readyz")[0] == 200          # the pool reconnects
+        assert replica.stop() == 0
+        assert "Traceback" not in "".join(replica.lines), "".join(replica.lines)
+    finally:
+        replica.stop()
+        drop_database(name)

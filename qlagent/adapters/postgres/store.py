@@ -41,6 +41,7 @@ T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
 RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
 QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
+READY_WAIT_S = 2.0                 # a readiness check waits this long for a pooled connection (s)
 # Session advisory lock of the Run-creating writes: first 8 bytes of sha256("qlagent:run-create").
 RUN_CREATE_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:run-create")[:16]), "big", signed=True)
 
@@ -144,8 +145,16 @@ class PgStore(RowStore):
         return self._clock() if self._clock is not None else self.read(self._tx_now)
 
     def capabilities(self) -> dict[str, int]:
-        with self.pool.connection() as conn:
-            return migrations.check_capabilities(conn)
+        """The declared capabilities (readiness, ``GET /readyz``). UnavailableError: a required one
+        missing, or ``store_unavailable`` when no connection comes within ``READY_WAIT_S`` (the
+        database is down: the probe answers 503 promptly, not 500 after the pool's 10 s)."""
+        import psycopg
+        try:
+            with self.pool.connection(timeout=READY_WAIT_S) as conn:
+                return migrations.check_capabilities(conn)
+        except psycopg.OperationalError as e:      # psycopg_pool.PoolTimeout included
+            raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}",
+                                   code="store_unavailable") from None
 
     # ---- RunStore ------------------------------------------------------------------------------
     def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
