@@ -75,6 +75,7 @@ from ..worker import backoff, fencing, heartbeat
 
 CHUNK_BYTES = 262_144
 DEFAULT_PULL_WAIT_S = 20
+REPLACED_RESET_US = 60_000_000          # a Session kept this long ends the back-off of session_replaced
 KILL_REAP_US = 1_000_000               # after SIGKILL: reaping the tree (fencing's kill grace adds it)
 NO_PIDFD_LOOK_US = 1_000_000
 
@@ -162,6 +163,8 @@ class WorkerRuntime:
         # Consecutive failures per duty (connect, heartbeat, send, pull): each backs off on its own,
         # so chunks refused with 503 do not hold back Pulls or heartbeats.
         self.failures = {"connect": 0, "heartbeat": 0, "send": 0, "pull": 0}
+        self.replaced = 0                   # Sessions lost to a newer one in a row (another process)
+        self.session_opened_us = 0
         self.unreachable = False                        # the last failure had no answer at all
         self.connected_once = False
         self.next_connect_us = 0
@@ -413,6 +416,7 @@ class WorkerRuntime:
             ans, sent = self._rpc("POST", "/sessions", msgspec.json.encode(hello))
             grant = msgspec.json.decode(ans.body, type=SessionGrant)
             self.session = (grant.session_id, grant.generation)
+            self.session_opened_us = self.now()
             self.connected_once = True
             self.failures["connect"] = 0
             self.next_beat_us = self.now() + self._beat_delay_us()
@@ -497,7 +501,7 @@ class WorkerRuntime:
             hb = msgspec.json.decode(ans.body, type=Heartbeat)
         except SessionGone as e:
             self.log("warning", "worker.session_gone", code=e.code)
-            self._lose_session()
+            self._lose_session(e.code)
             return
         except ControlError as e:
             # No answer is not a lost Session: keep it (its Leases stay ours while they are
@@ -511,6 +515,8 @@ class WorkerRuntime:
             return
         self.next_beat_us = self.now() + self._beat_delay_us()
         self.failures["heartbeat"] = 0
+        if self.replaced and self.now() - self.session_opened_us >= REPLACED_RESET_US:
+            self.replaced = 0               # ours for a while: the other process is gone
         renewed = {x.attempt_id: x.expires_at_us for x in hb.leases}
         if ans.server_now_us is not None and not self.ttl_us:
             # A restarted Worker has seen no offer yet: a renewed Lease's span (else the
@@ -534,10 +540,19 @@ class WorkerRuntime:
     def _ttl(self, j: Job) -> int:
         return j.ttl_us or self.ttl_us
 
-    def _lose_session(self) -> None:
+    def _lose_session(self, code: str) -> None:
         self.session = None
         if self.pull is not None:
             self._drop_pull()
+        if code == "stale_generation":
+            # Only a newer Session of this Worker makes ours stale, and this process opened none:
+            # another process holds the same credential. Reconnecting at once would fence its
+            # runs and it ours, in a loop of hellos; back off and say so.
+            self.replaced += 1
+            delay = backoff.reconnect_delay_s(self.replaced, self.rand())
+            self.next_connect_us = self.now() + int(delay * 1e6)
+            self.log("err", "worker.session_replaced", replaced=self.replaced, retry_s=round(delay, 3),
+                     hint="another process uses this Worker's credential")
 
     # ---- fencing, timeouts, kills ------------------------------------------------------------------
     def _fence_and_time(self, now: int) -> None:
@@ -652,7 +667,7 @@ class WorkerRuntime:
             self.next_pull_us = self.now() + 5_000_000
             return
         if isinstance(e, SessionGone):
-            self._lose_session()
+            self._lose_session(e.code)
             self.log("warning", "worker.session_gone", code=e.code)
             return
         # The answer was lost: the kept request is sent again, byte for byte, after a pause.
@@ -739,7 +754,7 @@ class WorkerRuntime:
                     self._lease_gone(j, e.code)
                 else:
                     self.log("warning", "worker.session_gone", code=e.code)
-                    self._lose_session()
+                    self._lose_session(e.code)
                     return
             except RequestRefused as e:
                 self.log("err", "worker.ack_refused", attempt=j.attempt_id, code=e.code, field=e.field)

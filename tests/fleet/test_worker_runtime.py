@@ -282,6 +282,26 @@ def test_serve_exit_after_ends_a_worker_with_the_sigterm_drain(tmp_path, cp, wor
                            "--exit-after", "-1"], capture_output=True, timeout=30).returncode == 2
 
 
+def test_two_processes_with_one_credential_back_off_and_say_so_instead_of_a_hello_storm(tmp_path, cp, worker):
+    # Found by hand: a second `serve` with the first's credential made both reopen a Session at
+    # once on every stale_generation: ~50 hellos a second, each fencing the other's runs.
+    (tmp_path / "twin").mkdir()
+    twin = Worker(tmp_path / "twin", cp, cp.url)
+    twin.worker_id, twin.cred = worker.worker_id, worker.cred
+    twin.cfg = worker_config(twin.cfg, state_dir=twin.state, worker_id=worker.worker_id, url=cp.url,
+                             credential_file=worker.cred, ca_file=cp.ca_file)
+    worker.start()
+    assert cp.wait(lambda: len(cp.hellos) >= 1, 30)
+    twin.start()
+    try:
+        assert cp.wait(lambda: "worker.session_replaced" in worker.journal() + twin.journal(), 30)
+        time.sleep(5)                           # both keep trying: count the hellos meanwhile
+        assert len(cp.hellos) < 30, len(cp.hellos)
+        assert "another process uses this Worker's credential" in worker.journal() + twin.journal()
+    finally:
+        twin.stop()
+
+
 def test_a_run_that_ended_while_the_worker_was_down_is_adopted_and_its_completion_accepted(tmp_path, cp, worker):
     done = tmp_path / "done"
     aid = cp.add_run(shell="/bin/sh", script=f"sleep 1; echo ended-alone; touch {done}")
