@@ -92,6 +92,15 @@ def bare(conn, claims: int, cpu) -> float:
     return cpu() - c0
 
 
+def hot(kit) -> str:
+    """HOT updates / all updates of the claim's updated tables since the last reset."""
+    kit.sql("SELECT pg_stat_force_next_flush()")
+    kit.one("SELECT 1")   # the statistics of the transactions so far are flushed at this one's end
+    rows = kit.sql("SELECT relname, n_tup_hot_upd, n_tup_upd FROM pg_stat_user_tables"
+                   " WHERE relname IN ('attempts', 'runs') ORDER BY relname")
+    return ", ".join(f"{name} {h:,} / {n:,}" for name, h, n in rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--claims", type=int, default=1000)
@@ -113,6 +122,7 @@ def main() -> None:
         for k, v in by.most_common():
             print(f"  {k:<40} {v * per:>6,.0f}")
         print(f"  {'BEGIN/COMMIT, pool reset':<40} {(total - sum(by.values())) * per:>6,.0f}")
+        print("  HOT updates (no index entry written) / updates: " + hot(kit))
         bench_cluster.reset(kit, args.claims + 10)
         pool.close()
         with psycopg.connect(url) as conn:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import uuid
+
+import msgspec
 import pytest
 
-from qlagent.cluster.offer import offer_id
+from qlagent.cluster.execspec import spec_digest
+from qlagent.cluster.offer import OFFER_NAMESPACE, offer_id
 from qlagent.cluster.placement import rank, with_executor
-from qlagent.core.cluster import WorkerSnapshot
+from qlagent.core.canonical import content_digest
+from qlagent.core.cluster import ExecutionSpec, WorkerSnapshot
 from qlagent.core.errors import ValidationError
 
 
@@ -53,3 +58,19 @@ def test_offer_id_is_stable_per_lease_and_differs_otherwise():
     a = offer_id("att", 1, "sess")
     assert a == offer_id("att", 1, "sess")
     assert len({a, offer_id("att", 2, "sess"), offer_id("att", 1, "sess2"), offer_id("att2", 1, "sess")}) == 4
+
+
+@pytest.mark.parametrize("attempt,generation,session", [
+    ("att", 1, "sess"), (str(uuid.uuid4()), 2**40, str(uuid.uuid4())), ("\u00e9t\u00e9", 0, "")])
+def test_offer_id_is_the_uuid5_of_the_lease_in_the_offer_namespace(attempt, generation, session):
+    # A replica of this build and one of an older build (uuid.uuid5) name the same Lease alike.
+    assert offer_id(attempt, generation, session) == str(uuid.uuid5(OFFER_NAMESPACE, f"{attempt}:{generation}:{session}"))
+
+
+@pytest.mark.parametrize("text", ["echo hi", "caf\u00e9", "cafe\u0301", "\u212bngstr\u00f6m", "tab\tquote\"nul\x00"])
+def test_spec_digest_is_the_content_digest_of_the_specs_canonical_json(text):
+    # ASCII specs take the one-encode path, others the NFC walk: both must give the canonical digest.
+    spec = ExecutionSpec(run_id="r", attempt_id="a", project_id="p", task_id="t", task_revision=1,
+                         executor_type="local_process", kind="shell", shell="/bin/sh", script=text,
+                         env={text: text, "Z": "1", "a": "2"}, timeout_ms=1000, grace_ms=0, log_quota_bytes=1)
+    assert spec_digest(spec) == content_digest(msgspec.to_builtins(spec))

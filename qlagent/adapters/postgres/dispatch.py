@@ -111,7 +111,8 @@ def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease
         "run": c.run_id, "version": c.version, "lg": c.lease_generation, "now": now, "expires": now + lease_ttl_us,
         "digest": token_digest, "pull": pull_id, "event": new_id(),
         "payload": Jsonb({"attemptId": c.attempt_id, "workerId": w.worker_id, "sessionId": w.session_id,
-                          "generation": w.generation, "leaseGeneration": c.lease_generation + 1})}).fetchone()
+                          "generation": w.generation, "leaseGeneration": c.lease_generation + 1},
+                         msgspec.json.encode)}).fetchone()
     if row is None:
         return ClaimOutcome("attempt_unavailable", "run_changed")
     return ClaimOutcome("claimed", lease=Lease(c.attempt_id, c.run_id, row["lease_generation"], w.worker_id,
