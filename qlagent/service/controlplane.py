@@ -16,11 +16,19 @@ and the HTTP surface: the existing routes on PostgreSQL, the Worker routes
 (``http.service.mount_worker_routes``), HTTPS when ``tls_cert``/``tls_key`` are set.
 SIGTERM/SIGINT: stop accepting, answer every long-polling Pull at once (idle), finish requests in
 progress, exit 0. SIGHUP: re-read the Task heads at once.
+
+Database outage: the probes and the routes stay answered because the loop's own database duties
+(scheduler, sweeper, placement report, Task-head reload) wait at most ``DUTY_WAIT_S`` for a
+pooled connection and, after a failure, pause for a back-off doubling from ``BACKOFF_MIN_US`` to
+``BACKOFF_MAX_US`` instead of retrying every wake-up. The journal gets one
+``store.unavailable`` line when an outage starts and one ``store.available`` when a duty succeeds
+again; psycopg_pool's own log lines are silenced in favour of these.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import selectors
 import signal
 import socket
@@ -37,6 +45,9 @@ from .scheduler import Scheduler
 
 RELOAD_INTERVAL_US = 10_000_000    # re-read Task heads this often (s × 1e6): peers change them silently
 MAX_SWEEPS_PER_WAKE = 4            # sweeper passes after one wake-up while a pass reports a full batch
+DUTY_WAIT_S = 1.0                  # a loop duty waits this long for a pooled connection: HTTP shares the loop
+BACKOFF_MIN_US = 500_000           # first pause of the loop's duties after a database failure (µs)
+BACKOFF_MAX_US = 8_000_000         # the pause doubles up to this (µs)
 
 
 class ControlPlane:
@@ -54,6 +65,9 @@ class ControlPlane:
         self.http = None
         self.services = None
         self.store = None
+        self._backoff_us = 0               # 0: the authority answered last time
+        self._outage_since = None          # now_us() of the first failure of this outage
+        self._resume_at = 0                # no duty before this instant (µs) while backing off
 
     def run(self) -> int:
         try:
@@ -71,6 +85,9 @@ class ControlPlane:
         if self.cluster.tls_cert is not None:
             from ..http.tls import TlsAcceptor
             tls = TlsAcceptor(self.cluster.tls_cert, self.cluster.tls_key)
+        # psycopg_pool logs every failed reconnect unformatted on stderr (the journal); the
+        # store.unavailable / store.available lines below say the same once per outage.
+        logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
         self.store = bootstrap.open_store(self.settings)        # migrates under the advisory lock
         if self.store.applied:
             self.log("info", "store.migrated", applied=",".join(self.store.applied))
@@ -87,13 +104,15 @@ class ControlPlane:
             due = self.scheduler.next_wake_us
             if self._hup:                  # SIGHUP: re-read the Task heads now
                 self._hup, next_reload = False, now
-            if now >= next_reload:
+            if now < self._resume_at:      # backing off after a failure: only HTTP and signals
+                pass
+            elif now >= next_reload:
                 if self._guarded(self.scheduler.reload) is not None:
                     due = now              # a Task may have been added: plan from the new heads
                 next_reload = now + RELOAD_INTERVAL_US
-            if due is not None and now >= due:
+            if due is not None and now >= due and now >= self._resume_at:
                 self._guarded(self.scheduler.fire_due)
-            if now >= next_sweep:
+            if now >= next_sweep and now >= self._resume_at:
                 for _ in range(MAX_SWEEPS_PER_WAKE):
                     result = self._guarded(self.services.sweeper.sweep_once)
                     if result is None or not result.truncated:
@@ -105,7 +124,10 @@ class ControlPlane:
                 next_sweep = now + int(self.cluster.sweep_interval_s * 1e6)
             if exit_at is not None and now >= exit_at:
                 break
-            wake = [t for t in (self.scheduler.next_wake_us, next_sweep, next_reload, exit_at,
+            duties = [t for t in (self.scheduler.next_wake_us, next_sweep, next_reload) if t is not None]
+            if duties and self._resume_at > now:
+                duties = [max(min(duties), self._resume_at)]
+            wake = [t for t in (*duties, exit_at,
                                 self.http.next_timeout_us(now) if self.http else None,
                                 self.notify.next_ping_us(now)) if t is not None]
             for key, mask in self.sel.select(max(0.0, (min(wake) - now_us()) / 1e6)):
@@ -123,14 +145,27 @@ class ControlPlane:
         return 0
 
     def _guarded(self, fn):
-        """One pass of the scheduler or the sweeper; a busy or unreachable authority is logged
-        and the pass retried at the next wake-up (no iteration is half-done: each write is one
-        transaction)."""
+        """One pass of a loop duty, waiting at most ``DUTY_WAIT_S`` for a connection; None when
+        the authority is busy or unreachable (no pass is half-done: each write is one
+        transaction). A failure pauses every duty for the back-off (doubling 0.5 s → 8 s) and
+        logs ``store.unavailable`` once per outage; the first success after it logs
+        ``store.available`` with the outage's length."""
         try:
-            return fn()
+            with self.store.waiting_at_most(DUTY_WAIT_S):
+                result = fn()
         except UnavailableError as e:
-            self.log("warning", "store.unavailable", code=e.code, error=str(e))
+            now = now_us()
+            if self._outage_since is None:
+                self._outage_since = now
+                self.log("warning", "store.unavailable", code=e.code, error=str(e))
+            self._backoff_us = min(BACKOFF_MAX_US, max(BACKOFF_MIN_US, 2 * self._backoff_us))
+            self._resume_at = now + self._backoff_us
             return None
+        if self._outage_since is not None:
+            self.log("notice", "store.available", down_s="%.1f" % ((now_us() - self._outage_since) / 1e6))
+            self._outage_since = None
+        self._backoff_us = self._resume_at = 0
+        return result
 
     def _install_signals(self) -> None:
         r, w = socket.socketpair()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -549,5 +550,56 @@ def test_readyz_is_503_naming_the_store_while_the_database_refuses_connections(t
         assert replica.stop() == 0
         assert "Traceback" not in "".join(replica.lines), "".join(replica.lines)
     finally:
+        replica.stop()
+        drop_database(name)
+
+
+def _probe(port: int, path: str, timeout: float, token: str | None = None):
+    """(status, Retry-After, JSON body) or a socket.timeout when no answer comes in ``timeout`` s."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"} if token else {})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Retry-After"), json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_path):
+    # Found by review: the loop's duties each waited the pool's 10 s for a connection, so during
+    # an outage /healthz went unanswered for 40 s at a time and 9 s after access returned.
+    name = create_database("outage")
+    env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")
+    env.ok("init")
+    tok = env.ok("token", "create", "--subject", "olga", "--role", "operator").strip()
+    replica = Replica(env)
+    admin = psycopg.connect(ADMIN_URL, autocommit=True)
+    try:
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s"
+                      " AND pid <> pg_backend_pid()", (name,))
+        for _ in range(12):            # several of the loop's failing passes and back-offs
+            assert _probe(replica.port, "/healthz", 3)[0] == 200
+            time.sleep(0.25)
+        status, retry, doc = _probe(replica.port, "/readyz", 4)
+        assert (status, retry, doc["status"]) == (503, "1", "not_ready"), doc
+        assert "cluster database unavailable" in doc["checks"]["store"], doc
+        status, retry, doc = _probe(replica.port, f"{BASE}/tasks/hello", 8, tok)
+        assert (status, retry) == (503, "1"), doc
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        for _ in range(40):            # a couple of seconds: the pool does not sit in a long back-off
+            if _probe(replica.port, "/readyz", 4)[0] == 200:
+                break
+            time.sleep(0.1)
+        assert _probe(replica.port, "/readyz", 4)[0] == 200
+        with replica.cond:             # the loop's duties resume within their back-off cap (8 s)
+            assert replica.cond.wait_for(lambda: any("store.available" in ln for ln in replica.lines), 15)
+        assert replica.stop() == 0
+        journal = "".join(replica.lines)
+        assert journal.count("store.unavailable") == 1 and journal.count("store.available") == 1, journal
+        assert "pool-1" not in journal and "Traceback" not in journal, journal
+    finally:
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        admin.close()
         replica.stop()
         drop_database(name)

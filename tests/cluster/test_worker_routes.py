@@ -185,8 +185,30 @@ def test_old_generation_pull_and_replayed_acks_are_stale_and_write_nothing(kit, 
     # An ACK carrying the current generation with the fenced Lease: not this Session's Lease.
     refused(c.post("acks", {**ack_body(offer, "running"), "sessionId": c.worker["session_id"], "generation": 2}),
             409, "stale_generation")
-    refused(c.post("acks", {**ack_body(offer, "running"), "leaseToken": token()}), 409, "lease_token_mismatch")
-    refused(c.post("acks", {**ack_body(offer, "running"), "attemptId": new_id()}), 404, "attempt_not_found")
+    # The current generation with a wrong token or an unknown Attempt: the Lease fence answers.
+    current = {"sessionId": c.worker["session_id"], "generation": 2}
+    refused(c.post("acks", {**ack_body(offer, "running"), **current, "leaseToken": token()}),
+            409, "lease_token_mismatch")
+    refused(c.post("acks", {**ack_body(offer, "running"), **current, "attemptId": new_id()}),
+            404, "attempt_not_found")
+    assert snapshot(kit) == before
+
+
+def test_an_old_generation_ack_is_stale_whatever_its_lease_token_or_attempt(kit, cp):
+    """Issue 10 §7: the generation is judged first, so a replay from an older generation gets the
+    distinct reason and learns nothing about the Lease (its token, its existence)."""
+    c = Client(cp.port, enrolled(kit, slots=2))
+    session(c)
+    offer = offered(kit, c)
+    assert c.post("acks", ack_body(offer, "starting"))[0] == 200
+    claim = {"attemptId": offer["attemptId"], "leaseGeneration": offer["leaseGeneration"],
+             "leaseToken": offer["leaseToken"]}
+    assert c.post("sessions", {"adopt": [claim]})[0] == 201      # generation 2 adopts the Lease
+    before = snapshot(kit)
+    for override in ({}, {"leaseToken": token()}, {"attemptId": new_id()}, {"leaseGeneration": 7},
+                     {"leaseToken": token(), "attemptId": new_id()}):
+        refused(c.post("acks", {**ack_body(offer, "running"), **override}), 409, "stale_generation")
+        refused(c.post("acks", {**ack_body(offer, "completion", exitCode=0), **override}), 409, "stale_generation")
     assert snapshot(kit) == before
 
 

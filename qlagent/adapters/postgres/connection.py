@@ -5,6 +5,13 @@
 control plane only insists on a read-write session when more than one host is named.
 ``open_pool`` returns a bounded psycopg_pool ConnectionPool; ``transaction`` runs one unit of
 work, retrying a bounded number of times on serialization failures and deadlocks.
+
+Waiting for a pooled connection: a request waits at most ``POOL_WAIT_S``; code running under
+``bounded_wait(s)`` (the control-plane loop's own duties, which share a thread with HTTP)
+waits at most ``s``. While the database is unreachable the pool retries a connection with
+psycopg_pool's doubling back-off but gives up after ``RECONNECT_S``, so the next caller starts a
+fresh attempt and a returning database is used within seconds, not after a back-off grown
+during a long outage.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from contextlib import contextmanager
+from contextvars import ContextVar
 from urllib.parse import parse_qs, urlsplit
 
 from ...core.errors import UnavailableError, ValidationError
@@ -22,6 +30,25 @@ _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]*)(:\d{1,5})?$")
 MAX_URL_BYTES = 4096
 MAX_POOL = 64
 TX_RETRIES = 5
+POOL_WAIT_S = 5.0            # longest wait for a pooled connection by default (s): then 503 + Retry-After
+RECONNECT_S = 2.0            # the pool's reconnect attempts give up after this (s); the next caller retries
+_WAIT: ContextVar[float] = ContextVar("qlagent_pool_wait", default=POOL_WAIT_S)
+
+
+@contextmanager
+def bounded_wait(seconds: float):
+    """Within the block (this thread/context only), ``transaction`` and ``read`` wait at most
+    ``seconds`` for a pooled connection, then raise UnavailableError."""
+    token = _WAIT.set(seconds)
+    try:
+        yield
+    finally:
+        _WAIT.reset(token)
+
+
+def pool_wait() -> float:
+    """Seconds the current context waits for a pooled connection (``bounded_wait``)."""
+    return _WAIT.get()
 
 
 def check_url(url: str, field: str = "cluster.database") -> str:
@@ -66,8 +93,8 @@ def open_pool(url: str, size: int = 4):
     if not 1 <= size <= MAX_POOL:
         raise ValidationError("cluster.pool_size", f"{size} outside 1..{MAX_POOL}", limit=MAX_POOL)
     from psycopg_pool import ConnectionPool
-    pool = ConnectionPool(check_url(url), min_size=1, max_size=size, open=False, timeout=10,
-                          kwargs={"connect_timeout": 10})
+    pool = ConnectionPool(check_url(url), min_size=1, max_size=size, open=False, timeout=POOL_WAIT_S,
+                          reconnect_timeout=RECONNECT_S, kwargs={"connect_timeout": 10})
     try:
         pool.open(wait=True, timeout=10)
     except Exception as e:
@@ -88,7 +115,8 @@ def transaction(pool, fn: Callable):
     from psycopg.rows import dict_row
     for _ in range(TX_RETRIES):
         try:
-            with pool.connection() as conn, conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+            with pool.connection(timeout=_WAIT.get()) as conn, conn.transaction(), \
+                    conn.cursor(row_factory=dict_row) as cur:
                 return fn(cur)
         except (errors.SerializationFailure, errors.DeadlockDetected):
             continue
@@ -106,7 +134,7 @@ def read(pool, fn: Callable):
     import psycopg
     from psycopg.rows import dict_row
     try:
-        with pool.connection() as conn:
+        with pool.connection(timeout=_WAIT.get()) as conn:
             conn.autocommit = True
             try:
                 with conn.cursor(row_factory=dict_row) as cur:

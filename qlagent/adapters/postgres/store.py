@@ -35,7 +35,7 @@ from . import execution as ex
 from . import migrations, policy
 from . import runs as runs_repo
 from . import secrets as secret_rows
-from .connection import autocommit, open_pool
+from .connection import autocommit, bounded_wait, open_pool, pool_wait
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
@@ -97,7 +97,7 @@ class PgStore(RowStore):
         from psycopg.rows import dict_row
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
-                with self.pool.connection() as conn:
+                with self.pool.connection(timeout=pool_wait()) as conn:
                     if queue:       # lock_timeout bounds the wait (and this transaction's row locks)
                         conn.execute(f"SET lock_timeout = {QUEUE_WAIT_MS}")
                         conn.execute("SELECT pg_advisory_lock(%s)", (RUN_CREATE_LOCK,))
@@ -143,6 +143,11 @@ class PgStore(RowStore):
 
     def now_us(self) -> int:
         return self._clock() if self._clock is not None else self.read(self._tx_now)
+
+    def waiting_at_most(self, seconds: float):
+        """A context manager: this thread's store calls inside it wait at most ``seconds`` for a
+        pooled connection, then raise UnavailableError (``connection.bounded_wait``)."""
+        return bounded_wait(seconds)
 
     def capabilities(self) -> dict[str, int]:
         """The declared capabilities (readiness, ``GET /readyz``). UnavailableError: a required one

@@ -162,16 +162,23 @@ def authenticate(cur, worker_id: str, credential_digest: str, *, lock: bool = Fa
 def fenced_lease(cur, f: LeaseFence) -> tuple[dict, dict]:
     """(lease row locked FOR UPDATE, worker row) after the ADR-0109 fence, else:
     WorkerAuthError; NotFoundError ``lease_not_found``; ConflictError ``lease_token_mismatch``
-    or ``stale_generation`` (an older Session/generation than the Worker's current one)."""
+    or ``stale_generation`` (an older Session/generation than the Worker's current one).
+
+    The generation is checked right after the credential and before the Lease is looked up
+    (issue 10 §7): a replay from an older generation answers ``stale_generation`` whatever its
+    Attempt, lease generation or token, so the answer depends on nothing but the Worker's own
+    row and reveals neither whether the Lease exists nor whether the token matches."""
     worker = authenticate(cur, f.worker_id, f.credential_digest)
+    if worker["generation"] != f.generation:
+        raise ConflictError(f"generation {f.generation} is stale (current {worker['generation']})",
+                            code="stale_generation")
     lease = cur.execute("SELECT * FROM run_leases WHERE attempt_id = %s AND lease_generation = %s AND worker_id = %s "
                         "FOR UPDATE", (f.attempt_id, f.lease_generation, f.worker_id)).fetchone()
     if lease is None:
         raise NotFoundError("no such Lease for this Worker", code="lease_not_found")
     if lease["token_digest"] != f.token_digest:
         raise ConflictError("lease token does not match the Lease", code="lease_token_mismatch")
-    if (lease["session_id"] != f.session_id or lease["worker_generation"] != f.generation
-            or worker["generation"] != f.generation):
+    if lease["session_id"] != f.session_id or lease["worker_generation"] != f.generation:
         raise ConflictError(f"generation {f.generation} is stale (current {worker['generation']})",
                             code="stale_generation")
     return lease, worker
