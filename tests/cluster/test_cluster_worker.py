@@ -246,8 +246,9 @@ def test_stale_generation_ack_is_refused_with_a_distinct_reason(kit):
     with pytest.raises(ConflictError) as e:
         kit.ack(w, offer, "running")
     assert e.value.code == "stale_generation"
-    with pytest.raises(NotFoundError):
+    with pytest.raises(ConflictError) as e:     # the generation is judged before the Lease is looked up
         kit.ack(w, msgspec.structs.replace(offer, lease_generation=5), "running")
+    assert e.value.code == "stale_generation"
 
 
 def test_start_failure_and_retry_policy(kit):
