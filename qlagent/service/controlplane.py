@@ -104,20 +104,18 @@ class ControlPlane:
             due = self.scheduler.next_wake_us
             if self._hup:                  # SIGHUP: re-read the Task heads now
                 self._hup, next_reload = False, now
-            if now < self._resume_at:      # backing off after a failure: only HTTP and signals
-                pass
-            elif now >= next_reload:
+            if now >= next_reload and not self._backing_off():
                 if self._guarded(self.scheduler.reload) is not None:
                     due = now              # a Task may have been added: plan from the new heads
                 next_reload = now + RELOAD_INTERVAL_US
-            if due is not None and now >= due and now >= self._resume_at:
+            if due is not None and now >= due and not self._backing_off():
                 self._guarded(self.scheduler.fire_due)
-            if now >= next_sweep and now >= self._resume_at:
+            if now >= next_sweep and not self._backing_off():
                 for _ in range(MAX_SWEEPS_PER_WAKE):
                     result = self._guarded(self.services.sweeper.sweep_once)
                     if result is None or not result.truncated:
                         break
-                for _ in range(MAX_SWEEPS_PER_WAKE):
+                for _ in range(MAX_SWEEPS_PER_WAKE if not self._backing_off() else 0):
                     checked = self._guarded(lambda: self.services.placement_report.report(self.cluster.sweep_batch))
                     if checked is None or checked[0] < self.cluster.sweep_batch:
                         break
@@ -125,7 +123,7 @@ class ControlPlane:
             if exit_at is not None and now >= exit_at:
                 break
             duties = [t for t in (self.scheduler.next_wake_us, next_sweep, next_reload) if t is not None]
-            if duties and self._resume_at > now:
+            if duties and self._backing_off():
                 duties = [max(min(duties), self._resume_at)]
             wake = [t for t in (*duties, exit_at,
                                 self.http.next_timeout_us(now) if self.http else None,
@@ -143,6 +141,10 @@ class ControlPlane:
         self._drain_http()
         self.log("info", "service.stopped", role="control-plane")
         return 0
+
+    def _backing_off(self) -> bool:
+        """True while the loop's database duties pause after a failure (only HTTP and signals)."""
+        return now_us() < self._resume_at
 
     def _guarded(self, fn):
         """One pass of a loop duty, waiting at most ``DUTY_WAIT_S`` for a connection; None when
