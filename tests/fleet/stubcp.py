@@ -453,13 +453,15 @@ class StubControlPlane:
                 self.lock.wait(min(left, 0.5))
 
     def _fence(self, wid: str, attempt_id: str, sid: str, gen: int, lease_gen: int, token: str) -> dict:
+        if self.workers[wid]["generation"] != gen:      # judged first, as fenced_lease does
+            raise HttpError(409, "stale_generation", "stale generation")
         a = self.attempts.get(attempt_id)
         lease = a["lease"] if a else None
         if lease is None or lease["generation"] != lease_gen or lease["worker"] != wid:
             raise HttpError(404, "attempt_not_found", "no such Lease for this Worker")
         if lease["digest"] != hashlib.sha256(token.encode()).hexdigest():
             raise HttpError(409, "lease_token_mismatch", "lease token does not match the Lease")
-        if lease["session"] != sid or lease["worker_generation"] != gen or self.workers[wid]["generation"] != gen:
+        if lease["session"] != sid or lease["worker_generation"] != gen:
             raise HttpError(409, "stale_generation", "stale generation")
         return a
 
