@@ -1139,3 +1139,30 @@ class HttpServer:
             self._unregister(conn.sock)
             conn.registered_mask = 0
         conn.sock.close()
+
+
+class LoopSurface:
+    """What an HTTP surface driven by its owner's selectors loop shares (the local API, the
+    control plane's, the Worker's status surface): ``self.server`` (an :class:`HttpServer`)
+    registered on the loop, its events, and the SIGTERM drain (``draining`` makes /readyz 503)."""
+
+    server: HttpServer
+    draining: bool = False
+
+    def listen_unix(self, path: str) -> str:
+        """Bind a unix stream socket at ``path`` (mode 0660); returns the path. Raises OSError."""
+        return self.server.listen_unix(path)
+
+    def register(self, selector: selectors.BaseSelector) -> None:
+        self.server.register(selector)
+
+    def owns(self, key: selectors.SelectorKey) -> bool:
+        return self.server.owns(key)
+
+    def handle_event(self, key: selectors.SelectorKey, mask: int) -> None:
+        self.server.handle_event(key, mask)
+
+    def begin_drain(self) -> None:
+        """SIGTERM: stop accepting, finish requests in progress; /readyz answers 503."""
+        self.draining = True
+        self.server.begin_drain()

@@ -8,7 +8,6 @@ dispatcher (the store ports).
 
 from __future__ import annotations
 
-import selectors
 import time
 
 import msgspec
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from qlagent.core.errors import ValidationError
 from qlagent.http.api import Api, build_router
-from qlagent.http.server import Deferred, HttpError, HttpLimits, HttpServer, Request, Response
+from qlagent.http.server import Deferred, HttpError, HttpLimits, HttpServer, LoopSurface, Request, Response
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from qlagent.core.ports import Store
@@ -63,7 +62,7 @@ def limits_for(settings) -> HttpLimits:
     return replace(limits, read_timeout_s=cfg.read_timeout_s)
 
 
-class HttpSurface:
+class HttpSurface(LoopSurface):
     """``HttpSurface(settings, store, on_change, cluster=None)``: the API server for the loop.
 
     ``on_change()`` pokes the loop (a new Run to dispatch, a cancellation to carry out).
@@ -105,19 +104,6 @@ class HttpSurface:
         ``qlagent.http.tls.TlsAcceptor`` (HTTPS on this listener)."""
         return self.server.listen_tcp(host, port, tls=tls)
 
-    def listen_unix(self, path: str) -> str:
-        """Bind a unix stream socket at ``path`` (mode 0660); returns the path."""
-        return self.server.listen_unix(path)
-
-    def register(self, selector: selectors.BaseSelector) -> None:
-        self.server.register(selector)
-
-    def owns(self, key: selectors.SelectorKey) -> bool:
-        return self.server.owns(key)
-
-    def handle_event(self, key: selectors.SelectorKey, mask: int) -> None:
-        self.server.handle_event(key, mask)
-
     def next_timeout_us(self, now_us: int) -> int | None:
         """The next connection deadline as wall-clock µs (the loop's clock), or None. The server
         keeps monotonic seconds; the difference is carried over so clock steps do not matter."""
@@ -133,11 +119,6 @@ class HttpSurface:
     def connections(self) -> int:
         """Open client connections."""
         return self.server.connections
-
-    def begin_drain(self) -> None:
-        """SIGTERM: stop accepting, finish requests in progress; /readyz answers 503."""
-        self.draining = True
-        self.server.begin_drain()
 
     def close(self) -> None:
         """Close every connection, then stop the Worker routes' threads."""

@@ -22,18 +22,17 @@ The same bounded server as the local API (``http.server.HttpServer``, the Profil
 
 from __future__ import annotations
 
-import selectors
 import time
 from collections.abc import Callable
 
 from qlagent.http.routing import Router
-from qlagent.http.server import HttpServer, Request, Response
+from qlagent.http.server import HttpServer, LoopSurface, Request, Response
 from qlagent.http.service import PROBE_PATHS, limits_for
 
 STATUS_PATH = "/api/v3/worker"
 
 
-class WorkerStatusSurface:
+class WorkerStatusSurface(LoopSurface):
     """``WorkerStatusSurface(settings, status)``: ``status()`` returns the Worker's status document
     (a dict with at least ``session``, None while no Session is open, and ``draining``). Raises
     ValidationError for an ``[http]`` override out of bounds."""
@@ -59,29 +58,11 @@ class WorkerStatusSurface:
         """Bind HOST:PORT (0 picks a free port); the bound (host, port). Raises OSError."""
         return self.server.listen_tcp(host, port)
 
-    def listen_unix(self, path: str) -> str:
-        """Bind a unix stream socket at ``path``; the path. Raises OSError."""
-        return self.server.listen_unix(path)
-
-    def register(self, selector: selectors.BaseSelector) -> None:
-        self.server.register(selector)
-
-    def owns(self, key: selectors.SelectorKey) -> bool:
-        return self.server.owns(key)
-
-    def handle_event(self, key: selectors.SelectorKey, mask: int) -> None:
-        self.server.handle_event(key, mask)
-
     def next_timeout_s(self) -> float | None:
         """Expire timed-out connections; seconds until the next connection deadline, or None."""
         mono = time.monotonic()
         deadline = self.server.timeouts(mono)
         return None if deadline is None else max(0.0, deadline - mono)
-
-    def begin_drain(self) -> None:
-        """SIGTERM: stop accepting, finish requests in progress; /readyz answers 503."""
-        self.draining = True
-        self.server.begin_drain()
 
     def close(self) -> None:
         self.server.close()
