@@ -222,13 +222,15 @@ class ClusterServices:
         from .cluster.acks import AckService
         from .cluster.leases import LeaseSweeper
         from .cluster.logs import LogUpload
+        from .cluster.placement import LeaseFitPlans
         from .cluster.pull import WorkerPull
         c = settings.config.cluster
         self.config = c
         self.store = store
         self.budgets = _budgets(c)
         self.registry = worker_registry(settings, store)
-        dispatch = PgDispatchStore(store.pool, PgPlanSource(store.pool, settings.profile))
+        plans = LeaseFitPlans(PgPlanSource(store.pool, settings.profile), c.lease_ttl_s)
+        dispatch = PgDispatchStore(store.pool, plans)
         self.signal = PgCandidateSignal(c.database)
         self.pull = WorkerPull(dispatch, PgSecretResolver(store.pool, _LazyBox(settings.key_file, SecretBox)),
                                self.budgets, self.signal)
@@ -237,7 +239,7 @@ class ClusterServices:
         self.log_reader = log_chunks(store)
         self.logs = LogUpload(self.log_reader, settings.profile)
         self.sweeper = LeaseSweeper(leases, PgWorkerRegistry(store.pool), c.sweep_batch)
-        self.placement_report = PgPlacementReport(store.pool)
+        self.placement_report = PgPlacementReport(store.pool, plans.max_grace_ms)
         self.now_us = dispatch.now_us
 
     def stop_waiting(self) -> None:

@@ -141,3 +141,25 @@ def test_keep_never_stops_and_kill_never_keeps(sent, ttl, grace, now):
     r = Renewal(sent_local_us=sent, server_now_us=sent + 7, expires_at_us=sent + 7 + ttl)
     assert fencing.decide(now, r, "keep", grace).action in (RUN, KEEP)
     assert fencing.decide(now, r, "kill", grace).action in (RUN, STOP)
+
+
+# ---------------------------------------------------------------- grace under a Lease (core.leasefit)
+
+@given(ttl_s=st.integers(min_value=5, max_value=3600))
+def test_the_longest_grace_a_lease_holds_leaves_three_one_second_beats_and_a_ms_more_does_not(ttl_s):
+    from qlagent.core import leasefit
+    assert (leasefit.SAFETY_US, leasefit.DRIFT_PPM) == (fencing.DEFAULT_SAFETY_US, fencing.DEFAULT_DRIFT_PPM)
+    assert (leasefit.MIN_BEATS_PER_TTL, leasefit.MIN_HEARTBEAT_S) == (heartbeat.MIN_BEATS_PER_TTL,
+                                                                        heartbeat.MIN_INTERVAL_S)
+    limit = leasefit.max_grace_ms(ttl_s)
+
+    def margin_s(grace_ms: int) -> float:
+        return fencing.margin_us(ttl_s * 1_000_000, grace_ms * 1000 + leasefit.KILL_REAP_US) / 1e6
+    if limit >= 0:
+        heartbeat.check_cadence(heartbeat.MIN_INTERVAL_S, ttl_s, margin_s(limit))
+        leasefit.check_grace("grace_s", limit, ttl_s)
+    with pytest.raises(ValidationError):
+        heartbeat.check_cadence(heartbeat.MIN_INTERVAL_S, ttl_s, margin_s(max(limit, 0) + 1))
+    with pytest.raises(ValidationError) as e:
+        leasefit.check_grace("task[0].grace_s", max(limit, 0) + 1, ttl_s)
+    assert e.value.field == "task[0].grace_s" and e.value.exit_code == EXIT_USAGE

@@ -68,6 +68,7 @@ from ..core.control import (Answer, AttemptNotFound, ChunkConflict, ControlAuthE
                             ControlTlsError, ControlUnreachable, LeaseGone, PullTokenMismatch, RequestRefused,
                             SessionGone, WorkerRunsPort)
 from ..core.errors import QlError, StartError, ValidationError
+from ..core.leasefit import KILL_REAP_US          # after SIGKILL: reaping the tree (fencing's kill grace adds it)
 from ..core.receipt import start_code
 from ..core.inbox_states import (COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, InboxEntry, InboxOffer, pull_body,
                                  recovery_action)
@@ -76,7 +77,6 @@ from ..worker import backoff, fencing, heartbeat
 CHUNK_BYTES = 262_144
 DEFAULT_PULL_WAIT_S = 20
 REPLACED_RESET_US = 60_000_000          # a Session kept this long ends the back-off of session_replaced
-KILL_REAP_US = 1_000_000               # after SIGKILL: reaping the tree (fencing's kill grace adds it)
 NO_PIDFD_LOOK_US = 1_000_000
 
 

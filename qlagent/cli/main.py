@@ -164,6 +164,7 @@ def _head_json(ctx: Ctx, h) -> dict:
 def cmd_task_add(ctx: Ctx) -> int:
     from ..application.definitions import DefinitionWriter
     prepared = DefinitionWriter.prepare_file(_load_toml(ctx.args.file))
+    _check_lease_fit(ctx, prepared)
     heads = DefinitionWriter(ctx.store).add(prepared)
     ctx.poke_service()
     if ctx.args.json:
@@ -173,6 +174,17 @@ def cmd_task_add(ctx: Ctx) -> int:
             print(f"added {h.name} revision {h.revision} {h.content_digest}")
     _warn_missing_secrets(ctx, {h.name for h in heads})
     return 0
+
+
+def _check_lease_fit(ctx: Ctx, prepared) -> None:
+    """Against a ``[cluster]`` config, refuse (exit 2, nothing written) a Task whose ``grace_s``
+    the config's ``lease_ttl_s`` cannot hold: its fleet Worker would stop it right after it
+    starts (core.leasefit)."""
+    from ..core.leasefit import check_grace
+    c = ctx.settings.config.cluster
+    if c is not None:
+        for i, p in enumerate(prepared):
+            check_grace(f"task[{i}].grace_s", p.definition.grace_ms, c.lease_ttl_s)
 
 
 def _warn_missing_secrets(ctx: Ctx, names: set[str]) -> None:
@@ -192,6 +204,7 @@ def cmd_task_edit(ctx: Ctx) -> int:
     prepared = DefinitionWriter.prepare_file(_load_toml(ctx.args.file))
     if len(prepared) != 1:
         raise E.ValidationError("task", f"`task edit` takes a file with exactly one [[task]], got {len(prepared)}")
+    _check_lease_fit(ctx, prepared)
     h = DefinitionWriter(ctx.store).edit(ctx.args.name, ctx.args.expect_revision, ctx.args.expect_digest,
                                          prepared[0])
     ctx.poke_service()
@@ -392,7 +405,7 @@ def cmd_run_show(ctx: Ctx) -> int:
     print(f"trigger   {run.trigger_type} by {run.requested_by}; created {_fmt_us(run.created_at_us)}")
     for a in attempts:
         figures = "" if a.ended_at_us is None else (
-            f" kept={a.bytes_kept} dropped={a.bytes_dropped}{' TRUNCATED' if a.truncated else ''}"
+            f" kept={_or_dash(a.bytes_kept)} dropped={_or_dash(a.bytes_dropped)}{' TRUNCATED' if a.truncated else ''}"
             f" peak_rss={_or_dash(a.peak_rss_bytes)} cpu_us={_or_dash(a.cpu_time_us)}"
             + (f" orphans_stopped={a.orphans_stopped}" if a.orphans_stopped else ""))
         print(f"attempt   #{a.attempt_no} {a.state}{figures or ' (figures when it ends)'}"

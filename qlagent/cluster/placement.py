@@ -15,6 +15,7 @@ import msgspec
 from ..core import limits as L
 from ..core.cluster import EXECUTOR_LABEL, WorkerSnapshot
 from ..core.errors import ValidationError
+from ..core.leasefit import max_grace_ms
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -83,3 +84,23 @@ def rank(p: Placement, workers: list[WorkerSnapshot]) -> list[tuple[int, WorkerS
     scored = [(score(p, w), w) for w in workers if matches(p, w)]
     scored.sort(key=lambda sw: (-sw[0], -sw[1].free_slots, sw[1].worker_id))
     return scored
+
+
+class LeaseFitPlans:
+    """A plan source (``adapters.postgres.dispatch.PgPlanSource``) that yields no plan for an
+    Attempt whose ``graceMs`` a Lease of ``lease_ttl_s`` cannot hold (core.leasefit): its Worker
+    would stop it right after it starts, so it is never offered (the dispatcher and Pull skip it
+    as ``plan_missing``; it stays queued and ``PgPlacementReport`` reports it
+    ``run.unplaceable``, reason ``grace_exceeds_lease``)."""
+
+    def __init__(self, plans, lease_ttl_s: int) -> None:
+        self._plans, self.max_grace_ms = plans, max_grace_ms(lease_ttl_s)
+
+    def _fit(self, plan):
+        return None if plan is None or (plan.spec.get("graceMs") or 0) > self.max_grace_ms else plan
+
+    def prepare(self, c):
+        return self._fit(self._plans.prepare(c))
+
+    def prepare_with(self, cur, c):
+        return self._fit(self._plans.prepare_with(cur, c))

@@ -603,3 +603,67 @@ def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_
         admin.close()
         replica.stop()
         drop_database(name)
+
+
+def test_a_grace_the_lease_cannot_hold_is_refused_at_task_add_and_never_offered(tmp_path):
+    # Found on the fleet: grace_s = 30 under lease_ttl_s = 30 was offered, its Worker stopped it
+    # right after it started (lease_lost action=kill) and the run ended lost with no hint.
+    import time
+    name = create_database("ops_grace")
+    env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")       # lease_ttl_s = 30: grace ≤ 24.971 s
+    env.ok("init")
+    long_grace = ('[[task]]\nname = "slow-stop"\nshell = "/bin/sh"\nscript = "true"\ngrace_s = 30\n'
+                  'placement = { required = { pool = "g" } }\n')
+    path = os.path.join(str(tmp_path), "grace.toml")
+    with open(path, "w") as f:
+        f.write(long_grace)
+    replica = None
+    try:
+        for verb in (("task", "add", "-f", path), ("task", "edit", "slow-stop", "-f", path,
+                                                      "--expect-revision", "1", "--expect-digest", "0" * 64)):
+            p = env.cli(*verb)
+            lines = p.stderr.decode().strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1 and "grace_s" in lines[0] and "24.971" in lines[0], p.stderr
+        assert env.sql("SELECT count(*) FROM tasks") == [(0,)]                # nothing written
+        with open(path, "w") as f:                                            # the same grace fits a 24 s one
+            f.write(long_grace.replace("grace_s = 30", "grace_s = 24"))
+        env.ok("task", "add", "-f", path)
+        # A Task stored before (here: by a CLI with a longer Lease) is never offered but reported.
+        os.mkdir(tmp_path / "roomy")
+        roomy = Env(str(tmp_path / "roomy"), db_url(name), "lease_ttl_s = 120\n")
+        roomy.state = env.state
+        with open(path, "w") as f:
+            f.write(long_grace)
+        head = json.loads(env.ok("task", "show", "slow-stop", "--json"))
+        roomy.ok("task", "edit", "slow-stop", "-f", path, "--expect-revision", str(head["revision"]),
+                 "--expect-digest", head["contentDigest"])
+        out = json.loads(env.ok("workers", "enroll", "g-1", "--label", "pool=g", "--json"))
+        replica = Replica(env)
+        run = env.ok("run", "start", "slow-stop").strip()
+        deadline = time.monotonic() + 20                       # the replica's sweep pass (every 0.5 s) checks it
+        while time.monotonic() < deadline and "run.unplaceable" not in env.ok("run", "show", run):
+            time.sleep(0.2)
+        shown = json.loads(env.ok("run", "show", run, "--json"))
+        (ev,) = [e for e in shown["events"] if e["type"] == "run.unplaceable"]
+        assert ev["payload"]["reason"] == "grace_exceeds_lease" and ev["payload"]["field"] == "grace_s"
+        assert (ev["payload"]["graceS"], ev["payload"]["limitS"]) == (30, 24.971)
+        headers = {"Authorization": f"Worker {out['credential']}", "Content-Type": "application/json"}
+
+        def call(route: str, doc: dict) -> tuple[int, dict]:
+            conn = http.client.HTTPConnection("127.0.0.1", replica.port, timeout=30)
+            try:
+                conn.request("POST", f"/api/v3/cluster/workers/{out['workerId']}/{route}", json.dumps(doc), headers)
+                resp = conn.getresponse()
+                return resp.status, json.loads(resp.read() or b"null")
+            finally:
+                conn.close()
+        status, grant = call("sessions", {})
+        assert status == 201, grant
+        status, answer = call("pull", {"sessionId": grant["sessionId"], "generation": grant["generation"],
+                                       "pullId": str(uuid.uuid4()), "leaseToken": "t" * 43})
+        assert status == 200 and answer["status"] in ("idle", "unmatched") and "attemptId" not in answer, answer
+        assert json.loads(env.ok("run", "show", run, "--json"))["state"] == "queued"
+    finally:
+        if replica is not None:
+            assert replica.stop() == 0
+        drop_database(name)

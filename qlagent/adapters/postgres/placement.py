@@ -3,7 +3,9 @@ satisfy is reported with a ``run.unplaceable`` RunEvent (shown by ``run show``) 
 waiting silently. "Could ever" reads the enrolments (labels, executor types), not the Sessions:
 a Worker that is offline now may connect later; a removed one never will. Each queued Run is
 checked once (``runs.placement_checked``); it stays queued and is offered as soon as a matching
-Worker appears."""
+Worker appears. A Run whose ``grace_s`` the Lease cannot hold (core.leasefit: its Worker would
+stop it right after it starts) is reported with reason ``grace_exceeds_lease``, its grace and the
+limit; the dispatcher never offers it (cluster.placement.LeaseFitPlans)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from .transitions import event, now_us
 
 
 class PgPlacementReport:
-    """Over a psycopg pool; ``report(limit)`` checks up to ``limit`` Runs per call."""
+    """Over a psycopg pool; ``report(limit)`` checks up to ``limit`` Runs per call.
+    ``max_grace_ms``: the longest grace the replica's Lease holds (core.leasefit.max_grace_ms)."""
 
-    def __init__(self, pool) -> None:
-        self._pool = pool
+    def __init__(self, pool, max_grace_ms: int) -> None:
+        self._pool, self._max_grace_ms = pool, max_grace_ms
 
     def report(self, limit: int) -> tuple[int, int]:
         """One bounded pass (``FOR UPDATE SKIP LOCKED``: replicas share the work). Returns
@@ -34,12 +37,20 @@ class PgPlacementReport:
                 " ORDER BY r.created_at_us LIMIT %s FOR UPDATE OF r SKIP LOCKED", (limit,)).fetchall()
             now, reported = now_us(cur), 0
             for r in rows:
-                required = dict((json.loads(r["definition_json"]).get("placement") or {}).get("required") or {})
+                definition = json.loads(r["definition_json"])
+                cur.execute("UPDATE runs SET placement_checked = true WHERE run_id = %s", (r["run_id"],))
+                grace_ms = definition.get("graceMs") or 0
+                if grace_ms > self._max_grace_ms:
+                    event(cur, r["run_id"], "run.unplaceable", "control-plane",
+                          {"attemptId": r["attempt_id"], "reason": "grace_exceeds_lease", "field": "grace_s",
+                           "graceS": grace_ms / 1000, "limitS": max(self._max_grace_ms, 0) / 1000}, now)
+                    reported += 1
+                    continue
+                required = dict((definition.get("placement") or {}).get("required") or {})
                 executor = required.pop(EXECUTOR_LABEL, r["worker_executor"])
                 possible = cur.execute("SELECT EXISTS (SELECT 1 FROM workers WHERE state <> 'removed'"
                                        " AND labels @> %s AND %s = ANY(executor_types)) AS ok",
                                        (Jsonb(required), executor)).fetchone()["ok"]
-                cur.execute("UPDATE runs SET placement_checked = true WHERE run_id = %s", (r["run_id"],))
                 if not possible:
                     event(cur, r["run_id"], "run.unplaceable", "control-plane",
                           {"attemptId": r["attempt_id"], "reason": "no_enrolled_worker_matches",
