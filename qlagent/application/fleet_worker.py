@@ -415,6 +415,8 @@ class WorkerRuntime:
             hello = msgspec.structs.replace(self.hello, adopt=tuple(self._adopt_claims()))
             ans, sent = self._rpc("POST", "/sessions", msgspec.json.encode(hello))
             grant = msgspec.json.decode(ans.body, type=SessionGrant)
+            if not self.connected_once and ans.server_now_us is not None:
+                self._check_cadence(grant.expires_at_us - ans.server_now_us)
             self.session = (grant.session_id, grant.generation)
             self.session_opened_us = self.now()
             self.connected_once = True
@@ -475,6 +477,20 @@ class WorkerRuntime:
                                             expires_at_us=a.expires_at_us)
                 self._tell_shim(j)
             self.log("info", "worker.lease_adopted", attempt=j.attempt_id, generation=grant.generation)
+
+    def _check_cadence(self, ttl_us: int) -> None:
+        """At start-up, the first Session's TTL (the control plane's Session and Lease TTLs are
+        one table; the Lease's is learnt only with an offer) must fit ``MIN_BEATS_PER_TTL``
+        heartbeats after the fencing margin of a run with no grace, or every run would be
+        stopped before its first renewal: one line naming the key, exit 2 (worker.heartbeat
+        ``check_cadence``). A Task's own grace is the control plane's to check (core.leasefit)."""
+        try:
+            heartbeat.check_cadence(self.heartbeat_s, ttl_us / 1e6, fencing.margin_us(ttl_us, KILL_REAP_US) / 1e6)
+        except ValidationError as e:
+            raise ValidationError("worker.heartbeat_interval_s",
+                                  f"{self.heartbeat_s:g} s cannot renew a {ttl_us / 1e6:.1f} s Session/Lease in time "
+                                  f"(at most {max(e.limit, 0):.3f} s: {e.args[0].split(': ', 1)[-1]})",
+                                  limit=e.limit) from None
 
     def _beat_delay_us(self) -> int:
         return int(heartbeat.heartbeat_delay_s(self.heartbeat_s, self.rand()) * 1e6)

@@ -712,3 +712,16 @@ def test_a_control_plane_that_never_answers_does_not_starve_the_watchdog(tmp_pat
     gaps = [b - a for a, b in zip(pings, pings[1:])]
     assert max(gaps) < 2.0, gaps             # never a missed watchdog
     assert "worker.connect_failed" in w.journal()    # it did try, and the calls timed out
+
+
+def test_a_heartbeat_too_slow_to_renew_the_lease_is_refused_at_start_up_naming_the_key(tmp_path, cp):
+    # Session/Lease 6 s: a run is stopped 2 s before expiry, so 3 beats need ≤ 1.33 s each.
+    w = Worker(tmp_path, cp, cp.url)
+    with open(w.cfg) as f:
+        text = f.read()
+    with open(w.cfg, "w") as f:
+        f.write(text.replace("heartbeat_interval_s = 1.0", "heartbeat_interval_s = 2"))
+    assert w.start().p.wait(30) == 2
+    lines = [ln for ln in w.journal().splitlines() if "ERR" in ln]
+    assert len(lines) == 1 and "worker.heartbeat_interval_s" in lines[0] and "1.33" in lines[0], w.journal()
+    assert "Traceback" not in w.journal() and not any(a.kind == "starting" for a in cp.acks)
