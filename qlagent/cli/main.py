@@ -578,10 +578,18 @@ def cmd_workers_ls(ctx: Ctx) -> int:
     return 0
 
 
-def cmd_workers_state(ctx: Ctx, drain: bool) -> int:
+_WORKER_VERBS = {"drain": "draining", "resume": "active", "rm": "removed"}
+
+
+def cmd_workers_state(ctx: Ctx, verb: str) -> int:
+    """``workers drain|resume|rm NAME``: the Worker's new state (``--json``: name, workerId, state)."""
     registry = _registry(ctx)
-    worker_id = registry.drain(ctx.args.name) if drain else registry.remove(ctx.args.name)
-    print(f"{ctx.args.name} {worker_id} {'draining' if drain else 'removed'}")
+    act = {"drain": registry.drain, "resume": registry.resume, "rm": registry.remove}[verb]
+    worker_id, state = act(ctx.args.name), _WORKER_VERBS[verb]
+    if ctx.args.json:
+        _print_json({"name": ctx.args.name, "workerId": worker_id, "state": state})
+    else:
+        print(f"{ctx.args.name} {worker_id} {state}")
     return 0
 
 
@@ -760,8 +768,10 @@ def build_parser() -> argparse.ArgumentParser:
     we.add_argument("--executor", action="append", choices=["local_process"], help="executor type (repeatable)")
     we.add_argument("--slots", type=int, default=1, help="concurrent Attempts (1..256)")
     add(wk, "ls", cmd_workers_ls, "list Workers: state, generation, Session, last heartbeat, free slots")
-    add(wk, "drain", lambda c: cmd_workers_state(c, True), "no new offers to the Worker").add_argument("name")
-    add(wk, "rm", lambda c: cmd_workers_state(c, False), "remove the Worker (its Leases are fenced)"
+    add(wk, "drain", lambda c: cmd_workers_state(c, "drain"), "no new offers to the Worker").add_argument("name")
+    add(wk, "resume", lambda c: cmd_workers_state(c, "resume"), "undo a drain: offers to the Worker again"
+        ).add_argument("name")
+    add(wk, "rm", lambda c: cmd_workers_state(c, "rm"), "remove the Worker (its Leases are fenced)"
         ).add_argument("name")
 
     imp = sub.add_parser("import", help="import from another scheduler").add_subparsers(dest="sub", required=True,

@@ -234,6 +234,12 @@ class WorkerRegistry:
         ValidationError for a name no Worker can have, NotFoundError(worker_not_found)."""
         return self._store.set_state(check_name(name), "draining")
 
+    def resume(self, name: str) -> str:
+        """Undo ``drain``: the Worker gets offers again (idempotent: an active Worker stays so).
+        Returns the Worker ID. ValidationError for a name no Worker can have,
+        NotFoundError(worker_not_found)."""
+        return self._store.set_state(check_name(name), "active")
+
     def remove(self, name: str) -> str:
         """Remove the Worker: Sessions closed, Leases fenced, name freed. Returns the Worker ID.
         ValidationError for a name no Worker can have, NotFoundError(worker_not_found)."""

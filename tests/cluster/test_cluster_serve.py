@@ -355,6 +355,13 @@ def test_workers_enroll_ls_drain_rm(cp):
     assert env.ok("workers", "drain", "edge-1").split()[-1] == "draining"
     assert json.loads(env.ok("workers", "ls", "--json"))["items"][0]["state"] == "draining"
     assert env.cli("workers", "enroll", "edge-1").returncode == 3                   # the live name is taken
+    for _ in range(2):                                                             # resume undoes drain; idempotent
+        assert json.loads(env.ok("workers", "resume", "edge-1", "--json")) == \
+            {"name": "edge-1", "workerId": out["workerId"], "state": "active"}
+        assert json.loads(env.ok("workers", "ls", "--json"))["items"][0]["state"] == "online"
+    assert json.loads(env.ok("workers", "drain", "edge-1", "--json")) == \
+        {"name": "edge-1", "workerId": out["workerId"], "state": "draining"}
+    assert env.ok("workers", "resume", "edge-1").split()[-1] == "active"
     env.ok("workers", "rm", "edge-1")
     assert json.loads(env.ok("workers", "ls", "--json"))["items"] == []
     p = env.cli("workers", "rm", "edge-1")
@@ -414,16 +421,18 @@ def test_workers_enroll_at_every_limit_is_accepted_exactly(cp):
         env.ok("workers", "rm", "w")
 
 
-def test_bad_workers_drain_and_rm_name_the_field_and_write_nothing(cp):
+def test_bad_workers_drain_resume_and_rm_name_the_field_and_write_nothing(cp):
     env, _, _ = cp
     env.ok("workers", "enroll", "keep-me")
     try:
         before = env.sql("SELECT * FROM workers ORDER BY worker_id")
-        for verb in ("drain", "rm"):
+        for verb in ("drain", "resume", "rm"):
             for name, code, text in (("w" * 65, 2, "name"), ("Bad Name", 2, "name"), ("absent", 4, "absent")):
                 p = env.cli("workers", verb, name)
                 lines = p.stderr.decode().strip().splitlines()
                 assert p.returncode == code and len(lines) == 1 and text in lines[0], (verb, name, p.stderr)
+            p = env.cli("workers", verb, "absent", "--json")             # --json: the error object on stdout
+            assert p.returncode == 4 and json.loads(p.stdout)["error"]["code"] == "worker_not_found", p.stdout
             p = env.cli("workers", verb)                                 # NAME missing: usage
             assert p.returncode == 2 and len(p.stderr.decode().strip().splitlines()) == 1, p.stderr
         assert env.sql("SELECT * FROM workers ORDER BY worker_id") == before

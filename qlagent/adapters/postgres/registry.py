@@ -112,8 +112,8 @@ class PgWorkerRegistry:
         return transaction(self._pool, tx)
 
     def set_state(self, name: str, state: str) -> str:
-        """``draining`` (no new claims; Leases run on) or ``removed`` (Sessions closed, Leases
-        fenced, name freed). Returns the Worker ID; NotFoundError for no live Worker of that name."""
+        """``draining`` (no new claims; Leases run on), ``active`` (claims again: undoes a drain)
+        or ``removed`` (Sessions closed, Leases fenced, name freed). Returns the Worker ID; NotFoundError for no live Worker of that name."""
         def tx(cur):
             w = cur.execute("SELECT worker_id FROM workers WHERE name = %s AND state <> 'removed' FOR NO KEY UPDATE",
                             (name,)).fetchone()
