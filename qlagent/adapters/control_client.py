@@ -140,6 +140,7 @@ class ControlClient:
             raise ValidationError("worker.control_url", "at least one URL")
         self._endpoints = [parse_control_url(u) for u in urls]
         self.replicas = len(self._endpoints)
+        self.urls = tuple(f"{scheme}://{host}:{port}" for scheme, host, port in self._endpoints)
         self._at = 0
         https = any(scheme == "https" for scheme, _, _ in self._endpoints)
         if https and not ca_file:

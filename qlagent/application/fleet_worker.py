@@ -191,7 +191,7 @@ class WorkerRuntime:
 
     def status(self) -> dict:
         """The Worker's status (the local ``GET /api/v3/worker``): ``workerId``, ``control``
-        (the control plane's address), ``session`` ({sessionId, generation} or None while
+        (the control-plane URLs it tries, in order), ``session`` ({sessionId, generation} or None while
         connecting), ``draining``, ``slots``, ``freeSlots``, ``liveRuns`` (spawned, not ended),
         ``inbox`` ({rows, bytes, maxRows, maxBytes, open}: rows and spec bytes kept, their caps,
         rows not yet acknowledged), ``counts`` (since start: spawned, reattached, completed,
@@ -199,7 +199,7 @@ class WorkerRuntime:
         live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
         rows, used = self.inbox.usage()
         sid_gen = self.session
-        return {"workerId": self.worker_id, "control": repr(self.client),
+        return {"workerId": self.worker_id, "control": list(self.client.urls),
                 "session": None if sid_gen is None else {"sessionId": sid_gen[0], "generation": sid_gen[1]},
                 "draining": self.stopping, "slots": self.slots, "freeSlots": max(0, self.slots - live),
                 "liveRuns": sum(1 for j in self.jobs.values() if j.handle is not None),

@@ -119,10 +119,12 @@ BY_CODE = {"worker_unauthenticated": ControlAuthError,
 class ControlPort(Protocol):
     """The Worker's client (``adapters.control_client.ControlClient``). Every method raises a
     ControlError of this module when there is no success answer. ``replicas``: how many
-    control-plane URLs it tries in turn (a request without an answer moves it to the next)."""
+    control-plane URLs it tries in turn (a request without an answer moves it to the next);
+    ``urls``: those URLs (``scheme://host:port``), in that order."""
 
     timeout_s: float
     replicas: int
+    urls: tuple[str, ...]
 
     def request(self, method: str, path: str, body: bytes, content_type: str = "application/json",
                 headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Answer:

@@ -41,7 +41,7 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)
         rt.install_signals()
-        log("info", "worker.ready", worker=w.worker_id, control=repr(rt.client), slots=w.slots, **counts)
+        log("info", "worker.ready", worker=w.worker_id, control=",".join(rt.client.urls), slots=w.slots, **counts)
         rt.notify.ready(f"worker slots={w.slots}")
         return rt.run(exit_after_s)
     except QlError as e:

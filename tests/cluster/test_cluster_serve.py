@@ -672,6 +672,26 @@ def test_a_grace_the_lease_cannot_hold_is_refused_at_task_add_and_never_offered(
                                        "pullId": str(uuid.uuid4()), "leaseToken": "t" * 43})
         assert status == 200 and answer["status"] in ("idle", "unmatched") and "attemptId" not in answer, answer
         assert json.loads(env.ok("run", "show", run, "--json"))["state"] == "queued"
+        # A Task that fits is offered; removing its Worker loses the Attempt, whose missing
+        # figures `run show` prints as "-" (it printed kept=None dropped=None).
+        with open(path, "w") as f:
+            f.write(long_grace.replace("slow-stop", "quick").replace("grace_s = 30", "grace_s = 1"))
+        env.ok("task", "add", "-f", path)
+        quick = env.ok("run", "start", "quick").strip()
+        status, answer = call("pull", {"sessionId": grant["sessionId"], "generation": grant["generation"],
+                                       "pullId": str(uuid.uuid4()), "leaseToken": "t" * 43})
+        assert status == 200 and answer["offer"]["runId"] == quick, answer
+        o = answer["offer"]
+        status, acked = call("acks", {"sessionId": o["sessionId"], "generation": o["generation"],
+                                      "attemptId": o["attemptId"], "leaseGeneration": o["leaseGeneration"],
+                                      "leaseToken": o["leaseToken"], "kind": "starting"})
+        assert status == 200, acked
+        env.ok("workers", "rm", "g-1")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and json.loads(env.ok("run", "show", quick, "--json"))["state"] != "lost":
+            time.sleep(0.2)
+        (line,) = [ln for ln in env.ok("run", "show", quick).splitlines() if ln.startswith("attempt")]
+        assert " lost " in line and "kept=- dropped=-" in line and "None" not in line, line
     finally:
         if replica is not None:
             assert replica.stop() == 0

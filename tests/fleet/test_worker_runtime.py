@@ -146,6 +146,8 @@ def test_a_control_url_list_moves_past_a_replica_that_does_not_answer(tmp_path, 
         assert cp.wait(lambda: cp.logs.get(small) == b"via the second\n", 30)
         assert cp.acks_of(small) == ["starting", "running", "completion"]
         assert "localhost:%s" % dead.rsplit(":", 1)[1] in w.journal()      # the refusal named the replica
+        (ready,) = [ln for ln in w.journal().splitlines() if "worker.ready" in ln]
+        assert f"control={dead},{cp.url} " in ready + " " and "ControlClient" not in ready, ready
     finally:
         assert w.stop() == 0
 
@@ -559,7 +561,7 @@ def test_with_http_listen_a_worker_serves_a_read_only_status(tmp_path, cp):
         status, st = _wait_http(port, "/api/v3/worker")
         with cp.lock:
             session = cp.workers[w.worker_id]["session"]
-        assert status == 200 and st["workerId"] == w.worker_id
+        assert status == 200 and st["workerId"] == w.worker_id and st["control"] == [cp.url]
         assert st["session"] == {"sessionId": session, "generation": 1} and st["draining"] is False
         assert (st["slots"], st["freeSlots"], st["liveRuns"]) == (2, 1, 1)
         assert st["inbox"]["rows"] == st["inbox"]["open"] == 1 and st["inbox"]["maxRows"] == 64
