@@ -610,21 +610,32 @@ def test_a_credential_file_not_0600_is_refused(tmp_path, cp, mode):
     assert cp.requests == [] and not os.path.exists(os.path.join(w.state, "inbox.sqlite3"))
 
 
+def load_worker_config(tmp_path, key: str, value: str):
+    """``[worker].<key>`` of a minimal Worker config with ``key = value``; a refusal is the
+    ValidationError."""
+    from qlagent.service.config import load_config
+    cfg = tmp_path / "qlagent.toml"
+    table = {"worker_id": f'"{"0" * 8}-0000-0000-0000-{"0" * 12}"', "control_url": '"https://cp.example:8443"',
+             "ca_file": '"/etc/ca.pem"', "credential_file": '"/etc/cred"', key: value}
+    cfg.write_text(f'state_dir = "{tmp_path}/s"\n[worker]\n' + "".join(f"{k} = {v}\n" for k, v in table.items()))
+    cfg.chmod(0o600)
+    return getattr(load_config(str(cfg))[0].worker, key)
+
+
+def refused(tmp_path, key: str, value: str):
+    from qlagent.core.errors import ValidationError
+    with pytest.raises(ValidationError) as e:
+        load_worker_config(tmp_path, key, value)
+    assert e.value.field == f"worker.{key}"
+    return e.value
+
+
 @pytest.mark.parametrize("slots, ok", [(4, True), (5, False), (0, False)])
 def test_worker_slots_at_the_edge_profile_limit(tmp_path, slots, ok):
-    cfg = tmp_path / "qlagent.toml"
-    cfg.write_text(f'state_dir = "{tmp_path}/s"\n[worker]\nworker_id = "{"0" * 8}-0000-0000-0000-{"0" * 12}"\n'
-                   f'control_url = "https://cp.example:8443"\nca_file = "/etc/ca.pem"\n'
-                   f'credential_file = "/etc/cred"\nslots = {slots}\n')
-    cfg.chmod(0o600)
-    from qlagent.service.config import load_config
-    from qlagent.core.errors import ValidationError
     if ok:
-        assert load_config(str(cfg))[0].worker.slots == slots
+        assert load_worker_config(tmp_path, "slots", str(slots)) == slots
     else:
-        with pytest.raises(ValidationError) as e:
-            load_config(str(cfg))
-        assert e.value.field == "worker.slots" and e.value.limit == 4
+        assert refused(tmp_path, "slots", str(slots)).limit == 4
 
 
 @pytest.mark.parametrize("urls, ok", [
@@ -636,35 +647,19 @@ def test_worker_slots_at_the_edge_profile_limit(tmp_path, slots, ok):
     (["https://a:1", "ftp://b:2"], False),
 ])
 def test_worker_control_url_list_at_its_edges(tmp_path, urls, ok):
-    cfg = tmp_path / "qlagent.toml"
-    cfg.write_text(f'[worker]\nworker_id = "{"0" * 8}-0000-0000-0000-{"0" * 12}"\n'
-                   f'control_url = {json.dumps(urls)}\nca_file = "/etc/ca.pem"\ncredential_file = "/etc/cred"\n')
-    cfg.chmod(0o600)
-    from qlagent.service.config import load_config
-    from qlagent.core.errors import ValidationError
     if ok:
-        assert load_config(str(cfg))[0].worker.control_url == urls
+        assert load_worker_config(tmp_path, "control_url", json.dumps(urls)) == urls
     else:
-        with pytest.raises(ValidationError) as e:
-            load_config(str(cfg))
-        assert e.value.field == "worker.control_url"
+        refused(tmp_path, "control_url", json.dumps(urls))
 
 
 @pytest.mark.parametrize("value, ok", [(65_536, True), (65_535, False), (67_108_864, True), (67_108_865, False)])
 def test_worker_log_store_bytes_at_its_edges(tmp_path, value, ok):
-    cfg = tmp_path / "qlagent.toml"
-    cfg.write_text(f'[worker]\nworker_id = "{"0" * 8}-0000-0000-0000-{"0" * 12}"\n'
-                   f'control_url = "https://cp.example:8443"\nca_file = "/etc/ca.pem"\n'
-                   f'credential_file = "/etc/cred"\nlog_store_bytes = {value}\n')
-    cfg.chmod(0o600)
-    from qlagent.service.config import load_config
-    from qlagent.core.errors import ValidationError
     if ok:
-        assert load_config(str(cfg))[0].worker.log_store_bytes == value
+        assert load_worker_config(tmp_path, "log_store_bytes", str(value)) == value
     else:
-        with pytest.raises(ValidationError) as e:
-            load_config(str(cfg))
-        assert e.value.field == "worker.log_store_bytes" and str(65_536 if value < 65_536 else 67_108_864) in str(e.value)
+        limit = 65_536 if value < 65_536 else 67_108_864
+        assert str(limit) in str(refused(tmp_path, "log_store_bytes", str(value)))
 
 
 def test_worker_mode_never_loads_the_control_plane_and_a_local_agent_never_loads_the_client():
