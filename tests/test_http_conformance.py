@@ -181,6 +181,10 @@ def test_probes_are_answered_while_silent_sockets_fill_every_connection():
         while srv.connections < limits.max_connections and time.monotonic() < deadline:
             time.sleep(0.005)
         assert srv.connections == limits.max_connections
+        # Until the server has read a head, that socket looks silent to it (and closing it with
+        # the unread bytes resets it): wait for every partial head to be seen.
+        while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
+            time.sleep(0.005)
         t0 = time.monotonic()
         assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         assert time.monotonic() - t0 < 5                      # not after the 30 s first-byte timeout
@@ -206,6 +210,10 @@ def test_probes_are_answered_while_slow_peers_fill_every_connection():
         while srv.connections < limits.max_connections and time.monotonic() < deadline:
             time.sleep(0.005)
         assert srv.connections == limits.max_connections
+        # Until the server has read a head, that socket looks silent to it (and closing it with
+        # the unread bytes resets it): wait for every partial head to be seen.
+        while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
+            time.sleep(0.005)
         t0 = time.monotonic()
         assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         assert time.monotonic() - t0 < 5

@@ -785,9 +785,23 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     fig["attempts"] = len(attempts)
     fig["states"] = {s: sum(1 for r in runs if r[2] == s) for s in sorted({r[2] for r in runs})}
 
-    # Every Run terminal, with the state its Task means.
+    # Attempts are lost only where the chaos took a Worker away: the long cut self-fences every
+    # run of that Worker, and the SIGKILLed Worker may lose one it had not yet handed to a shim.
+    chaos = {wid_k, wid_c}
+    lost_elsewhere = [(a[0], task_of[a[1]], a[4]) for a in attempts if a[3] == "lost" and a[4] not in chaos]
+    assert not lost_elsewhere, f"Attempts lost on Workers no chaos touched: {lost_elsewhere[:10]}"
+    fig["lost_attempts"] = sum(1 for a in attempts if a[3] == "lost")
+
+    # Every Run terminal, with the state its Task means; `lost` only when its last Attempt (the
+    # retry policy's third) was one of those (a `hang` Run lives for three 2 s timeouts, so the
+    # long cut may well catch its last Attempt).
+    last = {}
+    for a in attempts:
+        if a[2] > last.get(a[1], (0,))[0]:
+            last[a[1]] = (a[2], a[3], a[4])
     want = {"hang": "timed_out"}
-    wrong = [(r[0], r[1], r[2]) for r in runs if r[2] != want.get(r[1], "succeeded")]
+    wrong = [(r[0], r[1], r[2]) for r in runs if r[2] != want.get(r[1], "succeeded")
+             and not (r[2] == "lost" and last[r[0]][1] == "lost" and last[r[0]][2] in chaos)]
     assert not wrong, f"{len(wrong)} Runs not in their expected state: {wrong[:10]}"
 
     # Every acknowledged Task Start (HTTP 202/200, CLI exit 0) is there after the failover, once.
