@@ -377,7 +377,7 @@ def main() -> None:
               f"{'replica CPU µs/claim':>11} | PostgreSQL CPU µs/claim, Pull / baseline | "
               f"bench client CPU µs/claim | other answers")
         rss_peak = rss_idle
-        for n in (int(x) for x in args.pullers.split(",")):
+        for n in (int(x) for x in args.pullers.split(",") if x):
             reset(kit, 20_000)
             base_claims, base_pg = baseline(url, n, args.seconds)
             base = base_claims / args.seconds
@@ -397,15 +397,16 @@ def main() -> None:
             sys.stdout.flush()
         double = kit.one("SELECT count(*) FROM (SELECT attempt_id FROM run_leases GROUP BY attempt_id"
                          " HAVING count(*) > 1) d")
-        woken, direct = wake_latency(kit, port, args.wake_rounds)
-        print(f"pull-to-offer, waiting Pull woken by NOTIFY: p50 {pct(woken, .5):,.0f} µs, "
-              f"p99 {pct(woken, .99):,.0f} µs ({len(woken)} rounds)")
-        print(f"baseline, Pull finding a queued Run:         p50 {pct(direct, .5):,.0f} µs, "
-              f"p99 {pct(direct, .99):,.0f} µs")
+        if args.wake_rounds > 0:      # 0: only the claim phases (or only Task Start)
+            woken, direct = wake_latency(kit, port, args.wake_rounds)
+            print(f"pull-to-offer, waiting Pull woken by NOTIFY: p50 {pct(woken, .5):,.0f} µs, "
+                  f"p99 {pct(woken, .99):,.0f} µs ({len(woken)} rounds)")
+            print(f"baseline, Pull finding a queued Run:         p50 {pct(direct, .5):,.0f} µs, "
+                  f"p99 {pct(direct, .99):,.0f} µs")
+            print(f"median woken/direct: {statistics.median(woken) / statistics.median(direct):.2f}x")
         rss_peak = max(rss_peak, proc.memory_info().rss)
         print(f"replica RSS: idle {rss_idle / 2**20:.1f} MiB, peak {rss_peak / 2**20:.1f} MiB, "
               f"threads {proc.num_threads()}; double claims in the last phase: {double}")
-        print(f"median woken/direct: {statistics.median(woken) / statistics.median(direct):.2f}x")
         pool.close()
     finally:
         for child in children:

@@ -415,6 +415,16 @@ def test_worker_options_convert_to_the_worker_table_and_the_instance_is_unchange
     assert worker["labels"] == {"site": "lab"} and "executors" not in worker
 
 
+def test_control_url_as_a_list_names_every_replica(router):
+    # `uci add_list qlagent.main.control_url=…` once per replica: the Worker fails over between them.
+    router.set(**{k: v for k, v in WORKER_UCI.items() if k != "control_url"})
+    urls = [f"https://cp{i}.example:8443" for i in range(1, 9)]          # the limit: 8
+    set_list(router, "control_url", urls)
+    out, _ = router.init("start")
+    assert out.returncode == 0 and not any("daemon.err" in ln for ln in router.log_lines()), router.log_lines()
+    assert tomllib.loads((router.conf_dir / "qlagent.toml").read_text())["worker"]["control_url"] == urls
+
+
 BAD_WORKER = [
     # (options, lists, message): one per rule the converter adds, and one per [worker] rule of the agent
     ({"worker_id": WORKER_UCI["worker_id"], "control_url": None},
@@ -435,6 +445,12 @@ BAD_WORKER = [
     ({}, {"executor": ["docker"]}, 'option executor: must be a non-empty list of ["local_process"] without repeats'),
     ({"control_url": "ftp://cp.example"}, {}, "option control_url: must be https://HOST[:PORT]"),
     ({"ca_file": None}, {}, "option ca_file: required with an https:// control_url"),
+    ({"control_url": None}, {"control_url": [f"https://cp{i}.example" for i in range(9)]},
+     "option control_url: one URL or a list of 1..8 without repeats"),
+    ({"control_url": None}, {"control_url": ["https://cp.example", "https://cp.example"]},
+     "option control_url: one URL or a list of 1..8 without repeats"),
+    ({"control_url": None}, {"control_url": ["https://cp.example", "ftp://cp2.example"]},
+     "option control_url: must be https://HOST[:PORT] ('ftp://cp2.example')"),
     ({"credential_file": "worker.cred"}, {}, "option credential_file: 'worker.cred' must be an absolute path"),
     ({"credential_file": b"/etc/\xff"}, {}, "option credential_file: is not UTF-8"),
     ({"worker_id": "ABC"}, {}, "option worker_id: must be the enrolled Worker's lowercase UUID"),

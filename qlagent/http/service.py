@@ -133,10 +133,11 @@ def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int):
     ``max_long_polls``/``answer_timeout_s``. Returns (WorkerRoutes, the server handler, the
     server's ``error_response``).
 
-    The handler stamps ``X-Qlagent-Server-Now-Us`` (the database clock) on every answer and
-    keeps the API routes' body bound at ``api_body_bytes`` (413) although the server admits a
-    log chunk (``cluster.logs.MAX_CHUNK_BYTES``). The server's own refusals carry both error shapes: the Worker
-    protocol's ``error``/``field`` and the API's ``code``."""
+    The handler stamps ``X-Qlagent-Server-Now-Us`` (the database clock) on every answer, runs
+    the API routes (all but the probes) on the same database threads, and keeps their body
+    bound at ``api_body_bytes`` (413) although the server admits a log chunk
+    (``cluster.logs.MAX_CHUNK_BYTES``). The server's own refusals carry both error shapes: the
+    Worker protocol's ``error``/``field`` and the API's ``code``."""
     from qlagent.http.worker_routes import DbClock, WorkerRouteLimits, WorkerRoutes, WorkerServices
     c = cluster.config
     routes = WorkerRoutes(WorkerServices(registry=cluster.registry, pull=cluster.pull, acks=cluster.acks,
@@ -147,10 +148,14 @@ def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int):
     inner = routes.handler(router)
 
     def handle(req: Request) -> Response | Deferred:
-        if len(req.body) > api_body_bytes and not req.path.startswith(WORKER_PATHS):
+        if req.path.startswith(WORKER_PATHS) or req.path in PROBE_PATHS:
+            return inner(req)
+        if len(req.body) > api_body_bytes:
             raise HttpError(413, "body_too_large",
                             f"request body is {len(req.body)} bytes; the limit is {api_body_bytes} bytes")
-        return inner(req)
+        # API routes make several PostgreSQL round trips (a Task Start ~26 statements): on the
+        # database threads, so the loop keeps serving every other connection meanwhile.
+        return routes.defer(lambda: inner(req))
 
     def error_response(status: int, code: str, message: str, headers: list[tuple[str, str]] | None) -> Response:
         resp = routes.error_response(status, code, message, headers)

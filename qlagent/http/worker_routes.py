@@ -319,6 +319,24 @@ class WorkerRoutes:
             raise _unavailable("the control plane is stopping") from None
         return d
 
+    def defer(self, work: Callable[[], Response]) -> Deferred:
+        """Run ``work`` (an API route with its own error answers) on the database threads; the
+        answer comes within ``answer_timeout_s`` (else the server's 503). Raises HttpError 503
+        ``unavailable`` once the pools are shut down."""
+        d = Deferred(self._limits.answer_timeout_s)
+
+        def run() -> None:
+            try:
+                self._s.clock.refresh()
+                d.resolve(work())
+            except BaseException as e:  # noqa: BLE001 - every outcome must reach the client
+                d.resolve(e)
+        try:
+            self._pool.submit(run)
+        except RuntimeError:          # pools shut down: the replica is stopping
+            raise HttpError(503, "unavailable", "the control plane is stopping", [("Retry-After", "1")]) from None
+        return d
+
     def _refusal(self, err: BaseException, worker_id: str, credential: str) -> HttpError:
         e = self._map(err, worker_id, credential)
         e.now_us = self._s.clock.now_us

@@ -23,8 +23,8 @@ from .trust import TrustedPath, require_trusted, trusted_paths
 
 DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
 DEFAULT_HTTP_PORT = 7380
-MAX_CONFIG_BYTES = 65_536
-MAX_CONTROL_URLS = 8           # worker.control_url: replicas of one control plane      # a config file is a few hundred bytes; refuse anything that is not
+MAX_CONFIG_BYTES = 65_536     # a config file is a few hundred bytes; refuse anything that is not
+MAX_CONTROL_URLS = 8           # worker.control_url: replicas of one control plane
 
 
 class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
