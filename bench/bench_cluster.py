@@ -308,7 +308,22 @@ def task_start(seconds: float, clients: int) -> None:
                                    "expectedContentDigest": head["contentDigest"]}).encode()
                 status, _ = https[i].post(START_PATH, f"Authorization: Bearer {token}\r\n", body)
                 answers[status] = answers.get(status, 0) + 1
+        probes: list[float] = []
+
+        def probe() -> None:
+            # What every other connection sees meanwhile: the loop's answer time to /healthz.
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                c.request("GET", "/healthz")
+                c.getresponse().read()
+                probes.append((time.perf_counter() - t0) * 1e6)
+                time.sleep(0.01)
+            c.close()
+        prober = threading.Thread(target=probe)
+        prober.start()
         _threads(start, clients)
+        prober.join()
         done = answers.get(202, 0)
         cpu = sum(replica.cpu_times()[:2]) - cpu0
         pg = sum(v - pg0.get(pid, 0.0) for pid, v in backend_cpu(kit, name).items())
@@ -316,7 +331,8 @@ def task_start(seconds: float, clients: int) -> None:
         print(f"Task Start on PostgreSQL, {clients} clients: {rate:,.0f} req/s (202) vs bare inserts of the same rows "
               f"{base:,.0f}/s ({rate / base:.2f}); replica CPU {cpu * 1e6 / max(done, 1):,.0f} µs/start, PostgreSQL "
               f"CPU {pg * 1e6 / max(done, 1):,.0f} / {base_pg:,.0f} µs; answers {answers}; "
-              f"replica RSS {replica.memory_info().rss / 2**20:.1f} MiB")
+              f"replica RSS {replica.memory_info().rss / 2**20:.1f} MiB; /healthz meanwhile p50 "
+              f"{pct(probes, .5):,.0f} µs, p99 {pct(probes, .99):,.0f} µs ({len(probes)} probes)")
         for h in https:
             h.close()
         pool.close()
