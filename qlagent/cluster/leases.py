@@ -7,7 +7,9 @@ starting ACK puts its Run back in the queue for a new offer (the Attempt stays `
 next claim takes lease generation + 1); after ``starting``/``running`` the Attempt is ``lost``
 and the Task's retry policy decides. Every transition appends RunEvents. A Lease runs out when
 its Worker's heartbeats stop, or when they go on without naming it (the Worker self-fenced or
-dropped that run: ``WorkerRegistry.heartbeat`` renews only the Leases named).
+dropped that run: ``WorkerRegistry.heartbeat`` renews only the Leases named). Last, at most
+``batch`` held single-instance Runs whose Task no live Run occupies any more are released
+(a hold a concurrent Task Start wrote while that Run was ending).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class SweepResult(msgspec.Struct, frozen=True):
     requeued: int
     ended: int
     truncated: bool
+    holds_released: int = 0
 
 
 class LeaseSweeper:
@@ -42,6 +45,8 @@ class LeaseSweeper:
         """One bounded pass (see the module docstring)."""
         sessions = self._registry.expire_sessions(self._batch)
         ended = self._leases.sweep_expired(self._batch)
+        released = self._leases.release_holds(self._batch)
         requeued = sum(1 for _, run_state in ended if run_state == "queued")
         return SweepResult(sessions, len(ended), requeued, len(ended) - requeued,
-                           sessions == self._batch or len(ended) == self._batch)
+                           sessions == self._batch or len(ended) == self._batch or released == self._batch,
+                           released)

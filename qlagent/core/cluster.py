@@ -29,7 +29,9 @@ class ClusterCandidate(msgspec.Struct, frozen=True):
     """A queued Run whose latest Attempt is ``claimed`` by the ``remote_worker`` executor.
 
     ``executor_type`` is the executor the remote Worker must run (pinned when the Run was
-    created, e.g. ``local_process``); ``lease_generation`` is the last one issued (0 = never).
+    created, e.g. ``local_process``); ``lease_generation`` is the last one issued (0 = never);
+    ``single_instance``: the Task's ``concurrency = "single"`` (claimed only while no other Run
+    of the Task is live).
     """
 
     run_id: str
@@ -43,6 +45,7 @@ class ClusterCandidate(msgspec.Struct, frozen=True):
     created_at_us: int
     attempt_created_at_us: int
     lease_generation: int
+    single_instance: bool = False
 
     def key(self) -> tuple:
         return (-self.priority, self.created_at_us, self.attempt_created_at_us, self.attempt_id)

@@ -113,6 +113,8 @@ class ControlPlane:
             if now >= next_sweep and not self._backing_off():
                 for _ in range(MAX_SWEEPS_PER_WAKE):
                     result = self._guarded(self.services.sweeper.sweep_once)
+                    if result is not None and result.holds_released:
+                        self.log("info", "runs.holds_released", count=result.holds_released)
                     if result is None or not result.truncated:
                         break
                 for _ in range(MAX_SWEEPS_PER_WAKE if not self._backing_off() else 0):

@@ -28,10 +28,11 @@ from ...core.errors import ConflictError
 from ...core.ids import new_id
 from ...core.profiles import Profile
 from .connection import read, transaction
+from .runs import OCCUPYING, set_holds
 from .transitions import authenticate, finish_attempt, now_us
 
 _CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,
-    r.version, r.priority, r.created_at_us, r.latest_attempt_created_at_us, a.lease_generation"""
+    r.version, r.priority, r.created_at_us, r.latest_attempt_created_at_us, a.lease_generation, r.single_instance"""
 _KEY = "(-r.priority), r.created_at_us, r.latest_attempt_created_at_us, r.latest_attempt_id"
 _CANDIDATES = (f"SELECT {_CANDIDATE_COLS} FROM runs r JOIN attempts a ON a.attempt_id = r.latest_attempt_id"
                " WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL AND NOT r.held"
@@ -58,6 +59,8 @@ _LEASE = (
     "   AND EXISTS (SELECT 1 FROM runs WHERE run_id = %(run)s AND version = %(version)s AND state = 'queued'"
     "     AND cancel_requested_at_us IS NULL AND latest_attempt_id = %(attempt)s)"
     "   AND NOT EXISTS (SELECT 1 FROM run_leases WHERE attempt_id = %(attempt)s AND state = 'active')"
+    "   AND NOT (%(single)s AND EXISTS (SELECT 1 FROM runs WHERE task_id = %(task)s AND run_id <> %(run)s"
+    "     AND state = ANY(%(occupying)s)))"
     "   RETURNING lease_generation),"
     " r AS (UPDATE runs SET state = 'dispatching', version = version + 1, event_sequence = event_sequence + 1,"
     "   updated_at_us = %(now)s WHERE run_id = %(run)s AND EXISTS (SELECT 1 FROM a) RETURNING event_sequence),"
@@ -73,7 +76,7 @@ _LEASE = (
 def _candidate(row: dict) -> ClusterCandidate:
     return ClusterCandidate(row["run_id"], row["attempt_id"], row["project_id"], row["task_id"], row["task_revision"],
                             row["worker_executor"], row["version"], row["priority"], row["created_at_us"],
-                            row["latest_attempt_created_at_us"], row["lease_generation"])
+                            row["latest_attempt_created_at_us"], row["lease_generation"], row["single_instance"])
 
 
 def lease_of(row: dict) -> Lease:
@@ -104,10 +107,17 @@ def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None, l
 
 def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease_ttl_us: int, pull_id: str | None,
            now: int) -> ClaimOutcome:
-    """``_LEASE`` for a Run whose row the caller has locked."""
+    """``_LEASE`` for a Run whose row the caller has locked. A single-instance Run is claimed
+    only while no other Run of its Task is live: claimers of one Task queue on the Task's row,
+    so the guard in ``_LEASE`` (a statement of its own: a snapshot taken after that wait) sees
+    a Run another claimer just moved to ``dispatching``; the Task's other queued Runs are then
+    held (``runs.set_holds``) and leave the candidate pages until it ends."""
     from psycopg.types.json import Jsonb
+    if c.single_instance:
+        cur.execute("SELECT 1 FROM tasks WHERE task_id = %s FOR NO KEY UPDATE", (c.task_id,))
     row = cur.execute(_LEASE, {
         "worker": w.worker_id, "session": w.session_id, "generation": w.generation, "attempt": c.attempt_id,
+        "single": c.single_instance, "task": c.task_id, "occupying": list(OCCUPYING),
         "run": c.run_id, "version": c.version, "lg": c.lease_generation, "now": now, "expires": now + lease_ttl_us,
         "digest": token_digest, "pull": pull_id, "event": new_id(),
         "payload": Jsonb({"attemptId": c.attempt_id, "workerId": w.worker_id, "sessionId": w.session_id,
@@ -115,6 +125,8 @@ def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease
                          msgspec.json.encode)}).fetchone()
     if row is None:
         return ClaimOutcome("attempt_unavailable", "run_changed")
+    if c.single_instance:
+        set_holds(cur, c.task_id)
     return ClaimOutcome("claimed", lease=Lease(c.attempt_id, c.run_id, row["lease_generation"], w.worker_id,
                                                w.session_id, w.generation, token_digest, "active", now,
                                                now + lease_ttl_us, pull_id))

@@ -12,6 +12,7 @@ from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
 from .connection import transaction
 from .execution import record_truncation
+from .runs import OCCUPYING
 from .transitions import end_lease, event, fenced_lease, finish_attempt, now_us
 
 # Attempt progress order: an ACK for a state at or behind the current one is a replay.
@@ -86,6 +87,20 @@ class PgLeaseStore:
     @staticmethod
     def _run_state(cur, run_id: str) -> str:
         return cur.execute("SELECT state FROM runs WHERE run_id = %s", (run_id,)).fetchone()["state"]
+
+    def release_holds(self, limit: int) -> int:
+        """Release up to ``limit`` held queued Runs whose Task no Run occupies any more (a hold a
+        concurrent transaction could not see when that Run ended; ``runs.set_holds``), oldest
+        first, skipping rows another replica holds. Returns how many were released. The claim's
+        own guard keeps a single-instance Task to one live Run whatever this pass sees."""
+        def tx(cur):
+            return len(cur.execute(
+                "UPDATE runs SET held = false WHERE run_id IN ("
+                " SELECT r.run_id FROM runs r WHERE r.held AND r.state = 'queued' AND NOT EXISTS ("
+                "  SELECT 1 FROM runs o WHERE o.task_id = r.task_id AND o.state = ANY(%s))"
+                " ORDER BY r.created_at_us LIMIT %s FOR NO KEY UPDATE OF r SKIP LOCKED) RETURNING run_id",
+                (list(OCCUPYING), limit)).fetchall())
+        return transaction(self._pool, tx)
 
     def sweep_expired(self, limit: int) -> list[tuple[str, str]]:
         """End up to ``limit`` active Leases past their expiry (database clock), skipping rows

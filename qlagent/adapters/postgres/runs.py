@@ -20,6 +20,8 @@ MAX_PAGE = 200
 # Runs not ended: the local live set plus the cluster's ``dispatching`` (a Lease is being offered).
 LIVE = tuple(s for s in states.RunState.ALL_CLUSTER if s in states.RUN_LIVE_CLUSTER)
 ACTIVE = tuple(s for s in states.RunState.ALL if s in states.RUN_ACTIVE)
+# Runs that occupy a single-instance Task: leased to a Worker (``dispatching``) or started.
+OCCUPYING = ("dispatching", *ACTIVE)
 
 
 def append_event(cur, run_id: str, sequence: int, type_: str, actor: str, payload: dict, now_us: int) -> str:
@@ -37,10 +39,13 @@ def live_run_count(cur, task_id: str) -> int:
 
 
 def set_holds(cur, task_id: str) -> None:
-    """Recompute ``runs.held`` of the Task's queued single-instance Runs (held while the Task has
-    a starting/running Run), as the local store does."""
+    """Recompute ``runs.held`` of the Task's queued single-instance Runs: held while the Task has
+    a live Run (``dispatching`` — leased to a Worker —, ``starting`` or ``running``), as the
+    local store does with its live states. Called wherever a Run of the Task enters or leaves
+    the live set; a hold a concurrent transaction could not see is released by the sweeper
+    (``PgLeaseStore.release_holds``)."""
     live = cur.execute("SELECT EXISTS (SELECT 1 FROM runs WHERE task_id = %s AND state = ANY(%s)) AS live",
-                       (task_id, list(ACTIVE))).fetchone()["live"]
+                       (task_id, list(OCCUPYING))).fetchone()["live"]
     cur.execute("UPDATE runs SET held = %s WHERE task_id = %s AND state = 'queued' AND single_instance "
                 "AND held = %s", (live, task_id, not live))
 

@@ -12,6 +12,7 @@ from ...core.cluster import AdoptedLease, AdoptRefusal, AttemptEnd, LeaseFence, 
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from ...core.models import RetryPolicy
+from .runs import set_holds
 
 
 def now_us(cur) -> int:
@@ -48,7 +49,7 @@ def finish_attempt(cur, run_id: str, attempt_id: str, attempt_state: str, actor:
         " WHERE attempt_id = %s RETURNING attempt_no, worker_executor",
         (attempt_state, now, failure_reason, f.get("exit_code"), f.get("signal"), f.get("bytes_kept"),
          f.get("bytes_dropped"), f.get("peak_rss_bytes"), f.get("cpu_time_us"), attempt_id)).fetchone()
-    run = cur.execute("SELECT cancel_requested_at_us FROM runs WHERE run_id = %s FOR NO KEY UPDATE",
+    run = cur.execute("SELECT cancel_requested_at_us, task_id FROM runs WHERE run_id = %s FOR NO KEY UPDATE",
                       (run_id,)).fetchone()
     decision = decide_after_attempt(AttemptEnd(attempt_state, a["attempt_no"], _retry_policy(cur, run_id),
                                                run["cancel_requested_at_us"] is not None))
@@ -63,11 +64,13 @@ def finish_attempt(cur, run_id: str, attempt_id: str, attempt_state: str, actor:
                     " version = version + 1, updated_at_us = %s WHERE run_id = %s", (nxt, now, now, run_id))
         event(cur, run_id, "run.retrying", actor, {"attemptId": nxt, "attemptNo": a["attempt_no"] + 1,
                                                    "notBeforeUs": now + decision.backoff_ms * 1000}, now)
+        set_holds(cur, run["task_id"])
         return "queued"
     cur.execute("UPDATE runs SET state = %s, exit_code = %s, exit_signal = %s, ended_at_us = %s,"
                 " version = version + 1, updated_at_us = %s WHERE run_id = %s",
                 (decision.run_state, f.get("exit_code"), f.get("signal"), now, now, run_id))
     event(cur, run_id, f"run.{decision.run_state}", actor, {"attemptId": attempt_id}, now)
+    set_holds(cur, run["task_id"])     # the Task's single instance is free again
     return decision.run_state
 
 
@@ -85,9 +88,12 @@ def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
         if a["cancel_requested_at_us"] is not None:
             return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "cancelled", "control-plane", now,
                                   failure_reason=reason)
-        cur.execute("UPDATE runs SET state = 'queued', version = version + 1, updated_at_us = %s "
-                    "WHERE run_id = %s AND state = 'dispatching'", (now, lease["run_id"]))
+        task_id = cur.execute("UPDATE runs SET state = 'queued', version = version + 1, updated_at_us = %s "
+                              "WHERE run_id = %s AND state = 'dispatching' RETURNING task_id",
+                              (now, lease["run_id"])).fetchone()
         event(cur, lease["run_id"], "run.requeued", "control-plane", facts, now)
+        if task_id is not None:
+            set_holds(cur, task_id["task_id"])
         return "queued"
     if a["state"] in ("starting", "running"):
         return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "lost", "control-plane", now,
