@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from psycopg.rows import dict_row
 
 from pgkit import token
@@ -77,26 +78,37 @@ def test_a_run_held_behind_a_lost_or_requeued_one_is_released(kit):
     assert _pull(kit, w).offer.run_id == second
 
 
-def test_two_workers_pulling_at_once_never_lease_two_runs_of_one_single_instance_task(kit):
+@pytest.mark.parametrize("queued", [8, 40])
+def test_workers_pulling_at_once_never_lease_two_runs_of_one_single_instance_task(kit, queued):
+    # 8 Runs fit one Pull's candidate page; 40 spread over several Pulls' pages, each locked by
+    # its Pull while the winner holds the others (the holds must not wait on those locks: a
+    # deadlock with the Pulls queued on the Task's row).
     workers = [kit.worker(f"w{i}") for i in range(8)]
     task = kit.task("solo")
-    runs = {_queue_single(kit, task) for _ in range(8)}    # none live yet: none held
+    runs = {_queue_single(kit, task) for _ in range(queued)}    # none live yet: none held
     assert all(not _state(kit, r)[1] for r in runs)
     barrier = threading.Barrier(len(workers))
-    answers = []
+    answers, errors = [], []
 
     def pull(w):
         barrier.wait()
-        answers.append(_pull(kit, w))
+        try:
+            answers.append(_pull(kit, w))
+        except Exception as e:       # noqa: BLE001 - a deadlock or any refusal is the failure
+            errors.append(repr(e))
     threads = [threading.Thread(target=pull, args=(w,)) for w in workers]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
+    assert not errors, errors
     offered = [a.offer.run_id for a in answers if a.status == "offered"]
     assert len(answers) == 8 and len(offered) == 1, [(a.status, a.reason) for a in answers]
     assert kit.one("SELECT count(*) FROM runs WHERE task_id = %s AND state = 'dispatching'", (task["task_id"],)) == 1
-    assert kit.one("SELECT count(*) FROM runs WHERE task_id = %s AND held", (task["task_id"],)) == 7
+    # What is still a candidate is refused by the claim's guard and held by the Pull that tried it.
+    for _ in range(3):
+        assert _pull(kit, workers[0]).status != "offered"
+    assert kit.one("SELECT count(*) FROM runs WHERE task_id = %s AND held", (task["task_id"],)) == queued - 1
 
 
 def test_parallel_tasks_are_not_held_or_serialised(kit):

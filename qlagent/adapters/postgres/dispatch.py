@@ -123,10 +123,12 @@ def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease
         "payload": Jsonb({"attemptId": c.attempt_id, "workerId": w.worker_id, "sessionId": w.session_id,
                           "generation": w.generation, "leaseGeneration": c.lease_generation + 1},
                          msgspec.json.encode)}).fetchone()
+    if c.single_instance:
+        # Claimed: the Task's other queued Runs wait. Refused while another Run occupies the
+        # Task: the Runs this claimer locked (which that claim could not hold) wait too.
+        set_holds(cur, c.task_id)
     if row is None:
         return ClaimOutcome("attempt_unavailable", "run_changed")
-    if c.single_instance:
-        set_holds(cur, c.task_id)
     return ClaimOutcome("claimed", lease=Lease(c.attempt_id, c.run_id, row["lease_generation"], w.worker_id,
                                                w.session_id, w.generation, token_digest, "active", now,
                                                now + lease_ttl_us, pull_id))

@@ -42,12 +42,16 @@ def set_holds(cur, task_id: str) -> None:
     """Recompute ``runs.held`` of the Task's queued single-instance Runs: held while the Task has
     a live Run (``dispatching`` — leased to a Worker —, ``starting`` or ``running``), as the
     local store does with its live states. Called wherever a Run of the Task enters or leaves
-    the live set; a hold a concurrent transaction could not see is released by the sweeper
+    the live set. Rows another transaction has locked are skipped, never waited for: a Pull
+    holding its candidate page while it queues on the Task's row would otherwise deadlock with
+    the claim that holds the row (the Pull's own claim guard then holds what it locked), and a
+    hold left by a concurrent transaction is released by the sweeper
     (``PgLeaseStore.release_holds``)."""
     live = cur.execute("SELECT EXISTS (SELECT 1 FROM runs WHERE task_id = %s AND state = ANY(%s)) AS live",
                        (task_id, list(OCCUPYING))).fetchone()["live"]
-    cur.execute("UPDATE runs SET held = %s WHERE task_id = %s AND state = 'queued' AND single_instance "
-                "AND held = %s", (live, task_id, not live))
+    cur.execute("UPDATE runs SET held = %s WHERE run_id IN (SELECT run_id FROM runs WHERE task_id = %s"
+                " AND state = 'queued' AND single_instance AND held = %s FOR NO KEY UPDATE SKIP LOCKED)",
+                (live, task_id, not live))
 
 
 def create_run(cur, *, head: TaskHead, origin: str, trigger_type: str, idempotency_key: str, requested_by: str,
