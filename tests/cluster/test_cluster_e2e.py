@@ -211,6 +211,40 @@ def test_a_real_worker_runs_a_task_started_from_the_cli_and_its_log_is_read_from
     assert sql(plane["url"], "SELECT count(*) FROM runs") == [(1,)]
 
 
+def test_a_burst_of_task_starts_of_a_single_instance_task_all_run_one_at_a_time(plane):
+    # Found by a break-it pass: 40 concurrent Task Starts of a `concurrency = "single"` Task (the
+    # default) left most of its queue held for good once the live Run ended; nothing kept two
+    # Workers from running two of its Runs at once either. Here two Workers with 2 slots each.
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+    cp = plane["cp"]
+    for name in ("burst-1", "burst-2"):
+        start_worker(plane, name, plane["ca"], "--slots", "2")[0].wait_line("worker.ready")
+    token = cp.ok("token", "create", "--subject", "bursty", "--role", "operator").strip()
+    head = json.loads(https(plane, f"{BASE}/tasks/greet", token)[2])
+    before = {r[0] for r in sql(plane["url"], "SELECT run_id FROM runs")}
+
+    def start(_):
+        body = json.dumps({"schema": "qinglong/task-start@v1", "mutationId": str(uuid.uuid4()),
+                           "expectedRevision": head["revision"], "expectedContentDigest": head["contentDigest"]})
+        return https(plane, f"{BASE}/tasks/greet/runs", token, {"Content-Type": "application/json"}, "POST",
+                     body.encode())[0]
+    with ThreadPoolExecutor(4) as ex:
+        assert list(ex.map(start, range(24))) == [202] * 24
+    new = "SELECT r.run_id, r.state FROM runs r WHERE NOT r.run_id = ANY(%s)"
+    deadline = time.monotonic() + 90
+    while any(st != "succeeded" for _, st in sql(plane["url"], new, (list(before),))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    states = [st for _, st in sql(plane["url"], new, (list(before),))]
+    assert states == ["succeeded"] * 24, states
+    spans = sorted(sql(plane["url"], "SELECT a.started_at_us, a.ended_at_us FROM attempts a "
+                                     "WHERE NOT a.run_id = ANY(%s)", (list(before),)))
+    assert len(spans) == 24 and all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:])), spans
+    assert sql(plane["url"], "SELECT count(DISTINCT worker_id) FROM attempts WHERE NOT run_id = ANY(%s)",
+               (list(before),))[0][0] >= 1
+
+
 def test_a_worker_trusting_another_ca_is_refused_with_one_line_and_writes_nothing(plane):
     worker, worker_id = start_worker(plane, "edge-wrong-ca", plane["other_ca"])
     assert worker.proc.wait(20) == 2
