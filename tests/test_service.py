@@ -387,6 +387,24 @@ command = ["/bin/sleep", "5"]
         assert stop(p) == 0
 
 
+def test_run_show_says_why_a_run_waits_behind_the_live_one(state, workdir):  # noqa: F811
+    # A queued Run of a single-instance Task showed only "queued / attempt #1 claimed" while it
+    # waited: `run show` names the reason, and the line goes once it can start.
+    add_tasks(state, workdir, '[[task]]\nname = "solo"\ncommand = ["/bin/sleep", "2"]\n')
+    p = start_serve(state, env=clean_env(QLAGENT_CONFIG=_config(workdir, QUICK_STOP)))
+    try:
+        first = ok(state, "run", "start", "solo").stdout.decode().strip()
+        wait_until(lambda: js(state, "run", "show", first)["state"] == "running", timeout=10)
+        second = ok(state, "run", "start", "solo").stdout.decode().strip()
+        shown = ok(state, "run", "show", second).stdout.decode()
+        assert 'waiting   for the live Run of this Task to end (concurrency = "single")' in shown, shown
+        assert "waiting" not in ok(state, "run", "show", first).stdout.decode()
+        wait_until(lambda: js(state, "run", "show", second)["state"] != "queued", timeout=15)
+        assert "waiting" not in ok(state, "run", "show", second).stdout.decode()
+    finally:
+        assert stop(p) == 0
+
+
 def test_a_task_added_while_serving_is_scheduled_without_sighup(state, workdir):  # noqa: F811
     listener = NotifyListener(workdir)
     p = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path))

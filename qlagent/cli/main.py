@@ -402,6 +402,8 @@ def cmd_run_show(ctx: Ctx) -> int:
     print(f"task      {run.task_name} ({run.task_snapshot_ref})")
     print(f"state     {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
           + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
+    if run.held and run.state == "queued":
+        print('waiting   for the live Run of this Task to end (concurrency = "single")')
     print(f"trigger   {run.trigger_type} by {run.requested_by}; created {_fmt_us(run.created_at_us)}")
     for a in attempts:
         figures = "" if a.ended_at_us is None else (

@@ -163,6 +163,7 @@ class Run(Base):
     created_at_us: int
     updated_at_us: int
     ended_at_us: int | None
+    held: bool = False          # queued behind a live Run of its single-instance Task
 
 
 class Attempt(Base):

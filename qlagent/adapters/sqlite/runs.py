@@ -199,7 +199,8 @@ def _run(row) -> Run:
                event_sequence=row["event_sequence"], cancel_requested=row["cancel_requested_at_us"] is not None,
                latest_attempt_id=row["latest_attempt_id"], exit_code=row["exit_code"],
                exit_signal=row["exit_signal"], created_at_us=row["created_at_us"],
-               updated_at_us=row["updated_at_us"], ended_at_us=row["ended_at_us"])
+               updated_at_us=row["updated_at_us"], ended_at_us=row["ended_at_us"],
+               held=bool(row["held"]))
 
 
 def get_run(conn: sqlite3.Connection, run_id: str, project_id: str | None = None) -> Run:
