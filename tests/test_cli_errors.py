@@ -206,6 +206,74 @@ def test_every_subcommand_refuses_bad_input_in_one_line(store, argv, code, words
     assert tree_digest(s) == before, argv                   # nothing written
 
 
+X = "\udcff"     # how Python gives the argv byte 0xFF, which is not UTF-8 (PEP 383 surrogateescape)
+# (argv, the argument the refusal names). Before the fix each of these reached a store or an
+# encode and ended `internal error: UnicodeEncodeError` (exit 1).
+NOT_UTF8 = [
+    (["workers", "enroll", "w2", "--label", f"k{X}=v"], "--label"),
+    (["workers", "enroll", "w2", "--label", "a=b", "--label", f"k=v{X}"], "--label"),
+    (["workers", "enroll", f"w{X}"], "name"),
+    (["--project", X, "task", "ls"], "--project"),
+    (["task", "ls", "--project", X], "--project"),
+    (["task", "show", X], "name"),
+    (["task", "edit", X, "-f", "{d}/one.toml", "--expect-revision", "1", "--expect-digest", "0" * 64], "name"),
+    (["task", "edit", "hello", "-f", "{d}/one.toml", "--expect-revision", "1", "--expect-digest", X],
+     "--expect-digest"),
+    (["task", "enable", X], "name"),
+    (["task", "rm", X], "name"),
+    (["secret", "set", X], "name"),
+    (["secret", "set", "x", X], "value"),
+    (["secret", "rm", X], "name"),
+    (["run", "start", X], "task"),
+    (["run", "ls", "--task", X], "--task"),
+    (["run", "ls", "--cursor", X], "--cursor"),
+    (["run", "show", X], "run"),
+    (["run", "logs", X], "run"),
+    (["run", "cancel", X], "run"),
+    (["token", "create", "--subject", X, "--role", "viewer"], "--subject"),
+    (["token", "revoke", X], "token_id"),
+    (["role", "set", X, "viewer"], "subject"),
+    (["workers", "drain", X], "name"),
+    (["import", "qinglong", "{d}", "--prefix", X, "--dry-run"], "--prefix"),
+    (["serve", "--listen", X], "--listen"),                  # the serve fast path (no argparse)
+    (["--project", X, "serve"], "--project"),
+]
+
+
+@pytest.mark.parametrize("argv, name", NOT_UTF8, ids=[" ".join(a).replace(X, "<FF>")[:60] for a, _ in NOT_UTF8])
+@pytest.mark.parametrize("json_", [False, True], ids=["text", "json"])
+def test_an_argument_that_is_not_utf8_is_refused_naming_it(store, argv, name, json_):
+    s, d, _ = store
+    for fname, text in FILES.items():
+        _file(d, fname, text)
+    argv = (["--json"] if json_ else []) + [a.format(d=d) for a in argv]
+    before = tree_digest(s)
+    p = cli(s, *argv, stdin=b"v")
+    assert p.returncode == 2, (argv, p.returncode, p.stderr)
+    assert p.stderr.decode() == f"qlagent: error: {name}: is not valid UTF-8\n"
+    if json_:       # as every other refusal with --json: the error object on stdout
+        assert json.loads(p.stdout) == {"error": {"code": "invalid_input", "field": name,
+                                                  "message": f"{name}: is not valid UTF-8"}}
+    else:
+        assert p.stdout == b""
+    assert tree_digest(s) == before                          # nothing written
+
+
+def test_a_not_utf8_argument_is_refused_before_any_store_is_opened(workdir):  # noqa: F811
+    missing = os.path.join(workdir, "never")
+    p = cli(missing, "task", "show", X)
+    assert (p.returncode, p.stderr) == (2, b"qlagent: error: name: is not valid UTF-8\n")   # not 5 not_initialised
+    assert not os.path.exists(missing)
+
+
+def test_a_path_that_is_not_utf8_is_still_a_path(workdir):  # noqa: F811
+    # A POSIX path is bytes: --state-dir (and --config, -f, import PATH) are not refused for it.
+    state = os.path.join(workdir, f"st{X}")
+    ok(state, "init")
+    assert os.path.isfile(os.path.join(os.fsencode(workdir), b"st\xff", b"qlagent.db"))
+    ok(state, "task", "ls")
+
+
 def test_documented_exit_codes_match_the_readme_table():
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
     for code, words in ((0, "ok"), (1, "internal"), (2, "usage"), (3, "conflict"), (4, "not found"),

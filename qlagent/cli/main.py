@@ -728,7 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
     ss = add(sec, "set", cmd_secret_set, "store a secret; the value is read from stdin, never argv")
     ss.add_argument("name")
     # Swallow stray words so argparse never echoes a value typed on the command line.
-    ss.add_argument("stray", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    ss.add_argument("stray", nargs=argparse.REMAINDER, metavar="value", help=argparse.SUPPRESS)
     add(sec, "ls", cmd_secret_ls, "list secret names (never values)")
     sr = add(sec, "rm", cmd_secret_rm, "remove a secret (refused while a task uses it, unless --force)")
     sr.add_argument("name")
@@ -832,10 +832,56 @@ def _serve_args(argv: list[str]) -> SimpleNamespace | None:
     return SimpleNamespace(command="serve", fn=cmd_serve, **args)
 
 
+# Arguments that are file-system paths: on POSIX a path is bytes, and one that is not UTF-8 is
+# still a path the OS opens (Python keeps its bytes as lone surrogates), so it is not refused.
+_PATH_ARGS = frozenset({"state_dir", "config", "file", "path", "scripts_dir"})
+
+
+def _argument_names(parser: argparse.ArgumentParser | None, args) -> dict[str, str]:
+    """dest → the name a refusal gives it (``--label``, ``name``) for the (sub)command parsed."""
+    import argparse
+    names: dict[str, str] = {}
+    chosen = [getattr(args, "command", None), getattr(args, "sub", None)]
+    while parser is not None:
+        nested = None
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                nested = action.choices.get(chosen.pop(0)) if chosen else None
+            elif action.option_strings:
+                names[action.dest] = max(action.option_strings, key=len)
+            else:
+                names[action.dest] = action.metavar if isinstance(action.metavar, str) else action.dest
+        parser = nested
+    return names
+
+
+def _refuse_undecodable(args, parser: argparse.ArgumentParser | None) -> None:
+    """ValidationError (exit 2) naming the first str argument, or str in a list argument, that
+    holds lone surrogates: bytes of argv that are not UTF-8 (PEP 383). Such a str reaches no
+    store or output: every later encode would fail with a UnicodeEncodeError (exit 1)."""
+    names = None
+    for dest, value in vars(args).items():
+        if dest in _PATH_ARGS:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if not isinstance(item, str):
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                names = _argument_names(parser, args) if names is None else names
+                raise E.ValidationError(names.get(dest) or "--" + dest.replace("_", "-"),
+                                        "is not valid UTF-8") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    parser = None
     try:
-        args = _serve_args(argv) or build_parser().parse_args(argv)
+        args = _serve_args(argv)
+        if args is None:
+            parser = build_parser()
+            args = parser.parse_args(argv)
     except _UsageError as e:
         if "--json" in argv:
             sys.stdout.buffer.write(msgspec.json.encode({"error": {"code": "usage", "message": str(e)}}) + b"\n")
@@ -848,6 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json = False
     ctx = None
     try:
+        _refuse_undecodable(args, parser)      # before the config is read or a store opened
         ctx = Ctx(args)
         return args.fn(ctx)
     except E.QlError as e:
