@@ -347,6 +347,49 @@ def test_malformed_json_and_600_byte_body_are_refused_and_write_nothing(env):
     assert counts(state) == before
 
 
+# Every route with a path parameter or a query value holding NUL (%00), or a path parameter that
+# is not UTF-8 (%FF): (method, path, status code, field). PostgreSQL text refuses NUL (the
+# replica answered 500 internal_error), SQLite took it and answered 404: the Router refuses it
+# for both before any store call (tests/cluster/test_cluster_serve.py: the replica).
+BAD_PARAMS = [
+    ("GET", BASE + "/runs?task=a%00b", "bad_query", "task"),
+    ("GET", BASE + "/runs?cursor=a%00b", "bad_query", "cursor"),
+    ("GET", BASE + "/runs?state=a%00b", "bad_query", "state"),
+    ("GET", BASE + "/runs?a%00b=1", "bad_query", "query"),
+    ("GET", BASE + "/runs/a%00b", "bad_request", "runId"),
+    ("GET", BASE + "/runs/a%00b/log", "bad_request", "runId"),
+    ("GET", BASE + "/runs/a%00b/events", "bad_request", "runId"),
+    ("POST", BASE + "/runs/a%00b/cancel", "bad_request", "runId"),
+    ("GET", BASE + "/tasks/a%00b", "bad_request", "taskId"),
+    ("GET", BASE + "/tasks/hello?x=%00", "bad_query", "x"),
+    ("GET", "/api/v3/projects/a%00b/runs", "bad_request", "projectId"),
+    ("GET", "/api/v3/projects/a%00b/tasks/hello", "bad_request", "projectId"),
+    ("GET", BASE + "/runs/%FF", "bad_request", "runId"),
+    # Task Start answers every malformed request with its own code (ADR-0376 §3).
+    ("POST", BASE + "/tasks/a%00b/runs", "invalid_task_start_request", "taskId"),
+    ("POST", "/api/v3/projects/a%00b/tasks/hello/runs", "invalid_task_start_request", "projectId"),
+    ("POST", BASE + "/tasks/hello/runs?x=%00", "invalid_task_start_request", "x"),
+    ("POST", BASE + "/tasks/h%FFllo/runs", "invalid_task_start_request", "taskId"),
+]
+
+
+def cancel_intents(state: str) -> int:
+    with db(state) as c:
+        return c.execute("SELECT count(*) FROM runs WHERE cancel_requested_at_us IS NOT NULL").fetchone()[0]
+
+
+@pytest.mark.parametrize("method,path,code,field", BAD_PARAMS)
+def test_nul_or_non_utf8_parameter_is_400_naming_it_and_writes_nothing(env, method, path, code, field):
+    agent, state, tok, _ = env
+    h = head(agent, tok["op"], "hello")
+    body = start_body(h["revision"], h["contentDigest"]) if method == "POST" else None
+    before = counts(state), cancel_intents(state)
+    status, err = agent.json(method, path, tok["op"], body)
+    assert (status, err["code"], err["field"]) == (400, code, field), err
+    assert field in err["message"] and "internal" not in err["message"]
+    assert (counts(state), cancel_intents(state)) == before
+
+
 def test_authentication_and_run_start_policy(env):
     agent, state, tok, _ = env
     h = head(agent, tok["op"], "hello")

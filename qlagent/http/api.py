@@ -264,7 +264,9 @@ class Api:
 def build_router(api: Api) -> Router:
     """The Router serving exactly the documented routes (see ``routing.documented_routes``)."""
     r = Router()
-    r.add("POST", PREFIX + "/tasks/{taskId}/runs", api.task_start)
+    # Task Start answers every malformed request with its own code (ADR-0376 §3).
+    r.add("POST", PREFIX + "/tasks/{taskId}/runs", api.task_start,
+          bad_param=lambda where, field, message: ts.TaskStartError.invalid(field, message))
     r.add("GET", PREFIX + "/tasks/{taskId}", api.get_task)
     r.add("GET", PREFIX + "/runs", api.list_runs)
     r.add("GET", PREFIX + "/runs/{runId}", api.get_run)

@@ -2,7 +2,9 @@
 
 Templates are literal segments and ``{name}`` segments, e.g.
 ``/api/v3/projects/{projectId}/tasks/{taskId}/runs``. A parameter matches one non-empty path
-segment and is percent-decoded (so ``%2F`` never splits a segment). Unknown path → 404
+segment and is percent-decoded (so ``%2F`` never splits a segment). A parameter that is not
+UTF-8, or a parameter or query value holding NUL (``%00``: no store takes it, PostgreSQL text
+refuses it), is answered 400 before the route runs (see :func:`bad_parameter`). Unknown path → 404
 ``not_found``; known path, other method → 405 ``method_not_allowed`` with ``Allow``. ``HEAD``
 falls back to the ``GET`` route (the server drops the body).
 
@@ -21,7 +23,7 @@ import urllib.parse
 from typing import Callable
 
 from qlagent.core.errors import QlError
-from qlagent.http.server import Request, Response, json_error
+from qlagent.http.server import HttpError, Request, Response, json_error
 
 log = logging.getLogger("qlagent.http")
 
@@ -29,6 +31,34 @@ log = logging.getLogger("qlagent.http")
 _STATUS_BY_EXIT = {2: 400, 3: 409, 4: 404, 5: 503}
 
 RouteFn = Callable[[Request, dict[str, str]], Response]
+# (where: "path" | "query", field, message) -> the error to answer (a QlError or an HttpError).
+BadParamFn = Callable[[str, str, str], Exception]
+
+
+def bad_parameter(where: str, field: str, message: str) -> Exception:
+    """The default refusal of a malformed path parameter (400 ``bad_request``) or query value
+    (400 ``bad_query``), naming it in ``field``."""
+    return HttpError(400, "bad_request" if where == "path" else "bad_query", message, field=field)
+
+
+def _check_params(raw: dict[str, str], query: dict[str, str], bad: BadParamFn) -> dict[str, str]:
+    """The percent-decoded path parameters; raises ``bad(...)`` for one that is not UTF-8 or
+    holds NUL, or for a query key or value holding NUL. Checked here, once for every route, so
+    the SQLite agent and a PostgreSQL replica refuse alike before any store call."""
+    params: dict[str, str] = {}
+    for name, value in raw.items():
+        try:
+            params[name] = urllib.parse.unquote(value, errors="strict")
+        except UnicodeDecodeError:
+            raise bad("path", name, f"path parameter {name} is not UTF-8") from None
+        if "\0" in params[name]:
+            raise bad("path", name, f"path parameter {name} contains NUL (%00)")
+    for key, value in query.items():
+        if "\0" in key:
+            raise bad("query", "query", "a query parameter name contains NUL (%00)")
+        if "\0" in value:
+            raise bad("query", key, f"query parameter {key} contains NUL (%00)")
+    return params
 
 
 class _Route:
@@ -37,7 +67,7 @@ class _Route:
     def __init__(self, template: str) -> None:
         self.template = template
         self.parts = _split_template(template)
-        self.methods: dict[str, RouteFn] = {}
+        self.methods: dict[str, tuple[RouteFn, BadParamFn]] = {}
 
     def match(self, segments: list[str]) -> dict[str, str] | None:
         if len(segments) != len(self.parts):
@@ -76,9 +106,11 @@ class Router:
     def __init__(self) -> None:
         self._routes: list[_Route] = []
 
-    def add(self, method: str, template: str, fn: RouteFn) -> None:
-        """Register ``fn`` for ``method`` on ``template``. Raises ValueError for a malformed
-        template or a duplicate (method, template)."""
+    def add(self, method: str, template: str, fn: RouteFn, bad_param: BadParamFn = bad_parameter) -> None:
+        """Register ``fn`` for ``method`` on ``template``; ``bad_param`` builds the route's
+        refusal of a malformed parameter (default :func:`bad_parameter`; a route with its own
+        invalid-request code gives its own). Raises ValueError for a malformed template or a
+        duplicate (method, template)."""
         method = method.upper()
         route = next((r for r in self._routes if r.template == template), None)
         if route is None:
@@ -89,7 +121,7 @@ class Router:
             self._routes.append(route)
         if method in route.methods:
             raise ValueError(f"{method} {template} is already registered")
-        route.methods[method] = fn
+        route.methods[method] = (fn, bad_param)
 
     def routes(self) -> list[tuple[str, str]]:
         """Every registered (method, template), in registration order."""
@@ -101,20 +133,17 @@ class Router:
             raw = route.match(segments)
             if raw is None:
                 continue
-            fn = route.methods.get(request.method)
-            if fn is None and request.method == "HEAD":
-                fn = route.methods.get("GET")
-            if fn is None:
+            entry = route.methods.get(request.method)
+            if entry is None and request.method == "HEAD":
+                entry = route.methods.get("GET")
+            if entry is None:
                 allow = sorted(route.methods) + (["HEAD"] if "GET" in route.methods else [])
                 return json_error(405, "method_not_allowed",
                                   f"{request.method} is not allowed on {route.template}",
                                   [("Allow", ", ".join(allow))])
+            fn, bad_param = entry
             try:
-                params = {k: urllib.parse.unquote(v, errors="strict") for k, v in raw.items()}
-            except UnicodeDecodeError:
-                return json_error(400, "bad_request", "path parameters must be UTF-8")
-            try:
-                return fn(request, params)
+                return fn(request, _check_params(raw, request.query, bad_param))
             except QlError as err:
                 return error_response(err)
         return json_error(404, "not_found", f"no route for {request.path[:200]}")

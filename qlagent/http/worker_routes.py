@@ -166,11 +166,13 @@ class WorkerRoutes:
         self._poll_slots = threading.BoundedSemaphore(limits.max_long_polls)
 
     def register(self, router: Router) -> None:
-        router.add("POST", PREFIX + "/sessions", self._sessions)
-        router.add("POST", PREFIX + "/heartbeat", self._heartbeat)
-        router.add("POST", PREFIX + "/pull", self._pull)
-        router.add("POST", PREFIX + "/acks", self._acks)
-        router.add("PUT", PREFIX + "/attempts/{attemptId}/log", self._log)
+        def bad(where: str, field: str, message: str) -> WorkerError:      # the protocol's 400 shape
+            return WorkerError(400, "invalid_request", message, field)
+        router.add("POST", PREFIX + "/sessions", self._sessions, bad)
+        router.add("POST", PREFIX + "/heartbeat", self._heartbeat, bad)
+        router.add("POST", PREFIX + "/pull", self._pull, bad)
+        router.add("POST", PREFIX + "/acks", self._acks, bad)
+        router.add("PUT", PREFIX + "/attempts/{attemptId}/log", self._log, bad)
 
     def handler(self, router: Router) -> Callable[[Request], Response | Deferred]:
         """``router`` as an HttpServer handler whose immediate answers carry the server clock."""
