@@ -432,6 +432,72 @@ def test_bad_workers_enroll_is_one_line_exit_2_and_writes_nothing(cp, args, fiel
     assert env.sql("SELECT * FROM workers ORDER BY worker_id") == before
 
 
+X = "\udcff"     # how Python gives the argv byte 0xFF, which is not UTF-8 (PEP 383 surrogateescape)
+_COUNTED = ("projects", "role_bindings", "api_tokens", "tasks", "task_revisions", "runs", "attempts", "workers")
+
+
+def _written(env) -> tuple:
+    """Row counts a refused request or command must leave as they were, and the cancel intents."""
+    return tuple(env.sql(f"SELECT count(*) FROM {t}")[0][0] for t in _COUNTED) + (
+        env.sql("SELECT count(*) FROM runs WHERE cancel_requested_at_us IS NOT NULL")[0][0],)
+
+
+@pytest.mark.parametrize("args, name", [
+    (("workers", "enroll", "w2", "--label", f"k{X}=v"), "--label"),
+    (("workers", "enroll", "w2", "--label", f"k=v{X}"), "--label"),
+    (("--project", X, "task", "ls"), "--project"),
+    (("task", "show", X), "name"),
+    (("task", "edit", X, "-f", "/nonexistent.toml", "--expect-revision", "1", "--expect-digest", "0" * 64), "name"),
+    (("run", "start", X), "task"),
+    (("run", "ls", "--task", X), "--task"),
+    (("token", "create", "--subject", X, "--role", "viewer"), "--subject"),
+    (("workers", "drain", X), "name"),
+], ids=lambda v: " ".join(v).replace(X, "<FF>") if isinstance(v, tuple) else v)
+def test_a_not_utf8_argument_on_the_cluster_is_one_line_exit_2_and_writes_nothing(cp, args, name):
+    # Before the fix: exit 1 `internal error: UnicodeEncodeError` from psycopg.
+    env, _, _ = cp
+    before = _written(env)
+    p = env.cli(*args)
+    assert (p.returncode, p.stderr, p.stdout) == (2, f"qlagent: error: {name}: is not valid UTF-8\n".encode(), b"")
+    p = env.cli("--json", *args)
+    assert p.returncode == 2 and json.loads(p.stdout)["error"] == {
+        "code": "invalid_input", "field": name, "message": f"{name}: is not valid UTF-8"}
+    assert _written(env) == before
+
+
+_NO_WORKER = "/api/v3/cluster/workers/00000000-0000-4000-8000-000000000000"
+
+
+@pytest.mark.parametrize("method, path, field, code", [
+    ("GET", f"{BASE}/runs?task=a%00b", "task", "bad_query"),
+    ("GET", f"{BASE}/runs/a%00b", "runId", "bad_request"),
+    ("GET", f"{BASE}/runs/a%00b/log", "runId", "bad_request"),
+    ("GET", f"{BASE}/runs/a%00b/events", "runId", "bad_request"),
+    ("POST", f"{BASE}/runs/a%00b/cancel", "runId", "bad_request"),
+    ("GET", f"{BASE}/tasks/a%00b", "taskId", "bad_request"),
+    ("GET", "/api/v3/projects/a%00b/runs", "projectId", "bad_request"),
+    ("POST", f"{BASE}/tasks/a%00b/runs", "taskId", "invalid_task_start_request"),
+    ("POST", "/api/v3/projects/a%00b/tasks/hello/runs", "projectId", "invalid_task_start_request"),
+    # the Worker routes, in the Worker protocol's error shape
+    ("POST", "/api/v3/cluster/workers/a%00b/heartbeat", "workerId", "invalid_request"),
+    ("POST", "/api/v3/cluster/workers/a%00b/sessions", "workerId", "invalid_request"),
+    ("PUT", f"{_NO_WORKER}/attempts/a%00b/log", "attemptId", "invalid_request"),
+    ("POST", f"{_NO_WORKER}/pull?wait=%00", "wait", "invalid_request"),
+])
+def test_nul_in_a_path_parameter_or_query_is_400_on_a_replica_and_writes_nothing(cp, method, path, field, code):
+    # PostgreSQL text cannot hold NUL: the replica answered 500 internal_error (DataError) where
+    # the SQLite agent answered 404. The Router refuses it first (tests/test_http_api.py: SQLite).
+    env, replicas, tok = cp
+    before = _written(env)
+    body = b'{"schema": "qinglong/task-start@v1"}' if method != "GET" else None
+    for replica in replicas:
+        status, doc = replica.request(method, path, body, tok["alice"])
+        assert status == 400, doc
+        got = (doc["error"], doc["field"]) if "error" in doc else (doc["code"], doc["field"])
+        assert got == (code, field) and field in doc["message"], doc
+    assert _written(env) == before
+
+
 def test_workers_enroll_at_every_limit_is_accepted_exactly(cp):
     env, _, _ = cp
     name = "w" * 64
