@@ -139,6 +139,15 @@ def key_file_problem(path: str) -> str | None:
     return check_key_file(path)
 
 
+def worker_ca(w):
+    """The TLS client context a ``service.config.WorkerConfig`` trusts (its ``ca_file``), or None
+    when no ``control_url`` is https. ValidationError naming ``worker.ca_file`` when the file is
+    not a readable PEM CA."""
+    from .adapters.control_client import tls_context
+    urls = [w.control_url] if isinstance(w.control_url, str) else w.control_url
+    return tls_context(w.ca_file) if w.ca_file and any(u.startswith("https://") for u in urls) else None
+
+
 def build_worker(settings, log, notify):
     """The fleet Worker of ``settings.config.worker`` (issue 11): its control client (credential
     and CA checked now: ValidationError naming ``worker.credential_file``/``worker.ca_file``),

@@ -381,8 +381,11 @@ def test_a_list_option_is_refused_not_joined_into_one_value(router):
 
 # --- the fleet Worker's options (issue 11: `option control_url …` → [worker]) -----------------------
 
+# `config check` (the converter's validator) loads the CA file as serve does: a real PEM
+# certificate (a throwaway CA whose key was never kept).
+CA_FILE = str(STANDIN / "cp-ca.pem")
 WORKER_UCI = {"control_url": "https://cp.example:8443", "worker_id": "0a1b2c3d-0000-4000-8000-00000000000a",
-              "credential_file": "/etc/qlagent/worker.cred", "ca_file": "/etc/qlagent/cp-ca.pem"}
+              "credential_file": "/etc/qlagent/worker.cred", "ca_file": CA_FILE}
 
 
 def set_list(router: Router, name: str, elements: list) -> None:
@@ -401,7 +404,7 @@ def test_worker_options_convert_to_the_worker_table_and_the_instance_is_unchange
     config = tomllib.loads((router.conf_dir / "qlagent.toml").read_text())
     assert config["worker"] == {
         "control_url": "https://cp.example:8443", "worker_id": "0a1b2c3d-0000-4000-8000-00000000000a",
-        "credential_file": "/etc/qlagent/worker.cred", "ca_file": "/etc/qlagent/cp-ca.pem",
+        "credential_file": "/etc/qlagent/worker.cred", "ca_file": CA_FILE,
         "labels": {"site": "lab", "note": "it's \"x\" a=b"}, "executors": ["local_process"], "slots": 2,
         "heartbeat_interval_s": 2.5, "pull_wait_s": 0, "log_store_bytes": 65536}
     conf = str(router.conf_dir / "qlagent.toml")
@@ -445,6 +448,10 @@ BAD_WORKER = [
     ({}, {"executor": ["docker"]}, 'option executor: must be a non-empty list of ["local_process"] without repeats'),
     ({"control_url": "ftp://cp.example"}, {}, "option control_url: must be https://HOST[:PORT]"),
     ({"ca_file": None}, {}, "option ca_file: required with an https:// control_url"),
+    # serve's own CA check (service.preflight), before anything is written
+    ({"ca_file": str(STANDIN / "rc.common")}, {},
+     f"option ca_file: {STANDIN / 'rc.common'}: not a readable PEM CA (SSLError)"),
+    ({"ca_file": "/nonexistent/ca.pem"}, {}, "option ca_file: /nonexistent/ca.pem: not a readable PEM CA"),
     ({"control_url": None}, {"control_url": [f"https://cp{i}.example" for i in range(9)]},
      "option control_url: one URL or a list of 1..8 without repeats"),
     ({"control_url": None}, {"control_url": ["https://cp.example", "https://cp.example"]},

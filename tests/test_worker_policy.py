@@ -163,3 +163,28 @@ def test_the_longest_grace_a_lease_holds_leaves_three_one_second_beats_and_a_ms_
     with pytest.raises(ValidationError) as e:
         leasefit.check_grace("task[0].grace_s", max(limit, 0) + 1, ttl_s)
     assert e.value.field == "task[0].grace_s" and e.value.exit_code == EXIT_USAGE
+
+
+def test_grace_zero_first_fits_a_six_second_lease_and_a_shorter_one_is_refused_as_the_config():
+    # Found by a tester: lease_ttl_s = 5 was accepted, then `task add` of grace_s = 0 said
+    # "0 s cannot live under cluster.lease_ttl_s = 5 (at most 0 s …)".
+    from qlagent.core import leasefit
+    assert leasefit.MIN_LEASE_TTL_S == 6 and leasefit.max_grace_ms(5) < 0 <= leasefit.max_grace_ms(6)
+    leasefit.check_lease_ttl("cluster.lease_ttl_s", 6)                         # the limit
+    leasefit.check_grace("task[0].grace_s", 0, 6)                              # grace 0 fits it
+    with pytest.raises(ValidationError) as e:
+        leasefit.check_lease_ttl("cluster.lease_ttl_s", 5)                     # limit − 1
+    assert (e.value.field, e.value.limit) == ("cluster.lease_ttl_s", "6..3600") and "grace_s = 0" in str(e.value)
+    with pytest.raises(ValidationError) as e:                                  # never "at most 0 s" for 0 s
+        leasefit.check_grace("task[0].grace_s", 0, 5)
+    assert "at most" not in str(e.value) and "no grace fits under 6 s" in str(e.value)
+
+
+def test_the_grace_limit_shown_is_exact_never_rounded_above_the_real_one():
+    # A 1007 s Lease holds 1000.995 s; "%g" showed "at most 1001 s", which is itself refused.
+    from qlagent.core import leasefit
+    assert leasefit.max_grace_ms(1007) == 1_000_995
+    leasefit.check_grace("grace_s", 1_000_995, 1007)
+    with pytest.raises(ValidationError) as e:
+        leasefit.check_grace("grace_s", 1_001_000, 1007)
+    assert "at most 1000.995 s" in str(e.value) and e.value.limit == 1000.995

@@ -138,7 +138,12 @@ def cmd_doctor(ctx: Ctx) -> int:
 
 
 def cmd_config_check(ctx: Ctx) -> int:
+    """Loading the configuration validated its values; then the checks ``serve`` makes before it
+    opens a database (``service.preflight``: pool size, TLS files, the Worker's CA file), so an
+    ExecReload or OpenWrt conversion that passes is not refused by the next start for them."""
+    from ..service.preflight import preflight
     s = ctx.settings
+    preflight(s)
     out = {"configFile": s.config_path, "profile": s.profile.name, "stateDir": s.state_dir,
            "artifactDir": s.artifact_dir, "config": msgspec.to_builtins(s.config)}
     if ctx.args.json:

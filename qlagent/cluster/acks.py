@@ -11,6 +11,7 @@ import re
 from ..core.canonical import sha256_hex
 from ..core.cluster import Ack, AckResult, LeaseFence
 from ..core.errors import ValidationError
+from ..core.leasefit import check_lease_ttl
 from ..core.states import outcome
 from .registry import check_generation, check_token, check_uuid, credential_digest
 
@@ -67,8 +68,7 @@ class AckService:
     extends the Lease to at least now + this."""
 
     def __init__(self, store, lease_ttl_s: int = 30) -> None:
-        if not 5 <= lease_ttl_s <= 3600:
-            raise ValidationError("cluster.lease_ttl_s", f"{lease_ttl_s} outside 5..3600", limit=3600)
+        check_lease_ttl("cluster.lease_ttl_s", lease_ttl_s)
         self._store, self._ttl_us = store, lease_ttl_s * 1_000_000
 
     def ack(self, worker_id: str, credential: str, ack: Ack) -> AckResult:

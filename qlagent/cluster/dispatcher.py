@@ -45,6 +45,7 @@ from ..core.canonical import sha256_hex
 from ..core.cluster import (ClaimOutcome, ClusterCandidate, ClusterDispatchStore, Lease, Page, PlanSource,
                             PullUnit, WorkerSnapshot)
 from ..core.errors import ValidationError
+from ..core.leasefit import check_lease_ttl
 from .execspec import ExecutionSpec, sanitize, spec_digest
 from .offer import ClaimedExecutionOffer, offer_id
 from .placement import rank, with_executor
@@ -59,7 +60,7 @@ MIN_LEASE_KEY_BYTES = 32
 
 class DispatcherBudgets(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per-cycle budgets (ADR-0014 §1 defaults: 8 per page × 2 pages, 8 claim tries).
-    ``lease_ttl_s``: seconds a new Lease lives before the Worker's starting ACK (5..3600)."""
+    ``lease_ttl_s``: seconds a new Lease lives before the Worker's starting ACK (core.leasefit: 6..3600)."""
 
     recovery_page_size: int = 8
     recovery_pages: int = 2
@@ -88,8 +89,7 @@ def check_budgets(b: DispatcherBudgets, prefix: str = "cluster.dispatcher") -> D
     if not 1 <= b.claim_tries <= MAX_CLAIM_TRIES:
         raise ValidationError(f"{prefix}.claim_tries", f"{b.claim_tries} outside 1..{MAX_CLAIM_TRIES}",
                               limit=MAX_CLAIM_TRIES)
-    if not 5 <= b.lease_ttl_s <= 3600:
-        raise ValidationError(f"{prefix}.lease_ttl_s", f"{b.lease_ttl_s} outside 5..3600", limit=3600)
+    check_lease_ttl("cluster.lease_ttl_s", b.lease_ttl_s)     # a [cluster] key, not a dispatcher one
     return b
 
 

@@ -36,6 +36,7 @@ from ..core.cluster import (MAX_ADOPT, MAX_HELD, WORKER_EXECUTORS, Enrolment, He
                             LeaseExpiry, SessionGrant, WorkerAuthError)
 from ..core.errors import ValidationError
 from ..core.inbox_states import MAX_GENERATION, MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
+from ..core.leasefit import check_lease_ttl
 from .placement import check_labels
 
 CREDENTIAL_PREFIX = "qlw_"
@@ -173,10 +174,9 @@ class WorkerRegistry:
     """Over ``adapters.postgres.registry.PgWorkerRegistry`` (or any store with its methods)."""
 
     def __init__(self, store, timings: Timings = Timings()) -> None:
-        for name in ("session_ttl_s", "lease_ttl_s"):
-            v = getattr(timings, name)
-            if not 5 <= v <= 3600:
-                raise ValidationError(f"cluster.{name}", f"{v} outside 5..3600", limit=3600)
+        if not 5 <= timings.session_ttl_s <= 3600:
+            raise ValidationError("cluster.session_ttl_s", f"{timings.session_ttl_s} outside 5..3600", limit=3600)
+        check_lease_ttl("cluster.lease_ttl_s", timings.lease_ttl_s)
         self._store, self._t = store, timings
 
     def enroll(self, name: str, labels: dict[str, str] | None = None,

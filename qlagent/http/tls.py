@@ -15,6 +15,7 @@ import ssl
 from qlagent.core.errors import ValidationError
 
 _RECV_BYTES = 16384
+MAX_PEM_BYTES = 1_048_576    # a certificate chain or key is a few KiB: refuse anything this large
 
 
 class TlsConnection:
@@ -66,23 +67,52 @@ class TlsConnection:
         self._s.close()
 
 
+class _Encrypted(Exception):
+    """The key file asked for a passphrase (the replica has none to give)."""
+
+
+def _no_passphrase() -> bytes:
+    raise _Encrypted
+
+
+def _read(field: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_PEM_BYTES + 1)
+    except OSError as e:
+        raise ValidationError(field, f"cannot read {path} ({e.strerror or e.__class__.__name__})") from None
+
+
 class TlsAcceptor:
     """Server-side TLS from a PEM certificate chain and its private key (``[cluster]``
-    ``tls_cert``, ``tls_key``). Raises ValidationError naming ``cluster.tls_cert`` or
-    ``cluster.tls_key`` when either cannot be read or they do not load as a pair."""
+    ``tls_cert``, ``tls_key``). Raises ValidationError naming the file at fault: ``cluster.tls_cert``
+    when it cannot be read or holds no PEM certificate, ``cluster.tls_key`` when it cannot be read,
+    is not an unencrypted PEM private key, or is not the certificate's key."""
 
     def __init__(self, cert_file: str, key_file: str) -> None:
+        cert, key = _read("cluster.tls_cert", cert_file), _read("cluster.tls_key", key_file)
+        for field, path, data in (("cluster.tls_cert", cert_file, cert), ("cluster.tls_key", key_file, key)):
+            if len(data) > MAX_PEM_BYTES:
+                raise ValidationError(field, f"{path} is over {MAX_PEM_BYTES} bytes", limit=MAX_PEM_BYTES)
+        try:    # load_cert_chain says only "PEM lib" for either file: judge the certificate alone first
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=cert.decode("ascii"))
+        except (UnicodeDecodeError, ssl.SSLError):
+            raise ValidationError("cluster.tls_cert", f"{cert_file} holds no PEM certificate") from None
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.options |= ssl.OP_NO_RENEGOTIATION
         try:
-            ctx.load_cert_chain(cert_file, key_file)
-        except FileNotFoundError as e:
-            raise ValidationError("cluster.tls_cert" if e.filename in (None, cert_file) else "cluster.tls_key",
-                                  f"cannot read {e.filename or cert_file}") from None
-        except (ssl.SSLError, OSError) as e:
-            raise ValidationError("cluster.tls_key", f"certificate and key do not load as a pair ({e.__class__.__name__})") \
+            ctx.load_cert_chain(cert_file, key_file, password=_no_passphrase)
+        except _Encrypted:
+            raise ValidationError("cluster.tls_key", f"{key_file} is encrypted; give the key without a passphrase") \
                 from None
+        except ssl.SSLError as e:
+            if e.reason == "KEY_VALUES_MISMATCH":
+                raise ValidationError("cluster.tls_key", f"{key_file} and cluster.tls_cert {cert_file} are not a "
+                                                         "pair (the key is not the certificate's)") from None
+            raise ValidationError("cluster.tls_key", f"{key_file} holds no PEM private key") from None
+        except OSError as e:    # changed between the read above and this one
+            raise ValidationError("cluster.tls_key", f"cannot read {key_file} ({e.strerror or e})") from None
         self.context = ctx
 
     def wrap(self, sock: socket.socket) -> TlsConnection:

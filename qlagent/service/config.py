@@ -80,7 +80,7 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     database: str                           # libpq URL; several hosts need target_session_attrs=read-write
     pool_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     session_ttl_s: Annotated[int, msgspec.Meta(ge=5, le=3600)] = 30
-    lease_ttl_s: Annotated[int, msgspec.Meta(ge=5, le=3600)] = 30
+    lease_ttl_s: int = 30                   # 6..3600 (core.leasefit: grace_s = 0 must fit), via check_cluster
     sweep_interval_s: Annotated[float, msgspec.Meta(ge=0.5, le=300)] = 5.0
     sweep_batch: Annotated[int, msgspec.Meta(ge=1, le=64)] = 32
     dispatcher: DispatcherConfig = DispatcherConfig()

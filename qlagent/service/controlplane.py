@@ -8,12 +8,13 @@ match), the definition reload (other replicas and CLIs change Tasks
 without poking this process), or a signal. It runs no local engine: Runs are executed by
 Workers that Pull them.
 
-Start-up: first what needs no database (``[cluster]`` pool size against the route threads,
-``bootstrap.check_replica_pool``; the TLS certificate and key, ``http.tls``), so a bad value is
-one line naming the field with nothing written; then migrations under the advisory lock
-(``PgStore``), capability check (readiness), the cluster services (``bootstrap.ClusterServices``)
-and the HTTP surface: the existing routes on PostgreSQL, the Worker routes
-(``http.service.mount_worker_routes``), HTTPS when ``tls_cert``/``tls_key`` are set.
+Start-up: first what needs no database (``service.preflight``, which ``config check`` runs too:
+``[cluster]`` pool size against the route threads, ``bootstrap.check_replica_pool``; the TLS
+certificate and key, ``http.tls``), so a bad value is one line naming the field with nothing
+written; then migrations under the advisory lock (``PgStore``), capability check (readiness),
+the cluster services (``bootstrap.ClusterServices``) and the HTTP surface: the existing routes
+on PostgreSQL, the Worker routes (``http.service.mount_worker_routes``), HTTPS when
+``tls_cert``/``tls_key`` are set.
 SIGTERM/SIGINT: stop accepting, answer every long-polling Pull at once (idle), finish requests in
 progress, exit 0. SIGHUP: re-read the Task heads at once.
 
@@ -41,6 +42,7 @@ from ..core.errors import QlError, UnavailableError
 from .config import Settings, parse_listen
 from .journal import Journal
 from .notify import Notifier
+from .preflight import preflight
 from .scheduler import Scheduler
 
 RELOAD_INTERVAL_US = 10_000_000    # re-read Task heads this often (s × 1e6): peers change them silently
@@ -80,11 +82,7 @@ class ControlPlane:
 
     def _run(self) -> int:
         started = now_us()
-        threads = bootstrap.check_replica_pool(self.cluster)
-        tls = None
-        if self.cluster.tls_cert is not None:
-            from ..http.tls import TlsAcceptor
-            tls = TlsAcceptor(self.cluster.tls_cert, self.cluster.tls_key)
+        threads, tls = preflight(self.settings)      # no database yet: the same checks as config check
         # psycopg_pool logs every failed reconnect unformatted on stderr (the journal); the
         # store.unavailable / store.available lines below say the same once per outage.
         logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)

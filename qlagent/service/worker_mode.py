@@ -1,8 +1,9 @@
 """``qlagent serve`` with a ``[worker]`` table: the agent runs as a fleet Worker (issue 11).
 
-Only wiring: the service lock of the state directory, then the Worker built by the composition
-root (``bootstrap.build_worker``: control client, inbox, run directories; a bad credential or
-CA file is one line naming the field, exit 2) and its loop (``application.fleet_worker``).
+Only wiring: the service lock of the state directory, the CA file check ``config check`` makes
+too (``service.preflight``), then the Worker built by the composition root
+(``bootstrap.build_worker``: control client, inbox, run directories; a bad credential or CA file
+is one line naming the field, exit 2) and its loop (``application.fleet_worker``).
 Local tasks and schedules are off in this mode: the local store is not opened at all. The
 local HTTP API cannot be served without it; with ``[http] listen`` / ``unix_socket`` (or ``serve
 --listen``) a read-only status surface is served instead (``http.worker_status``: ``/healthz``,
@@ -20,6 +21,7 @@ from .config import Settings, parse_listen
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
+from .preflight import preflight
 
 
 def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: float | None = None) -> int:
@@ -37,6 +39,7 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         return EXIT_UNAVAILABLE
     rt = None
     try:
+        preflight(settings)         # the CA file, as config check does
         rt = bootstrap.build_worker(settings, log, Notifier())
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)

@@ -789,3 +789,92 @@ def test_a_grace_the_lease_cannot_hold_is_refused_at_task_add_and_never_offered(
         if replica is not None:
             assert replica.stop() == 0
         drop_database(name)
+
+
+# ---- config check runs serve's database-free checks (service.preflight) --------------------
+
+def _one_error(p: subprocess.CompletedProcess) -> str:
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in lines[0], p.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra, field, words, ok_extra", [
+    # 1 route thread needs 3 connections: 2 is one under the limit, 3 the limit.
+    ("pool_size = 2\nthreads = 1\n", "cluster.pool_size", "threads + 2 = 3", "pool_size = 3\nthreads = 1\n"),
+    ("pool_size = 1\n", "cluster.pool_size", "threads + 2 = 3", "pool_size = 3\n"),
+    # grace_s = 0 first fits under a 6 s Lease (core.leasefit): 5 is refused, 6 accepted.
+    ("lease_ttl_s = 5\n", "cluster.lease_ttl_s", "6..3600", "lease_ttl_s = 6\n"),
+])
+def test_config_check_refuses_what_serve_refuses_before_the_database(tmp_path, extra, field, words, ok_extra):
+    # Found by a tester: `config check` (ExecReload, the OpenWrt validator) said "config ok" for
+    # pool_size = 1, which serve then refused; lease_ttl_s = 5 passed both and no Task fitted.
+    name = create_database(f"cfgchk_pre_{abs(hash(extra)) % 10_000}")
+    try:
+        os.makedirs(tmp_path / "bad")
+        env = Env(str(tmp_path / "bad"), db_url(name), extra)
+        for args in (("config", "check"), ("serve",)):
+            line = _one_error(env.cli(*args))
+            assert f"{field}: " in line and words in line, (args, line)
+        assert env.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+        os.makedirs(tmp_path / "ok")
+        good = Env(str(tmp_path / "ok"), db_url(name), ok_extra)
+        assert good.ok("config", "check").startswith("config ok: ")
+    finally:
+        drop_database(name)
+
+
+def test_config_check_and_serve_name_the_tls_file_that_is_wrong(tmp_path):
+    from cpkit import make_ca
+    _, cert, key = make_ca(str(tmp_path), "a")
+    _, _, other_key = make_ca(str(tmp_path), "b")
+    junk = str(tmp_path / "junk.pem")
+    with open(junk, "w") as f:
+        f.write("not PEM at all\n")
+    missing = str(tmp_path / "missing.pem")
+    cases = [  # (cert, key, field, words): the certificate is judged first, then the key, then the pair
+        (junk, key, "cluster.tls_cert", "holds no PEM certificate"),
+        (key, key, "cluster.tls_cert", "holds no PEM certificate"),          # a key where the cert goes
+        (missing, key, "cluster.tls_cert", "cannot read"),
+        (cert, junk, "cluster.tls_key", "holds no PEM private key"),
+        (cert, cert, "cluster.tls_key", "holds no PEM private key"),
+        (cert, missing, "cluster.tls_key", "cannot read"),
+        (cert, other_key, "cluster.tls_key", "are not a pair"),
+    ]
+    name = create_database("cfgchk_tls")
+    try:
+        for i, (c, k, field, words) in enumerate(cases):
+            os.makedirs(tmp_path / str(i))
+            env = Env(str(tmp_path / str(i)), db_url(name), f'tls_cert = "{c}"\ntls_key = "{k}"\n')
+            for args in (("config", "check"), ("serve",)):
+                line = _one_error(env.cli(*args))
+                assert f"{field}: " in line and words in line, (c, k, args, line)
+        assert env.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+        os.makedirs(tmp_path / "ok")
+        env = Env(str(tmp_path / "ok"), db_url(name), f'tls_cert = "{cert}"\ntls_key = "{key}"\n')
+        assert env.ok("config", "check").startswith("config ok: ")
+    finally:
+        drop_database(name)
+
+
+def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(tmp_path):
+    # lease_ttl_s = 6 (the least accepted) holds a grace of 0.995 s: 0 and 0.995 are added, 1 is
+    # refused naming the real limit (the tester saw "0 s … (at most 0 s)" under lease_ttl_s = 5).
+    name = create_database("cfgchk_grace")
+    try:
+        env = Env(str(tmp_path), db_url(name), "lease_ttl_s = 6\n")
+        env.ok("init")
+        path = os.path.join(str(tmp_path), "t.toml")
+        for task, grace, ok in (("g0", "0", True), ("g995", "0.995", True), ("g1", "1", False)):
+            with open(path, "w") as f:
+                f.write(f'[[task]]\nname = "{task}"\nshell = "/bin/sh"\nscript = "true"\ngrace_s = {grace}\n')
+            p = env.cli("task", "add", "-f", path)
+            if ok:
+                assert p.returncode == 0, p.stderr
+            else:
+                line = _one_error(p)
+                assert "task[0].grace_s: 1 s cannot live under cluster.lease_ttl_s = 6 (at most 0.995 s" in line, line
+        assert [r[0] for r in env.sql("SELECT name FROM tasks ORDER BY name")] == ["g0", "g995"]
+    finally:
+        drop_database(name)
+

@@ -722,3 +722,27 @@ def test_a_heartbeat_too_slow_to_renew_the_lease_is_refused_at_start_up_naming_t
     lines = [ln for ln in w.journal().splitlines() if "ERR" in ln]
     assert len(lines) == 1 and "worker.heartbeat_interval_s" in lines[0] and "1.33" in lines[0], w.journal()
     assert "Traceback" not in w.journal() and not any(a.kind == "starting" for a in cp.acks)
+
+
+def test_config_check_refuses_the_ca_file_serve_refuses(tmp_path, cp):
+    # `config check` (ExecReload, the OpenWrt converter's validator) runs serve's preflight: a CA
+    # file serve refuses is refused there too, with the same field. (The credential file's rule
+    # depends on the uid running the check, so it stays serve's: service.preflight.)
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a PEM certificate\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+    for sub, ca_file, ok in (("junk", str(junk), False), ("missing", str(tmp_path / "none.pem"), False),
+                             ("ok", None, True)):
+        (tmp_path / sub).mkdir()
+        w = Worker(tmp_path / sub, cp, cp.url, ca_file=ca_file)
+        p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
+                           capture_output=True, env=env, timeout=60)
+        if ok:
+            assert p.returncode == 0 and p.stdout.startswith(b"config ok: "), p.stderr
+            continue
+        lines = p.stderr.decode().strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("qlagent: error: worker.ca_file: "), \
+            p.stderr
+        assert w.start().p.wait(30) == 2 and "worker.ca_file" in w.journal()
+        assert not os.path.exists(os.path.join(w.state, "inbox.sqlite3"))
+    assert cp.requests == []
