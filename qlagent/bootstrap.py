@@ -44,6 +44,17 @@ def open_store(settings, project: str | None = None, *, migrate: bool = True, cr
                        busy_timeout_ms=int(settings.config.busy_timeout_s * 1000))
 
 
+def open_cluster_store(settings):
+    """The ``[cluster]`` PostgreSQL store acting in no Project (``store.project`` is None), for
+    what belongs to the cluster rather than to a Project (``qlagent workers``): it neither creates
+    nor requires a Project. Not migrated here (UnavailableError ``store_not_migrated``); raises
+    UnavailableError ``cluster_driver_missing`` (``require_cluster_driver``)."""
+    require_cluster_driver()
+    from .adapters.postgres.store import PgStore
+    c = settings.config.cluster
+    return PgStore(c.database, None, migrate=False, create_project=False, pool_size=c.pool_size)
+
+
 def cipher_factory(key_file: str) -> CipherFactory:
     """Opens the secret key file on each call (UnavailableError ``secret_key_unavailable``);
     nothing of the cipher is imported until a Secret is sealed or opened."""

@@ -45,7 +45,7 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
 
 # Reads never create a Project: a mistyped --project is "not found", not an empty new tenant.
 READ_COMMANDS = {("task", "ls"), ("task", "show"), ("run", "ls"), ("run", "show"), ("run", "logs"),
-                 ("secret", "ls"), ("token", "ls"), ("workers", "ls")}
+                 ("secret", "ls"), ("token", "ls")}
 
 
 class Ctx:
@@ -68,6 +68,9 @@ class Ctx:
                                          code="not_initialised")
             from .. import bootstrap
             a = self.args
+            if a.command == "workers":      # Workers are the cluster's, not a Project's: --project is not used
+                self._store = bootstrap.open_cluster_store(self.settings)
+                return self._store
             reads = (a.command in ("doctor", "config") or getattr(a, "dry_run", False)
                      or (a.command, getattr(a, "sub", None)) in READ_COMMANDS)
             self._store = bootstrap.open_store(self.settings, a.project, migrate=a.command == "init",

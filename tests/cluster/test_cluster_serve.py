@@ -878,3 +878,21 @@ def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(t
     finally:
         drop_database(name)
 
+
+def test_workers_commands_never_create_a_project(tmp_path):
+    # Found by a tester: `workers enroll w2 --project nosuch` exited 0 and created Project
+    # 'nosuch'. Workers belong to the cluster, not to a Project: --project is not used.
+    name = create_database("cfgchk_wproj")
+    try:
+        env = Env(str(tmp_path), db_url(name))
+        env.ok("init")
+        before = env.sql("SELECT * FROM projects ORDER BY name")
+        out = json.loads(env.ok("workers", "enroll", "w2", "--project", "nosuch", "--json"))
+        assert [w["name"] for w in json.loads(env.ok("workers", "ls", "--project", "nosuch", "--json"))["items"]] \
+            == ["w2"]
+        for verb in ("drain", "resume"):
+            assert env.ok("workers", verb, "w2", "--project", "other").split()[:2] == ["w2", out["workerId"]]
+        env.ok("workers", "rm", "w2", "--project", "nosuch")
+        assert env.sql("SELECT * FROM projects ORDER BY name") == before
+    finally:
+        drop_database(name)

@@ -51,7 +51,8 @@ class PgStore(RowStore):
 
     ``PgStore(url, project="default", *, migrate=True, create_project=True, clock_us=None,
     pool_size=4, executor_type="remote_worker")``: ``url`` a libpq URL (multi-host with
-    ``target_session_attrs=read-write`` accepted); ``migrate`` applies pending migrations under
+    ``target_session_attrs=read-write`` accepted); ``project=None`` acts in no Project (only the
+    pool is used: ``bootstrap.open_cluster_store``); ``migrate`` applies pending migrations under
     the advisory lock (serve, init), else a schema behind this build is UnavailableError
     ``store_not_migrated``; ``executor_type`` is the executor of the Attempts this authority
     creates (the cluster's Workers take ``remote_worker``; the local engine's candidates are
@@ -61,7 +62,7 @@ class PgStore(RowStore):
 
     _policy, _defs, _runs, _ex, _secrets = policy, defs, runs_repo, ex, secret_rows
 
-    def __init__(self, url: str, project: str = "default", *, migrate: bool = True, create_project: bool = True,
+    def __init__(self, url: str, project: str | None = "default", *, migrate: bool = True, create_project: bool = True,
                  clock_us: Callable[[], int] | None = None, pool_size: int = 4,
                  executor_type: str = "remote_worker", pool=None) -> None:
         self._clock = clock_us
@@ -80,7 +81,9 @@ class PgStore(RowStore):
         self._own_pool = pool is None
         try:
             self.capabilities()
-            self.project: Project = (self.ensure_project(project) if create_project else self.get_project(project))
+            # None: no Project at all (the cluster's own records: Workers), none created or read
+            self.project: Project | None = (None if project is None else self.ensure_project(project)
+                                            if create_project else self.get_project(project))
         except BaseException:
             self.close()
             raise
