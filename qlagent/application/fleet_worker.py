@@ -244,7 +244,7 @@ class WorkerRuntime:
                 job.completion_owed = entry.outcome.get("kind") in ("completion", "start_failure")
                 job.log_done = entry.outcome.get("kind") != "completion"
                 counts["resend"] += 1
-            if job.entry.state != "acked":
+            if job.entry.state != "acked":     # _complete closes a fenced or receipt-less run
                 self.jobs[job.offer_id] = job
         self.counts["reattached"] = counts["reattached"]
         return counts
@@ -786,6 +786,8 @@ class WorkerRuntime:
 
     def _lease_gone(self, j: Job, code: str) -> None:
         """The control plane no longer knows this Lease: self-fence by on_lease_loss, drop what was owed."""
+        if j.entry.state == "acked":
+            return                      # already closed (by the recovery or another path): nothing left
         self.log("warning", "worker.lease_gone", attempt=j.attempt_id, code=code)
         j.gone = True
         j.running_owed = j.completion_owed = False
@@ -938,17 +940,21 @@ class WorkerRuntime:
             return
         if receipt.start_error:
             self._start_failed(j, start_code(receipt.start_error))
-            return
-        out = {"kind": "completion", "exitCode": receipt.exit_code, "signal": receipt.signal,
-               "killReason": j.kill_reason, "bytesKept": receipt.bytes_kept, "bytesDropped": receipt.bytes_dropped,
-               "peakRssBytes": receipt.peak_rss_bytes, "cpuTimeUs": receipt.cpu_time_us,
-               "truncated": trunc is not None}
-        out = {k: v for k, v in out.items() if v is not None}
-        j.entry = self.inbox.advance(j.offer_id, "completed", out)
-        j.completion_owed = not j.gone
-        self.counts["completed"] += 1
-        self.log("info", "worker.run_ended", attempt=j.attempt_id, exit=receipt.exit_code,
-                 signal=receipt.signal, kill_reason=j.kill_reason, truncated=trunc is not None)
+        else:
+            out = {"kind": "completion", "exitCode": receipt.exit_code, "signal": receipt.signal,
+                   "killReason": j.kill_reason, "bytesKept": receipt.bytes_kept,
+                   "bytesDropped": receipt.bytes_dropped, "peakRssBytes": receipt.peak_rss_bytes,
+                   "cpuTimeUs": receipt.cpu_time_us, "truncated": trunc is not None}
+            out = {k: v for k, v in out.items() if v is not None}
+            j.entry = self.inbox.advance(j.offer_id, "completed", out)
+            j.completion_owed = not j.gone
+            self.counts["completed"] += 1
+            self.log("info", "worker.run_ended", attempt=j.attempt_id, exit=receipt.exit_code,
+                     signal=receipt.signal, kill_reason=j.kill_reason, truncated=trunc is not None)
+        if j.gone:
+            # A run kept (on_lease_loss = "keep") after its Lease was gone owes nothing (nothing
+            # more is sent for it): its row closes now, or it would hold an inbox row for ever.
+            self._acked(j)
 
     def _upload(self, j: Job, final: bool) -> None:
         """Log chunks from ``j.uploaded``; while running only whole chunks (bounded), at the end
@@ -975,13 +981,20 @@ class WorkerRuntime:
             j.log_done = True
 
     def _acked(self, j: Job) -> None:
-        self.inbox.advance(j.offer_id, "acked")
-        self.runs.prune(j.attempt_id)
+        """Close ``j``'s row (completed → acked), remove its run directory, forget the Job.
+        Idempotent: two legitimate paths can both end one row (after a restart the recovery
+        closes a run its shim fenced, then the hello that did not adopt its Lease declares it
+        gone), so a row already acked is only forgotten again. Any other move the inbox does
+        not allow still raises IllegalInboxTransition."""
+        if j.entry.state != "acked":
+            j.entry = self.inbox.advance(j.offer_id, "acked")
+            self.runs.prune(j.attempt_id)
         self.jobs.pop(j.offer_id, None)
 
     def _close_row(self, j: Job, outcome: dict) -> None:
-        """End a row that owes nothing more (lost, fenced): completed → acked, run dir removed."""
-        if j.entry.state != "completed":
+        """End a row that owes nothing more (lost, fenced): completed → acked, run dir removed;
+        a row already acked stays as it is (``_acked``)."""
+        if j.entry.state not in ("completed", "acked"):
             j.entry = self.inbox.advance(j.offer_id, "completed", outcome)
         self._acked(j)
 

@@ -1,0 +1,174 @@
+"""A real fleet Worker (``qlagent serve`` with ``[worker]``) SIGKILLed with a run in flight and
+started again, against a real control-plane replica (``qlagent serve`` with ``[cluster]``) on
+PostgreSQL with short Session/Lease TTLs. Every ordering of "how long the Worker was down"
+against "what the run did meanwhile" must leave the restarted Worker running (never an
+internal error), each inbox row closed once, and the control plane ending a Lease it lost
+``lost`` with the Task's retry policy deciding (ADR-0014, ADR-0021, docs/worker-protocol.md)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import os
+import shutil
+import tempfile
+import time
+
+import pytest
+
+from test_cluster_e2e import Node, Proc, free_port, sql
+
+TTL_S = 10
+LOOP = "i=0; while [ $i -lt {n} ]; do echo tick $i; i=$((i+1)); sleep 1; done"
+# case → (script, on_lease_loss, how long the Worker stays down, what the run did meanwhile)
+CASES = {
+    # The bug: down longer than the TTL, the shim fenced the run itself (receipt lease_lost); the
+    # recovery collected and closed the row, then the hello's not-adopted Lease closed it again.
+    "down_longer_shim_fenced": (LOOP.format(n=15), "kill", "lost", "lease_lost"),
+    # Down longer, the run ended on its own before the Lease ran out.
+    "down_longer_run_finished": ("echo short; sleep 3; echo done", "kill", "lost", "finished"),
+    # Down longer, the run still alive at the restart (on_lease_loss = keep: the shim lets it run).
+    "down_longer_run_alive": (LOOP.format(n=20), "keep", "lost", "alive"),
+    # Down shorter than the TTL: re-attached, adopted, it goes on to its own end.
+    "down_shorter": (LOOP.format(n=15), "kill", "running", "alive"),
+}
+# One Task per case, placed on that case's Worker only (its label), so a re-offered Attempt
+# never lands on the Worker of another case.
+TASKS = "".join(f'''
+[[task]]
+name = "{case}"
+shell = "/bin/sh"
+script = "{script}"
+grace_s = 1
+on_lease_loss = "{policy}"
+retry = {{max_attempts = 2}}
+placement = {{required = {{case = "{case}"}}}}
+''' for case, (script, policy, _, _) in CASES.items())
+
+
+@pytest.fixture(scope="module")
+def plane(pg_url):
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="wkfix-restart-", dir=base)
+    port = free_port()
+    cp = Node(root, "cp", f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nlease_ttl_s = {TTL_S}\n'
+                          f'session_ttl_s = {TTL_S}\nsweep_interval_s = 1\n')
+    cp.ok("init")
+    with open(os.path.join(root, "tasks.toml"), "w") as f:
+        f.write(TASKS)
+    cp.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
+    replica = Proc(cp, "--listen", f"127.0.0.1:{port}")
+    replica.wait_line("service.ready")
+    state = {"root": root, "port": port, "cp": cp, "replica": replica, "url": pg_url, "procs": []}
+    yield state
+    for p in state["procs"]:
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(30)
+    replica.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def worker_node(plane, name: str) -> tuple[Node, str]:
+    enrolled = json.loads(plane["cp"].ok("workers", "enroll", name, "--slots", "2",
+                                             "--label", f"case={name}", "--json"))
+    cred = os.path.join(plane["root"], f"{name}.credential")
+    fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, enrolled["credential"].encode() + b"\n")
+    os.close(fd)
+    # drain_grace_s: the re-offered Attempt still running at the end is stopped soon.
+    node = Node(plane["root"], name, f'drain_grace_s = 1\n[worker]\nworker_id = "{enrolled["workerId"]}"\n'
+                                     f'control_url = "http://127.0.0.1:{plane["port"]}"\n'
+                                     f'credential_file = "{cred}"\nslots = 2\nheartbeat_interval_s = 2\n'
+                                     f'pull_wait_s = 20\nlabels = {{case = "{name}"}}\n')
+    return node, enrolled["workerId"]
+
+
+def serve(plane, node: Node) -> Proc:
+    p = Proc(node)
+    plane["procs"].append(p)
+    return p
+
+
+def attempts(plane, run_id: str) -> list[tuple[int, str]]:
+    return sql(plane["url"], "SELECT attempt_no, state FROM attempts WHERE run_id = %s ORDER BY attempt_no",
+               (run_id,))
+
+
+def wait_for(what, check, timeout_s: float = 60, *procs: Proc):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}: " + "".join(ln for p in procs for ln in p.lines))
+
+
+def receipt(node: Node, attempt_id: str) -> dict | None:
+    try:
+        with open(os.path.join(node.state, "worker-runs", attempt_id, "receipt.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def inbox_state(node: Node, attempt_id: str) -> list[str]:
+    """The states of the Worker's inbox rows for ``attempt_id`` (read-only; the Worker stopped)."""
+    with sqlite3.connect(f"file:{os.path.join(node.state, 'inbox.sqlite3')}?mode=ro", uri=True) as c:
+        return [r[0] for r in c.execute("SELECT state FROM offers WHERE attempt_id = ?", (attempt_id,))]
+
+
+def first_attempt(plane, run_id: str) -> str:
+    return sql(plane["url"], "SELECT attempt_id FROM attempts WHERE run_id = %s AND attempt_no = 1", (run_id,))[0][0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_worker_restarted_after_a_sigkill_with_a_run_in_flight_keeps_running(plane, case):
+    _, _, cp_state, run_then = CASES[case]
+    node, _ = worker_node(plane, case)
+    worker = serve(plane, node)
+    worker.wait_line("worker.session_opened")
+    cp = plane["cp"]
+    run_id = cp.ok("run", "start", case).strip()
+    wait_for("attempt 1 running", lambda: attempts(plane, run_id) == [(1, "running")], 60, worker,
+             plane["replica"])
+    aid = first_attempt(plane, run_id)
+    worker.proc.kill()
+    assert worker.proc.wait(30) == -9
+    if cp_state == "lost":
+        # Down longer than the Lease TTL: the sweeper ended the Attempt, and the run reached the
+        # state this case is about before the Worker comes back.
+        wait_for("attempt 1 lost", lambda: attempts(plane, run_id)[:1] == [(1, "lost")])
+    if run_then == "lease_lost":
+        assert wait_for("the shim's receipt", lambda: receipt(node, aid))["lease_lost"] is True
+    elif run_then == "finished":
+        assert wait_for("the shim's receipt", lambda: receipt(node, aid))["lease_lost"] is False
+    else:
+        assert receipt(node, aid) is None
+
+    again = serve(plane, node)
+    again.wait_line("worker.session_opened")
+    again.wait_line("worker.ready")
+    if case == "down_shorter":
+        again.wait_line("worker.lease_adopted")
+        wait_for("attempt 1 succeeded", lambda: attempts(plane, run_id) == [(1, "succeeded")], 60)
+        assert cp.ok("run", "show", run_id).count("succeeded") >= 1
+    else:
+        # The sweeper ended the first Attempt lost and the retry policy offers the Run again;
+        # the restarted Worker (the only one its placement allows) takes it and runs it.
+        wait_for("attempt 2 running on the restarted Worker",
+                 lambda: attempts(plane, run_id) in ([(1, "lost"), (2, "running")], [(1, "lost"), (2, "succeeded")]),
+                 60, again)
+    if case == "down_longer_run_alive":
+        # The kept run goes on without a Lease; when it ends its row is closed (nothing sent).
+        wait_for("the kept run's receipt", lambda: receipt(node, aid) is not None or not os.path.isdir(
+            os.path.join(node.state, "worker-runs", aid)), 60)
+    assert again.proc.poll() is None, "".join(again.lines)
+    journal = "".join(again.lines)
+    assert "internal error" not in journal and "Traceback" not in journal, journal
+    assert again.stop() == 0, journal
+    journal = "".join(again.lines)
+    assert "internal error" not in journal and "Traceback" not in journal, journal
+    # The first Attempt's row was closed (acknowledged or closed as lost/fenced), not left open.
+    assert inbox_state(node, aid) == ["acked"], journal
