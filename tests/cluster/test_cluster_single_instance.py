@@ -133,3 +133,32 @@ def test_the_sweeper_releases_a_hold_no_live_run_justifies(kit):
     # Once a Run occupies the Task, the pass leaves the others' holds alone.
     assert [_state(kit, r)[1] for r in stuck[1:]] == [True, True]
     assert LeaseSweeper(kit.leases, kit.registry).sweep_once().holds_released == 0
+
+
+def test_a_waiting_pull_is_woken_when_the_held_run_is_released(kit, pg_url):
+    # Found by a second tester: a released Run was offered only when a Worker's long-poll ran
+    # out (17 s between two 3 s Runs of one Task), the NOTIFY fired only for Runs entering queued.
+    from qlagent.adapters.postgres.notify import PgCandidateSignal
+    w, other = kit.worker("edge-1"), kit.worker("edge-2")
+    task = kit.task("solo")
+    _queue_single(kit, task)
+    live = _pull(kit, w).offer
+    kit.ack(w, live, "starting")
+    kit.ack(w, live, "running")
+    waiting = _queue_single(kit, task)
+    signal = PgCandidateSignal(pg_url)
+    try:
+        out: dict = {}
+        req = PullRequest(session_id=other["session_id"], generation=other["generation"], pull_id=new_id(),
+                          lease_token=token())
+        t = threading.Thread(target=lambda: out.update(a=kit.pull(signal=signal).pull(
+            other["worker_id"], other["credential"], req, wait_s=30)))
+        seq = signal.seq()
+        t.start()
+        kit.ack(w, live, "completion", exit_code=0)     # the Task is free: the held Run is released
+        assert signal.wait(seq, 10), "no NOTIFY when the held Run was released"
+        t.join(10)
+        assert not t.is_alive() and out["a"].offer.run_id == waiting
+    finally:
+        signal.close()
+
