@@ -23,14 +23,15 @@ if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
 SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits (ARCHITECTURE.md)
 
 
-def open_store(settings, project: str | None = None, *, migrate: bool = True, create_project: bool = True,
+def open_store(settings, project: str | None = None, *, migrate: bool = True, create_project: bool | str = True,
                clock_us: Callable[[], int] = now_us) -> Store:
     """The authority acting in ``project`` (default: the config's): the local SQLite file at
     ``settings.db_path``, or with ``[cluster]`` the PostgreSQL database (whose own clock decides
     time; ``clock_us`` applies to the local store only).
 
     ``migrate=False`` refuses a schema behind this build (UnavailableError ``store_not_migrated``);
-    ``create_project=False`` makes an unknown Project NotFoundError. Raises StoreIntegrityError,
+    ``create_project=False`` makes an unknown Project NotFoundError; ``"on_write"`` creates it
+    inside the first write transaction that commits, so a refused command leaves none. Raises StoreIntegrityError,
     UnavailableError as ``SqliteStore`` / ``PgStore`` document."""
     cluster = settings.config.cluster
     if cluster is not None:

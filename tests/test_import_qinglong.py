@@ -193,6 +193,23 @@ def test_import_maps_every_case_and_leaves_the_2x_files_unchanged(state, panel, 
     assert "pt_key=AAA" not in json.dumps(report)
 
 
+def test_an_import_creates_its_project_only_when_it_writes(state, panel, workdir):
+    # --project of a Project not there yet: a refused or dry-run import leaves none behind.
+    def projects():
+        with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
+            return c.execute("SELECT * FROM projects ORDER BY name").fetchall()
+    before = projects()
+    one_line_error(cli(state, "--project", "ql", "import", "qinglong", panel, "--prefix", "Bad/"), 2, "prefix")
+    one_line_error(cli(state, "--project", "ql", "import", "qinglong", os.path.join(workdir, "nope")), 2,
+                   "does not exist")
+    assert js(state, "--project", "ql", "import", "qinglong", panel, "--dry-run")["tasks"]
+    assert projects() == before
+    tasks = [t["task"] for t in js(state, "--project", "ql", "import", "qinglong", panel)["tasks"]]
+    assert [p[1] for p in projects()] == ["default", "ql"]
+    assert sorted(h["name"] for h in js(state, "--project", "ql", "task", "ls")) == sorted(tasks)
+    assert js(state, "task", "ls") == []
+
+
 def test_plain_text_report_names_imported_skipped_renamed_and_secrets(state, panel):
     out = ok(state, "import", "qinglong", "--dry-run", os.path.join(panel, "db", "database.sqlite")).stdout.decode()
     assert out.startswith("dry run, nothing written: 5 cron(s) imported")

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TypeVar
 
-from ..core.definitions import PreparedTask, check_executor
+from ..core.definitions import PreparedTask, check_executor, check_project_name
 from ..core.dispatch import Candidate, LiveAttempt, Plan
 from ..core.errors import NotFoundError
+from ..core.ids import new_id
 from ..core.models import (
     Attempt,
     ContextRecipe,
@@ -92,6 +93,41 @@ class RowStore:
     _ex: ModuleType
     _secrets: ModuleType
     executor_type: str
+    # Opened with create_project="on_write" for a Project not stored yet: ``project`` (ID handed
+    # out already) is inserted by the first write transaction, so a refused write leaves none.
+    _pending_project: Project | None = None
+
+    def _open_project(self, name: str, create_project: bool | str) -> Project:
+        """The Project the store acts in (``SqliteStore``/``PgStore`` ``create_project``): True
+        creates ``name`` now, False raises NotFoundError for an unknown one, ``"on_write"``
+        returns an unstored Project (fresh ID, version 1) that the first successful write
+        transaction creates. ValidationError for a malformed unknown name, before any write."""
+        if create_project is True:
+            return self.ensure_project(name)
+        try:
+            return self.get_project(name)
+        except NotFoundError:
+            check_project_name(name)        # a malformed name is bad input, not "not found"
+            if create_project != "on_write":
+                raise
+        self._pending_project = Project(project_id=new_id(), name=name, project_version=1, active=True)
+        return self._pending_project
+
+    def _with_pending_project(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn`` preceded, in its transaction, by the creation of the pending Project if any."""
+        pending = self._pending_project
+        if pending is None:
+            return fn
+
+        def tx(c):
+            self._policy.ensure_project(c, pending.name, self._tx_now(c), pending.project_id)
+            return fn(c)
+        return tx
+
+    def _committed(self, result: T) -> T:
+        """After a write transaction committed: the pending Project (if any) is stored now."""
+        self._pending_project = None
+        return result
 
     # ---- PolicyStore ---------------------------------------------------------------------------
     def ensure_project(self, name: str) -> Project:

@@ -29,6 +29,6 @@ def list_tokens(store: Store) -> list[TokenInfo]:
     return store.list_tokens(store.project.project_id)
 
 
-def set_role(store: PolicyStore, project: str, subject: str, role: str | None) -> int:
-    """Append a new bindingVersion (``None`` revokes); returns it. NotFoundError for an unknown Project."""
-    return store.bind_role(store.get_project(project).project_id, subject, role)
+def set_role(store: Store, subject: str, role: str | None) -> int:
+    """Append a new bindingVersion (``None`` revokes) in the store's Project; returns it."""
+    return store.bind_role(store.project.project_id, subject, role)

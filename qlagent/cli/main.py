@@ -43,9 +43,11 @@ def _table(rows: list[list[str]], header: list[str]) -> None:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
 
 
-# Reads never create a Project: a mistyped --project is "not found", not an empty new tenant.
-READ_COMMANDS = {("task", "ls"), ("task", "show"), ("run", "ls"), ("run", "show"), ("run", "logs"),
-                 ("secret", "ls"), ("token", "ls")}
+# Only the commands that define things in a Project may create it, and only with their own
+# write (store ``create_project="on_write"``: a refused command leaves none). Every other
+# command acts on what a Project holds: a mistyped --project is "not found", never a new tenant.
+CREATING_COMMANDS = {("task", "add"), ("import", "qinglong"), ("secret", "set"), ("token", "create"),
+                     ("role", "set")}
 
 
 class Ctx:
@@ -71,10 +73,13 @@ class Ctx:
             if a.command == "workers":      # Workers are the cluster's, not a Project's: --project is not used
                 self._store = bootstrap.open_cluster_store(self.settings)
                 return self._store
-            reads = (a.command in ("doctor", "config") or getattr(a, "dry_run", False)
-                     or (a.command, getattr(a, "sub", None)) in READ_COMMANDS)
+            # (a dry run rolls its transaction back, and with it the Project it would create)
+            creates = ((a.command, getattr(a, "sub", None)) in CREATING_COMMANDS
+                       and getattr(a, "role", None) != "none")
+            # init creates the configured Project at once: a fresh store is ready for every command
+            create = True if a.command == "init" else "on_write" if creates else False
             self._store = bootstrap.open_store(self.settings, a.project, migrate=a.command == "init",
-                                               create_project=not reads)
+                                               create_project=create)
         return self._store
 
     def close(self) -> None:
@@ -527,8 +532,7 @@ def cmd_token_revoke(ctx: Ctx) -> int:
 
 def cmd_role_set(ctx: Ctx) -> int:
     from ..application.tokens import set_role
-    v = set_role(ctx.store, ctx.args.project or ctx.settings.config.project, ctx.args.subject,
-                 None if ctx.args.role == "none" else ctx.args.role)
+    v = set_role(ctx.store, ctx.args.subject, None if ctx.args.role == "none" else ctx.args.role)
     print(f"{ctx.args.subject}: {ctx.args.role} (bindingVersion {v})")
     return 0
 

@@ -896,3 +896,49 @@ def test_workers_commands_never_create_a_project(tmp_path):
         assert env.sql("SELECT * FROM projects ORDER BY name") == before
     finally:
         drop_database(name)
+
+
+def test_project_option_never_creates_a_project_a_command_is_refused_in(tmp_path):
+    # Found by a tester: `--project zz1 run start one` exited 4 yet created Project zz1, and
+    # `--project nosuch8 token create …` created a mistyped one. Commands that act on what a
+    # Project holds refuse an unknown one; defining commands create it only with their own write.
+    name = create_database("projfix_scope")
+    try:
+        env = Env(str(tmp_path), db_url(name))
+        env.ok("init")
+        before = env.sql("SELECT * FROM projects ORDER BY name")
+        good = str(tmp_path / "one.toml")
+        with open(good, "w") as f:
+            f.write('[[task]]\nname = "one"\nshell = "/bin/sh"\nscript = "true"\n')
+        bad = str(tmp_path / "bad.toml")
+        with open(bad, "w") as f:
+            f.write('[[task]]\nname = "one"\n')
+        rid = "01JAAAAAAAAAAAAAAAAAAAAAAA"
+        for args in [("run", "start", "one"), ("run", "cancel", rid), ("run", "ls"), ("run", "show", rid),
+                     ("run", "logs", rid),
+                     ("task", "rm", "one"), ("task", "edit", "one", "-f", good, "--expect-revision", "1",
+                                             "--expect-digest", "0" * 64),
+                     ("task", "enable", "one"), ("task", "disable", "one"), ("task", "show", "one"), ("task", "ls"),
+                     ("secret", "rm", "S1"), ("secret", "ls"), ("token", "ls"), ("role", "set", "alice", "none")]:
+            p = env.cli("--project", "zz1", *args)
+            assert (p.returncode, p.stdout, p.stderr) == (4, b"", b"qlagent: error: project 'zz1' does not exist\n"), \
+                args
+            assert env.sql("SELECT * FROM projects ORDER BY name") == before, args
+        for args, stdin in [(("task", "add", "-f", bad), None), (("secret", "set", "S1"), b""),
+                            (("token", "create", "--subject", "", "--role", "viewer"), None),
+                            (("token", "create", "--subject", "x" * 129, "--role", "viewer"), None),
+                            (("role", "set", "", "viewer"), None)]:
+            p = env.cli("--project", "nosuch8", *args, stdin=stdin)
+            assert p.returncode == 2 and len(p.stderr.splitlines()) == 1 and b"Traceback" not in p.stderr, \
+                (args, p.stderr)
+            assert env.sql("SELECT * FROM projects ORDER BY name") == before, args
+        env.ok("--project", "p-task", "task", "add", "-f", good)
+        assert "one" in env.ok("--project", "p-task", "task", "ls")
+        env.ok("--project", "p-secret", "secret", "set", "S1", stdin=b"v")
+        assert "S1" in env.ok("--project", "p-secret", "secret", "ls")
+        env.ok("--project", "p-token", "token", "create", "--subject", "alice", "--role", "viewer")
+        env.ok("--project", "p-role", "role", "set", "alice", "viewer")
+        assert [r[0] for r in env.sql("SELECT name FROM projects ORDER BY name")] == \
+            ["default", "p-role", "p-secret", "p-task", "p-token"]
+    finally:
+        drop_database(name)

@@ -99,6 +99,24 @@ def postgres_store(tmp_path, clock):
 STORE_FACTORIES = {"sqlite": sqlite_store, "postgres": postgres_store}
 
 
+# A second store on the authority a factory just made, acting in ``project`` with the given
+# ``create_project`` (True, False or "on_write"): ``(tmp_path, clock, project, create_project)``.
+def sqlite_reopen(tmp_path, clock, project, create_project):
+    store = SqliteStore(str(tmp_path / "contract.db"), project, migrate=False, create_project=create_project,
+                        clock_us=clock, busy_timeout_ms=1_000)
+    return store, store.close
+
+
+def postgres_reopen(tmp_path, clock, project, create_project):
+    from qlagent.adapters.postgres.store import PgStore
+    store = PgStore(_PgDatabase.url, project, migrate=False, create_project=create_project, clock_us=clock,
+                    pool_size=1)
+    return store, store.close
+
+
+STORE_REOPENERS = {"sqlite": sqlite_reopen, "postgres": postgres_reopen}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _drop_pg_database():
     yield
@@ -116,4 +134,19 @@ def store(request, tmp_path, clock):
     try:
         yield s
     finally:
+        close()
+
+
+@pytest.fixture
+def reopen(request, store, tmp_path, clock):
+    """``reopen(project, create_project)``: another store on ``store``'s authority (closed after the test)."""
+    which = request.node.callspec.params["store"]
+    closers = []
+
+    def open_(project, create_project):
+        s, close = STORE_REOPENERS[which](tmp_path, clock, project, create_project)
+        closers.append(close)
+        return s
+    yield open_
+    for close in closers:
         close()

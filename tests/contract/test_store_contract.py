@@ -301,6 +301,43 @@ def test_token_and_role_lookups(store, clock):
     assert store.get_project("other").name == "other"
 
 
+def test_an_unknown_project_is_created_only_by_a_committed_write_when_asked(store, reopen):
+    # A CLI command refused after opening the store must leave no Project (README: a refused
+    # command writes nothing), so a defining command's Project comes with its own write.
+    def names():
+        return [n for n in ("default", "p1") if _known(store, n) is not None]
+
+    with pytest.raises(NotFoundError, match="project 'p1' does not exist"):
+        reopen("p1", False)
+    s = reopen("p1", "on_write")
+    pid = s.project.project_id
+    assert names() == ["default"]                       # handed out, not stored
+    with pytest.raises(ValidationError):
+        s.bind_role(pid, "bob", "emperor")              # refused inside the transaction
+    with pytest.raises(ValidationError):
+        s.grant_token("p1", "", "viewer", token_digest(new_token()))
+    assert names() == ["default"]
+    s.put_secret(pid, "a", b"\x01cipher-a", "k1")       # the first committed write creates it
+    assert store.get_project("p1").project_id == pid and s.secret_names(pid)[0][0] == "a"
+    assert s.bind_role(pid, "bob", "viewer") == 1       # later writes find it stored
+    assert reopen("p1", False).project.project_id == pid
+    # Created meanwhile under another ID: the write is refused, never lands in the other Project.
+    late = reopen("p2", "on_write")
+    other = store.ensure_project("p2")
+    with pytest.raises(ConflictError):
+        late.put_secret(late.project.project_id, "a", b"\x01c", "k1")
+    assert store.secret_names(other.project_id) == []
+    with pytest.raises(ValidationError):
+        reopen("no such", "on_write")
+
+
+def _known(store, name):
+    try:
+        return store.get_project(name)
+    except NotFoundError:
+        return None
+
+
 def test_secret_rows_hold_ciphertext_by_project_and_name(store, clock):
     pid = store.project.project_id
     store.put_secret(pid, "b", b"\x01cipher-b", "k1")

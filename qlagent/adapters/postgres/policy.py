@@ -5,7 +5,7 @@ caller's transaction."""
 from __future__ import annotations
 
 from ...core.definitions import check_project_name
-from ...core.errors import NotFoundError, ValidationError
+from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
 from ...core.models import LOCAL_SUBJECT, ROLES, Project, RoleBinding, TokenInfo
 
@@ -15,12 +15,16 @@ def _project(row: dict) -> Project:
                    active=bool(row["active"]))
 
 
-def ensure_project(cur, name: str, now_us: int) -> Project:
-    """Project ``name``, created with ``local:cli`` as owner if missing. ValidationError for a bad name."""
+def ensure_project(cur, name: str, now_us: int, project_id: str | None = None) -> Project:
+    """Project ``name``, created with ``local:cli`` as owner if missing. ValidationError for a bad name.
+    ``project_id``: the ID to create it with (as ``adapters.sqlite.policy.ensure_project``);
+    ConflictError ``project_created_concurrently`` if ``name`` exists under another ID."""
     row = cur.execute("SELECT * FROM projects WHERE name = %s", (name,)).fetchone()
+    if row is not None and project_id is not None and row["project_id"] != project_id:
+        raise _created_concurrently(name)
     if row is None:
         check_project_name(name)
-        pid = new_id()
+        pid = project_id or new_id()
         cur.execute("INSERT INTO projects(project_id, name, project_version, active, created_at_us) "
                     "VALUES (%s, %s, 1, true, %s)", (pid, name, now_us))
         cur.execute("INSERT INTO role_bindings VALUES (%s, %s, %s, 'owner', 1, true, %s)",
@@ -94,3 +98,10 @@ def list_tokens(cur, project_id: str) -> list[TokenInfo]:
                       revoked_at_us=r["revoked_at_us"]) for r in cur.execute(
         "SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = %s "
         "ORDER BY created_at_us, seq", (project_id,))]
+
+
+def _created_concurrently(name: str) -> ConflictError:
+    # The caller already sealed/derived rows with the ID it was handed: it must not land them
+    # under another Project's ID; a re-run finds the Project and acts in it.
+    return ConflictError(f"project {name!r} was created by another command meanwhile; retry",
+                         code="project_created_concurrently")

@@ -52,8 +52,9 @@ class PgStore(RowStore):
     ``PgStore(url, project="default", *, migrate=True, create_project=True, clock_us=None,
     pool_size=4, executor_type="remote_worker")``: ``url`` a libpq URL (multi-host with
     ``target_session_attrs=read-write`` accepted); ``project=None`` acts in no Project (only the
-    pool is used: ``bootstrap.open_cluster_store``); ``migrate`` applies pending migrations under
-    the advisory lock (serve, init), else a schema behind this build is UnavailableError
+    pool is used: ``bootstrap.open_cluster_store``); ``create_project`` as ``SqliteStore``'s
+    (True; False: unknown is NotFoundError; ``"on_write"``: created by the first committed
+    write); ``migrate`` applies pending migrations under the advisory lock (serve, init), else a schema behind this build is UnavailableError
     ``store_not_migrated``; ``executor_type`` is the executor of the Attempts this authority
     creates (the cluster's Workers take ``remote_worker``; the local engine's candidates are
     ``local_process``). Raises StoreIntegrityError for an unknown/altered migration history,
@@ -62,7 +63,8 @@ class PgStore(RowStore):
 
     _policy, _defs, _runs, _ex, _secrets = policy, defs, runs_repo, ex, secret_rows
 
-    def __init__(self, url: str, project: str | None = "default", *, migrate: bool = True, create_project: bool = True,
+    def __init__(self, url: str, project: str | None = "default", *, migrate: bool = True,
+                 create_project: bool | str = True,
                  clock_us: Callable[[], int] | None = None, pool_size: int = 4,
                  executor_type: str = "remote_worker", pool=None) -> None:
         self._clock = clock_us
@@ -82,8 +84,7 @@ class PgStore(RowStore):
         try:
             self.capabilities()
             # None: no Project at all (the cluster's own records: Workers), none created or read
-            self.project: Project | None = (None if project is None else self.ensure_project(project)
-                                            if create_project else self.get_project(project))
+            self.project: Project | None = None if project is None else self._open_project(project, create_project)
         except BaseException:
             self.close()
             raise
@@ -98,6 +99,8 @@ class PgStore(RowStore):
         import psycopg
         from psycopg import errors
         from psycopg.rows import dict_row
+        if write:
+            fn = self._with_pending_project(fn)
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
                 with self.pool.connection(timeout=pool_wait()) as conn:
@@ -109,7 +112,8 @@ class PgStore(RowStore):
                         with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
                             cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
                                         "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                            return fn(cur)
+                            result = fn(cur)
+                        return self._committed(result) if write else result
                     finally:
                         if queue:
                             conn.execute("SELECT pg_advisory_unlock(%s)", (RUN_CREATE_LOCK,))

@@ -10,13 +10,17 @@ from ...core.ids import new_id
 from ...core.models import LOCAL_SUBJECT, ROLES, Project, RoleBinding, TokenInfo
 
 
-def ensure_project(conn: sqlite3.Connection, name: str, now_us: int) -> Project:
+def ensure_project(conn: sqlite3.Connection, name: str, now_us: int, project_id: str | None = None) -> Project:
     """Return Project ``name``, creating it (with ``local:cli`` as owner) if missing. Write txn.
-    Raises ValidationError for a malformed name."""
+    ``project_id``: the ID to create it with (a store that deferred the creation to its first
+    write has handed that ID out already); ConflictError ``project_created_concurrently`` if
+    ``name`` exists meanwhile under another ID. Raises ValidationError for a malformed name."""
     row = conn.execute("SELECT * FROM projects WHERE name = ?", (name,)).fetchone()
+    if row is not None and project_id is not None and row["project_id"] != project_id:
+        raise _created_concurrently(name)
     if row is None:
         check_project_name(name)
-        pid = new_id()
+        pid = project_id or new_id()
         conn.execute("INSERT INTO projects(project_id, name, project_version, active, created_at_us) "
                      "VALUES (?, ?, 1, 1, ?)", (pid, name, now_us))
         conn.execute("INSERT INTO role_bindings VALUES (?, ?, ?, 'owner', 1, 1, ?)",
@@ -100,3 +104,10 @@ def list_tokens(conn: sqlite3.Connection, project_id: str) -> list[TokenInfo]:
     return [TokenInfo(token_id=r[0], subject=r[1], created_at_us=r[2], revoked_at_us=r[3]) for r in conn.execute(
         "SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = ? "
         "ORDER BY created_at_us", (project_id,))]
+
+
+def _created_concurrently(name: str) -> ConflictError:
+    # The caller already sealed/derived rows with the ID it was handed: it must not land them
+    # under another Project's ID; a re-run finds the Project and acts in it.
+    return ConflictError(f"project {name!r} was created by another command meanwhile; retry",
+                         code="project_created_concurrently")

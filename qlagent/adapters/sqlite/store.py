@@ -35,8 +35,10 @@ class SqliteStore(RowStore):
     ``SqliteStore(path, project="default", *, migrate=True, create_project=True, clock_us=…,
     busy_timeout_ms=5000)``. Only the service and ``init`` migrate; others open with
     ``migrate=False`` and get UnavailableError(``store_not_migrated``) for a schema behind this
-    build, so a newer CLI never changes the schema under an older running service. A read-only
-    caller passes ``create_project=False``: an unknown Project is NotFoundError, never created.
+    build, so a newer CLI never changes the schema under an older running service. A caller
+    that only acts on what a Project holds passes ``create_project=False``: an unknown Project
+    is NotFoundError, never created; ``create_project="on_write"`` creates it inside the first
+    write transaction that commits (``RowStore._open_project``), so a refused write leaves none.
     Raises StoreIntegrityError for an unknown/altered migration history and UnavailableError if
     the file cannot be opened or a required capability is missing.
     """
@@ -44,7 +46,8 @@ class SqliteStore(RowStore):
     _policy, _defs, _runs, _ex, _secrets = policy, defs, runs_repo, ex, secret_rows
     executor_type = "local_process"     # the only executor of the local authority's Attempts
 
-    def __init__(self, path: str, project: str = "default", *, migrate: bool = True, create_project: bool = True,
+    def __init__(self, path: str, project: str = "default", *, migrate: bool = True,
+                 create_project: bool | str = True,
                  clock_us: Callable[[], int] = wall_us, busy_timeout_ms: int = BUSY_TIMEOUT_MS) -> None:
         self._now = clock_us
         self.authority = SqliteAuthority(path, busy_timeout_ms)
@@ -60,10 +63,7 @@ class SqliteStore(RowStore):
                         "restart the service (it migrates at start) or run `qlagent init`",
                         code="store_not_migrated")
             self.capabilities()
-            if create_project:
-                self.project: Project = self.ensure_project(project)
-            else:
-                self.project = self.get_project(project)
+            self.project: Project = self._open_project(project, create_project)
         except BaseException:
             self.authority.close()
             raise
@@ -74,8 +74,8 @@ class SqliteStore(RowStore):
         return self.authority.read(fn)
 
     def write(self, fn):
-        """Run ``fn(conn)`` inside BEGIN IMMEDIATE … COMMIT."""
-        return self.authority.write(fn)
+        """Run ``fn(conn)`` inside BEGIN IMMEDIATE … COMMIT (the pending Project's creation first)."""
+        return self._committed(self.authority.write(self._with_pending_project(fn)))
 
     def _tx_now(self, conn) -> int:
         return self._now()
