@@ -54,10 +54,10 @@ class PgStore(RowStore):
     ``target_session_attrs=read-write`` accepted); ``project=None`` acts in no Project (only the
     pool is used: ``bootstrap.open_cluster_store``); ``create_project`` as ``SqliteStore``'s
     (True; False: unknown is NotFoundError; ``"on_write"``: created by the first committed
-    write); ``migrate`` applies pending migrations under the advisory lock (serve, init), else a schema behind this build is UnavailableError
-    ``store_not_migrated``; ``executor_type`` is the executor of the Attempts this authority
-    creates (the cluster's Workers take ``remote_worker``; the local engine's candidates are
-    ``local_process``). Raises StoreIntegrityError for an unknown/altered migration history,
+    write); ``migrate`` applies pending migrations under the advisory lock (serve, init), else
+    a schema behind this build is UnavailableError ``store_not_migrated``; ``executor_type`` is
+    the executor of the Attempts this authority creates (the cluster's Workers take
+    ``remote_worker``; the local engine's candidates are ``local_process``). Raises StoreIntegrityError for an unknown/altered migration history,
     UnavailableError when the server is unreachable or a capability is missing.
     """
 
