@@ -105,6 +105,17 @@ def sql(url: str, query: str, args=()):
         return cur.fetchall() if cur.description else []
 
 
+def start_replica(root: str, config: str, tasks: str, port: int) -> tuple[Node, Proc]:
+    """``init`` a control plane with ``config`` (TOML with ``[cluster]``) in ``root``, add
+    ``tasks``, start ``serve --listen 127.0.0.1:PORT``; (its Node, its Proc)."""
+    cp = Node(root, "cp", config)
+    cp.ok("init")
+    with open(os.path.join(root, "tasks.toml"), "w") as f:
+        f.write(tasks)
+    cp.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
+    return cp, Proc(cp, "--listen", f"127.0.0.1:{port}")
+
+
 @pytest.fixture(scope="module")
 def plane(pg_url):
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
@@ -112,13 +123,8 @@ def plane(pg_url):
     ca, cert, key = make_ca(root, "cp")
     other_ca, _, other_key = make_ca(root, "other")
     port = free_port()
-    cp = Node(root, "cp", f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nsweep_interval_s = 0.5\n'
-                          f'tls_cert = "{cert}"\ntls_key = "{key}"\n')
-    cp.ok("init")
-    with open(os.path.join(root, "tasks.toml"), "w") as f:
-        f.write(TASKS)
-    cp.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
-    replica = Proc(cp, "--listen", f"127.0.0.1:{port}")
+    cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nsweep_interval_s = 0.5\n'
+                                      f'tls_cert = "{cert}"\ntls_key = "{key}"\n', TASKS, port)
     assert "tls=on" in replica.wait_line("http.listening")
     replica.wait_line("service.ready")
     state = {"root": root, "ca": ca, "cert": cert, "key": key, "other_ca": other_ca, "other_key": other_key,
@@ -130,19 +136,25 @@ def plane(pg_url):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def start_worker(plane, name: str, ca_file: str, *enroll_args: str, extra: str = "") -> tuple[Proc, str]:
+def enroll(plane, name: str, *enroll_args: str) -> tuple[str, str]:
+    """``workers enroll NAME ARGS`` on the plane; (Worker ID, path of its 0600 credential file)."""
     enrolled = json.loads(plane["cp"].ok("workers", "enroll", name, *enroll_args, "--json"))
     cred = os.path.join(plane["root"], f"{name}.credential")
     fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, enrolled["credential"].encode() + b"\n")
     os.close(fd)
-    node = Node(plane["root"], name, f'[worker]\nworker_id = "{enrolled["workerId"]}"\n'
+    return enrolled["workerId"], cred
+
+
+def start_worker(plane, name: str, ca_file: str, *enroll_args: str, extra: str = "") -> tuple[Proc, str]:
+    worker_id, cred = enroll(plane, name, *enroll_args)
+    node = Node(plane["root"], name, f'[worker]\nworker_id = "{worker_id}"\n'
                                      f'control_url = "https://127.0.0.1:{plane["port"]}"\n'
                                      f'credential_file = "{cred}"\nca_file = "{ca_file}"\n'
                                      'heartbeat_interval_s = 1\npull_wait_s = 20\n' + extra)
     proc = Proc(node)
     plane["workers"].append(proc)
-    return proc, enrolled["workerId"]
+    return proc, worker_id
 
 
 def https(plane, path: str, token: str, headers: dict | None = None, method: str = "GET", body: bytes | None = None):

@@ -6,6 +6,7 @@ without ``[cluster]`` never imports psycopg or ``qlagent.cluster``."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -799,6 +800,16 @@ def _one_error(p: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+@contextlib.contextmanager
+def own_database(name: str):
+    """A database of this test's own (its URL), dropped afterwards whatever happened."""
+    created = create_database(name)
+    try:
+        yield db_url(created)
+    finally:
+        drop_database(created)
+
+
 @pytest.mark.parametrize("extra, field, words, ok_extra", [
     # 1 route thread needs 3 connections: 2 is one under the limit, 3 the limit.
     ("pool_size = 2\nthreads = 1\n", "cluster.pool_size", "threads + 2 = 3", "pool_size = 3\nthreads = 1\n"),
@@ -809,19 +820,16 @@ def _one_error(p: subprocess.CompletedProcess) -> str:
 def test_config_check_refuses_what_serve_refuses_before_the_database(tmp_path, extra, field, words, ok_extra):
     # Found by a tester: `config check` (ExecReload, the OpenWrt validator) said "config ok" for
     # pool_size = 1, which serve then refused; lease_ttl_s = 5 passed both and no Task fitted.
-    name = create_database(f"cfgchk_pre_{abs(hash(extra)) % 10_000}")
-    try:
+    with own_database(f"cfgchk_pre_{abs(hash(extra)) % 10_000}") as url:
         os.makedirs(tmp_path / "bad")
-        env = Env(str(tmp_path / "bad"), db_url(name), extra)
+        env = Env(str(tmp_path / "bad"), url, extra)
         for args in (("config", "check"), ("serve",)):
             line = _one_error(env.cli(*args))
             assert f"{field}: " in line and words in line, (args, line)
         assert env.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
         os.makedirs(tmp_path / "ok")
-        good = Env(str(tmp_path / "ok"), db_url(name), ok_extra)
+        good = Env(str(tmp_path / "ok"), url, ok_extra)
         assert good.ok("config", "check").startswith("config ok: ")
-    finally:
-        drop_database(name)
 
 
 def test_config_check_and_serve_name_the_tls_file_that_is_wrong(tmp_path):
@@ -841,28 +849,24 @@ def test_config_check_and_serve_name_the_tls_file_that_is_wrong(tmp_path):
         (cert, missing, "cluster.tls_key", "cannot read"),
         (cert, other_key, "cluster.tls_key", "are not a pair"),
     ]
-    name = create_database("cfgchk_tls")
-    try:
+    with own_database("cfgchk_tls") as url:
         for i, (c, k, field, words) in enumerate(cases):
             os.makedirs(tmp_path / str(i))
-            env = Env(str(tmp_path / str(i)), db_url(name), f'tls_cert = "{c}"\ntls_key = "{k}"\n')
+            env = Env(str(tmp_path / str(i)), url, f'tls_cert = "{c}"\ntls_key = "{k}"\n')
             for args in (("config", "check"), ("serve",)):
                 line = _one_error(env.cli(*args))
                 assert f"{field}: " in line and words in line, (c, k, args, line)
         assert env.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
         os.makedirs(tmp_path / "ok")
-        env = Env(str(tmp_path / "ok"), db_url(name), f'tls_cert = "{cert}"\ntls_key = "{key}"\n')
+        env = Env(str(tmp_path / "ok"), url, f'tls_cert = "{cert}"\ntls_key = "{key}"\n')
         assert env.ok("config", "check").startswith("config ok: ")
-    finally:
-        drop_database(name)
 
 
 def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(tmp_path):
     # lease_ttl_s = 6 (the least accepted) holds a grace of 0.995 s: 0 and 0.995 are added, 1 is
     # refused naming the real limit (the tester saw "0 s … (at most 0 s)" under lease_ttl_s = 5).
-    name = create_database("cfgchk_grace")
-    try:
-        env = Env(str(tmp_path), db_url(name), "lease_ttl_s = 6\n")
+    with own_database("cfgchk_grace") as url:
+        env = Env(str(tmp_path), url, "lease_ttl_s = 6\n")
         env.ok("init")
         path = os.path.join(str(tmp_path), "t.toml")
         for task, grace, ok in (("g0", "0", True), ("g995", "0.995", True), ("g1", "1", False)):
@@ -875,16 +879,13 @@ def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(t
                 line = _one_error(p)
                 assert "task[0].grace_s: 1 s cannot live under cluster.lease_ttl_s = 6 (at most 0.995 s" in line, line
         assert [r[0] for r in env.sql("SELECT name FROM tasks ORDER BY name")] == ["g0", "g995"]
-    finally:
-        drop_database(name)
 
 
 def test_workers_commands_never_create_a_project(tmp_path):
     # Found by a tester: `workers enroll w2 --project nosuch` exited 0 and created Project
     # 'nosuch'. Workers belong to the cluster, not to a Project: --project is not used.
-    name = create_database("cfgchk_wproj")
-    try:
-        env = Env(str(tmp_path), db_url(name))
+    with own_database("cfgchk_wproj") as url:
+        env = Env(str(tmp_path), url)
         env.ok("init")
         before = env.sql("SELECT * FROM projects ORDER BY name")
         out = json.loads(env.ok("workers", "enroll", "w2", "--project", "nosuch", "--json"))
@@ -894,17 +895,14 @@ def test_workers_commands_never_create_a_project(tmp_path):
             assert env.ok("workers", verb, "w2", "--project", "other").split()[:2] == ["w2", out["workerId"]]
         env.ok("workers", "rm", "w2", "--project", "nosuch")
         assert env.sql("SELECT * FROM projects ORDER BY name") == before
-    finally:
-        drop_database(name)
 
 
 def test_project_option_never_creates_a_project_a_command_is_refused_in(tmp_path):
     # Found by a tester: `--project zz1 run start one` exited 4 yet created Project zz1, and
     # `--project nosuch8 token create …` created a mistyped one. Commands that act on what a
     # Project holds refuse an unknown one; defining commands create it only with their own write.
-    name = create_database("projfix_scope")
-    try:
-        env = Env(str(tmp_path), db_url(name))
+    with own_database("projfix_scope") as url:
+        env = Env(str(tmp_path), url)
         env.ok("init")
         before = env.sql("SELECT * FROM projects ORDER BY name")
         good = str(tmp_path / "one.toml")
@@ -940,5 +938,3 @@ def test_project_option_never_creates_a_project_a_command_is_refused_in(tmp_path
         env.ok("--project", "p-role", "role", "set", "alice", "viewer")
         assert [r[0] for r in env.sql("SELECT name FROM projects ORDER BY name")] == \
             ["default", "p-role", "p-secret", "p-task", "p-token"]
-    finally:
-        drop_database(name)

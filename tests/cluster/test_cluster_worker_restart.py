@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from test_cluster_e2e import Node, Proc, free_port, sql
+from test_cluster_e2e import Node, Proc, enroll, free_port, sql, start_replica
 
 TTL_S = 10
 LOOP = "i=0; while [ $i -lt {n} ]; do echo tick $i; i=$((i+1)); sleep 1; done"
@@ -51,13 +51,8 @@ def plane(pg_url):
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="wkfix-restart-", dir=base)
     port = free_port()
-    cp = Node(root, "cp", f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nlease_ttl_s = {TTL_S}\n'
-                          f'session_ttl_s = {TTL_S}\nsweep_interval_s = 1\n')
-    cp.ok("init")
-    with open(os.path.join(root, "tasks.toml"), "w") as f:
-        f.write(TASKS)
-    cp.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
-    replica = Proc(cp, "--listen", f"127.0.0.1:{port}")
+    cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nlease_ttl_s = {TTL_S}\n'
+                                      f'session_ttl_s = {TTL_S}\nsweep_interval_s = 1\n', TASKS, port)
     replica.wait_line("service.ready")
     state = {"root": root, "port": port, "cp": cp, "replica": replica, "url": pg_url, "procs": []}
     yield state
@@ -70,18 +65,13 @@ def plane(pg_url):
 
 
 def worker_node(plane, name: str) -> tuple[Node, str]:
-    enrolled = json.loads(plane["cp"].ok("workers", "enroll", name, "--slots", "2",
-                                             "--label", f"case={name}", "--json"))
-    cred = os.path.join(plane["root"], f"{name}.credential")
-    fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, enrolled["credential"].encode() + b"\n")
-    os.close(fd)
+    worker_id, cred = enroll(plane, name, "--slots", "2", "--label", f"case={name}")
     # drain_grace_s: the re-offered Attempt still running at the end is stopped soon.
-    node = Node(plane["root"], name, f'drain_grace_s = 1\n[worker]\nworker_id = "{enrolled["workerId"]}"\n'
+    node = Node(plane["root"], name, f'drain_grace_s = 1\n[worker]\nworker_id = "{worker_id}"\n'
                                      f'control_url = "http://127.0.0.1:{plane["port"]}"\n'
                                      f'credential_file = "{cred}"\nslots = 2\nheartbeat_interval_s = 2\n'
                                      f'pull_wait_s = 20\nlabels = {{case = "{name}"}}\n')
-    return node, enrolled["workerId"]
+    return node, worker_id
 
 
 def serve(plane, node: Node) -> Proc:
