@@ -44,6 +44,19 @@ on_lease_loss = "{policy}"
 retry = {{max_attempts = 2}}
 placement = {{required = {{case = "{case}"}}}}
 ''' for case, (script, policy, _, _) in CASES.items())
+# Two runs on one Worker at the SIGKILL, each ending differently while it is down (found by a
+# second tester): one outlives its Lease and is fenced by its shim, the other finishes.
+PAIR = {"pair_fenced": LOOP.format(n=15), "pair_finished": "echo short; sleep 3; echo done"}
+TASKS += "".join(f'''
+[[task]]
+name = "{name}"
+shell = "/bin/sh"
+script = "{script}"
+grace_s = 1
+retry = {{max_attempts = 2}}
+concurrency = "parallel"
+placement = {{required = {{case = "pair"}}}}
+''' for name, script in PAIR.items())
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +175,30 @@ def test_a_worker_restarted_after_a_sigkill_with_a_run_in_flight_keeps_running(p
     assert "internal error" not in journal and "Traceback" not in journal, journal
     # The first Attempt's row was closed (acknowledged or closed as lost/fenced), not left open.
     assert inbox_state(node, aid) == ["acked"], journal
+
+
+def test_a_worker_down_past_the_lease_with_one_run_fenced_and_one_finished_restarts(plane):
+    node, _ = worker_node(plane, "pair")
+    worker = serve(plane, node)
+    worker.wait_line("worker.session_opened")
+    cp = plane["cp"]
+    runs = {name: cp.ok("run", "start", name).strip() for name in PAIR}
+    for run_id in runs.values():
+        wait_for("attempt 1 running", lambda: attempts(plane, run_id) == [(1, "running")], 60, worker)
+    aids = {name: first_attempt(plane, run_id) for name, run_id in runs.items()}
+    worker.proc.kill()
+    assert worker.proc.wait(30) == -9
+    for run_id in runs.values():
+        wait_for("attempt 1 lost", lambda: attempts(plane, run_id)[:1] == [(1, "lost")])
+    assert wait_for("the fenced shim's receipt", lambda: receipt(node, aids["pair_fenced"]))["lease_lost"] is True
+    assert wait_for("the finished shim's receipt", lambda: receipt(node, aids["pair_finished"]))["lease_lost"] is False
+    again = serve(plane, node)
+    again.wait_line("worker.ready")
+    for run_id in runs.values():
+        wait_for("attempt 2 on the restarted Worker", lambda: attempts(plane, run_id)
+                 in ([(1, "lost"), (2, "running")], [(1, "lost"), (2, "succeeded")]), 60, again)
+    journal = "".join(again.lines)
+    assert again.proc.poll() is None and "internal error" not in journal and "Traceback" not in journal, journal
+    assert again.stop() == 0, "".join(again.lines)
+    assert [inbox_state(node, a) for a in aids.values()] == [["acked"], ["acked"]], "".join(again.lines)
+
