@@ -88,12 +88,12 @@ def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
         if a["cancel_requested_at_us"] is not None:
             return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "cancelled", "control-plane", now,
                                   failure_reason=reason)
-        task_id = cur.execute("UPDATE runs SET state = 'queued', version = version + 1, updated_at_us = %s "
-                              "WHERE run_id = %s AND state = 'dispatching' RETURNING task_id",
-                              (now, lease["run_id"])).fetchone()
+        requeued = cur.execute("UPDATE runs SET state = 'queued', version = version + 1, updated_at_us = %s "
+                               "WHERE run_id = %s AND state = 'dispatching' RETURNING task_id",
+                               (now, lease["run_id"])).fetchone()
         event(cur, lease["run_id"], "run.requeued", "control-plane", facts, now)
-        if task_id is not None:
-            set_holds(cur, task_id["task_id"])
+        if requeued is not None:
+            set_holds(cur, requeued["task_id"])
         return "queued"
     if a["state"] in ("starting", "running"):
         return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "lost", "control-plane", now,
