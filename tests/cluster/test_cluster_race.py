@@ -53,10 +53,7 @@ def cluster(pg_url, pool):
     root = tempfile.mkdtemp(prefix="qlagent-race-", dir=base)
     # Leases and Sessions outlive the test: a Lease expiring mid-run would re-queue its Run.
     env = Env(root, pg_url, "pool_size = 6\nsession_ttl_s = 3600\nlease_ttl_s = 3600\n")
-    env.ok("init")
-    with open(os.path.join(root, "tasks.toml"), "w") as f:
-        f.write(TASKS)
-    env.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
+    env.define(TASKS)
     token = env.ok("token", "create", "--subject", "rita", "--role", "operator").strip()
     with ThreadPoolExecutor(REPLICAS) as ex:            # each start waits for its readiness line
         replicas = list(ex.map(lambda _: Replica(env), range(REPLICAS)))

@@ -88,6 +88,14 @@ class Env:
         assert p.returncode == 0 and b"Traceback" not in p.stderr, (args, p.stdout, p.stderr)
         return p.stdout.decode()
 
+    def define(self, tasks: str) -> None:
+        """``init`` the cluster authority and ``task add`` the TOML ``tasks``."""
+        self.ok("init")
+        path = os.path.join(self.root, "tasks.toml")
+        with open(path, "w") as f:
+            f.write(tasks)
+        self.ok("task", "add", "-f", path)
+
     def sql(self, query: str, args=()):
         with psycopg.connect(self.url, autocommit=True) as c:
             cur = c.execute(query, args)
@@ -145,10 +153,7 @@ def cp(pg_url):
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="qlagent-cp-", dir=base)
     env = Env(root, pg_url, "sweep_interval_s = 0.5\n")
-    env.ok("init")
-    with open(os.path.join(root, "tasks.toml"), "w") as f:
-        f.write(TASKS)
-    env.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
+    env.define(TASKS)
     tokens = {s: env.ok("token", "create", "--subject", s, "--role", "operator").strip() for s in ("alice", "rita")}
     replicas = [Replica(env), Replica(env)]
     yield env, replicas, tokens
