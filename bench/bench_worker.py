@@ -1,5 +1,5 @@
-"""Fleet Worker figures (issue 11 "Bench"), against the Worker-protocol stub over loopback TLS
-(tests/fleet/stubcp.py; the real control plane replaces it in the fleet integration test):
+"""Fleet Worker figures (issue 11 "Bench"); 1–3 against the Worker-protocol stub over loopback
+TLS (tests/fleet/stubcp.py), 5 against the real control plane on PostgreSQL:
 
 1. RSS of ``qlagent serve`` as a Worker, idle (Session open, long-polling over TLS, inbox open)
    and the peak while 4 ``chatty`` runs (router task set, ~9.7 MB of output each, quota 4 MiB)
@@ -20,7 +20,23 @@
    against the shim of git REF, each compiled as the agent does and run alone with a 1 s task,
    interleaved, median of 7.
 
-Run from the repository root: ``python3 bench/bench_worker.py [--runs 40] [--shim-base main]``.
+5. With ``--control-plane real`` (instead of 1–3): pull-to-exec against the REAL control plane
+   on loopback: ``qlagent serve`` with ``[cluster]`` (TLS from a throwaway openssl CA) on a fresh
+   PostgreSQL database (127.0.0.1:5432, created and dropped here) and one Worker (``qlagent
+   serve`` with ``[worker]``, credential from ``qlagent workers enroll``) long-polling; the
+   helpers of tests/cluster/test_cluster_e2e.py start them. N sequential runs (after a warm-up,
+   0.2 s apart so the Worker is back in its long poll), in ms, p50/p99/max: from sending the HTTP
+   Task Start (new mutationId, keep-alive HTTPS) to the task's first instruction (``date
+   +%s%N``). Baseline, same runs: Task Start sent → the Run's Attempt leased
+   (``run_leases.claimed_at_us``, database clock, same host), i.e. the control plane's share
+   (Task Start transaction, NOTIFY wake, the parked Pull's claim); total / baseline is what the
+   Worker adds once its Pull holds the Run (answer over TLS, inbox commits, ACK ``starting``,
+   shim start; the ``run.starting`` event's time splits it). Also a bare fork+exec of the same
+   ``/bin/sh -c 'date +%s%N > file'``, interleaved: the floor of the Worker's share. RSS of the
+   Worker and of the replica, the Worker tree's PIDs idle and during a run, the load average.
+
+Run from the repository root: ``python3 bench/bench_worker.py [--runs 40] [--shim-base main]
+[--control-plane real]``.
 """
 
 from __future__ import annotations
@@ -199,13 +215,151 @@ def shim_ab(base_ref: str, samples: int = 7) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def real_control_plane(runs: int) -> None:
+    """Figure 5 (module docstring)."""
+    import http.client
+    import json
+    import ssl
+    import uuid
+    import psycopg
+    sys.path.insert(0, os.path.join(REPO, "tests", "cluster"))
+    from conftest import create_database, db_url, drop_database
+    from cpkit import make_ca
+    from test_cluster_e2e import BASE, start_replica, start_worker
+
+    load0 = os.getloadavg()
+    name = create_database("bench_worker")          # qlt_<branch>_<pid>_bench_worker
+    url = db_url(name)
+    root = tempfile.mkdtemp(prefix="bench-worker-real-")
+    mark, bare = os.path.join(root, "mark"), os.path.join(root, "bare")
+    tasks = (f'[[task]]\nname = "mark"\nshell = "/bin/sh"\nscript = "date +%s%N > {mark}"\n'
+             '[[task]]\nname = "hold"\nshell = "/bin/sh"\nscript = "sleep 2"\n')
+    ca, cert, key = make_ca(root, "cp")
+    plane = {"root": root, "port": free_port(), "workers": []}
+    replica = None
+    try:
+        plane["cp"], replica = start_replica(root, f'[cluster]\ndatabase = "{url}"\npool_size = 6\n'
+                                                   f'tls_cert = "{cert}"\ntls_key = "{key}"\n', tasks, plane["port"])
+        replica.wait_line("service.ready")
+        worker, _ = start_worker(plane, "bench-1", ca)
+        worker.wait_line("worker.ready")
+        token = plane["cp"].ok("token", "create", "--subject", "bench", "--role", "operator").strip()
+        api = http.client.HTTPSConnection("127.0.0.1", plane["port"], timeout=30,
+                                          context=ssl.create_default_context(cafile=ca))
+        db = psycopg.connect(url, autocommit=True)
+
+        def call(method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+            api.request(method, path, body=body, headers={"Authorization": f"Bearer {token}",
+                                                          "Content-Type": "application/json"})
+            r = api.getresponse()
+            return r.status, json.loads(r.read())
+
+        def stamp(path: str) -> int:
+            """The ns written by ``date +%s%N`` into ``path`` (waits for the whole line)."""
+            end = time.monotonic() + 30
+            while time.monotonic() < end:
+                try:
+                    with open(path) as f:
+                        text = f.read()
+                    if text.endswith("\n"):
+                        return int(text)
+                except FileNotFoundError:
+                    pass
+                time.sleep(0.005)
+            raise AssertionError(f"no mark in 30 s; Worker: {worker.lines[-5:]}")
+
+        heads = {t: call("GET", f"{BASE}/tasks/{t}")[1] for t in ("mark", "hold")}
+
+        def start(task: str) -> tuple[int, int, str]:
+            """(ns before sending, ns at the 202, runId) of one Task Start."""
+            head = heads[task]
+            body = json.dumps({"schema": "qinglong/task-start@v1", "mutationId": str(uuid.uuid4()),
+                               "expectedRevision": head["revision"],
+                               "expectedContentDigest": head["contentDigest"]}).encode()
+            if api.sock is None:
+                api.connect()                           # no TLS handshake inside the measured span
+            t0 = time.time_ns()
+            status, doc = call("POST", f"{BASE}/tasks/{task}/runs", body)
+            assert status == 202, doc
+            return t0, time.time_ns(), doc["runId"]
+
+        def ended(run_id: str) -> None:
+            end = time.monotonic() + 30
+            while db.execute("SELECT state FROM runs WHERE run_id = %s", (run_id,)).fetchone()[0] != "succeeded":
+                assert time.monotonic() < end, f"run {run_id} did not succeed"
+                time.sleep(0.01)
+
+        wp, rp = psutil.Process(worker.proc.pid), psutil.Process(replica.proc.pid)
+        total, cp_part, worker_part, to_starting, answered, floor = [], [], [], [], [], []
+        rss_w = rss_r = 0
+        for i in range(runs + 1):
+            for f in (mark, bare):
+                if os.path.exists(f):
+                    os.unlink(f)
+            time.sleep(0.2)                             # the Worker is back in its long poll
+            t0, t202, run_id = start("mark")
+            exec_ns = stamp(mark)
+            ended(run_id)
+            claimed_us, starting_us = db.execute(
+                "SELECT l.claimed_at_us, e.created_at_us FROM run_leases l JOIN run_events e ON e.run_id = l.run_id"
+                " AND e.type = 'run.starting' WHERE l.run_id = %s", (run_id,)).fetchone()
+            tb = time.time_ns()
+            subprocess.run(["/bin/sh", "-c", f"date +%s%N > {bare}"], check=True)
+            if i == 0:
+                idle_w, idle_r = wp.memory_info().rss, rp.memory_info().rss
+                idle_tree = 1 + len(wp.children(recursive=True))
+                continue                                # warm-up
+            total.append((exec_ns - t0) / 1e6)
+            cp_part.append((claimed_us * 1000 - t0) / 1e6)
+            worker_part.append((exec_ns - claimed_us * 1000) / 1e6)
+            to_starting.append((starting_us - claimed_us) / 1e3)
+            answered.append((t202 - t0) / 1e6)
+            floor.append((stamp(bare) - tb) / 1e6)
+            rss_w, rss_r = max(rss_w, wp.memory_info().rss), max(rss_r, rp.memory_info().rss)
+        # The Worker tree while a run is live (a 2 s ``sleep``).
+        _, _, run_id = start("hold")
+        time.sleep(1.0)
+        busy = [q.name() for q in wp.children(recursive=True)]
+        ended(run_id)
+        load1 = os.getloadavg()
+
+        def ms(xs: list[float]) -> str:
+            return f"p50 {pct(xs, .5):.1f}, p99 {pct(xs, .99):.1f}, max {max(xs):.1f} ms"
+        print(f"REAL control plane (qlagent serve [cluster] on PostgreSQL, TLS) + 1 Worker, {runs} runs; "
+              f"load average {load0[0]:.2f} before, {load1[0]:.2f} after")
+        print(f"Task Start sent → task's first instruction: {ms(total)}, mean {statistics.mean(total):.1f} ms")
+        print(f"  baseline, Task Start sent → Attempt leased (run_leases.claimed_at_us): {ms(cp_part)}; "
+              f"ratio {pct(total, .5) / pct(cp_part, .5):.2f}x at p50")
+        print(f"  Worker's share, leased → exec: {ms(worker_part)}, of which leased → ACK starting applied "
+              f"(run.starting event) {ms(to_starting)}; the 202 answered after {ms(answered)}")
+        print(f"  floor: bare fork+exec of /bin/sh -c 'date +%s%N > file' (subprocess.run): {ms(floor)}; "
+              f"Worker's share {pct(worker_part, .5) / pct(floor, .5):.1f}x it at p50")
+        print(f"Worker RSS {idle_w / MiB:.1f} MiB idle, {rss_w / MiB:.1f} max after a run; replica RSS "
+              f"{idle_r / MiB:.1f} idle, {rss_r / MiB:.1f} max ({rp.num_threads()} threads); Worker tree PIDs: "
+              f"{idle_tree} idle ({wp.num_threads()} threads), {1 + len(busy)} during a run ({', '.join(busy)})")
+        api.close()
+        db.close()
+    finally:
+        for p in plane["workers"]:
+            p.stop()
+        if replica is not None:
+            replica.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        drop_database(name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--shim-base", help="git ref whose shim is measured against this tree's")
+    ap.add_argument("--control-plane", choices=("stub", "real"), default="stub",
+                    help="stub: figures 1-3 against tests/fleet/stubcp.py; real: figure 5")
     a = ap.parse_args()
     if a.shim_base:
         shim_ab(a.shim_base)
+    if a.control_plane == "real":
+        real_control_plane(a.runs)
+        return
     root = tempfile.mkdtemp(prefix="bench-worker-")
     cp = StubControlPlane(root, lease_ttl_s=30, session_ttl_s=30)
     url = cp.start()
