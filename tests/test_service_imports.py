@@ -25,7 +25,8 @@ from test_secrets import write_legacy_store
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # … and nothing of the cluster without a [cluster] table (issue 10): its policy, its adapter, its role.
 HEAVY = ("pyroute2", "asyncio", "cryptography", "_hashlib", "_ssl", "psycopg", "qlagent.cluster",
-         "qlagent.adapters.postgres", "qlagent.service.controlplane")
+         "qlagent.core.cluster", "qlagent.adapters.postgres", "qlagent.service.controlplane",
+         "qlagent.worker", "qlagent.application.fleet_worker", "qlagent.adapters.control_client")
 PROBE = r'''
 import json, sys
 from qlagent.cli.main import main

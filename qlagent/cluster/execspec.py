@@ -15,7 +15,8 @@ import msgspec
 
 from ..core import limits as L
 from ..core.canonical import content_digest, sha256_hex
-from ..core.cluster import WORKER_EXECUTORS, ClusterCandidate, ExecutionSpec
+from ..core.cluster import ClusterCandidate, ExecutionSpec
+from ..core.executors import WORKER_EXECUTORS
 from ..core.definitions import TaskInput, prepare_execution, prepare_recipe
 from ..core.errors import ValidationError
 from ..core.profiles import STANDALONE

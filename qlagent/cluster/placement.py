@@ -13,7 +13,8 @@ from __future__ import annotations
 import msgspec
 
 from ..core import limits as L
-from ..core.cluster import EXECUTOR_LABEL, WorkerSnapshot
+from ..core.cluster import WorkerSnapshot
+from ..core.executors import EXECUTOR_LABEL
 from ..core.errors import ValidationError
 from ..core.leasefit import max_grace_ms
 

@@ -32,9 +32,10 @@ import re
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import (MAX_ADOPT, MAX_HELD, WORKER_EXECUTORS, Enrolment, Heartbeat, HeldLease, Hello,
-                            LeaseExpiry, SessionGrant, WorkerAuthError)
+from ..core.cluster import (MAX_ADOPT, MAX_HELD, Enrolment, Heartbeat, HeldLease, Hello, LeaseExpiry, SessionGrant,
+                            WorkerAuthError)
 from ..core.errors import ValidationError
+from ..core.executors import WORKER_EXECUTORS
 from ..core.inbox_states import MAX_GENERATION, MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
 from ..core.leasefit import check_lease_ttl
 from .placement import check_labels

@@ -18,10 +18,6 @@ from .errors import EXIT_USAGE, ConflictError, QlError
 from .models import RetryPolicy
 from .states import backoff_ms, retryable
 
-# Worker executor types a Worker may offer and an ExecutionSpec may need.
-WORKER_EXECUTORS = ("local_process",)
-EXECUTOR_LABEL = "executor"      # the Placement label naming the executor a Worker must offer
-
 T = TypeVar("T")                 # what a PullUnit's work returns
 
 

@@ -16,7 +16,7 @@ import msgspec
 from . import limits as L
 from .canonical import content_digest, recipe_ref
 from .errors import ValidationError, from_msgspec
-from .cluster import EXECUTOR_LABEL, WORKER_EXECUTORS
+from .executors import EXECUTOR_LABEL, WORKER_EXECUTORS
 from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, PlacementSpec, RetryPolicy,
                      TaskDefinition)
 from .schedule import ScheduleError, parse_schedules, validate_timezone

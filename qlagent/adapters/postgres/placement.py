@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from ...core.cluster import EXECUTOR_LABEL
+from ...core.executors import EXECUTOR_LABEL
 from .connection import transaction
 from .transitions import event, now_us
 
