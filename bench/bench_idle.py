@@ -8,6 +8,10 @@ tree's ``qlagent`` copied in). Per interpreter, measured in the same window:
   (its network-gated ``wan-check``/``ddns-update``) + the 50 Tasks, after one
   ``run start ddns-update`` (resolves a Secret), one ``chatty`` Run (9.7 MB of output) and one
   authenticated HTTP request; the set's own ``* * * * *`` Tasks keep firing meanwhile;
+- **worker** (issue 11 "Budgets"): ``serve`` with ``[worker]`` against the Worker-protocol stub
+  (tests/fleet/stubcp.py, TLS on loopback, CA pinned, 0600 credential): idle with its Session open
+  and long-polling, then the peak while 4 ``chatty`` Runs (quota 4 MiB, two with a lease file)
+  and one Run with a Secret execute, then idle again after their logs are uploaded;
 - baselines: an idle ``supervisord`` with one program, and ``python3 -c pass`` (RSS/PSS read
   by the interpreter itself at exit).
 
@@ -37,7 +41,10 @@ import urllib.request
 import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "fleet"))
 KiB = 1024
+MiB = 1024 * KiB
+CHATTY = os.path.join(REPO, "examples", "router-tasks", "chatty.sh")
 WATCHDOG_USEC = 30_000_000
 MEM_PROBE = ("import sys\n"
              "s = dict(l.split(':', 1) for l in open('/proc/self/status'))\n"
@@ -100,9 +107,11 @@ class Interpreter:
             raise SystemExit(f"{self.name}: qlagent {' '.join(args)} exited {p.returncode}: {p.stderr.decode()}")
         return p.stdout
 
-    def popen(self, args: list[str], **env) -> subprocess.Popen:
+    def popen(self, args: list[str], err: str | None = None, **env) -> subprocess.Popen:
+        """``err``: a file (outside path) for the process's stderr (its journal)."""
         return subprocess.Popen([*self.argv, *args], cwd=REPO if not self.root else "/", env=self.env(**env),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL,
+                                stderr=open(err, "wb") if err else subprocess.DEVNULL)
 
 
 class Notify:
@@ -189,6 +198,62 @@ class Agent:
                 self.proc.kill()
 
 
+class WorkerAgent:
+    """One fleet Worker (``serve`` with ``[worker]``) of ``interp`` pulling from the stub ``cp``."""
+
+    def __init__(self, interp: Interpreter, inner_dir: str, cp, url: str) -> None:
+        from stubcp import worker_config, write_credential
+        self.interp, self.cp, self.inner = interp, cp, inner_dir
+        wid, cred = cp.enrol()
+        shutil.copy(cp.ca_file, interp.outside(f"{inner_dir}/worker-ca.pem"))
+        shutil.copy(CHATTY, interp.outside(f"{inner_dir}/chatty.sh"))
+        write_credential(interp.outside(f"{inner_dir}/worker.credential"), cred)
+        self.config = f"{inner_dir}/worker.toml"
+        worker_config(interp.outside(self.config), state_dir=f"{inner_dir}/worker", worker_id=wid,
+                      url=url, credential_file=f"{inner_dir}/worker.credential",
+                      ca_file=f"{inner_dir}/worker-ca.pem", slots=4, heartbeat_s=5.0, pull_wait_s=20)
+        self.notify_inner = f"{inner_dir}/worker.notify"
+        self.notify = Notify(interp.outside(self.notify_inner))
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        err = self.interp.outside(f"{self.inner}/worker.err")
+        self.proc = self.interp.popen([self.interp.entry, "--config", self.config, "serve"], err=err,
+                                      NOTIFY_SOCKET=self.notify_inner, WATCHDOG_USEC=str(WATCHDOG_USEC))
+        deadline = time.monotonic() + 30
+        while not any(ln == "READY=1" for _, ln in self.notify.lines):       # READY=1 once a Session is open
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                with open(err) as f:
+                    raise SystemExit(f"{self.interp.name} worker: no Session within 30 s: {f.read()[-1500:]}")
+            time.sleep(0.05)
+            self.notify.pump()
+
+    def exercise(self) -> tuple[int, int]:
+        """4 chatty Runs (2 ``kill`` with a lease file, 2 ``keep``: the edge Profile's 4 slots) and
+        one Run resolving a Secret after them; (peak RSS, peak PSS) KiB of the Worker process until every log is uploaded."""
+        chatty = f"{self.inner}/chatty.sh"
+        ids = [self.cp.add_run(argv=["/bin/sh", chatty], log_quota_bytes=4 * MiB, on_lease_loss=pol)
+               for pol in ("kill", "kill", "keep", "keep")]
+        secret = self.cp.add_run(shell="/bin/sh", script='test -n "$DDNS_TOKEN" && echo token-set',
+                                 secrets={"DDNS_TOKEN": b"bench-ddns-token-0123456789"})
+        peak = (0, 0)
+        deadline = time.monotonic() + 180
+        while True:
+            peak = max(peak, mem_kib(self.proc.pid))
+            with self.cp.lock:
+                done = (all(self.cp.log_ends.get(x) == 4 * MiB for x in ids)
+                        and self.cp.log_ends.get(secret) == len(b"token-set\n"))
+            if done:
+                return peak
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                states = {a: (x["state"], self.cp.log_ends.get(a)) for a, x in self.cp.attempts.items()}
+                raise SystemExit(f"{self.interp.name} worker: runs or their logs did not complete: {states}")
+            time.sleep(0.05)
+            self.notify.pump()
+
+    stop = Agent.stop
+
+
 def start_supervisord(interp: Interpreter, inner_dir: str) -> subprocess.Popen:
     conf = f"{inner_dir}/supervisord.conf"
     with open(interp.outside(conf), "w") as f:
@@ -236,6 +301,9 @@ class TrixieRoot:
             f.write(script)
         subprocess.run(["chroot", self.root, "/usr/bin/python3", "-m", "compileall", "-q", "/opt/qlagent/qlagent"],
                        check=True)
+        if not os.path.exists(os.path.join(self.root, "etc/hosts")):
+            with open(os.path.join(self.root, "etc/hosts"), "w") as f:     # the stub's URL names localhost
+                f.write("127.0.0.1 localhost\n")
         self.mounts = []
         for kind, target in (("proc", "proc"), ("/sys", "sys"), ("/dev", "dev")):
             path = os.path.join(self.root, target)
@@ -253,16 +321,17 @@ class TrixieRoot:
             subprocess.run(["umount", "-R", "-l", path], capture_output=True)
 
 
-def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool,
+def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool, cp, cp_url: str,
             installed: Interpreter | None = None) -> dict:
-    """``installed``: the same interpreter in a venv holding only what ``pip install .`` brings
-    (no editable-install finder, no test dependencies: typing_extensions, present in the dev
-    venv for jsonschema, makes msgspec import inspect/ast/dis, +1.25 MiB); it runs one more
-    plain agent."""
+    """``cp``/``cp_url``: the Worker-protocol stub the Worker pulls from. ``installed``: the same
+    interpreter in a venv holding only what ``pip install .`` brings (no editable-install finder,
+    no test dependencies: typing_extensions, present in the dev venv for jsonschema, makes msgspec
+    import inspect/ast/dis, +1.25 MiB); it runs one more plain agent."""
     os.makedirs(interp.outside(inner_dir), exist_ok=True)
     plain = Agent(interp, inner_dir, "plain", router=False)
     router = Agent(interp, inner_dir, "router", router=True)
-    agents = [plain, router]
+    worker = WorkerAgent(interp, inner_dir, cp, cp_url)
+    agents = [plain, router, worker]
     if installed is not None:
         agents.append(Agent(installed, inner_dir, "plain-installed", router=False))
     procs = []
@@ -287,8 +356,12 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool,
         plain.notify.pump()
         fig["router, after Secret + chatty Runs + HTTP"] = mem_kib(router.proc.pid)
         fig["plain, 50 cron tasks"] = mem_kib(plain.proc.pid)
+        fig["worker, idle (Session, TLS, long-poll)"] = mem_kib(worker.proc.pid)
+        fig["worker, peak: 4 chatty + 1 Secret Run"] = worker.exercise()
+        time.sleep(2.0)
+        fig["worker, after those Runs"] = mem_kib(worker.proc.pid)
         if installed is not None:
-            fig["plain, 50 cron tasks, pip-installed venv"] = mem_kib(agents[2].proc.pid)
+            fig["plain, 50 cron tasks, pip-installed venv"] = mem_kib(agents[-1].proc.pid)
         fig["supervisord + 1 program"] = mem_kib(sup.pid)
         fig["python3 -c pass"] = import_kib(interp, "pass")
         result = {"figures": fig, "window": t1 - t0, "threads": psutil.Process(pid).num_threads()}
@@ -315,6 +388,9 @@ def main() -> None:
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="qlbench-idle-", dir="/var/tmp")
     trixie = None
+    from stubcp import StubControlPlane
+    cp = StubControlPlane(tmp, lease_ttl_s=30, session_ttl_s=30)
+    cp_url = cp.start()
     try:
         sup_dir = os.path.join(tmp, "supervisor")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", sup_dir, "supervisor"],
@@ -335,13 +411,15 @@ def main() -> None:
                                check=True, capture_output=True)
                 installed = Interpreter("dev, pip-installed", [os.path.join(venv, "bin", "python")],
                                         os.path.join(venv, "bin", "qlagent"))
-            results[interp.name] = measure(interp, inner, args.seconds, wakeups=(i == 0), installed=installed)
+            results[interp.name] = measure(interp, inner, args.seconds, wakeups=(i == 0), cp=cp, cp_url=cp_url,
+                                           installed=installed)
         dev = interps[0]
         extra = {stmt: import_kib(dev, stmt)[0] for stmt in (
             "pass", "import selectors", "import asyncio", "import pyroute2", "import hashlib",
             "from cryptography.hazmat.primitives.ciphers.aead import AESGCM", "import nacl.bindings",
             "import qlagent.service.main", "import qlagent.service.main, qlagent.http.service")}
     finally:
+        cp.stop()
         if trixie is not None:
             trixie.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -360,6 +438,8 @@ def main() -> None:
             print(f"plain agent: {r['switches']} voluntary switches ({r['switches'] / (r['window'] / half):.2f} per "
                   f"{half:g} s watchdog half-interval), {r['pings']} WATCHDOG=1, {r['threads']} thread(s)")
         print(f"heavy modules in the service + HTTP import closure: {r['heavy modules in the HTTP service closure']}")
+        worker, local = fig["worker, idle (Session, TLS, long-poll)"][0], fig["plain, 50 cron tasks"][0]
+        print(f"worker idle vs the plain local agent, same run: {worker / local:.2f}x RSS")
         for k, limit in (("router, after Secret + chatty Runs + HTTP", 28), ("plain, 50 cron tasks", 20),
                          ("plain, 50 cron tasks, pip-installed venv", 20)):
             if k in fig:
