@@ -8,7 +8,9 @@ package, which have the same names and arguments in ``adapters/sqlite/`` and
 ``_secrets``). Inside a unit, time is ``_tx_now(conn)`` (µs: the SQLite store's clock, the
 PostgreSQL store's database clock) and new Attempts are of ``executor_type``. What really
 differs — opening, the transactions themselves, Task Start, schedule fires, candidate pages,
-claims and finishes — stays in ``sqlite.store`` and ``postgres.store``.
+claims and finishes — stays in ``sqlite.store`` and ``postgres.store``; where a shared unit
+differs by a step (a schedule fire's record, the lock Run creations take) the subclass fills a
+hook (``_record_fire``, ``_write_creating_runs``).
 """
 
 from __future__ import annotations
@@ -250,7 +252,51 @@ class RowStore:
     def queued_count(self) -> int:
         return self.read(self._runs.queued_count)
 
-    # ---- ScheduleStore (fire_schedule is the subclass's) ---------------------------------------
+    # ---- ScheduleStore -------------------------------------------------------------------------
+    def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
+                      scheduled_for_us: int | None, actor: str,
+                      cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, missed: str | None = None) -> str:
+        """As ``core.ports.ScheduleStore``, in one write transaction: "moved" (the cursor is not
+        ``cursor[0]`` any more: another writer fired), "cursor" (cursor only), "exists" (the
+        idempotency key has its Run), "gone" (Task removed or disabled), "skipped" (a single-
+        instance Task's Run is live) or "created"."""
+        def tx(c):
+            now = self._tx_now(c)
+            if cursor is not None:
+                expected, new = cursor
+                if self._runs.schedule_cursor(c, task_id) != expected:
+                    return "moved"
+                self._runs.put_schedule_cursor(c, task_id, new)
+            if idempotency_key is None:
+                return "cursor"
+            if self._runs.run_id_for_key(c, project_id, idempotency_key) is not None:
+                return "exists"
+            try:     # the head as it is now: a Task edited or disabled since the caller read it wins
+                head = self._defs.get_head(c, project_id, task_id)
+            except NotFoundError:
+                return "gone"
+            if not head.enabled:
+                return "gone"
+            if head.definition.concurrency == "single" and self._runs.live_run_count(c, task_id):
+                self._defs.count_skipped_fire(c, task_id)
+                return "skipped"
+            created = self._runs.create_run(c, head=head, origin="schedule", trigger_type=trigger,
+                                            idempotency_key=idempotency_key, requested_by=actor, now_us=now,
+                                            executor_type=self.executor_type, scheduled_for_us=scheduled_for_us,
+                                            fences={"missed": missed} if missed else None)
+            if trigger == "cron":
+                self._record_fire(c, task_id, scheduled_for_us, created.run_id, now)
+            return "created"
+        return self.write(tx) if idempotency_key is None else self._write_creating_runs(tx)
+
+    def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
+        """Hook: mark the (Task, instant) fired. One SQLite authority needs nothing beyond the
+        Run's idempotency key; replicas on PostgreSQL record it (``PgStore``)."""
+
+    def _write_creating_runs(self, fn: Callable[..., T]) -> T:
+        """Hook: ``write(fn)`` for a unit that creates Runs (``PgStore`` serialises those)."""
+        return self.write(fn)
+
     def schedule_cursors(self) -> dict[str, ScheduleCursor]:
         return self.read(self._runs.schedule_cursors)
 

@@ -26,8 +26,8 @@ from typing import TypeVar
 from ...core import states
 from ...core.canonical import sha256_hex
 from ...core.dispatch import Candidate, Finish
-from ...core.errors import NotFoundError, UnavailableError
-from ...core.models import CreatedRun, Project, RetryPolicy, ScheduleCursor
+from ...core.errors import UnavailableError
+from ...core.models import CreatedRun, Project, RetryPolicy
 from ...core.receipt import TruncationFact
 from ..row_store import RowStore
 from . import definitions as defs
@@ -182,40 +182,14 @@ class PgStore(RowStore):
             now_us=self._tx_now(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
             queue=True)
 
-    # ---- ScheduleStore -------------------------------------------------------------------------
-    def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
-                      scheduled_for_us: int | None, actor: str,
-                      cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, missed: str | None = None) -> str:
-        """As ``core.ports.ScheduleStore``; across replicas the (Task, instant) row of
-        ``schedule_fires`` and the Run's unique idempotency key make one Run per instant."""
-        def tx(c):
-            now = self._tx_now(c)
-            if cursor is not None:
-                expected, new = cursor
-                if runs_repo.schedule_cursor(c, task_id) != expected:
-                    return "moved"
-                runs_repo.put_schedule_cursor(c, task_id, new)
-            if idempotency_key is None:
-                return "cursor"
-            if runs_repo.run_id_for_key(c, project_id, idempotency_key) is not None:
-                return "exists"
-            try:     # the head as it is now: a Task edited or disabled since the caller read it wins
-                head = defs.get_head(c, project_id, task_id)
-            except NotFoundError:
-                return "gone"
-            if not head.enabled:
-                return "gone"
-            if head.definition.concurrency == "single" and runs_repo.live_run_count(c, task_id):
-                defs.count_skipped_fire(c, task_id)
-                return "skipped"
-            created = runs_repo.create_run(c, head=head, origin="schedule", trigger_type=trigger,
-                                           idempotency_key=idempotency_key, requested_by=actor, now_us=now,
-                                           executor_type=self.executor_type, scheduled_for_us=scheduled_for_us,
-                                           fences={"missed": missed} if missed else None)
-            if trigger == "cron":
-                runs_repo.record_fire(c, task_id, scheduled_for_us, created.run_id, now)
-            return "created"
-        return self._run(tx, write=True, queue=idempotency_key is not None)
+    # ---- ScheduleStore hooks (``RowStore.fire_schedule``) ----------------------------------------
+    def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
+        """Across replicas the (Task, instant) row of ``schedule_fires`` and the Run's unique
+        idempotency key make one Run per instant."""
+        runs_repo.record_fire(c, task_id, scheduled_for_us, run_id, now_us)
+
+    def _write_creating_runs(self, fn: Callable[..., T]) -> T:
+        return self._run(fn, write=True, queue=True)
 
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:

@@ -64,9 +64,10 @@ def set_holds(conn: sqlite3.Connection, task_id: str) -> None:
 
 
 def create_run(conn: sqlite3.Connection, *, head: TaskHead, origin: str, trigger_type: str,
-               idempotency_key: str, requested_by: str, now_us: int, scheduled_for_us: int | None = None,
-               fences: dict | None = None) -> CreatedRun:
-    """Insert a queued Run, its claimed ``local_process`` Attempt and ``run.created`` + ``run.queued``.
+               idempotency_key: str, requested_by: str, now_us: int, executor_type: str = "local_process",
+               scheduled_for_us: int | None = None, fences: dict | None = None) -> CreatedRun:
+    """Insert a queued Run, its claimed Attempt (``executor_type``: the local agent runs
+    ``local_process``) and ``run.created`` + ``run.queued``.
 
     Run fields follow ADR-0376 §2: execution_owner=runtime, priority from the definition
     (0 for task_start), version=2, event_sequence=2, task_snapshot_ref ``qltd:v1:{rev}:{digest}``.
@@ -85,7 +86,7 @@ def create_run(conn: sqlite3.Connection, *, head: TaskHead, origin: str, trigger
          idempotency_key, requested_by, scheduled_for_us, attempt_id, now_us, now_us, now_us,
          int(head.definition.concurrency == "single")))
     conn.execute("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, created_at_us) "
-                 "VALUES (?, ?, 1, 'claimed', 'local_process', ?)", (attempt_id, run_id, now_us))
+                 "VALUES (?, ?, 1, 'claimed', ?, ?)", (attempt_id, run_id, executor_type, now_us))
     exec_digest = conn.execute("SELECT execution_digest FROM execution_revisions WHERE task_id = ? AND revision = ?",
                                (head.task_id, head.revision)).fetchone()
     created = {"taskSnapshotRef": ref, "contentDigest": head.content_digest,
@@ -95,7 +96,7 @@ def create_run(conn: sqlite3.Connection, *, head: TaskHead, origin: str, trigger
     created.update(fences or {})
     e1 = append_event(conn, run_id, 1, "run.created", requested_by, created, now_us)
     e2 = append_event(conn, run_id, 2, "run.queued", requested_by,
-                      {"attemptId": attempt_id, "executorType": "local_process"}, now_us)
+                      {"attemptId": attempt_id, "executorType": executor_type}, now_us)
     set_holds(conn, head.task_id)
     return CreatedRun(run_id=run_id, attempt_id=attempt_id, event_ids=(e1, e2), task_revision=head.revision,
                       task_snapshot_ref=ref, state="queued", created_at_us=now_us)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from ...core import states
 from ...core.clock import now_us as wall_us
 from ...core.dispatch import Candidate, Finish
-from ...core.errors import NotFoundError, QlError, UnavailableError
-from ...core.models import CreatedRun, Project, RetryPolicy, ScheduleCursor
+from ...core.errors import QlError, UnavailableError
+from ...core.models import CreatedRun, Project, RetryPolicy
 from ...core.receipt import TruncationFact
 from ..row_store import RowStore
 from . import definitions as defs
@@ -98,35 +98,6 @@ class SqliteStore(RowStore):
             expected_revision=expected_revision, expected_digest=expected_digest,
             admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
             now_us=self._now()))
-
-    # ---- ScheduleStore -------------------------------------------------------------------------
-    def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
-                      scheduled_for_us: int | None, actor: str,
-                      cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, missed: str | None = None) -> str:
-        def tx(c):
-            if cursor is not None:
-                expected, new = cursor
-                if runs_repo.schedule_cursor(c, task_id) != expected:
-                    return "moved"
-                runs_repo.put_schedule_cursor(c, task_id, new)
-            if idempotency_key is None:
-                return "cursor"
-            if runs_repo.run_id_for_key(c, project_id, idempotency_key) is not None:
-                return "exists"
-            try:     # the head as it is now: a Task edited or disabled since the caller read it wins
-                head = defs.get_head(c, project_id, task_id)
-            except NotFoundError:
-                return "gone"
-            if not head.enabled:
-                return "gone"
-            if head.definition.concurrency == "single" and runs_repo.live_run_count(c, task_id):
-                defs.count_skipped_fire(c, task_id)
-                return "skipped"
-            runs_repo.create_run(c, head=head, origin="schedule", trigger_type=trigger,
-                                 idempotency_key=idempotency_key, requested_by=actor, now_us=self._now(),
-                                 scheduled_for_us=scheduled_for_us, fences={"missed": missed} if missed else None)
-            return "created"
-        return self.write(tx)
 
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
