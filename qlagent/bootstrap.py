@@ -20,6 +20,7 @@ from .core.profiles import Profile
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from .core.ports import BudgetPort, CipherFactory, NetworkPort, PanelSource, SecretCipher, Store
 
+WORKER_RUNS_DIR = "worker-runs"   # a fleet Worker's run directories, under its state directory
 SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits (ARCHITECTURE.md)
 
 
@@ -176,13 +177,95 @@ def build_worker(settings, log, notify):
     w = settings.config.worker
     client = ControlClient(w.control_url, w.worker_id, w.credential_file, w.ca_file)
     inbox = SqliteInbox.for_profile(settings.state_dir, settings.profile)
-    runs = WorkerRuns(os.path.join(settings.state_dir, "worker-runs"))
+    runs = WorkerRuns(os.path.join(settings.state_dir, WORKER_RUNS_DIR))
     return WorkerRuntime(client, inbox, runs, worker_id=w.worker_id,
                          hello=Hello(labels=dict(w.labels), executor_types=tuple(w.executors), slots=w.slots),
                          slots=w.slots, heartbeat_s=w.heartbeat_interval_s, pull_wait_s=w.pull_wait_s,
                          drain_grace_s=settings.config.drain_grace_s,
                          log_store_bytes=w.log_store_bytes or settings.profile.artifact_total_bytes, log=log,
                          notify=notify)
+
+
+DOCTOR_TIMEOUT_S = 5.0
+
+
+def worker_checks(settings) -> list[tuple[str, bool, str]]:
+    """``qlagent doctor``'s checks of ``[worker]``: (name, ok, detail) each. The credential file
+    and the CA file by the rules ``build_worker``'s control client applies; then for each
+    ``control_url`` TCP + TLS with the pinned CA + ``GET /healthz`` (status, ms) and, with a good
+    credential, ``GET /api/v3/cluster/workers/{workerId}`` (read only: no Session is opened and
+    no Lease touched, so the running Worker is not fenced); then the inbox (read-only
+    quick_check) and the log store against ``log_store_bytes``. Never raises for what it
+    inspects; nothing is created."""
+    import os
+    import time
+
+    from .adapters.control_client import ControlClient, healthz, read_credential, tls_context
+    from .adapters.sqlite.inbox import FILENAME
+    from .adapters.sqlite.inbox import diagnose as inbox_diagnose
+    from .adapters.worker_runs import log_store_usage
+    from .core.control import ControlAuthError, ControlError
+    from .core.errors import QlError
+    w, out = settings.config.worker, []
+    urls = [w.control_url] if isinstance(w.control_url, str) else list(w.control_url)
+    try:
+        read_credential(w.credential_file)
+        credential = True
+        out.append(("credential", True, f"{w.credential_file} (regular file, 0600, a Worker credential)"))
+    except QlError as e:
+        credential = False
+        out.append(("credential", False, str(e)))
+    ctx, ca = None, True
+    if any(u.startswith("https://") for u in urls):
+        try:
+            ctx = tls_context(w.ca_file)
+            out.append(("ca file", True, f"{w.ca_file} (PEM CA loaded; the only CA trusted)"))
+        except QlError as e:
+            ca = False
+            out.append(("ca file", False, str(e)))
+    for url in urls:
+        if url.startswith("https://") and not ca:
+            out.append(("control", False, f"{url}: not checked (worker.ca_file cannot be loaded)"))
+            continue
+        t0 = time.monotonic()
+        try:
+            status = healthz(url, ctx, DOCTOR_TIMEOUT_S)
+        except QlError as e:
+            out.append(("control", False, f"{url}: {e}"))
+            continue
+        ms = (time.monotonic() - t0) * 1000
+        out.append(("control", status == 200, f"{url}: TLS ok, GET /healthz {status} in {ms:.0f} ms"
+                    if url.startswith("https://") else f"{url}: GET /healthz {status} in {ms:.0f} ms"))
+        if not credential:
+            out.append(("worker", False, f"{url}: credential not checked (worker.credential_file is not usable)"))
+            continue
+        client = ControlClient(url, w.worker_id, w.credential_file, w.ca_file, timeout_s=DOCTOR_TIMEOUT_S)
+        try:
+            info = client.describe()
+        except ControlAuthError as e:
+            out.append(("worker", False, f"{url}: the control plane refuses this credential for worker_id "
+                                         f"{w.worker_id} ({e}); re-enroll it (`qlagent workers enroll`)"))
+            continue
+        except ControlError as e:
+            if e.status == 404:
+                out.append(("worker", True, f"{url}: credential check unavailable there (a control plane "
+                                            "older than GET /api/v3/cluster/workers/{workerId})"))
+            else:
+                out.append(("worker", False, f"{url}: {e}"))
+            continue
+        finally:
+            client.close()
+        labels = ",".join(f"{k}={v}" for k, v in sorted(info.labels.items())) or "none"
+        out.append(("worker", True, f"{url}: known as {info.name}, state {info.state}, generation "
+                                    f"{info.generation}; enrolled labels {labels}, executors "
+                                    f"{','.join(info.executor_types)}, slots {info.slots}"))
+    p = settings.profile
+    out.append(("inbox", *inbox_diagnose(os.path.join(settings.state_dir, FILENAME), p.inbox_rows, p.inbox_bytes)))
+    cap = w.log_store_bytes or p.artifact_total_bytes
+    runs, used = log_store_usage(os.path.join(settings.state_dir, WORKER_RUNS_DIR))
+    out.append(("log store", used <= cap, f"{used} of {cap} bytes (worker.log_store_bytes) in {runs} run "
+                                          "director" + ("y" if runs == 1 else "ies")))
+    return out
 
 
 # ---- the cluster control plane ([cluster]) -------------------------------------------------

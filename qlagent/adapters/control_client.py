@@ -37,6 +37,7 @@ import urllib.parse
 import msgspec
 
 from ..core.control import (BY_CODE, Answer, ControlBusy, ControlError, ControlTlsError, ControlUnreachable)
+from ..core.cluster import WorkerInfo
 from ..core.errors import ValidationError
 
 CREDENTIAL = re.compile(r"qlw_[A-Za-z0-9_-]{43}")
@@ -312,15 +313,57 @@ class ControlClient:
         _, host, port = self._endpoints[endpoint]
         if endpoint == self._at:
             self._at = (endpoint + 1) % len(self._endpoints)
-        if isinstance(e, ssl.SSLCertVerificationError):
-            return ControlTlsError(f"control plane {host}:{port}: certificate refused "
-                                   f"({e.verify_message}); worker.ca_file must hold the CA that signed it",
-                                   field="worker.ca_file")
-        if isinstance(e, ssl.SSLError):
-            return ControlTlsError(f"control plane {host}:{port}: TLS failed ({e.reason})", field="worker.ca_file")
-        if isinstance(e, (OSError, http.client.HTTPException)):
-            what = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
-            return ControlUnreachable(f"control plane {host}:{port}: {what}")
-        if isinstance(e, Exception):
-            return ControlUnreachable(f"control plane {host}:{port}: {type(e).__name__}")
-        raise e
+        return no_answer(e, host, port)
+
+    # -- doctor ------------------------------------------------------------------------------------
+    def describe(self) -> WorkerInfo:
+        """``GET /api/v3/cluster/workers/{workerId}`` on the current replica: what the control
+        plane knows of this Worker. Read only on the control plane: no Session is opened and no
+        Lease touched, so ``qlagent doctor`` may ask while the Worker runs. Raises ControlError
+        (``ControlAuthError`` for a credential it does not take; ``status`` 404 from a control
+        plane older than the route)."""
+        answer = self.request("GET", "", b"")
+        try:
+            return msgspec.json.decode(answer.body, type=WorkerInfo)
+        except msgspec.DecodeError:
+            raise ControlError("the answer is not a Worker description", code="bad_answer",
+                               status=answer.status) from None
+
+
+def healthz(url: str, ctx: ssl.SSLContext | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """``GET /healthz`` on the replica at ``url`` (TCP, TLS trusting only ``ctx``'s CA, HTTP),
+    for ``qlagent doctor``; its status. Needs no credential. Raises ValidationError for a bad URL,
+    ``ControlTlsError``/``ControlUnreachable`` when no answer comes."""
+    scheme, host, port = parse_control_url(url)
+    if scheme == "https":
+        conn = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=ctx)
+    else:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/healthz", headers={"Connection": "close"})
+        resp = conn.getresponse()
+        resp.read(MAX_ANSWER_BYTES)
+        return resp.status
+    except BaseException as e:
+        raise no_answer(e, host, port) from None
+    finally:
+        conn.close()
+
+
+def no_answer(e: BaseException, host: str, port: int) -> ControlError:
+    """The typed error for a request to ``host:port`` that got no answer (``ControlTlsError``
+    naming ``worker.ca_file``, else ``ControlUnreachable``); re-raises what is not an error."""
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return ControlTlsError(f"control plane {host}:{port}: certificate refused "
+                               f"({e.verify_message}); worker.ca_file must hold the CA that signed it",
+                               field="worker.ca_file")
+    if isinstance(e, ssl.SSLError):
+        return ControlTlsError(f"control plane {host}:{port}: TLS failed ({e.reason})", field="worker.ca_file")
+    if isinstance(e, (OSError, http.client.HTTPException)):
+        what = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
+        if isinstance(e, OSError) and e.strerror and what != "timed out":
+            what += f" ({e.strerror})"
+        return ControlUnreachable(f"control plane {host}:{port}: {what}")
+    if isinstance(e, Exception):
+        return ControlUnreachable(f"control plane {host}:{port}: {type(e).__name__}")
+    raise e

@@ -221,3 +221,19 @@ class WorkerRuns:
 
     def prune(self, attempt_id: str) -> None:
         processes.remove_run_dir(self.run_dir(attempt_id))
+
+
+def log_store_usage(runs_dir: str) -> tuple[int, int]:
+    """(run directories, bytes of their logs) under ``runs_dir``, read only (``qlagent doctor``:
+    what counts against ``worker.log_store_bytes``); (0, 0) when it does not exist yet."""
+    try:
+        names = os.listdir(runs_dir)
+    except FileNotFoundError:
+        return 0, 0
+    total = 0
+    for name in names:
+        try:
+            total += os.stat(os.path.join(runs_dir, name, ARTIFACT), follow_symlinks=False).st_size
+        except OSError:
+            pass
+    return len(names), total

@@ -50,6 +50,28 @@ CREATING_COMMANDS = {("task", "add"), ("import", "qinglong"), ("secret", "set"),
                      ("role", "set")}
 
 
+# The commands that act on the store of Tasks, Runs, Secrets, tokens and roles. A fleet Worker
+# (``[worker]``) has none: its Tasks, Runs and Secrets live on the control plane, so these are
+# refused on it (exit 2) before anything is opened or written (``refuse_on_worker``).
+LOCAL_STORE_COMMANDS = frozenset({"task", "secret", "run", "token", "role", "import"})
+
+
+def refuse_on_worker(settings, command: str, sub: str | None) -> None:
+    """ValidationError ``worker_mode`` (exit 2, field ``worker``) for a local-store command
+    (``LOCAL_STORE_COMMANDS``) under a ``[worker]`` configuration: without it ``task add`` or
+    ``run start`` would write to a store the Worker never reads (a Run queued for ever)."""
+    w = settings.config.worker
+    if w is None or command not in LOCAL_STORE_COMMANDS:
+        return
+    urls = [w.control_url] if isinstance(w.control_url, str) else list(w.control_url)
+    what = f"{command} {sub}" if sub else command
+    err = E.ValidationError("worker", f"this agent is a fleet Worker ([worker] in {settings.config_path}): "
+                            f"`qlagent {what}` acts on a local store it never uses; run it on the control plane "
+                            f"({', '.join(urls)}), on a replica with [cluster]")
+    err.code = "worker_mode"
+    raise err
+
+
 class Ctx:
     """Lazily opened settings and store for one CLI invocation."""
 
@@ -60,6 +82,7 @@ class Ctx:
         # Every command but doctor (which lists them) refuses paths another user could write.
         self.settings = resolve(args.config, state_dir=args.state_dir, profile=args.profile,
                                 trust=args.command != "doctor")
+        refuse_on_worker(self.settings, args.command, getattr(args, "sub", None))
 
     @property
     def store(self):
@@ -109,6 +132,8 @@ def _redacted(url: str) -> str:
 def cmd_init(ctx: Ctx) -> int:
     from ..bootstrap import create_key_file, migrate_legacy_secrets
     s = ctx.settings
+    if s.config.worker is not None:
+        return _init_worker(ctx)
     os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
     store = ctx.store
     created = create_key_file(s.key_file)
@@ -130,6 +155,29 @@ def cmd_init(ctx: Ctx) -> int:
         if migrated:
             print(f"secrets          {migrated} re-encrypted from the AES-GCM format")
         print(f"profile          {s.profile.name}")
+    return 0
+
+
+def _init_worker(ctx: Ctx) -> int:
+    """``init`` of a fleet Worker: its state directory (0700, as ``serve`` makes it) and nothing
+    else: no database, no key file (the Worker's Tasks, Runs and Secrets live on the control
+    plane; ``serve`` creates its inbox). Exit 0, so the package's postinst passes."""
+    s, w = ctx.settings, ctx.settings.config.worker
+    urls = [w.control_url] if isinstance(w.control_url, str) else list(w.control_url)
+    created = not os.path.isdir(s.state_dir)
+    os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
+    if ctx.args.json:
+        _print_json({"stateDir": s.state_dir, "stateDirCreated": created, "database": None, "keyFile": None,
+                     "keyCreated": False, "migrationsApplied": [], "profile": s.profile.name,
+                     "secretsReencrypted": 0, "role": "worker", "workerId": w.worker_id, "controlUrls": urls})
+    else:
+        print(f"state directory  {s.state_dir} ({'created' if created else 'kept'})")
+        print(f"fleet Worker     {w.worker_id} of {', '.join(urls)}")
+        print("local store      none: tasks, runs and secrets live on the control plane (no database, "
+              "no key file)")
+        print(f"profile          {s.profile.name}")
+        print("next             `qlagent doctor` checks the credential, the CA and the control plane; "
+              "`qlagent serve` runs the Worker")
     return 0
 
 

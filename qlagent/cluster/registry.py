@@ -33,7 +33,7 @@ import msgspec
 
 from ..core.canonical import sha256_hex
 from ..core.cluster import (MAX_ADOPT, MAX_HELD, Enrolment, Heartbeat, HeldLease, Hello, LeaseExpiry, SessionGrant,
-                            WorkerAuthError)
+                            WorkerAuthError, WorkerInfo)
 from ..core.errors import ValidationError
 from ..core.executors import WORKER_EXECUTORS
 from ..core.inbox_states import MAX_GENERATION, MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
@@ -220,6 +220,12 @@ class WorkerRegistry:
                                                 check_generation("generation", generation), named,
                                                 self._t.session_ttl_s * 1_000_000, self._t.lease_ttl_s * 1_000_000)
         return Heartbeat(expires, cancel, [LeaseExpiry(a, e) for a, e in leases])
+
+    def describe(self, worker_id: str, credential: str) -> WorkerInfo:
+        """What the control plane knows of this Worker (name, state, generation, enrolment), for
+        ``qlagent doctor`` on the Worker: read only, so asking never fences the running Worker's
+        Session (a hello would). WorkerAuthError unless the credential is this live Worker's."""
+        return self._store.describe(check_uuid("workerId", worker_id), credential_digest(credential))
 
     def credential_owner(self, credential: str) -> str | None:
         """The live Worker ID this credential was issued to, else None (tells a credential used

@@ -339,6 +339,20 @@ class Enrolment(msgspec.Struct, frozen=True):
     state: str                      # active | draining | removed
 
 
+class WorkerInfo(msgspec.Struct, frozen=True, rename="camel"):
+    """``GET /api/v3/cluster/workers/{workerId}`` (read-only, docs/worker-protocol.md): what the
+    control plane knows of the Worker whose credential asks: its name, state (``active`` /
+    ``draining``), current generation (of its last Session; 0 before any) and enrolment."""
+
+    worker_id: str
+    name: str
+    state: str                      # active | draining
+    generation: int
+    labels: dict[str, str]
+    executor_types: tuple[str, ...]
+    slots: int
+
+
 class CandidateSignal(Protocol):
     def seq(self) -> int:
         """The current wake-up number (take it before reading candidates)."""

@@ -1,7 +1,8 @@
 """The Worker routes of a control-plane replica (docs/worker-protocol.md; ADR-0108 Pull,
 ADR-0109 ACKs, issue 10 §3/§6/§7/§9/§10) over the cluster services.
 
-Five routes under ``/api/v3/cluster/workers/{workerId}``: ``POST sessions`` (201 SessionGrant),
+Six routes under ``/api/v3/cluster/workers/{workerId}``: ``GET`` itself (the Worker's name, state,
+generation and enrolment; read only, for ``qlagent doctor``), ``POST sessions`` (201 SessionGrant),
 ``POST heartbeat``, ``POST pull?waitS=N``, ``POST acks`` and
 ``PUT attempts/{attemptId}/log?offset=N``. On the loop thread a route only checks what needs no
 database: the credential kind (``Authorization: Worker qlw_…``; an API token is 401), the body
@@ -155,7 +156,7 @@ def _decimal_header(req: Request, name: str) -> int:
 
 
 class WorkerRoutes:
-    """The five Worker routes over ``services``; :meth:`register` adds them to a Router,
+    """The six Worker routes over ``services``; :meth:`register` adds them to a Router,
     :meth:`handler` wraps a Router so that every answer (a 404 too) carries the server clock,
     :meth:`error_response` is the HttpServer's own error shape. :meth:`close` stops the pools."""
 
@@ -168,6 +169,7 @@ class WorkerRoutes:
     def register(self, router: Router) -> None:
         def bad(where: str, field: str, message: str) -> WorkerError:      # the protocol's 400 shape
             return WorkerError(400, "invalid_request", message, field)
+        router.add("GET", PREFIX, self._describe, bad)
         router.add("POST", PREFIX + "/sessions", self._sessions, bad)
         router.add("POST", PREFIX + "/heartbeat", self._heartbeat, bad)
         router.add("POST", PREFIX + "/pull", self._pull, bad)
@@ -199,6 +201,15 @@ class WorkerRoutes:
         self._polls.shutdown(wait=True, cancel_futures=True)
 
     # -- routes (loop thread: no database) ----------------------------------------------------
+    def _describe(self, req: Request, params: dict[str, str]) -> Deferred:
+        """``GET …/workers/{workerId}``: the Worker's name, state, generation and enrolment; read
+        only (``qlagent doctor`` on the Worker asks it without disturbing the running Session)."""
+        worker_id, credential = self._who(req, params)
+        if req.query:
+            raise WorkerError(400, "invalid_request", "unknown query parameter", sorted(req.query)[0][:64])
+        return self._submit(lambda: Response.json(200, self._s.registry.describe(worker_id, credential)),
+                            worker_id, credential)
+
     def _sessions(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)
         hello = self._json(req, Hello, MAX_HELLO_BYTES)

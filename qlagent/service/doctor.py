@@ -1,7 +1,10 @@
 """``qlagent doctor``: trusted paths, schema history, capability, integrity, key file, free
 space, dirs, network. Before ``init`` it reports only what is missing (no ``ok`` line among
 them). With ``[cluster]``: the database's reachability, schema, capability and Secrets, and the
-key file."""
+key file. With ``[worker]`` (a fleet Worker has no local store): trusted paths, state dir,
+credential and CA files, each control-plane URL (TLS + ``/healthz``) and whether it knows the
+credential (read only: the running Worker's Session is not touched), inbox, log store and free
+space (``bootstrap.worker_checks``)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import stat
 from .. import bootstrap
 from .config import Settings
 from .trust import check as check_trust
-from .trust import trusted_paths
+from .trust import trusted_paths, worker_paths
 
 MiB = 1_048_576
 
@@ -26,6 +29,8 @@ def run_checks(s: Settings) -> list[dict]:
     def add(name: str, ok: bool, detail: str) -> None:
         out.append({"name": name, "ok": ok, "detail": detail})
 
+    if s.config.worker is not None:
+        return _worker_checks(s, add, out)
     untrusted = check_trust(trusted_paths(s))
     for _, text in untrusted:
         add("trust", False, text)
@@ -66,4 +71,35 @@ def run_checks(s: Settings) -> list[dict]:
         except FileNotFoundError:
             add(name, name == "artifact dir", f"{path} not created yet")
     add("network", *bootstrap.network_check())
+    return out
+
+
+def _worker_checks(s: Settings, add, out: list[dict]) -> list[dict]:
+    """A fleet Worker's checks (module docstring); nothing is created or written."""
+    untrusted = check_trust(worker_paths(s))
+    for _, text in untrusted:
+        add("trust", False, text)
+    if not untrusted:
+        add("trust", True, "config, state dir, credential and CA files, inbox and run dirs owned by uid "
+                           f"{os.geteuid()}" + (" or root" if os.geteuid() else "") + ", none group/world-writable")
+    try:
+        st = os.lstat(s.state_dir)
+        ok = stat.S_ISDIR(st.st_mode) and not (st.st_mode & 0o077)
+        add("state dir", ok, f"{s.state_dir} mode {oct(st.st_mode & 0o777)}" + ("" if ok else "; expected a 0700 "
+                                                                                 "directory"))
+    except FileNotFoundError:
+        add("state dir", False, f"{s.state_dir} does not exist (run `qlagent init`)")
+    for name, ok, detail in bootstrap.worker_checks(s):
+        add(name, ok, detail)
+    w = s.config.worker
+    logs = w.log_store_bytes or s.profile.artifact_total_bytes
+    need = logs + s.profile.inbox_bytes
+    probe = s.state_dir if os.path.isdir(s.state_dir) else os.path.dirname(os.path.abspath(s.state_dir))
+    try:
+        v = os.statvfs(probe)
+        free = v.f_bavail * v.f_frsize
+        add("free space", free >= need, f"{free // MiB} MiB free on {probe}; the Worker may write {need // MiB} MiB "
+                                         f"(log store {logs // MiB} MiB + inbox {s.profile.inbox_bytes // MiB} MiB)")
+    except OSError as e:
+        add("free space", False, f"{probe}: {e.strerror}")
     return out

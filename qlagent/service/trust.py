@@ -48,6 +48,22 @@ def trusted_paths(settings) -> list[TrustedPath]:
     return out
 
 
+def worker_paths(settings) -> list[TrustedPath]:
+    """The paths a fleet Worker (``[worker]``) trusts, for ``doctor``: the config file, the state
+    directory, the credential and CA files, the inbox (and its ``-wal``/``-shm``) and the run
+    directories."""
+    w = settings.config.worker
+    inbox = os.path.join(settings.state_dir, "inbox.sqlite3")
+    out = [TrustedPath("config file", settings.config_path)] if settings.config_path else []
+    out += [TrustedPath("state dir", settings.state_dir), TrustedPath("credential file", w.credential_file)]
+    if w.ca_file:
+        out.append(TrustedPath("ca file", w.ca_file))
+    out += [TrustedPath("inbox", inbox), TrustedPath("inbox wal", inbox + "-wal"),
+            TrustedPath("inbox shm", inbox + "-shm"),
+            TrustedPath("worker runs dir", os.path.join(settings.state_dir, "worker-runs"))]
+    return out
+
+
 def problem(role: str, path: str, euid: int | None = None) -> str | None:
     """One line naming ``path``, what is wrong (owner uid / mode found) and the fix, or None.
 

@@ -4,10 +4,10 @@ per-Worker generation and Lease adoption at hello, heartbeats, drain, removal an
 
 from __future__ import annotations
 
-from ...core.cluster import Enrolment, SessionGrant
+from ...core.cluster import Enrolment, SessionGrant, WorkerInfo
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
-from .connection import transaction
+from .connection import read, transaction
 from .transitions import adopt_leases, authenticate, fence_sessions, now_us
 
 
@@ -40,6 +40,13 @@ class PgWorkerRegistry:
         row = transaction(self._pool, lambda cur: authenticate(cur, worker_id, credential_digest))
         return Enrolment(row["worker_id"], row["name"], row["labels"], tuple(row["executor_types"]), row["slots"],
                          row["state"])
+
+    def describe(self, worker_id: str, credential_digest: str) -> WorkerInfo:
+        """The Worker this credential proves, read only (no lock, no write: it neither opens a
+        Session nor touches a Lease); WorkerAuthError otherwise."""
+        row = read(self._pool, lambda cur: authenticate(cur, worker_id, credential_digest))
+        return WorkerInfo(row["worker_id"], row["name"], row["state"], row["generation"], row["labels"],
+                          tuple(row["executor_types"]), row["slots"])
 
     def worker_for_credential(self, credential_digest: str) -> str | None:
         """The live Worker ID holding this credential digest, else None."""

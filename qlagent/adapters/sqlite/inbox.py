@@ -273,3 +273,36 @@ def _entry(row) -> InboxEntry:
     return InboxEntry(offer=offer, state=state, received_at_us=received, updated_at_us=updated,
                       conflicts=conflicts, outcome=msgspec.json.decode(outcome_json) if outcome_json else None,
                       pull_id=pull_id)
+
+
+def diagnose(path: str, max_rows: int, max_bytes: int) -> tuple[bool, str]:
+    """``qlagent doctor`` on a fleet Worker: (ok, detail) of the inbox file at ``path``, read
+    only (``mode=ro``: nothing created, migrated or checkpointed): its schema version,
+    ``PRAGMA quick_check``, rows and stored bytes against the caps. A missing file is ok (the
+    Worker creates it at its first start). Never raises for what it inspects."""
+    if not os.path.lexists(path):
+        return True, f"{path} not created yet (`qlagent serve` creates it)"
+    if os.path.islink(path):
+        return False, f"{path} is a symlink (the Worker refuses it)"
+    import urllib.parse
+    try:
+        c = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+    except sqlite3.Error as e:
+        return False, f"{path}: cannot be opened read-only ({e})"
+    try:
+        version = c.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (1, SCHEMA_VERSION):
+            return False, f"{path}: schema version {version}, this build knows {SCHEMA_VERSION}"
+        check = [r[0] for r in c.execute("PRAGMA quick_check")]
+        if check != ["ok"]:
+            return False, f"{path}: quick_check: {'; '.join(check[:3])}"
+        rows, used = c.execute("SELECT count(*), coalesce(sum(spec_bytes), 0) FROM offers").fetchone()
+        marks = ",".join("?" * len(OPEN_STATES))
+        open_rows = c.execute(f"SELECT count(*) FROM offers WHERE state IN ({marks})",
+                              tuple(sorted(OPEN_STATES))).fetchone()[0]
+    except sqlite3.Error as e:
+        return False, f"{path}: {e}"
+    finally:
+        c.close()
+    return True, (f"{path} quick_check ok; {rows} row(s) ({open_rows} open) of {max_rows}, "
+                  f"{used} of {max_bytes} spec bytes")
