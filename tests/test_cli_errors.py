@@ -279,7 +279,7 @@ def test_documented_exit_codes_match_the_readme_table():
     for code, words in ((0, "ok"), (1, "internal"), (2, "usage"), (3, "conflict"), (4, "not found"),
                         (5, "unavailable"), (6, "did not succeed")):
         assert any(line.startswith(f"| {code} ") and words in line.lower() for line in readme.splitlines()), code
-    for listed in ("run cancel", "--timeout", "secret rm", "untrusted", "workers drain/resume/rm"):
+    for listed in ("run cancel", "--timeout", "secret rm", "untrusted", "workers drain/resume/rm", "worker_mode"):
         assert listed in readme, listed
 
 
