@@ -72,6 +72,14 @@ def test_doctor_next_to_a_running_worker_is_all_ok_and_leaves_its_session_alone(
     assert [ln for ln in proc.lines if "worker.session" in ln] == [proc.wait_line("worker.session_opened")], \
         proc.lines
     assert proc.proc.poll() is None
+    # Stopped, its inbox has no -wal/-shm: doctor reads it without creating them (doctor run as
+    # root would leave root-owned files that lock the Worker out).
+    assert proc.stop() == 0
+    listing = sorted(os.listdir(node.state))
+    assert "inbox.sqlite3" in listing and "inbox.sqlite3-shm" not in listing, listing
+    rc, checks, text = doctor(node)
+    assert rc == 0 and "quick_check ok" in checks["inbox"][0]["detail"], text
+    assert sorted(os.listdir(node.state)) == listing
 
 
 def test_doctor_names_the_url_of_a_wrong_ca_and_of_an_unreachable_replica(plane):  # noqa: F811

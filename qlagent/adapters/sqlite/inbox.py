@@ -285,8 +285,13 @@ def diagnose(path: str, max_rows: int, max_bytes: int) -> tuple[bool, str]:
     if os.path.islink(path):
         return False, f"{path} is a symlink (the Worker refuses it)"
     import urllib.parse
+    # Without a -wal/-shm beside it (no Worker has it open; a clean stop removes them) a read-only
+    # connection would still create both: as another user (doctor run as root) they would lock
+    # the Worker out. Then the file is read as immutable; else read-only through the Worker's WAL.
+    quiet = not any(os.path.lexists(path + x) for x in ("-wal", "-shm"))
     try:
-        c = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+        c = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro" + ("&immutable=1" if quiet else ""), uri=True,
+                            timeout=BUSY_TIMEOUT_MS / 1000)
     except sqlite3.Error as e:
         return False, f"{path}: cannot be opened read-only ({e})"
     try:
