@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qlagent.core.errors import EXIT_USAGE, ValidationError
-from qlagent.worker import backoff, fencing, heartbeat
+from qlagent.worker import backoff, fencing, heartbeat, pacing
 from qlagent.worker.fencing import KEEP, RUN, STOP, Renewal
 
 draw = st.floats(min_value=0.0, max_value=1.0, exclude_max=True)
@@ -188,3 +188,19 @@ def test_the_grace_limit_shown_is_exact_never_rounded_above_the_real_one():
     with pytest.raises(ValidationError) as e:
         leasefit.check_grace("grace_s", 1_001_000, 1007)
     assert "at most 1000.995 s" in str(e.value) and e.value.limit == 1000.995
+
+
+# ---- pacing: the next Pull after one answered without an offer (a drained Worker sent ~170/s)
+
+@pytest.mark.parametrize("wait_s, reason, after_s", [
+    (20, None, 20.0),              # a long-poll that ran out: the next Pull goes at once
+    (20, "draining", 20.0),        # answered at once: wait as long as the long-poll would have
+    (20, "no_free_slot", 1.0),     # the control plane's slot count catches up with the next ACK
+    (0, None, 1.0),                # no long-poll: at most one Pull a second
+    (0, "draining", 1.0),
+    (0.5, "unmatched", 1.0),
+])
+def test_the_next_pull_after_an_idle_answer_waits_out_the_long_poll(wait_s, reason, after_s):
+    sent = 5_000_000
+    assert pacing.next_pull_after_idle_us(sent, wait_s, reason) == sent + int(after_s * 1e6)
+    assert pacing.MIN_PULL_INTERVAL_S == 1.0

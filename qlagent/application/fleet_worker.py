@@ -72,7 +72,7 @@ from ..core.leasefit import KILL_REAP_US          # after SIGKILL: reaping the t
 from ..core.receipt import start_code
 from ..core.inbox_states import (COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, InboxEntry, InboxOffer, pull_body,
                                  recovery_action)
-from ..worker import backoff, fencing, heartbeat
+from ..worker import backoff, fencing, heartbeat, pacing
 
 CHUNK_BYTES = 262_144
 DEFAULT_PULL_WAIT_S = 20
@@ -670,6 +670,8 @@ class WorkerRuntime:
             if answer.status not in ("idle", "unmatched"):
                 self.log("warning", "worker.pull_answer", status=answer.status, reason=answer.reason)
                 self.next_pull_us = self.now() + 1_000_000
+            else:
+                self.next_pull_us = pacing.next_pull_after_idle_us(self.pull_sent_us, self.pull_wait_s, answer.reason)
             return
         self._receive(answer, ans, pull_id)
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 import psycopg
 import pytest
@@ -221,6 +222,37 @@ def test_a_real_worker_runs_a_task_started_from_the_cli_and_its_log_is_read_from
     doc = json.loads(body)
     assert status == 413 and doc["code"] == doc["error"] == "body_too_large", body
     assert sql(plane["url"], "SELECT count(*) FROM runs") == [(1,)]
+
+
+def test_a_drained_worker_waits_out_its_long_poll_instead_of_pulling_in_a_loop(plane):
+    """A Pull answered ``draining`` comes back at once; the Worker waits until its long-poll
+    (pull_wait_s = 20) would have ended before it asks again (it sent ~170 Pulls a second)."""
+    port = free_port()
+    cp = plane["cp"]
+    worker_id, cred = enroll(plane, "pacer")
+    cp.ok("workers", "drain", "pacer")
+    node = Node(plane["root"], "pacer", f'[worker]\nworker_id = "{worker_id}"\n'
+                                        f'control_url = "https://127.0.0.1:{plane["port"]}"\n'
+                                        f'credential_file = "{cred}"\nca_file = "{plane["ca"]}"\n'
+                                        'heartbeat_interval_s = 1\npull_wait_s = 20\n'
+                                        f'[http]\nlisten = "127.0.0.1:{port}"\n')
+    worker = Proc(node)
+    plane["workers"].append(worker)
+    worker.wait_line("worker.ready")
+
+    def pulls() -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v3/worker", timeout=10) as r:
+            return json.loads(r.read())["counts"]["pulls"]
+    deadline = time.monotonic() + 10
+    while pulls() == 0 and time.monotonic() < deadline:      # the Session opens, the first Pull goes
+        time.sleep(0.1)
+    first = pulls()
+    time.sleep(5)
+    assert first >= 1 and pulls() - first == 0, (first, pulls())
+    # Heartbeats go on meanwhile: the Session stays open.
+    assert sql(plane["url"], "SELECT s.state FROM worker_sessions s JOIN workers w USING (worker_id) "
+                             "WHERE w.name = 'pacer' ORDER BY s.generation DESC LIMIT 1") == [("open",)]
+    worker.stop()
 
 
 def test_a_burst_of_task_starts_of_a_single_instance_task_all_run_one_at_a_time(plane):
