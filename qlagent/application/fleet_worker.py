@@ -51,7 +51,6 @@ the request's own duration.
 
 from __future__ import annotations
 
-import os
 import random
 import secrets as _secrets
 import selectors
@@ -59,6 +58,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable
 
 import msgspec
 
@@ -182,6 +182,9 @@ class WorkerRuntime:
         self._wake_r = self._wake_w = None
         self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0}
         self.surface = None                             # the local HTTP status surface, if any
+        # SIGHUP: the service reads the configuration again and journals what it found
+        # (``service.worker_mode``); None: nothing to read.
+        self.reload_config: Callable[[], None] | None = None
 
     def attach(self, surface) -> None:
         """Serve ``surface`` (``http.worker_status.WorkerStatusSurface``) from this loop: its keys
@@ -358,12 +361,28 @@ class WorkerRuntime:
             sig = self._signals.pop()
             if sig in (signal.SIGTERM, signal.SIGINT):
                 self._begin_drain()
+            elif sig == signal.SIGHUP and not self.stopping:
+                self._reload()
+
+    def _reload(self) -> None:
+        """SIGHUP (``systemctl reload``, ``Type=notify-reload``): RELOADING=1, the configuration
+        read again by ``reload_config``, READY=1 — without READY=1 the reload job would hang until
+        systemd's timeout. Nothing changes live: a Worker's identity, control plane and slots
+        take a restart (``reload_config`` journals which changed)."""
+        if self.notify is not None:
+            self.notify.reloading()
+        if self.reload_config is not None:
+            self.reload_config()
+        if self.notify is not None:
+            self.notify.ready(f"worker slots={self.slots}")
 
     def _begin_drain(self) -> None:
         """SIGTERM/SIGINT or ``--exit-after``: no new Pulls; live runs get ``drain_grace_s``."""
         if self.stopping:
             return
         self.stopping = True
+        if self.notify is not None:
+            self.notify.stopping()
         now = self.now()
         self.stop_deadline_us = now + self.drain_grace_us + 30_000_000
         for j in self.jobs.values():

@@ -47,7 +47,8 @@ from ..core.cluster import (ClaimOutcome, ClusterCandidate, ClusterDispatchStore
 from ..core.errors import ValidationError
 from ..core.leasefit import check_lease_ttl
 from .execspec import ExecutionSpec, sanitize, spec_digest
-from .offer import ClaimedExecutionOffer, offer_id
+from ..core.cluster import ClaimedExecutionOffer
+from .offer import offer_id
 from .placement import rank, with_executor
 
 # ADR-0014 §1 hard ceilings.

@@ -7,8 +7,6 @@ offset but are not kept, and a write-once truncation fact records the quota.
 
 from __future__ import annotations
 
-import msgspec
-
 from ..core.cluster import ChunkAnswer
 from ..core.errors import ValidationError
 from ..core.profiles import Profile

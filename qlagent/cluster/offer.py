@@ -12,8 +12,6 @@ from __future__ import annotations
 import uuid
 from hashlib import sha1
 
-from ..core.cluster import ClaimedExecutionOffer, ExecutionSpec  # noqa: F401  (the wire Struct, re-exported)
-
 OFFER_NAMESPACE = uuid.UUID("4d2b8a8e-1f0c-5a7e-9b61-0c1a7e3f5d20")
 _NS = OFFER_NAMESPACE.bytes
 

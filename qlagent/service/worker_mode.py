@@ -15,9 +15,11 @@ from __future__ import annotations
 import errno
 import os
 
+import msgspec
+
 from .. import bootstrap
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
-from .config import Settings, parse_listen
+from .config import Config, Settings, parse_listen, resolve
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
@@ -43,6 +45,7 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         rt = bootstrap.build_worker(settings, log, Notifier())
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)
+        rt.reload_config = lambda: _reload_config(settings, log)
         rt.install_signals()
         log("info", "worker.ready", worker=w.worker_id, control=",".join(rt.client.urls), slots=w.slots, **counts)
         rt.notify.ready(f"worker slots={w.slots}")
@@ -80,3 +83,22 @@ def _start_status_surface(settings: Settings, rt, listen: str | None, log) -> No
                                code="listen_failed") from None
     rt.attach(surface)
     log("info", "http.listening", address=bound, unix=unix, surface="worker_status")
+
+
+def _reload_config(settings: Settings, log) -> None:
+    """SIGHUP on a Worker: read the configuration again and journal the outcome —
+    ``config.reload_failed`` (err, the reason; ``ExecReload``'s ``config check`` fails the
+    reload job too), ``config.reloaded`` when nothing changed, or ``config.reload_needs_restart``
+    (warning) naming the changed top-level keys and the Profile: none applies live (the Worker's
+    identity, control plane, slots and budget), ``systemctl restart qlagent`` does."""
+    try:
+        new = resolve(settings.config_path, state_dir=settings.state_dir, profile=settings.profile.name)
+    except QlError as e:
+        log("err", "config.reload_failed", error=str(e))
+        return
+    changed = [f.name for f in msgspec.structs.fields(Config)
+               if getattr(new.config, f.name) != getattr(settings.config, f.name)]
+    if changed:
+        log("warning", "config.reload_needs_restart", file=settings.config_path, changed=",".join(changed))
+    else:
+        log("info", "config.reloaded", file=settings.config_path)

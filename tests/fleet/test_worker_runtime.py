@@ -749,3 +749,59 @@ def test_config_check_refuses_the_ca_file_serve_refuses(tmp_path, cp):
         assert w.start().p.wait(30) == 2 and "worker.ca_file" in w.journal()
         assert not os.path.exists(os.path.join(w.state, "inbox.sqlite3"))
     assert cp.requests == []
+
+
+def test_sighup_answers_the_notify_reload_handshake_and_sigterm_says_stopping(tmp_path, cp):
+    """``systemctl reload`` on a Worker box (Type=notify-reload): SIGHUP → RELOADING=1 with
+    MONOTONIC_USEC, the file read again, READY=1 — before, the Worker kept silent and the reload
+    job hung until systemd's timeout. Nothing applies live; the journal says what changed. SIGTERM
+    → STOPPING=1."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(0.2)
+    got: list[str] = []
+
+    def expect(line_start: str, timeout_s: float = 15) -> None:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if any(x.startswith(line_start) for x in got):
+                got.clear()
+                return
+            try:
+                got.extend(sock.recv(65536).decode().split("\n"))
+            except socket.timeout:
+                pass
+        raise AssertionError(f"no {line_start} in {got}")
+
+    w = Worker(tmp_path, cp, cp.url)
+    env = {k: v for k, v in os.environ.items() if k not in ("QLAGENT_CONFIG", "WATCHDOG_PID", "WATCHDOG_USEC")}
+    env["NOTIFY_SOCKET"] = str(tmp_path / "notify.sock")
+    w.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "serve"],
+                           stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
+    try:
+        expect("READY=1")
+        assert cp.wait(lambda: len(cp.sessions) == 1, 30)
+
+        def reload() -> None:
+            w.p.send_signal(signal.SIGHUP)
+            expect("RELOADING=1")
+            expect("READY=1")
+        reload()
+        assert "config.reloaded" in w.journal()
+        with open(w.cfg) as f:
+            text = f.read()
+        with open(w.cfg, "w") as f:
+            f.write(text.replace("slots = 2", "slots = 1"))
+        reload()
+        assert re.search(r"config\.reload_needs_restart .*changed=worker", w.journal()), w.journal()
+        with open(w.cfg, "w") as f:
+            f.write(text.replace("slots = 2", "slots = 'x'"))
+        reload()
+        assert re.search(r"ERR +config\.reload_failed .*slots", w.journal()), w.journal()
+        assert w.p.poll() is None and len(cp.sessions) == 1      # the same Session all along
+        w.p.send_signal(signal.SIGTERM)
+        expect("STOPPING=1")
+        assert w.p.wait(30) == 0
+    finally:
+        w.stop()
+        sock.close()
