@@ -182,8 +182,8 @@ def build_worker(settings, log, notify):
                          hello=Hello(labels=dict(w.labels), executor_types=tuple(w.executors), slots=w.slots),
                          slots=w.slots, heartbeat_s=w.heartbeat_interval_s, pull_wait_s=w.pull_wait_s,
                          drain_grace_s=settings.config.drain_grace_s,
-                         log_store_bytes=w.log_store_bytes or settings.profile.artifact_total_bytes, log=log,
-                         notify=notify)
+                         log_store_bytes=w.log_store_bytes or settings.profile.artifact_total_bytes,
+                         log_max_bytes=settings.profile.log_max_bytes, log=log, notify=notify)
 
 
 DOCTOR_TIMEOUT_S = 5.0

@@ -396,7 +396,7 @@ def set_list(router: Router, name: str, elements: list) -> None:
 
 
 def test_worker_options_convert_to_the_worker_table_and_the_instance_is_unchanged(router):
-    router.set(**WORKER_UCI, slots="2", heartbeat_interval_s="2.5", pull_wait_s="0", log_store_bytes="65536")
+    router.set(**WORKER_UCI, slots="2", heartbeat_interval_s="2.5", pull_wait_s="0", log_store_bytes="8388608")
     set_list(router, "label", ["site=lab", "note=it's \"x\" a=b"])
     set_list(router, "executor", ["local_process"])
     out, msg = router.init("start")
@@ -406,7 +406,7 @@ def test_worker_options_convert_to_the_worker_table_and_the_instance_is_unchange
         "control_url": "https://cp.example:8443", "worker_id": "0a1b2c3d-0000-4000-8000-00000000000a",
         "credential_file": "/etc/qlagent/worker.cred", "ca_file": CA_FILE,
         "labels": {"site": "lab", "note": "it's \"x\" a=b"}, "executors": ["local_process"], "slots": 2,
-        "heartbeat_interval_s": 2.5, "pull_wait_s": 0, "log_store_bytes": 65536}
+        "heartbeat_interval_s": 2.5, "pull_wait_s": 0, "log_store_bytes": 8388608}
     conf = str(router.conf_dir / "qlagent.toml")
     assert msg["instances"]["instance1"]["command"] == ["/usr/bin/qlagent", "serve", "--config", conf]
     # One label given with `uci set` is a one-element list; no label or executor: the enrolment's.

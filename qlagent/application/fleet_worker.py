@@ -145,12 +145,14 @@ class WorkerRuntime:
 
     ``hello`` narrows the enrolment (labels, executors, slots); ``slots`` bounds live runs;
     ``heartbeat_s`` the cadence; ``pull_wait_s`` the long-poll (0..30 s); ``drain_grace_s`` how
-    long live runs may go on after SIGTERM before they are stopped (kill reason ``shutdown``).
+    long live runs may go on after SIGTERM before they are stopped (kill reason ``shutdown``);
+    ``log_store_bytes`` bounds the logs not yet uploaded, ``log_max_bytes`` (the Worker's Profile)
+    one run's log: a spec's larger ``logQuotaBytes`` (a replica of a larger Profile) is cut to it.
     """
 
     def __init__(self, client: ControlPort, inbox, runs: WorkerRunsPort, *, worker_id: str, hello: Hello, slots: int,
                  heartbeat_s: float = 5.0, pull_wait_s: int = DEFAULT_PULL_WAIT_S, drain_grace_s: float = 20.0,
-                 log_store_bytes: int = 64 * 1_048_576,
+                 log_store_bytes: int = 64 * 1_048_576, log_max_bytes: int = 4 * 1_048_576,
                  log=lambda *a, **k: None, notify=None, rand=random.random, mono_us=_mono_us) -> None:
         self.client, self.inbox, self.runs = client, inbox, runs
         self.worker_id, self.hello, self.slots = worker_id, hello, slots
@@ -158,7 +160,7 @@ class WorkerRuntime:
         self.log, self.rand, self.now = log, rand, mono_us
         self.notify = notify                            # service.notify.Notifier (watchdog) or None
         self.sel = selectors.DefaultSelector()
-        self.log_store_bytes = log_store_bytes
+        self.log_store_bytes, self.log_max_bytes = log_store_bytes, log_max_bytes
         self.session: tuple[str, int] | None = None
         # Consecutive failures per duty (connect, heartbeat, send, pull): each backs off on its own,
         # so chunks refused with 503 do not hold back Pulls or heartbeats.
@@ -216,7 +218,7 @@ class WorkerRuntime:
         counts = {"reattached": 0, "collected": 0, "lost": 0, "resend": 0, "pending": 0}
         for entry in self.inbox.open_entries():
             spec = msgspec.convert(entry.offer.spec, ExecutionSpec)
-            job = Job(entry, spec)
+            job = Job(entry, self._within_profile(spec))
             aid = job.attempt_id
             h = self.runs.reattach(aid) if self.runs.exists(aid) else None
             action = recovery_action(entry.state, run_dir_exists=self.runs.exists(aid), alive=h is not None,
@@ -732,7 +734,7 @@ class WorkerRuntime:
             return
         if not new and o.offer_id in self.jobs:
             return
-        job = Job(entry, o.spec, dict(o.secrets))
+        job = Job(entry, self._within_profile(o.spec), dict(o.secrets))
         if ans.server_now_us is not None:
             job.ttl_us = max(0, o.lease_expires_at_us - ans.server_now_us)
             self.ttl_us = self.ttl_us or job.ttl_us
@@ -906,6 +908,14 @@ class WorkerRuntime:
         self.counts["spawned"] += 1
         self._watch(j)
         self.log("info", "worker.run_started", attempt=j.attempt_id, pid=h.pid)
+
+    def _within_profile(self, spec: ExecutionSpec) -> ExecutionSpec:
+        """The spec as this Worker runs it: a log quota above its Profile's ``log_max_bytes`` is
+        cut to it (the truncation fact then names that quota). The inbox keeps the spec as
+        offered: its digest is what the control plane signed off."""
+        if spec.log_quota_bytes <= self.log_max_bytes:
+            return spec
+        return msgspec.structs.replace(spec, log_quota_bytes=self.log_max_bytes)
 
     def _bound_log_store(self, need: int) -> None:
         """Issue 11 §5: a partition must not fill the flash. Before a spawn, the Artifacts not yet

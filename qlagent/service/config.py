@@ -56,7 +56,9 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     heartbeat_interval_s: Annotated[float, msgspec.Meta(ge=1, le=60)] = 5.0      # s
     pull_wait_s: Annotated[int, msgspec.Meta(ge=0, le=30)] = 20                   # long-poll, s
     # Logs not yet uploaded kept locally (bytes); default the Profile's artifact_total_bytes.
-    log_store_bytes: Annotated[int, msgspec.Meta(ge=65_536)] | None = None
+    # Logs not yet uploaded (bytes): worker.slots × the Profile's log_max_bytes (live runs' logs
+    # at their quota) .. the Profile's artifact_total_bytes; default the latter.
+    log_store_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class DispatcherConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -227,9 +229,12 @@ def validate_worker(w: WorkerConfig, profile: Profile) -> None:
     if not 1 <= w.slots <= profile.max_concurrent_runs:
         raise ValidationError("worker.slots", f"outside 1..{profile.max_concurrent_runs} (the Profile's live runs)",
                               limit=profile.max_concurrent_runs)
-    if w.log_store_bytes is not None and w.log_store_bytes > profile.artifact_total_bytes:
-        raise ValidationError("worker.log_store_bytes", f"outside 65536..{profile.artifact_total_bytes} bytes",
-                              limit=f"65536..{profile.artifact_total_bytes}")
+    # The logs of live runs are never cut (only completed ones, oldest first): their quotas must
+    # fit, or a partition would let the store grow past its bound.
+    lo, hi = w.slots * profile.log_max_bytes, profile.artifact_total_bytes
+    if w.log_store_bytes is not None and not lo <= w.log_store_bytes <= hi:
+        raise ValidationError("worker.log_store_bytes", f"outside {lo}..{hi} bytes (at least worker.slots × the "
+                              f"{profile.name} Profile's {profile.log_max_bytes}-byte log quota)", limit=f"{lo}..{hi}")
 
 
 def resolve(config_path: str | None = None, *, state_dir: str | None = None, profile: str | None = None,

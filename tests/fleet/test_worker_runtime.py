@@ -134,6 +134,18 @@ def test_pull_run_acks_and_complete_log_chunks_chatty_truncated_at_quota(tmp_pat
     assert worker.stop() == 0
 
 
+def test_a_quota_above_the_workers_profile_is_cut_to_it(tmp_path, cp, worker):
+    """A replica of the standalone Profile offers a 64 MiB log quota; an edge Worker keeps 4 MiB
+    (its Profile's log_max_bytes): the flash is the Worker's to bound."""
+    big = cp.add_run(shell="/bin/sh", script="yes chatty-line-0123456789 | head -c 5000000",
+                     log_quota_bytes=64 * 1_048_576)
+    worker.start()
+    assert cp.wait(lambda: completion(cp, big) is not None, 60)
+    c = completion(cp, big)
+    assert (c.exit_code, c.bytes_kept, c.bytes_dropped) == (0, QUOTA, 5_000_000 - QUOTA)
+    assert cp.wait(lambda: cp.log_ends.get(big) == QUOTA, 30)
+
+
 def test_a_control_url_list_moves_past_a_replica_that_does_not_answer(tmp_path, cp):
     """worker.control_url lists replicas: the first refuses connections, so the Worker opens its
     Session, pulls, ACKs and uploads through the second."""
@@ -493,20 +505,23 @@ def test_a_self_fenced_run_is_not_renewed_after_the_link_returns_and_is_offered_
 
 
 def test_unuploaded_logs_are_bounded_oldest_cut_first_with_a_recorded_fact(tmp_path, cp):
-    w = Worker(tmp_path, cp, cp.url, slots=1, extra="log_store_bytes = 250000")
+    store = 4_194_304                           # the least log_store_bytes for 1 slot on the edge Profile
+    w = Worker(tmp_path, cp, cp.url, slots=1, extra=f"log_store_bytes = {store}")
     cp.refuse_chunks = True                     # the control plane takes ACKs but no log chunk
-    ids = [cp.add_run(shell="/bin/sh", script=f"head -c 100000 /dev/zero | tr '\\0' '{c}'", log_quota_bytes=100_000)
+    n = 1_500_000
+    ids = [cp.add_run(shell="/bin/sh", script=f"head -c {n} /dev/zero | tr '\\0' '{c}'", log_quota_bytes=n)
            for c in "abc"]
     w.start()
     try:
         assert cp.wait(lambda: all(completion(cp, x) is not None for x in ids), 60)
         cp.refuse_chunks = False
-        assert cp.wait(lambda: all(cp.log_ends.get(x) == 100_000 for x in ids[1:]), 40)
-        assert all(cp.log_of(x) == c * 100_000 for x, c in zip(ids[1:], (b"b", b"c")))
-        # Before the third spawn 100 + 100 kB not uploaded + 100 kB needed (its quota) is 50 kB over
-        # the cap: the oldest run's unuploaded tail is cut by exactly that, and said so.
-        assert cp.log_of(ids[0]) == b"a" * 50_000 and completion(cp, ids[0]).bytes_kept == 100_000
-        assert f"worker.log_truncated attempt={ids[0]} bytes_dropped=50000 bytes_kept=50000" in w.journal()
+        assert cp.wait(lambda: all(cp.log_ends.get(x) == n for x in ids[1:]), 40)
+        assert all(cp.log_of(x) == c * n for x, c in zip(ids[1:], (b"b", b"c")))
+        # Before the third spawn 2 × 1.5 MB not uploaded + 1.5 MB needed (its quota) is over the
+        # store: the oldest run's unuploaded tail is cut by exactly that, and said so.
+        over = 3 * n - store
+        assert cp.log_of(ids[0]) == b"a" * (n - over) and completion(cp, ids[0]).bytes_kept == n
+        assert f"worker.log_truncated attempt={ids[0]} bytes_dropped={over} bytes_kept={n - over}" in w.journal()
         assert cp.wait(lambda: not glob.glob(os.path.join(w.state, "worker-runs", "*-*")), 20)
     finally:
         w.stop()
@@ -656,13 +671,28 @@ def test_worker_control_url_list_at_its_edges(tmp_path, urls, ok):
         refused(tmp_path, "control_url", json.dumps(urls))
 
 
-@pytest.mark.parametrize("value, ok", [(65_536, True), (65_535, False), (67_108_864, True), (67_108_865, False)])
+@pytest.mark.parametrize("value, ok", [(4_194_304, True), (4_194_303, False), (65_536, False), (0, False),
+                                       (67_108_864, True), (67_108_865, False)])
 def test_worker_log_store_bytes_at_its_edges(tmp_path, value, ok):
+    """At least slots (1 here) × the edge Profile's 4 MiB log quota — a live run's log is never
+    cut, so a smaller store could not hold its bound during a partition — at most its 64 MiB."""
     if ok:
         assert load_worker_config(tmp_path, "log_store_bytes", str(value)) == value
     else:
-        limit = 65_536 if value < 65_536 else 67_108_864
-        assert str(limit) in str(refused(tmp_path, "log_store_bytes", str(value)))
+        assert "4194304..67108864" in str(refused(tmp_path, "log_store_bytes", str(value))) or value == 0
+
+
+def test_worker_log_store_bytes_grows_with_the_slots(tmp_path):
+    cfg = tmp_path / "qlagent.toml"
+    cfg.write_text(f'state_dir = "{tmp_path}/s"\n[worker]\nworker_id = "{"0" * 8}-0000-0000-0000-{"0" * 12}"\n'
+                   'control_url = "https://cp.example:8443"\nca_file = "/etc/ca.pem"\ncredential_file = "/etc/cred"\n'
+                   'slots = 3\nlog_store_bytes = 8388608\n')
+    cfg.chmod(0o600)
+    from qlagent.core.errors import ValidationError
+    from qlagent.service.config import load_config
+    with pytest.raises(ValidationError) as e:
+        load_config(str(cfg))
+    assert e.value.field == "worker.log_store_bytes" and "12582912..67108864" in str(e.value)
 
 
 def test_worker_mode_never_loads_the_control_plane_and_a_local_agent_never_loads_the_client():
