@@ -161,6 +161,14 @@ def worker_ca(w):
     return tls_context(w.ca_file) if w.ca_file and any(u.startswith("https://") for u in urls) else None
 
 
+def worker_credential(w) -> str:
+    """The credential in ``w.credential_file`` (``service.config.WorkerConfig``); ValidationError
+    naming ``worker.credential_file`` when it is missing, not the agent's, not 0600 or not a
+    Worker credential (the value is never quoted)."""
+    from .adapters.control_client import read_credential
+    return read_credential(w.credential_file)
+
+
 def build_worker(settings, log, notify):
     """The fleet Worker of ``settings.config.worker`` (issue 11): its control client (credential
     and CA checked now: ValidationError naming ``worker.credential_file``/``worker.ca_file``),

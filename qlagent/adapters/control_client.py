@@ -25,19 +25,18 @@ prevents an answer (refused, reset, timeout) is ``ControlUnreachable``.
 from __future__ import annotations
 
 import http.client
-import ipaddress
 import os
 import re
 import select
 import socket
 import ssl
 import stat
-import urllib.parse
 
 import msgspec
 
 from ..core.control import (BY_CODE, Answer, ControlBusy, ControlError, ControlTlsError, ControlUnreachable)
 from ..core.cluster import WorkerInfo
+from ..core.control_url import parse_control_url
 from ..core.errors import ValidationError
 
 CREDENTIAL = re.compile(r"qlw_[A-Za-z0-9_-]{43}")
@@ -87,32 +86,6 @@ def read_credential(path: str) -> str:
         raise ValidationError(field, f"{path}: not a Worker credential (qlw_ + 43 URL-safe characters, "
                                      "from `qlagent workers enroll`)")
     return text
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def parse_control_url(url: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of ``worker.control_url``: ``https://HOST[:PORT]`` (443), or
-    ``http://`` to a loopback host only. Raises ValidationError(field="worker.control_url")."""
-    field = "worker.control_url"
-    u = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-    if u is None or u.scheme not in ("https", "http") or not u.hostname or u.path not in ("", "/") \
-            or u.query or u.fragment or u.username or u.password:
-        raise ValidationError(field, "must be https://HOST[:PORT] (no path, query or user)")
-    try:
-        port = u.port or (443 if u.scheme == "https" else 80)
-    except ValueError:
-        raise ValidationError(field, "port outside 1..65535", limit="1..65535") from None
-    if u.scheme == "http" and not _loopback(u.hostname):
-        raise ValidationError(field, "plain http:// only to a loopback host; use https:// with ca_file")
-    return u.scheme, u.hostname, port
 
 
 def tls_context(ca_file: str) -> ssl.SSLContext:

@@ -208,10 +208,14 @@ def validate_worker(w: WorkerConfig, profile: Profile) -> None:
     if not 1 <= len(urls) <= MAX_CONTROL_URLS or len(set(urls)) != len(urls):
         raise ValidationError("worker.control_url", f"one URL or a list of 1..{MAX_CONTROL_URLS} without repeats",
                               limit=MAX_CONTROL_URLS)
+    from ..core.control_url import parse_control_url      # only with [worker]: a local agent never loads it
     for u in urls:
-        if not re.fullmatch(r"https?://[^/?#@\s]+/?", u):
+        try:
+            parse_control_url(u)
+        except ValidationError as e:
             which = "" if isinstance(w.control_url, str) else f" ({u!r})"
-            raise ValidationError("worker.control_url", f"must be https://HOST[:PORT]{which}")
+            raise ValidationError("worker.control_url", f"{e.message.partition(': ')[2]}{which}",
+                                  limit=e.limit) from None
     if any(u.startswith("https://") for u in urls) and not w.ca_file:
         raise ValidationError("worker.ca_file", "required with an https:// control_url (the control plane's CA)")
     for key in ("credential_file", "ca_file"):

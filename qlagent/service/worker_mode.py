@@ -28,10 +28,15 @@ from .preflight import preflight
 
 def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: float | None = None) -> int:
     """Run the Worker until SIGTERM (or ``exit_after_s`` seconds, ``serve --exit-after``, then the
-    same drain); returns the exit code (0 after a clean drain; 2 for a bad credential or CA file
-    or an ``[http]`` value out of bounds; 5 when another service holds the state directory or the
-    status surface cannot listen). ``listen``: ``serve --listen``, over ``[http] listen``."""
+    same drain); returns the exit code (0 after a clean drain; 2 for an ``[http]`` value out of
+    bounds; 5 when another service holds the state directory or the status surface cannot
+    listen). ``listen``: ``serve --listen``, over ``[http] listen``. Raises ValidationError
+    (exit 2) naming ``worker.ca_file``/``worker.credential_file`` before anything is written."""
     w = settings.config.worker
+    # The files first, before anything is created or locked: a bad one is the CLI's one line
+    # naming the field (exit 2), as `config check` gives it, and leaves nothing behind.
+    preflight(settings)
+    bootstrap.worker_credential(w)
     log = Journal()
     os.makedirs(settings.state_dir, mode=0o700, exist_ok=True)
     lock = ServiceLock(settings.state_dir)
@@ -41,7 +46,6 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         return EXIT_UNAVAILABLE
     rt = None
     try:
-        preflight(settings)         # the CA file, as config check does
         rt = bootstrap.build_worker(settings, log, Notifier())
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)

@@ -623,9 +623,10 @@ def test_a_wrong_ca_is_refused_with_one_clear_error_and_nothing_written(tmp_path
 def test_a_credential_file_not_0600_is_refused(tmp_path, cp, mode):
     w = Worker(tmp_path, cp, cp.url, cred_mode=mode)
     assert w.start().p.wait(30) == 2
-    text = w.journal()
-    assert "worker.credential_file" in text and f"mode {mode:04o}, must be 0600" in text and "Traceback" not in text
-    assert cp.requests == [] and not os.path.exists(os.path.join(w.state, "inbox.sqlite3"))
+    lines = w.journal().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qlagent: error: worker.credential_file: ") \
+        and f"mode {mode:04o}, must be 0600" in lines[0], lines
+    assert cp.requests == [] and not os.path.exists(w.state)         # nothing created, not even the lock
 
 
 def load_worker_config(tmp_path, key: str, value: str):
@@ -776,9 +777,30 @@ def test_config_check_refuses_the_ca_file_serve_refuses(tmp_path, cp):
         lines = p.stderr.decode().strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("qlagent: error: worker.ca_file: "), \
             p.stderr
-        assert w.start().p.wait(30) == 2 and "worker.ca_file" in w.journal()
-        assert not os.path.exists(os.path.join(w.state, "inbox.sqlite3"))
+        assert w.start().p.wait(30) == 2
+        assert w.journal().strip().splitlines() == lines, w.journal()      # serve: the same one line
+        assert not os.path.exists(w.state)
     assert cp.requests == []
+
+
+@pytest.mark.parametrize("url, says", [
+    ("http://10.0.0.1:17461", "plain http:// only to a loopback host"),
+    ("https://127.0.0.1:99999", "port outside 1..65535"),
+    ("https://user@cp.example:1", "no path, query or user"),
+    (["https://a.example:1", "http://192.0.2.1:2"], "plain http:// only to a loopback host"),
+])
+def test_config_check_refuses_the_control_url_serve_refuses(tmp_path, cp, url, says):
+    """One rule for the URL's shape (``core.control_url``): `config check` said "config ok" for
+    a plain http:// to another host and for port 99999, which serve then refused."""
+    w = Worker(tmp_path, cp, url)
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
+                       capture_output=True, env=env, timeout=60)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("qlagent: error: worker.control_url: ") \
+        and says in lines[0], p.stderr
+    assert w.start().p.wait(30) == 2 and w.journal().strip().splitlines() == lines
+    assert not os.path.exists(w.state)
 
 
 def test_sighup_answers_the_notify_reload_handshake_and_sigterm_says_stopping(tmp_path, cp):
