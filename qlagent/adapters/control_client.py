@@ -330,6 +330,11 @@ def no_answer(e: BaseException, host: str, port: int) -> ControlError:
         return ControlTlsError(f"control plane {host}:{port}: certificate refused "
                                f"({e.verify_message}); worker.ca_file must hold the CA that signed it",
                                field="worker.ca_file")
+    if isinstance(e, (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)) \
+            or (isinstance(e, ssl.SSLError) and e.reason is None):
+        # The peer closed mid-handshake (a replica shutting down, a cut link): no answer, not a
+        # wrong CA — a Worker starting then must retry, not exit as for bad config.
+        return ControlUnreachable(f"control plane {host}:{port}: connection closed during the TLS handshake")
     if isinstance(e, ssl.SSLError):
         return ControlTlsError(f"control plane {host}:{port}: TLS failed ({e.reason})", field="worker.ca_file")
     if isinstance(e, (OSError, http.client.HTTPException)):

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -857,3 +858,36 @@ def test_sighup_answers_the_notify_reload_handshake_and_sigterm_says_stopping(tm
     finally:
         w.stop()
         sock.close()
+
+
+def test_a_replica_closing_mid_handshake_at_start_up_is_retried_not_taken_for_a_wrong_ca(tmp_path, cp):
+    """A replica that accepts and closes during the TLS handshake (shutting down, a cut link) at
+    the Worker's first connect: before, ``TLS failed (None)`` counted as a wrong ca_file and the
+    Worker exited 2; now it backs off and moves to the next replica, which answers."""
+    closer = socket.socket()
+    closer.bind(("127.0.0.1", 0))
+    closer.listen(16)
+    stop = threading.Event()
+
+    def close_each() -> None:
+        closer.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                c, _ = closer.accept()
+                c.recv(65536)           # the whole ClientHello read: hang up mid-handshake (EOF)
+                c.close()
+            except OSError:
+                pass
+    t = threading.Thread(target=close_each, daemon=True)
+    t.start()
+    w = Worker(tmp_path, cp, [f"https://localhost:{closer.getsockname()[1]}", cp.url])
+    try:
+        w.start()
+        assert cp.wait(lambda: len(cp.sessions) == 1, 30), w.journal()
+        assert w.p.poll() is None
+        assert "connection closed during the TLS handshake" in w.journal() and "worker.ca_file" not in w.journal()
+    finally:
+        stop.set()
+        w.stop()
+        t.join()
+        closer.close()
