@@ -204,3 +204,16 @@ def test_the_next_pull_after_an_idle_answer_waits_out_the_long_poll(wait_s, reas
     sent = 5_000_000
     assert pacing.next_pull_after_idle_us(sent, wait_s, reason) == sent + int(after_s * 1e6)
     assert pacing.MIN_PULL_INTERVAL_S == 1.0
+
+
+def test_a_default_grace_the_lease_cannot_hold_is_said_to_be_the_default():
+    """A task file naming no grace_s gets 5 s; under lease_ttl_s = 10 the refusal says so (a
+    break-it tester read `task[0].grace_s: 5 s` for a file that sets none)."""
+    from qlagent.core import leasefit
+    with pytest.raises(ValidationError) as e:
+        leasefit.check_grace("task[0].grace_s", 5_000, 10, 5_000)
+    assert str(e.value).startswith("task[0].grace_s: 5 s (the default when grace_s is not set) cannot live under "
+                                   "cluster.lease_ttl_s = 10"), str(e.value)
+    with pytest.raises(ValidationError) as e:
+        leasefit.check_grace("task[0].grace_s", 6_000, 10, 5_000)
+    assert "default" not in str(e.value)

@@ -241,11 +241,12 @@ def _check_lease_fit(ctx: Ctx, prepared) -> None:
     """Against a ``[cluster]`` config, refuse (exit 2, nothing written) a Task whose ``grace_s``
     the config's ``lease_ttl_s`` cannot hold: its fleet Worker would stop it right after it
     starts (core.leasefit)."""
+    from ..core.definitions import DEFAULT_GRACE_S
     from ..core.leasefit import check_grace
     c = ctx.settings.config.cluster
     if c is not None:
         for i, p in enumerate(prepared):
-            check_grace(f"task[{i}].grace_s", p.definition.grace_ms, c.lease_ttl_s)
+            check_grace(f"task[{i}].grace_s", p.definition.grace_ms, c.lease_ttl_s, DEFAULT_GRACE_S * 1000)
 
 
 def _warn_missing_secrets(ctx: Ctx, names: set[str]) -> None:

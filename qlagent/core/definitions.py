@@ -38,6 +38,9 @@ class RetryInput(msgspec.Struct, forbid_unknown_fields=True):
     backoff_s: float = 10
 
 
+DEFAULT_GRACE_S = 5         # a task file's grace_s when it names none (s)
+
+
 class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     """One ``[[task]]`` table of a task file (see README "Defining tasks")."""
 
@@ -52,7 +55,7 @@ class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     keep_orphans: bool = False
     on_lease_loss: str | None = None
     timeout_s: float = 3600
-    grace_s: float = 5
+    grace_s: float = DEFAULT_GRACE_S
     concurrency: str = "single"
     retry: RetryInput = msgspec.field(default_factory=RetryInput)
     labels: dict[str, str] = msgspec.field(default_factory=dict)

@@ -50,15 +50,20 @@ def _seconds(ms: int) -> str:
     return f"{ms / 1000:.3f}".rstrip("0").rstrip(".")
 
 
-def check_grace(field: str, grace_ms: int, lease_ttl_s: int) -> None:
+def check_grace(field: str, grace_ms: int, lease_ttl_s: int, default_ms: int | None = None) -> None:
     """Raise ValidationError naming ``field`` (a Task's ``grace_s``) and the limit (s) when a grace
-    of ``grace_ms`` cannot live under a Lease of ``lease_ttl_s`` s (``cluster.lease_ttl_s``)."""
+    of ``grace_ms`` cannot live under a Lease of ``lease_ttl_s`` s (``cluster.lease_ttl_s``); a
+    grace equal to ``default_ms`` is said to be the default (the file may not name it at all)."""
     limit = max_grace_ms(lease_ttl_s)
+    if grace_ms == default_ms:
+        field_note = f"{_seconds(grace_ms)} s (the default when grace_s is not set)"
+    else:
+        field_note = f"{_seconds(grace_ms)} s"
     if limit < 0:       # a lease_ttl_s under MIN_LEASE_TTL_S (the config refuses it): no grace at all fits
-        raise ValidationError(field, f"{_seconds(grace_ms)} s cannot live under cluster.lease_ttl_s = {lease_ttl_s}: "
+        raise ValidationError(field, f"{field_note} cannot live under cluster.lease_ttl_s = {lease_ttl_s}: "
                                      f"no grace fits under {MIN_LEASE_TTL_S} s; raise lease_ttl_s",
                               limit=f"lease_ttl_s >= {MIN_LEASE_TTL_S}")
     if grace_ms > limit:
-        raise ValidationError(field, f"{_seconds(grace_ms)} s cannot live under cluster.lease_ttl_s = {lease_ttl_s} "
+        raise ValidationError(field, f"{field_note} cannot live under cluster.lease_ttl_s = {lease_ttl_s} "
                                      f"(at most {_seconds(limit)} s; raise lease_ttl_s or lower grace_s)",
                               limit=limit / 1000)
