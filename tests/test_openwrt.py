@@ -457,7 +457,7 @@ BAD_WORKER = [
     ({"control_url": None}, {"control_url": ["https://cp.example", "https://cp.example"]},
      "option control_url: one URL or a list of 1..8 without repeats"),
     ({"control_url": None}, {"control_url": ["https://cp.example", "ftp://cp2.example"]},
-     "option control_url: must be https://HOST[:PORT] ('ftp://cp2.example')"),
+     "option control_url: must be https://HOST[:PORT] (no path, query or user) ('ftp://cp2.example')"),
     ({"credential_file": "worker.cred"}, {}, "option credential_file: 'worker.cred' must be an absolute path"),
     ({"credential_file": b"/etc/\xff"}, {}, "option credential_file: is not UTF-8"),
     ({"worker_id": "ABC"}, {}, "option worker_id: must be the enrolled Worker's lowercase UUID"),
