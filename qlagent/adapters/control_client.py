@@ -336,7 +336,10 @@ def no_answer(e: BaseException, host: str, port: int) -> ControlError:
         # wrong CA — a Worker starting then must retry, not exit as for bad config.
         return ControlUnreachable(f"control plane {host}:{port}: connection closed during the TLS handshake")
     if isinstance(e, ssl.SSLError):
-        return ControlTlsError(f"control plane {host}:{port}: TLS failed ({e.reason})", field="worker.ca_file")
+        # Not a certificate refusal: the peer does not speak TLS as expected (a plain HTTP port,
+        # a proxy): the URL is the thing to look at, not the CA.
+        return ControlTlsError(f"control plane {host}:{port}: TLS failed ({e.reason}); is it a TLS "
+                               "replica's address?", field="worker.control_url")
     if isinstance(e, (OSError, http.client.HTTPException)):
         what = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
         if isinstance(e, OSError) and e.strerror and what != "timed out":

@@ -169,6 +169,7 @@ class WorkerRuntime:
         self.session_opened_us = 0
         self.unreachable = False                        # the last failure had no answer at all
         self.connected_once = False
+        self.tls_refusals = 0                           # start-up connects refused by TLS in a row
         self.next_connect_us = 0
         self.next_beat_us = 0
         self.next_send_us = 0                           # owed sends wait here after a failure
@@ -454,7 +455,14 @@ class WorkerRuntime:
         except ControlError as e:
             self.session = None
             if isinstance(e, ControlTlsError) and not self.connected_once:
-                raise                   # a wrong ca_file at start-up is bad config: one line, exit 2
+                # Every replica in a row refusing TLS at start-up is bad config (a wrong ca_file):
+                # one line, exit 2. One of several (a certificate being rotated, a port without
+                # TLS) is passed over like an unreachable one.
+                self.tls_refusals += 1
+                if self.tls_refusals >= self.client.replicas:
+                    raise
+            else:
+                self.tls_refusals = 0
             field = _config_field(e.field) if isinstance(e, RequestRefused) else None
             if field is not None and not self.connected_once:
                 # [worker] labels/executors/slots wider than the enrolment: the same hello would be

@@ -891,3 +891,51 @@ def test_a_replica_closing_mid_handshake_at_start_up_is_retried_not_taken_for_a_
         w.stop()
         t.join()
         closer.close()
+
+
+def _plain_http_listener(stop: threading.Event) -> tuple[socket.socket, threading.Thread]:
+    """A port answering plain HTTP 400 (no TLS): a replica redeployed without tls_cert, a proxy."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.2)
+
+    def answer() -> None:
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+                c.recv(65536)
+                c.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                c.close()
+            except OSError:
+                pass
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    return srv, t
+
+
+def test_one_replica_without_tls_among_several_is_passed_over_and_all_of_them_is_bad_config(tmp_path, cp):
+    """Start-up with a control_url list whose first replica does not speak TLS: before, the
+    Worker exited 2 blaming worker.ca_file (WRONG_VERSION_NUMBER) without trying the healthy
+    one. Now it moves on; only when every replica refuses TLS is it bad config, naming the URL."""
+    stop = threading.Event()
+    srv, t = _plain_http_listener(stop)
+    plain = f"https://localhost:{srv.getsockname()[1]}"
+    try:
+        (tmp_path / "mixed").mkdir()
+        w = Worker(tmp_path / "mixed", cp, [plain, cp.url])
+        w.start()
+        try:
+            assert cp.wait(lambda: len(cp.sessions) == 1, 30), w.journal()
+            assert w.p.poll() is None and "WRONG_VERSION_NUMBER" in w.journal()
+        finally:
+            w.stop()
+        (tmp_path / "only").mkdir()
+        w = Worker(tmp_path / "only", cp, plain)
+        assert w.start().p.wait(30) == 2
+        assert re.search(r"service\.failed code=control_tls_refused field=worker\.control_url ", w.journal()), \
+            w.journal()
+    finally:
+        stop.set()
+        t.join()
+        srv.close()
