@@ -157,7 +157,7 @@ def worker_ca(w):
     when no ``control_url`` is https. ValidationError naming ``worker.ca_file`` when the file is
     not a readable PEM CA."""
     from .adapters.control_client import tls_context
-    urls = [w.control_url] if isinstance(w.control_url, str) else w.control_url
+    urls = w.urls
     return tls_context(w.ca_file) if w.ca_file and any(u.startswith("https://") for u in urls) else None
 
 
@@ -215,7 +215,7 @@ def worker_checks(settings) -> list[tuple[str, bool, str]]:
     from .core.control import ControlAuthError, ControlError
     from .core.errors import QlError
     w, out = settings.config.worker, []
-    urls = [w.control_url] if isinstance(w.control_url, str) else list(w.control_url)
+    urls = w.urls
     try:
         read_credential(w.credential_file)
         credential = True

@@ -63,7 +63,7 @@ def refuse_on_worker(settings, command: str, sub: str | None) -> None:
     w = settings.config.worker
     if w is None or command not in LOCAL_STORE_COMMANDS:
         return
-    urls = [w.control_url] if isinstance(w.control_url, str) else list(w.control_url)
+    urls = w.urls
     what = f"{command} {sub}" if sub else command
     err = E.ValidationError("worker", f"this agent is a fleet Worker ([worker] in {settings.config_path}): "
                             f"`qlagent {what}` acts on a local store it never uses; run it on the control plane "
@@ -163,7 +163,7 @@ def _init_worker(ctx: Ctx) -> int:
     else: no database, no key file (the Worker's Tasks, Runs and Secrets live on the control
     plane; ``serve`` creates its inbox). Exit 0, so the package's postinst passes."""
     s, w = ctx.settings, ctx.settings.config.worker
-    urls = [w.control_url] if isinstance(w.control_url, str) else list(w.control_url)
+    urls = w.urls
     created = not os.path.isdir(s.state_dir)
     os.makedirs(s.state_dir, mode=0o700, exist_ok=True)
     if ctx.args.json:

@@ -55,10 +55,14 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slots: int = 1                          # runs at once: 1..max_concurrent_runs of the Profile
     heartbeat_interval_s: Annotated[float, msgspec.Meta(ge=1, le=60)] = 5.0      # s
     pull_wait_s: Annotated[int, msgspec.Meta(ge=0, le=30)] = 20                   # long-poll, s
-    # Logs not yet uploaded kept locally (bytes); default the Profile's artifact_total_bytes.
     # Logs not yet uploaded (bytes): worker.slots × the Profile's log_max_bytes (live runs' logs
     # at their quota) .. the Profile's artifact_total_bytes; default the latter.
     log_store_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        """``control_url`` as a list (one URL or several replicas)."""
+        return [self.control_url] if isinstance(self.control_url, str) else list(self.control_url)
 
 
 class DispatcherConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -204,7 +208,7 @@ def validate_worker(w: WorkerConfig, profile: Profile) -> None:
     """``[worker]`` rules; ValidationError naming ``worker.<key>`` and its limit."""
     if not re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", w.worker_id):
         raise ValidationError("worker.worker_id", "must be the enrolled Worker's lowercase UUID")
-    urls = [w.control_url] if isinstance(w.control_url, str) else w.control_url
+    urls = w.urls
     if not 1 <= len(urls) <= MAX_CONTROL_URLS or len(set(urls)) != len(urls):
         raise ValidationError("worker.control_url", f"one URL or a list of 1..{MAX_CONTROL_URLS} without repeats",
                               limit=MAX_CONTROL_URLS)
