@@ -384,6 +384,20 @@ def test_doctor_before_init_lists_only_failures(workdir):  # noqa: F811
     assert p.returncode == 5 and lines and all(ln.startswith("FAIL") for ln in lines), lines
 
 
+@pytest.mark.parametrize("mode,healthy", [(0o700, True), (0o750, True), (0o751, False), (0o755, False)])
+def test_doctor_accepts_the_state_dir_mode_the_packages_set(state, mode, healthy):  # noqa: F811
+    """The .deb and the .ipk make the state dir 0750 (core.limits.STATE_DIR_MODE): doctor passes
+    it; one bit for others more is named."""
+    os.chmod(state, mode)
+    p = cli(state, "doctor", "--json")
+    (check,) = [c for c in json.loads(p.stdout)["checks"] if c["name"] == "state dir"]
+    assert check["ok"] is healthy, check
+    if healthy:
+        assert all(c["ok"] for c in json.loads(p.stdout)["checks"] if c["name"] != "network")
+    else:
+        assert p.returncode == 5 and check["detail"] == f"{state} mode {mode:04o}; expected a directory of mode 0750 or stricter"
+
+
 def test_schedule_omitted_means_once_and_task_show_says_so(store):
     s, _, _ = store
     assert "schedules     @once" in ok(s, "task", "show", "hello").stdout.decode()

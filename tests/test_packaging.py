@@ -125,6 +125,19 @@ def test_unit_is_notify_with_watchdog_budget_and_drain_consistent_stop_timeout()
     assert int(svc["TimeoutStopSec"][0]) >= grace + 10
 
 
+def test_state_dir_mode_is_the_one_doctor_accepts():
+    """One rule (core.limits.STATE_DIR_MODE) for the mode every package gives the state dir
+    and the most `qlagent doctor` accepts: a package that sets more fails doctor on a healthy box."""
+    from qlagent.core.limits import STATE_DIR_MODE
+    want = f"{STATE_DIR_MODE:04o}"
+    assert unit_entries(UNIT)["Service"]["StateDirectoryMode"] == [want]
+    tmpfiles = [ln.split() for ln in (REPO / "systemd" / "qlagent.tmpfiles").read_text().splitlines()
+                if ln and not ln.startswith("#")]
+    assert ["d", "/var/lib/qlagent", want, "qlagent", "qlagent", "-"] in tmpfiles
+    init = (REPO / "openwrt" / "qlagent" / "files" / "qlagent.init").read_text()
+    assert f'chmod {want} "$state_dir"' in init
+
+
 def test_unit_hardening_keys():
     svc = unit_entries(UNIT)["Service"]
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "ProtectKernelTunables",

@@ -32,4 +32,11 @@ MAX_TASK_FILE_BYTES = 4 * 1_048_576
 
 SHELL_ALLOWLIST = ("/bin/sh", "/bin/bash")
 RESERVED_ENV_PREFIX = "QL3_"
+# Directory modes: the most ``doctor`` accepts, and what the packages set (systemd
+# StateDirectoryMode= and tmpfiles, the OpenWrt init script; tests/test_packaging.py reads them
+# against these). The qlagent group may read the state dir; only the owner writes. Log
+# artifacts and run dirs stay owner-only (ADR-0071 §4 step 7).
+STATE_DIR_MODE = 0o750
+PRIVATE_DIR_MODE = 0o700
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
