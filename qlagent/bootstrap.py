@@ -86,6 +86,12 @@ def budget_meter(profile: Profile) -> BudgetPort:
     return BudgetMeter(profile)
 
 
+def budget_check(profile: Profile) -> tuple[bool, str]:
+    """(ok, detail) of ``doctor``'s budget line: the running service's cgroup figures."""
+    from .adapters.budget import budget_check as check
+    return check(profile)
+
+
 def network_gate() -> NetworkPort:
     """The netlink gate; imports pyroute2 (≈ 18 MB), so call it only once a Task needs it."""
     from .adapters.netgate import NetworkGate

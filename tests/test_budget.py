@@ -25,9 +25,6 @@ def _cgroup_v1_available() -> bool:
     return os.geteuid() == 0 and all(os.access(f"{CG}/{c}", os.W_OK) for c in ("memory", "pids"))
 
 
-pytestmark = pytest.mark.skipif(not _cgroup_v1_available(), reason="needs root and writable cgroup v1 memory+pids")
-
-
 def _read(ctrl_dir: str, name: str) -> str:
     with open(os.path.join(ctrl_dir, name)) as f:
         return f.read()
@@ -36,6 +33,8 @@ def _read(ctrl_dir: str, name: str) -> str:
 @pytest.fixture
 def budget_cgroup():
     """memory and pids cgroups ``qlagent-test-PID`` with the edge budget; removed afterwards."""
+    if not _cgroup_v1_available():
+        pytest.skip("needs root and writable cgroup v1 memory+pids")
     name = f"qlagent-test-{os.getpid()}-{time.monotonic_ns()}"
     mem, pids = f"{CG}/memory/{name}", f"{CG}/pids/{name}"
     os.mkdir(mem)
@@ -170,7 +169,7 @@ def test_block_reason_on_a_small_profile():
     try:
         m = BudgetMeter(msgspec.structs.replace(roomy, pids=mine + 6 + 3))
         u = m.usage()
-        if m._pids_file is None:                    # counted from the tree: exactly us + 6
+        if m.cgroup is None or m.cgroup.pids_dir is None:   # counted from the tree: exactly us + 6
             assert u.pids == mine + 6
         assert m.block_reason() == "pids"
         tight_mem = msgspec.structs.replace(roomy, memory_bytes=u.rss_bytes)
@@ -179,3 +178,127 @@ def test_block_reason_on_a_small_profile():
         for c in children:
             c.kill()
             c.wait()
+
+
+# --- the service cgroup's own figures (issue 22 §2) -------------------------------------------
+
+def _spawn_in(dirs, argv):
+    """A process moved into each of ``dirs`` (cgroup directories) before it execs ``argv``."""
+    code = ("import os, sys\n"
+            "for d in sys.argv[1].split(':'):\n"
+            "    open(d + '/cgroup.procs', 'w').write(str(os.getpid()))\n"
+            "os.execv(sys.argv[2], sys.argv[2:])\n")
+    return subprocess.Popen([sys.executable, "-c", code, ":".join(dirs), *argv])
+
+
+def test_v1_figures_are_the_kernels_of_the_service_cgroup(budget_cgroup):
+    """A process in a real v1 memory+pids pair named for the agent: the meter reads that pair
+    (pids.current, total_rss, limits, OOM kills), not psutil."""
+    from qlagent.adapters.budget import BudgetMeter, find_service_cgroup
+    from qlagent.core.profiles import EDGE
+    mem, pids = budget_cgroup
+    with open(f"{pids}/pids.max", "w") as f:
+        f.write("40")
+    p = _spawn_in([mem, pids], ["/bin/sh", "-c", "sleep 60 & sleep 60 & wait"])
+    try:
+        wait_until(lambda: int(_read(pids, "pids.current")) == 3)
+        cg = find_service_cgroup(proc_cgroup=f"/proc/{p.pid}/cgroup")
+        assert (cg.version, cg.memory_dir, cg.pids_dir) == (1, mem, pids)
+        m = BudgetMeter(EDGE, cgroup=cg)
+        u = m.usage()
+        assert (u.source, u.pids, u.pids_max, u.memory_max, u.oom_kills) == ("cgroup v1", 3, 40, 128 * MiB, 0)
+        assert 0 < u.rss_bytes <= u.current_bytes <= u.peak_bytes < 128 * MiB
+        assert m.limits(u) == (128 * MiB, 40)          # the kernel's lower pids.max, the Profile's memory
+        assert m.block_reason() is None
+        with open(f"{pids}/pids.max", "w") as f:
+            f.write("6")                                # 3 + one Run's 4 would pass it
+        assert m.block_reason() == "pids"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _v2_tree(root, leaf: str, files: dict[str, str]):
+    """The files of a cgroup v2 mount at ``root`` with the service at system.slice/qlagent.service,
+    and a /proc/PID/cgroup naming ``leaf`` under it (a last resort: this host binds memory and
+    pids to v1, so a real v2 memory cgroup exists only in the VM guest's gates)."""
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    svc = root / "system.slice" / "qlagent.service"
+    (svc / "agent").mkdir(parents=True)
+    for name, text in files.items():
+        (svc / name).write_text(text)
+    proc = root / "proc-cgroup"
+    proc.write_text(f"0::/system.slice/qlagent.service{leaf}\n")
+    return svc, str(proc)
+
+
+V2_FILES = {"memory.current": "70000000\n", "memory.peak": "90000000\n", "memory.max": "67108864\n",
+            "memory.events": "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 1\n",
+            "memory.stat": "anon 50331648\nfile 19668352\nkernel 1000\n", "pids.current": "7\n", "pids.max": "max\n"}
+
+
+@pytest.mark.parametrize("leaf", ["", "/agent"])
+def test_v2_figures_are_read_from_the_service_cgroup_not_psutil(tmp_path, leaf):
+    from qlagent.adapters.budget import BudgetMeter, find_service_cgroup
+    from qlagent.core.profiles import EDGE
+    svc, proc = _v2_tree(tmp_path, leaf, V2_FILES)
+    cg = find_service_cgroup(str(tmp_path), proc)
+    assert (cg.version, cg.memory_dir, cg.pids_dir) == (2, str(svc), str(svc))
+    m = BudgetMeter(EDGE, cgroup=cg)
+    u = m.usage()
+    assert (u.source, u.rss_bytes, u.current_bytes, u.peak_bytes, u.oom_kills, u.pids) == (
+        "cgroup v2", 50331648, 70000000, 90000000, 2, 7)
+    assert (u.memory_max, u.pids_max) == (64 * MiB, None)
+    assert m.limits(u) == (64 * MiB, 64)                # MemoryMax=64M under the edge 128 MiB
+    assert m.block_reason() is None                     # 48 MiB anon of 64: under 85 %
+    (svc / "memory.stat").write_text("anon 57671680\nfile 0\n")   # 55 MiB: over 85 % of 64
+    assert m.block_reason() == "memory"
+
+
+def test_v2_cgroup_of_a_stranger_or_without_controllers_is_not_the_budget(tmp_path):
+    from qlagent.adapters.budget import find_service_cgroup
+    (tmp_path / "cgroup.controllers").write_text("cpu\n")
+    (tmp_path / "user.slice" / "session-1.scope").mkdir(parents=True)
+    (tmp_path / "user.slice" / "session-1.scope" / "memory.current").write_text("1\n")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("0::/user.slice/session-1.scope\n")
+    assert find_service_cgroup(str(tmp_path), str(proc)) is None          # a CI job's scope is not ours
+    (tmp_path / "system.slice" / "qlagent.service").mkdir(parents=True)
+    proc.write_text("0::/system.slice/qlagent.service\n")
+    assert find_service_cgroup(str(tmp_path), str(proc)) is None          # ours, but no memory/pids files
+
+
+def test_doctor_budget_line_reads_the_running_services_v1_cgroup(budget_cgroup, tmp_path):
+    """`doctor` runs outside the service: it reads the packaged place (system.slice/qlagent.service)
+    — here real v1 cgroups under a root whose memory/ and pids/ point at the test's pair."""
+    from qlagent.adapters.budget import budget_check
+    from qlagent.core.profiles import EDGE
+    mem, pids = budget_cgroup
+    for ctrl, d in (("memory", mem), ("pids", pids)):
+        os.makedirs(f"{d}/system.slice/qlagent.service")
+        os.symlink(d, tmp_path / ctrl)
+    try:
+        with open(f"{pids}/system.slice/qlagent.service/pids.max", "w") as f:
+            f.write("64")
+        with open(f"{mem}/system.slice/qlagent.service/memory.limit_in_bytes", "w") as f:
+            f.write(str(128 * MiB))
+        ok_, detail = budget_check(EDGE, str(tmp_path))
+        assert ok_ and detail == (f"cgroup v1 {tmp_path}/memory/system.slice/qlagent.service: memory 0 MiB (peak 0, "
+                                  "anon 0) of 128, pids 0 of 64, 0 OOM kills"), detail
+        with open(f"{pids}/system.slice/qlagent.service/pids.max", "w") as f:
+            f.write("max")
+        ok_, detail = budget_check(EDGE, str(tmp_path))
+        assert not ok_ and detail.endswith("; the kernel enforces no pids limit within the edge profile")
+    finally:
+        for d in (mem, pids):
+            os.rmdir(f"{d}/system.slice/qlagent.service")
+            os.rmdir(f"{d}/system.slice")
+
+
+def test_doctor_budget_line_on_v2(tmp_path):
+    from qlagent.adapters.budget import budget_check
+    from qlagent.core.profiles import EDGE
+    svc, _ = _v2_tree(tmp_path, "", V2_FILES)
+    ok_, detail = budget_check(EDGE, str(tmp_path))
+    assert not ok_ and detail == (f"cgroup v2 {svc}: memory 66 MiB (peak 85, anon 48) of 64, pids 7 of max, "
+                                  "2 OOM kills; the kernel enforces no pids limit within the edge profile")

@@ -70,6 +70,7 @@ def run_checks(s: Settings) -> list[dict]:
             add(name, *_dir_mode(path, most))
         except FileNotFoundError:
             add(name, name == "artifact dir", f"{path} not created yet")
+    add("budget", *bootstrap.budget_check(s.profile))
     add("network", *bootstrap.network_check())
     return out
 
