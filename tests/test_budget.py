@@ -302,3 +302,48 @@ def test_doctor_budget_line_on_v2(tmp_path):
     ok_, detail = budget_check(EDGE, str(tmp_path))
     assert not ok_ and detail == (f"cgroup v2 {svc}: memory 66 MiB (peak 85, anon 48) of 64, pids 7 of max, "
                                   "2 OOM kills; the kernel enforces no pids limit within the edge profile")
+
+
+# --- a runaway task never takes the agent down (issue 22 §3) ----------------------------------
+
+def test_a_hog_in_the_agents_64mib_v1_cgroup_is_killed_not_the_agent_and_the_run_says_oom_killed(
+        state, workdir, budget_cgroup):  # noqa: F811
+    """No cgroup of its own for the Run (cgroup v1 host): the agent, its shim and a task that
+    allocates 200 MiB share one 64 MiB memory cgroup. The kernel kills the task (oom_score_adj
+    1000; the shim 500), the agent lives on and runs the next Task, and the Run ends failed with
+    reason oom_killed in `run show`, its JSON and the journal."""
+    mem, pids = budget_cgroup
+    with open(f"{mem}/memory.limit_in_bytes", "w") as f:
+        f.write(str(64 * MiB))
+    add_tasks(state, workdir, f'''
+[[task]]
+name = "hog"
+timeout_s = 60
+command = ["{sys.executable}", "-c", "import time\\nb = []\\nfor _ in range(200):\\n    b.append(b'x' * 1048576)\\ntime.sleep(60)"]
+
+[[task]]
+name = "peek"
+command = ["/bin/sh", "-c", "cat /proc/self/oom_score_adj /proc/$PPID/oom_score_adj"]
+''')
+    p = start_serve(state, env=clean_env(), prefix=_shim(mem, pids))
+    try:
+        wait_until(lambda: str(p.pid) in _read(mem, "cgroup.procs").split())
+        peek = ok(state, "run", "start", "peek").stdout.decode().strip()
+        wait_until(lambda: dict(runs_of(state, "peek"))[peek] == "succeeded", timeout=20)
+        # sh execs its one command: `cat` is the task, its parent the shim.
+        assert ok(state, "run", "logs", peek).stdout.split() == [b"1000", b"500"]
+        run_id = ok(state, "run", "start", "hog").stdout.decode().strip()
+        wait_until(lambda: dict(runs_of(state, "hog"))[run_id] not in ("queued", "starting", "running"), timeout=60)
+        assert p.poll() is None, "the agent was killed"
+        run = js(state, "run", "show", run_id)
+        (attempt,) = run["attempts"]
+        assert (run["state"], attempt["signal"], attempt["failureReason"]) == ("failed", 9, "oom_killed")
+        assert "reason=oom_killed" in ok(state, "run", "show", run_id).stdout.decode()
+        again = ok(state, "run", "start", "peek").stdout.decode().strip()
+        wait_until(lambda: dict(runs_of(state, "peek"))[again] == "succeeded", timeout=20)
+    finally:
+        assert stop(p) == 0
+    oom = dict(line.split() for line in _read(mem, "memory.oom_control").splitlines())
+    assert int(oom["oom_kill"]) >= 1
+    journal = p.stderr.read().decode()
+    assert f"run.failed run={run_id}" in journal and "reason=oom_killed" in journal

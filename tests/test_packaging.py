@@ -118,6 +118,8 @@ def test_unit_is_notify_with_watchdog_budget_and_drain_consistent_stop_timeout()
     assert svc["ExecReload"] == ["/usr/bin/qlagent config check --config /etc/qlagent/qlagent.toml"]
     assert svc["Restart"] == ["on-failure"] and int(svc["WatchdogSec"][0]) > 0
     assert svc["MemoryMax"] == ["128M"] and svc["TasksMax"] == ["64"]
+    # The agent is the OOM killer's last choice; shims (500) and tasks (1000) raise themselves.
+    assert int(svc["OOMScoreAdjust"][0]) < 0
     assert svc["User"] == ["qlagent"] and svc["StateDirectory"] == ["qlagent"]
     # KillMode=process keeps runs across watchdog/crash restarts; stop-post ends them on a real stop.
     assert svc["KillMode"] == ["process"] and svc["ExecStopPost"] == ["/usr/lib/qlagent/stop-post"]

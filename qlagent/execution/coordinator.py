@@ -102,16 +102,19 @@ class LocalExecutionCoordinator:
             self._log("warning", "run.start_failed", run=lr.run_id, attempt=attempt_id, reason=f.failure_reason,
                       error=f.start_error)
         self._log("info" if state == "succeeded" else "warning", f"run.{state}", run=lr.run_id,
-                  exit=f.exit_code, signal=f.exit_signal, orphans=f.orphans_stopped)
+                  exit=f.exit_code, signal=f.exit_signal, orphans=f.orphans_stopped, reason=f.failure_reason,
+                  peak_rss=f.peak_rss_bytes if f.failure_reason == "oom_killed" else None)
         return state
 
     @staticmethod
     def _finish_from_receipt(r: Receipt, kill_reason: str | None) -> Finish:
         error = bounded(r.start_error) if r.start_error is not None else None
         st = outcome(r.exit_code, r.signal, error, kill_reason)
+        # A kill of ours (timeout, cancel) names itself; the kernel's OOM kill is the shim's finding.
+        reason = start_code(error) if error else kill_reason or ("oom_killed" if r.oom_killed else None)
         return Finish(st, exit_code=r.exit_code, exit_signal=r.signal, bytes_kept=r.bytes_kept,
                       bytes_dropped=r.bytes_dropped, peak_rss_bytes=r.peak_rss_bytes, cpu_time_us=r.cpu_time_us,
-                      ended_at_us=r.ended_at_us, failure_reason=(start_code(error) if error else kill_reason),
+                      ended_at_us=r.ended_at_us, failure_reason=reason,
                       start_error=error, orphans_stopped=r.orphans_stopped)
 
     # ---- time, cancellation, shutdown ----------------------------------------------------

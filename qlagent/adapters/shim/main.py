@@ -37,6 +37,12 @@ process group and everything of the run (as for leftovers, keep_orphans or not) 
 SIGKILL after grace_s, and the receipt says "lease_lost": true. One wake-up per renewal period
 and no thread: the shim stays as small as before.
 
+Out of memory (issue 22 §3): the task is exec'd with oom_score_adj TASK_OOM_SCORE_ADJ and this
+process runs at SHIM_OOM_SCORE_ADJ, so when the memory cgroup they share with the agent is full
+the kernel kills the task first and the agent (whose own value is lower: the unit's
+OOMScoreAdjust=) last. A task ended by SIGKILL while the oom_kill count of this process's
+memory cgroup rose (v2 memory.events, v1 memory.oom_control) ends with "oom_killed": true.
+
 Files in run_dir:
   output.fifo    0600 FIFO carrying the task's stdout+stderr; removed at the end.
   task.pid       the task PID (= its process group ID), written right after the spawn.
@@ -46,7 +52,7 @@ Files in run_dir:
   receipt.json   atomic completion receipt (temp, fsync, rename, dir fsync):
                  {"attempt_id","exit_code","signal","start_error","started_at_us","ended_at_us",
                   "bytes_total","bytes_kept","bytes_dropped","peak_rss_bytes","cpu_time_us",
-                  "orphans_stopped","lease_lost"}. start_error: at most START_ERROR_LIMIT characters, paths
+                  "orphans_stopped","lease_lost","oom_killed"}. start_error: at most START_ERROR_LIMIT characters, paths
                  and errno names only (never the environment).
   shim.err       the shim's own errors (never sent to the agent through a pipe).
 
@@ -73,6 +79,8 @@ MAX_GRACE_S = 300.0
 START_ERROR_LIMIT = 512
 _PATH_SHOWN = 200
 PR_SET_CHILD_SUBREAPER = 36
+TASK_OOM_SCORE_ADJ = b"1000"   # the kernel's first choice in an OOM (the maximum)
+SHIM_OOM_SCORE_ADJ = b"500"    # after the task, before the agent: killing a shim loses its run
 ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
 
 _task_pid = 0
@@ -346,6 +354,7 @@ def _exec_child(cfg, path, wfd, err_w, reset):
         os.dup2(null, 0)
         os.dup2(wfd, 1)
         os.dup2(wfd, 2)
+        _set_oom_score_adj(TASK_OOM_SCORE_ADJ)
         stage = b"cwd"
         os.chdir(cfg["cwd"])
         stage = b"exec"
@@ -355,6 +364,39 @@ def _exec_child(cfg, path, wfd, err_w, reset):
     except BaseException:
         os.write(err_w, b"shim 0")
     os._exit(127)
+
+
+def _set_oom_score_adj(value):
+    """Raise this process's oom_score_adj (raising needs no privilege); ignored without /proc."""
+    try:
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, value)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _oom_kills():
+    """The oom_kill count of this process's memory cgroup (v1 ``memory`` line, else v2 ``0::``),
+    or None where there is none to read."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    except OSError:
+        return None
+    paths = [("/sys/fs/cgroup/memory%s/memory.oom_control" % p) for _, c, p in lines if "memory" in c.split(",")]
+    paths += [("/sys/fs/cgroup%s/memory.events" % p) for h, c, p in lines if h == "0" and c == ""]
+    for path in paths:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _spawn(cfg, wfd):
@@ -551,7 +593,7 @@ def new_receipt(attempt_id, start_error=None):
     return {"attempt_id": attempt_id, "exit_code": None, "signal": None, "start_error": start_error,
             "started_at_us": now, "ended_at_us": now if start_error is not None else None,
             "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None,
-            "orphans_stopped": None, "lease_lost": False}
+            "orphans_stopped": None, "lease_lost": False, "oom_killed": False}
 
 
 def run(w, cfg):
@@ -588,6 +630,8 @@ def run(w, cfg):
     _signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     _signal.signal(_signal.SIGCHLD, lambda s, f: None)  # only to wake poll through wakeup fd
 
+    _set_oom_score_adj(SHIM_OOM_SCORE_ADJ)
+    oom_before = _oom_kills()
     receipt["started_at_us"] = _now_us()
     try:
         if _term_requested:
@@ -700,6 +744,8 @@ def run(w, cfg):
     os.close(rfd)
     if os.WIFSIGNALED(status):
         receipt["signal"] = os.WTERMSIG(status)
+        if receipt["signal"] == _signal.SIGKILL and oom_before is not None:
+            receipt["oom_killed"] = (_oom_kills() or 0) > oom_before
     else:
         receipt["exit_code"] = os.waitstatus_to_exitcode(status)
     return receipt
