@@ -30,6 +30,9 @@ MAX_RETRY_BACKOFF_S = 24 * 3600
 MAX_TASKS_PER_FILE = 1_000
 MAX_TASK_FILE_BYTES = 4 * 1_048_576
 
+MIN_RUN_MEMORY = 4 * 1_048_576         # a Task's memory_max floor: below it not even the shim fits
+MEMORY_UNITS = {"K": 1024, "M": 1_048_576, "G": 1_073_741_824}   # binary, as systemd's MemoryMax=
+
 SHELL_ALLOWLIST = ("/bin/sh", "/bin/bash")
 RESERVED_ENV_PREFIX = "QL3_"
 # Directory modes: the most ``doctor`` accepts, and what the packages set (systemd
