@@ -31,13 +31,14 @@ class TrackedAttempt:
     """In-memory view of one running Attempt (the store stays the authority)."""
 
     __slots__ = ("run_id", "attempt_id", "task_id", "revision", "shim_pid", "create_time", "pidfd",
-                 "deadline_us", "grace_us", "kill_reason", "kill_at_us", "retry")
+                 "deadline_us", "grace_us", "kill_reason", "kill_at_us", "retry", "memory_reserve")
 
     def __init__(self, run_id, attempt_id, task_id, revision, shim_pid, create_time, pidfd, deadline_us,
-                 grace_us, retry) -> None:
+                 grace_us, retry, memory_reserve=None) -> None:
         self.run_id, self.attempt_id, self.task_id, self.revision = run_id, attempt_id, task_id, revision
         self.shim_pid, self.create_time, self.pidfd = shim_pid, create_time, pidfd
         self.deadline_us, self.grace_us, self.retry = deadline_us, grace_us, retry
+        self.memory_reserve: int | None = memory_reserve   # bytes admission holds; None after a re-attach
         self.kill_reason: str | None = None
         self.kill_at_us: int | None = None
 
@@ -75,7 +76,8 @@ class LocalExecutionCoordinator:
         deadline = now + cmd.timeout_ms * 1000
         self._store.mark_running(c, pid, ctime, deadline)
         self.live[c.attempt_id] = TrackedAttempt(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
-                                          self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry)
+                                          self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry,
+                                          cmd.memory_reserve)
         self._log("info", "run.started", run=c.run_id, attempt=c.attempt_id, pid=pid)
         return "activated", None
 
