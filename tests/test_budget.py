@@ -347,3 +347,82 @@ command = ["/bin/sh", "-c", "cat /proc/self/oom_score_adj /proc/$PPID/oom_score_
     assert int(oom["oom_kill"]) >= 1
     journal = p.stderr.read().decode()
     assert f"run.failed run={run_id}" in journal and "reason=oom_killed" in journal
+
+
+# --- each Run in a cgroup of its own, on this host's real cgroup v2 hierarchy -------------------
+
+UNIFIED = "/sys/fs/cgroup/unified"
+
+
+@pytest.fixture
+def v2_service_cgroup():
+    """A cgroup ``qlagent-test-…`` in this host's real cgroup v2 hierarchy (hybrid: no memory or
+    pids controller here, so limits are the VM guest's to prove; placement, the agent's leaf,
+    re-attach and removal are real). Removed afterwards, with whatever is left in it."""
+    if os.geteuid() != 0 or not os.path.exists(f"{UNIFIED}/cgroup.procs"):
+        pytest.skip("needs root and a cgroup v2 hierarchy at /sys/fs/cgroup/unified")
+    d = f"{UNIFIED}/qlagent-test-{os.getpid()}-{time.monotonic_ns()}"
+    os.mkdir(d)
+    yield d
+    for _ in range(50):
+        for sub in [os.path.join(d, n) for n in os.listdir(d) if os.path.isdir(os.path.join(d, n))] + [d]:
+            for pid in _read(sub, "cgroup.procs").split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        try:
+            for n in os.listdir(d):
+                if os.path.isdir(os.path.join(d, n)):
+                    os.rmdir(os.path.join(d, n))
+            os.rmdir(d)
+            break
+        except OSError:
+            time.sleep(0.1)
+
+
+def _cgroup_of(pid: int) -> str:
+    with open(f"/proc/{pid}/cgroup") as f:
+        return next(ln.split("::", 1)[1].strip() for ln in f if ln.startswith("0::"))
+
+
+def test_each_run_has_its_own_v2_cgroup_the_agent_a_leaf_and_reattach_keeps_it(state, workdir, v2_service_cgroup):  # noqa: F811
+    s = v2_service_cgroup
+    name = "/" + os.path.basename(s)
+    add_tasks(state, workdir, '''
+[[task]]
+name = "where"
+command = ["/bin/sh", "-c", "grep ^0:: /proc/self/cgroup"]
+
+[[task]]
+name = "napper"
+command = ["/bin/sleep", "4"]
+''')
+    prefix = [sys.executable, "-c", "import os, sys\n"
+              f"open({s!r} + '/cgroup.procs', 'w').write(str(os.getpid()))\n"
+              "os.execv(sys.argv[1], sys.argv[1:])\n"]
+    p = start_serve(state, env=clean_env(), prefix=prefix)
+    try:
+        # No process may stay in the service cgroup itself: the agent moved into its leaf.
+        wait_until(lambda: _cgroup_of(p.pid) == f"{name}/agent")
+        assert _read(s, "cgroup.procs").split() == []
+        rid = ok(state, "run", "start", "where").stdout.decode().strip()
+        wait_until(lambda: dict(runs_of(state, "where"))[rid] == "succeeded", timeout=20)
+        attempt = js(state, "run", "show", rid)["attempts"][0]["attemptId"]
+        assert ok(state, "run", "logs", rid).stdout.decode().strip() == f"0::{name}/run-{attempt}"
+        wait_until(lambda: not os.path.exists(f"{s}/run-{attempt}"))          # removed after the Run
+        nap = ok(state, "run", "start", "napper").stdout.decode().strip()
+        wait_until(lambda: dict(runs_of(state, "napper"))[nap] == "running", timeout=20)
+        nap_attempt = js(state, "run", "show", nap)["attempts"][0]["attemptId"]
+        (sleeper,) = [int(x) for x in _read(f"{s}/run-{nap_attempt}", "cgroup.procs").split()]
+        shim = psutil.Process(sleeper).ppid()
+        assert _cgroup_of(shim) == f"{name}/agent"          # the shim stays with the agent
+        p.kill()                                            # the agent crashes; the Run goes on
+        p.wait()
+        p = start_serve(state, env=clean_env(), prefix=prefix)
+        wait_until(lambda: dict(runs_of(state, "napper"))[nap] == "succeeded", timeout=20)
+        wait_until(lambda: not os.path.exists(f"{s}/run-{nap_attempt}"))
+        assert _cgroup_of(p.pid) == f"{name}/agent"
+    finally:
+        assert stop(p) == 0
+    assert b"service.run_cgroups detail=\"run cgroups under " in p.stderr.read()

@@ -6,8 +6,9 @@ new activations itself when the tree is near its budget (a reason code in STATUS
 Source rule: the kernel's figures of the service's own cgroup whenever it has one, else a walk of
 the process tree with psutil (PSS, so pages the agent and the shims share are not counted once
 per process). The service's cgroup is found from /proc/self/cgroup: on cgroup v2 (Debian 13,
-OpenWrt ≥ 22.03) the ``0::`` line — the agent's own directory, or its parent when the agent sits
-in the leaf ``agent`` of a delegated subtree (``AGENT_LEAF``) — whose memory.current,
+OpenWrt ≥ 22.03; the cgroup2 mount from /proc/self/mountinfo, /sys/fs/cgroup/unified on a hybrid
+host) the ``0::`` line — the agent's own directory, or its parent when the agent sits in a leaf
+of it (``agent`` of a delegated subtree, procd's instance group) — whose memory.current,
 memory.peak, memory.events, memory.stat, memory.max, pids.current and pids.max are read; on v1
 the ``memory`` and ``pids`` lines (memory.usage_in_bytes, memory.max_usage_in_bytes,
 memory.oom_control, memory.stat, memory.limit_in_bytes, pids.current, pids.max). Only a
@@ -26,7 +27,6 @@ from ..core.profiles import MiB, Profile
 
 PIDS_PER_RUN = 4           # shim + task + a little headroom for what the task forks
 MEMORY_HIGH_WATER = 0.85   # refuse activations above this share of the memory budget
-AGENT_LEAF = "agent"       # the agent's own leaf in a delegated cgroup v2 subtree
 CGROUP_ROOT = "/sys/fs/cgroup"
 _FIND = object()           # BudgetMeter's default: find the service cgroup from /proc/self/cgroup
 
@@ -52,12 +52,15 @@ class Usage:
 
 class CgroupFiles:
     """The files of one service cgroup. ``version`` 2: ``memory_dir`` and ``pids_dir`` are the
-    same directory; 1: one per controller. Either is None when that controller is not ours."""
+    same directory; 1: one per controller. Either is None when that controller is not ours.
+    v2 only: ``service_dir`` the service's cgroup, ``leaf_dir`` the one this process is in."""
 
-    __slots__ = ("version", "memory_dir", "pids_dir")
+    __slots__ = ("version", "memory_dir", "pids_dir", "service_dir", "leaf_dir")
 
-    def __init__(self, version: int, memory_dir: str | None, pids_dir: str | None) -> None:
+    def __init__(self, version: int, memory_dir: str | None, pids_dir: str | None, service_dir: str | None = None,
+                 leaf_dir: str | None = None) -> None:
         self.version, self.memory_dir, self.pids_dir = version, memory_dir, pids_dir
+        self.service_dir, self.leaf_dir = service_dir, leaf_dir
 
     def _names(self) -> dict[str, str]:
         if self.version == 2:
@@ -90,30 +93,47 @@ def _own(path: str) -> bool:
     return "qlagent" in os.path.basename(path.rstrip("/"))
 
 
-def find_service_cgroup(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgroup") -> CgroupFiles | None:
+def cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """Where the cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a
+    hybrid host), or None."""
+    try:
+        with open(mountinfo) as f:
+            for line in f:
+                fields = line.split()
+                sep = fields.index("-")
+                if fields[sep + 1] == "cgroup2":
+                    return fields[4]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def find_service_cgroup(v2_root: str | None = None, proc_cgroup: str = "/proc/self/cgroup",
+                        v1_root: str = CGROUP_ROOT, require_controllers: bool = True) -> CgroupFiles | None:
     """The calling process's service cgroup (module docstring), or None when it has none of its
-    own. v2 where ``root`` is a cgroup v2 mount with the memory or pids controller in the
-    service's directory, else v1."""
+    own. v2 (``v2_root``, default the cgroup2 mount) where the service's directory has the memory
+    or pids files (any, with ``require_controllers`` False), else v1 under ``v1_root``."""
     try:
         with open(proc_cgroup) as f:
             lines = [ln.rstrip("\n").split(":", 2) for ln in f if ln.count(":") >= 2]
     except OSError:
         return None
+    v2_root = v2_root or cgroup2_mount()
     for hid, ctrls, path in lines:
-        if hid == "0" and ctrls == "" and os.path.exists(os.path.join(root, "cgroup.controllers")):
-            d = root + path.rstrip("/")
-            if os.path.basename(d) == AGENT_LEAF:
-                d = os.path.dirname(d)
-            if not _own(d):
-                return None
-            mem = d if os.path.exists(os.path.join(d, "memory.current")) else None
-            pids = d if os.path.exists(os.path.join(d, "pids.current")) else None
-            return CgroupFiles(2, mem, pids) if mem or pids else None
+        if v2_root and hid == "0" and ctrls == "" and os.path.exists(os.path.join(v2_root, "cgroup.controllers")):
+            leaf = v2_root + path.rstrip("/")
+            svc = leaf if _own(leaf) else os.path.dirname(leaf) if _own(os.path.dirname(leaf)) else None
+            if svc is None:
+                break
+            mem = svc if os.path.exists(os.path.join(svc, "memory.current")) else None
+            pids = svc if os.path.exists(os.path.join(svc, "pids.current")) else None
+            if mem or pids or not require_controllers:
+                return CgroupFiles(2, mem, pids, svc, leaf)
     dirs: dict[str, str | None] = {"memory": None, "pids": None}
     for _, ctrls, path in lines:
         for c in dirs:
             if c in ctrls.split(","):
-                d = f"{root}/{c}{path.rstrip('/')}"
+                d = f"{v1_root}/{c}{path.rstrip('/')}"
                 probe = "memory.stat" if c == "memory" else "pids.current"
                 if _own(d) and os.path.exists(os.path.join(d, probe)):
                     dirs[c] = d

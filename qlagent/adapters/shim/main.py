@@ -12,7 +12,8 @@ Artifact), linger_s (seconds ≥ 0 the drainer keeps reading after the main task
 umask (int 0..0o777 or null: null gives the task the umask this process inherited, i.e. the
 service's), grace_s (seconds ≥ 0 between SIGTERM and SIGKILL when stopping what the main task
 left behind), keep_orphans (bool: leave them running), lease_file (absolute path or null, fleet
-Worker runs under on_lease_loss = "kill" only: see "Lease self-fencing").
+Worker runs under on_lease_loss = "kill" only: see "Lease self-fencing"), cgroup (absolute path
+or null: the Run's own cgroup, adapters/runcgroup.py, which the task joins before its exec).
 
 Start status (stdout, a pipe to the agent): ONE line once the outcome of the exec is known,
 ``ok`` or ``err <start_error>``; then stdout is pointed at /dev/null. The agent records the
@@ -203,8 +204,11 @@ def _validate(spec):
     lease_file = spec.get("lease_file")
     if lease_file is not None:
         lease_file = _str_field(spec, "lease_file", absolute=True)
+    cgroup = spec.get("cgroup")
+    if cgroup is not None:
+        cgroup = _str_field(spec, "cgroup", absolute=True)
     return {
-        "lease_file": lease_file,
+        "lease_file": lease_file, "cgroup": cgroup,
         "argv": argv, "env": env, "quota_bytes": quota, "linger_s": float(linger),
         "grace_s": float(grace), "umask": _inherited_umask if umask is None else umask,
         "keep_orphans": keep,
@@ -355,6 +359,8 @@ def _exec_child(cfg, path, wfd, err_w, reset):
         os.dup2(wfd, 1)
         os.dup2(wfd, 2)
         _set_oom_score_adj(TASK_OOM_SCORE_ADJ)
+        if cfg["cgroup"] is not None:
+            _join_cgroup(cfg["cgroup"])
         stage = b"cwd"
         os.chdir(cfg["cwd"])
         stage = b"exec"
@@ -378,9 +384,41 @@ def _set_oom_score_adj(value):
         pass
 
 
-def _oom_kills():
-    """The oom_kill count of this process's memory cgroup (v1 ``memory`` line, else v2 ``0::``),
-    or None where there is none to read."""
+def _join_cgroup(path):
+    """In the forked child: move into the Run's cgroup; a refusal leaves the task where the shim
+    is (under oom_score_adj only)."""
+    try:
+        fd = os.open(path + "/cgroup.procs", os.O_WRONLY)
+        try:
+            os.write(fd, b"%d" % os.getpid())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _cgroup_value(path, key):
+    """``key``'s number in a flat-keyed cgroup file, or the file's one number (key None)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if key is None and len(parts) == 1:
+                    return int(parts[0])
+                if len(parts) == 2 and parts[0] == key:
+                    return int(parts[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _oom_kills(cgroup=None):
+    """The oom_kill count of the Run's cgroup, else of this process's memory cgroup (v1
+    ``memory`` line, else v2 ``0::``), or None where there is none to read."""
+    if cgroup is not None:
+        n = _cgroup_value(cgroup + "/memory.events", "oom_kill")
+        if n is not None:
+            return n
     try:
         with open("/proc/self/cgroup") as f:
             lines = [ln.rstrip("\n").split(":", 2) for ln in f]
@@ -631,7 +669,7 @@ def run(w, cfg):
     _signal.signal(_signal.SIGCHLD, lambda s, f: None)  # only to wake poll through wakeup fd
 
     _set_oom_score_adj(SHIM_OOM_SCORE_ADJ)
-    oom_before = _oom_kills()
+    oom_before = _oom_kills(cfg["cgroup"])
     receipt["started_at_us"] = _now_us()
     try:
         if _term_requested:
@@ -745,9 +783,14 @@ def run(w, cfg):
     if os.WIFSIGNALED(status):
         receipt["signal"] = os.WTERMSIG(status)
         if receipt["signal"] == _signal.SIGKILL and oom_before is not None:
-            receipt["oom_killed"] = (_oom_kills() or 0) > oom_before
+            receipt["oom_killed"] = (_oom_kills(cfg["cgroup"]) or 0) > oom_before
     else:
         receipt["exit_code"] = os.waitstatus_to_exitcode(status)
+    if cfg["cgroup"] is not None:
+        # The whole task tree's peak, as the kernel counted it (memory.peak: Linux 5.19+).
+        peak = _cgroup_value(cfg["cgroup"] + "/memory.peak", None)
+        if peak is not None:
+            receipt["peak_rss_bytes"] = peak
     return receipt
 
 
