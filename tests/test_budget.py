@@ -426,3 +426,43 @@ command = ["/bin/sleep", "4"]
     finally:
         assert stop(p) == 0
     assert b"service.run_cgroups detail=\"run cgroups under " in p.stderr.read()
+
+
+def test_run_cgroup_gets_the_runs_limit_and_oom_group_where_memory_is_delegated(tmp_path):
+    """The files a delegated v2 subtree with the memory controller has (a fixture tree: this host
+    binds memory to v1): the Run's memory.max, memory.oom.group = 1, no swap; removed after."""
+    from qlagent.adapters.runcgroup import RunCgroups
+    svc, proc = _v2_tree(tmp_path, "/agent", V2_FILES)
+    (svc / "cgroup.controllers").write_text("cpu memory pids\n")
+    (svc / "cgroup.procs").write_text("")
+    rc = RunCgroups.setup(proc, str(tmp_path))
+    assert rc.enabled and rc.memory and (svc / "cgroup.subtree_control").read_text() == "+memory +pids"
+    os.mkdir(svc / "run-a1")                  # the kernel makes a new cgroup's files
+    (svc / "run-a1" / "memory.swap.max").write_text("max\n")
+    assert rc.create("a1", 48 * MiB) == str(svc / "run-a1")
+    assert [(svc / "run-a1" / f).read_text() for f in ("memory.max", "memory.oom.group", "memory.swap.max")] == \
+        [str(48 * MiB), "1", "0"]
+    for f in os.listdir(svc / "run-a1"):
+        os.unlink(svc / "run-a1" / f)           # the kernel's files vanish with the cgroup
+    rc.remove("a1")
+    assert not (svc / "run-a1").exists()
+
+
+def test_on_a_read_only_cgroup_mount_runs_get_no_cgroup_and_the_reason_says_so(tmp_path):
+    """As under systemd's ProtectControlGroups=yes (a read-only /sys/fs/cgroup): a real read-only
+    mount; the agent stays where it is and Runs fall back to oom_score_adj."""
+    from qlagent.adapters.runcgroup import RunCgroups
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "none", str(ro)], check=True)
+    try:
+        svc, proc = _v2_tree(ro, "", V2_FILES)
+        (svc / "cgroup.controllers").write_text("memory pids\n")
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        rc = RunCgroups.setup(proc, str(ro))
+        assert not rc.enabled and rc.reason == f"{svc}: Read-only file system"
+        assert rc.create("a1", None) is None and not (svc / "run-a1").exists()
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)

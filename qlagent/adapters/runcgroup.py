@@ -41,10 +41,11 @@ class RunCgroups:
         self.memory = False          # the memory controller reaches the run cgroups
 
     @classmethod
-    def setup(cls, proc_cgroup: str = "/proc/self/cgroup") -> RunCgroups:
-        """Find S for this process, move it into its leaf when it sits in S, and enable the
-        controllers S has for its children. Never raises: a refusal leaves ``enabled`` False."""
-        root = cgroup2_mount()
+    def setup(cls, proc_cgroup: str = "/proc/self/cgroup", root: str | None = None) -> RunCgroups:
+        """Find S for this process (``root``: the cgroup2 mount, found when None), move it into
+        its leaf when it sits in S, and enable the controllers S offers its children. Never
+        raises: a refusal leaves ``enabled`` False."""
+        root = root or cgroup2_mount()
         cg = find_service_cgroup(root, proc_cgroup, require_controllers=False) if root else None
         if cg is None or cg.version != 2:
             return cls(None)
