@@ -378,3 +378,22 @@ def test_stop_post_ends_every_run_process_on_a_real_stop(unit_cgroup, result):
     finally:
         outsider.kill()
         outsider.wait()
+
+
+def test_stop_post_from_control_ends_the_processes_of_every_sub_cgroup(unit_cgroup):
+    """With delegation systemd runs ExecStopPost in <unit>/.control while the agent and each
+    Run's tasks sit in <unit>/agent and <unit>/run-<attempt>: a real stop ends them all."""
+    subs = {n: unit_cgroup / n for n in (".control", "agent", "run-a1")}
+    for d in subs.values():
+        d.mkdir()
+    agent = spawn_in(subs["agent"], ["sleep", "60"])
+    task = spawn_in(subs["run-a1"], ["sleep", "60"])
+    try:
+        assert stop_post(subs[".control"], "success").returncode == 0
+        assert agent.wait(10) == -15 and task.wait(10) == -15
+    finally:
+        for p in (agent, task):
+            p.kill()
+            p.wait()
+        for d in subs.values():
+            d.rmdir()
