@@ -325,9 +325,10 @@ command = ["{sys.executable}", "-c", "import time\\nb = []\\nfor _ in range(200)
 name = "peek"
 command = ["/bin/sh", "-c", "cat /proc/self/oom_score_adj /proc/$PPID/oom_score_adj"]
 ''')
-    p = start_serve(state, env=clean_env(), prefix=_shim(mem, pids))
+    listener = NotifyListener(workdir)
+    p = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path), prefix=_shim(mem, pids))
     try:
-        wait_until(lambda: str(p.pid) in _read(mem, "cgroup.procs").split())
+        listener.wait_for(lambda m: m == "READY=1")
         peek = ok(state, "run", "start", "peek").stdout.decode().strip()
         wait_until(lambda: dict(runs_of(state, "peek"))[peek] == "succeeded", timeout=20)
         # sh execs its one command: `cat` is the task, its parent the shim.
@@ -341,8 +342,11 @@ command = ["/bin/sh", "-c", "cat /proc/self/oom_score_adj /proc/$PPID/oom_score_
         assert "reason=oom_killed" in ok(state, "run", "show", run_id).stdout.decode()
         again = ok(state, "run", "start", "peek").stdout.decode().strip()
         wait_until(lambda: dict(runs_of(state, "peek"))[again] == "succeeded", timeout=20)
+        # STATUS reads the kernel's figures of the agent's cgroup: the limit is the cgroup's 64 MiB.
+        listener.wait_for(lambda m: m.startswith("STATUS=") and "/64MiB" in m and "oom_kills=1" in m)
     finally:
         assert stop(p) == 0
+        listener.close()
     oom = dict(line.split() for line in _read(mem, "memory.oom_control").splitlines())
     assert int(oom["oom_kill"]) >= 1
     journal = p.stderr.read().decode()
