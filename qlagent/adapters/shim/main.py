@@ -38,11 +38,14 @@ process group and everything of the run (as for leftovers, keep_orphans or not) 
 SIGKILL after grace_s, and the receipt says "lease_lost": true. One wake-up per renewal period
 and no thread: the shim stays as small as before.
 
-Out of memory (issue 22 §3): the task is exec'd with oom_score_adj TASK_OOM_SCORE_ADJ and this
-process runs at SHIM_OOM_SCORE_ADJ, so when the memory cgroup they share with the agent is full
-the kernel kills the task first and the agent (whose own value is lower: the unit's
-OOMScoreAdjust=) last. A task ended by SIGKILL while the oom_kill count of this process's
-memory cgroup rose (v2 memory.events, v1 memory.oom_control) ends with "oom_killed": true.
+Out of memory (issue 22 §3): with a ``cgroup`` the task tree runs there, under the Run's own
+memory.max (whole tree killed together: memory.oom.group), and this process stays beside the
+agent. Either way the task is exec'd with oom_score_adj TASK_OOM_SCORE_ADJ and this process runs
+at SHIM_OOM_SCORE_ADJ, so when a memory cgroup they share with the agent is full the kernel kills
+the task first and the agent (whose own value is lower: the unit's OOMScoreAdjust=) last. A task
+ended by SIGKILL while the oom_kill count rose — of the Run's cgroup, else of this process's
+memory cgroup (v2 memory.events, v1 memory.oom_control) — ends with "oom_killed": true; with a
+``cgroup`` peak_rss_bytes is its memory.peak (the whole tree) instead of the task's max RSS.
 
 Files in run_dir:
   output.fifo    0600 FIFO carrying the task's stdout+stderr; removed at the end.
