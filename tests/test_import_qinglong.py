@@ -185,7 +185,7 @@ def test_import_maps_every_case_and_leaves_the_2x_files_unchanged(state, panel, 
     assert "Env of the same name wins" in not_imported[("JD_COOKIE", "config.sh")]
     assert "POSIX" in not_imported[("bad-name", "envs")] and ("EMPTY_ONE", "config.sh") in not_imported
     assert ("ONLY_DISABLED", "envs") not in not_imported and "ONLY_DISABLED" not in secrets
-    assert {n["name"] for n in js(state, "secret", "ls")} == {f"qinglong.{e}" for e in secrets}
+    assert {n["name"] for n in js(state, "secret", "ls")["items"]} == {f"qinglong.{e}" for e in secrets}
     # Every imported Task references every imported variable under its own name.
     with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
         recipes = [json.loads(r[0]) for r in c.execute("SELECT recipe_json FROM context_recipes")]
@@ -208,8 +208,8 @@ def test_an_import_creates_its_project_only_when_it_writes(state, panel, workdir
     assert projects() == before
     tasks = [t["task"] for t in js(state, "--project", "ql", "import", "qinglong", panel)["tasks"]]
     assert [p[1] for p in projects()] == ["default", "ql"]
-    assert sorted(h["name"] for h in js(state, "--project", "ql", "task", "ls")) == sorted(tasks)
-    assert js(state, "task", "ls") == []
+    assert sorted(h["name"] for h in js(state, "--project", "ql", "task", "ls")["items"]) == sorted(tasks)
+    assert js(state, "task", "ls") == {"items": []}
 
 
 def test_plain_text_report_names_imported_skipped_renamed_and_secrets(state, panel):
@@ -652,7 +652,7 @@ def test_a_cron_renamed_in_2x_revises_its_task_instead_of_adding_a_second(state,
         c.execute("UPDATE Crontabs SET name = 'new name', schedule = '0 2 * * *' WHERE id = 1")
     report = js(state, "import", "qinglong", panel)
     assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("old-name", "revised", 2)]
-    heads = {t["name"]: t for t in js(state, "task", "ls")}
+    heads = {t["name"]: t for t in js(state, "task", "ls")["items"]}
     assert sorted(heads) == ["o-old-name", "old-name"]                 # not a second Task running ok.sh
     assert [x["cron"] for x in heads["old-name"]["schedules"]] == ["0 2 * * *"] and heads["o-old-name"]["revision"] == 1
     again = js(state, "import", "qinglong", panel)
