@@ -8,7 +8,7 @@ import re
 
 # RFC 3339 UTC with microseconds, the one instant format.
 INSTANT = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")
-INSTANT_KEYS = {"scheduledFor", "nextFires"}          # instants whose name does not end in "At"
+INSTANT_KEYS = {"scheduledFor", "nextFires", "notBefore"}   # instants whose name does not end in "At"
 MEASURED_US = {"cpuTimeUs"}                           # a measured duration, not an instant
 # Maps whose keys the user chose (environment names, labels), not ours.
 USER_KEYED = {"env", "secrets", "labels", "required", "preferred"}

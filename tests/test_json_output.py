@@ -16,7 +16,9 @@ from servehelp import runs_of, wait_until
 from test_http_api import BASE, Agent, start_body, token
 from test_import_qinglong import make_panel
 
+from qlagent.application import presenter
 from qlagent.cli.main import build_parser
+from qlagent.core.models import RunEvent
 
 TASKS = """
 [[task]]
@@ -138,3 +140,15 @@ def _walk_api(agent: Agent, tok: str, run_id: str) -> dict[str, dict]:
     for route in ("/healthz", "/readyz"):
         out[f"GET {route}"] = agent.json("GET", route)[1]
     return out
+
+
+def test_every_stored_payload_instant_is_rendered_rfc3339():
+    # The cluster's run.retrying (notBeforeUs) is written only by the PostgreSQL authority; the
+    # walk above meets scheduledForUs and deadlineUs on a local agent.
+    us = 1_786_528_800_000_001
+    for stored, shown in presenter.PAYLOAD_INSTANTS.items():
+        e = RunEvent(run_id="r", sequence=1, event_id="e", type="t", actor="a", payload={stored: us, "n": 1},
+                     created_at_us=us)
+        doc = presenter.event(e)
+        check_conventions(doc, stored)
+        assert doc["payload"] == {shown: "2026-08-12T10:00:00.000001Z", "n": 1}

@@ -22,7 +22,7 @@ NEXT_FIRES = 5              # merged upcoming fire instants on a Task head
 
 
 # RunEvent payload keys the store writes in µs since the epoch → their public instant names.
-PAYLOAD_INSTANTS = {"deadlineUs": "deadlineAt", "scheduledForUs": "scheduledFor"}
+PAYLOAD_INSTANTS = {"deadlineUs": "deadlineAt", "scheduledForUs": "scheduledFor", "notBeforeUs": "notBefore"}
 # TaskDefinition durations (ms in the canonical document) → the task file's unit, seconds.
 DEFINITION_SECONDS = {"timeoutMs": "timeoutS", "graceMs": "graceS", "catchUpWithinMs": "catchUpWithinS"}
 
