@@ -201,8 +201,9 @@ def apt_simulate_install(debs: list[Path | str], status: Path | None) -> dict[st
     return actions
 
 
-@pytest.mark.skipif(not shutil.which("apt-get") or not os.path.isdir("/var/lib/apt/lists"),
-                    reason="needs apt-get with package lists (a Debian host after apt-get update)")
+@pytest.mark.skipif(not shutil.which("apt-get") or subprocess.run(
+    ["apt-cache", "show", "systemd-standalone-sysusers"], capture_output=True).returncode != 0,
+    reason="needs apt-get with Debian package lists holding systemd-standalone-sysusers (apt-get update)")
 def test_apt_install_without_systemd_pulls_the_standalone_tools_not_systemd(deb, tmp_path):
     # A Depends the host's archive has not got (python3-msgspec before trixie) is provided by a
     # stub, so that apt resolves the rest exactly as the package says.
