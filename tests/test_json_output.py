@@ -111,6 +111,9 @@ def test_every_json_command_and_api_route_lists_as_items_with_rfc3339_instants(s
     tick = next(h for h in outputs[("task", "ls")]["items"] if h["name"] == "tick")["definition"]
     assert (tick["timeoutS"], tick["graceS"], tick["catchUpWithinS"], tick["retry"]) == \
         (90, 2.5, 600, {"maxAttempts": 2, "backoffS": 3})
+    once = outputs[("task", "edit")]["definition"]        # defaults shown, absent ones null, not left out
+    assert (once["timeoutS"], once["graceS"], once["catchUp"], once["catchUpWithinS"], once["placement"]) == \
+        (30, 5, "latest", None, None)
     shown = outputs[("run", "show")]
     created = next(e for e in shown["events"] if e["type"] == "run.created")["payload"]
     running = next(e for e in shown["events"] if e["type"] == "run.running")["payload"]

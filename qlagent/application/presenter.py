@@ -79,9 +79,13 @@ def event(e: RunEvent) -> dict:
 
 def definition(d: TaskDefinition) -> dict:
     """The full revision as the task file names it: camelCase, durations in seconds
-    (``timeoutS``, ``graceS``, ``retry.backoffS``, ``catchUpWithinS``: int when whole)."""
-    out = {DEFINITION_SECONDS.get(k, k): _seconds(v) if k in DEFINITION_SECONDS else v
-           for k, v in msgspec.to_builtins(d).items()}
+    (``timeoutS``, ``graceS``, ``retry.backoffS``, ``catchUpWithinS``: int when whole), every
+    field present (the canonical document leaves out those at their defaults; a reader should
+    not need to know them)."""
+    raw = msgspec.to_builtins(d)
+    for f in msgspec.structs.fields(d):
+        raw.setdefault(f.encode_name, msgspec.to_builtins(getattr(d, f.name)))
+    out = {DEFINITION_SECONDS.get(k, k): _seconds(v) if k in DEFINITION_SECONDS else v for k, v in raw.items()}
     retry = out["retry"]
     out["retry"] = {"maxAttempts": retry["maxAttempts"], "backoffS": _seconds(retry["backoffMs"])}
     return out
