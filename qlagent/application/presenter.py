@@ -92,7 +92,8 @@ def definition(d: TaskDefinition) -> dict:
 
 
 def created_run(c: CreatedRun) -> dict:
-    """``run start`` without ``--wait``: the Run as created (the HTTP Task Start result's fields)."""
+    """``run start`` without ``--wait``: the Run as created, the HTTP Task Start result's fields
+    with ``existing`` (an exact replay) where that has ``outcome``."""
     return {"runId": c.run_id, "attemptId": c.attempt_id, "eventIds": list(c.event_ids),
             "taskRevision": c.task_revision, "taskSnapshotRef": c.task_snapshot_ref, "state": c.state,
             "createdAt": instant(c.created_at_us), "existing": c.existing}
