@@ -147,7 +147,7 @@ PINGS=$(grep -c 'WATCHDOG=1' "$WORK/notify.log" || true)
 MISSED=0
 awk -v g="$MAX_GAP" -v lim="$((WATCHDOG_USEC / 1000000))" 'BEGIN{ exit !(g > lim) }' && MISSED=1
 # The newest 200 Runs (the CLI's page limit) by state.
-RUNS=$(ql run ls --json --limit 200 | "$PYTHON" -c 'import json,sys,collections; print(dict(collections.Counter(r["state"] for r in json.load(sys.stdin)["runs"])))' || echo "n/a")
+RUNS=$(ql run ls --json --limit 200 | "$PYTHON" -c 'import json,sys,collections; print(dict(collections.Counter(r["state"] for r in json.load(sys.stdin)["items"])))' || echo "n/a")
 
 echo "soak: ${SOAK_SECONDS}s edge budget (128 MiB / 64 PIDs)"
 echo "  peak memory        $((PEAK_MEM / 1048576)) MiB ($PEAK_MEM bytes); idle baseline $((IDLE_PEAK / 1048576)) MiB; ratio $(awk -v a="$PEAK_MEM" -v b="$IDLE_PEAK" 'BEGIN{printf "%.2f", a/b}')"

@@ -84,7 +84,7 @@ def test_schedules_timeouts_secrets_and_network_follow_the_readme():
 def test_adds_through_the_cli_from_another_directory(state, workdir, monkeypatch):
     monkeypatch.chdir(workdir)            # the child inherits this cwd
     ok(state, "task", "add", "-f", EXAMPLE)
-    heads = js(state, "task", "ls")
+    heads = js(state, "task", "ls")["items"]
     assert sorted(h["name"] for h in heads) == sorted(prepared())
     assert all(h["revision"] == 1 for h in heads)
 

@@ -624,9 +624,9 @@ def test_log_reads_offset_limit_range_raw_bytes_and_truncation_header(env):
     assert status == 400 and json.loads(data)["field"] == "limit"
     # In JSON (events), bytes are escaped, never raw; the log itself is only ever raw.
     status, events = agent.json("GET", f"{BASE}/runs/{run_id}/events?limit=2", tok["op"])
-    assert [e["sequence"] for e in events["items"]] == [1, 2] and events["nextAfter"] == 2
-    status, rest = agent.json("GET", f"{BASE}/runs/{run_id}/events?after=2", tok["op"])
-    assert rest["items"][0]["sequence"] == 3 and rest["nextAfter"] is None
+    assert [e["sequence"] for e in events["items"]] == [1, 2] and events["nextCursor"] == "2"
+    status, rest = agent.json("GET", f"{BASE}/runs/{run_id}/events?cursor={events['nextCursor']}", tok["op"])
+    assert rest["items"][0]["sequence"] == 3 and rest["nextCursor"] is None
 
 
 def _tree_alive() -> list[psutil.Process]:

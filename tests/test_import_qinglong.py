@@ -51,8 +51,10 @@ line2 \"q\" \$ok"
 
 
 def make_panel(root: str, crons: list[dict], envs: list[dict], config: str | None = CONFIG_SH,
-               scripts: dict[str, str] | None = None, wal: bool = False) -> str:
-    """A 2.x data directory: db/database.sqlite (Crontabs, Envs), scripts/, config/config.sh."""
+               scripts: dict[str, str] | None = None, wal: bool = False, env_created_at: bool = False) -> str:
+    """A 2.x data directory: db/database.sqlite (Crontabs, Envs), scripts/, config/config.sh.
+
+    ``env_created_at``: the Envs table has Sequelize's ``createdAt`` column (text timestamps)."""
     data = os.path.join(root, "ql", "data")
     for d in ("db", "scripts", "config", "log"):
         os.makedirs(os.path.join(data, d), exist_ok=True)
@@ -60,7 +62,7 @@ def make_panel(root: str, crons: list[dict], envs: list[dict], config: str | Non
     if wal:
         c.execute("PRAGMA journal_mode=WAL")
     c.execute(CRON_TABLE)
-    c.execute(ENV_TABLE)
+    c.execute(ENV_TABLE[:-1] + ", createdAt DATETIME)" if env_created_at else ENV_TABLE)
     for row in crons:
         c.execute(f"INSERT INTO Crontabs ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
     for row in envs:
@@ -183,7 +185,7 @@ def test_import_maps_every_case_and_leaves_the_2x_files_unchanged(state, panel, 
     assert "Env of the same name wins" in not_imported[("JD_COOKIE", "config.sh")]
     assert "POSIX" in not_imported[("bad-name", "envs")] and ("EMPTY_ONE", "config.sh") in not_imported
     assert ("ONLY_DISABLED", "envs") not in not_imported and "ONLY_DISABLED" not in secrets
-    assert {n["name"] for n in js(state, "secret", "ls")} == {f"qinglong.{e}" for e in secrets}
+    assert {n["name"] for n in js(state, "secret", "ls")["items"]} == {f"qinglong.{e}" for e in secrets}
     # Every imported Task references every imported variable under its own name.
     with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
         recipes = [json.loads(r[0]) for r in c.execute("SELECT recipe_json FROM context_recipes")]
@@ -206,8 +208,8 @@ def test_an_import_creates_its_project_only_when_it_writes(state, panel, workdir
     assert projects() == before
     tasks = [t["task"] for t in js(state, "--project", "ql", "import", "qinglong", panel)["tasks"]]
     assert [p[1] for p in projects()] == ["default", "ql"]
-    assert sorted(h["name"] for h in js(state, "--project", "ql", "task", "ls")) == sorted(tasks)
-    assert js(state, "task", "ls") == []
+    assert sorted(h["name"] for h in js(state, "--project", "ql", "task", "ls")["items"]) == sorted(tasks)
+    assert js(state, "task", "ls") == {"items": []}
 
 
 def test_plain_text_report_names_imported_skipped_renamed_and_secrets(state, panel):
@@ -650,7 +652,7 @@ def test_a_cron_renamed_in_2x_revises_its_task_instead_of_adding_a_second(state,
         c.execute("UPDATE Crontabs SET name = 'new name', schedule = '0 2 * * *' WHERE id = 1")
     report = js(state, "import", "qinglong", panel)
     assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("old-name", "revised", 2)]
-    heads = {t["name"]: t for t in js(state, "task", "ls")}
+    heads = {t["name"]: t for t in js(state, "task", "ls")["items"]}
     assert sorted(heads) == ["o-old-name", "old-name"]                 # not a second Task running ok.sh
     assert [x["cron"] for x in heads["old-name"]["schedules"]] == ["0 2 * * *"] and heads["o-old-name"]["revision"] == 1
     again = js(state, "import", "qinglong", panel)
@@ -718,3 +720,21 @@ def test_removing_a_same_name_cron_in_2x_keeps_the_other_on_its_task(state, work
     assert [(t["task"], t["action"], t["revision"]) for t in report["tasks"]] == [("x-2", "revised", 2)]
     assert [x["cron"] for x in js(state, "task", "show", "x-2")["schedules"]] == ["0 3 * * *"]
     assert js(state, "task", "show", "x")["revision"] == 1          # cron 1's Task: kept, untouched
+
+
+def test_same_name_envs_at_one_position_join_oldest_first_as_2x_lists_them(state, workdir):
+    # 2.x EnvService.envs(): ORDER BY position DESC, createdAt ASC. At one position the older row
+    # comes first although it was inserted later (a higher id): neither newest-first nor id order.
+    panel = make_panel(workdir, [{"name": "probe", "command": "task probe.sh", "schedule": "0 1 * * *"}], [
+        {"name": "K", "value": "newer", "status": 0, "position": 5, "createdAt": "2024-03-02 08:00:00.000 +00:00"},
+        {"name": "K", "value": "older", "status": 0, "position": 5, "createdAt": "2024-03-01 08:00:00.000 +00:00"},
+        {"name": "K", "value": "top", "status": 0, "position": 9, "createdAt": "2024-03-03 08:00:00.000 +00:00"},
+    ], config=None, scripts={"probe.sh": 'printf "%s" "$K" > k.out\n'}, env_created_at=True)
+    ok(state, "import", "qinglong", panel)
+    p = start_serve(state, env=clean_env())
+    try:
+        ok(state, "run", "start", "probe", "--wait", "--timeout", "30")
+    finally:
+        stop(p)
+    with open(os.path.join(panel, "scripts", "k.out"), "rb") as f:
+        assert f.read() == b"top&older&newer"

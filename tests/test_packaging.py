@@ -31,6 +31,11 @@ DEB_DEPENDS = [
     "python3-cronsim",
     "python3-pyroute2",
     "python3-nacl",
+    # The standalone tools first: apt takes the first alternative when none is installed, so an
+    # image without systemd gets two small binaries instead of the systemd/dbus/cryptsetup
+    # stack; systemd Provides both virtual names, so a box with systemd installs nothing more.
+    "systemd-standalone-sysusers | systemd-sysusers",
+    "systemd-standalone-tmpfiles | systemd-tmpfiles",
 ]
 SHELL_SCRIPTS = [
     "packaging/build-deb",
@@ -199,6 +204,69 @@ def test_deb_control_depends_and_conffile(deb):
     assert conffiles.split() == ["/etc/qlagent/qlagent.toml"]
 
 
+def apt_simulate_install(debs: list[Path | str], status: Path | None) -> dict[str, list[str]]:
+    """``apt-get -s install`` of local .debs or package names against this host's package lists → {"Inst": [...],
+    "Remv": [...]} package names. ``status``: a dpkg status file standing for the root's
+    installed packages (None: this host's own). Takes no lock and writes no cache."""
+    opts = ["-o", "Debug::NoLocking=1", "-o", "Dir::Cache::pkgcache=", "-o", "Dir::Cache::srcpkgcache="]
+    if status is not None:
+        opts += ["-o", f"Dir::State::status={status}"]
+    out = subprocess.run(["apt-get", "-s", *opts, "install", "--no-install-recommends", *map(str, debs)],
+                         capture_output=True, text=True, env=dict(os.environ, LC_ALL="C"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    actions: dict[str, list[str]] = {"Inst": [], "Remv": []}
+    for line in out.stdout.splitlines():
+        verb, _, rest = line.partition(" ")
+        if verb in actions:
+            actions[verb].append(rest.split()[0])
+    return actions
+
+
+@pytest.mark.skipif(not shutil.which("apt-get") or subprocess.run(
+    ["apt-cache", "show", "systemd-standalone-sysusers"], capture_output=True).returncode != 0,
+    reason="needs apt-get with Debian package lists holding systemd-standalone-sysusers (apt-get update)")
+def test_apt_install_without_systemd_pulls_the_standalone_tools_not_systemd(deb, tmp_path):
+    # A Depends the host's archive has not got (python3-msgspec before trixie) is provided by a
+    # stub, so that apt resolves the rest exactly as the package says.
+    depends = control_fields(subprocess.run(["dpkg-deb", "-f", str(deb)], check=True, capture_output=True,
+                                            text=True).stdout)["Depends"]
+    missing = [d for d in (g.strip().split()[0] for g in depends.split(",") if "|" not in g)
+               if subprocess.run(["apt-cache", "show", d], capture_output=True).returncode != 0]
+    stub = tmp_path / "stub"
+    (stub / "DEBIAN").mkdir(parents=True)
+    (stub / "DEBIAN" / "control").write_text(
+        "Package: qlagent-test-stub\nVersion: 1\nArchitecture: all\nMaintainer: t <t@t.invalid>\n"
+        + (f"Provides: {', '.join(missing)}\n" if missing else "") + "Description: stands in for missing packages\n")
+    subprocess.run(["dpkg-deb", "--build", str(stub), str(tmp_path / "stub.deb")], check=True, capture_output=True)
+    debs = [deb, tmp_path / "stub.deb"]
+
+    bare = tmp_path / "status"             # a root with nothing installed: every dependency resolves
+    bare.write_text("")
+    fresh = apt_simulate_install(debs, bare)
+    assert {"systemd-standalone-sysusers", "systemd-standalone-tmpfiles", "qlagent"} <= set(fresh["Inst"])
+    assert not {"systemd", "dbus", "libcryptsetup12", "libsystemd-shared"} & set(fresh["Inst"]), fresh["Inst"]
+
+    # That root, installed, later gets systemd: apt replaces the standalone tools, qlagent stays.
+    records = []
+    for name in fresh["Inst"]:
+        local = {"qlagent": deb, "qlagent-test-stub": tmp_path / "stub.deb"}.get(name)
+        text = subprocess.run(["dpkg-deb", "-f", str(local)] if local else
+                              ["apt-cache", "show", "--no-all-versions", name],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        records.append(text.replace("\n", "\nStatus: install ok installed\n", 1))
+    installed = tmp_path / "installed"
+    installed.write_text("\n\n".join(records) + "\n")
+    later = apt_simulate_install(["systemd"], installed)
+    assert "systemd" in later["Inst"]
+    assert sorted(later["Remv"]) == ["systemd-standalone-sysusers", "systemd-standalone-tmpfiles"], later
+
+    if subprocess.run(["dpkg-query", "-W", "-f", "${db:Status-Status}", "systemd"], capture_output=True,
+                      text=True).stdout != "installed":
+        pytest.skip("this host has no systemd installed: the box-with-systemd half cannot run")
+    host = apt_simulate_install(debs, None)
+    assert not {p for p in host["Inst"] if p.startswith("systemd")} and not host["Remv"], host
+
+
 def test_deb_tree(deb_tree):
     for rel in ("usr/bin/qlagent", "usr/lib/qlagent/stop-post"):
         assert os.access(deb_tree / rel, os.X_OK), rel
@@ -219,6 +287,8 @@ def test_deb_maintainer_scripts_start_stop_purge(deb, tmp_path):
     subprocess.run(["dpkg-deb", "-e", str(deb), str(tmp_path)], check=True)
     postinst = (tmp_path / "postinst").read_text()
     assert "systemd-sysusers qlagent.conf" in postinst and "deb-systemd-invoke" in postinst
+    # Not behind `command -v`: /var/lib/qlagent must exist before `qlagent init` runs as qlagent.
+    assert "\n    systemd-tmpfiles --create qlagent.conf" in postinst
     assert "[ -d /run/systemd/system ]" in postinst  # no start inside a chroot
     assert "deb-systemd-invoke stop qlagent.service" in (tmp_path / "prerm").read_text()
     postrm = (tmp_path / "postrm").read_text()

@@ -113,11 +113,11 @@ def test_plaintext_never_reaches_disk_events_or_output(state, workdir):
 def test_secret_ls_shows_names_only_and_rm(state):
     ok(state, "secret", "set", "b_token", stdin=SECRET)
     ok(state, "secret", "set", "a_token", stdin=SECRET)
-    listed = js(state, "secret", "ls")
+    listed = js(state, "secret", "ls")["items"]
     assert [e["name"] for e in listed] == ["a_token", "b_token"]
     assert all(set(e) == {"name", "updatedAt"} for e in listed)
     ok(state, "secret", "rm", "a_token")
-    assert [e["name"] for e in js(state, "secret", "ls")] == ["b_token"]
+    assert [e["name"] for e in js(state, "secret", "ls")["items"]] == ["b_token"]
     p = cli(state, "secret", "rm", "a_token")
     assert p.returncode == 4 and b"a_token" in p.stderr and b"Traceback" not in p.stderr
 
@@ -125,7 +125,7 @@ def test_secret_ls_shows_names_only_and_rm(state):
 def test_empty_value_is_refused(state):
     p = cli(state, "secret", "set", "empty", stdin=b"")
     assert p.returncode == 2 and b"value" in p.stderr
-    assert js(state, "secret", "ls") == []
+    assert js(state, "secret", "ls") == {"items": []}
 
 
 def test_missing_or_unsafe_key_file_is_a_clear_error(state):
@@ -146,7 +146,7 @@ def test_missing_or_unsafe_key_file_is_a_clear_error(state):
     p = cli(state, "secret", "set", "tok", stdin=SECRET)
     assert p.returncode == 5 and b"missing" in p.stderr and b"qlagent init" in p.stderr
     assert b"Traceback" not in p.stderr and leaks(p.stderr) == []
-    assert js(state, "secret", "ls") == []
+    assert js(state, "secret", "ls") == {"items": []}
 
 
 def test_wrong_key_does_not_decrypt(state):

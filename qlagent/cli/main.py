@@ -218,7 +218,7 @@ def _head_json(ctx: Ctx, h) -> dict:
     """The shared Task head shape (application.presenter) plus the full ``definition``."""
     from ..application import presenter
     d = presenter.task_head(h, ctx.store.now_us())
-    d["definition"] = msgspec.to_builtins(h.definition)
+    d["definition"] = presenter.definition(h.definition)
     return d
 
 
@@ -230,7 +230,8 @@ def cmd_task_add(ctx: Ctx) -> int:
     heads = DefinitionWriter(ctx.store).add(prepared)
     ctx.poke_service()
     if ctx.args.json:
-        _print_json([_head_json(ctx, h) for h in heads])
+        from ..application import presenter
+        _print_json(presenter.page([_head_json(ctx, h) for h in heads]))
     else:
         for h in heads:
             print(f"added {h.name} revision {h.revision} {h.content_digest}")
@@ -291,7 +292,8 @@ def cmd_task_edit(ctx: Ctx) -> int:
 def cmd_task_ls(ctx: Ctx) -> int:
     heads = ctx.store.list_heads(ctx.store.project.project_id)
     if ctx.args.json:
-        _print_json([_head_json(ctx, h) for h in heads])
+        from ..application import presenter
+        _print_json(presenter.page([_head_json(ctx, h) for h in heads]))
         return 0
     rows = []
     for h in heads:
@@ -392,7 +394,8 @@ def cmd_secret_ls(ctx: Ctx) -> int:
     from ..bootstrap import cipher_factory
     names = SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).names()
     if ctx.args.json:
-        _print_json([{"name": n, "updatedAt": _fmt_us(u)} for n, u in names])
+        from ..application import presenter
+        _print_json(presenter.page([presenter.secret(n, u) for n, u in names]))
     else:
         _table([[n, _fmt_us(u)] for n, u in names], ["NAME", "UPDATED"])
     return 0
@@ -432,7 +435,8 @@ def cmd_run_start(ctx: Ctx) -> int:
     ctx.poke_service()
     if not ctx.args.wait:
         if ctx.args.json:
-            _print_json(msgspec.to_builtins(created))
+            from ..application import presenter
+            _print_json(presenter.created_run(created))
         else:
             print(created.run_id)
         return 0
@@ -451,7 +455,8 @@ def cmd_run_ls(ctx: Ctx) -> int:
     runs, nxt = RunService(ctx.store).list(task=ctx.args.task, state=ctx.args.state, limit=ctx.args.limit,
                                            cursor=ctx.args.cursor)
     if ctx.args.json:
-        _print_json({"items": [_run_json(r) for r in runs], "nextCursor": nxt})
+        from ..application import presenter
+        _print_json(presenter.page([_run_json(r) for r in runs], nxt, pages=True))
         return 0
     _table([[r.run_id, r.task_name, r.state, r.trigger_type, _fmt_us(r.created_at_us),
              str(r.exit_code) if r.exit_code is not None else f"sig{r.exit_signal}" if r.exit_signal else "-"]
@@ -575,7 +580,8 @@ def cmd_token_ls(ctx: Ctx) -> int:
     from ..application.tokens import list_tokens
     rows = list_tokens(ctx.store)
     if ctx.args.json:
-        _print_json(rows)
+        from ..application import presenter
+        _print_json(presenter.page([presenter.token(r) for r in rows]))
     else:
         _table([[r.token_id, r.subject, _fmt_us(r.created_at_us), _fmt_us(r.revoked_at_us)] for r in rows],
                ["TOKEN ID", "SUBJECT", "CREATED", "REVOKED"])
@@ -640,10 +646,8 @@ def cmd_workers_ls(ctx: Ctx) -> int:
             break
         after = page[-1]["name"]
     if ctx.args.json:
-        _print_json({"items": [{"name": r["name"], "workerId": r["worker_id"], "state": r["state"],
-                                "generation": r["generation"], "sessionId": r["session_id"],
-                                "lastHeartbeatUs": r["last_heartbeat_us"], "slots": r["slots"],
-                                "freeSlots": max(0, r["free_slots"])} for r in rows]})
+        from ..application import presenter
+        _print_json(presenter.page([presenter.worker(r) for r in rows]))
         return 0
     _table([[r["name"], r["worker_id"], r["state"], str(r["generation"]), _or_dash(r["session_id"]),
              _fmt_us(r["last_heartbeat_us"]), str(max(0, r["free_slots"])), str(r["slots"])] for r in rows],

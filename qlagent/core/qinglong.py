@@ -14,7 +14,7 @@ Rules (each reported per cron or per variable, never fatal for the others):
   snippet, the quoted command, the after snippet: the Run stops at the first failing step and
   its exit status is that step's (the after snippet runs only after a successful command);
 - Envs: the enabled rows of one name joined with ``&`` in the panel's own order (``position``
-  descending, then ``createdAt`` descending, as 2.x ``EnvService.envs()`` sorts them), byte-exact:
+  descending, then ``createdAt`` ascending, as 2.x ``EnvService.envs()`` sorts them), byte-exact:
   no trimming, no quoting, no evaluation (2.x wrote them into a sourced shell file);
   ``PATH`` is not imported (the agent's PATH; 2.x's ``$PATH:…`` would be literal);
 - ``config/config.sh``: ``export NAME=value`` lines read as shell words WITHOUT a shell
@@ -602,9 +602,10 @@ def _variables(panel: QlPanel, prefix: str) -> tuple[list[PlannedSecret], list[S
             secrets[name] = PlannedSecret(env=name, secret=secret, value=value, parts=parts, source=source)
 
     for name, rows in groups.items():
-        # 2.x EnvService.envs(): ORDER BY position DESC, createdAt DESC; id settles exact ties.
-        rows = sorted(rows, key=lambda e: e.id, reverse=True)
-        rows.sort(key=lambda e: e.created_at or "", reverse=True)
+        # 2.x EnvService.envs(): ORDER BY position DESC, createdAt ASC; id (insertion order)
+        # settles exact ties. Stable sorts, least significant key first.
+        rows = sorted(rows, key=lambda e: e.id)
+        rows.sort(key=lambda e: e.created_at or "")
         rows.sort(key=lambda e: float("-inf") if e.position is None else e.position, reverse=True)
         admit(name, b"&".join(e.value for e in rows), len(rows), "envs", None)
     for exp in panel.config.exports:

@@ -159,7 +159,7 @@ class Api:
                                        project_id=proj.project_id)
         except ValidationError as e:
             raise _bad_query(e) from None
-        return Response.json(200, {"items": [presenter.run(r) for r in runs], "nextCursor": nxt})
+        return Response.json(200, presenter.page([presenter.run(r) for r in runs], nxt, pages=True))
 
     def get_run(self, req: Request, p: dict[str, str]) -> Response:
         """GET .../runs/{runId}: the Run with its latest Attempt."""
@@ -169,15 +169,16 @@ class Api:
         return Response.json(200, presenter.run(run, attempts[-1] if attempts else None, with_attempt=True))
 
     def list_events(self, req: Request, p: dict[str, str]) -> Response:
-        """GET .../runs/{runId}/events?after=&limit=: RunEvents with sequence > after."""
+        """GET .../runs/{runId}/events?cursor=&limit=: RunEvents with sequence > cursor, a page
+        like every list (RunEventPage); the cursor is the decimal sequence of the last event seen."""
         _, proj = self._principal(req, p["projectId"], "run.read")
-        after = query_int(req, "after", 0, 0, ts.REVISION_MAX)
+        after = query_int(req, "cursor", 0, 0, ts.REVISION_MAX)
         limit = query_int(req, "limit", EVENT_PAGE_DEFAULT, 1, EVENT_PAGE_MAX)
         run = self._run(proj.project_id, p["runId"])
         events = [e for e in self.runs.events(run.run_id) if e.sequence > after]
         page = events[:limit]
-        nxt = page[-1].sequence if len(events) > limit else None
-        return Response.json(200, {"items": [presenter.event(e) for e in page], "nextAfter": nxt})
+        nxt = str(page[-1].sequence) if len(events) > limit else None
+        return Response.json(200, presenter.page([presenter.event(e) for e in page], nxt, pages=True))
 
     def read_log(self, req: Request, p: dict[str, str]) -> Response:
         """GET .../runs/{runId}/log?offset=&limit= (or ``Range``): raw bytes of the latest

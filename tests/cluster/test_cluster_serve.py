@@ -25,6 +25,7 @@ import psycopg
 import pytest
 
 from conftest import ADMIN_URL, create_database, db_url, drop_database
+from jsonshape import check_conventions, check_list
 
 BASE = "/api/v3/projects/default"
 SCHEMA = "qinglong/task-start@v1"
@@ -381,9 +382,11 @@ def test_workers_enroll_ls_drain_rm(cp):
         WorkerRegistry(PgWorkerRegistry(pool)).open_session(out["workerId"], credential)
     finally:
         pool.close()
-    (w,) = json.loads(env.ok("workers", "ls", "--json"))["items"]
-    assert (w["state"], w["generation"], w["sessionId"] is not None, w["lastHeartbeatUs"] is not None) == \
+    listed = json.loads(env.ok("workers", "ls", "--json"))
+    (w,) = check_list(listed, "workers ls", pages=False)        # README "JSON output": items, RFC 3339 instants
+    assert (w["state"], w["generation"], w["sessionId"] is not None, w["lastHeartbeatAt"] is not None) == \
         ("online", 1, True, True)
+    check_conventions(out, "workers enroll")
     assert "edge-1" in env.ok("workers", "ls") and credential not in env.ok("workers", "ls")
     assert env.ok("workers", "drain", "edge-1").split()[-1] == "draining"
     assert json.loads(env.ok("workers", "ls", "--json"))["items"][0]["state"] == "draining"
