@@ -19,7 +19,9 @@ Start status (stdout, a pipe to the agent): ONE line once the outcome of the exe
 Run running only after ``ok``. The task is forked and exec'd here (not posix_spawn, whose glibc
 child leaves the libc-internal signals ignored): in the child every signal disposition is the
 default, the signal mask empty, the umask the task's, stdin /dev/null, stdout+stderr the FIFO,
-cwd entered; an exec or chdir failure travels back through a CLOEXEC pipe as its errno, so the
+cwd entered, PR_SET_PDEATHSIG SIGKILL (the task's leader dies with this process, so a shim
+killed by SIGKILL or the OOM killer leaves no task running; what the leader forked is found by
+its QL3_ATTEMPT_ID: the agent's start-up scan, ``processes.stop_strays``); an exec or chdir failure travels back through a CLOEXEC pipe as its errno, so the
 reason is exact (``cwd /x: ENOENT (No such file or directory)``), like subprocess does.
 
 After the main task exits, what it left behind (its process group, processes whose
@@ -73,12 +75,14 @@ MAX_GRACE_S = 300.0
 START_ERROR_LIMIT = 512
 _PATH_SHOWN = 200
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
 ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
 
 _task_pid = 0
 _term_requested = False
 _inherited_umask = 0o022   # replaced in main() by the umask this process was started with
 _status_sent = False
+_prctl = None              # libc prctl, set by _become_subreaper; None where unavailable
 
 
 def _now_us():
@@ -333,7 +337,7 @@ def _resolve(argv0, env):
         errno.ENOENT, "not found in the task's PATH")))
 
 
-def _exec_child(cfg, path, wfd, err_w, reset):
+def _exec_child(cfg, path, wfd, err_w, reset, shim_pid):
     # In the forked child: only async-signal-safe work on our own state, then execve.
     stage = b"exec"
     try:
@@ -341,6 +345,12 @@ def _exec_child(cfg, path, wfd, err_w, reset):
             _signal.signal(sig, _signal.SIG_DFL)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
         os.setpgid(0, 0)
+        if _prctl is not None:
+            # Tied to this shim: its death (SIGKILL, OOM kill) SIGKILLs the task (kept across
+            # execve). The shim may have died before the prctl: then the parent is already another.
+            _prctl(PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != shim_pid:
+                os._exit(127)
         os.umask(cfg["umask"])
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
@@ -363,6 +373,7 @@ def _spawn(cfg, wfd):
     path = _resolve(cfg["argv"][0], cfg["env"])
     reset = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
     err_r, err_w = os.pipe()   # O_CLOEXEC: EOF as soon as the exec succeeds
+    shim_pid = os.getpid()
     try:
         pid = os.fork()
     except OSError as exc:
@@ -370,7 +381,7 @@ def _spawn(cfg, wfd):
         os.close(err_w)
         raise StartFailure("fork: %s" % _errno_text(exc.errno)) from None
     if pid == 0:
-        _exec_child(cfg, path, wfd, err_w, reset)
+        _exec_child(cfg, path, wfd, err_w, reset, shim_pid)
     os.close(err_w)
     try:
         os.setpgid(pid, pid)   # also here: the agent may signal the group before the child runs
@@ -479,11 +490,14 @@ def _reap_orphans():
 
 def _become_subreaper():
     """prctl(PR_SET_CHILD_SUBREAPER): the task's orphans are re-parented to this process, not
-    to init, so a daemonized leftover is still found. ctypes is loaded only here; False where
-    prctl is unavailable (the process group and QL3_ATTEMPT_ID still apply)."""
+    to init, so a daemonized leftover is still found. ctypes is loaded only here; it keeps
+    prctl in ``_prctl`` for the task's PR_SET_PDEATHSIG (``_exec_child``). False where prctl is
+    unavailable (the process group and QL3_ATTEMPT_ID still apply)."""
+    global _prctl
     try:
         import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        return _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError, ImportError):
         return False
 
