@@ -4,7 +4,8 @@ It starts a shim for a LaunchCommand (after winning the claimed → starting CAS
 consumes completion receipts, enforces timeouts (SIGTERM to the task's process group and every
 escaped descendant, SIGKILL after the grace), carries out cancellation and the shutdown drain,
 and reconciles every starting/running Attempt on restart: receipt → ingest; shim alive
-(PID + start time) → re-attach; otherwise → ``lost``. It has no timer or thread: the service
+(PID + start time) → re-attach; otherwise → ``lost``; then the agent's tasks of any other
+Attempt are killed (``ProcessPort.stop_strays``). It has no timer or thread: the service
 loop asks ``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
 """
 
@@ -172,7 +173,8 @@ class LocalExecutionCoordinator:
     def recover(self) -> dict[str, int]:
         """Reconcile every starting/running Attempt left by a previous agent (see module doc).
 
-        Returns counts ``{"ingested", "reattached", "lost"}``.
+        Returns counts ``{"ingested", "reattached", "lost", "strays"}`` (strays: processes of
+        Attempts nobody accounts for, killed: ``ProcessPort.stop_strays``).
         """
         counts = {"ingested": 0, "reattached": 0, "lost": 0}
         cancels = self._store.cancel_requested()
@@ -205,6 +207,13 @@ class LocalExecutionCoordinator:
                                    self._store.retry_policy(la.task_id, la.task_revision))
                 self._procs.cleanup(la.attempt_id)
                 counts["lost"] += 1
+        # A task no live Attempt accounts for (the state directory was wiped, or its shim died
+        # while no agent watched) would run beside the Run's next Attempt: stopped now.
+        known = set(self.live) | {la.attempt_id for la in self._store.live_attempts()}
+        strays = self._procs.stop_strays(known)
+        for aid, n in sorted(strays.items()):
+            self._log("warning", "run.stray_stopped", attempt=aid, processes=n)
+        counts["strays"] = sum(strays.values())
         return counts
 
     def __repr__(self) -> str:

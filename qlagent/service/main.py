@@ -180,7 +180,8 @@ class Service:
         if self._exit_after_s is not None:
             self.exit_at_us = started + int(self._exit_after_s * 1e6)
         self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
-                 recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get("lost"))
+                 recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get("lost"),
+                 strays=counts.get("strays"))
         self.notify.ready(self._status())
         try:
             while True:
