@@ -32,4 +32,7 @@ MAX_TASK_FILE_BYTES = 4 * 1_048_576
 
 SHELL_ALLOWLIST = ("/bin/sh", "/bin/bash")
 RESERVED_ENV_PREFIX = "QL3_"
+# Free bytes the state directory's file system must keep for a Run to start: the WAL frames of
+# the few transactions one Run writes (claim, running, finish; each a handful of 4 KiB pages).
+STATE_MIN_FREE_BYTES = 65_536
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -52,7 +52,10 @@ Files in run_dir:
                  and errno names only (never the environment).
   shim.err       the shim's own errors (never sent to the agent through a pipe).
 
-Exit status: 0 once a receipt is written, 2 when the spec is unusable and no receipt can be written.
+Exit status: 0 once a receipt is written, 2 when the spec is unusable and no receipt can be written,
+1 when the receipt cannot be written. A full file system (ENOSPC, EDQUOT) after the task ran is
+waited out: the receipt is tried again every RECEIPT_RETRY_S seconds until it fits, so the run's
+end is never lost.
 
 It imports the C modules behind json and signal (_json, _signal) directly: the pure-Python
 json and signal modules pull in re and enum, which cost +1.2 MiB private memory and +6 ms per run
@@ -76,6 +79,7 @@ START_ERROR_LIMIT = 512
 _PATH_SHOWN = 200
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_PDEATHSIG = 1
+RECEIPT_RETRY_S = 1.0    # a full file system: try the receipt again this often until it fits
 ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
 
 _task_pid = 0
@@ -791,12 +795,18 @@ def main():
         pass
     except OSError as exc:
         w.log_error("output.fifo not removed: %s" % exc)
-    try:
-        w.write_file_atomic("receipt.json", receipt, False)
-    except OSError as exc:
-        w.log_error("receipt not written: %s" % exc)
-        return 1
-    return 0
+    while True:
+        try:
+            w.write_file_atomic("receipt.json", receipt, False)
+            return 0
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or receipt["start_error"] is not None:
+                w.log_error("receipt not written: %s" % exc)
+                return 1
+        # The run directory's file system is full: the receipt is the run's only record, so
+        # this process waits (one sleeping PID) until there is room for it. Not after a start
+        # failure: the agent, which waits for this exit, already has the reason.
+        time.sleep(RECEIPT_RETRY_S)
 
 
 if __name__ == "__main__":
