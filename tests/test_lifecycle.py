@@ -402,6 +402,42 @@ def test_f5_shim_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
         time.sleep(0.05)
 
 
+def test_a_task_left_behind_is_stopped_by_an_agent_started_on_a_wiped_state_dir(root):
+    """Issue #20 point 3: agent and shim SIGKILLed, then the state directory lost (a reflashed
+    overlay): the task's leader dies with its shim, and what it forked is found by the next
+    agent on the empty state directory and stopped; nothing of the old run keeps running."""
+    a = Agent(root)
+    a.add(task("sleepy", "sleep 120\necho never\n", timeout_s=300))
+    a.serve()
+    rid = a.start("sleepy")
+    a.wait(rid, ("running",))
+    att = a.attempts(rid)[0]
+    end = time.monotonic() + 5
+    while len(procs_with_env("QL3_RUN_ID", rid)) < 2:          # the shell and its sleep
+        assert time.monotonic() < end
+        time.sleep(0.02)
+    a.kill()
+    os.kill(att["shim_pid"], signal.SIGKILL)
+    end = time.monotonic() + 5
+    while len(procs_with_env("QL3_RUN_ID", rid)) != 1:         # the leader went with its shim
+        assert time.monotonic() < end, [p.cmdline() for p in procs_with_env("QL3_RUN_ID", rid)]
+        time.sleep(0.02)
+    (left,) = procs_with_env("QL3_RUN_ID", rid)
+    assert left.cmdline()[0].endswith("sleep")
+    shutil.rmtree(a.state)
+    a.cli("init")
+    a.serve()
+    try:
+        end = time.monotonic() + 5
+        while procs_with_env("QL3_RUN_ID", rid):
+            assert time.monotonic() < end, "the old task survived the new agent's start"
+            time.sleep(0.05)
+    finally:
+        assert a.stop() == 0
+    line = [ln for ln in a.journal().decode().splitlines() if "run.stray_stopped" in ln]
+    assert len(line) == 1 and att["attempt_id"] in line[0] and "processes=1" in line[0], line
+
+
 def test_retry_policy(root):
     flaky = os.path.join(root, "flaky")
     a = Agent(root)

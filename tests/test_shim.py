@@ -269,6 +269,19 @@ def test_sigterm_to_the_shim_is_forwarded_and_a_receipt_still_written(tmp_path):
     assert processes.read_receipt(spec["run_dir"]).signal == signal.SIGTERM
 
 
+def test_a_task_never_outlives_its_shim_killed_by_sigkill(tmp_path):
+    # Issue #20 point 3: the shim SIGKILLed (OOM killer, a Worker's whole tree) must not leave
+    # the task running unseen beside the Attempt offered again.
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo up; exec sleep 120"])
+    handle = processes.spawn_shim(spec)
+    wait_for(lambda: log_bytes(spec) == b"up\n", what="task output")
+    task = psutil.Process(processes.read_task_pid(spec["run_dir"]))
+    os.kill(handle.pid, signal.SIGKILL)
+    handle.popen.wait(10)
+    wait_for(lambda: not task.is_running() or task.status() == psutil.STATUS_ZOMBIE, timeout=5.0,
+             what="the task to die with its shim")
+
+
 def test_sigint_sighup_sigpipe_to_the_shim_are_ignored(tmp_path):
     go = tmp_path / "go"
     spec = make_spec(tmp_path, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; echo done"])

@@ -14,6 +14,7 @@ import json
 import os
 import pwd
 import select
+import signal
 import stat
 import subprocess
 import sys
@@ -312,6 +313,52 @@ def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
     return found
 
 
+AGENT_KEY_ENV = "QL3_AGENT_KEY"
+
+
+def agent_key(runs_root: str) -> str:
+    """The tag (16 lowercase hex) every task of the agent whose runs live under ``runs_root``
+    carries as ``QL3_AGENT_KEY``: derived from the root's path, not from anything stored in
+    it, so an agent started on a wiped state directory still recognises the tasks of the one
+    before, and agents of other state directories (same uid) are told apart."""
+    return sha256_hex(os.path.realpath(runs_root).encode("utf-8", "surrogateescape"))[:16]
+
+
+def stop_strays(key: str, known: set[str]) -> dict[str, int]:
+    """SIGKILL every process of this uid whose environment carries ``QL3_AGENT_KEY=<key>`` and a
+    ``QL3_ATTEMPT_ID`` not in ``known`` (the Attempts the caller re-attaches or has ended
+    itself): a task left by an agent whose state was lost or whose shim died unseen, which would
+    otherwise run beside the Attempt's next copy. Returns {attempt ID: processes killed}.
+    Reads /proc/<pid>/environ (this user's processes only); signals through psutil, which
+    checks the start time, so a PID reused since the scan is never hit."""
+    tag = f"\0{AGENT_KEY_ENV}={key}\0".encode()
+    prefix = b"\0QL3_ATTEMPT_ID="
+    uid = os.geteuid()
+    stopped: dict[str, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = b"\0" + f.read()
+        except OSError:
+            continue
+        at = env.find(prefix)
+        if tag not in env or at < 0:
+            continue
+        attempt_id = env[at + len(prefix):env.find(b"\0", at + 1)].decode("utf-8", "replace")
+        if attempt_id in known or int(entry.name) == os.getpid():
+            continue
+        try:
+            psutil.Process(int(entry.name)).send_signal(signal.SIGKILL)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        stopped[attempt_id] = stopped.get(attempt_id, 0) + 1
+    return stopped
+
+
 def default_python() -> str:
     """The interpreter for the shim: this one, or the system python3 when embedded."""
     return sys.executable or "/usr/bin/python3"
@@ -381,6 +428,7 @@ class ShimProcesses:
         self._handles: dict[int, ShimHandle] = {}
         self._known: dict[str, dict] = {}         # attempt → processes seen when first signalled
         self._started: dict[str, float] = {}
+        self._key = agent_key(allocator.runs_root)
 
     def _run_dir(self, attempt_id: str) -> str:
         return os.path.join(self._alloc.runs_root, attempt_id)
@@ -391,7 +439,8 @@ class ShimProcesses:
             run_dir = self._alloc.run_dir(attempt_id)
         except UnsafeDirectoryError as e:
             raise StartError(e.message, code="run_dir_unsafe") from None
-        spec = {"attempt_id": attempt_id, "argv": list(cmd.argv), "env": cmd.env, "cwd": cmd.cwd,
+        env = {**cmd.env, AGENT_KEY_ENV: self._key}
+        spec = {"attempt_id": attempt_id, "argv": list(cmd.argv), "env": env, "cwd": cmd.cwd,
                 "run_dir": run_dir, "artifact_path": cmd.artifact_path, "quota_bytes": cmd.quota_bytes,
                 "linger_s": self._linger_s, "umask": cmd.umask, "grace_s": cmd.grace_ms / 1000,
                 "keep_orphans": cmd.keep_orphans,
@@ -439,6 +488,9 @@ class ShimProcesses:
             # longer be walked, so find the run's processes by their QL3_ATTEMPT_ID.
             known.update(find_by_attempt(attempt_id))
         return len(signal_tree(pgid, shim_pid, sig, self._started.get(attempt_id), known))
+
+    def stop_strays(self, known: set[str]) -> dict[str, int]:
+        return stop_strays(self._key, known)
 
     def collect(self, attempt_id: str) -> tuple[Receipt | None, TruncationFact | None]:
         run_dir = self._run_dir(attempt_id)

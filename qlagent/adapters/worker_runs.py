@@ -59,6 +59,7 @@ class WorkerRuns:
         os.makedirs(runs_dir, mode=0o700, exist_ok=True)
         self._python = python or processes.default_python()
         self._baseline = processes.baseline_env()
+        self._key = processes.agent_key(runs_dir)
 
     def run_dir(self, attempt_id: str) -> str:
         return os.path.join(self.runs_dir, attempt_id)
@@ -119,7 +120,8 @@ class WorkerRuns:
         except UnicodeDecodeError:
             raise StartError("a secret value is not UTF-8 text", code="secret_unusable") from None
         identity = {"QL3_RUN_ID": spec.run_id, "QL3_ATTEMPT_ID": aid, "QL3_PROJECT_ID": spec.project_id,
-                    "QL3_TASK_ID": spec.task_id, "QL3_TASK_REVISION": str(spec.task_revision)}
+                    "QL3_TASK_ID": spec.task_id, "QL3_TASK_REVISION": str(spec.task_revision),
+                    processes.AGENT_KEY_ENV: self._key}
         env = {**self._baseline, **spec.env, **plain, **identity}
         argv = list(spec.argv) if spec.kind == "local_process" else [spec.shell, "-c", spec.script]
         doc = {"attempt_id": aid, "argv": argv, "env": env, "cwd": spec.cwd or env.get("HOME") or "/",
@@ -193,6 +195,11 @@ class WorkerRuns:
     def kill_orphans(self, attempt_id: str) -> None:
         """SIGKILL whatever of a run is left when its shim is gone (found by QL3_ATTEMPT_ID)."""
         processes.signal_tree(None, None, signal.SIGKILL, None, processes.find_by_attempt(attempt_id))
+
+    def stop_strays(self, known: set[str]) -> dict[str, int]:
+        """SIGKILL this Worker's tasks (its QL3_AGENT_KEY) of Attempts not in ``known``, even
+        after its state directory was wiped; {attempt ID: processes killed}."""
+        return processes.stop_strays(self._key, known)
 
     def log_size(self, attempt_id: str) -> int:
         try:

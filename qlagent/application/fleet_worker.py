@@ -216,7 +216,7 @@ class WorkerRuntime:
     # ---- start -----------------------------------------------------------------------------------
     def recover(self) -> dict[str, int]:
         """ADR-0021 restart: every open inbox row by ``recovery_action``; never a second spawn."""
-        counts = {"reattached": 0, "collected": 0, "lost": 0, "resend": 0, "pending": 0}
+        counts = {"reattached": 0, "collected": 0, "lost": 0, "resend": 0, "pending": 0, "strays": 0}
         for entry in self.inbox.open_entries():
             spec = msgspec.convert(entry.offer.spec, ExecutionSpec)
             job = Job(entry, self._within_profile(spec))
@@ -252,6 +252,12 @@ class WorkerRuntime:
                 counts["resend"] += 1
             if job.entry.state != "acked":     # _complete closes a fenced or receipt-less run
                 self.jobs[job.offer_id] = job
+        # Tasks of Attempts the inbox does not list (its state directory was wiped, a shim died
+        # unseen) would run beside the copy the control plane offers again: stopped first.
+        strays = self.runs.stop_strays({j.attempt_id for j in self.jobs.values()})
+        for aid, n in sorted(strays.items()):
+            self.log("warning", "worker.stray_stopped", attempt=aid, processes=n)
+        counts["strays"] = sum(strays.values())
         self.counts["reattached"] = counts["reattached"]
         return counts
 

@@ -16,6 +16,7 @@ import msgspec
 
 from ..core import errors as E
 from ..core.limits import MAX_TIMEOUT_S as MAX_WAIT_S     # --timeout/--exit-after: seconds
+from ..core.states import RunState
 
 if TYPE_CHECKING:
     import argparse
@@ -481,6 +482,11 @@ def cmd_run_show(ctx: Ctx) -> int:
           + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
     if run.held and run.state == "queued":
         print('waiting   for the live Run of this Task to end (concurrency = "single")')
+    if run.state == RunState.QUEUED and ctx.settings.config.cluster is None:
+        from ..service.config import state_space_problem
+        problem = state_space_problem(ctx.settings.state_dir)
+        if problem:
+            print(f"waiting   no Run starts: {problem}")
     print(f"trigger   {run.trigger_type} by {run.requested_by}; created {_fmt_us(run.created_at_us)}")
     for a in attempts:
         figures = "" if a.ended_at_us is None else (

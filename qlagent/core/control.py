@@ -185,6 +185,10 @@ class WorkerRunsPort(Protocol):
     def kill_orphans(self, attempt_id: str) -> None:
         """SIGKILL what is left of a run whose shim is gone."""
 
+    def stop_strays(self, known: set[str]) -> dict[str, int]:
+        """SIGKILL this Worker's tasks of Attempts not in ``known`` (found by the tag every task
+        carries, even after the state directory was wiped); {attempt ID: processes killed}."""
+
     def log_size(self, attempt_id: str) -> int:
         """Bytes in the Artifact."""
 

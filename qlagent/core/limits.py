@@ -42,4 +42,7 @@ RESERVED_ENV_PREFIX = "QL3_"
 STATE_DIR_MODE = 0o750
 PRIVATE_DIR_MODE = 0o700
 
+# Free bytes the state directory's file system must keep for a Run to start: the WAL frames of
+# the few transactions one Run writes (claim, running, finish; each a handful of 4 KiB pages).
+STATE_MIN_FREE_BYTES = 65_536
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

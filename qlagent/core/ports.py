@@ -359,6 +359,10 @@ class ProcessPort(Protocol):
         """Signal the task's process group and every descendant of the shim (never the shim
         itself); returns how many processes were signalled."""
 
+    def stop_strays(self, known: set[str]) -> dict[str, int]:
+        """SIGKILL this agent's tasks (tagged QL3_AGENT_KEY, found even when its state directory
+        was wiped) of Attempts not in ``known``; returns {attempt ID: processes killed}."""
+
     def collect(self, attempt_id: str) -> tuple[Receipt | None, TruncationFact | None]:
         """(completion receipt, truncation fact) left by the shim, or None for each."""
 

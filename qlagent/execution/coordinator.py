@@ -4,7 +4,8 @@ It starts a shim for a LaunchCommand (after winning the claimed → starting CAS
 consumes completion receipts, enforces timeouts (SIGTERM to the task's process group and every
 escaped descendant, SIGKILL after the grace), carries out cancellation and the shutdown drain,
 and reconciles every starting/running Attempt on restart: receipt → ingest; shim alive
-(PID + start time) → re-attach; otherwise → ``lost``. It has no timer or thread: the service
+(PID + start time) → re-attach; otherwise → ``lost``; then the agent's tasks of any other
+Attempt are killed (``ProcessPort.stop_strays``). It has no timer or thread: the service
 loop asks ``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.dispatch import Finish, LaunchCommand
-from ..core.errors import StartError
+from ..core.errors import StartError, UnavailableError
 from ..core.receipt import bounded, start_code
 from ..core.states import AttemptState, outcome
 
@@ -31,7 +32,8 @@ class TrackedAttempt:
     """In-memory view of one running Attempt (the store stays the authority)."""
 
     __slots__ = ("run_id", "attempt_id", "task_id", "revision", "shim_pid", "create_time", "pidfd",
-                 "deadline_us", "grace_us", "kill_reason", "kill_at_us", "retry", "memory_reserve")
+                 "deadline_us", "grace_us", "kill_reason", "kill_at_us", "stopped_at_us", "retry",
+                 "memory_reserve")
 
     def __init__(self, run_id, attempt_id, task_id, revision, shim_pid, create_time, pidfd, deadline_us,
                  grace_us, retry, memory_reserve=None) -> None:
@@ -41,6 +43,7 @@ class TrackedAttempt:
         self.memory_reserve: int | None = memory_reserve   # bytes admission holds; None after a re-attach
         self.kill_reason: str | None = None
         self.kill_at_us: int | None = None
+        self.stopped_at_us: int | None = None     # when kill_reason was set (store clock, µs)
 
 
 class LocalExecutionCoordinator:
@@ -51,6 +54,8 @@ class LocalExecutionCoordinator:
         self._now = clock_us
         self._log = log
         self.live: dict[str, TrackedAttempt] = {}
+        # Start failures the store could not record (run ID, attempt ID, Finish, retry policy).
+        self.unrecorded: list[tuple] = []
 
     # ---- start ---------------------------------------------------------------------------
     def start(self, cmd: LaunchCommand) -> tuple[str, str | None]:
@@ -66,24 +71,33 @@ class LocalExecutionCoordinator:
             pid, ctime = self._procs.spawn(cmd)
         except StartError as e:
             text = bounded(str(e))
-            self._store.finish(c.run_id, c.attempt_id, Finish(AttemptState.START_FAILED, failure_reason=e.code,
-                                                              start_error=text), None, cmd.retry)
+            f = Finish(AttemptState.START_FAILED, failure_reason=e.code, start_error=text)
+            try:
+                self._store.finish(c.run_id, c.attempt_id, f, None, cmd.retry)
+            except UnavailableError:
+                # Nothing runs; the store cannot say so yet: tick() records it once it can.
+                self.unrecorded.append((c.run_id, c.attempt_id, f, cmd.retry))
+                raise
             if e.code != "run_dir_unsafe":     # never remove a directory we refused to use
                 self._procs.cleanup(c.attempt_id)
             self._log("warning", "run.start_failed", run=c.run_id, attempt=c.attempt_id, reason=e.code, error=text)
             return "launch_failed", e.code
         now = self._now()
         deadline = now + cmd.timeout_ms * 1000
-        self._store.mark_running(c, pid, ctime, deadline)
+        # Tracked before the write: if the store cannot record it running, the shim's end is
+        # still collected (on_exit) and recorded once the store takes writes.
         self.live[c.attempt_id] = TrackedAttempt(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
                                           self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry,
                                           cmd.memory_reserve)
+        self._store.mark_running(c, pid, ctime, deadline)
         self._log("info", "run.started", run=c.run_id, attempt=c.attempt_id, pid=pid)
         return "activated", None
 
     # ---- completion ----------------------------------------------------------------------
     def on_exit(self, attempt_id: str) -> str | None:
-        """The shim ended: ingest its receipt and truncation fact; returns the Run state."""
+        """The shim ended: ingest its receipt and truncation fact; returns the Run state.
+        Raises UnavailableError when the store cannot record it; the Attempt then stays live
+        and its receipt is ingested by a later ``tick``."""
         lr = self.live.pop(attempt_id, None)
         if lr is None:
             return None
@@ -94,9 +108,23 @@ class LocalExecutionCoordinator:
             self._procs.signal_run(attempt_id, None, signal.SIGKILL)
             f = Finish(AttemptState.LOST, failure_reason="shim_died")
         else:
-            f = self._finish_from_receipt(receipt, lr.kill_reason)
-        retry = lr.retry or self._store.retry_policy(lr.task_id, lr.revision)
-        state = self._store.finish(lr.run_id, attempt_id, f, trunc, retry)
+            # A task that had ended before it was stopped (its shim waited for room to write
+            # the receipt, a full file system) keeps its own outcome.
+            ended_first = lr.stopped_at_us is not None and receipt.ended_at_us is not None \
+                and receipt.ended_at_us < lr.stopped_at_us
+            f = self._finish_from_receipt(receipt, None if ended_first else lr.kill_reason)
+        try:
+            retry = lr.retry or self._store.retry_policy(lr.task_id, lr.revision)
+            state = self._store.finish(lr.run_id, attempt_id, f, trunc, retry)
+        except UnavailableError:
+            # The store takes no writes (its file system is full): the receipt stays in the run
+            # directory and tick() offers it again every POLL_WITHOUT_PIDFD_US until it does.
+            if lr.pidfd is not None:
+                os.close(lr.pidfd)
+                lr.pidfd = None
+            lr.deadline_us = lr.kill_at_us = None   # it has ended: nothing left to time out or kill
+            self.live[attempt_id] = lr
+            raise
         self._procs.cleanup(attempt_id)
         if lr.pidfd is not None:
             os.close(lr.pidfd)
@@ -123,12 +151,22 @@ class LocalExecutionCoordinator:
     def _stop(self, lr: TrackedAttempt, reason: str, now: int, grace_us: int | None = None) -> None:
         if lr.kill_reason is None:
             lr.kill_reason = reason
+            lr.stopped_at_us = now
             lr.kill_at_us = now + (lr.grace_us if grace_us is None else grace_us)
             n = self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGTERM)
             self._log("notice", "run.stopping", run=lr.run_id, reason=reason, signalled=n)
 
     def tick(self) -> None:
-        """Enforce deadlines and SIGKILL escalations that are due; poll exits without pidfd."""
+        """Enforce deadlines and SIGKILL escalations that are due; poll exits without pidfd;
+        record start failures the store could not take (raises UnavailableError while it cannot)."""
+        while self.unrecorded:
+            run_id, attempt_id, f, retry = self.unrecorded[0]
+            self._store.finish(run_id, attempt_id, f, None, retry)
+            self.unrecorded.pop(0)
+            if f.failure_reason != "run_dir_unsafe":
+                self._procs.cleanup(attempt_id)
+            self._log("warning", "run.start_failed", run=run_id, attempt=attempt_id, reason=f.failure_reason,
+                      error=f.start_error)
         now = self._now()
         for lr in list(self.live.values()):
             if lr.kill_at_us is not None and now >= lr.kill_at_us:
@@ -177,7 +215,8 @@ class LocalExecutionCoordinator:
     def recover(self) -> dict[str, int]:
         """Reconcile every starting/running Attempt left by a previous agent (see module doc).
 
-        Returns counts ``{"ingested", "reattached", "lost"}``.
+        Returns counts ``{"ingested", "reattached", "lost", "strays"}`` (strays: processes of
+        Attempts nobody accounts for, killed: ``ProcessPort.stop_strays``).
         """
         counts = {"ingested": 0, "reattached": 0, "lost": 0}
         cancels = self._store.cancel_requested()
@@ -210,6 +249,13 @@ class LocalExecutionCoordinator:
                                    self._store.retry_policy(la.task_id, la.task_revision))
                 self._procs.cleanup(la.attempt_id)
                 counts["lost"] += 1
+        # A task no live Attempt accounts for (the state directory was wiped, or its shim died
+        # while no agent watched) would run beside the Run's next Attempt: stopped now.
+        known = set(self.live) | {la.attempt_id for la in self._store.live_attempts()}
+        strays = self._procs.stop_strays(known)
+        for aid, n in sorted(strays.items()):
+            self._log("warning", "run.stray_stopped", attempt=aid, processes=n)
+        counts["strays"] = sum(strays.values())
         return counts
 
     def __repr__(self) -> str:

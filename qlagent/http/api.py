@@ -69,11 +69,14 @@ def _log_answer(size: int, fact, offset: int, length: int, partial: bool) -> tup
 class Api:
     """The route functions. ``store``: the agent's store (``core.ports.Store``); ``on_change()``: wake the service
     loop after a new Run or a cancellation intent so it dispatches / stops the tree at once;
-    ``ready()``: extra readiness (False while draining)."""
+    ``ready()``: extra readiness (False while draining); ``store_problem()``: why the store
+    takes no writes or no Run may start for lack of room (the state file system full), else None."""
 
     def __init__(self, store: Store, on_change: Callable[[], None],
-                 ready: Callable[[], bool] = lambda: True, log_chunks=None) -> None:
+                 ready: Callable[[], bool] = lambda: True, log_chunks=None,
+                 store_problem: Callable[[], str | None] = lambda: None) -> None:
         self.store = store
+        self.store_problem = store_problem
         self.runs = RunService(store)
         self.on_change = on_change
         self.ready = ready
@@ -239,9 +242,11 @@ class Api:
         return Response.json(200, {"status": "ok"})
 
     def readyz(self, req: Request, p: dict[str, str]) -> Response:
-        """GET /readyz: 200 ``ready`` when the store answers and its capability is present and the
-        agent is not draining; else 503 ``not_ready`` with the failing check."""
-        checks = {"store": "ok", "capability": "ok", "service": "ok" if self.ready() else "draining"}
+        """GET /readyz: 200 ``ready`` when the store answers and takes writes, its capability is
+        present and the agent is not draining; else 503 ``not_ready`` with the failing check."""
+        problem = self.store_problem()
+        checks = {"store": "ok" if problem is None else problem[:200], "capability": "ok",
+                  "service": "ok" if self.ready() else "draining"}
         try:
             self.store.capabilities()
         except UnavailableError as e:

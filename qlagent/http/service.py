@@ -66,6 +66,8 @@ class HttpSurface(LoopSurface):
     """``HttpSurface(settings, store, on_change, cluster=None)``: the API server for the loop.
 
     ``on_change()`` pokes the loop (a new Run to dispatch, a cancellation to carry out).
+    ``store_problem()`` (a local agent's loop) says why the store takes no writes or no Run may
+    start for lack of room; ``/readyz`` answers 503 naming it.
     ``cluster`` (a control-plane replica: ``bootstrap.ClusterServices``) adds the Worker routes
     (:func:`mount_worker_routes`, ``threads`` database threads) and serves the logs from the
     uploaded chunks; the listener then also admits a log chunk's body and holds a Worker's
@@ -77,10 +79,10 @@ class HttpSurface(LoopSurface):
     """
 
     def __init__(self, settings, store: Store, on_change: Callable[[], None], cluster=None,
-                 threads: int = 4) -> None:
+                 threads: int = 4, store_problem: Callable[[], str | None] = lambda: None) -> None:
         self.draining = False
         self.api = Api(store, on_change, ready=lambda: not self.draining,
-                       log_chunks=cluster.log_reader if cluster is not None else None)
+                       log_chunks=cluster.log_reader if cluster is not None else None, store_problem=store_problem)
         self.router = build_router(self.api)
         limits = limits_for(settings)
         self.worker_routes = None

@@ -133,6 +133,21 @@ class Settings(msgspec.Struct, frozen=True):
     control_socket: str
 
 
+def state_space_problem(state_dir: str) -> str | None:
+    """Why no Run may start for lack of room on the state directory's file system (free bytes
+    for this user below ``core.limits.STATE_MIN_FREE_BYTES``, or statvfs failing), else None.
+    One rule for the service's admission, ``/readyz``, ``run show`` and ``doctor``."""
+    try:
+        v = os.statvfs(state_dir)
+    except OSError as e:
+        return f"state directory {state_dir}: {e.strerror}"
+    free = v.f_bavail * v.f_frsize
+    if free < L.STATE_MIN_FREE_BYTES:
+        return (f"the state file system is full: {free} bytes free on {state_dir}, "
+                f"below {L.STATE_MIN_FREE_BYTES}")
+    return None
+
+
 def default_state_dir() -> str:
     """``/var/lib/qlagent`` for root, else ``$XDG_STATE_HOME/qlagent`` (``~/.local/state/qlagent``)."""
     if os.geteuid() == 0:

@@ -1,5 +1,5 @@
 """``qlagent doctor``: trusted paths, schema history, capability, integrity, key file, free
-space, dirs, network. Before ``init`` it reports only what is missing (no ``ok`` line among
+space (the artifact directory's, and the state directory's: ``config.state_space_problem``), dirs, network. Before ``init`` it reports only what is missing (no ``ok`` line among
 them). With ``[cluster]``: the database's reachability, schema, capability and Secrets, and the
 key file. With ``[worker]`` (a fleet Worker has no local store): trusted paths, state dir,
 credential and CA files, each control-plane URL (TLS + ``/healthz``) and whether it knows the
@@ -12,8 +12,8 @@ import os
 import stat
 
 from .. import bootstrap
-from ..core.limits import PRIVATE_DIR_MODE, STATE_DIR_MODE
-from .config import Settings
+from ..core.limits import PRIVATE_DIR_MODE, STATE_DIR_MODE, STATE_MIN_FREE_BYTES
+from .config import Settings, state_space_problem
 from .trust import check as check_trust
 from .trust import trusted_paths, worker_paths
 
@@ -64,6 +64,9 @@ def run_checks(s: Settings) -> list[dict]:
                                          f"{need // MiB} MiB (reserve + one log)")
     except OSError as e:
         add("free space", False, f"{probe}: {e.strerror}")
+    # The database's own file system: full, the store takes no writes and no Run starts.
+    problem = state_space_problem(s.state_dir)
+    add("state free space", problem is None, problem or f"{s.state_dir}: at least {STATE_MIN_FREE_BYTES} bytes free")
     for name, path, most in (("state dir", s.state_dir, STATE_DIR_MODE),
                              ("artifact dir", s.artifact_dir, PRIVATE_DIR_MODE)):
         try:

@@ -23,7 +23,7 @@ from ..core.clock import now_us
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
 from ..core.states import RUN_LIVE
 from . import control
-from .config import Settings, parse_listen, resolve
+from .config import Settings, parse_listen, resolve, state_space_problem
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
@@ -34,6 +34,10 @@ MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each a
 # dispatching and re-check later instead of retrying it in a loop.
 CAPACITY_REASONS = {"low_space", "artifact_quota_full", "quota_too_large", "unsafe_directory", "artifact_unwritable"}
 RECHECK_BLOCKED_US = 10_000_000    # re-try admission this long after a capacity/budget refusal
+STORE_RETRY_US = 1_000_000         # while the store takes no writes: one probe write a second
+STORE_LOG_EVERY_US = 60_000_000    # ... and one journal line a minute while it lasts
+STATE_FULL = "state_full"          # the admission refusals while the state file system is (nearly) full
+STORE_UNAVAILABLE = "store_unavailable"   # ... and while the store takes no writes
 
 
 def service_running(state_dir: str) -> bool:
@@ -74,6 +78,10 @@ class Service:
         self._signals: list[int] = []
         self._last_extend_us = 0
         self._refusal: str | None = None
+        # Why the store takes no writes (its file system full, read-only, failing), while it lasts.
+        self.store_down: str | None = None
+        self.store_retry_us: int | None = None
+        self._store_logged_us = 0
 
     # ---- start-up --------------------------------------------------------------------------
     def _open(self) -> None:
@@ -122,7 +130,8 @@ class Service:
         if not listen and not unix:
             return
         from ..http.service import HttpSurface     # the optional surface: imported only when on
-        self.http = HttpSurface(self.settings, self.store, on_change=self._poke_self)
+        self.http = HttpSurface(self.settings, self.store, on_change=self._poke_self,
+                                store_problem=self._store_problem)
         bound = None
         try:
             if listen:
@@ -138,6 +147,29 @@ class Service:
                                    code="listen_failed") from None
         self.http.register(self.sel)
         self.log("info", "http.listening", address=bound, unix=unix)
+
+    def _store_problem(self) -> str | None:
+        return self.store_down or state_space_problem(self.settings.state_dir)
+
+    def _store_failed(self, e: UnavailableError) -> None:
+        """A write failed because the store cannot take writes: a condition, not a crash. Runs
+        stop being started and the Run ends wait (their receipts stay on disk); the loop stays
+        alive (WATCHDOG) and probes once a second; journal once a minute."""
+        now = self._now()
+        if self.store_down is None or now - self._store_logged_us >= STORE_LOG_EVERY_US:
+            self.log("err", "store.unavailable", error=str(e), state_dir=self.settings.state_dir,
+                     live=self.engine.live_count())
+            self._store_logged_us = now
+        self.store_down = str(e)
+        self.store_retry_us = now + STORE_RETRY_US
+        self._note_refusal(STORE_UNAVAILABLE)
+        self.notify.ping_if_due(now)
+        self.notify.status(f"no Run starts: {self.store_down}")
+
+    def _store_back(self, now: int) -> None:
+        self.log("notice", "store.available", after_s=round((now - self._store_logged_us) / 1e6, 1))
+        self.store_down = self.store_retry_us = None
+        self.poked = True
 
     def _poke_self(self) -> None:
         self.poked = self.defs_changed = True
@@ -180,13 +212,19 @@ class Service:
         if self._exit_after_s is not None:
             self.exit_at_us = started + int(self._exit_after_s * 1e6)
         self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
-                 recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get("lost"))
+                 recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get("lost"),
+                 strays=counts.get("strays"))
         self.notify.ready(self._status())
         try:
             while True:
                 try:
                     self._iteration()
                 except UnavailableError as e:
+                    if e.code == "store_unavailable":
+                        self._store_failed(e)
+                        if self._done():
+                            break
+                        continue
                     # Another process held the store past busy_timeout: this iteration did not
                     # complete (so no WATCHDOG=1 was sent); retry everything on the next one.
                     if e.code != "store_busy":
@@ -226,14 +264,15 @@ class Service:
 
     def _timeout_s(self) -> float | None:
         now = self._now()
+        down = self.store_down is not None
         times = [t for t in (
-            None if self.draining else self.scheduler.next_wake_us,
+            None if self.draining or down else self.scheduler.next_wake_us, self.store_retry_us,
             self.engine.next_wakeup_us(), self.notify.next_ping_us(now), self.drain_deadline_us,
             self.kill_deadline_us, self.recheck_us, self.exit_at_us, self.inline_deadline_us,
             self.http.next_timeout_us(now) if self.http is not None else None,
             (self._last_extend_us + 5_000_000) if self.draining else None,
         ) if t is not None]
-        if self.poked:
+        if self.poked and not down:
             return 0
         if not times:
             return None
@@ -273,6 +312,24 @@ class Service:
             self._begin_drain(now)
         if self.reload_requested:
             self._reload()
+        if self.store_down is None and state_space_problem(self.settings.state_dir) is not None:
+            # Much of a small state file system may be the WAL: the probe's checkpoint gives it
+            # back before the writes below would fail for room.
+            self.store.probe_write()
+            problem = state_space_problem(self.settings.state_dir)
+            if problem is not None:
+                raise UnavailableError(f"store is unavailable ({problem})", code="store_unavailable")
+        if self.store_down is not None:
+            if now < self.store_retry_us:
+                self._wait_for_store(now)
+                return
+            self.store.probe_write()        # raises while the store still takes no writes
+            if state_space_problem(self.settings.state_dir) is not None:
+                # A probe row may fit where a Run's writes do not: wait for room, not just a page.
+                self.store_retry_us = now + STORE_RETRY_US
+                self._wait_for_store(now)
+                return
+            self._store_back(now)
         poked, self.poked = self.poked, False
         if self.defs_changed and not self.draining:
             # A Task added, edited or re-enabled by the CLI must be scheduled (and gated) now,
@@ -289,6 +346,9 @@ class Service:
         self.engine.tick()
         if self.draining:
             self._drain_step(now)
+        elif self._store_problem():
+            self._note_refusal(STATE_FULL)      # the space probe of the next wake-up lifts it
+            self.recheck_us = now + STORE_RETRY_US
         else:
             self._dispatch(now)
         self._sync_pidfds()
@@ -296,6 +356,19 @@ class Service:
             self.http.tick(now)
         self.notify.ping_if_due(self._now())       # only reached after a healthy iteration
         self.notify.status(self._status())
+
+    def _wait_for_store(self, now: int) -> None:
+        """An iteration while the store takes no writes: HTTP and the drain go on, deadlines and
+        kill escalations still hold (``tick``: signals; a receipt it would ingest raises again
+        until the store takes writes); nothing is fired or dispatched. A drain that cannot
+        record a Run's end leaves it to the next start (its receipt stays)."""
+        if self.http is not None:
+            self.http.tick(now)
+        self.notify.ping_if_due(now)
+        if self.draining:
+            self._drain_step(now)
+        self.engine.tick()
+        self._sync_pidfds()
 
     def _drain_signal_fd(self) -> None:
         try:

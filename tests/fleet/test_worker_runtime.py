@@ -182,6 +182,29 @@ def test_a_run_that_cannot_be_reattached_after_a_restart_is_stopped_not_left_run
     assert cp.wait(lambda: f"worker.run_lost attempt={aid}" in worker.journal(), 10)
 
 
+def test_a_task_left_by_a_worker_whose_state_dir_was_wiped_is_stopped_at_its_next_start(tmp_path, cp, worker):
+    """Issue #20 point 3: the Worker and the run's shim SIGKILLed, then the state directory lost
+    (a reflashed overlay): no inbox row names the Attempt any more, yet the task it left must not
+    run beside the copy the control plane offers again. Its leader died with the shim; what it
+    forked is found by the Worker's tag at the next start and stopped."""
+    child = tmp_path / "child.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"sleep 120 & echo $! > {child}; wait")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    sleeper = read_pid(str(child))
+    with open(os.path.join(worker.state, "worker-runs", aid, "shim.json")) as f:
+        shim = json.load(f)["pid"]
+    leader = psutil.Process(sleeper).ppid()
+    worker.kill()
+    os.kill(shim, signal.SIGKILL)
+    assert cp.wait(lambda: gone(leader), 5), "the task's leader outlived its shim"
+    assert not gone(sleeper)
+    subprocess.run(["rm", "-rf", worker.state], check=True)
+    worker.start()
+    assert cp.wait(lambda: gone(sleeper), 20), "the old task still runs beside the Attempt offered again"
+    assert cp.wait(lambda: f"worker.stray_stopped attempt={aid} processes=1" in worker.journal(), 10)
+
+
 def test_more_offers_than_the_inbox_cap_over_a_lifetime_keep_flowing(tmp_path, cp):
     """The inbox caps rows at once (edge: 64), not offers ever: acknowledged rows make room, so a
     Worker that has finished 64 runs still pulls the 65th and later."""

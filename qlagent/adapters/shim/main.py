@@ -20,7 +20,9 @@ Start status (stdout, a pipe to the agent): ONE line once the outcome of the exe
 Run running only after ``ok``. The task is forked and exec'd here (not posix_spawn, whose glibc
 child leaves the libc-internal signals ignored): in the child every signal disposition is the
 default, the signal mask empty, the umask the task's, stdin /dev/null, stdout+stderr the FIFO,
-cwd entered; an exec or chdir failure travels back through a CLOEXEC pipe as its errno, so the
+cwd entered, PR_SET_PDEATHSIG SIGKILL (the task's leader dies with this process, so a shim
+killed by SIGKILL or the OOM killer leaves no task running; what the leader forked is found by
+its QL3_ATTEMPT_ID: the agent's start-up scan, ``processes.stop_strays``); an exec or chdir failure travels back through a CLOEXEC pipe as its errno, so the
 reason is exact (``cwd /x: ENOENT (No such file or directory)``), like subprocess does.
 
 After the main task exits, what it left behind (its process group, processes whose
@@ -60,7 +62,10 @@ Files in run_dir:
                  and errno names only (never the environment).
   shim.err       the shim's own errors (never sent to the agent through a pipe).
 
-Exit status: 0 once a receipt is written, 2 when the spec is unusable and no receipt can be written.
+Exit status: 0 once a receipt is written, 2 when the spec is unusable and no receipt can be written,
+1 when the receipt cannot be written. A full file system (ENOSPC, EDQUOT) after the task ran is
+waited out: the receipt is tried again every RECEIPT_RETRY_S seconds until it fits, so the run's
+end is never lost.
 
 It imports the C modules behind json and signal (_json, _signal) directly: the pure-Python
 json and signal modules pull in re and enum, which cost +1.2 MiB private memory and +6 ms per run
@@ -85,12 +90,15 @@ _PATH_SHOWN = 200
 PR_SET_CHILD_SUBREAPER = 36
 TASK_OOM_SCORE_ADJ = b"1000"   # the kernel's first choice in an OOM (the maximum)
 SHIM_OOM_SCORE_ADJ = b"500"    # after the task, before the agent: killing a shim loses its run
+PR_SET_PDEATHSIG = 1
+RECEIPT_RETRY_S = 1.0    # a full file system: try the receipt again this often until it fits
 ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
 
 _task_pid = 0
 _term_requested = False
 _inherited_umask = 0o022   # replaced in main() by the umask this process was started with
 _status_sent = False
+_prctl = None              # libc prctl, set by _become_subreaper; None where unavailable
 
 
 def _now_us():
@@ -348,7 +356,7 @@ def _resolve(argv0, env):
         errno.ENOENT, "not found in the task's PATH")))
 
 
-def _exec_child(cfg, path, wfd, err_w, reset):
+def _exec_child(cfg, path, wfd, err_w, reset, shim_pid):
     # In the forked child: only async-signal-safe work on our own state, then execve.
     stage = b"exec"
     try:
@@ -356,6 +364,12 @@ def _exec_child(cfg, path, wfd, err_w, reset):
             _signal.signal(sig, _signal.SIG_DFL)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
         os.setpgid(0, 0)
+        if _prctl is not None:
+            # Tied to this shim: its death (SIGKILL, OOM kill) SIGKILLs the task (kept across
+            # execve). The shim may have died before the prctl: then the parent is already another.
+            _prctl(PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != shim_pid:
+                os._exit(127)
         os.umask(cfg["umask"])
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
@@ -446,6 +460,7 @@ def _spawn(cfg, wfd):
     path = _resolve(cfg["argv"][0], cfg["env"])
     reset = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
     err_r, err_w = os.pipe()   # O_CLOEXEC: EOF as soon as the exec succeeds
+    shim_pid = os.getpid()
     try:
         pid = os.fork()
     except OSError as exc:
@@ -453,7 +468,7 @@ def _spawn(cfg, wfd):
         os.close(err_w)
         raise StartFailure("fork: %s" % _errno_text(exc.errno)) from None
     if pid == 0:
-        _exec_child(cfg, path, wfd, err_w, reset)
+        _exec_child(cfg, path, wfd, err_w, reset, shim_pid)
     os.close(err_w)
     try:
         os.setpgid(pid, pid)   # also here: the agent may signal the group before the child runs
@@ -562,11 +577,14 @@ def _reap_orphans():
 
 def _become_subreaper():
     """prctl(PR_SET_CHILD_SUBREAPER): the task's orphans are re-parented to this process, not
-    to init, so a daemonized leftover is still found. ctypes is loaded only here; False where
-    prctl is unavailable (the process group and QL3_ATTEMPT_ID still apply)."""
+    to init, so a daemonized leftover is still found. ctypes is loaded only here; it keeps
+    prctl in ``_prctl`` for the task's PR_SET_PDEATHSIG (``_exec_child``). False where prctl is
+    unavailable (the process group and QL3_ATTEMPT_ID still apply)."""
+    global _prctl
     try:
         import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        return _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError, ImportError):
         return False
 
@@ -869,12 +887,18 @@ def main():
         pass
     except OSError as exc:
         w.log_error("output.fifo not removed: %s" % exc)
-    try:
-        w.write_file_atomic("receipt.json", receipt, False)
-    except OSError as exc:
-        w.log_error("receipt not written: %s" % exc)
-        return 1
-    return 0
+    while True:
+        try:
+            w.write_file_atomic("receipt.json", receipt, False)
+            return 0
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or receipt["start_error"] is not None:
+                w.log_error("receipt not written: %s" % exc)
+                return 1
+        # The run directory's file system is full: the receipt is the run's only record, so
+        # this process waits (one sleeping PID) until there is room for it. Not after a start
+        # failure: the agent, which waits for this exit, already has the reason.
+        time.sleep(RECEIPT_RETRY_S)
 
 
 if __name__ == "__main__":

@@ -103,7 +103,11 @@ class SqliteAuthority:
                         op.result = op.fn(conn)
                         conn.execute("COMMIT")
                     except BaseException:
-                        conn.execute("ROLLBACK")
+                        # SQLITE_FULL and I/O errors may have rolled the transaction back
+                        # already: a second ROLLBACK would hide the cause behind "no
+                        # transaction is active".
+                        if conn.in_transaction:
+                            conn.execute("ROLLBACK")
                         raise
                 else:
                     op.result = op.fn(conn)

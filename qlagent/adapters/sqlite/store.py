@@ -29,6 +29,10 @@ from . import secrets as secret_rows
 from .authority import BUSY_TIMEOUT_MS, SqliteAuthority
 
 
+WAL_CHECKPOINT_PAGES = 64            # checkpoint the WAL past 64 pages (256 KiB), not 1000 (4 MiB)
+WAL_LIMIT_BYTES = 262_144            # and truncate it back to at most this after a checkpoint
+
+
 class SqliteStore(RowStore):
     """Implements ``core.ports.Store`` on one SQLite file.
 
@@ -52,6 +56,11 @@ class SqliteStore(RowStore):
         self._now = clock_us
         self.authority = SqliteAuthority(path, busy_timeout_ms)
         try:
+            # A small WAL: SQLite's default lets it grow to 4 MiB before a checkpoint, more than
+            # a router's state file system may hold (it then fills it by itself); truncated back
+            # after each checkpoint.
+            self.authority.raw(lambda c: (c.execute(f"PRAGMA wal_autocheckpoint = {WAL_CHECKPOINT_PAGES}"),
+                                          c.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")))
             if migrate:
                 self.applied: list[str] = self.authority.raw(migrations.migrate)
             else:
@@ -88,6 +97,18 @@ class SqliteStore(RowStore):
 
     def capabilities(self) -> dict[str, int]:
         return self.authority.read(migrations.check_capabilities)
+
+    def probe_write(self) -> None:
+        """Checkpoint the WAL into the database and truncate it, then one small committed write
+        (the ``store_probe`` row): returns once the store takes writes; raises
+        UnavailableError(``store_unavailable``: file system full, read-only, I/O error;
+        ``store_busy``) while it does not. On a small state file system the WAL is most of what
+        fills it (it is checkpointed only past 1000 pages, 4 MiB): truncating it gives that back."""
+        now = self._now()
+        self.authority.raw(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
+        self.authority.write(lambda c: c.execute(
+            "INSERT INTO store_probe (id, written_at_us) VALUES (1, ?) "
+            "ON CONFLICT (id) DO UPDATE SET written_at_us = excluded.written_at_us", (now,)))
 
     # ---- RunStore ------------------------------------------------------------------------------
     def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,

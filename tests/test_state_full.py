@@ -1,0 +1,116 @@
+"""A full state file system is a condition, not a crash (issue #20 point 4, freifunk-berlin
+firmware #191 kind): the state directory on a 1 MiB tmpfs mounted here (the log Artifacts
+elsewhere), a seconds schedule filling the database, then the file system filled up by a file
+of our own. A real ``qlagent serve`` must stay up, refuse to start Runs and say why, answer
+the CLI in one line, and carry on by itself once the file is removed. Root only (mount)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+from execkit import Agent, task
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: root only")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def root():
+    d = tempfile.mkdtemp(prefix="qlagent-full-")
+    state = os.path.join(d, "state")
+    os.mkdir(state, 0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", state], check=True)
+    yield d
+    subprocess.run(["umount", "-l", state], check=False)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def fill(path: str) -> None:
+    """Write ``path`` until the file system is full (ENOSPC)."""
+    with open(path, "ab", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def readyz(port: int) -> tuple[int, dict]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        c.request("GET", "/readyz")
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        c.close()
+
+
+def count(a: Agent, state: str) -> int:
+    with a.db() as c:
+        return c.execute("SELECT count(*) FROM runs WHERE state = ?", (state,)).fetchone()[0]
+
+
+def wait_until(a: Agent, predicate, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert a.proc.poll() is None, a.journal().decode()[-3000:]
+        assert time.monotonic() < deadline, f"{what}: " + a.journal().decode()[-3000:]
+        time.sleep(0.2)
+
+
+def test_a_full_state_file_system_pauses_the_agent_and_it_resumes_when_space_returns(root):
+    port = _free_port()
+    a = Agent(root, config=f'artifact_dir = "{root}/artifacts"\n[http]\nlisten = "127.0.0.1:{port}"\n')
+    a.add(task("tick", "echo tick\n", schedule=["* * * * * *"]), task("slow", "sleep 6; echo done\n", timeout_s=60))
+    a.serve(exit_after=120)
+    try:
+        wait_until(a, lambda: count(a, "succeeded") >= 2, "scheduled Runs before the file system fills")
+        slow = a.start("slow")
+        a.wait(slow, ("running",))
+        waiting = a.start("slow")                 # queued behind it (concurrency = "single")
+        with a.db() as c:               # the WAL back into the database first: the file fills the rest
+            c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        filler = os.path.join(a.state, "filler")
+        fill(filler)
+        wait_until(a, lambda: "store.unavailable" in a.journal().decode(), "the store filling up")
+        fill(filler)                    # and what the agent's own checkpoint gave back
+        time.sleep(8)                   # eight more fires due, and the slow Run ends: none may kill it
+        assert a.proc.poll() is None
+        assert a.run(slow)["state"] == "running"        # its shim holds the receipt until it fits
+        status, body = readyz(port)
+        assert status == 503 and "full" in body["checks"]["store"], body
+        p = a.cli("task", "disable", "tick", check=False)
+        assert p.returncode == 5 and p.stderr.count(b"\n") == 1 and b"full" in p.stderr, (p.returncode, p.stderr)
+        shown = a.cli("run", "show", waiting).stdout.decode()
+        assert "waiting   no Run starts: the state file system is full" in shown, shown
+        doctor = a.cli("doctor", check=False)
+        assert doctor.returncode != 0 and b"FAIL  state free space" in doctor.stdout, doctor.stdout
+        journal = a.journal().decode()
+        assert journal.count("store.unavailable") == 1 and "Traceback" not in journal, journal[-3000:]
+        done = count(a, "succeeded")
+        os.unlink(filler)                                 # space returns: no restart
+        wait_until(a, lambda: count(a, "succeeded") >= done + 3, "Runs after the space returned")
+        run = a.run(slow)
+        assert (run["state"], run["exit_code"]) == ("succeeded", 0)
+        assert a.wait(waiting)["state"] == "succeeded"
+        assert a.cli("run", "logs", slow).stdout == b"done\n"
+        status, body = readyz(port)
+        assert status == 200, body
+        assert "store.available" in a.journal().decode()
+        with a.db() as c:
+            assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        a.stop()
