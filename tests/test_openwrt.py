@@ -205,7 +205,7 @@ def test_start_hands_procd_the_instance_with_budget_drain_and_reload_signal(rout
     assert msg["method"] == "set" and list(msg["instances"]) == ["instance1"]
     assert msg["instances"]["instance1"] == {
         "command": ["/usr/bin/qlagent", "serve", "--config", conf],
-        "env": {"QLAGENT_STATE_DIR": str(router.root / "state")},
+        "env": {"QLAGENT_STATE_DIR": str(router.root / "state"), "QLAGENT_LOG": "syslog"},
         "user": "qlagent",
         "limits": {"nproc": "64 64"},
         "respawn": ["3600", "5", "5"],
