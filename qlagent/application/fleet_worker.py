@@ -78,6 +78,12 @@ CHUNK_BYTES = 262_144
 DEFAULT_PULL_WAIT_S = 20
 REPLACED_RESET_US = 60_000_000          # a Session kept this long ends the back-off of session_replaced
 NO_PIDFD_LOOK_US = 1_000_000
+# A stop (SIGTERM) ends at most this long after ``drain_grace_s``: runs still live then are
+# SIGKILLed at the latest STOP_KILL_US after it, and owed ACKs and chunks are sent until it is
+# over. The units grant ``drain_grace_s`` + 10 s (TimeoutStopSec, procd's term_timeout): the
+# rest is stop-post's TERM → 5 s → KILL of what is left.
+STOP_TAIL_US = 4_000_000
+STOP_KILL_US = 2_000_000
 
 
 def _mono_us() -> int:
@@ -387,7 +393,7 @@ class WorkerRuntime:
         if self.notify is not None:
             self.notify.stopping()
         now = self.now()
-        self.stop_deadline_us = now + self.drain_grace_us + 30_000_000
+        self.stop_deadline_us = now + self.drain_grace_us + STOP_TAIL_US
         for j in self.jobs.values():
             if j.handle is not None and j.kill_reason is None:
                 j.deadline_us = min(j.deadline_us or now, now + self.drain_grace_us)
@@ -416,6 +422,8 @@ class WorkerRuntime:
         Returns (answer, local send time µs)."""
         sent = self.now()
         limit = self.client.timeout_s
+        if self.stop_deadline_us is not None:
+            limit = min(limit, (self.stop_deadline_us - sent) / 1e6)      # a stop fits the unit's timeout
         if self.notify is not None and self.notify.watchdog_us:
             # A call blocked on a dead link must not starve the watchdog: ping if due, and wait
             # at most a quarter of WATCHDOG_USEC (pings are due every half).
@@ -642,6 +650,8 @@ class WorkerRuntime:
             j.kill_reason = reason
         self.runs.signal(j.handle, signal.SIGTERM)
         j.kill_at_us = self.now() + j.spec.grace_ms * 1000
+        if self.stop_deadline_us is not None:
+            j.kill_at_us = min(j.kill_at_us, self.stop_deadline_us - STOP_TAIL_US + STOP_KILL_US)
 
     # ---- offers ----------------------------------------------------------------------------------
     def _can_pull(self) -> bool:

@@ -939,3 +939,38 @@ def test_one_replica_without_tls_among_several_is_passed_over_and_all_of_them_is
         stop.set()
         t.join()
         srv.close()
+
+
+def test_a_stop_with_acks_owed_and_no_link_ends_inside_the_units_stop_timeout(tmp_path, cp, worker):
+    """SIGTERM with a live run and the link cut: the run is stopped after drain_grace_s, its
+    completion stays owed, and the Worker still exits before systemd's TimeoutStopSec (and
+    procd's term_timeout) would SIGKILL it: both grant drain_grace_s + the same margin."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "systemd", "qlagent.service")) as f:
+        timeout_stop_s = int(re.search(r"^TimeoutStopSec=(\d+)$", f.read(), re.M).group(1))
+    with open(os.path.join(root, "packaging", "qlagent.toml")) as f:
+        packaged_grace_s = int(re.search(r"^drain_grace_s = (\d+)$", f.read(), re.M).group(1))
+    with open(os.path.join(root, "openwrt", "qlagent", "files", "qlagent.init")) as f:
+        procd_margin_s = int(re.search(r'term_timeout "\$\(\(drain_grace_s \+ (\d+)\)\)"', f.read()).group(1))
+    margin_s = timeout_stop_s - packaged_grace_s
+    assert margin_s == procd_margin_s
+    with open(worker.cfg) as f:
+        text = f.read()
+    with open(worker.cfg, "w") as f:
+        f.write("drain_grace_s = 1\n" + text)
+    pidfile = tmp_path / "task.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; exec sleep 60")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    pid = read_pid(pidfile)
+    cp.partition(True)
+    began = time.monotonic()
+    worker.p.send_signal(signal.SIGTERM)
+    assert worker.p.wait(60) == 0, worker.journal()
+    took = time.monotonic() - began
+    assert took < 1 + margin_s, (took, worker.journal())
+    assert gone(pid) and completion(cp, aid) is None
+    cp.partition(False)
+    worker.start()                              # the completion was kept owed, and goes now
+    assert cp.wait(lambda: completion(cp, aid) is not None, 30), worker.journal()
+    assert completion(cp, aid).kill_reason == "shutdown"
