@@ -33,11 +33,14 @@ socket, a signal). Duties, in order, on every pass:
    there. Anything unanswered stays owed and is re-sent (idempotently) after a reconnect or a
    restart.
 5. **Self-fencing** (``worker.fencing``): a run whose Lease could not be renewed in time is stopped
-   (``on_lease_loss = "kill"``, the spec's; default) or kept and reported (``"keep"``). A run with
-   no renewal since this process started (restart while no replica of the control plane answers)
-   is treated the same way at once. Under ``kill`` each renewal also moves the shim's own
-   self-fencing instant (its lease file): a run whose Worker died is stopped by its shim at the
-   instant the Worker would have stopped it.
+   (``on_lease_loss = "kill"``, the spec's; default) or kept and reported (``"keep"``). Under
+   ``kill`` each renewal also moves the shim's own self-fencing instant (its lease file): a run
+   whose Worker died is stopped by its shim at the instant the Worker would have stopped it, and
+   a restarted Worker that re-attached it keeps that instant until it renews the Lease. A run
+   with no renewal and no lease file (``keep``) is reported at once when no replica answers.
+   A stopped run's log is kept and uploaded while the Lease takes chunks; a log the control
+   plane no longer takes is cut with a journaled fact (``worker.log_truncated``), never deleted
+   unsent.
 6. **Pull** (long-poll, own connection) only while a slot is free, the inbox has room and the
    Session is open; the request (pullId + fresh lease token) is kept in the inbox before it is
    sent, so a retry after a lost answer is byte-identical.
@@ -95,7 +98,7 @@ class Job:
 
     __slots__ = ("entry", "spec", "secrets", "session", "handle", "renewal", "ttl_us", "deadline_us", "kill_reason",
                  "kill_at_us", "fenced", "keep_reported", "cancel", "running_owed", "completion_owed", "uploaded",
-                 "log_done", "gone", "refetched")
+                 "log_done", "gone", "refetched", "stop_at_us")
 
     def __init__(self, entry: InboxEntry, spec: ExecutionSpec, secrets: dict[str, bytes] | None = None) -> None:
         self.entry, self.spec, self.secrets = entry, spec, secrets
@@ -103,6 +106,9 @@ class Job:
         self.session = (entry.offer.session_id, entry.offer.generation)
         self.handle = None                        # WorkerRunsPort handle of the live shim
         self.renewal: fencing.Renewal | None = None
+        # A re-attached run's stop instant read back from its shim's lease file (the Worker's
+        # monotonic µs, kept across a restart), until a renewal of this process replaces it.
+        self.stop_at_us: int | None = None
         self.ttl_us = 0
         self.deadline_us: int | None = None       # the spec's timeout, Worker monotonic µs
         self.kill_reason: str | None = None       # timeout | cancel | shutdown | None
@@ -237,6 +243,8 @@ class WorkerRuntime:
                     job.entry = self.inbox.advance(job.offer_id, "started")
                 job.handle, job.running_owed = h, True
                 job.deadline_us = self._deadline(job, h.create_time)
+                if job.spec.on_lease_loss == "kill":
+                    job.stop_at_us = self.runs.lease_deadline(aid)
                 self._watch(job)
                 counts["reattached"] += 1
             elif action == COLLECT:
@@ -254,7 +262,7 @@ class WorkerRuntime:
                 continue
             elif action == RESEND:
                 job.completion_owed = entry.outcome.get("kind") in ("completion", "start_failure")
-                job.log_done = entry.outcome.get("kind") != "completion"
+                job.log_done = entry.outcome.get("kind") not in ("completion", "fenced")
                 counts["resend"] += 1
             if job.entry.state != "acked":     # _complete closes a fenced or receipt-less run
                 self.jobs[job.offer_id] = job
@@ -355,8 +363,8 @@ class WorkerRuntime:
             times += [j.deadline_us if j.kill_reason is None else None, j.kill_at_us]
             if j.handle.pidfd is None:
                 times.append(now + NO_PIDFD_LOOK_US)
-            if j.renewal is not None and not j.fenced and not j.keep_reported:
-                times.append(fencing.stop_at_local_us(j.renewal, j.kill_grace_us))
+            if not j.fenced and not j.keep_reported:
+                times.append(self._stop_at(j))
         times = [t for t in times if t is not None]
         http_s = self.surface.next_timeout_s() if self.surface is not None else None
         if http_s is not None:
@@ -430,8 +438,8 @@ class WorkerRuntime:
             self.notify.ping_if_due(sent)
             limit = min(limit, self.notify.watchdog_us / 4e6)
         for j in self.jobs.values():
-            if j.handle is not None and j.renewal is not None and not j.fenced and j.kill_reason is None:
-                limit = min(limit, (fencing.stop_at_local_us(j.renewal, j.kill_grace_us) - sent) / 1e6)
+            if j.handle is not None and not j.fenced and j.kill_reason is None and self._stop_at(j) is not None:
+                limit = min(limit, (self._stop_at(j) - sent) / 1e6)
         ans = self.client.request(method, path, body, content_type, headers, timeout_s=max(0.2, limit))
         if self.unreachable:
             # The control plane answers again: what waited for the link goes now.
@@ -488,8 +496,9 @@ class WorkerRuntime:
         ``starting`` ACK) first, then completed rows still owing their completion or log chunks,
         then ``received`` rows: one whose ``starting`` ACK the control plane applied (its answer
         lost) is adopted and goes on (ACK replayed, barrier, spawn; never ``lost``); one still
-        claimed is refused ``not_started`` and re-offered, as if it had not been named."""
-        held = [j for j in self.jobs.values() if not j.gone and not j.fenced]     # a fenced run is being stopped
+        claimed is refused ``not_started`` and re-offered, as if it had not been named. A run
+        being stopped for its Lease is not named; once it ended, its row is (its log still owed)."""
+        held = [j for j in self.jobs.values() if not j.gone and (not j.fenced or j.entry.state == "completed")]
         rows = [j for j in held if j.entry.state in ("barrier", "started")]
         rows += [j for j in held if j.entry.state == "completed"]
         rows += [j for j in held if j.entry.state == "received"]
@@ -618,7 +627,13 @@ class WorkerRuntime:
                     self._stop(j, "shutdown" if self.stopping else "timeout")
             if j.fenced or j.gone or j.entry.state not in ("received", "barrier", "started"):
                 continue
-            if j.renewal is None:
+            if j.renewal is None and j.stop_at_us is not None:
+                # Re-attached after a restart: the instant this run's shim would stop it is
+                # the Lease's own (kept across the restart), not the first failed connect.
+                if now < j.stop_at_us:
+                    continue
+                d = fencing.FenceDecision(action=fencing.STOP, stop_at_local_us=j.stop_at_us)
+            elif j.renewal is None:
                 if j.handle is None or self.session is not None or self.failures["connect"] < self.client.replicas:
                     continue
                 # Re-attached after a restart and no replica answered (one failed connect per
@@ -781,6 +796,13 @@ class WorkerRuntime:
                                         expires_at_us=ans.server_now_us + self._ttl(j))
             self._tell_shim(j)
         return msgspec.json.decode(ans.body, type=AckResult)
+
+    def _stop_at(self, j: Job) -> int | None:
+        """When the Worker must begin to stop ``j`` for its Lease (monotonic µs): from its last
+        renewal, else (re-attached) the instant its shim's lease file holds, else None."""
+        if j.renewal is not None:
+            return fencing.stop_at_local_us(j.renewal, j.kill_grace_us)
+        return j.stop_at_us
 
     def _lease_stop_at(self, j: Job) -> int | None:
         """The shim's self-fencing instant for ``j`` (µs): the Worker's own stop instant under
@@ -982,10 +1004,15 @@ class WorkerRuntime:
             j.fenced = True
             self.counts["fenced"] += 1
             self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="killed_by_shim")
-        if j.fenced or receipt is None:
-            # A fenced run's Lease is lost (no completion is sent; the Attempt is re-offered);
-            # a shim that died without a receipt leaves the ending to the control plane's sweeper.
+        if receipt is None or (j.fenced and j.gone):
+            # A shim that died without a receipt leaves the ending to the control plane's
+            # sweeper; a Lease the control plane already ended takes no more chunks.
             self._close_row(j, {"kind": "fenced" if j.fenced else "lost"})
+            return
+        if j.fenced:
+            # Self-fenced before its Lease expired: no completion is sent (the Attempt is
+            # re-offered), but the log goes up while the Lease still takes chunks.
+            j.entry = self.inbox.advance(j.offer_id, "completed", {"kind": "fenced"})
             return
         if receipt.start_error:
             self._start_failed(j, start_code(receipt.start_error))
@@ -1037,6 +1064,12 @@ class WorkerRuntime:
         not allow still raises IllegalInboxTransition."""
         if j.entry.state != "acked":
             j.entry = self.inbox.advance(j.offer_id, "acked")
+            unsent = self.runs.log_size(j.attempt_id) - j.uploaded
+            if not j.log_done and unsent > 0:
+                # The control plane no longer takes this Lease's chunks: the log is cut where it
+                # stands there, and the cut recorded (never deleted unsent without a word).
+                self.log("warning", "worker.log_truncated", attempt=j.attempt_id, bytes_dropped=unsent,
+                         bytes_kept=j.uploaded, reason="lease_gone")
             self.runs.prune(j.attempt_id)
         self.jobs.pop(j.offer_id, None)
 

@@ -164,6 +164,9 @@ class WorkerRunsPort(Protocol):
     def set_lease_deadline(self, attempt_id: str, stop_at_us: int) -> bool:
         """Renew the shim's self-fencing instant (µs); False if the lease file is not writable."""
 
+    def lease_deadline(self, attempt_id: str) -> int | None:
+        """The shim's self-fencing instant last written (CLOCK_MONOTONIC µs), or None."""
+
     def reattach(self, attempt_id: str):
         """The live shim of an earlier Worker process, or None."""
 

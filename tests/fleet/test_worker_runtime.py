@@ -974,3 +974,77 @@ def test_a_stop_with_acks_owed_and_no_link_ends_inside_the_units_stop_timeout(tm
     worker.start()                              # the completion was kept owed, and goes now
     assert cp.wait(lambda: completion(cp, aid) is not None, 30), worker.journal()
     assert completion(cp, aid).kill_reason == "shutdown"
+
+
+def test_a_worker_restarted_during_a_cut_keeps_the_reattached_run_for_its_whole_lease(tmp_path):
+    """Link down, Worker SIGKILLed and restarted with the link still down: the re-attached run
+    is not stopped before the instant its Lease (kept in the shim's lease file) says; the link
+    returns in time, the new Session adopts it and it completes with its whole log."""
+    stub = StubControlPlane(str(tmp_path), lease_ttl_s=30, session_ttl_s=30)
+    stub.url = stub.start()
+    w = Worker(tmp_path, stub, stub.url)
+    stopfile, pidfile = tmp_path / "stop", tmp_path / "task.pid"
+    try:
+        aid = stub.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; "
+                                                   f"while [ ! -e {stopfile} ]; do echo tick; sleep 0.2; done; echo done")
+        w.start()
+        assert stub.wait(lambda: "running" in stub.acks_of(aid), 30)
+        pid = read_pid(pidfile)
+        stub.wait(lambda: False, 1.5)                       # a heartbeat renewed the Lease
+        stub.partition(True)
+        w.kill()
+        lease_file = os.path.join(w.state, "worker-runs", aid, "lease")
+        with open(lease_file) as f:
+            stop_at_s = int(f.read()) / 1e6                 # CLOCK_MONOTONIC, as time.monotonic()
+        w.start()
+        assert stop_at_s - time.monotonic() > 15            # the Lease has most of its 30 s left
+        stub.wait(lambda: False, 4)                         # the restarted Worker's connects fail
+        assert not gone(pid), w.journal()
+        stub.partition(False)
+        assert stub.wait(lambda: len(stub.hellos) == 2, stop_at_s - time.monotonic()), w.journal()
+        assert not gone(pid) and "worker.lease_lost" not in w.journal(), w.journal()
+        stopfile.touch()
+        assert stub.wait(lambda: completion(stub, aid) is not None, 30), w.journal()
+        assert completion(stub, aid).exit_code == 0
+        assert stub.wait(lambda: stub.log_of(aid).endswith(b"tick\ndone\n"), 20)
+        assert set(stub.log_of(aid).splitlines()) == {b"tick", b"done"}
+    finally:
+        w.stop()
+        stub.stop()
+
+
+def test_a_run_fenced_for_its_lease_keeps_its_log_until_cut_with_a_recorded_fact(tmp_path):
+    """A cut past the Lease: the Worker stops the run before the Lease expires; its log, never
+    uploaded, is not deleted silently: once the control plane says the Lease is gone, the cut
+    is journaled with the bytes the control plane holds and the bytes dropped."""
+    stub = StubControlPlane(str(tmp_path), lease_ttl_s=8, session_ttl_s=8)
+    stub.url = stub.start()
+    w = Worker(tmp_path, stub, stub.url)
+    pidfile = tmp_path / "task.pid"
+    try:
+        aid = stub.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; head -c 300000 /dev/zero | tr '\\0' x; "
+                                                   "while :; do echo tick; sleep 0.1; done")
+        w.start()
+        assert stub.wait(lambda: "running" in stub.acks_of(aid), 30)
+        pid = read_pid(pidfile)
+        assert stub.wait(lambda: len(stub.log_of(aid)) == 262_144, 20)      # one whole chunk went up
+        stub.partition(True)
+        end = time.monotonic() + 20
+        while time.monotonic() < end and not gone(pid):
+            time.sleep(0.05)
+        assert gone(pid) and "action=kill" in w.journal()
+        log = os.path.join(w.state, "worker-runs", aid, "output.log")
+        size = os.path.getsize(log)
+        assert size > 262_144                               # kept after the stop, not deleted
+        assert stub.wait(lambda: stub.lease(aid)["expires"] < time.time_ns() // 1000, 20)
+        stub.partition(False)
+        assert stub.wait(lambda: "worker.log_truncated" in w.journal(), 30), w.journal()
+        line = next(ln for ln in w.journal().splitlines() if "worker.log_truncated" in ln)
+        held = len(stub.log_of(aid))
+        assert f"attempt={aid}" in line and f"bytes_kept={held}" in line and f"bytes_dropped={size - held}" in line
+        assert "reason=lease_gone" in line
+        assert stub.wait(lambda: not os.path.exists(log), 10)
+        assert completion(stub, aid) is None
+    finally:
+        w.stop()
+        stub.stop()
