@@ -129,7 +129,7 @@ class WorkerRuns:
         except UnicodeDecodeError:
             raise StartError("a secret value is not UTF-8 text", code="secret_unusable") from None
         identity = {"QL3_RUN_ID": spec.run_id, "QL3_ATTEMPT_ID": aid, "QL3_PROJECT_ID": spec.project_id,
-                    "QL3_TASK_ID": spec.task_id,
+                    "QL3_TASK_ID": spec.task_id, "QL3_TASK_NAME": spec.task_name,
                     "QL3_TASK_REVISION": str(spec.task_revision)}
         env = {**self._baseline, **spec.env, **plain, **identity}
         argv = list(spec.argv) if spec.kind == "local_process" else [spec.shell, "-c", spec.script]
