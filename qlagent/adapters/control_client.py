@@ -19,11 +19,14 @@ retry on another replica is safe. Every answer's ``X-Qlagent-Server-Now-Us``
 Errors: the documented codes become the typed errors of ``core.control`` carrying
 ``code``, ``field``, ``status``, ``retry_after_s`` and ``next_offset`` (409 chunk answers);
 a refused TLS handshake is ``ControlTlsError`` with one line naming ``ca_file``; anything that
-prevents an answer (refused, reset, timeout) is ``ControlUnreachable``.
+prevents an answer (refused, reset, timeout, DNS) is ``ControlUnreachable`` — also a
+certificate "not yet valid"/"expired" while this host's clock is before qlagent's build date
+(``build_date_s``; code ``clock_not_set``): the clock is wrong, not the configuration.
 """
 
 from __future__ import annotations
 
+import functools
 import http.client
 import os
 import re
@@ -31,6 +34,7 @@ import select
 import socket
 import ssl
 import stat
+import time
 
 import msgspec
 
@@ -50,6 +54,34 @@ TICKET_WAIT_S = 0.1
 FINISH_READ_S = 0.5
 SERVER_NOW = "X-Qlagent-Server-Now-Us"
 API = "/api/v3/cluster/workers"
+# OpenSSL's X509_V_ERR_CERT_NOT_YET_VALID / X509_V_ERR_CERT_HAS_EXPIRED
+CERT_NOT_YET_VALID, CERT_HAS_EXPIRED = 9, 10
+CLOCK_NOT_SET = "clock_not_set"
+
+
+@functools.cache
+def build_date_s() -> float:
+    """This qlagent's build date (s since the epoch): the newest modification time of the
+    installed package's files. dpkg and opkg unpack them with the times of the build, a source
+    checkout gives its last edit. A clock earlier than that is not set (a router without a
+    battery-backed clock boots at 1970 until NTP answers)."""
+    newest = 0.0
+    for root, _dirs, files in os.walk(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+        for name in files:
+            try:
+                newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
+            except OSError:
+                continue
+    return newest
+
+
+def clock_plausible() -> bool:
+    """Is the wall clock at or after this qlagent's build date (``build_date_s``)?"""
+    return time.time() >= build_date_s()
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 class _ErrorBody(msgspec.Struct):
@@ -125,6 +157,11 @@ class ControlClient:
         self.timeout_s = timeout_s
         self._rpc: http.client.HTTPConnection | None = None
         self._poll: http.client.HTTPConnection | None = None
+
+    @staticmethod
+    def clock_plausible() -> bool:
+        """Is this host's wall clock at or after qlagent's build date (``build_date_s``)?"""
+        return clock_plausible()
 
     def __repr__(self) -> str:
         scheme, host, port = self._endpoints[self._at]
@@ -326,6 +363,14 @@ def healthz(url: str, ctx: ssl.SSLContext | None, timeout_s: float = DEFAULT_TIM
 def no_answer(e: BaseException, host: str, port: int) -> ControlError:
     """The typed error for a request to ``host:port`` that got no answer (``ControlTlsError``
     naming ``worker.ca_file``, else ``ControlUnreachable``); re-raises what is not an error."""
+    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_code in (CERT_NOT_YET_VALID, CERT_HAS_EXPIRED) \
+            and not clock_plausible():
+        # Not a configuration error: this host's clock is wrong (no RTC, NTP not answered yet);
+        # the same certificate will do once the clock is set.
+        what = "not yet valid" if e.verify_code == CERT_NOT_YET_VALID else "expired"
+        return ControlUnreachable(f"control plane {host}:{port}: certificate {what} by this host's clock "
+                                  f"({_utc(time.time())}), which is before qlagent's build date "
+                                  f"({_utc(build_date_s())}): the clock is not set", code=CLOCK_NOT_SET)
     if isinstance(e, ssl.SSLCertVerificationError):
         return ControlTlsError(f"control plane {host}:{port}: certificate refused "
                                f"({e.verify_message}); worker.ca_file must hold the CA that signed it",

@@ -80,6 +80,8 @@ from ..worker import backoff, fencing, heartbeat, pacing
 CHUNK_BYTES = 262_144
 DEFAULT_PULL_WAIT_S = 20
 REPLACED_RESET_US = 60_000_000          # a Session kept this long ends the back-off of session_replaced
+NOT_READY_LOG_US = 60_000_000           # while stuck (no Session, refused credential), say why this often
+CLOCK_LOOK_US = 1_000_000               # a clock that is not set is looked at again this often (local only)
 NO_PIDFD_LOOK_US = 1_000_000
 # A stop (SIGTERM) ends at most this long after ``drain_grace_s``: runs still live then are
 # SIGKILLed at the latest STOP_KILL_US after it, and owed ACKs and chunks are sent until it is
@@ -182,6 +184,12 @@ class WorkerRuntime:
         self.unreachable = False                        # the last failure had no answer at all
         self.connected_once = False
         self.tls_refusals = 0                           # start-up connects refused by TLS in a row
+        # Why the Worker is not ready ((code, one line)): the last hello that failed while it has
+        # no Session, or a credential refused (401/403) even with one. None once a hello or
+        # heartbeat is answered.
+        self.blocked: tuple[str, str] | None = None
+        self.next_blocked_log_us = 0
+        self.clock_wait = False                         # a hello failed on a clock that is not set
         self.next_connect_us = 0
         self.next_beat_us = 0
         self.next_send_us = 0                           # owed sends wait here after a failure
@@ -213,7 +221,9 @@ class WorkerRuntime:
         connecting), ``draining``, ``slots``, ``freeSlots``, ``liveRuns`` (spawned, not ended),
         ``inbox`` ({rows, bytes, maxRows, maxBytes, open}: rows and spec bytes kept, their caps,
         rows not yet acknowledged), ``counts`` (since start: spawned, reattached, completed,
-        fenced, pulls). Never a credential, lease token, command or environment."""
+        fenced, pulls), ``blocked`` (None, or {code, error}: why it cannot work — the last failed
+        hello while it has no Session, a credential the control plane refuses). Never a
+        credential, lease token, command or environment."""
         live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
         rows, used = self.inbox.usage()
         sid_gen = self.session
@@ -223,7 +233,8 @@ class WorkerRuntime:
                 "liveRuns": sum(1 for j in self.jobs.values() if j.handle is not None),
                 "inbox": {"rows": rows, "bytes": used, "maxRows": self.inbox.max_rows,
                           "maxBytes": self.inbox.max_bytes, "open": len(self.jobs)},
-                "counts": dict(self.counts)}
+                "counts": dict(self.counts),
+                "blocked": None if self.blocked is None else {"code": self.blocked[0], "error": self.blocked[1]}}
 
     # ---- start -----------------------------------------------------------------------------------
     def recover(self) -> dict[str, int]:
@@ -325,6 +336,10 @@ class WorkerRuntime:
     def tick(self) -> None:
         """One pass over the duties (module docstring)."""
         now = self.now()
+        if self.clock_wait and self.client.clock_plausible():
+            # The clock was set (NTP): the hello goes now, not after the back-off.
+            self.clock_wait = False
+            self.failures["connect"], self.next_connect_us = 0, now
         if self.session is None and not self.stopping and now >= self.next_connect_us:
             self._connect()
         if self.session is not None and now >= self.next_beat_us:
@@ -350,6 +365,7 @@ class WorkerRuntime:
     def _timeout_s(self) -> float | None:
         now = self.now()
         times = [self.next_connect_us if self.session is None and not self.stopping else None,
+                 now + CLOCK_LOOK_US if self.clock_wait else None,
                  self.next_beat_us if self.session is not None else None,
                  self.stop_deadline_us, self.notify.next_ping_us(now) if self.notify is not None else None,
                  self.exit_at_us if not self.stopping else None]
@@ -458,6 +474,7 @@ class WorkerRuntime:
             self.session = (grant.session_id, grant.generation)
             self.session_opened_us = self.now()
             self.connected_once = True
+            self._unblocked()
             self.failures["connect"] = 0
             self.next_beat_us = self.now() + self._beat_delay_us()
             self.next_send_us = self.next_pull_us = 0
@@ -486,9 +503,26 @@ class WorkerRuntime:
                 why = e.message.rsplit(": ", 1)[-1]
                 raise ValidationError(field, f"{why}; `qlagent workers enroll` decides what a Worker may claim") from None
             self._fail(e, "connect")
+            self.clock_wait = e.code == "clock_not_set"
+            self._block(e)
         except msgspec.DecodeError:
             self.session = None
             self._fail(ControlUnreachable("unreadable SessionGrant"), "connect")
+
+    def _block(self, e: ControlError) -> None:
+        """The Worker cannot work for ``e`` (no Session, or its credential refused): /readyz says
+        so, and the journal once a minute while it lasts (``worker.not_ready``)."""
+        self.blocked = (e.code, str(e))
+        now = self.now()
+        if now >= self.next_blocked_log_us:
+            self.next_blocked_log_us = now + NOT_READY_LOG_US
+            level = "err" if isinstance(e, (ControlTlsError, ControlAuthError)) else "warning"
+            self.log(level, "worker.not_ready", code=e.code, error=str(e))
+
+    def _unblocked(self) -> None:
+        if self.blocked is not None:
+            self.log("info", "worker.unblocked", was=self.blocked[0])
+        self.blocked, self.next_blocked_log_us = None, 0
 
     def _adopt_claims(self) -> list[AdoptClaim]:
         """The Leases a new Session is asked to adopt (at most ``MAX_ADOPT``): rows whose run was
@@ -572,11 +606,14 @@ class WorkerRuntime:
             delay_us = self._beat_delay_us()
             self.next_beat_us = self.now() + delay_us
             self._fail(e, "heartbeat", delay_us / 1e6)
+            if isinstance(e, ControlAuthError):
+                self._block(e)
             return
         except msgspec.DecodeError:
             return
         self.next_beat_us = self.now() + self._beat_delay_us()
         self.failures["heartbeat"] = 0
+        self._unblocked()
         if self.replaced and self.now() - self.session_opened_us >= REPLACED_RESET_US:
             self.replaced = 0               # ours for a while: the other process is gone
         renewed = {x.attempt_id: x.expires_at_us for x in hb.leases}

@@ -37,7 +37,8 @@ class ControlError(QlError):
 
 
 class ControlUnreachable(ControlError):
-    """No answer: connection refused/reset, DNS, timeout. Retry with backoff."""
+    """No answer: connection refused/reset, DNS, timeout, or (code ``clock_not_set``) a
+    certificate outside its dates by a clock that is not set. Retry with backoff."""
 
     code = "control_unreachable"
 
@@ -138,6 +139,9 @@ class ControlPort(Protocol):
 
     def finish_poll(self) -> Answer:
         """The Pull's answer once the fd is readable."""
+
+    def clock_plausible(self) -> bool:
+        """Is the wall clock at or after the package's build date (a clock before it is not set)?"""
 
     def abort_poll(self) -> None:
         """Drop the Pull's connection (its answer is lost; the request is retried)."""

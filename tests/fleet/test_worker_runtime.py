@@ -1048,3 +1048,44 @@ def test_a_run_fenced_for_its_lease_keeps_its_log_until_cut_with_a_recorded_fact
     finally:
         w.stop()
         stub.stop()
+
+
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+@pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed")
+def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_once_it_is_set(tmp_path, cp):
+    """A router without a battery-backed clock boots at 1970: every replica's certificate is
+    "not yet valid". That is not bad config (exit 2, never restarted by procd): the Worker stays
+    up and not ready, says the clock is before qlagent's build date, and joins once NTP sets it.
+    libfaketime reads the offset from a file the test rewrites (its monotonic clock moves with
+    it, forward only; stat() times stay real, as the package's files are)."""
+    port = _free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    offset = tmp_path / "faketime"
+    offset.write_text("-20000d\n")                              # 1972
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+    env.update(LD_PRELOAD=FAKETIME_LIB, FAKETIME_TIMESTAMP_FILE=str(offset), FAKETIME_NO_CACHE="1",
+               NO_FAKE_STAT="1")
+    w.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "serve"],
+                           stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
+    try:
+        assert _wait_http(port, "/healthz") == (200, {"status": "ok"}), w.journal()
+        assert cp.wait(lambda: "clock_not_set" in w.journal(), 20), w.journal()
+        cp.wait(lambda: False, 3)                               # several hellos refused by TLS meanwhile
+        assert w.p.poll() is None, w.journal()                  # not exit 2: the clock is not config
+        status, body = _http(port, "/readyz")
+        assert status == 503 and body["checks"]["control"].startswith("clock_not_set: "), body
+        line = next(ln for ln in w.journal().splitlines() if "worker.not_ready" in ln)
+        assert re.search(r"clock \(197\d-\d\d-\d\dT[\d:]+Z\), which is before qlagent's build date \(20\d\d-", line), line
+        assert "worker.ca_file" not in line and cp.sessions == {}
+        offset.write_text("+0\n")                               # NTP sets the clock
+        assert cp.wait(lambda: len(cp.sessions) == 1, 20), w.journal()
+        end = time.monotonic() + 10
+        while _http(port, "/readyz")[0] != 200 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert _http(port, "/readyz")[0] == 200, w.journal()
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
