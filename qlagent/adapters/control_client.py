@@ -320,10 +320,10 @@ class ControlClient:
         """The typed error for a request to replica ``endpoint`` that got no answer. The next
         connection goes to the replica after it, unless the other connection already moved on
         (both failing on one dead replica move once, not twice)."""
-        _, host, port = self._endpoints[endpoint]
+        scheme, host, port = self._endpoints[endpoint]
         if endpoint == self._at:
             self._at = (endpoint + 1) % len(self._endpoints)
-        return no_answer(e, host, port)
+        return no_answer(e, host, port, scheme)
 
     # -- doctor ------------------------------------------------------------------------------------
     def describe(self) -> WorkerInfo:
@@ -355,12 +355,12 @@ def healthz(url: str, ctx: ssl.SSLContext | None, timeout_s: float = DEFAULT_TIM
         resp.read(MAX_ANSWER_BYTES)
         return resp.status
     except BaseException as e:
-        raise no_answer(e, host, port) from None
+        raise no_answer(e, host, port, scheme) from None
     finally:
         conn.close()
 
 
-def no_answer(e: BaseException, host: str, port: int) -> ControlError:
+def no_answer(e: BaseException, host: str, port: int, scheme: str = "https") -> ControlError:
     """The typed error for a request to ``host:port`` that got no answer (``ControlTlsError``
     naming ``worker.ca_file``, else ``ControlUnreachable``); re-raises what is not an error."""
     if isinstance(e, ssl.SSLCertVerificationError) and e.verify_code in (CERT_NOT_YET_VALID, CERT_HAS_EXPIRED) \
@@ -389,6 +389,10 @@ def no_answer(e: BaseException, host: str, port: int) -> ControlError:
         what = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
         if isinstance(e, OSError) and e.strerror and what != "timed out":
             what += f" ({e.strerror})"
+        if scheme == "http" and isinstance(e, (ConnectionResetError, http.client.RemoteDisconnected,
+                                               http.client.BadStatusLine)):
+            # A TLS listener resets a plain HTTP request: the likely cause is the URL's scheme.
+            what += f"; if {host}:{port} serves TLS, worker.control_url must say https://"
         return ControlUnreachable(f"control plane {host}:{port}: {what}")
     if isinstance(e, Exception):
         return ControlUnreachable(f"control plane {host}:{port}: {type(e).__name__}")

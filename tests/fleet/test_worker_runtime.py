@@ -1089,3 +1089,38 @@ def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_on
     finally:
         if w.p.poll() is None:
             w.kill()
+
+
+def test_a_worker_holding_another_workers_credential_says_it_is_stuck(tmp_path, cp):
+    """403 worker_mismatch on every hello: the Worker keeps retrying (the credential may be
+    replaced) but /readyz and the journal say why it cannot work, not just "connecting"."""
+    port = _free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    _, other = cp.enrol()
+    write_credential(w.cred, other)
+    w.start()
+    try:
+        assert cp.wait(lambda: sum(r[2] == 403 for r in cp.requests) >= 3, 30), w.journal()
+        status, body = _wait_http(port, "/readyz")
+        assert status == 503 and body["checks"]["control"].startswith("worker_mismatch: 403"), body
+        assert _http(port, "/api/v3/worker")[1]["blocked"]["code"] == "worker_mismatch"
+        stuck = [ln for ln in w.journal().splitlines() if "worker.not_ready" in ln]
+        assert len(stuck) == 1 and " ERR " in f" {stuck[0]} " and "code=worker_mismatch" in stuck[0], w.journal()
+        assert w.p.poll() is None and w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def test_plain_http_to_a_tls_port_hints_at_https(tmp_path, cp):
+    port = int(cp.url.rsplit(":", 1)[1])
+    w = Worker(tmp_path, cp, f"http://127.0.0.1:{port}")
+    w.start()
+    try:
+        assert cp.wait(lambda: "worker.not_ready" in w.journal(), 20), w.journal()
+        line = next(ln for ln in w.journal().splitlines() if "worker.not_ready" in ln)
+        assert f"127.0.0.1:{port} serves TLS, worker.control_url must say https://" in line, line
+        assert w.p.poll() is None and w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
