@@ -122,13 +122,18 @@ def read_credential(path: str) -> str:
 
 def tls_context(ca_file: str) -> ssl.SSLContext:
     """A client context trusting only ``ca_file`` (PEM), TLS ≥ 1.2, host names checked.
-    Raises ValidationError(field="worker.ca_file") when it cannot be loaded."""
+    Raises ValidationError(field="worker.ca_file") when it cannot be loaded or holds no CA
+    certificate (a server's own certificate there would refuse every replica)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)      # verify_mode CERT_REQUIRED, check_hostname on
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         ctx.load_verify_locations(cafile=ca_file)
     except (OSError, ssl.SSLError) as e:
         raise ValidationError("worker.ca_file", f"{ca_file}: not a readable PEM CA ({type(e).__name__})") from None
+    if not ctx.cert_store_stats()["x509_ca"]:
+        raise ValidationError("worker.ca_file", f"{ca_file}: holds no CA certificate (basicConstraints CA:TRUE); "
+                                                "the CA that signed the control plane's certificate goes here, "
+                                                "not that certificate")
     return ctx
 
 

@@ -1124,3 +1124,19 @@ def test_plain_http_to_a_tls_port_hints_at_https(tmp_path, cp):
     finally:
         if w.p.poll() is None:
             w.kill()
+
+
+def test_a_server_certificate_given_as_the_ca_is_refused_by_config_check_and_serve_alike(tmp_path, cp):
+    """worker.ca_file holding the replica's own certificate (not its CA): `config check` said
+    "config ok" and serve then stopped on every replica's TLS refusal; both now refuse the file
+    itself, with the same one line, before anything is written or sent."""
+    w = Worker(tmp_path, cp, cp.url, ca_file=cp.cert)
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
+                       capture_output=True, env=env, timeout=60)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p
+    assert lines[0].startswith(f"qlagent: error: worker.ca_file: {cp.cert}: holds no CA certificate"), lines
+    assert w.start().p.wait(30) == 2
+    assert w.journal().strip().splitlines() == lines and not os.path.exists(w.state)
+    assert cp.requests == []
