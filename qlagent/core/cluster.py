@@ -447,6 +447,9 @@ class ExecutionSpec(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
     project_id: str
     task_id: str
     task_revision: int
+    # The Task's name at that revision (QL3_TASK_NAME, as a local launch); "" from a replica
+    # older than the field.
+    task_name: str = ""
     executor_type: str                 # what the Worker runs, e.g. local_process
     kind: str                          # local_process (argv) | shell (shell -c script)
     argv: tuple[str, ...] = ()
