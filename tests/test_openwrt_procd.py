@@ -160,7 +160,10 @@ def reloads(router, pid: int) -> int:
 def test_a_good_uci_change_reaches_the_agent_as_sighup_through_the_trigger(router):
     pid = router.pid() or router.start()
     before = reloads(router, pid)
-    router.uci_commit("drain_grace_s=25")
+    router.ok("reload_config; uci set qlagent.main.drain_grace_s=25; uci commit qlagent")
+    time.sleep(4)           # the uci CLI only writes /etc/config/qlagent: procd hears nothing
+    assert reloads(router, pid) == before and router.instance()["term_timeout"] == 30
+    router.ok("reload_config")          # the config.change event (LuCI's apply sends it too)
     wait(lambda: reloads(router, pid) == before + 1, 30, "no config.reloaded after uci commit + reload_config")
     inst = router.instance()
     assert inst["pid"] == pid and inst["term_timeout"] == 35
