@@ -324,6 +324,26 @@ def test_a_worker_at_1970_retries_in_process_and_joins_when_the_clock_is_set(rou
         fake.write_text("")
 
 
+def test_a_worker_without_dns_retries_in_process_and_joins_when_names_resolve(router, cp):
+    hosts = router.root / "etc" / "hosts"
+    saved = hosts.read_text()
+    wid = as_worker(router, cp, cp.ca_file)          # control_url https://localhost:PORT
+    hosts.write_text("")                             # no name resolves yet (no resolv.conf either)
+    try:
+        pid = router.start()
+        seen = watch_pids(router, 20)
+        assert seen == [pid], f"procd respawned the Worker without DNS: pids {seen}"
+        assert any("worker.connect_failed code=control_unreachable" in ln and "name resolution" in ln
+                   for ln in router.log() if f"qlagent[{pid}]" in ln)
+        hosts.write_text(saved)                      # the name resolves now
+        t0 = time.monotonic()
+        wait(lambda: cp.workers[wid]["session"] is not None, 120, "the Worker did not join once names resolved")
+        print(f"joined {time.monotonic() - t0:.1f} s after names resolved")
+        assert router.pid() == pid
+    finally:
+        hosts.write_text(saved)
+
+
 def test_a_real_worker_config_error_is_reported_once_per_start_and_procd_stops_respawning(router, cp, tmp_path):
     from stubcp import make_ca
     other = tmp_path / "other"
