@@ -54,8 +54,11 @@ TICKET_WAIT_S = 0.1
 FINISH_READ_S = 0.5
 SERVER_NOW = "X-Qlagent-Server-Now-Us"
 API = "/api/v3/cluster/workers"
-# OpenSSL's X509_V_ERR_CERT_NOT_YET_VALID / X509_V_ERR_CERT_HAS_EXPIRED
+# OpenSSL's X509_V_ERR_CERT_NOT_YET_VALID / X509_V_ERR_CERT_HAS_EXPIRED, and the host name /
+# IP address mismatches
 CERT_NOT_YET_VALID, CERT_HAS_EXPIRED = 9, 10
+NAME_MISMATCH = (62, 64)
+PROBE_TIMEOUT_S = 2.0
 CLOCK_NOT_SET = "clock_not_set"
 
 
@@ -328,7 +331,7 @@ class ControlClient:
         scheme, host, port = self._endpoints[endpoint]
         if endpoint == self._at:
             self._at = (endpoint + 1) % len(self._endpoints)
-        return no_answer(e, host, port, scheme)
+        return no_answer(e, host, port, scheme, self._ctx)
 
     # -- doctor ------------------------------------------------------------------------------------
     def describe(self) -> WorkerInfo:
@@ -360,14 +363,68 @@ def healthz(url: str, ctx: ssl.SSLContext | None, timeout_s: float = DEFAULT_TIM
         resp.read(MAX_ANSWER_BYTES)
         return resp.status
     except BaseException as e:
-        raise no_answer(e, host, port, scheme) from None
+        raise no_answer(e, host, port, scheme, ctx) from None
     finally:
         conn.close()
 
 
-def no_answer(e: BaseException, host: str, port: int, scheme: str = "https") -> ControlError:
-    """The typed error for a request to ``host:port`` that got no answer (``ControlTlsError``
-    naming ``worker.ca_file``, else ``ControlUnreachable``); re-raises what is not an error."""
+def _peer_certificate(host: str, port: int, ctx: ssl.SSLContext | None, verify: bool):
+    """What ``host:port`` presents, for an error message only: with ``verify`` the decoded
+    certificate (chain checked against ``ctx``'s CAs, the host name not), else its DER bytes;
+    None when it cannot be had (no second connection is worth more than the first error)."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    probe.check_hostname = False
+    try:
+        if verify:
+            probe.load_verify_locations(cadata=b"".join(ctx.get_ca_certs(binary_form=True)))
+        else:
+            probe.verify_mode = ssl.CERT_NONE
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S) as raw, \
+                probe.wrap_socket(raw, server_hostname=host) as s:
+            return s.getpeercert(binary_form=not verify)
+    except (OSError, ssl.SSLError, ValueError, AttributeError):
+        return None
+
+
+def _der_validity(der: bytes) -> tuple[str, str] | None:
+    """(notBefore, notAfter) of a DER certificate as ISO UTC strings, or None (a bare walk of
+    TBSCertificate: version?, serial, signature, issuer, validity; no parser on a router)."""
+    def tlv(i):
+        tag, n = der[i], der[i + 1]
+        i += 2
+        if n & 0x80:
+            k = n & 0x7F
+            n, i = int.from_bytes(der[i:i + k], "big"), i + k
+        return tag, i, i + n
+
+    def when(tag, a, b):
+        t = der[a:b].decode("ascii")
+        if tag == 0x17:                                 # UTCTime YYMMDDHHMMSSZ
+            t = ("19" if int(t[:2]) >= 50 else "20") + t
+        return f"{t[:4]}-{t[4:6]}-{t[6:8]}T{t[8:10]}:{t[10:12]}:{t[12:14]}Z"
+    try:
+        _, i, _ = tlv(0)
+        _, i, _ = tlv(i)                                # TBSCertificate
+        if der[i] == 0xA0:
+            i = tlv(i)[2]
+        for _ in range(3):                              # serial, signature, issuer
+            i = tlv(i)[2]
+        _, i, _ = tlv(i)                                # validity
+        t1, a1, b1 = tlv(i)
+        t2, a2, b2 = tlv(b1)
+        return when(t1, a1, b1), when(t2, a2, b2)
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def no_answer(e: BaseException, host: str, port: int, scheme: str = "https",
+              ctx: ssl.SSLContext | None = None) -> ControlError:
+    """The typed error for a request to ``host:port`` that got no answer; re-raises what is not
+    an error. A refused certificate is ``ControlTlsError`` saying what is wrong: not signed by
+    the CA in ``worker.ca_file``; signed by it but naming other hosts (its names, from a second
+    handshake with ``ctx``'s CAs; field ``worker.control_url``); outside its dates (the dates
+    and this host's clock; a clock before the build date is ``ControlUnreachable``
+    ``clock_not_set`` instead). Anything else without an answer is ``ControlUnreachable``."""
     if isinstance(e, ssl.SSLCertVerificationError) and e.verify_code in (CERT_NOT_YET_VALID, CERT_HAS_EXPIRED) \
             and not clock_plausible():
         # Not a configuration error: this host's clock is wrong (no RTC, NTP not answered yet);
@@ -376,6 +433,20 @@ def no_answer(e: BaseException, host: str, port: int, scheme: str = "https") -> 
         return ControlUnreachable(f"control plane {host}:{port}: certificate {what} by this host's clock "
                                   f"({_utc(time.time())}), which is before qlagent's build date "
                                   f"({_utc(build_date_s())}): the clock is not set", code=CLOCK_NOT_SET)
+    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_code in NAME_MISMATCH:
+        cert = _peer_certificate(host, port, ctx, verify=True) if ctx is not None else None
+        names = [f"{kind}:{value}" for kind, value in (cert or {}).get("subjectAltName", ())]
+        return ControlTlsError(f"control plane {host}:{port}: certificate (signed by the pinned CA) does not name "
+                               f"{host}; it names {', '.join(names) or 'other hosts'}: worker.control_url must use "
+                               "one of those, or the replica needs a certificate naming it", field="worker.control_url")
+    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_code in (CERT_NOT_YET_VALID, CERT_HAS_EXPIRED):
+        der = _peer_certificate(host, port, ctx, verify=False)
+        dates = _der_validity(der) if der else None
+        span = f"valid {dates[0]} .. {dates[1]}" if dates else "outside its validity"
+        what = "not yet valid" if e.verify_code == CERT_NOT_YET_VALID else "expired"
+        return ControlTlsError(f"control plane {host}:{port}: certificate {what} ({span}; this host's clock: "
+                               f"{_utc(time.time())}): the replica needs a current certificate",
+                               field="worker.control_url")
     if isinstance(e, ssl.SSLCertVerificationError):
         return ControlTlsError(f"control plane {host}:{port}: certificate refused "
                                f"({e.verify_message}); worker.ca_file must hold the CA that signed it",

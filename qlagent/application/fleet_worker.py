@@ -184,6 +184,7 @@ class WorkerRuntime:
         self.unreachable = False                        # the last failure had no answer at all
         self.connected_once = False
         self.tls_refusals = 0                           # start-up connects refused by TLS in a row
+        self.clock_offset_us: int | None = None         # database clock − monotonic µs, low estimate
         # Why the Worker is not ready ((code, one line)): the last hello that failed while it has
         # no Session, or a credential refused (401/403) even with one. None once a hello or
         # heartbeat is answered.
@@ -445,6 +446,20 @@ class WorkerRuntime:
         must not make a run outlive its Lease) nor a quarter of the systemd watchdog interval.
         Returns (answer, local send time µs)."""
         sent = self.now()
+        ans = self.client.request(method, path, body, content_type, headers, timeout_s=self._limit_s(sent))
+        if ans.server_now_us is not None:
+            # Database clock minus this one, from the answer's arrival: never later than the
+            # truth (the database read its clock before the answer left).
+            self.clock_offset_us = ans.server_now_us - self.now()
+        if self.unreachable:
+            # The control plane answers again: what waited for the link goes now.
+            self.unreachable = False
+            self.failures = dict.fromkeys(self.failures, 0)
+            self.next_send_us = self.next_pull_us = 0
+        return ans, sent
+
+    def _limit_s(self, sent: int) -> float:
+        """How long a request sent at ``sent`` (µs) is waited for (s; ``_rpc``)."""
         limit = self.client.timeout_s
         if self.stop_deadline_us is not None:
             limit = min(limit, (self.stop_deadline_us - sent) / 1e6)      # a stop fits the unit's timeout
@@ -456,13 +471,7 @@ class WorkerRuntime:
         for j in self.jobs.values():
             if j.handle is not None and not j.fenced and j.kill_reason is None and self._stop_at(j) is not None:
                 limit = min(limit, (self._stop_at(j) - sent) / 1e6)
-        ans = self.client.request(method, path, body, content_type, headers, timeout_s=max(0.2, limit))
-        if self.unreachable:
-            # The control plane answers again: what waited for the link goes now.
-            self.unreachable = False
-            self.failures = dict.fromkeys(self.failures, 0)
-            self.next_send_us = self.next_pull_us = 0
-        return ans, sent
+        return max(0.2, limit)
 
     def _connect(self) -> None:
         try:
@@ -591,7 +600,15 @@ class WorkerRuntime:
 
     def _heartbeat(self) -> None:
         sid, gen = self.session
-        body = msgspec.json.encode(HeartbeatRequest(session_id=sid, generation=gen, leases=tuple(self._held())))
+        until = None
+        if self.clock_offset_us is not None:
+            # The database-clock instant this Worker stops waiting for the answer (early, never
+            # late): applied after it, the heartbeat would renew Leases of runs it may have
+            # stopped meanwhile, so the control plane refuses it (heartbeat_late).
+            now = self.now()
+            until = now + int(self._limit_s(now) * 1e6) + self.clock_offset_us
+        body = msgspec.json.encode(HeartbeatRequest(session_id=sid, generation=gen, leases=tuple(self._held()),
+                                                    renew_until_us=until))
         try:
             ans, sent = self._rpc("POST", "/heartbeat", body)
             hb = msgspec.json.decode(ans.body, type=Heartbeat)

@@ -410,6 +410,10 @@ class HeartbeatRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unkno
     session_id: str
     generation: int
     leases: tuple[HeldLease, ...] = ()
+    # Database clock µs after which the Worker no longer waits for the answer (its estimate,
+    # early-biased); a heartbeat the control plane would apply later is refused, nothing renewed.
+    # None: no limit (a Worker older than the field).
+    renew_until_us: int | None = None
 
 
 class LeaseExpiry(msgspec.Struct, frozen=True, rename="camel"):

@@ -381,3 +381,24 @@ def test_a_task_sees_the_same_ql3_variables_on_a_worker_as_on_a_local_agent(plan
     assert all(on_worker.values()) and all(on_local.values()), (on_worker, on_local)
     assert on_worker["QL3_TASK_NAME"] == on_local["QL3_TASK_NAME"] == "envdump"
     assert on_worker["QL3_RUN_ID"] == run_id
+
+
+def test_a_replica_whose_certificate_names_none_of_its_listen_addresses_warns_at_start(plane):
+    """The certificate names localhost/127.0.0.1; a replica listening on 127.0.0.2 started
+    without a word, and every Worker then refused it. It warns at start (the address and the
+    names); the plane's replica on 127.0.0.1 does not."""
+    assert not any("http.tls_names" in ln for ln in plane["replica"].lines)
+    name = create_database("e2e_tls_names")
+    try:
+        node = Node(plane["root"], "tls-names", f'[cluster]\ndatabase = "{db_url(name)}"\n'
+                                                f'tls_cert = "{plane["cert"]}"\ntls_key = "{plane["key"]}"\n')
+        node.ok("init")
+        replica = Proc(node, "--listen", f"127.0.0.2:{free_port()}")
+        try:
+            line = replica.wait_line("http.tls_names")
+            assert "WARNING" in line and "address=127.0.0.2" in line and "DNS:localhost" in line, line
+            assert "IP:127.0.0.1" in line
+        finally:
+            assert replica.stop() == 0
+    finally:
+        drop_database(name)

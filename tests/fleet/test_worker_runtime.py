@@ -1140,3 +1140,25 @@ def test_a_server_certificate_given_as_the_ca_is_refused_by_config_check_and_ser
     assert w.start().p.wait(30) == 2
     assert w.journal().strip().splitlines() == lines and not os.path.exists(w.state)
     assert cp.requests == []
+
+
+@pytest.mark.parametrize("sans, expired, says", [
+    (("cp.example", "10.9.8.7"), False,
+     r"certificate \(signed by the pinned CA\) does not name 127\.0\.0\.1; it names DNS:cp\.example, "
+     r"IP Address:10\.9\.8\.7: worker\.control_url must use one of those"),
+    (("localhost", "127.0.0.1"), True,
+     r"certificate expired \(valid 20\d\d-\d\d-\d\dT[\d:]+Z \.\. 20\d\d-\d\d-\d\dT[\d:]+Z; this host's clock: 20\d\d-"),
+])
+def test_a_refused_certificate_says_what_is_wrong_with_it(tmp_path, sans, expired, says):
+    """The CA is right: a certificate naming other hosts, or expired, was reported as
+    "worker.ca_file must hold the CA that signed it". Now the one line names the fault."""
+    stub = StubControlPlane(str(tmp_path))
+    stub.ca_file, stub.cert, stub.key = make_ca(str(tmp_path), "odd", sans=sans, expired=expired)
+    url = stub.start().replace("localhost", "127.0.0.1")
+    try:
+        w = Worker(tmp_path, stub, url)
+        assert w.start().p.wait(30) == 2
+        (line,) = [ln for ln in w.journal().splitlines() if "ERR" in ln]
+        assert re.search(says, line) and "worker.ca_file" not in line, line
+    finally:
+        stub.stop()
