@@ -173,6 +173,18 @@ def worker_ca(w):
     return tls_context(w.ca_file) if w.ca_file and any(u.startswith("https://") for u in urls) else None
 
 
+def tls_names_warning(cert_file: str, host: str) -> dict | None:
+    """A replica's start-up check (issue 20): when the certificate in ``cert_file`` names none of
+    the names a Worker may use for ``host`` (its listen address; every local address for an
+    unspecified one), what to journal ({address, names}); None when one is named."""
+    from .adapters.tls_names import certificate_names, covers, listen_names
+    names = certificate_names(cert_file)
+    candidates = listen_names(host)
+    if any(covers(names, c) for c in candidates):
+        return None
+    return {"address": host or "*", "names": ",".join(names) or "none"}
+
+
 def worker_credential(w) -> str:
     """The credential in ``w.credential_file`` (``service.config.WorkerConfig``); ValidationError
     naming ``worker.credential_file`` when it is missing, not the agent's, not 0600 or not a

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 FILES = REPO / "openwrt" / "qlagent" / "files"
 STANDIN = Path(__file__).resolve().parent / "openwrt_standin"
 BUSYBOX = shutil.which("busybox")
-BUSYBOX_APPLETS = ("basename", "cat", "chmod", "env", "head", "mkdir", "mktemp", "mv", "rm", "sed", "tail")
+BUSYBOX_APPLETS = ("basename", "cat", "chmod", "env", "head", "id", "mkdir", "mktemp", "mv", "rm", "sed", "tail")
 
 pytestmark = pytest.mark.skipif(BUSYBOX is None, reason="busybox not installed (tests/run installs it)")
 
@@ -205,7 +205,7 @@ def test_start_hands_procd_the_instance_with_budget_drain_and_reload_signal(rout
     assert msg["method"] == "set" and list(msg["instances"]) == ["instance1"]
     assert msg["instances"]["instance1"] == {
         "command": ["/usr/bin/qlagent", "serve", "--config", conf],
-        "env": {"QLAGENT_STATE_DIR": str(router.root / "state")},
+        "env": {"QLAGENT_STATE_DIR": str(router.root / "state"), "QLAGENT_LOG": "syslog"},
         "user": "qlagent",
         "limits": {"nproc": "64 64"},
         "respawn": ["3600", "5", "5"],
@@ -267,6 +267,27 @@ def test_a_good_change_is_applied_by_sighup_with_the_new_drain(router):
     inst = second["instances"]["instance1"]
     assert inst["term_timeout"] == 55 and inst["reload_signal"] == 1
     assert tomllib.loads((router.conf_dir / "qlagent.toml").read_text())["http"] == {"listen": "127.0.0.1:7381"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_config_check_as_the_agents_user_trusts_the_state_dir_that_user_owns(router, tmp_path):
+    """The converter runs as root; the agent runs as user qlagent and owns state_dir.  As root,
+    a state_dir owned by another uid is untrusted, so every reload after the first start was
+    refused (found by the procd gate): ``config check --as-user`` judges as that user would."""
+    state = tmp_path / "owned"
+    state.mkdir(mode=0o750)
+    os.chown(state, 65534, 65534)                 # nobody, standing in for qlagent
+    conf = tmp_path / "c.toml"
+    conf.write_text(f'profile = "edge"\nstate_dir = "{state}"\n')
+    cli = [sys.executable, "-m", "qlagent.cli.main", "config", "check", "--config", str(conf)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    as_root = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60)
+    assert as_root.returncode == 5 and f"untrusted state dir {state}: owned by uid 65534" in as_root.stderr
+    as_nobody = subprocess.run(cli + ["--as-user", "nobody"], env=env, capture_output=True, text=True, timeout=60)
+    assert as_nobody.returncode == 0, as_nobody.stderr
+    unknown = subprocess.run(cli + ["--as-user", "no-such-user-27"], env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert unknown.returncode == 2 and "no user 'no-such-user-27'" in unknown.stderr
 
 
 def test_disabled_hands_procd_no_instance(router):

@@ -45,6 +45,7 @@ SHELL_SCRIPTS = [
     "packaging/debian/postrm",
     "systemd/stop-post",
     "openwrt/build-ipk",
+    "openwrt/gate/procd-gate",
     "openwrt/qlagent/files/qlagent.init",
     "openwrt/qlagent/files/qlagent-uci2toml",
     "openwrt/qlagent/files/postinst",

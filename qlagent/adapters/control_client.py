@@ -19,11 +19,14 @@ retry on another replica is safe. Every answer's ``X-Qlagent-Server-Now-Us``
 Errors: the documented codes become the typed errors of ``core.control`` carrying
 ``code``, ``field``, ``status``, ``retry_after_s`` and ``next_offset`` (409 chunk answers);
 a refused TLS handshake is ``ControlTlsError`` with one line naming ``ca_file``; anything that
-prevents an answer (refused, reset, timeout) is ``ControlUnreachable``.
+prevents an answer (refused, reset, timeout, DNS) is ``ControlUnreachable`` — also a
+certificate "not yet valid"/"expired" while this host's clock is before qlagent's build date
+(``build_date_s``; code ``clock_not_set``): the clock is wrong, not the configuration.
 """
 
 from __future__ import annotations
 
+import functools
 import http.client
 import os
 import re
@@ -31,6 +34,7 @@ import select
 import socket
 import ssl
 import stat
+import time
 
 import msgspec
 
@@ -50,6 +54,37 @@ TICKET_WAIT_S = 0.1
 FINISH_READ_S = 0.5
 SERVER_NOW = "X-Qlagent-Server-Now-Us"
 API = "/api/v3/cluster/workers"
+# OpenSSL's X509_V_ERR_CERT_NOT_YET_VALID / X509_V_ERR_CERT_HAS_EXPIRED, and the host name /
+# IP address mismatches
+CERT_NOT_YET_VALID, CERT_HAS_EXPIRED = 9, 10
+NAME_MISMATCH = (62, 64)
+PROBE_TIMEOUT_S = 2.0
+CLOCK_NOT_SET = "clock_not_set"
+
+
+@functools.cache
+def build_date_s() -> float:
+    """This qlagent's build date (s since the epoch): the newest modification time of the
+    installed package's files. dpkg and opkg unpack them with the times of the build, a source
+    checkout gives its last edit. A clock earlier than that is not set (a router without a
+    battery-backed clock boots at 1970 until NTP answers)."""
+    newest = 0.0
+    for root, _dirs, files in os.walk(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+        for name in files:
+            try:
+                newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
+            except OSError:
+                continue
+    return newest
+
+
+def clock_plausible() -> bool:
+    """Is the wall clock at or after this qlagent's build date (``build_date_s``)?"""
+    return time.time() >= build_date_s()
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 class _ErrorBody(msgspec.Struct):
@@ -90,13 +125,18 @@ def read_credential(path: str) -> str:
 
 def tls_context(ca_file: str) -> ssl.SSLContext:
     """A client context trusting only ``ca_file`` (PEM), TLS ≥ 1.2, host names checked.
-    Raises ValidationError(field="worker.ca_file") when it cannot be loaded."""
+    Raises ValidationError(field="worker.ca_file") when it cannot be loaded or holds no CA
+    certificate (a server's own certificate there would refuse every replica)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)      # verify_mode CERT_REQUIRED, check_hostname on
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         ctx.load_verify_locations(cafile=ca_file)
     except (OSError, ssl.SSLError) as e:
         raise ValidationError("worker.ca_file", f"{ca_file}: not a readable PEM CA ({type(e).__name__})") from None
+    if not ctx.cert_store_stats()["x509_ca"]:
+        raise ValidationError("worker.ca_file", f"{ca_file}: holds no CA certificate (basicConstraints CA:TRUE); "
+                                                "the CA that signed the control plane's certificate goes here, "
+                                                "not that certificate")
     return ctx
 
 
@@ -125,6 +165,11 @@ class ControlClient:
         self.timeout_s = timeout_s
         self._rpc: http.client.HTTPConnection | None = None
         self._poll: http.client.HTTPConnection | None = None
+
+    @staticmethod
+    def clock_plausible() -> bool:
+        """Is this host's wall clock at or after qlagent's build date (``build_date_s``)?"""
+        return clock_plausible()
 
     def __repr__(self) -> str:
         scheme, host, port = self._endpoints[self._at]
@@ -283,10 +328,10 @@ class ControlClient:
         """The typed error for a request to replica ``endpoint`` that got no answer. The next
         connection goes to the replica after it, unless the other connection already moved on
         (both failing on one dead replica move once, not twice)."""
-        _, host, port = self._endpoints[endpoint]
+        scheme, host, port = self._endpoints[endpoint]
         if endpoint == self._at:
             self._at = (endpoint + 1) % len(self._endpoints)
-        return no_answer(e, host, port)
+        return no_answer(e, host, port, scheme, self._ctx)
 
     # -- doctor ------------------------------------------------------------------------------------
     def describe(self) -> WorkerInfo:
@@ -318,14 +363,90 @@ def healthz(url: str, ctx: ssl.SSLContext | None, timeout_s: float = DEFAULT_TIM
         resp.read(MAX_ANSWER_BYTES)
         return resp.status
     except BaseException as e:
-        raise no_answer(e, host, port) from None
+        raise no_answer(e, host, port, scheme, ctx) from None
     finally:
         conn.close()
 
 
-def no_answer(e: BaseException, host: str, port: int) -> ControlError:
-    """The typed error for a request to ``host:port`` that got no answer (``ControlTlsError``
-    naming ``worker.ca_file``, else ``ControlUnreachable``); re-raises what is not an error."""
+def _peer_certificate(host: str, port: int, ctx: ssl.SSLContext | None, verify: bool):
+    """What ``host:port`` presents, for an error message only: with ``verify`` the decoded
+    certificate (chain checked against ``ctx``'s CAs, the host name not), else its DER bytes;
+    None when it cannot be had (no second connection is worth more than the first error)."""
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    probe.check_hostname = False
+    try:
+        if verify:
+            probe.load_verify_locations(cadata=b"".join(ctx.get_ca_certs(binary_form=True)))
+        else:
+            probe.verify_mode = ssl.CERT_NONE
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S) as raw, \
+                probe.wrap_socket(raw, server_hostname=host) as s:
+            return s.getpeercert(binary_form=not verify)
+    except (OSError, ssl.SSLError, ValueError, AttributeError):
+        return None
+
+
+def _der_validity(der: bytes) -> tuple[str, str] | None:
+    """(notBefore, notAfter) of a DER certificate as ISO UTC strings, or None (a bare walk of
+    TBSCertificate: version?, serial, signature, issuer, validity; no parser on a router)."""
+    def tlv(i):
+        tag, n = der[i], der[i + 1]
+        i += 2
+        if n & 0x80:
+            k = n & 0x7F
+            n, i = int.from_bytes(der[i:i + k], "big"), i + k
+        return tag, i, i + n
+
+    def when(tag, a, b):
+        t = der[a:b].decode("ascii")
+        if tag == 0x17:                                 # UTCTime YYMMDDHHMMSSZ
+            t = ("19" if int(t[:2]) >= 50 else "20") + t
+        return f"{t[:4]}-{t[4:6]}-{t[6:8]}T{t[8:10]}:{t[10:12]}:{t[12:14]}Z"
+    try:
+        _, i, _ = tlv(0)
+        _, i, _ = tlv(i)                                # TBSCertificate
+        if der[i] == 0xA0:
+            i = tlv(i)[2]
+        for _ in range(3):                              # serial, signature, issuer
+            i = tlv(i)[2]
+        _, i, _ = tlv(i)                                # validity
+        t1, a1, b1 = tlv(i)
+        t2, a2, b2 = tlv(b1)
+        return when(t1, a1, b1), when(t2, a2, b2)
+    except (IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def no_answer(e: BaseException, host: str, port: int, scheme: str = "https",
+              ctx: ssl.SSLContext | None = None) -> ControlError:
+    """The typed error for a request to ``host:port`` that got no answer; re-raises what is not
+    an error. A refused certificate is ``ControlTlsError`` saying what is wrong: not signed by
+    the CA in ``worker.ca_file``; signed by it but naming other hosts (its names, from a second
+    handshake with ``ctx``'s CAs; field ``worker.control_url``); outside its dates (the dates
+    and this host's clock; a clock before the build date is ``ControlUnreachable``
+    ``clock_not_set`` instead). Anything else without an answer is ``ControlUnreachable``."""
+    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_code in (CERT_NOT_YET_VALID, CERT_HAS_EXPIRED) \
+            and not clock_plausible():
+        # Not a configuration error: this host's clock is wrong (no RTC, NTP not answered yet);
+        # the same certificate will do once the clock is set.
+        what = "not yet valid" if e.verify_code == CERT_NOT_YET_VALID else "expired"
+        return ControlUnreachable(f"control plane {host}:{port}: certificate {what} by this host's clock "
+                                  f"({_utc(time.time())}), which is before qlagent's build date "
+                                  f"({_utc(build_date_s())}): the clock is not set", code=CLOCK_NOT_SET)
+    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_code in NAME_MISMATCH:
+        cert = _peer_certificate(host, port, ctx, verify=True) if ctx is not None else None
+        names = [f"{kind}:{value}" for kind, value in (cert or {}).get("subjectAltName", ())]
+        return ControlTlsError(f"control plane {host}:{port}: certificate (signed by the pinned CA) does not name "
+                               f"{host}; it names {', '.join(names) or 'other hosts'}: worker.control_url must use "
+                               "one of those, or the replica needs a certificate naming it", field="worker.control_url")
+    if isinstance(e, ssl.SSLCertVerificationError) and e.verify_code in (CERT_NOT_YET_VALID, CERT_HAS_EXPIRED):
+        der = _peer_certificate(host, port, ctx, verify=False)
+        dates = _der_validity(der) if der else None
+        span = f"valid {dates[0]} .. {dates[1]}" if dates else "outside its validity"
+        what = "not yet valid" if e.verify_code == CERT_NOT_YET_VALID else "expired"
+        return ControlTlsError(f"control plane {host}:{port}: certificate {what} ({span}; this host's clock: "
+                               f"{_utc(time.time())}): the replica needs a current certificate",
+                               field="worker.control_url")
     if isinstance(e, ssl.SSLCertVerificationError):
         return ControlTlsError(f"control plane {host}:{port}: certificate refused "
                                f"({e.verify_message}); worker.ca_file must hold the CA that signed it",
@@ -344,6 +465,10 @@ def no_answer(e: BaseException, host: str, port: int) -> ControlError:
         what = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
         if isinstance(e, OSError) and e.strerror and what != "timed out":
             what += f" ({e.strerror})"
+        if scheme == "http" and isinstance(e, (ConnectionResetError, http.client.RemoteDisconnected,
+                                               http.client.BadStatusLine)):
+            # A TLS listener resets a plain HTTP request: the likely cause is the URL's scheme.
+            what += f"; if {host}:{port} serves TLS, worker.control_url must say https://"
         return ControlUnreachable(f"control plane {host}:{port}: {what}")
     if isinstance(e, Exception):
         return ControlUnreachable(f"control plane {host}:{port}: {type(e).__name__}")

@@ -102,6 +102,16 @@ class WorkerRuns:
             return False
         return True
 
+    def lease_deadline(self, attempt_id: str) -> int | None:
+        """The self-fencing instant in the run's lease file (CLOCK_MONOTONIC µs, what
+        ``set_lease_deadline`` last wrote), or None when there is none or it cannot be read."""
+        try:
+            with open(os.path.join(self.run_dir(attempt_id), LEASE_FILE), "rb") as f:
+                data = f.read(33)
+            return int(data.strip()) if len(data) <= 32 else None
+        except (OSError, ValueError):
+            return None
+
     def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes], lease_stop_at_us: int | None = None) -> RunHandle:
         """Materialise the environment (baseline, spec env, secrets, QL3_* identity) and start
         the shim; returns once the task was exec'd. With ``lease_stop_at_us`` (µs, CLOCK_MONOTONIC)
@@ -120,8 +130,8 @@ class WorkerRuns:
         except UnicodeDecodeError:
             raise StartError("a secret value is not UTF-8 text", code="secret_unusable") from None
         identity = {"QL3_RUN_ID": spec.run_id, "QL3_ATTEMPT_ID": aid, "QL3_PROJECT_ID": spec.project_id,
-                    "QL3_TASK_ID": spec.task_id, "QL3_TASK_REVISION": str(spec.task_revision),
-                    processes.AGENT_KEY_ENV: self._key}
+                    "QL3_TASK_ID": spec.task_id, "QL3_TASK_NAME": spec.task_name,
+                    "QL3_TASK_REVISION": str(spec.task_revision), processes.AGENT_KEY_ENV: self._key}
         env = {**self._baseline, **spec.env, **plain, **identity}
         argv = list(spec.argv) if spec.kind == "local_process" else [spec.shell, "-c", spec.script]
         doc = {"attempt_id": aid, "argv": argv, "env": env, "cwd": spec.cwd or env.get("HOME") or "/",

@@ -33,11 +33,14 @@ socket, a signal). Duties, in order, on every pass:
    there. Anything unanswered stays owed and is re-sent (idempotently) after a reconnect or a
    restart.
 5. **Self-fencing** (``worker.fencing``): a run whose Lease could not be renewed in time is stopped
-   (``on_lease_loss = "kill"``, the spec's; default) or kept and reported (``"keep"``). A run with
-   no renewal since this process started (restart while no replica of the control plane answers)
-   is treated the same way at once. Under ``kill`` each renewal also moves the shim's own
-   self-fencing instant (its lease file): a run whose Worker died is stopped by its shim at the
-   instant the Worker would have stopped it.
+   (``on_lease_loss = "kill"``, the spec's; default) or kept and reported (``"keep"``). Under
+   ``kill`` each renewal also moves the shim's own self-fencing instant (its lease file): a run
+   whose Worker died is stopped by its shim at the instant the Worker would have stopped it, and
+   a restarted Worker that re-attached it keeps that instant until it renews the Lease. A run
+   with no renewal and no lease file (``keep``) is reported at once when no replica answers.
+   A stopped run's log is kept and uploaded while the Lease takes chunks; a log the control
+   plane no longer takes is cut with a journaled fact (``worker.log_truncated``), never deleted
+   unsent.
 6. **Pull** (long-poll, own connection) only while a slot is free, the inbox has room and the
    Session is open; the request (pullId + fresh lease token) is kept in the inbox before it is
    sent, so a retry after a lost answer is byte-identical.
@@ -77,7 +80,15 @@ from ..worker import backoff, fencing, heartbeat, pacing
 CHUNK_BYTES = 262_144
 DEFAULT_PULL_WAIT_S = 20
 REPLACED_RESET_US = 60_000_000          # a Session kept this long ends the back-off of session_replaced
+NOT_READY_LOG_US = 60_000_000           # while stuck (no Session, refused credential), say why this often
+CLOCK_LOOK_US = 1_000_000               # a clock that is not set is looked at again this often (local only)
 NO_PIDFD_LOOK_US = 1_000_000
+# A stop (SIGTERM) ends at most this long after ``drain_grace_s``: runs still live then are
+# SIGKILLed at the latest STOP_KILL_US after it, and owed ACKs and chunks are sent until it is
+# over. The units grant ``drain_grace_s`` + 10 s (TimeoutStopSec, procd's term_timeout): the
+# rest is stop-post's TERM → 5 s → KILL of what is left.
+STOP_TAIL_US = 4_000_000
+STOP_KILL_US = 2_000_000
 
 
 def _mono_us() -> int:
@@ -89,7 +100,7 @@ class Job:
 
     __slots__ = ("entry", "spec", "secrets", "session", "handle", "renewal", "ttl_us", "deadline_us", "kill_reason",
                  "kill_at_us", "fenced", "keep_reported", "cancel", "running_owed", "completion_owed", "uploaded",
-                 "log_done", "gone", "refetched")
+                 "log_done", "gone", "refetched", "stop_at_us")
 
     def __init__(self, entry: InboxEntry, spec: ExecutionSpec, secrets: dict[str, bytes] | None = None) -> None:
         self.entry, self.spec, self.secrets = entry, spec, secrets
@@ -97,6 +108,9 @@ class Job:
         self.session = (entry.offer.session_id, entry.offer.generation)
         self.handle = None                        # WorkerRunsPort handle of the live shim
         self.renewal: fencing.Renewal | None = None
+        # A re-attached run's stop instant read back from its shim's lease file (the Worker's
+        # monotonic µs, kept across a restart), until a renewal of this process replaces it.
+        self.stop_at_us: int | None = None
         self.ttl_us = 0
         self.deadline_us: int | None = None       # the spec's timeout, Worker monotonic µs
         self.kill_reason: str | None = None       # timeout | cancel | shutdown | None
@@ -170,6 +184,13 @@ class WorkerRuntime:
         self.unreachable = False                        # the last failure had no answer at all
         self.connected_once = False
         self.tls_refusals = 0                           # start-up connects refused by TLS in a row
+        self.clock_offset_us: int | None = None         # database clock − monotonic µs, low estimate
+        # Why the Worker is not ready ((code, one line)): the last hello that failed while it has
+        # no Session, or a credential refused (401/403) even with one. None once a hello or
+        # heartbeat is answered.
+        self.blocked: tuple[str, str] | None = None
+        self.next_blocked_log_us = 0
+        self.clock_wait = False                         # a hello failed on a clock that is not set
         self.next_connect_us = 0
         self.next_beat_us = 0
         self.next_send_us = 0                           # owed sends wait here after a failure
@@ -201,7 +222,9 @@ class WorkerRuntime:
         connecting), ``draining``, ``slots``, ``freeSlots``, ``liveRuns`` (spawned, not ended),
         ``inbox`` ({rows, bytes, maxRows, maxBytes, open}: rows and spec bytes kept, their caps,
         rows not yet acknowledged), ``counts`` (since start: spawned, reattached, completed,
-        fenced, pulls). Never a credential, lease token, command or environment."""
+        fenced, pulls), ``blocked`` (None, or {code, error}: why it cannot work — the last failed
+        hello while it has no Session, a credential the control plane refuses). Never a
+        credential, lease token, command or environment."""
         live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
         rows, used = self.inbox.usage()
         sid_gen = self.session
@@ -211,7 +234,8 @@ class WorkerRuntime:
                 "liveRuns": sum(1 for j in self.jobs.values() if j.handle is not None),
                 "inbox": {"rows": rows, "bytes": used, "maxRows": self.inbox.max_rows,
                           "maxBytes": self.inbox.max_bytes, "open": len(self.jobs)},
-                "counts": dict(self.counts)}
+                "counts": dict(self.counts),
+                "blocked": None if self.blocked is None else {"code": self.blocked[0], "error": self.blocked[1]}}
 
     # ---- start -----------------------------------------------------------------------------------
     def recover(self) -> dict[str, int]:
@@ -231,6 +255,8 @@ class WorkerRuntime:
                     job.entry = self.inbox.advance(job.offer_id, "started")
                 job.handle, job.running_owed = h, True
                 job.deadline_us = self._deadline(job, h.create_time)
+                if job.spec.on_lease_loss == "kill":
+                    job.stop_at_us = self.runs.lease_deadline(aid)
                 self._watch(job)
                 counts["reattached"] += 1
             elif action == COLLECT:
@@ -248,7 +274,7 @@ class WorkerRuntime:
                 continue
             elif action == RESEND:
                 job.completion_owed = entry.outcome.get("kind") in ("completion", "start_failure")
-                job.log_done = entry.outcome.get("kind") != "completion"
+                job.log_done = entry.outcome.get("kind") not in ("completion", "fenced")
                 counts["resend"] += 1
             if job.entry.state != "acked":     # _complete closes a fenced or receipt-less run
                 self.jobs[job.offer_id] = job
@@ -317,6 +343,10 @@ class WorkerRuntime:
     def tick(self) -> None:
         """One pass over the duties (module docstring)."""
         now = self.now()
+        if self.clock_wait and self.client.clock_plausible():
+            # The clock was set (NTP): the hello goes now, not after the back-off.
+            self.clock_wait = False
+            self.failures["connect"], self.next_connect_us = 0, now
         if self.session is None and not self.stopping and now >= self.next_connect_us:
             self._connect()
         if self.session is not None and now >= self.next_beat_us:
@@ -342,6 +372,7 @@ class WorkerRuntime:
     def _timeout_s(self) -> float | None:
         now = self.now()
         times = [self.next_connect_us if self.session is None and not self.stopping else None,
+                 now + CLOCK_LOOK_US if self.clock_wait else None,
                  self.next_beat_us if self.session is not None else None,
                  self.stop_deadline_us, self.notify.next_ping_us(now) if self.notify is not None else None,
                  self.exit_at_us if not self.stopping else None]
@@ -355,8 +386,8 @@ class WorkerRuntime:
             times += [j.deadline_us if j.kill_reason is None else None, j.kill_at_us]
             if j.handle.pidfd is None:
                 times.append(now + NO_PIDFD_LOOK_US)
-            if j.renewal is not None and not j.fenced and not j.keep_reported:
-                times.append(fencing.stop_at_local_us(j.renewal, j.kill_grace_us))
+            if not j.fenced and not j.keep_reported:
+                times.append(self._stop_at(j))
         times = [t for t in times if t is not None]
         http_s = self.surface.next_timeout_s() if self.surface is not None else None
         if http_s is not None:
@@ -393,7 +424,7 @@ class WorkerRuntime:
         if self.notify is not None:
             self.notify.stopping()
         now = self.now()
-        self.stop_deadline_us = now + self.drain_grace_us + 30_000_000
+        self.stop_deadline_us = now + self.drain_grace_us + STOP_TAIL_US
         for j in self.jobs.values():
             if j.handle is not None and j.kill_reason is None:
                 j.deadline_us = min(j.deadline_us or now, now + self.drain_grace_us)
@@ -421,22 +452,32 @@ class WorkerRuntime:
         must not make a run outlive its Lease) nor a quarter of the systemd watchdog interval.
         Returns (answer, local send time µs)."""
         sent = self.now()
-        limit = self.client.timeout_s
-        if self.notify is not None and self.notify.watchdog_us:
-            # A call blocked on a dead link must not starve the watchdog: ping if due, and wait
-            # at most a quarter of WATCHDOG_USEC (pings are due every half).
-            self.notify.ping_if_due(sent)
-            limit = min(limit, self.notify.watchdog_us / 4e6)
-        for j in self.jobs.values():
-            if j.handle is not None and j.renewal is not None and not j.fenced and j.kill_reason is None:
-                limit = min(limit, (fencing.stop_at_local_us(j.renewal, j.kill_grace_us) - sent) / 1e6)
-        ans = self.client.request(method, path, body, content_type, headers, timeout_s=max(0.2, limit))
+        ans = self.client.request(method, path, body, content_type, headers, timeout_s=self._limit_s(sent))
+        if ans.server_now_us is not None:
+            # Database clock minus this one, from the answer's arrival: never later than the
+            # truth (the database read its clock before the answer left).
+            self.clock_offset_us = ans.server_now_us - self.now()
         if self.unreachable:
             # The control plane answers again: what waited for the link goes now.
             self.unreachable = False
             self.failures = dict.fromkeys(self.failures, 0)
             self.next_send_us = self.next_pull_us = 0
         return ans, sent
+
+    def _limit_s(self, sent: int) -> float:
+        """How long a request sent at ``sent`` (µs) is waited for (s; ``_rpc``)."""
+        limit = self.client.timeout_s
+        if self.stop_deadline_us is not None:
+            limit = min(limit, (self.stop_deadline_us - sent) / 1e6)      # a stop fits the unit's timeout
+        if self.notify is not None and self.notify.watchdog_us:
+            # A call blocked on a dead link must not starve the watchdog: ping if due, and wait
+            # at most a quarter of WATCHDOG_USEC (pings are due every half).
+            self.notify.ping_if_due(sent)
+            limit = min(limit, self.notify.watchdog_us / 4e6)
+        for j in self.jobs.values():
+            if j.handle is not None and not j.fenced and j.kill_reason is None and self._stop_at(j) is not None:
+                limit = min(limit, (self._stop_at(j) - sent) / 1e6)
+        return max(0.2, limit)
 
     def _connect(self) -> None:
         try:
@@ -448,6 +489,7 @@ class WorkerRuntime:
             self.session = (grant.session_id, grant.generation)
             self.session_opened_us = self.now()
             self.connected_once = True
+            self._unblocked()
             self.failures["connect"] = 0
             self.next_beat_us = self.now() + self._beat_delay_us()
             self.next_send_us = self.next_pull_us = 0
@@ -476,9 +518,26 @@ class WorkerRuntime:
                 why = e.message.rsplit(": ", 1)[-1]
                 raise ValidationError(field, f"{why}; `qlagent workers enroll` decides what a Worker may claim") from None
             self._fail(e, "connect")
+            self.clock_wait = e.code == "clock_not_set"
+            self._block(e)
         except msgspec.DecodeError:
             self.session = None
             self._fail(ControlUnreachable("unreadable SessionGrant"), "connect")
+
+    def _block(self, e: ControlError) -> None:
+        """The Worker cannot work for ``e`` (no Session, or its credential refused): /readyz says
+        so, and the journal once a minute while it lasts (``worker.not_ready``)."""
+        self.blocked = (e.code, str(e))
+        now = self.now()
+        if now >= self.next_blocked_log_us:
+            self.next_blocked_log_us = now + NOT_READY_LOG_US
+            level = "err" if isinstance(e, (ControlTlsError, ControlAuthError)) else "warning"
+            self.log(level, "worker.not_ready", code=e.code, error=str(e))
+
+    def _unblocked(self) -> None:
+        if self.blocked is not None:
+            self.log("info", "worker.unblocked", was=self.blocked[0])
+        self.blocked, self.next_blocked_log_us = None, 0
 
     def _adopt_claims(self) -> list[AdoptClaim]:
         """The Leases a new Session is asked to adopt (at most ``MAX_ADOPT``): rows whose run was
@@ -486,8 +545,9 @@ class WorkerRuntime:
         ``starting`` ACK) first, then completed rows still owing their completion or log chunks,
         then ``received`` rows: one whose ``starting`` ACK the control plane applied (its answer
         lost) is adopted and goes on (ACK replayed, barrier, spawn; never ``lost``); one still
-        claimed is refused ``not_started`` and re-offered, as if it had not been named."""
-        held = [j for j in self.jobs.values() if not j.gone and not j.fenced]     # a fenced run is being stopped
+        claimed is refused ``not_started`` and re-offered, as if it had not been named. A run
+        being stopped for its Lease is not named; once it ended, its row is (its log still owed)."""
+        held = [j for j in self.jobs.values() if not j.gone and (not j.fenced or j.entry.state == "completed")]
         rows = [j for j in held if j.entry.state in ("barrier", "started")]
         rows += [j for j in held if j.entry.state == "completed"]
         rows += [j for j in held if j.entry.state == "received"]
@@ -546,7 +606,15 @@ class WorkerRuntime:
 
     def _heartbeat(self) -> None:
         sid, gen = self.session
-        body = msgspec.json.encode(HeartbeatRequest(session_id=sid, generation=gen, leases=tuple(self._held())))
+        until = None
+        if self.clock_offset_us is not None:
+            # The database-clock instant this Worker stops waiting for the answer (early, never
+            # late): applied after it, the heartbeat would renew Leases of runs it may have
+            # stopped meanwhile, so the control plane refuses it (heartbeat_late).
+            now = self.now()
+            until = now + int(self._limit_s(now) * 1e6) + self.clock_offset_us
+        body = msgspec.json.encode(HeartbeatRequest(session_id=sid, generation=gen, leases=tuple(self._held()),
+                                                    renew_until_us=until))
         try:
             ans, sent = self._rpc("POST", "/heartbeat", body)
             hb = msgspec.json.decode(ans.body, type=Heartbeat)
@@ -561,11 +629,14 @@ class WorkerRuntime:
             delay_us = self._beat_delay_us()
             self.next_beat_us = self.now() + delay_us
             self._fail(e, "heartbeat", delay_us / 1e6)
+            if isinstance(e, ControlAuthError):
+                self._block(e)
             return
         except msgspec.DecodeError:
             return
         self.next_beat_us = self.now() + self._beat_delay_us()
         self.failures["heartbeat"] = 0
+        self._unblocked()
         if self.replaced and self.now() - self.session_opened_us >= REPLACED_RESET_US:
             self.replaced = 0               # ours for a while: the other process is gone
         renewed = {x.attempt_id: x.expires_at_us for x in hb.leases}
@@ -616,7 +687,13 @@ class WorkerRuntime:
                     self._stop(j, "shutdown" if self.stopping else "timeout")
             if j.fenced or j.gone or j.entry.state not in ("received", "barrier", "started"):
                 continue
-            if j.renewal is None:
+            if j.renewal is None and j.stop_at_us is not None:
+                # Re-attached after a restart: the instant this run's shim would stop it is
+                # the Lease's own (kept across the restart), not the first failed connect.
+                if now < j.stop_at_us:
+                    continue
+                d = fencing.FenceDecision(action=fencing.STOP, stop_at_local_us=j.stop_at_us)
+            elif j.renewal is None:
                 if j.handle is None or self.session is not None or self.failures["connect"] < self.client.replicas:
                     continue
                 # Re-attached after a restart and no replica answered (one failed connect per
@@ -648,6 +725,8 @@ class WorkerRuntime:
             j.kill_reason = reason
         self.runs.signal(j.handle, signal.SIGTERM)
         j.kill_at_us = self.now() + j.spec.grace_ms * 1000
+        if self.stop_deadline_us is not None:
+            j.kill_at_us = min(j.kill_at_us, self.stop_deadline_us - STOP_TAIL_US + STOP_KILL_US)
 
     # ---- offers ----------------------------------------------------------------------------------
     def _can_pull(self) -> bool:
@@ -777,6 +856,13 @@ class WorkerRuntime:
                                         expires_at_us=ans.server_now_us + self._ttl(j))
             self._tell_shim(j)
         return msgspec.json.decode(ans.body, type=AckResult)
+
+    def _stop_at(self, j: Job) -> int | None:
+        """When the Worker must begin to stop ``j`` for its Lease (monotonic µs): from its last
+        renewal, else (re-attached) the instant its shim's lease file holds, else None."""
+        if j.renewal is not None:
+            return fencing.stop_at_local_us(j.renewal, j.kill_grace_us)
+        return j.stop_at_us
 
     def _lease_stop_at(self, j: Job) -> int | None:
         """The shim's self-fencing instant for ``j`` (µs): the Worker's own stop instant under
@@ -978,10 +1064,15 @@ class WorkerRuntime:
             j.fenced = True
             self.counts["fenced"] += 1
             self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="killed_by_shim")
-        if j.fenced or receipt is None:
-            # A fenced run's Lease is lost (no completion is sent; the Attempt is re-offered);
-            # a shim that died without a receipt leaves the ending to the control plane's sweeper.
+        if receipt is None or (j.fenced and j.gone):
+            # A shim that died without a receipt leaves the ending to the control plane's
+            # sweeper; a Lease the control plane already ended takes no more chunks.
             self._close_row(j, {"kind": "fenced" if j.fenced else "lost"})
+            return
+        if j.fenced:
+            # Self-fenced before its Lease expired: no completion is sent (the Attempt is
+            # re-offered), but the log goes up while the Lease still takes chunks.
+            j.entry = self.inbox.advance(j.offer_id, "completed", {"kind": "fenced"})
             return
         if receipt.start_error:
             self._start_failed(j, start_code(receipt.start_error))
@@ -1033,6 +1124,12 @@ class WorkerRuntime:
         not allow still raises IllegalInboxTransition."""
         if j.entry.state != "acked":
             j.entry = self.inbox.advance(j.offer_id, "acked")
+            unsent = self.runs.log_size(j.attempt_id) - j.uploaded
+            if not j.log_done and unsent > 0:
+                # The control plane no longer takes this Lease's chunks: the log is cut where it
+                # stands there, and the cut recorded (never deleted unsent without a word).
+                self.log("warning", "worker.log_truncated", attempt=j.attempt_id, bytes_dropped=unsent,
+                         bytes_kept=j.uploaded, reason="lease_gone")
             self.runs.prune(j.attempt_id)
         self.jobs.pop(j.offer_id, None)
 

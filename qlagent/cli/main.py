@@ -81,8 +81,17 @@ class Ctx:
         self._store = None
         from ..service.config import resolve
         # Every command but doctor (which lists them) refuses paths another user could write.
+        # `config check --as-user U`: as the agent running as U would (the OpenWrt converter
+        # runs as root for an agent that runs as user qlagent and owns its state_dir).
+        trust_uid = None
+        if getattr(args, "as_user", None):
+            import pwd
+            try:
+                trust_uid = pwd.getpwnam(args.as_user).pw_uid
+            except KeyError:
+                raise E.ValidationError("--as-user", f"no user {args.as_user!r}") from None
         self.settings = resolve(args.config, state_dir=args.state_dir, profile=args.profile,
-                                trust=args.command != "doctor")
+                                trust=args.command != "doctor", trust_uid=trust_uid)
         refuse_on_worker(self.settings, args.command, getattr(args, "sub", None))
 
     @property
@@ -788,7 +797,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(sub, "init", cmd_init, "create the state directory, database and secret key file")
     add(sub, "doctor", cmd_doctor, "check schema, capability, integrity, key file and free space")
     cfg = sub.add_parser("config", help="configuration").add_subparsers(dest="sub", required=True, metavar="SUB")
-    add(cfg, "check", cmd_config_check, "validate the config file and print the resolved settings")
+    c = add(cfg, "check", cmd_config_check, "validate the config file and print the resolved settings")
+    c.add_argument("--as-user", metavar="USER",
+                   help="judge the paths the agent trusts as the agent running as USER would")
 
     task = sub.add_parser("task", help="task definitions").add_subparsers(dest="sub", required=True, metavar="SUB")
     a = add(task, "add", cmd_task_add, "add every [[task]] of a TOML file")

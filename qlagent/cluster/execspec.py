@@ -17,7 +17,7 @@ from ..core import limits as L
 from ..core.canonical import content_digest, sha256_hex
 from ..core.cluster import ClusterCandidate, ExecutionSpec
 from ..core.executors import WORKER_EXECUTORS
-from ..core.definitions import TaskInput, prepare_execution, prepare_recipe
+from ..core.definitions import TASK_NAME, TaskInput, prepare_execution, prepare_recipe
 from ..core.errors import ValidationError
 from ..core.profiles import STANDALONE
 
@@ -69,6 +69,8 @@ def sanitize(raw: dict, candidate: ClusterCandidate) -> ExecutionSpec:
         raise ValidationError(f"{p}graceMs", "outside 0..", limit=MAX_GRACE_MS)
     if not 1 <= spec.log_quota_bytes <= STANDALONE.log_max_bytes:
         raise ValidationError(f"{p}logQuotaBytes", "outside 1..", limit=STANDALONE.log_max_bytes)
+    if len(spec.task_name) > L.MAX_TASK_NAME or (spec.task_name and not TASK_NAME.match(spec.task_name)):
+        raise ValidationError(f"{p}taskName", f"must be 1..{L.MAX_TASK_NAME} of [a-z0-9._-]", limit=L.MAX_TASK_NAME)
     if spec.on_lease_loss not in ("kill", "keep"):
         raise ValidationError(f"{p}onLeaseLoss", "must be \"kill\" or \"keep\"")
     for attr, name in _IDENTITY:

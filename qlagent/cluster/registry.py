@@ -206,19 +206,26 @@ class WorkerRegistry:
                                         claims)
 
     def heartbeat(self, worker_id: str, credential: str, session_id: str, generation: int,
-                  held: tuple[HeldLease, ...] = ()) -> Heartbeat:
+                  held: tuple[HeldLease, ...] = (), renew_until_us: int | None = None) -> Heartbeat:
         """Extend the Session, and of its Leases exactly those ``held`` names (≤ ``MAX_HELD``)
         that are active, unexpired and whose Attempt is starting/running (issue 11 §6: a Lease
         the Worker let go is not kept alive by its heartbeats). The answer names the Attempts to
-        cancel and each renewed Lease's new expiry (µs, database clock). ValidationError naming
-        ``sessionId``/``generation``/``leases…`` (nothing written); WorkerAuthError;
-        ConflictError ``stale_generation`` / ``session_expired``."""
+        cancel and each renewed Lease's new expiry (µs, database clock). ``renew_until_us``
+        (database clock µs, None for no limit): past it the Worker has given up on this
+        heartbeat and may have stopped the runs it names, so nothing is renewed: ConflictError
+        ``heartbeat_late`` (nothing written). ValidationError naming ``sessionId``/``generation``/
+        ``renewUntilUs``/``leases…`` (nothing written); WorkerAuthError; ConflictError
+        ``stale_generation`` / ``session_expired``."""
         digest = credential_digest(credential)
         named = held_leases(held)
+        if renew_until_us is not None and (not isinstance(renew_until_us, int) or isinstance(renew_until_us, bool)
+                                           or not 0 <= renew_until_us <= MAX_GENERATION):
+            raise ValidationError("renewUntilUs", "must be an integer 0..2^63-1 (µs)", limit=MAX_GENERATION)
         expires, cancel, leases = self._store.heartbeat(check_uuid("workerId", worker_id), digest,
                                                 check_uuid("sessionId", session_id),
                                                 check_generation("generation", generation), named,
-                                                self._t.session_ttl_s * 1_000_000, self._t.lease_ttl_s * 1_000_000)
+                                                self._t.session_ttl_s * 1_000_000, self._t.lease_ttl_s * 1_000_000,
+                                                renew_until_us)
         return Heartbeat(expires, cancel, [LeaseExpiry(a, e) for a, e in leases])
 
     def describe(self, worker_id: str, credential: str) -> WorkerInfo:

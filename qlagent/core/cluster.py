@@ -410,6 +410,10 @@ class HeartbeatRequest(msgspec.Struct, frozen=True, rename="camel", forbid_unkno
     session_id: str
     generation: int
     leases: tuple[HeldLease, ...] = ()
+    # Database clock µs after which the Worker no longer waits for the answer (its estimate,
+    # early-biased); a heartbeat the control plane would apply later is refused, nothing renewed.
+    # None: no limit (a Worker older than the field).
+    renew_until_us: int | None = None
 
 
 class LeaseExpiry(msgspec.Struct, frozen=True, rename="camel"):
@@ -447,6 +451,9 @@ class ExecutionSpec(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
     project_id: str
     task_id: str
     task_revision: int
+    # The Task's name at that revision (QL3_TASK_NAME, as a local launch); "" from a replica
+    # older than the field.
+    task_name: str = ""
     executor_type: str                 # what the Worker runs, e.g. local_process
     kind: str                          # local_process (argv) | shell (shell -c script)
     argv: tuple[str, ...] = ()

@@ -37,7 +37,8 @@ class ControlError(QlError):
 
 
 class ControlUnreachable(ControlError):
-    """No answer: connection refused/reset, DNS, timeout. Retry with backoff."""
+    """No answer: connection refused/reset, DNS, timeout, or (code ``clock_not_set``) a
+    certificate outside its dates by a clock that is not set. Retry with backoff."""
 
     code = "control_unreachable"
 
@@ -139,6 +140,9 @@ class ControlPort(Protocol):
     def finish_poll(self) -> Answer:
         """The Pull's answer once the fd is readable."""
 
+    def clock_plausible(self) -> bool:
+        """Is the wall clock at or after the package's build date (a clock before it is not set)?"""
+
     def abort_poll(self) -> None:
         """Drop the Pull's connection (its answer is lost; the request is retried)."""
 
@@ -163,6 +167,9 @@ class WorkerRunsPort(Protocol):
 
     def set_lease_deadline(self, attempt_id: str, stop_at_us: int) -> bool:
         """Renew the shim's self-fencing instant (µs); False if the lease file is not writable."""
+
+    def lease_deadline(self, attempt_id: str) -> int | None:
+        """The shim's self-fencing instant last written (CLOCK_MONOTONIC µs), or None."""
 
     def reattach(self, attempt_id: str):
         """The live shim of an earlier Worker process, or None."""

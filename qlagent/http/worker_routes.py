@@ -220,7 +220,8 @@ class WorkerRoutes:
         worker_id, credential = self._who(req, params)
         hb = self._json(req, HeartbeatRequest)
         return self._submit(lambda: Response.json(200, self._s.registry.heartbeat(
-            worker_id, credential, hb.session_id, hb.generation, hb.leases)), worker_id, credential)
+            worker_id, credential, hb.session_id, hb.generation, hb.leases, hb.renew_until_us)),
+            worker_id, credential)
 
     def _pull(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)

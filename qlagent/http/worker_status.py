@@ -5,8 +5,10 @@ agent's routes (``http.api``) cannot be served here. With ``[http] listen`` / ``
 ``serve --listen``) in Worker mode this surface answers instead:
 
 - ``GET /healthz``: 200 ``{"status": "ok"}`` while the process answers;
-- ``GET /readyz``: 200 ``{"status": "ready", "checks": …}`` while a Session is open and the
-  Worker is not draining; else 503 ``not_ready`` with the failing check and ``Retry-After: 1``;
+- ``GET /readyz``: 200 ``{"status": "ready", "checks": …}`` while a Session is open, nothing
+  blocks the Worker and it is not draining; else 503 ``not_ready`` with the failing check and
+  ``Retry-After: 1``. ``checks.control`` names what blocks it (``code: one line``: the last
+  failed hello — a clock that is not set, no replica answering — or a credential refused);
 - ``GET /api/v3/worker``: 200, the Worker's status document (``WorkerRuntime.status``: Worker ID,
   control plane, Session and generation, slots and free slots, live runs, inbox depth and caps).
 
@@ -48,7 +50,9 @@ class WorkerStatusSurface(LoopSurface):
 
     def _readyz(self, req: Request, p: dict[str, str]) -> Response:
         st = self._status()
+        blocked = st["blocked"]
         checks = {"session": "ok" if st["session"] is not None else "connecting",
+                  "control": "ok" if blocked is None else f"{blocked['code']}: {blocked['error']}",
                   "service": "draining" if self.draining or st["draining"] else "ok"}
         ok = all(v == "ok" for v in checks.values())
         return Response.json(200 if ok else 503, {"status": "ready" if ok else "not_ready", "checks": checks},

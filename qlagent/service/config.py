@@ -261,11 +261,12 @@ def validate_worker(w: WorkerConfig, profile: Profile) -> None:
 
 
 def resolve(config_path: str | None = None, *, state_dir: str | None = None, profile: str | None = None,
-            trust: bool = True) -> Settings:
+            trust: bool = True, trust_uid: int | None = None) -> Settings:
     """Load the config and apply environment and flag overrides; see the module docstring.
 
     With ``trust``, every path the agent trusts (service.trust.trusted_paths) is checked and
-    UntrustedPathError (exit 5) raised for the first one another user could write."""
+    UntrustedPathError (exit 5) raised for the first one another user could write — another
+    than ``trust_uid`` (default: this process's uid; ``config check --as-user``)."""
     cfg, used = load_config(config_path, trust=trust)
     prof_name = profile or os.environ.get("QLAGENT_PROFILE") or cfg.profile
     if prof_name != cfg.profile:
@@ -279,5 +280,5 @@ def resolve(config_path: str | None = None, *, state_dir: str | None = None, pro
                     key_file=cfg.secret_key_file or os.path.join(sd, "secret.key"),
                     control_socket=os.path.join(sd, "control.sock"))
     if trust:
-        require_trusted(trusted_paths(settings))
+        require_trusted(trusted_paths(settings), trust_uid)
     return settings

@@ -198,6 +198,12 @@ class ControlPlane:
                                    code="listen_failed") from None
         self.http.register(self.sel)
         self.log("info", "http.listening", address="%s:%d" % bound[:2], tls="on" if tls else "off")
+        if tls:
+            unnamed = bootstrap.tls_names_warning(self.settings.config.cluster.tls_cert, host)
+            if unnamed is not None:
+                # Workers check the host name: none of them could use this address.
+                self.log("warning", "http.tls_names", **unnamed,
+                         hint="cluster.tls_cert names none of this replica's listen addresses; Workers will refuse it")
 
     def _drain_http(self) -> None:
         """Stop accepting; finish requests in progress for at most ``drain_grace_s``."""

@@ -1,8 +1,11 @@
 """One line per event on stderr; ``<N>`` syslog priority prefixes when journald reads us.
 
 journald sets ``JOURNAL_STREAM=dev:ino`` for the stream it attached to stderr; only when that
-matches fd 2 do we prefix lines with ``<N>`` so ``journalctl -p`` works. Otherwise lines carry
-a UTC timestamp and a level word (procd forwards them to syslog as they are). Fields are
+matches fd 2 do we prefix lines with ``<N>`` so ``journalctl -p`` works. With
+``QLAGENT_LOG=syslog`` (the OpenWrt init script sets it) each line goes to syslog itself, as
+``daemon.<priority>`` from ``qlagent[PID]``: procd logs an instance's stderr as ``daemon.err``
+whatever the line says, so an INFO line would read as an error in ``logread`` (found by the
+procd gate, openwrt/gate). Otherwise lines carry a UTC timestamp and a level word. Fields are
 ``key=value``; callers pass identities and figures only — never secrets or task output.
 """
 
@@ -30,6 +33,12 @@ class Journal:
         self._stream = stream or sys.stderr
         self._prefix = _journald_attached()
         self._min = PRIORITIES[min_priority]
+        self._syslog = None
+        if stream is None and os.environ.get("QLAGENT_LOG") == "syslog":
+            import syslog          # python3-light on OpenWrt
+
+            syslog.openlog("qlagent", syslog.LOG_PID, syslog.LOG_DAEMON)
+            self._syslog = syslog
 
     def __call__(self, priority: str, event: str, **fields) -> None:
         """Write ``event key=value …`` at ``priority`` (a key of PRIORITIES)."""
@@ -38,6 +47,9 @@ class Journal:
             return
         kv = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items() if v is not None)
         line = f"{event} {kv}".rstrip()
+        if self._syslog is not None:
+            self._syslog.syslog(p, line)     # facility daemon (openlog), priority p
+            return
         if self._prefix:
             out = f"<{p}>{line}\n"
         else:

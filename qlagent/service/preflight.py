@@ -30,7 +30,7 @@ class Preflight(NamedTuple):
 def preflight(settings: Settings) -> Preflight:
     """Run the database-free start-up checks of ``settings``' role. Raises ValidationError (exit 2)
     naming the field: ``cluster.pool_size``, ``cluster.tls_cert``, ``cluster.tls_key``,
-    ``worker.ca_file``."""
+    ``worker.ca_file`` (a readable PEM holding a CA certificate)."""
     cluster, worker = settings.config.cluster, settings.config.worker
     if cluster is not None:
         threads = bootstrap.check_replica_pool(cluster)

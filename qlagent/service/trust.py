@@ -139,28 +139,29 @@ def ancestry_problem(role: str, path: str, euid: int | None = None) -> tuple[str
     return None
 
 
-def check(paths: list[TrustedPath]) -> list[tuple[TrustedPath, str]]:
+def check(paths: list[TrustedPath], euid: int | None = None) -> list[tuple[TrustedPath, str]]:
     """The problems of ``paths``, in order: (path, one-line problem); an unsafe parent directory
     or symlink is reported once (for the first path under it), and not at all when it is itself
     a reported path."""
     out = []
     reported = set()
     for tp in paths:
-        p = problem(tp.role, tp.path)
+        p = problem(tp.role, tp.path, euid)
         if p:
             out.append((tp, p))
             reported.update((os.path.abspath(tp.path), os.path.realpath(tp.path)))
             continue
-        a = ancestry_problem(tp.role, tp.path)
+        a = ancestry_problem(tp.role, tp.path, euid)
         if a and a[0] not in reported:
             reported.add(a[0])
             out.append((tp, a[1]))
     return out
 
 
-def require_trusted(paths: list[TrustedPath]) -> None:
-    """Raise UntrustedPathError for the first untrusted path of ``paths``; nothing is changed."""
-    found = check(paths)
+def require_trusted(paths: list[TrustedPath], euid: int | None = None) -> None:
+    """Raise UntrustedPathError for the first untrusted path of ``paths`` as the agent running
+    with ``euid`` (default: this process's) would see them; nothing is changed."""
+    found = check(paths, euid)
     if found:
         tp, text = found[0]
         raise UntrustedPathError(text, field=tp.role)

@@ -33,6 +33,11 @@ TASKS = """
 name = "greet"
 shell = "/bin/sh"
 script = "echo hello-from-the-worker; echo second line"
+
+[[task]]
+name = "envdump"
+shell = "/bin/sh"
+script = "env | grep '^QL3_' | sort"
 """
 
 
@@ -349,3 +354,51 @@ def test_sigterm_ends_the_replica_promptly_while_the_worker_long_polls(plane):
     replica.wait_line("service.stopped")
     assert worker.proc.poll() is None                     # the Worker survives and retries
     assert worker.stop() == 0
+
+
+def test_a_task_sees_the_same_ql3_variables_on_a_worker_as_on_a_local_agent(plane):
+    """README lists the QL3_* identity every task gets: a fleet Worker sets the same names, none
+    empty, as a local agent (QL3_TASK_NAME was empty on a Worker)."""
+    cp = plane["cp"]
+    worker, _ = start_worker(plane, "edge-env", plane["ca"])
+    worker.wait_line("worker.ready")
+    run_id = cp.ok("run", "start", "envdump").strip()
+    deadline = time.monotonic() + 30
+    while sql(plane["url"], "SELECT r.state, a.log_next_offset > 0 FROM runs r JOIN attempts a "
+                            "ON a.attempt_id = r.latest_attempt_id WHERE r.run_id = %s",
+              (run_id,)) != [("succeeded", True)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    on_worker = dict(ln.split("=", 1) for ln in cp.ok("run", "logs", run_id).splitlines())
+    local = Node(plane["root"], "local-env", "")
+    local.ok("init")
+    tasks = os.path.join(plane["root"], "local-env-tasks.toml")
+    with open(tasks, "w") as f:
+        f.write(TASKS)
+    local.ok("task", "add", "-f", tasks)
+    local_run = local.ok("run", "start", "envdump", "--wait").split()[0]
+    on_local = dict(ln.split("=", 1) for ln in local.ok("run", "logs", local_run).splitlines())
+    assert sorted(on_worker) == sorted(on_local) and "QL3_TASK_NAME" in on_local, (on_worker, on_local)
+    assert all(on_worker.values()) and all(on_local.values()), (on_worker, on_local)
+    assert on_worker["QL3_TASK_NAME"] == on_local["QL3_TASK_NAME"] == "envdump"
+    assert on_worker["QL3_RUN_ID"] == run_id
+
+
+def test_a_replica_whose_certificate_names_none_of_its_listen_addresses_warns_at_start(plane):
+    """The certificate names localhost/127.0.0.1; a replica listening on 127.0.0.2 started
+    without a word, and every Worker then refused it. It warns at start (the address and the
+    names); the plane's replica on 127.0.0.1 does not."""
+    assert not any("http.tls_names" in ln for ln in plane["replica"].lines)
+    name = create_database("e2e_tls_names")
+    try:
+        node = Node(plane["root"], "tls-names", f'[cluster]\ndatabase = "{db_url(name)}"\n'
+                                                f'tls_cert = "{plane["cert"]}"\ntls_key = "{plane["key"]}"\n')
+        node.ok("init")
+        replica = Proc(node, "--listen", f"127.0.0.2:{free_port()}")
+        try:
+            line = replica.wait_line("http.tls_names")
+            assert "WARNING" in line and "address=127.0.0.2" in line and "DNS:localhost" in line, line
+            assert "IP:127.0.0.1" in line
+        finally:
+            assert replica.stop() == 0
+    finally:
+        drop_database(name)

@@ -11,7 +11,9 @@ import json
 import sqlite3
 import os
 import shutil
+import socket
 import tempfile
+import threading
 import time
 
 import pytest
@@ -57,6 +59,17 @@ retry = {{max_attempts = 2}}
 concurrency = "parallel"
 placement = {{required = {{case = "pair"}}}}
 ''' for name, script in PAIR.items())
+
+
+TASKS += f'''
+[[task]]
+name = "late_beat"
+shell = "/bin/sh"
+script = "{LOOP.format(n=60)}"
+grace_s = 1
+retry = {{max_attempts = 2}}
+placement = {{required = {{case = "late_beat"}}}}
+'''
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +215,79 @@ def test_a_worker_down_past_the_lease_with_one_run_fenced_and_one_finished_resta
     assert again.stop() == 0, "".join(again.lines)
     assert [inbox_state(node, a) for a in aids.values()] == [["acked"], ["acked"]], "".join(again.lines)
 
+
+
+class HoldingProxy:
+    """A TCP proxy to the replica. While held, what Workers send is kept back (the connection
+    stays up, as on a congested link) and delivered on release, even after the Worker gave up
+    on it and closed its socket: a request applied late."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.open = threading.Event()
+        self.open.set()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.listener.accept()
+            except OSError:
+                return
+            u = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, held: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if held:
+                    self.open.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        if held:
+            time.sleep(5)               # the replica answers what it got last (into a closed socket)
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.open.set()
+        self.listener.close()
+
+
+def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_it_stopped(plane):
+    """A heartbeat naming a run's Lease is held on the link; the Worker gives up on it and stops
+    the run before the Lease can expire. Delivered late, it extended that Lease by a whole TTL
+    (the re-offer waited for nothing). The replica now refuses a heartbeat past the instant the
+    Worker stopped waiting (heartbeat_late): the Lease ends when the Worker assumed it would."""
+    proxy = HoldingProxy(plane["port"])
+    worker_id, cred = enroll(plane, "late_beat", "--slots", "2", "--label", "case=late_beat")
+    node = Node(plane["root"], "late_beat", f'drain_grace_s = 1\n[worker]\nworker_id = "{worker_id}"\n'
+                                            f'control_url = "http://127.0.0.1:{proxy.port}"\n'
+                                            f'credential_file = "{cred}"\nslots = 2\nheartbeat_interval_s = 2\n'
+                                            'pull_wait_s = 20\nlabels = {case = "late_beat"}\n')
+    worker = serve(plane, node)
+    try:
+        worker.wait_line("worker.session_opened")
+        run_id = plane["cp"].ok("run", "start", "late_beat").strip()
+        wait_for("attempt 1 running", lambda: attempts(plane, run_id) == [(1, "running")], 60, worker)
+        aid = first_attempt(plane, run_id)
+        renewed = "SELECT expires_at_us FROM run_leases WHERE attempt_id = %s"
+        first = sql(plane["url"], renewed, (aid,))[0][0]
+        wait_for("a heartbeat renewal", lambda: sql(plane["url"], renewed, (aid,))[0][0] > first, 30, worker)
+        proxy.open.clear()
+        worker.wait_line("worker.lease_lost", 30)
+        assert "action=kill" in worker.wait_line("worker.lease_lost")
+        held_at = sql(plane["url"], renewed, (aid,))[0][0]
+        proxy.open.set()                # the held heartbeat (it named the Lease) arrives now
+        wait_for("attempt 1 lost", lambda: attempts(plane, run_id)[:1] == [(1, "lost")], 60, worker)
+        assert sql(plane["url"], renewed, (aid,))[0][0] == held_at, "".join(worker.lines)
+    finally:
+        worker.stop()
+        proxy.close()

@@ -50,9 +50,11 @@ def now_us() -> int:
     return time.time_ns() // 1_000
 
 
-def make_ca(dirpath: str, name: str = "stub") -> tuple[str, str, str]:
+def make_ca(dirpath: str, name: str = "stub", *, sans=("localhost", "127.0.0.1"),
+            expired: bool = False) -> tuple[str, str, str]:
     """(ca.pem, server cert.pem, server key.pem) under ``dirpath``: a fresh CA and a server
-    certificate for localhost / 127.0.0.1 signed by it."""
+    certificate for ``sans`` (host names and IP addresses) signed by it; ``expired``: the
+    server certificate's validity ended yesterday."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -69,12 +71,18 @@ def make_ca(dirpath: str, name: str = "stub") -> tuple[str, str, str]:
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (x509.CertificateBuilder().subject_name(name_of("localhost")).issuer_name(ca.subject)
+
+    def san(n):
+        try:
+            return x509.IPAddress(ipaddress.ip_address(n))
+        except ValueError:
+            return x509.DNSName(n)
+    begins, ends = (now - datetime.timedelta(days=3), now - datetime.timedelta(days=1)) if expired else \
+        (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
+    cert = (x509.CertificateBuilder().subject_name(name_of(sans[0])).issuer_name(ca.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
+            .not_valid_before(begins).not_valid_after(ends)
+            .add_extension(x509.SubjectAlternativeName([san(n) for n in sans]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     paths = tuple(os.path.join(dirpath, f"{name}-{n}.pem") for n in ("ca", "cert", "key"))
     with open(paths[0], "wb") as f:

@@ -962,3 +962,226 @@ def test_one_replica_without_tls_among_several_is_passed_over_and_all_of_them_is
         stop.set()
         t.join()
         srv.close()
+
+
+def test_a_stop_with_acks_owed_and_no_link_ends_inside_the_units_stop_timeout(tmp_path, cp, worker):
+    """SIGTERM with a live run and the link cut: the run is stopped after drain_grace_s, its
+    completion stays owed, and the Worker still exits before systemd's TimeoutStopSec (and
+    procd's term_timeout) would SIGKILL it: both grant drain_grace_s + the same margin."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "systemd", "qlagent.service")) as f:
+        timeout_stop_s = int(re.search(r"^TimeoutStopSec=(\d+)$", f.read(), re.M).group(1))
+    with open(os.path.join(root, "packaging", "qlagent.toml")) as f:
+        packaged_grace_s = int(re.search(r"^drain_grace_s = (\d+)$", f.read(), re.M).group(1))
+    with open(os.path.join(root, "openwrt", "qlagent", "files", "qlagent.init")) as f:
+        procd_margin_s = int(re.search(r'term_timeout "\$\(\(drain_grace_s \+ (\d+)\)\)"', f.read()).group(1))
+    margin_s = timeout_stop_s - packaged_grace_s
+    assert margin_s == procd_margin_s
+    with open(worker.cfg) as f:
+        text = f.read()
+    with open(worker.cfg, "w") as f:
+        f.write("drain_grace_s = 1\n" + text)
+    pidfile = tmp_path / "task.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; exec sleep 60")
+    worker.start()
+    assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+    pid = read_pid(pidfile)
+    cp.partition(True)
+    began = time.monotonic()
+    worker.p.send_signal(signal.SIGTERM)
+    assert worker.p.wait(60) == 0, worker.journal()
+    took = time.monotonic() - began
+    assert took < 1 + margin_s, (took, worker.journal())
+    assert gone(pid) and completion(cp, aid) is None
+    cp.partition(False)
+    worker.start()                              # the completion was kept owed, and goes now
+    assert cp.wait(lambda: completion(cp, aid) is not None, 30), worker.journal()
+    assert completion(cp, aid).kill_reason == "shutdown"
+
+
+def test_a_worker_restarted_during_a_cut_keeps_the_reattached_run_for_its_whole_lease(tmp_path):
+    """Link down, Worker SIGKILLed and restarted with the link still down: the re-attached run
+    is not stopped before the instant its Lease (kept in the shim's lease file) says; the link
+    returns in time, the new Session adopts it and it completes with its whole log."""
+    stub = StubControlPlane(str(tmp_path), lease_ttl_s=30, session_ttl_s=30)
+    stub.url = stub.start()
+    w = Worker(tmp_path, stub, stub.url)
+    stopfile, pidfile = tmp_path / "stop", tmp_path / "task.pid"
+    try:
+        aid = stub.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; "
+                                                   f"while [ ! -e {stopfile} ]; do echo tick; sleep 0.2; done; echo done")
+        w.start()
+        assert stub.wait(lambda: "running" in stub.acks_of(aid), 30)
+        pid = read_pid(pidfile)
+        stub.wait(lambda: False, 1.5)                       # a heartbeat renewed the Lease
+        stub.partition(True)
+        w.kill()
+        lease_file = os.path.join(w.state, "worker-runs", aid, "lease")
+        with open(lease_file) as f:
+            stop_at_s = int(f.read()) / 1e6                 # CLOCK_MONOTONIC, as time.monotonic()
+        w.start()
+        assert stop_at_s - time.monotonic() > 15            # the Lease has most of its 30 s left
+        stub.wait(lambda: False, 4)                         # the restarted Worker's connects fail
+        assert not gone(pid), w.journal()
+        stub.partition(False)
+        assert stub.wait(lambda: len(stub.hellos) == 2, stop_at_s - time.monotonic()), w.journal()
+        assert not gone(pid) and "worker.lease_lost" not in w.journal(), w.journal()
+        stopfile.touch()
+        assert stub.wait(lambda: completion(stub, aid) is not None, 30), w.journal()
+        assert completion(stub, aid).exit_code == 0
+        assert stub.wait(lambda: stub.log_of(aid).endswith(b"tick\ndone\n"), 20)
+        assert set(stub.log_of(aid).splitlines()) == {b"tick", b"done"}
+    finally:
+        w.stop()
+        stub.stop()
+
+
+def test_a_run_fenced_for_its_lease_keeps_its_log_until_cut_with_a_recorded_fact(tmp_path):
+    """A cut past the Lease: the Worker stops the run before the Lease expires; its log, never
+    uploaded, is not deleted silently: once the control plane says the Lease is gone, the cut
+    is journaled with the bytes the control plane holds and the bytes dropped."""
+    stub = StubControlPlane(str(tmp_path), lease_ttl_s=8, session_ttl_s=8)
+    stub.url = stub.start()
+    w = Worker(tmp_path, stub, stub.url)
+    pidfile = tmp_path / "task.pid"
+    try:
+        aid = stub.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; head -c 300000 /dev/zero | tr '\\0' x; "
+                                                   "while :; do echo tick; sleep 0.1; done")
+        w.start()
+        assert stub.wait(lambda: "running" in stub.acks_of(aid), 30)
+        pid = read_pid(pidfile)
+        assert stub.wait(lambda: len(stub.log_of(aid)) == 262_144, 20)      # one whole chunk went up
+        stub.partition(True)
+        end = time.monotonic() + 20
+        while time.monotonic() < end and not gone(pid):
+            time.sleep(0.05)
+        assert gone(pid) and "action=kill" in w.journal()
+        log = os.path.join(w.state, "worker-runs", aid, "output.log")
+        size = os.path.getsize(log)
+        assert size > 262_144                               # kept after the stop, not deleted
+        assert stub.wait(lambda: stub.lease(aid)["expires"] < time.time_ns() // 1000, 20)
+        stub.partition(False)
+        assert stub.wait(lambda: "worker.log_truncated" in w.journal(), 30), w.journal()
+        line = next(ln for ln in w.journal().splitlines() if "worker.log_truncated" in ln)
+        held = len(stub.log_of(aid))
+        assert f"attempt={aid}" in line and f"bytes_kept={held}" in line and f"bytes_dropped={size - held}" in line
+        assert "reason=lease_gone" in line
+        assert stub.wait(lambda: not os.path.exists(log), 10)
+        assert completion(stub, aid) is None
+    finally:
+        w.stop()
+        stub.stop()
+
+
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+@pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="libfaketime is not installed")
+def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_once_it_is_set(tmp_path, cp):
+    """A router without a battery-backed clock boots at 1970: every replica's certificate is
+    "not yet valid". That is not bad config (exit 2, never restarted by procd): the Worker stays
+    up and not ready, says the clock is before qlagent's build date, and joins once NTP sets it.
+    libfaketime reads the offset from a file the test rewrites (its monotonic clock moves with
+    it, forward only; stat() times stay real, as the package's files are)."""
+    port = _free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    offset = tmp_path / "faketime"
+    offset.write_text("-20000d\n")                              # 1972
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+    env.update(LD_PRELOAD=FAKETIME_LIB, FAKETIME_TIMESTAMP_FILE=str(offset), FAKETIME_NO_CACHE="1",
+               NO_FAKE_STAT="1")
+    w.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "serve"],
+                           stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
+    try:
+        assert _wait_http(port, "/healthz") == (200, {"status": "ok"}), w.journal()
+        assert cp.wait(lambda: "clock_not_set" in w.journal(), 20), w.journal()
+        cp.wait(lambda: False, 3)                               # several hellos refused by TLS meanwhile
+        assert w.p.poll() is None, w.journal()                  # not exit 2: the clock is not config
+        status, body = _http(port, "/readyz")
+        assert status == 503 and body["checks"]["control"].startswith("clock_not_set: "), body
+        line = next(ln for ln in w.journal().splitlines() if "worker.not_ready" in ln)
+        assert re.search(r"clock \(197\d-\d\d-\d\dT[\d:]+Z\), which is before qlagent's build date \(20\d\d-", line), line
+        assert "worker.ca_file" not in line and cp.sessions == {}
+        offset.write_text("+0\n")                               # NTP sets the clock
+        assert cp.wait(lambda: len(cp.sessions) == 1, 20), w.journal()
+        end = time.monotonic() + 10
+        while _http(port, "/readyz")[0] != 200 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert _http(port, "/readyz")[0] == 200, w.journal()
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def test_a_worker_holding_another_workers_credential_says_it_is_stuck(tmp_path, cp):
+    """403 worker_mismatch on every hello: the Worker keeps retrying (the credential may be
+    replaced) but /readyz and the journal say why it cannot work, not just "connecting"."""
+    port = _free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    _, other = cp.enrol()
+    write_credential(w.cred, other)
+    w.start()
+    try:
+        assert cp.wait(lambda: sum(r[2] == 403 for r in cp.requests) >= 3, 30), w.journal()
+        status, body = _wait_http(port, "/readyz")
+        assert status == 503 and body["checks"]["control"].startswith("worker_mismatch: 403"), body
+        assert _http(port, "/api/v3/worker")[1]["blocked"]["code"] == "worker_mismatch"
+        stuck = [ln for ln in w.journal().splitlines() if "worker.not_ready" in ln]
+        assert len(stuck) == 1 and " ERR " in f" {stuck[0]} " and "code=worker_mismatch" in stuck[0], w.journal()
+        assert w.p.poll() is None and w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def test_plain_http_to_a_tls_port_hints_at_https(tmp_path, cp):
+    port = int(cp.url.rsplit(":", 1)[1])
+    w = Worker(tmp_path, cp, f"http://127.0.0.1:{port}")
+    w.start()
+    try:
+        assert cp.wait(lambda: "worker.not_ready" in w.journal(), 20), w.journal()
+        line = next(ln for ln in w.journal().splitlines() if "worker.not_ready" in ln)
+        assert f"127.0.0.1:{port} serves TLS, worker.control_url must say https://" in line, line
+        assert w.p.poll() is None and w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def test_a_server_certificate_given_as_the_ca_is_refused_by_config_check_and_serve_alike(tmp_path, cp):
+    """worker.ca_file holding the replica's own certificate (not its CA): `config check` said
+    "config ok" and serve then stopped on every replica's TLS refusal; both now refuse the file
+    itself, with the same one line, before anything is written or sent."""
+    w = Worker(tmp_path, cp, cp.url, ca_file=cp.cert)
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
+                       capture_output=True, env=env, timeout=60)
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p
+    assert lines[0].startswith(f"qlagent: error: worker.ca_file: {cp.cert}: holds no CA certificate"), lines
+    assert w.start().p.wait(30) == 2
+    assert w.journal().strip().splitlines() == lines and not os.path.exists(w.state)
+    assert cp.requests == []
+
+
+@pytest.mark.parametrize("sans, expired, says", [
+    (("cp.example", "10.9.8.7"), False,
+     r"certificate \(signed by the pinned CA\) does not name 127\.0\.0\.1; it names DNS:cp\.example, "
+     r"IP Address:10\.9\.8\.7: worker\.control_url must use one of those"),
+    (("localhost", "127.0.0.1"), True,
+     r"certificate expired \(valid 20\d\d-\d\d-\d\dT[\d:]+Z \.\. 20\d\d-\d\d-\d\dT[\d:]+Z; this host's clock: 20\d\d-"),
+])
+def test_a_refused_certificate_says_what_is_wrong_with_it(tmp_path, sans, expired, says):
+    """The CA is right: a certificate naming other hosts, or expired, was reported as
+    "worker.ca_file must hold the CA that signed it". Now the one line names the fault."""
+    stub = StubControlPlane(str(tmp_path))
+    stub.ca_file, stub.cert, stub.key = make_ca(str(tmp_path), "odd", sans=sans, expired=expired)
+    url = stub.start().replace("localhost", "127.0.0.1")
+    try:
+        w = Worker(tmp_path, stub, url)
+        assert w.start().p.wait(30) == 2
+        (line,) = [ln for ln in w.journal().splitlines() if "ERR" in ln]
+        assert re.search(says, line) and "worker.ca_file" not in line, line
+    finally:
+        stub.stop()

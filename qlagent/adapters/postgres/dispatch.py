@@ -344,7 +344,7 @@ class PgPlanSource:
         execution = msgspec.json.decode(rev.spec_json)
         recipe = msgspec.json.decode(rev.recipe_json)
         spec = {"runId": c.run_id, "attemptId": c.attempt_id, "projectId": rev.project_id,
-                "taskId": c.task_id, "taskRevision": c.task_revision,
+                "taskId": c.task_id, "taskRevision": c.task_revision, "taskName": definition.get("name") or "",
                 "executorType": c.executor_type, "kind": execution.get("kind"),
                 "argv": execution.get("argv") or [], "shell": execution.get("shell"),
                 "script": execution.get("script"), "cwd": execution.get("cwd"),

@@ -82,13 +82,14 @@ class PgWorkerRegistry:
         return transaction(self._pool, tx)
 
     def heartbeat(self, worker_id: str, credential_digest: str, session_id: str, generation: int,
-                  held: list[tuple[str, int]], session_ttl_us: int,
-                  lease_ttl_us: int) -> tuple[int, list[str], list[tuple[str, int]]]:
+                  held: list[tuple[str, int]], session_ttl_us: int, lease_ttl_us: int,
+                  renew_until_us: int | None = None) -> tuple[int, list[str], list[tuple[str, int]]]:
         """Extend the Session, and the Leases of this Session that ``held`` names ((Attempt ID,
         lease generation)), are active and unexpired and whose Attempt is starting/running; a
         Lease of the Session not named keeps its expiry (the sweeper ends it). Return (Session
         expiry µs, Attempt IDs whose Run asked to be cancelled, (Attempt ID, new Lease expiry
-        µs) of each renewed Lease). ConflictError stale_generation / session_expired."""
+        µs) of each renewed Lease). ConflictError stale_generation / session_expired, and
+        heartbeat_late past ``renew_until_us`` (database clock µs; the Worker gave up on it)."""
         def tx(cur):
             w = authenticate(cur, worker_id, credential_digest)
             s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s"
@@ -99,6 +100,9 @@ class PgWorkerRegistry:
             now = now_us(cur)
             if s["state"] != "open" or s["expires_at_us"] <= now:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
+            if renew_until_us is not None and now > renew_until_us:
+                raise ConflictError(f"heartbeat arrived {now - renew_until_us} µs after the Worker stopped waiting "
+                                    "for it; nothing renewed", code="heartbeat_late")
             cur.execute("UPDATE worker_sessions SET last_heartbeat_us = %s, expires_at_us = %s WHERE session_id = %s",
                         (now, now + session_ttl_us, session_id))
             # Only the Leases the Worker names: one it let go must run out (issue 11 §6).
