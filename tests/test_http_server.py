@@ -358,20 +358,28 @@ def test_connection_limit_refuses_with_503():
         assert_healthy(srv, port)
 
 
-def test_connection_limit_evicts_an_idle_keep_alive_first():
-    limits = replace(HttpLimits.edge(), max_connections=2, read_timeout_s=2.0)
+def test_connection_limit_evicts_the_oldest_connection_that_never_sent_a_request_first():
+    limits = replace(HttpLimits.edge(), max_connections=3, read_timeout_s=2.0)
     with running(limits) as (srv, port):
         served = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         served.request("GET", "/hello")
-        assert served.getresponse().read()  # now an idle keep-alive
-        silent = connect(port)  # never sent a byte: evicted only after idle keep-alives
+        assert served.getresponse().read()  # now an idle keep-alive: evicted only after the silent ones
+        old, young = connect(port), None
         deadline = time.monotonic() + 5
         while srv.connections < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
+        young = connect(port)
+        while srv.connections < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert raw(port, b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").status == 200
-        assert served.sock.recv(10) == b""  # the idle keep-alive made room
-        silent.close()
-        served.close()
+        assert old.recv(10) == b""          # the oldest silent one made room ...
+        served.request("GET", "/hello")     # ... not the served keep-alive, not the younger silent one
+        assert served.getresponse().status == 200
+        young.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            young.recv(10)
+        for s in (old, young, served):
+            s.close()
 
 
 def test_unix_socket_is_0660_and_serves(tmp_path):

@@ -29,6 +29,9 @@ MAX_BODY_BYTES = 65_536
 MIN_BODY_BYTES = 256           # a Task Start body is ~200 bytes
 READ_TIMEOUT_S = (0.5, 60.0)
 WORKER_PATHS = "/api/v3/cluster/workers/"
+# A replica's accept queue (connections, capped by net.core.somaxconn): a burst of connects from
+# a flood must not fill it and drop a probe's or a Worker's SYN (a 1 s, then 3 s retransmit).
+CLUSTER_BACKLOG = 1024
 WORKER_IDLE_S = 65.0          # keep-alive idle bound on a control plane (s): above the longest heartbeat interval
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})   # answered without an in-flight slot (README "HTTP API")
 
@@ -102,7 +105,8 @@ class HttpSurface(LoopSurface):
     def listen_tcp(self, host: str, port: int, tls=None) -> tuple[str, int]:
         """Bind HOST:PORT (port 0 picks a free one); returns the bound (host, port). ``tls``: a
         ``qlagent.http.tls.TlsAcceptor`` (HTTPS on this listener)."""
-        return self.server.listen_tcp(host, port, tls=tls)
+        backlog = 16 if self.worker_routes is None else CLUSTER_BACKLOG
+        return self.server.listen_tcp(host, port, backlog=backlog, tls=tls)
 
     def next_timeout_us(self, now_us: int) -> int | None:
         """The next connection deadline as wall-clock µs (the loop's clock), or None. The server
