@@ -138,3 +138,27 @@ def test_200_half_open_tls_connections_renewed_every_2_s_never_silence_probes_or
         attacker.join(30)
     assert not failures, (failures, answered)
     assert answered >= 10 and len(opened) >= 5 and min(opened) >= 150, (answered, opened)
+
+
+def _tls12(plane, ciphers: str) -> str:
+    ctx = ssl.create_default_context(cafile=plane["ca"])
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(ciphers)
+    with socket.create_connection(("127.0.0.1", plane["port"]), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+            return s.cipher()[0]
+
+
+def test_tls_1_2_takes_only_aead_suites_and_tls_1_3_is_unchanged(plane):
+    # Found by the issue 21 attack pass: a client offering only the CBC-mode suite was served.
+    with pytest.raises(ssl.SSLError):
+        _tls12(plane, "ECDHE-ECDSA-AES128-SHA256")
+    with pytest.raises(ssl.SSLError):
+        _tls12(plane, "ECDHE-ECDSA-AES256-SHA")
+    assert _tls12(plane, "ECDHE-ECDSA-AES128-GCM-SHA256") == "ECDHE-ECDSA-AES128-GCM-SHA256"
+    assert _tls12(plane, "ECDHE-ECDSA-CHACHA20-POLY1305") == "ECDHE-ECDSA-CHACHA20-POLY1305"
+    ctx = ssl.create_default_context(cafile=plane["ca"])
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    with socket.create_connection(("127.0.0.1", plane["port"]), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+            assert s.version() == "TLSv1.3"
