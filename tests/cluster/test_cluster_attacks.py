@@ -162,3 +162,32 @@ def test_tls_1_2_takes_only_aead_suites_and_tls_1_3_is_unchanged(plane):
     with socket.create_connection(("127.0.0.1", plane["port"]), timeout=10) as raw:
         with ctx.wrap_socket(raw, server_hostname="localhost") as s:
             assert s.version() == "TLSv1.3"
+
+
+def test_one_worker_flooding_long_polls_never_starves_another_workers_pull(plane):
+    # Found by the issue 21 attack pass: one (compromised) Worker held all 32 max_long_polls
+    # slots with its own Session; every other Worker's pull?waitS=5 got 503 on that replica.
+    greedy, other = Worker(plane, "greedy"), Worker(plane, "patient")
+    greedy.hello()
+    other.hello()
+    answers: list[tuple[int, str, str | None]] = []
+    lock = threading.Lock()
+
+    def hog() -> None:
+        status, headers, body = greedy.pull(wait_s=8, timeout=30)
+        with lock:
+            answers.append((status, (body or {}).get("error") or body.get("status"), headers.get("retry-after")))
+
+    hogs = [threading.Thread(target=hog, daemon=True) for _ in range(40)]
+    for t in hogs:
+        t.start()
+    time.sleep(2)                                    # the greedy Pulls are parked or refused
+    t0 = time.monotonic()
+    status, _, body = other.pull(wait_s=3, timeout=30)
+    assert (status, body.get("status")) == (200, "idle"), body     # it waited its 3 s like any long-poll
+    assert time.monotonic() - t0 >= 2.5
+    for t in hogs:
+        t.join(30)
+    refused = [a for a in answers if a[0] == 503]
+    assert sorted(set(refused)) == [(503, "long_polls_full", "1")], answers
+    assert len(answers) == 40 and len(refused) == 38, answers      # two long-polls per Worker at most

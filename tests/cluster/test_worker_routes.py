@@ -463,7 +463,7 @@ def test_long_polls_beyond_the_bound_are_503_with_retry_after(kit, pg_url):
         _until(lambda: plane.server.in_flight == 2)
         st, h, raw = clients[2].call("POST", f"{BASE}/{clients[2].worker['worker_id']}/pull?waitS=3",
                                      pull_body(clients[2].worker))
-        assert (st, json.loads(raw)["error"], h["retry-after"]) == (503, "cluster_unavailable", "1")
+        assert (st, json.loads(raw)["error"], h["retry-after"]) == (503, "long_polls_full", "1")
         st, _, body, _ = clients[2].post("pull", pull_body(clients[2].worker))    # waitS=0 still served
         assert (st, body["status"]) == (200, "idle")
         for t in threads:
@@ -555,3 +555,41 @@ def test_the_local_http_surface_loads_no_tls_pool_or_cluster_module():
             "'qlagent.http.worker_routes', 'qlagent.http.tls') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_pull_refused_for_want_of_long_poll_slots_moves_the_worker_to_its_next_replica(kit, pg_url, tmp_path):
+    import os
+    import select
+    from qlagent.adapters.control_client import ControlClient
+    from qlagent.core.control import ControlBusy
+    full = ControlPlane(kit, pg_url, limits=replace(WorkerRouteLimits(), max_long_polls=1))
+    free = ControlPlane(kit, pg_url)
+    try:
+        hog = Client(full.port, enrolled(kit, "hog"))
+        session(hog)
+        parked = threading.Thread(target=hog.call, args=("POST", f"{BASE}/{hog.worker['worker_id']}/pull?waitS=4",
+                                                         pull_body(hog.worker)))
+        parked.start()
+        _until(lambda: full.server.in_flight == 1)
+        w = enrolled(kit, "mover")
+        cred = tmp_path / "cred"
+        fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, w["credential"].encode())
+        os.close(fd)
+        client = ControlClient([f"http://127.0.0.1:{full.port}", f"http://127.0.0.1:{free.port}"],
+                               w["worker_id"], str(cred), None)
+        session(Client(free.port, w))
+        body = json.dumps(pull_body(w)).encode()
+        select.select([client.start_poll("/pull?waitS=1", body, 1)], [], [], 10)
+        with pytest.raises(ControlBusy) as refused:
+            client.finish_poll()
+        assert (refused.value.code, refused.value.retry_after_s) == ("long_polls_full", 1.0)
+        client.abort_poll()
+        select.select([client.start_poll("/pull?waitS=1", body, 1)], [], [], 10)
+        assert json.loads(client.finish_poll().body)["status"] == "idle"    # answered by the other replica
+        assert free.server.connections >= 1
+        client.close()
+        parked.join(10)
+    finally:
+        full.close()
+        free.close()
