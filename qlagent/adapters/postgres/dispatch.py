@@ -29,7 +29,7 @@ from ...core.ids import new_id
 from ...core.profiles import Profile
 from .connection import read, transaction
 from .runs import OCCUPYING, set_holds
-from .transitions import authenticate, finish_attempt, now_us
+from .transitions import authenticate, finish_attempt, now_us, stale_session
 
 _CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,
     r.version, r.priority, r.created_at_us, r.latest_attempt_created_at_us, a.lease_generation, r.single_instance"""
@@ -221,8 +221,7 @@ class PgDispatchStore:
             s = cur.execute(_PULL_SESSION, {"worker": worker_id, "credential": credential_digest,
                                             "session": session_id, "pull": pull_id}).fetchone()
             if s is None or s["generation"] != generation or s["worker_generation"] != generation:
-                current = s["worker_generation"] if s else authenticate(cur, worker_id, credential_digest)["generation"]
-                raise ConflictError(f"generation {generation} is stale (current {current})", code="stale_generation")
+                raise stale_session(session_id, generation, authenticate(cur, worker_id, credential_digest))
             if s["state"] != "open" or s["expires_at_us"] <= s["now"]:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
             w = WorkerSnapshot(worker_id, session_id, generation, s["labels"], tuple(s["executor_types"]), s["slots"],

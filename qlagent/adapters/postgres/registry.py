@@ -8,7 +8,12 @@ from ...core.cluster import Enrolment, SessionGrant, WorkerInfo
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from .connection import read, transaction
-from .transitions import adopt_leases, authenticate, fence_sessions, now_us
+from .transitions import adopt_leases, authenticate, fence_sessions, now_us, stale_session
+
+# Ended Sessions a hello keeps per Worker (the newest; any a Lease names is kept too), and how
+# many older ones one hello deletes: a Worker saying hello in a loop leaves a bounded table.
+SESSION_HISTORY = 8
+PRUNE_PER_HELLO = 4
 
 
 class PgWorkerRegistry:
@@ -60,7 +65,9 @@ class PgWorkerRegistry:
                      adopt: list[tuple[str, int, str]] = ()) -> SessionGrant:
         """New Session with generation + 1; the Leases of ``adopt`` ((Attempt ID, lease
         generation, token digest), Attempt ID order) that qualify move to it (``adopt_leases``),
-        then every older Session closes and its remaining active Leases are fenced."""
+        then every older Session closes and its remaining active Leases are fenced. Up to
+        ``PRUNE_PER_HELLO`` ended Sessions of the Worker older than its newest
+        ``SESSION_HISTORY`` that no Lease names are deleted."""
         from psycopg.types.json import Jsonb
         session_id = new_id()
 
@@ -77,6 +84,10 @@ class PgWorkerRegistry:
                         "WHERE worker_id = %s", (gen, session_id, now, worker_id))
             adopted, refused = adopt_leases(cur, worker_id, session_id, gen, adopt, now)
             fence_sessions(cur, worker_id, session_id, "session_replaced", now)
+            cur.execute("DELETE FROM worker_sessions WHERE session_id IN (SELECT s.session_id FROM worker_sessions s"
+                        " WHERE s.worker_id = %s AND s.generation <= %s AND s.state <> 'open'"
+                        " AND NOT EXISTS (SELECT 1 FROM run_leases l WHERE l.session_id = s.session_id)"
+                        " ORDER BY s.generation LIMIT %s)", (worker_id, gen - SESSION_HISTORY, PRUNE_PER_HELLO))
             return SessionGrant(worker_id, session_id, gen, labels, executor_types, slots, now + ttl_us,
                                 tuple(adopted), tuple(refused))
         return transaction(self._pool, tx)
@@ -94,8 +105,7 @@ class PgWorkerRegistry:
             s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s"
                             " FOR NO KEY UPDATE", (session_id, worker_id)).fetchone()
             if s is None or s["generation"] != generation or w["generation"] != generation:
-                raise ConflictError(f"generation {generation} is stale (current {w['generation']})",
-                                    code="stale_generation")
+                raise stale_session(session_id, generation, w)
             now = now_us(cur)
             if s["state"] != "open" or s["expires_at_us"] <= now:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
