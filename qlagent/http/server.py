@@ -394,6 +394,7 @@ class _Conn:
 class HttpServer:
     """Bounded HTTP/1.1 server: ``HttpServer(limits, handler, probe_paths)``; ``handler(Request)
     -> Response``. ``probe_paths``: paths whose bodiless GET/HEAD never needs an in-flight slot.
+    ``on_answer(request, response)``: called with every handler answer before it is sent.
 
     Drive it from one selectors loop: ``listen_tcp`` / ``listen_unix``, then
     ``register(selector)``; for each ready key with :meth:`owns` true call
@@ -404,11 +405,14 @@ class HttpServer:
 
     def __init__(self, limits: HttpLimits, handler: Callable[[Request], Response | Deferred],
                  probe_paths: frozenset[str] = frozenset(),
-                 error_response: Callable[[int, str, str, list[tuple[str, str]] | None], Response] | None = None
-                 ) -> None:
+                 error_response: Callable[[int, str, str, list[tuple[str, str]] | None], Response] | None = None,
+                 on_answer: Callable[[Request, Response], None] | None = None) -> None:
         self.limits = limits
         self.handler = handler
         self.probe_paths = probe_paths
+        # Sees every handler answer (immediate or deferred) on the loop thread before it is
+        # sent, e.g. to audit refusals; it must not raise.
+        self._on_answer = on_answer
         # The server's own error answers (413, 503, 408 …): ``error_response(status, code,
         # message, headers)``; default :func:`json_error` (a protocol may fix another shape).
         self._error = error_response or (lambda status, code, message, headers: json_error(
@@ -965,6 +969,8 @@ class HttpServer:
                 self._close(conn)
 
     def _answer(self, conn: _Conn, req: Request, resp: Response) -> None:
+        if self._on_answer is not None:
+            self._on_answer(req, resp)
         conn.served += 1
         close = (
             req.version == "HTTP/1.0"

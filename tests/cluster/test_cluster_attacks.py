@@ -191,3 +191,42 @@ def test_one_worker_flooding_long_polls_never_starves_another_workers_pull(plane
     refused = [a for a in answers if a[0] == 503]
     assert sorted(set(refused)) == [(503, "long_polls_full", "1")], answers
     assert len(answers) == 40 and len(refused) == 38, answers      # two long-polls per Worker at most
+
+
+def _get(plane, path: str, authorization: str, method: str = "GET", body: bytes | None = None):
+    conn = http.client.HTTPSConnection("localhost", plane["port"], timeout=10,
+                                       context=ssl.create_default_context(cafile=plane["ca"]))
+    try:
+        conn.request(method, path, body=body, headers={"Authorization": authorization,
+                                                       "Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_refused_credentials_leave_a_rate_limited_audit_line_that_never_quotes_them(plane):
+    # Found by the issue 21 attack pass: 401 and 403 worker_mismatch left nothing in the journal.
+    replica = plane["replica"]
+    mine, other = Worker(plane, "audited"), Worker(plane, "victim")
+    api_token = plane["cp"].ok("token", "create", "--subject", "auditor", "--role", "viewer").strip()
+    wrong_token = "qlt_" + "x" * 43
+    before = len(replica.lines)
+    assert _get(plane, "/api/v3/projects/default/tasks/greet", f"Bearer {wrong_token}")[0] == 401
+    assert _get(plane, f"{WORKERS}/{mine.worker_id}", f"Bearer {api_token}")[0] == 401
+    status, body = _get(plane, f"{WORKERS}/{other.worker_id}", f"Worker {mine.credential}")
+    assert (status, body["error"]) == (403, "worker_mismatch")
+    replica.wait_line("reason=worker_mismatch")
+    lines = [ln for ln in replica.lines[before:] if "http.refused" in ln]
+    assert len(lines) == 3, replica.lines[before:]
+    assert "peer=127.0.0.1:" in lines[0] and "route=/api/v3/projects/default/tasks/greet" in lines[0] \
+        and "status=401" in lines[0] and "reason=unauthorized" in lines[0], lines
+    assert f"route={WORKERS}/{mine.worker_id} " in lines[1] and "reason=worker_unauthenticated" in lines[1], lines
+    assert "status=403" in lines[2] and "WARNING" in lines[2], lines
+    for secret in (wrong_token, api_token, mine.credential, mine.credential[4:]):
+        assert not any(secret in ln for ln in replica.lines), secret
+    for _ in range(40):                          # a credential-guessing peer: the journal stays bounded
+        assert _get(plane, f"{WORKERS}/{mine.worker_id}", "Worker qlw_" + "y" * 43)[0] == 401
+    assert _get(plane, "/healthz", "")[0] == 200
+    time.sleep(0.5)
+    assert 3 < sum("http.refused" in ln for ln in replica.lines[before:]) <= 20
