@@ -230,3 +230,35 @@ def test_refused_credentials_leave_a_rate_limited_audit_line_that_never_quotes_t
     assert _get(plane, "/healthz", "")[0] == 200
     time.sleep(0.5)
     assert 3 < sum("http.refused" in ln for ln in replica.lines[before:]) <= 20
+
+
+def test_a_worker_enrolled_for_a_project_is_never_offered_another_projects_run(plane):
+    # Found by the issue 21 attack pass: Workers were not scoped to Projects, so a compromised
+    # Worker received the Secrets of any Project's Task that had no placement requirement.
+    cp, root = plane["cp"], plane["root"]
+    tasks = os.path.join(root, "scoped.toml")
+    with open(tasks, "w") as f:
+        f.write(TASKS.replace("greet", "job") + 'concurrency = "parallel"\n')
+    for project in ("alpha", "beta"):
+        cp.ok("--project", project, "task", "add", "-f", tasks)
+    p = cp.cli("workers", "enroll", "nowhere", "--project", "gamma")     # unknown Project: nothing enrolled
+    lines = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 4 and len(lines) == 1 and "'gamma'" in lines[0], p.stderr
+    assert "nowhere" not in cp.ok("workers", "ls")
+    scoped = Worker(plane, "alpha-only", "--project", "alpha", "--slots", "4")
+    anyone = Worker(plane, "any-project", "--slots", "4")
+    scoped.hello()
+    anyone.hello()
+    beta_runs = [cp.ok("--project", "beta", "run", "start", "job").strip() for _ in range(3)]
+    for _ in range(3):                          # B's Runs queued: never offered to the alpha Worker
+        status, _, answer = scoped.pull()
+        assert (status, answer["status"]) == (200, "idle"), answer
+    offered = []
+    for _ in range(3):                          # ... but to a Worker that may take them
+        status, _, answer = anyone.pull()
+        assert (status, answer["status"]) == (200, "offered"), answer
+        offered.append(answer["offer"]["runId"])
+    assert sorted(offered) == sorted(beta_runs)
+    alpha_run = cp.ok("--project", "alpha", "run", "start", "job").strip()
+    status, _, answer = scoped.pull()
+    assert (status, answer["status"], answer["offer"]["runId"]) == (200, "offered", alpha_run), answer

@@ -426,6 +426,9 @@ def _labels(n: int, key_bytes: int = 1, value_bytes: int = 1) -> list[str]:
     (("w", "--slots", "two"), "--slots", None),
     (("w", "--executor", "remote_worker"), "--executor", None),
     (("w", "--executor", "local_process", "--executor", "local_process"), "executor", None),
+    (("w", *[a for i in range(33) for a in ("--project", f"p{i}")]), "project", "32"),    # 32 Projects at most
+    (("w", "--project", "default", "--project", "default"), "project", None),
+    (("w", "--project", ""), "project", "128"),
 ])
 def test_bad_workers_enroll_is_one_line_exit_2_and_writes_nothing(cp, args, field, limit):
     env, _, _ = cp
@@ -917,12 +920,16 @@ def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(t
 
 def test_workers_commands_never_create_a_project(tmp_path):
     # Found by a tester: `workers enroll w2 --project nosuch` exited 0 and created Project
-    # 'nosuch'. Workers belong to the cluster, not to a Project: --project is not used.
+    # 'nosuch'. Workers belong to the cluster: `enroll --project` scopes a Worker to Projects
+    # that exist (else exit 4, nothing enrolled); the other verbs do not use --project.
     with own_database("cfgchk_wproj") as url:
         env = Env(str(tmp_path), url)
         env.ok("init")
         before = env.sql("SELECT * FROM projects ORDER BY name")
-        out = json.loads(env.ok("workers", "enroll", "w2", "--project", "nosuch", "--json"))
+        p = env.cli("workers", "enroll", "w2", "--project", "nosuch")
+        assert p.returncode == 4 and b"no Project named 'nosuch'" in p.stderr, p.stderr
+        assert env.sql("SELECT count(*) FROM workers") == [(0,)]
+        out = json.loads(env.ok("workers", "enroll", "w2", "--json"))
         assert [w["name"] for w in json.loads(env.ok("workers", "ls", "--project", "nosuch", "--json"))["items"]] \
             == ["w2"]
         for verb in ("drain", "resume"):

@@ -23,17 +23,27 @@ class PgWorkerRegistry:
         self._pool = pool
 
     def enroll(self, name: str, labels: dict[str, str], executor_types: tuple[str, ...], slots: int,
-               credential_digest: str) -> str:
-        """Insert a Worker; return its Worker ID. ConflictError(worker_exists) for a live name."""
+               credential_digest: str, projects: tuple[str, ...] = ()) -> str:
+        """Insert a Worker scoped to the Projects named ``projects`` (stored by Project ID; none:
+        every Project); return its Worker ID. NotFoundError(project_not_found) naming the first
+        unknown Project; ConflictError(worker_exists) for a live name."""
         from psycopg import errors
         from psycopg.types.json import Jsonb
         worker_id = new_id()
 
         def tx(cur):
             now = now_us(cur)
+            found = {r["name"]: r["project_id"] for r in cur.execute(
+                "SELECT name, project_id FROM projects WHERE name = ANY(%s)", (list(projects),)).fetchall()}
+            for p in projects:
+                if p not in found:
+                    raise NotFoundError(f"no Project named {p!r} (a Project exists once a Task is defined in it)",
+                                        code="project_not_found")
             cur.execute("INSERT INTO workers(worker_id, name, credential_digest, labels, executor_types, slots,"
-                        " state, enrolled_at_us, updated_at_us) VALUES (%s, %s, %s, %s, %s, %s, 'active', %s, %s)",
-                        (worker_id, name, credential_digest, Jsonb(labels), list(executor_types), slots, now, now))
+                        " state, enrolled_at_us, updated_at_us, projects)"
+                        " VALUES (%s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
+                        (worker_id, name, credential_digest, Jsonb(labels), list(executor_types), slots, now, now,
+                         [found[p] for p in projects]))
             return worker_id
         try:
             return transaction(self._pool, tx)
