@@ -16,9 +16,10 @@ bench/results/http.md for the RSS measurement that ruled out h11. Every resource
 * health probes (``probe_paths``, e.g. ``GET /healthz``, ``/readyz`` without a body) are
   answered without an in-flight slot, so peers holding every slot never make them 503;
 * more than ``max_connections`` sockets: the connection whose loss costs least is closed to
-  make room for the newcomer — first the oldest of those that never completed a request (a TLS
-  handshake, a silent socket, a trickled head: nothing proves such a peer is anyone) or a
-  lingering close, then the longest-idle keep-alive, then a probe answer still being written;
+  make room for the newcomer — first a lingering close or the oldest of those that never sent a
+  byte (on TLS: not even a ClientHello), then the oldest that sent some but never completed a
+  request (a handshake under way or done, a trickled head: nothing proves such a peer is
+  anyone), then the longest-idle keep-alive, then a probe answer still being written;
   only when every connection has a request in flight is the new one answered 503 and closed.
   So a flood of connections that never finish their handshake costs each of them its slot
   within ``max_connections`` newer arrivals, and a probe or a Worker always gets in;
@@ -339,6 +340,14 @@ def content_range(offset: int, length: int, size: int) -> str:
     return f"bytes {offset}-{offset + length - 1}/{size}"
 
 
+def _has_bytes(sock: socket.socket) -> bool:
+    """Has the (non-blocking) peer sent anything yet? Peeked: nothing is consumed."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except (BlockingIOError, InterruptedError):
+        return False
+
+
 # Connection states.
 _HEAD, _BODY, _WRITE, _LINGER = "head", "body", "write", "linger"
 _HANDSHAKE, _DEFER = "handshake", "defer"
@@ -504,6 +513,7 @@ class HttpServer:
             return
         try:
             if conn.state == _HANDSHAKE:
+                conn.started = True      # the peer has sent something (or closed)
                 self._handshake(conn)
             elif mask & selectors.EVENT_READ and conn.state in (_HEAD, _BODY, _LINGER):
                 self._on_readable(conn)
@@ -637,7 +647,9 @@ class HttpServer:
                     continue
                 if not lst.unix:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                heard = False
                 if lst.tls is not None:
+                    heard = _has_bytes(sock)        # its ClientHello already came with the connect
                     sock = lst.tls.wrap(sock)
             except OSError:  # the peer reset before we looked at it
                 sock.close()
@@ -647,6 +659,7 @@ class HttpServer:
             self._conns.add(conn)
             if lst.tls is not None:
                 conn.tls = True
+                conn.started = heard
                 conn.deadline = conn.since + self.limits.handshake_timeout_s
                 conn.state = _HANDSHAKE
                 self._handshake(conn)
@@ -660,12 +673,19 @@ class HttpServer:
         for conn in self._conns:
             if conn.in_flight:
                 continue
-            if conn.state in (_HANDSHAKE, _LINGER) or (conn.state == _HEAD and not conn.served):
-                rank = 0        # has proven nothing (or is done): oldest first
+            # Never completed a request, so proven nothing: the silent ones first (not a byte,
+            # on TLS not even a ClientHello), then those that sent bytes or finished their TLS
+            # handshake (a client about to send its request).
+            if conn.state == _LINGER:
+                rank = 0        # answered already
+            elif conn.state == _HANDSHAKE:
+                rank = 1 if conn.started else 0
+            elif conn.state == _HEAD and not conn.served:
+                rank = 1 if conn.started or conn.tls else 0
             elif conn.state == _HEAD:
-                rank = 1        # served before: its client reconnects if it needs to
+                rank = 2        # served before: its client reconnects if it needs to
             elif conn.state == _WRITE:
-                rank = 2        # a probe's answer (it holds no slot) being written
+                rank = 3        # a probe's answer (it holds no slot) being written
             else:
                 continue
             if best is None or (rank, conn.since) < best:
@@ -685,6 +705,7 @@ class HttpServer:
             self._watch(conn, selectors.EVENT_WRITE if want == "write" else selectors.EVENT_READ)
             return
         conn.state = _HEAD
+        conn.started = False     # from here: the first byte of its request
         conn.deadline = time.monotonic() + self.limits.read_timeout_s
         self._watch(conn, selectors.EVENT_READ)
         # Request bytes that arrived with the handshake may already sit decrypted in the TLS
