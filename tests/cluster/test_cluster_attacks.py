@@ -20,7 +20,7 @@ import pytest
 from cpkit import make_ca
 from pgkit import token
 from qlagent.core.ids import new_id
-from test_cluster_e2e import Node, Proc, free_port, start_replica
+from test_cluster_e2e import free_port, sql, start_replica
 
 WORKERS = "/api/v3/cluster/workers"
 TASKS = """
@@ -262,3 +262,24 @@ def test_a_worker_enrolled_for_a_project_is_never_offered_another_projects_run(p
     alpha_run = cp.ok("--project", "alpha", "run", "start", "job").strip()
     status, _, answer = scoped.pull()
     assert (status, answer["status"], answer["offer"]["runId"]) == (200, "offered", alpha_run), answer
+
+
+def test_a_run_only_workers_of_other_projects_could_take_is_reported_unplaceable(plane):
+    cp, root = plane["cp"], plane["root"]
+    tasks = os.path.join(root, "zoned.toml")
+    with open(tasks, "w") as f:
+        f.write(TASKS.replace("greet", "zoned") + 'placement = { required = { zone = "z9" } }\n')
+    for project in ("alpha", "delta"):
+        cp.ok("--project", project, "task", "add", "-f", tasks)
+    Worker(plane, "z9-alpha", "--label", "zone=z9", "--project", "alpha")
+    delta, alpha = (cp.ok("--project", p, "run", "start", "zoned").strip() for p in ("delta", "alpha"))
+    deadline = time.monotonic() + 20                     # the replica's sweep pass (every 0.5 s) checks them
+    while time.monotonic() < deadline and "run.unplaceable" not in cp.ok("--project", "delta", "run", "show", delta):
+        time.sleep(0.2)
+    shown = json.loads(cp.ok("--project", "delta", "run", "show", delta, "--json"))
+    assert [e["payload"]["reason"] for e in shown["events"] if e["type"] == "run.unplaceable"] \
+        == ["no_enrolled_worker_matches"], shown
+    while time.monotonic() < deadline and sql(plane["url"], "SELECT placement_checked FROM runs WHERE run_id = %s",
+                                              (alpha,)) != [(True,)]:
+        time.sleep(0.2)
+    assert "run.unplaceable" not in cp.ok("--project", "alpha", "run", "show", alpha)   # its Worker can take it
