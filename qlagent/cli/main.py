@@ -634,7 +634,7 @@ def cmd_workers_ls(ctx: Ctx) -> int:
         _print_json({"items": [{"name": r["name"], "workerId": r["worker_id"], "state": r["state"],
                                 "generation": r["generation"], "sessionId": r["session_id"],
                                 "lastHeartbeatUs": r["last_heartbeat_us"], "slots": r["slots"],
-                                "freeSlots": max(0, r["free_slots"])} for r in rows]})
+                                "freeSlots": max(0, r["free_slots"]), "projects": r["projects"]} for r in rows]})
         return 0
     _table([[r["name"], r["worker_id"], r["state"], str(r["generation"]), _or_dash(r["session_id"]),
              _fmt_us(r["last_heartbeat_us"]), str(max(0, r["free_slots"])), str(r["slots"])] for r in rows],

@@ -247,6 +247,8 @@ def test_a_worker_enrolled_for_a_project_is_never_offered_another_projects_run(p
     assert "nowhere" not in cp.ok("workers", "ls")
     scoped = Worker(plane, "alpha-only", "--project", "alpha", "--slots", "4")
     anyone = Worker(plane, "any-project", "--slots", "4")
+    listed = {w["name"]: w["projects"] for w in json.loads(cp.ok("workers", "ls", "--json"))["items"]}
+    assert (listed["alpha-only"], listed["any-project"]) == (["alpha"], [])
     scoped.hello()
     anyone.hello()
     beta_runs = [cp.ok("--project", "beta", "run", "start", "job").strip() for _ in range(3)]

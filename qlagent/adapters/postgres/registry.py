@@ -165,9 +165,11 @@ class PgWorkerRegistry:
 
     def workers(self, limit: int, after: str | None = None) -> list[dict]:
         """Up to ``limit`` live Workers in name order: name, Worker ID, state online/draining/offline,
-        generation, Session ID, last heartbeat (µs), slots, free slots."""
+        generation, Session ID, last heartbeat (µs), slots, free slots, the names of the Projects
+        it is scoped to (empty: every Project)."""
         return transaction(self._pool, lambda cur: cur.execute(
             "SELECT w.name, w.worker_id, w.generation, s.session_id, s.last_heartbeat_us, w.slots,"
+            " ARRAY(SELECT p.name FROM projects p WHERE p.project_id = ANY(w.projects) ORDER BY p.name) AS projects,"
             " CASE WHEN s.state = 'open' AND s.expires_at_us > ql_now_us()"
             "      THEN CASE w.state WHEN 'draining' THEN 'draining' ELSE 'online' END ELSE 'offline' END AS state,"
             " coalesce(s.slots, w.slots) - (SELECT count(*) FROM run_leases l WHERE l.worker_id = w.worker_id"
