@@ -877,3 +877,22 @@ def test_router_refuses_bad_or_ambiguous_templates():
             r.add(method, template, lambda req, p: Response(204))
     r.add("POST", "/a/{x}/b", lambda req, p: Response(204))
     assert r.routes() == [("GET", "/a/{x}/b"), ("POST", "/a/{x}/b")]
+
+
+def test_refusal_audit_writes_at_most_its_lines_a_window_and_then_says_how_many_it_left_out():
+    from qlagent.http.server import Request, Response, json_error
+    from qlagent.http.service import AUDIT_LINES, AUDIT_WINDOW_S, RefusalAudit
+    lines, now = [], [100.0]
+    audit = RefusalAudit(lambda priority, event, **fields: lines.append((priority, event, fields)),
+                         clock=lambda: now[0])
+    req = Request("GET", "/api/v3/x", "/api/v3/x", {}, {"authorization": "Bearer qlt_secret"}, b"", "10.0.0.9:5555")
+    audit(req, Response.json(200, {}))                       # not a refusal: nothing
+    for _ in range(AUDIT_LINES + 5):
+        audit(req, json_error(401, "unauthorized", "unknown or revoked token"))
+    assert len(lines) == AUDIT_LINES
+    assert lines[0] == ("warning", "http.refused", {"peer": "10.0.0.9:5555", "method": "GET", "route": "/api/v3/x",
+                                                    "status": 401, "reason": "unauthorized", "suppressed": None})
+    now[0] += AUDIT_WINDOW_S
+    audit(req, Response.json(403, {"error": "worker_mismatch", "field": None, "message": "…"}))
+    assert lines[-1][2]["suppressed"] == 5 and lines[-1][2]["reason"] == "worker_mismatch"
+    assert "qlt_secret" not in repr(lines)
