@@ -358,20 +358,28 @@ def test_connection_limit_refuses_with_503():
         assert_healthy(srv, port)
 
 
-def test_connection_limit_evicts_an_idle_keep_alive_first():
-    limits = replace(HttpLimits.edge(), max_connections=2, read_timeout_s=2.0)
+def test_connection_limit_evicts_the_oldest_connection_that_never_sent_a_request_first():
+    limits = replace(HttpLimits.edge(), max_connections=3, read_timeout_s=2.0)
     with running(limits) as (srv, port):
         served = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         served.request("GET", "/hello")
-        assert served.getresponse().read()  # now an idle keep-alive
-        silent = connect(port)  # never sent a byte: evicted only after idle keep-alives
+        assert served.getresponse().read()  # now an idle keep-alive: evicted only after the silent ones
+        old, young = connect(port), None
         deadline = time.monotonic() + 5
         while srv.connections < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
+        young = connect(port)
+        while srv.connections < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert raw(port, b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").status == 200
-        assert served.sock.recv(10) == b""  # the idle keep-alive made room
-        silent.close()
-        served.close()
+        assert old.recv(10) == b""          # the oldest silent one made room ...
+        served.request("GET", "/hello")     # ... not the served keep-alive, not the younger silent one
+        assert served.getresponse().status == 200
+        young.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            young.recv(10)
+        for s in (old, young, served):
+            s.close()
 
 
 def test_unix_socket_is_0660_and_serves(tmp_path):
@@ -869,3 +877,22 @@ def test_router_refuses_bad_or_ambiguous_templates():
             r.add(method, template, lambda req, p: Response(204))
     r.add("POST", "/a/{x}/b", lambda req, p: Response(204))
     assert r.routes() == [("GET", "/a/{x}/b"), ("POST", "/a/{x}/b")]
+
+
+def test_refusal_audit_writes_at_most_its_lines_a_window_and_then_says_how_many_it_left_out():
+    from qlagent.http.server import Request, Response, json_error
+    from qlagent.http.service import AUDIT_LINES, AUDIT_WINDOW_S, RefusalAudit
+    lines, now = [], [100.0]
+    audit = RefusalAudit(lambda priority, event, **fields: lines.append((priority, event, fields)),
+                         clock=lambda: now[0])
+    req = Request("GET", "/api/v3/x", "/api/v3/x", {}, {"authorization": "Bearer qlt_secret"}, b"", "10.0.0.9:5555")
+    audit(req, Response.json(200, {}))                       # not a refusal: nothing
+    for _ in range(AUDIT_LINES + 5):
+        audit(req, json_error(401, "unauthorized", "unknown or revoked token"))
+    assert len(lines) == AUDIT_LINES
+    assert lines[0] == ("warning", "http.refused", {"peer": "10.0.0.9:5555", "method": "GET", "route": "/api/v3/x",
+                                                    "status": 401, "reason": "unauthorized", "suppressed": None})
+    now[0] += AUDIT_WINDOW_S
+    audit(req, Response.json(403, {"error": "worker_mismatch", "field": None, "message": "…"}))
+    assert lines[-1][2]["suppressed"] == 5 and lines[-1][2]["reason"] == "worker_mismatch"
+    assert "qlt_secret" not in repr(lines)

@@ -13,7 +13,8 @@ Worker's selectors loop through ``poll_fileno``). ``control_url`` may name sever
 one control plane: both connections use one at a time, and a request that gets no answer at all
 (refused, reset, timed out, TLS refused) moves them to the next, in order and round again; the
 Worker's loop paces the retries (its backoff), and every Worker request is idempotent, so the
-retry on another replica is safe. Every answer's ``X-Qlagent-Server-Now-Us``
+retry on another replica is safe. A Pull refused ``long_polls_full`` (that replica has no
+long-poll slot for this Worker) moves them too. Every answer's ``X-Qlagent-Server-Now-Us``
 (database clock, µs) is returned with it for lease anchoring (``qlagent.worker.fencing``).
 
 Errors: the documented codes become the typed errors of ``core.control`` carrying
@@ -255,7 +256,9 @@ class ControlClient:
         try:
             conn.sock.settimeout(FINISH_READ_S)
             return self._answer(conn.getresponse())
-        except ControlError:
+        except ControlError as e:
+            if e.code == "long_polls_full" and conn.endpoint == self._at and self.replicas > 1:
+                self._at = (self._at + 1) % self.replicas      # no slot there: the next Pull asks the next one
             raise
         except BaseException as e:
             self.abort_poll()

@@ -641,7 +641,8 @@ def _labels(pairs: list[str]) -> dict[str, str]:
 def cmd_workers_enroll(ctx: Ctx) -> int:
     a = ctx.args
     labels = _labels(a.label or [])
-    worker_id, credential = _registry(ctx).enroll(a.name, labels, tuple(a.executor or ["local_process"]), a.slots)
+    worker_id, credential = _registry(ctx).enroll(a.name, labels, tuple(a.executor or ["local_process"]), a.slots,
+                                                  tuple(a.worker_projects or ()))
     if a.json:
         _print_json({"workerId": worker_id, "name": a.name, "credential": credential})
     else:
@@ -778,12 +779,17 @@ def build_parser() -> argparse.ArgumentParser:
         def error(self, message: str):
             raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
-    common = _Parser(add_help=False)
-    common.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory (env QLAGENT_STATE_DIR)")
-    common.add_argument("--config", default=argparse.SUPPRESS, help="config file (env QLAGENT_CONFIG)")
-    common.add_argument("--profile", default=argparse.SUPPRESS, choices=["edge", "standalone"])
-    common.add_argument("--project", default=argparse.SUPPRESS, help="Project name (default: 'default')")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+    def options(project: bool) -> _Parser:
+        out = _Parser(add_help=False)
+        out.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory (env QLAGENT_STATE_DIR)")
+        out.add_argument("--config", default=argparse.SUPPRESS, help="config file (env QLAGENT_CONFIG)")
+        out.add_argument("--profile", default=argparse.SUPPRESS, choices=["edge", "standalone"])
+        if project:
+            out.add_argument("--project", default=argparse.SUPPRESS, help="Project name (default: 'default')")
+        out.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
+        return out
+
+    common = options(project=True)
 
     p = _Parser(prog="qlagent", parents=[common],
                 description="Schedule and run tasks on routers and edge boxes.")
@@ -856,11 +862,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     wk = sub.add_parser("workers", help="cluster Workers ([cluster] only)").add_subparsers(dest="sub", required=True,
                                                                                         metavar="SUB")
-    we = add(wk, "enroll", cmd_workers_enroll, "enroll a Worker; prints its credential once")
+    # Here --project scopes the Worker (repeatable), not the command: the common options but that one.
+    we = wk.add_parser("enroll", parents=[options(project=False)], help="enroll a Worker; prints its credential once")
+    we.set_defaults(fn=cmd_workers_enroll)
     we.add_argument("name")
     we.add_argument("--label", action="append", metavar="KEY=VALUE", help="a Placement label (repeatable)")
     we.add_argument("--executor", action="append", choices=["local_process"], help="executor type (repeatable)")
     we.add_argument("--slots", type=int, default=1, help="concurrent Attempts (1..256)")
+    we.add_argument("--project", action="append", dest="worker_projects", metavar="PROJECT",
+                    help="offer it only this Project's Runs (repeatable, ≤ 32; none: every Project)")
     add(wk, "ls", cmd_workers_ls, "list Workers: state, generation, Session, last heartbeat, free slots")
     add(wk, "drain", lambda c: cmd_workers_state(c, "drain"), "no new offers to the Worker").add_argument("name")
     add(wk, "resume", lambda c: cmd_workers_state(c, "resume"), "undo a drain: offers to the Worker again"

@@ -239,7 +239,7 @@ class CandidateClaimer:
             placement = with_executor(plan.placement, c.executor_type)
         except ValidationError:
             return n.skip("placement_conflict")
-        ranked = rank(placement, snapshot)
+        ranked = rank(placement, [w for w in snapshot if w.serves(c.project_id)])
         if not ranked:
             return n.skip("no_matching_worker")
         for score, w in ranked:

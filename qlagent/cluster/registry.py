@@ -44,6 +44,7 @@ CREDENTIAL_PREFIX = "qlw_"
 _CREDENTIAL = re.compile(r"^qlw_[A-Za-z0-9_-]{43}$")
 WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MAX_SLOTS = 256
+MAX_PROJECTS = 32              # Projects one Worker may be scoped to at enrolment
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
@@ -142,6 +143,19 @@ def check_executors(field: str, value) -> tuple[str, ...]:
     return tuple(sorted(value))
 
 
+def check_projects(field: str, names) -> tuple[str, ...]:
+    """At most ``MAX_PROJECTS`` distinct Project names (each 1..128 bytes, no NUL); ValidationError."""
+    names = tuple(names)
+    if len(names) > MAX_PROJECTS:
+        raise ValidationError(field, f"{len(names)} Projects", limit=MAX_PROJECTS)
+    for n in names:
+        if not isinstance(n, str) or not n or len(n.encode()) > 128 or "\x00" in n:
+            raise ValidationError(field, f"{n!r} is not a Project name (1..128 bytes, no NUL)", limit=128)
+        if names.count(n) > 1:
+            raise ValidationError(field, f"{n!r} is given twice")
+    return names
+
+
 def check_slots(field: str, value) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SLOTS:
         raise ValidationError(field, f"{value!r} outside 1..{MAX_SLOTS}", limit=MAX_SLOTS)
@@ -181,15 +195,19 @@ class WorkerRegistry:
         self._store, self._t = store, timings
 
     def enroll(self, name: str, labels: dict[str, str] | None = None,
-               executor_types: tuple[str, ...] = ("local_process",), slots: int = 1) -> tuple[str, str]:
+               executor_types: tuple[str, ...] = ("local_process",), slots: int = 1,
+               projects: tuple[str, ...] = ()) -> tuple[str, str]:
         """Enroll a Worker; return (Worker ID, credential). The credential is not retrievable later.
-        ValidationError (name/labels/executor/slots) or ConflictError(worker_exists)."""
+        ``projects``: the names of the only Projects whose Runs it is offered (≤ ``MAX_PROJECTS``;
+        none: every Project). ValidationError (name/labels/executor/slots/project),
+        NotFoundError(project_not_found) or ConflictError(worker_exists)."""
         name = check_name(name)
         labels = check_labels("label", labels or {})
         executors = check_executors("executor", executor_types)
         slots = check_slots("slots", slots)
+        projects = check_projects("project", projects)
         credential = new_credential()
-        worker_id = self._store.enroll(name, labels, executors, slots, credential_digest(credential))
+        worker_id = self._store.enroll(name, labels, executors, slots, credential_digest(credential), projects)
         return worker_id, credential
 
     def open_session(self, worker_id: str, credential: str, hello: Hello = Hello()) -> SessionGrant:
@@ -262,7 +280,8 @@ class WorkerRegistry:
     def list(self, limit: int = 64, after: str | None = None) -> list[dict]:
         """One page of live Workers in name order after ``after``: name, worker_id, state
         (online/draining/offline), generation, session_id, last_heartbeat_us (µs), slots,
-        free_slots. ``limit`` 1..256 (ValidationError otherwise)."""
+        free_slots, projects (the names it is scoped to; empty: every Project). ``limit``
+        1..256 (ValidationError otherwise)."""
         if not 1 <= limit <= MAX_LIST:
             raise ValidationError("limit", f"{limit} outside 1..{MAX_LIST}", limit=MAX_LIST)
         return self._store.workers(limit, after)

@@ -49,7 +49,8 @@ class ClusterCandidate(msgspec.Struct, frozen=True):
 
 class WorkerSnapshot(msgspec.Struct, frozen=True):
     """One Worker's current Session as the Registry holds it (labels/executors/slots already
-    narrowed by the Session hello)."""
+    narrowed by the Session hello); ``projects``: the Project IDs of its enrolment, empty for
+    every Project."""
 
     worker_id: str
     session_id: str
@@ -59,9 +60,14 @@ class WorkerSnapshot(msgspec.Struct, frozen=True):
     slots: int
     free_slots: int
     draining: bool = False
+    projects: tuple[str, ...] = ()
 
     def key(self) -> tuple:
         return (self.worker_id,)
+
+    def serves(self, project_id: str) -> bool:
+        """May this Worker be offered a Run of ``project_id``?"""
+        return not self.projects or project_id in self.projects
 
 
 class Lease(msgspec.Struct, frozen=True):

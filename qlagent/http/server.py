@@ -15,10 +15,16 @@ bench/results/http.md for the RSS measurement that ruled out h11. Every resource
   body is in);
 * health probes (``probe_paths``, e.g. ``GET /healthz``, ``/readyz`` without a body) are
   answered without an in-flight slot, so peers holding every slot never make them 503;
-* more than ``max_connections`` sockets: an idle keep-alive connection is evicted, else the
-  oldest connection that has sent nothing yet, else the one whose unfinished head started
-  first (slowloris), else (every connection has a request in flight) the new one is answered
-  503 and closed.
+* more than ``max_connections`` sockets: the connection whose loss costs least is closed to
+  make room for the newcomer — first a lingering close or the oldest of those that never sent a
+  byte (on TLS: not even a ClientHello), then the oldest that sent some but never completed a
+  request (a handshake under way or done, a trickled head: nothing proves such a peer is
+  anyone), then the longest-idle keep-alive, then a probe answer still being written;
+  only when every connection has a request in flight is the new one answered 503 and closed.
+  So a flood of connections that never finish their handshake costs each of them its slot
+  within ``max_connections`` newer arrivals, and a probe or a Worker always gets in;
+* a TLS handshake not done ``handshake_timeout_s`` after the accept → close (its own bound,
+  shorter than a request's: a peer that has proven nothing holds nothing for long).
 
 RFC 9110/9112 conformance: HTTP/1.1 without a valid single ``Host`` → 400; absolute-form
 targets accepted (their authority replaces Host); ``100 Continue`` only to HTTP/1.1;
@@ -33,7 +39,7 @@ through a socketpair; the loop itself never blocks.
 
 TLS (control plane, issue 10 §10): ``listen_tcp(..., tls=...)`` with a ``qlagent.http.tls``
 acceptor wraps each accepted socket and runs the handshake non-blocking in this loop, bounded
-by ``read_timeout_s``; ``ssl`` is imported only there, never on a router.
+by ``handshake_timeout_s``; ``ssl`` is imported only there, never on a router.
 """
 
 from __future__ import annotations
@@ -94,7 +100,9 @@ class HttpLimits:
     ``max_in_flight``: requests between head parsed and response written (503 beyond).
     ``max_body_bytes``: request body bound (413 beyond). ``max_request_line_bytes`` (414),
     ``max_header_bytes`` / ``max_header_count`` (431), ``max_query_params`` (400).
-    ``read_timeout_s``: whole request from its first byte (408). ``idle_timeout_s``: keep-alive
+    ``read_timeout_s``: whole request from its first byte (408); also how long a new connection
+    (after its TLS handshake) may stay silent. ``handshake_timeout_s``: a TLS handshake from the
+    accept (close). ``idle_timeout_s``: keep-alive
     idle before a silent close. ``write_timeout_s``: without send progress before abort.
     ``max_requests_per_connection``: keep-alive bound. ``max_connections``: open sockets.
     ``send_chunk_bytes``: largest single write of a file range.
@@ -108,6 +116,7 @@ class HttpLimits:
     max_header_count: int = 32
     max_query_params: int = 16
     read_timeout_s: float = 5.0
+    handshake_timeout_s: float = 3.0
     idle_timeout_s: float = 5.0
     write_timeout_s: float = 10.0
     max_requests_per_connection: int = 100
@@ -119,7 +128,7 @@ class HttpLimits:
                      "max_requests_per_connection", "send_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HttpLimits.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("read_timeout_s", "idle_timeout_s", "write_timeout_s"):
+        for name in ("read_timeout_s", "handshake_timeout_s", "idle_timeout_s", "write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HttpLimits.{name} must be > 0 seconds, got {getattr(self, name)}")
 
@@ -331,6 +340,14 @@ def content_range(offset: int, length: int, size: int) -> str:
     return f"bytes {offset}-{offset + length - 1}/{size}"
 
 
+def _has_bytes(sock: socket.socket) -> bool:
+    """Has the (non-blocking) peer sent anything yet? Peeked: nothing is consumed."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except (BlockingIOError, InterruptedError):
+        return False
+
+
 # Connection states.
 _HEAD, _BODY, _WRITE, _LINGER = "head", "body", "write", "linger"
 _HANDSHAKE, _DEFER = "handshake", "defer"
@@ -360,7 +377,7 @@ class _Waker:
 class _Conn:
     __slots__ = ("sock", "peer", "buf", "state", "deadline", "in_flight", "served", "request",
                  "body_needed", "out", "file", "copy_file", "close_after", "registered_mask",
-                 "started", "tls", "deferred")
+                 "started", "tls", "deferred", "since")
 
     def __init__(self, sock: socket.socket, peer: str, now: float, first_byte_timeout: float) -> None:
         self.sock = sock
@@ -368,6 +385,7 @@ class _Conn:
         self.buf = bytearray()
         self.state = _HEAD
         self.deadline = now + first_byte_timeout
+        self.since = now          # start of what it waits for now (accept, idle, write): eviction age
         self.started = False  # first byte of the current request seen
         self.in_flight = False
         self.served = 0
@@ -385,6 +403,7 @@ class _Conn:
 class HttpServer:
     """Bounded HTTP/1.1 server: ``HttpServer(limits, handler, probe_paths)``; ``handler(Request)
     -> Response``. ``probe_paths``: paths whose bodiless GET/HEAD never needs an in-flight slot.
+    ``on_answer(request, response)``: called with every handler answer before it is sent.
 
     Drive it from one selectors loop: ``listen_tcp`` / ``listen_unix``, then
     ``register(selector)``; for each ready key with :meth:`owns` true call
@@ -395,11 +414,14 @@ class HttpServer:
 
     def __init__(self, limits: HttpLimits, handler: Callable[[Request], Response | Deferred],
                  probe_paths: frozenset[str] = frozenset(),
-                 error_response: Callable[[int, str, str, list[tuple[str, str]] | None], Response] | None = None
-                 ) -> None:
+                 error_response: Callable[[int, str, str, list[tuple[str, str]] | None], Response] | None = None,
+                 on_answer: Callable[[Request, Response], None] | None = None) -> None:
         self.limits = limits
         self.handler = handler
         self.probe_paths = probe_paths
+        # Sees every handler answer (immediate or deferred) on the loop thread before it is
+        # sent, e.g. to audit refusals; it must not raise.
+        self._on_answer = on_answer
         # The server's own error answers (413, 503, 408 …): ``error_response(status, code,
         # message, headers)``; default :func:`json_error` (a protocol may fix another shape).
         self._error = error_response or (lambda status, code, message, headers: json_error(
@@ -491,6 +513,7 @@ class HttpServer:
             return
         try:
             if conn.state == _HANDSHAKE:
+                conn.started = True      # the peer has sent something (or closed)
                 self._handshake(conn)
             elif mask & selectors.EVENT_READ and conn.state in (_HEAD, _BODY, _LINGER):
                 self._on_readable(conn)
@@ -616,7 +639,7 @@ class HttpServer:
                 return
             try:
                 sock.setblocking(False)
-                if len(self._conns) >= self.limits.max_connections and not self._evict_idle():
+                if len(self._conns) >= self.limits.max_connections and not self._evict():
                     if lst.tls is not None:   # a plaintext 503 means nothing to a TLS client
                         sock.close()
                     else:
@@ -624,7 +647,9 @@ class HttpServer:
                     continue
                 if not lst.unix:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                heard = False
                 if lst.tls is not None:
+                    heard = _has_bytes(sock)        # its ClientHello already came with the connect
                     sock = lst.tls.wrap(sock)
             except OSError:  # the peer reset before we looked at it
                 sock.close()
@@ -633,36 +658,42 @@ class HttpServer:
             conn = _Conn(sock, peer, time.monotonic(), self.limits.read_timeout_s)
             self._conns.add(conn)
             if lst.tls is not None:
-                # The handshake shares the first-byte bound: a silent or slow TLS peer is
-                # closed at its deadline like any other.
                 conn.tls = True
+                conn.started = heard
+                conn.deadline = conn.since + self.limits.handshake_timeout_s
                 conn.state = _HANDSHAKE
                 self._handshake(conn)
             else:
                 self._watch(conn, selectors.EVENT_READ)
 
-    def _evict_idle(self) -> bool:
-        silent = slow = None
+    def _evict(self) -> bool:
+        """Close the connection whose loss costs least (module docstring); False when every
+        connection has a request in flight."""
+        victim, best = None, None
         for conn in self._conns:
-            if conn.state != _HEAD or conn.in_flight:
+            if conn.in_flight:
                 continue
-            if not conn.started:
-                if conn.served > 0:         # an idle keep-alive connection first
-                    self._close(conn)
-                    return True
-                if silent is None or conn.deadline < silent.deadline:
-                    silent = conn
-            elif slow is None or conn.deadline < slow.deadline:
-                slow = conn
-        # Connected and nothing sent: dropping it loses no request. Else the head that has been
-        # arriving the longest (a slowloris peer; a real client sends its head in one go):
-        # sockets left silent or trickling by a peer must not lock out a health probe until
-        # their read timeout.
-        victim = silent or slow
-        if victim is not None:
-            self._close(victim)
-            return True
-        return False
+            # Never completed a request, so proven nothing: the silent ones first (not a byte,
+            # on TLS not even a ClientHello), then those that sent bytes or finished their TLS
+            # handshake (a client about to send its request).
+            if conn.state == _LINGER:
+                rank = 0        # answered already
+            elif conn.state == _HANDSHAKE:
+                rank = 1 if conn.started else 0
+            elif conn.state == _HEAD and not conn.served:
+                rank = 1 if conn.started or conn.tls else 0
+            elif conn.state == _HEAD:
+                rank = 2        # served before: its client reconnects if it needs to
+            elif conn.state == _WRITE:
+                rank = 3        # a probe's answer (it holds no slot) being written
+            else:
+                continue
+            if best is None or (rank, conn.since) < best:
+                victim, best = conn, (rank, conn.since)
+        if victim is None:
+            return False
+        self._close(victim)
+        return True
 
     def _handshake(self, conn: _Conn) -> None:
         try:
@@ -674,6 +705,8 @@ class HttpServer:
             self._watch(conn, selectors.EVENT_WRITE if want == "write" else selectors.EVENT_READ)
             return
         conn.state = _HEAD
+        conn.started = False     # from here: the first byte of its request
+        conn.deadline = time.monotonic() + self.limits.read_timeout_s
         self._watch(conn, selectors.EVENT_READ)
         # Request bytes that arrived with the handshake may already sit decrypted in the TLS
         # object, where the selector cannot see them.
@@ -957,6 +990,8 @@ class HttpServer:
                 self._close(conn)
 
     def _answer(self, conn: _Conn, req: Request, resp: Response) -> None:
+        if self._on_answer is not None:
+            self._on_answer(req, resp)
         conn.served += 1
         close = (
             req.version == "HTTP/1.0"
@@ -998,7 +1033,8 @@ class HttpServer:
         conn.copy_file = conn.tls
         conn.close_after = close
         conn.state = _WRITE
-        conn.deadline = time.monotonic() + self.limits.write_timeout_s
+        conn.since = time.monotonic()
+        conn.deadline = conn.since + self.limits.write_timeout_s
         self._flush(conn)
 
     def _head_bytes(self, resp: Response, length: int, close: bool) -> bytes:
@@ -1075,7 +1111,8 @@ class HttpServer:
             return
         conn.state = _HEAD
         conn.started = False
-        conn.deadline = time.monotonic() + self.limits.idle_timeout_s
+        conn.since = time.monotonic()
+        conn.deadline = conn.since + self.limits.idle_timeout_s
         self._watch(conn, selectors.EVENT_READ)
 
     def _linger(self, conn: _Conn) -> None:

@@ -29,8 +29,45 @@ MAX_BODY_BYTES = 65_536
 MIN_BODY_BYTES = 256           # a Task Start body is ~200 bytes
 READ_TIMEOUT_S = (0.5, 60.0)
 WORKER_PATHS = "/api/v3/cluster/workers/"
+# A replica's accept queue (connections, capped by net.core.somaxconn): a burst of connects from
+# a flood must not fill it and drop a probe's or a Worker's SYN (a 1 s, then 3 s retransmit).
+CLUSTER_BACKLOG = 1024
 WORKER_IDLE_S = 65.0          # keep-alive idle bound on a control plane (s): above the longest heartbeat interval
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})   # answered without an in-flight slot (README "HTTP API")
+AUDIT_LINES = 20              # refusal audit lines per AUDIT_WINDOW_S; beyond, counted and said once
+AUDIT_WINDOW_S = 60.0
+
+
+class RefusalAudit:
+    """``RefusalAudit(journal)``: an HttpServer ``on_answer`` hook writing one ``http.refused``
+    warning per 401/403 answer — peer address, method, route (path, ≤ 200 characters), status,
+    reason (the answer's error code); never a header, so never a credential. At most
+    ``AUDIT_LINES`` per ``AUDIT_WINDOW_S`` seconds (monotonic): the first line of the next window
+    carries ``suppressed=N``, the lines left out meanwhile."""
+
+    def __init__(self, journal: Callable[..., None], clock: Callable[[], float] = time.monotonic) -> None:
+        self._journal, self._clock = journal, clock
+        self._window, self._lines, self._suppressed = clock(), 0, 0
+
+    def __call__(self, req: Request, resp: Response) -> None:
+        if resp.status not in (401, 403):
+            return
+        now = self._clock()
+        if now - self._window >= AUDIT_WINDOW_S:
+            self._window, self._lines = now, 0
+        if self._lines >= AUDIT_LINES:
+            self._suppressed += 1
+            return
+        self._lines += 1
+        try:
+            doc = msgspec.json.decode(resp.body)
+            reason = doc.get("error") or doc.get("code") if isinstance(doc, dict) else None
+        except msgspec.DecodeError:
+            reason = None
+        suppressed, self._suppressed = self._suppressed, 0
+        self._journal("warning", "http.refused", peer=req.peer, method=req.method, route=req.path[:200],
+                      status=resp.status, reason=str(reason)[:64] if reason else None,
+                      suppressed=suppressed or None)
 
 
 def limits_for(settings) -> HttpLimits:
@@ -74,20 +111,23 @@ class HttpSurface(LoopSurface):
     keep-alive connection between heartbeats.
     Drive it with ``listen_tcp``/``listen_unix``, ``register(selector)``, ``owns(key)`` +
     ``handle_event(key, mask)``, ``next_timeout_us(now_us)`` and ``tick(now_us)`` each turn,
-    ``begin_drain()`` on SIGTERM and ``close()`` at exit. Raises ValidationError for an
+    ``begin_drain()`` on SIGTERM and ``close()`` at exit. ``journal`` (``service.journal.
+    Journal``): every 401/403 answer is audited there (:class:`RefusalAudit`). Raises ValidationError for an
     ``[http]`` override out of bounds (see :func:`limits_for`).
     """
 
     def __init__(self, settings, store: Store, on_change: Callable[[], None], cluster=None,
-                 threads: int = 4, store_problem: Callable[[], str | None] = lambda: None) -> None:
+                 threads: int = 4, store_problem: Callable[[], str | None] = lambda: None,
+                 journal: Callable[..., None] | None = None) -> None:
         self.draining = False
         self.api = Api(store, on_change, ready=lambda: not self.draining,
                        log_chunks=cluster.log_reader if cluster is not None else None, store_problem=store_problem)
         self.router = build_router(self.api)
         limits = limits_for(settings)
         self.worker_routes = None
+        audit = RefusalAudit(journal) if journal is not None else None
         if cluster is None:
-            self.server = HttpServer(limits, self.router, probe_paths=PROBE_PATHS)
+            self.server = HttpServer(limits, self.router, probe_paths=PROBE_PATHS, on_answer=audit)
         else:   # a control plane: the cluster is loaded only here (never on a local agent)
             from qlagent.cluster.logs import MAX_CHUNK_BYTES
             self.worker_routes, handler, error_response = mount_worker_routes(
@@ -99,12 +139,14 @@ class HttpSurface(LoopSurface):
                              max_in_flight=in_flight, max_connections=max(limits.max_connections, in_flight + 16),
                              idle_timeout_s=max(limits.idle_timeout_s, WORKER_IDLE_S),
                              max_requests_per_connection=max(limits.max_requests_per_connection, 100_000))
-            self.server = HttpServer(limits, handler, probe_paths=PROBE_PATHS, error_response=error_response)
+            self.server = HttpServer(limits, handler, probe_paths=PROBE_PATHS, error_response=error_response,
+                                     on_answer=audit)
 
     def listen_tcp(self, host: str, port: int, tls=None) -> tuple[str, int]:
         """Bind HOST:PORT (port 0 picks a free one); returns the bound (host, port). ``tls``: a
         ``qlagent.http.tls.TlsAcceptor`` (HTTPS on this listener)."""
-        return self.server.listen_tcp(host, port, tls=tls)
+        backlog = 16 if self.worker_routes is None else CLUSTER_BACKLOG
+        return self.server.listen_tcp(host, port, backlog=backlog, tls=tls)
 
     def next_timeout_us(self, now_us: int) -> int | None:
         """The next connection deadline as wall-clock µs (the loop's clock), or None. The server

@@ -1,7 +1,7 @@
 """TLS for the control plane's HTTP listener (issue 10 §10, docs/worker-protocol.md Transport).
 
 ``TlsAcceptor(cert_file, key_file)`` builds a stdlib ``ssl`` server context (TLS 1.2 or newer,
-no renegotiation) and wraps each accepted socket so that :class:`qlagent.http.server.HttpServer`
+no renegotiation; TLS 1.2 only with the AEAD suites of ``TLS12_CIPHERS``, TLS 1.3 as OpenSSL has it) and wraps each accepted socket so that :class:`qlagent.http.server.HttpServer`
 drives it like a plain one: the handshake and every read/write are non-blocking, and the
 ``ssl`` want-read/want-write conditions become ``BlockingIOError`` for the server loop.
 Imported only when ``tls_cert``/``tls_key`` are configured: a router never loads ``ssl``.
@@ -15,6 +15,8 @@ import ssl
 from qlagent.core.errors import ValidationError
 
 _RECV_BYTES = 16384
+# TLS 1.2: forward secrecy and AEAD only (no CBC-mode suite, e.g. ECDHE-ECDSA-AES128-SHA256).
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 MAX_PEM_BYTES = 1_048_576    # a certificate chain or key is a few KiB: refuse anything this large
 
 
@@ -101,6 +103,7 @@ class TlsAcceptor:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.options |= ssl.OP_NO_RENEGOTIATION
+        ctx.set_ciphers(TLS12_CIPHERS)
         try:
             ctx.load_cert_chain(cert_file, key_file, password=_no_passphrase)
         except _Encrypted:

@@ -10,8 +10,10 @@ database: the credential kind (``Authorization: Worker qlw_…``; an API token i
 the field; a log chunk 1..262,144 bytes) and the path; the service call then runs on a bounded
 thread pool and the answer comes back through :class:`qlagent.http.server.Deferred`, so the
 selectors loop never waits on PostgreSQL. A Pull with ``waitS`` > 0 holds one of
-``max_long_polls`` slots on its own pool (503 ``cluster_unavailable`` + ``Retry-After``
-beyond), so long-polls never starve the other routes.
+``max_long_polls`` slots on its own pool, so long-polls never starve the other routes, and one
+Worker holds at most ``MAX_LONG_POLLS_PER_WORKER`` of them, so no Worker starves the others;
+beyond either bound the Pull is 503 ``long_polls_full`` + ``Retry-After`` (the Worker pulls from
+its next replica, or waits that long).
 
 Errors are ``{"error", "field", "message"}`` with the documented status; a credential the
 database does not know for this ``workerId`` is 401, one issued to another Worker is 403
@@ -53,6 +55,9 @@ SERVER_NOW = "X-Qlagent-Server-Now-Us"
 _CREDENTIAL = re.compile(r"qlw_[A-Za-z0-9_-]{43}")
 _MSGSPEC_FIELD = re.compile(r"field `([^`]{1,64})")
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?([^`]{0,128})`")
+# A Worker process long-polls on one connection; a restarted one may overlap the Pull its
+# previous process left parked. More than that is a misbehaving (or compromised) Worker.
+MAX_LONG_POLLS_PER_WORKER = 2
 # Store codes answered under the protocol's name (docs/worker-protocol.md "Errors").
 _CONFLICT_CODES = {"lease_expired": "lease_ended"}
 
@@ -134,6 +139,10 @@ def _unavailable(message: str) -> WorkerError:
     return WorkerError(503, "cluster_unavailable", message, headers=[("Retry-After", "1")])
 
 
+def _polls_full(message: str) -> WorkerError:
+    return WorkerError(503, "long_polls_full", message, headers=[("Retry-After", "1")])
+
+
 def _unauthenticated(message: str) -> WorkerError:
     return WorkerError(401, "worker_unauthenticated", message, headers=[("WWW-Authenticate", "Worker")])
 
@@ -165,6 +174,8 @@ class WorkerRoutes:
         self._pool = ThreadPoolExecutor(limits.threads, thread_name_prefix="qlagent-cp")
         self._polls = ThreadPoolExecutor(limits.max_long_polls, thread_name_prefix="qlagent-cp-poll")
         self._poll_slots = threading.BoundedSemaphore(limits.max_long_polls)
+        self._polls_lock = threading.Lock()
+        self._polls_by_worker: dict[str, int] = {}     # only Workers holding a slot: ≤ max_long_polls keys
 
     def register(self, router: Router) -> None:
         def bad(where: str, field: str, message: str) -> WorkerError:      # the protocol's 400 shape
@@ -236,14 +247,34 @@ class WorkerRoutes:
         work = lambda: Response.json(200, self._s.pull.pull(worker_id, credential, body, wait_s))  # noqa: E731
         if not wait_s:
             return self._submit(work, worker_id, credential)
-        if not self._poll_slots.acquire(blocking=False):
-            raise _unavailable(f"at most {self._limits.max_long_polls} Pulls wait at once; retry with backoff")
+        release = self._take_poll_slot(worker_id)
         try:
-            return self._submit(work, worker_id, credential, pool=self._polls, wait_s=wait_s,
-                                release=self._poll_slots.release)
+            return self._submit(work, worker_id, credential, pool=self._polls, wait_s=wait_s, release=release)
         except BaseException:
-            self._poll_slots.release()
+            release()
             raise
+
+    def _take_poll_slot(self, worker_id: str) -> Callable[[], None]:
+        """One long-poll slot for ``worker_id``; returns its release. Raises WorkerError 503
+        ``long_polls_full`` when the Worker already holds ``MAX_LONG_POLLS_PER_WORKER`` or every
+        slot is taken."""
+        with self._polls_lock:
+            held = self._polls_by_worker.get(worker_id, 0)
+            if held >= MAX_LONG_POLLS_PER_WORKER:
+                raise _polls_full(f"this Worker already waits in {held} Pulls on this replica (at most "
+                                  f"{MAX_LONG_POLLS_PER_WORKER}); wait for their answers")
+            if not self._poll_slots.acquire(blocking=False):
+                raise _polls_full(f"all {self._limits.max_long_polls} long-poll slots of this replica are taken; "
+                                  "pull from another replica or retry after 1 s")
+            self._polls_by_worker[worker_id] = held + 1
+
+        def release() -> None:
+            with self._polls_lock:
+                left = self._polls_by_worker.pop(worker_id) - 1
+                if left:
+                    self._polls_by_worker[worker_id] = left
+            self._poll_slots.release()
+        return release
 
     def _acks(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)

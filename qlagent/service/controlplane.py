@@ -188,7 +188,7 @@ class ControlPlane:
             return
         from ..http.service import HttpSurface
         self.http = HttpSurface(self.settings, self.store, on_change=lambda: None, cluster=self.services,
-                                threads=threads)
+                                threads=threads, journal=self.log)
         host, port = parse_listen(listen, "--listen" if self._listen else "http.listen")
         try:
             bound = self.http.listen_tcp(host, port, tls=tls)

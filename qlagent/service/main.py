@@ -131,7 +131,7 @@ class Service:
             return
         from ..http.service import HttpSurface     # the optional surface: imported only when on
         self.http = HttpSurface(self.settings, self.store, on_change=self._poke_self,
-                                store_problem=self._store_problem)
+                                store_problem=self._store_problem, journal=self.log)
         bound = None
         try:
             if listen:

@@ -6,7 +6,8 @@ agent (often root) runs. So each of these paths must be owned by the agent's eff
 by root (root can already act as any user; a root agent so accepts root-owned only) and must
 not be group- or world-writable: the state directory,
 the database and its ``-wal``/``-shm`` files, the secret key file, the artifacts and runs
-directories and the config file; nor may a directory or symlink on the way to them be another
+directories, the config file and a control-plane replica's TLS certificate and key (the key,
+a secret, must moreover be readable by its owner alone); nor may a directory or symlink on the way to them be another
 user's or writable by others (without the sticky bit). A path that does not exist yet is not a problem (``init``
 and the service create them private). Pure ``stat`` checks: nothing is created or changed.
 """
@@ -29,10 +30,12 @@ class UntrustedPathError(UnavailableError):
 
 
 class TrustedPath(NamedTuple):
-    """One path the agent trusts: its role (shown to the operator) and absolute path."""
+    """One path the agent trusts: its role (shown to the operator), absolute path, and whether
+    it holds a secret nobody else may read (``private``)."""
 
     role: str
     path: str
+    private: bool = False
 
 
 def trusted_paths(settings) -> list[TrustedPath]:
@@ -45,6 +48,10 @@ def trusted_paths(settings) -> list[TrustedPath]:
             TrustedPath("database shm", settings.db_path + "-shm"),
             TrustedPath("key file", settings.key_file), TrustedPath("artifacts dir", settings.artifact_dir),
             TrustedPath("runs dir", settings.runs_dir)]
+    cluster = settings.config.cluster
+    if cluster is not None and cluster.tls_cert and cluster.tls_key:
+        out += [TrustedPath("cluster.tls_cert", cluster.tls_cert),
+                TrustedPath("cluster.tls_key", cluster.tls_key, private=True)]
     return out
 
 
@@ -64,8 +71,9 @@ def worker_paths(settings) -> list[TrustedPath]:
     return out
 
 
-def problem(role: str, path: str, euid: int | None = None) -> str | None:
+def problem(role: str, path: str, euid: int | None = None, private: bool = False) -> str | None:
     """One line naming ``path``, what is wrong (owner uid / mode found) and the fix, or None.
+    ``private``: any group or world permission is wrong too (fix ``chmod 600``).
 
     The check follows a symlink (what SQLite or open() would use); a missing path is None.
     """
@@ -84,14 +92,19 @@ def problem(role: str, path: str, euid: int | None = None) -> str | None:
     if st.st_uid not in (euid, 0):
         wrong.append(f"owned by uid {st.st_uid}, not the agent's uid {euid}" + (" or root" if euid else ""))
         fixes.append(f"chown {euid} {path}")
-    if mode & 0o022:
+    if private and mode & 0o077:
+        who = " and ".join(w for bit, w in ((0o070, "group"), (0o007, "world")) if mode & bit)
+        wrong.append(f"mode {mode:04o} gives {who} access to a private key")
+        fixes.append(f"chmod 600 {path}")
+    elif mode & 0o022:
         who = " and ".join(w for bit, w in ((0o020, "group"), (0o002, "world")) if mode & bit)
         wrong.append(f"mode {mode:04o} is {who}-writable")
         fixes.append(f"chmod go-w {path}")
     if not wrong:
         return None
-    return f"untrusted {role} {path}: {'; '.join(wrong)} (another user could replace what the agent runs); " \
-           f"fix: {' && '.join(fixes)}"
+    why = "another user could read it or replace what the agent serves" if private \
+        else "another user could replace what the agent runs"
+    return f"untrusted {role} {path}: {'; '.join(wrong)} ({why}); fix: {' && '.join(fixes)}"
 
 
 def ancestry_problem(role: str, path: str, euid: int | None = None) -> tuple[str, str] | None:
@@ -146,7 +159,7 @@ def check(paths: list[TrustedPath], euid: int | None = None) -> list[tuple[Trust
     out = []
     reported = set()
     for tp in paths:
-        p = problem(tp.role, tp.path, euid)
+        p = problem(tp.role, tp.path, euid, private=tp.private)
         if p:
             out.append((tp, p))
             reported.update((os.path.abspath(tp.path), os.path.realpath(tp.path)))

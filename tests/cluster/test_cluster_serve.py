@@ -429,6 +429,9 @@ def _labels(n: int, key_bytes: int = 1, value_bytes: int = 1) -> list[str]:
     (("w", "--slots", "two"), "--slots", None),
     (("w", "--executor", "remote_worker"), "--executor", None),
     (("w", "--executor", "local_process", "--executor", "local_process"), "executor", None),
+    (("w", *[a for i in range(33) for a in ("--project", f"p{i}")]), "project", "32"),    # 32 Projects at most
+    (("w", "--project", "default", "--project", "default"), "project", None),
+    (("w", "--project", ""), "project", "128"),
 ])
 def test_bad_workers_enroll_is_one_line_exit_2_and_writes_nothing(cp, args, field, limit):
     env, _, _ = cp
@@ -847,13 +850,17 @@ def test_config_check_and_serve_name_the_tls_file_that_is_wrong(tmp_path):
     junk = str(tmp_path / "junk.pem")
     with open(junk, "w") as f:
         f.write("not PEM at all\n")
+    os.chmod(junk, 0o600)           # as private as a key must be: judged for what it holds
+    cert_as_key = str(tmp_path / "cert-as-key.pem")
+    shutil.copyfile(cert, cert_as_key)
+    os.chmod(cert_as_key, 0o600)
     missing = str(tmp_path / "missing.pem")
     cases = [  # (cert, key, field, words): the certificate is judged first, then the key, then the pair
         (junk, key, "cluster.tls_cert", "holds no PEM certificate"),
         (key, key, "cluster.tls_cert", "holds no PEM certificate"),          # a key where the cert goes
         (missing, key, "cluster.tls_cert", "cannot read"),
         (cert, junk, "cluster.tls_key", "holds no PEM private key"),
-        (cert, cert, "cluster.tls_key", "holds no PEM private key"),
+        (cert, cert_as_key, "cluster.tls_key", "holds no PEM private key"),
         (cert, missing, "cluster.tls_key", "cannot read"),
         (cert, other_key, "cluster.tls_key", "are not a pair"),
     ]
@@ -868,6 +875,31 @@ def test_config_check_and_serve_name_the_tls_file_that_is_wrong(tmp_path):
         os.makedirs(tmp_path / "ok")
         env = Env(str(tmp_path / "ok"), url, f'tls_cert = "{cert}"\ntls_key = "{key}"\n')
         assert env.ok("config", "check").startswith("config ok: ")
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o644, 0o666, 0o604], ids=oct)
+def test_a_tls_key_others_may_read_is_refused_by_config_check_serve_and_doctor(tmp_path, mode):
+    # Found by the issue 21 attack pass: a 0666 replica key passed `config check` and `serve`
+    # silently while a 0666 config file was refused; the key is now judged like every trusted file.
+    from cpkit import make_ca
+    _, cert, key = make_ca(str(tmp_path), "k")
+    os.chmod(key, mode)
+    with own_database(f"trust_key_{mode:o}") as url:
+        os.makedirs(tmp_path / "cp")
+        env = Env(str(tmp_path / "cp"), url, f'tls_cert = "{cert}"\ntls_key = "{key}"\n')
+        for args in (("config", "check"), ("serve", "--listen", "127.0.0.1:0")):
+            p = env.cli(*args)
+            lines = p.stderr.decode().strip().splitlines()
+            assert p.returncode == 5 and len(lines) == 1, (args, p.stderr)
+            assert f"cluster.tls_key {key}: mode {mode:04o}" in lines[0] and f"fix: chmod 600 {key}" in lines[0], lines
+        assert env.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
+        p = env.cli("doctor")
+        assert p.returncode == 5 and f"cluster.tls_key {key}: mode {mode:04o}" in p.stdout.decode(), p.stdout
+        os.chmod(key, 0o600)
+        assert env.ok("config", "check").startswith("config ok: ")
+        os.chmod(cert, 0o666)           # the certificate is public, but nobody else may replace it
+        line = env.cli("config", "check").stderr.decode()
+        assert f"cluster.tls_cert {cert}: mode 0666 is group and world-writable" in line, line
 
 
 def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(tmp_path):
@@ -891,12 +923,16 @@ def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(t
 
 def test_workers_commands_never_create_a_project(tmp_path):
     # Found by a tester: `workers enroll w2 --project nosuch` exited 0 and created Project
-    # 'nosuch'. Workers belong to the cluster, not to a Project: --project is not used.
+    # 'nosuch'. Workers belong to the cluster: `enroll --project` scopes a Worker to Projects
+    # that exist (else exit 4, nothing enrolled); the other verbs do not use --project.
     with own_database("cfgchk_wproj") as url:
         env = Env(str(tmp_path), url)
         env.ok("init")
         before = env.sql("SELECT * FROM projects ORDER BY name")
-        out = json.loads(env.ok("workers", "enroll", "w2", "--project", "nosuch", "--json"))
+        p = env.cli("workers", "enroll", "w2", "--project", "nosuch")
+        assert p.returncode == 4 and b"no Project named 'nosuch'" in p.stderr, p.stderr
+        assert env.sql("SELECT count(*) FROM workers") == [(0,)]
+        out = json.loads(env.ok("workers", "enroll", "w2", "--json"))
         assert [w["name"] for w in json.loads(env.ok("workers", "ls", "--project", "nosuch", "--json"))["items"]] \
             == ["w2"]
         for verb in ("drain", "resume"):

@@ -463,7 +463,7 @@ def test_long_polls_beyond_the_bound_are_503_with_retry_after(kit, pg_url):
         _until(lambda: plane.server.in_flight == 2)
         st, h, raw = clients[2].call("POST", f"{BASE}/{clients[2].worker['worker_id']}/pull?waitS=3",
                                      pull_body(clients[2].worker))
-        assert (st, json.loads(raw)["error"], h["retry-after"]) == (503, "cluster_unavailable", "1")
+        assert (st, json.loads(raw)["error"], h["retry-after"]) == (503, "long_polls_full", "1")
         st, _, body, _ = clients[2].post("pull", pull_body(clients[2].worker))    # waitS=0 still served
         assert (st, body["status"]) == (200, "idle")
         for t in threads:
@@ -555,3 +555,96 @@ def test_the_local_http_surface_loads_no_tls_pool_or_cluster_module():
             "'qlagent.http.worker_routes', 'qlagent.http.tls') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_pull_refused_for_want_of_long_poll_slots_moves_the_worker_to_its_next_replica(kit, pg_url, tmp_path):
+    import os
+    import select
+    from qlagent.adapters.control_client import ControlClient
+    from qlagent.core.control import ControlBusy
+    full = ControlPlane(kit, pg_url, limits=replace(WorkerRouteLimits(), max_long_polls=1))
+    free = ControlPlane(kit, pg_url)
+    try:
+        hog = Client(full.port, enrolled(kit, "hog"))
+        session(hog)
+        parked = threading.Thread(target=hog.call, args=("POST", f"{BASE}/{hog.worker['worker_id']}/pull?waitS=4",
+                                                         pull_body(hog.worker)))
+        parked.start()
+        _until(lambda: full.server.in_flight == 1)
+        w = enrolled(kit, "mover")
+        cred = tmp_path / "cred"
+        fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, w["credential"].encode())
+        os.close(fd)
+        client = ControlClient([f"http://127.0.0.1:{full.port}", f"http://127.0.0.1:{free.port}"],
+                               w["worker_id"], str(cred), None)
+        session(Client(free.port, w))
+        body = json.dumps(pull_body(w)).encode()
+        select.select([client.start_poll("/pull?waitS=1", body, 1)], [], [], 10)
+        with pytest.raises(ControlBusy) as refused:
+            client.finish_poll()
+        assert (refused.value.code, refused.value.retry_after_s) == ("long_polls_full", 1.0)
+        client.abort_poll()
+        select.select([client.start_poll("/pull?waitS=1", body, 1)], [], [], 10)
+        assert json.loads(client.finish_poll().body)["status"] == "idle"    # answered by the other replica
+        assert free.server.connections >= 1
+        client.close()
+        parked.join(10)
+    finally:
+        full.close()
+        free.close()
+
+
+def test_a_stale_session_is_answered_naming_the_session_it_carried_and_the_current_one(kit, cp):
+    # Found by the issue 21 attack pass: an ACK of the current generation for a Lease of an older
+    # Session answered "generation 2 is stale (current 2)".
+    c = Client(cp.port, enrolled(kit, slots=2))
+    session(c)
+    offer = offered(kit, c)
+    first = (c.worker["session_id"], 1)
+    assert c.post("acks", ack_body(offer, "starting"))[0] == 200
+    session(c)                          # generation 2: the Lease of generation 1 is fenced
+    now = (c.worker["session_id"], 2)
+    body = refused(c.post("acks", {**ack_body(offer, "running"), "sessionId": now[0], "generation": 2}),
+                   409, "stale_generation")
+    assert body["message"] == (f"the Lease is bound to Session {first[0]} (generation 1), not to Session {now[0]} "
+                               "(generation 2) the request names"), body
+    expected = f"Session {first[0]} (generation 1) is not the Worker's current one: Session {now[0]} (generation 2)"
+    assert refused(c.post("acks", ack_body(offer, "running")), 409, "stale_generation")["message"] == expected
+    assert refused(c.post("heartbeat", {"sessionId": first[0], "generation": 1}), 409,
+                   "stale_generation")["message"] == expected
+    assert refused(c.post("pull", pull_body({"session_id": first[0], "generation": 1})), 409,
+                   "stale_generation")["message"] == expected
+    st, _, raw = c.call("PUT", f"{BASE}/{c.worker['worker_id']}/attempts/{offer['attemptId']}/log?offset=0",
+                        raw=b"late", content_type="application/octet-stream",
+                        headers={"X-Qlagent-Session": first[0], "X-Qlagent-Generation": "1",
+                                 "X-Qlagent-Lease-Generation": str(offer["leaseGeneration"]),
+                                 "X-Qlagent-Lease-Token": offer["leaseToken"]})
+    assert (st, json.loads(raw)["message"]) == (409, expected)
+
+
+def test_20000_hellos_from_one_credential_leave_a_bounded_session_table(kit, pg_url):
+    # Found by the issue 21 attack pass: 20,000 hellos left 20,011 worker_sessions rows (nothing
+    # ever deleted one). The store's hello, the one the route calls, in a loop (its commits not
+    # waiting for the disk: 20,000 fsyncs would take minutes on a shared box).
+    from qlagent.adapters.postgres.connection import open_pool
+    from qlagent.adapters.postgres.registry import SESSION_HISTORY, PgWorkerRegistry
+    from qlagent.cluster.registry import WorkerRegistry
+    from qlagent.core.cluster import Hello
+    w = kit.worker("chatty", slots=2)
+    kit.queue(kit.task("kept"))
+    assert kit.claim(1)            # a Lease names generation 1's Session: that row stays
+    fast = open_pool(pg_url + "?options=-c%20synchronous_commit%3Doff", 1)
+    try:
+        registry = WorkerRegistry(PgWorkerRegistry(fast))
+        for _ in range(20_000):
+            grant = registry.open_session(w["worker_id"], w["credential"], Hello())
+    finally:
+        fast.close()
+    assert grant.generation == 20_001
+    rows = kit.sql("SELECT generation FROM worker_sessions WHERE worker_id = %s ORDER BY generation",
+                   (w["worker_id"],))
+    assert len(rows) <= SESSION_HISTORY + 2, len(rows)
+    assert rows[-1] == (20_001,) and kit.one("SELECT count(*) FROM run_leases") >= 1
+    assert kit.one("SELECT count(*) FROM run_leases l LEFT JOIN worker_sessions s USING (session_id) "
+                   "WHERE s.session_id IS NULL") == 0           # every Lease's Session is kept

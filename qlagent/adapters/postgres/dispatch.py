@@ -29,7 +29,7 @@ from ...core.ids import new_id
 from ...core.profiles import Profile
 from .connection import read, transaction
 from .runs import OCCUPYING, set_holds
-from .transitions import authenticate, finish_attempt, now_us
+from .transitions import authenticate, finish_attempt, now_us, stale_session
 
 _CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,
     r.version, r.priority, r.created_at_us, r.latest_attempt_created_at_us, a.lease_generation, r.single_instance"""
@@ -45,7 +45,7 @@ _PRIOR = (f"SELECT {_CANDIDATE_COLS}, l.*, a.state AS attempt_state FROM run_lea
 # under that lock, the database clock, and whether this pullId already has a Lease.
 _PULL_SESSION = (
     "SELECT s.labels, s.executor_types, s.slots, s.state, s.expires_at_us, s.generation,"
-    " w.generation AS worker_generation, w.state AS worker_state, ql_now_us() AS now,"
+    " w.generation AS worker_generation, w.state AS worker_state, w.projects, ql_now_us() AS now,"
     " (SELECT count(*) FROM run_leases l WHERE l.session_id = s.session_id AND l.state = 'active') AS used,"
     " EXISTS (SELECT 1 FROM run_leases p WHERE p.session_id = s.session_id AND p.pull_id = %(pull)s) AS prior"
     " FROM workers w JOIN worker_sessions s ON s.session_id = %(session)s AND s.worker_id = w.worker_id"
@@ -93,8 +93,14 @@ def _page(items: list, limit: int) -> Page:
     return Page(items)
 
 
-def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None, lock: bool) -> Page:
+def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None, lock: bool,
+                    projects: tuple[str, ...] = ()) -> Page:
+    """A keyset page of queued candidates; ``projects``: only theirs (a scoped Worker's Pull:
+    another Project's queue must not fill its pages)."""
     sql, args = _CANDIDATES, [observed_at_us]
+    if projects:
+        sql += " AND r.project_id = ANY(%s)"
+        args.append(list(projects))
     if after is not None:
         sql += f" AND ({_KEY}) > (%s, %s, %s, %s)"
         args += list(after)
@@ -165,7 +171,7 @@ class PgDispatchStore:
         return _page([Recovery(_candidate(r), lease_of(r)) for r in rows], limit)
 
     def worker_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        sql = ("SELECT w.worker_id, s.session_id, s.generation, s.labels, s.executor_types, s.slots,"
+        sql = ("SELECT w.worker_id, s.session_id, s.generation, s.labels, s.executor_types, s.slots, w.projects,"
                " s.slots - (SELECT count(*) FROM run_leases l WHERE l.session_id = s.session_id"
                "            AND l.state = 'active') AS free"
                " FROM workers w JOIN worker_sessions s ON s.session_id = w.current_session_id"
@@ -178,7 +184,8 @@ class PgDispatchStore:
         sql += " ORDER BY w.worker_id LIMIT %(lim)s"
         rows = read(self._pool, lambda cur: cur.execute(sql, args).fetchall())
         return _page([WorkerSnapshot(r["worker_id"], r["session_id"], r["generation"], r["labels"],
-                                     tuple(r["executor_types"]), r["slots"], max(0, r["free"])) for r in rows], limit)
+                                     tuple(r["executor_types"]), r["slots"], max(0, r["free"]),
+                                     projects=tuple(r["projects"])) for r in rows], limit)
 
     def claim(self, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease_ttl_us: int,
               pull_id: str | None = None) -> ClaimOutcome:
@@ -221,12 +228,12 @@ class PgDispatchStore:
             s = cur.execute(_PULL_SESSION, {"worker": worker_id, "credential": credential_digest,
                                             "session": session_id, "pull": pull_id}).fetchone()
             if s is None or s["generation"] != generation or s["worker_generation"] != generation:
-                current = s["worker_generation"] if s else authenticate(cur, worker_id, credential_digest)["generation"]
-                raise ConflictError(f"generation {generation} is stale (current {current})", code="stale_generation")
+                raise stale_session(session_id, generation, authenticate(cur, worker_id, credential_digest))
             if s["state"] != "open" or s["expires_at_us"] <= s["now"]:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
             w = WorkerSnapshot(worker_id, session_id, generation, s["labels"], tuple(s["executor_types"]), s["slots"],
-                               max(0, s["slots"] - s["used"]), s["worker_state"] == "draining")
+                               max(0, s["slots"] - s["used"]), s["worker_state"] == "draining",
+                               tuple(s["projects"]))
             return work(_PgPullUnit(cur, self._plans, w, s["now"], pull_id if s["prior"] else None))
 
         try:
@@ -268,13 +275,15 @@ class _PgPullUnit:
         return lease_of(row), _candidate(row), row["attempt_state"]
 
     def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        page = _candidate_page(self._cur, observed_at_us, limit, after, True)
+        page = _candidate_page(self._cur, observed_at_us, limit, after, True, self.worker.projects)
         self._returned += [c.attempt_id for c in page.items]
         return page
 
     def held_elsewhere(self, observed_at_us: int) -> bool:
-        return self._cur.execute(f"SELECT EXISTS ({_CANDIDATES} AND a.attempt_id <> ALL(%s)) AS held",
-                                 (observed_at_us, self._returned)).fetchone()["held"]
+        scoped = " AND r.project_id = ANY(%s)" if self.worker.projects else ""
+        args = (observed_at_us, self._returned) + ((list(self.worker.projects),) if scoped else ())
+        return self._cur.execute(f"SELECT EXISTS ({_CANDIDATES} AND a.attempt_id <> ALL(%s){scoped}) AS held",
+                                 args).fetchone()["held"]
 
     def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
         return self._plans.prepare_with(self._cur, c)

@@ -1,6 +1,6 @@
 """Unplaceable Runs (issue 10 §5): a queued Run whose Placement no enrolled Worker could ever
 satisfy is reported with a ``run.unplaceable`` RunEvent (shown by ``run show``) rather than
-waiting silently. "Could ever" reads the enrolments (labels, executor types), not the Sessions:
+waiting silently. "Could ever" reads the enrolments (labels, executor types, Projects), not the Sessions:
 a Worker that is offline now may connect later; a removed one never will. Each queued Run is
 checked once (``runs.placement_checked``); it stays queued and is offered as soon as a matching
 Worker appears. A Run whose ``grace_s`` the Lease cannot hold (core.leasefit: its Worker would
@@ -30,7 +30,7 @@ class PgPlacementReport:
 
         def tx(cur):
             rows = cur.execute(
-                "SELECT r.run_id, a.attempt_id, a.worker_executor, tr.definition_json FROM runs r"
+                "SELECT r.run_id, r.project_id, a.attempt_id, a.worker_executor, tr.definition_json FROM runs r"
                 " JOIN attempts a ON a.attempt_id = r.latest_attempt_id"
                 " JOIN task_revisions tr ON tr.task_id = r.task_id AND tr.revision = r.task_revision"
                 " WHERE r.state = 'queued' AND NOT r.placement_checked AND a.executor_type = 'remote_worker'"
@@ -49,8 +49,9 @@ class PgPlacementReport:
                 required = dict((definition.get("placement") or {}).get("required") or {})
                 executor = required.pop(EXECUTOR_LABEL, r["worker_executor"])
                 possible = cur.execute("SELECT EXISTS (SELECT 1 FROM workers WHERE state <> 'removed'"
-                                       " AND labels @> %s AND %s = ANY(executor_types)) AS ok",
-                                       (Jsonb(required), executor)).fetchone()["ok"]
+                                       " AND labels @> %s AND %s = ANY(executor_types)"
+                                       " AND (projects = '{}' OR %s = ANY(projects))) AS ok",
+                                       (Jsonb(required), executor, r["project_id"])).fetchone()["ok"]
                 if not possible:
                     event(cur, r["run_id"], "run.unplaceable", "control-plane",
                           {"attemptId": r["attempt_id"], "reason": "no_enrolled_worker_matches",

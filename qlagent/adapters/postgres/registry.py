@@ -8,7 +8,12 @@ from ...core.cluster import Enrolment, SessionGrant, WorkerInfo
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from .connection import read, transaction
-from .transitions import adopt_leases, authenticate, fence_sessions, now_us
+from .transitions import adopt_leases, authenticate, fence_sessions, now_us, stale_session
+
+# Ended Sessions a hello keeps per Worker (the newest; any a Lease names is kept too), and how
+# many older ones one hello deletes: a Worker saying hello in a loop leaves a bounded table.
+SESSION_HISTORY = 8
+PRUNE_PER_HELLO = 4
 
 
 class PgWorkerRegistry:
@@ -18,17 +23,27 @@ class PgWorkerRegistry:
         self._pool = pool
 
     def enroll(self, name: str, labels: dict[str, str], executor_types: tuple[str, ...], slots: int,
-               credential_digest: str) -> str:
-        """Insert a Worker; return its Worker ID. ConflictError(worker_exists) for a live name."""
+               credential_digest: str, projects: tuple[str, ...] = ()) -> str:
+        """Insert a Worker scoped to the Projects named ``projects`` (stored by Project ID; none:
+        every Project); return its Worker ID. NotFoundError(project_not_found) naming the first
+        unknown Project; ConflictError(worker_exists) for a live name."""
         from psycopg import errors
         from psycopg.types.json import Jsonb
         worker_id = new_id()
 
         def tx(cur):
             now = now_us(cur)
+            found = {r["name"]: r["project_id"] for r in cur.execute(
+                "SELECT name, project_id FROM projects WHERE name = ANY(%s)", (list(projects),)).fetchall()}
+            for p in projects:
+                if p not in found:
+                    raise NotFoundError(f"no Project named {p!r} (a Project exists once a Task is defined in it)",
+                                        code="project_not_found")
             cur.execute("INSERT INTO workers(worker_id, name, credential_digest, labels, executor_types, slots,"
-                        " state, enrolled_at_us, updated_at_us) VALUES (%s, %s, %s, %s, %s, %s, 'active', %s, %s)",
-                        (worker_id, name, credential_digest, Jsonb(labels), list(executor_types), slots, now, now))
+                        " state, enrolled_at_us, updated_at_us, projects)"
+                        " VALUES (%s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
+                        (worker_id, name, credential_digest, Jsonb(labels), list(executor_types), slots, now, now,
+                         [found[p] for p in projects]))
             return worker_id
         try:
             return transaction(self._pool, tx)
@@ -60,7 +75,9 @@ class PgWorkerRegistry:
                      adopt: list[tuple[str, int, str]] = ()) -> SessionGrant:
         """New Session with generation + 1; the Leases of ``adopt`` ((Attempt ID, lease
         generation, token digest), Attempt ID order) that qualify move to it (``adopt_leases``),
-        then every older Session closes and its remaining active Leases are fenced."""
+        then every older Session closes and its remaining active Leases are fenced. Up to
+        ``PRUNE_PER_HELLO`` ended Sessions of the Worker older than its newest
+        ``SESSION_HISTORY`` that no Lease names are deleted."""
         from psycopg.types.json import Jsonb
         session_id = new_id()
 
@@ -77,6 +94,10 @@ class PgWorkerRegistry:
                         "WHERE worker_id = %s", (gen, session_id, now, worker_id))
             adopted, refused = adopt_leases(cur, worker_id, session_id, gen, adopt, now)
             fence_sessions(cur, worker_id, session_id, "session_replaced", now)
+            cur.execute("DELETE FROM worker_sessions WHERE session_id IN (SELECT s.session_id FROM worker_sessions s"
+                        " WHERE s.worker_id = %s AND s.generation <= %s AND s.state <> 'open'"
+                        " AND NOT EXISTS (SELECT 1 FROM run_leases l WHERE l.session_id = s.session_id)"
+                        " ORDER BY s.generation LIMIT %s)", (worker_id, gen - SESSION_HISTORY, PRUNE_PER_HELLO))
             return SessionGrant(worker_id, session_id, gen, labels, executor_types, slots, now + ttl_us,
                                 tuple(adopted), tuple(refused))
         return transaction(self._pool, tx)
@@ -95,8 +116,7 @@ class PgWorkerRegistry:
             s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s"
                             " FOR NO KEY UPDATE", (session_id, worker_id)).fetchone()
             if s is None or s["generation"] != generation or w["generation"] != generation:
-                raise ConflictError(f"generation {generation} is stale (current {w['generation']})",
-                                    code="stale_generation")
+                raise stale_session(session_id, generation, w)
             now = now_us(cur)
             if s["state"] != "open" or s["expires_at_us"] <= now:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
@@ -149,9 +169,11 @@ class PgWorkerRegistry:
 
     def workers(self, limit: int, after: str | None = None) -> list[dict]:
         """Up to ``limit`` live Workers in name order: name, Worker ID, state online/draining/offline,
-        generation, Session ID, last heartbeat (µs), slots, free slots."""
+        generation, Session ID, last heartbeat (µs), slots, free slots, the names of the Projects
+        it is scoped to (empty: every Project)."""
         return transaction(self._pool, lambda cur: cur.execute(
             "SELECT w.name, w.worker_id, w.generation, s.session_id, s.last_heartbeat_us, w.slots,"
+            " ARRAY(SELECT p.name FROM projects p WHERE p.project_id = ANY(w.projects) ORDER BY p.name) AS projects,"
             " CASE WHEN s.state = 'open' AND s.expires_at_us > ql_now_us()"
             "      THEN CASE w.state WHEN 'draining' THEN 'draining' ELSE 'online' END ELSE 'offline' END AS state,"
             " coalesce(s.slots, w.slots) - (SELECT count(*) FROM run_leases l WHERE l.worker_id = w.worker_id"

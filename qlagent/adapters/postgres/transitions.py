@@ -176,8 +176,7 @@ def fenced_lease(cur, f: LeaseFence) -> tuple[dict, dict]:
     row and reveals neither whether the Lease exists nor whether the token matches."""
     worker = authenticate(cur, f.worker_id, f.credential_digest)
     if worker["generation"] != f.generation:
-        raise ConflictError(f"generation {f.generation} is stale (current {worker['generation']})",
-                            code="stale_generation")
+        raise stale_session(f.session_id, f.generation, worker)
     lease = cur.execute("SELECT * FROM run_leases WHERE attempt_id = %s AND lease_generation = %s AND worker_id = %s "
                         "FOR UPDATE", (f.attempt_id, f.lease_generation, f.worker_id)).fetchone()
     if lease is None:
@@ -185,6 +184,15 @@ def fenced_lease(cur, f: LeaseFence) -> tuple[dict, dict]:
     if lease["token_digest"] != f.token_digest:
         raise ConflictError("lease token does not match the Lease", code="lease_token_mismatch")
     if lease["session_id"] != f.session_id or lease["worker_generation"] != f.generation:
-        raise ConflictError(f"generation {f.generation} is stale (current {worker['generation']})",
-                            code="stale_generation")
+        raise ConflictError(f"the Lease is bound to Session {lease['session_id']} (generation "
+                            f"{lease['worker_generation']}), not to Session {f.session_id} (generation "
+                            f"{f.generation}) the request names", code="stale_generation")
     return lease, worker
+
+
+def stale_session(session_id: str, generation: int, worker: dict) -> ConflictError:
+    """ConflictError ``stale_generation`` naming the Session and generation a request carried
+    and the Worker's current ones (``worker``: its row)."""
+    return ConflictError(f"Session {session_id} (generation {generation}) is not the Worker's current one: "
+                         f"Session {worker['current_session_id']} (generation {worker['generation']})",
+                         code="stale_generation")
