@@ -185,12 +185,12 @@ def tls_names_warning(cert_file: str, host: str) -> dict | None:
     return {"address": host or "*", "names": ",".join(names) or "none"}
 
 
-def worker_credential(w) -> str:
+def worker_credential(w, owner: bool = True) -> str:
     """The credential in ``w.credential_file`` (``service.config.WorkerConfig``); ValidationError
-    naming ``worker.credential_file`` when it is missing, not the agent's, not 0600 or not a
-    Worker credential (the value is never quoted)."""
+    naming ``worker.credential_file`` when it is missing, not the agent's (``owner``), not 0600
+    or not a Worker credential (the value is never quoted)."""
     from .adapters.control_client import read_credential
-    return read_credential(w.credential_file)
+    return read_credential(w.credential_file, owner)
 
 
 def build_worker(settings, log, notify):

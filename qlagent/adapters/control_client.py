@@ -95,9 +95,10 @@ class _ErrorBody(msgspec.Struct):
     next_offset: int | None = msgspec.field(default=None, name="nextOffset")
 
 
-def read_credential(path: str) -> str:
+def read_credential(path: str, owner: bool = True) -> str:
     """The Worker credential in ``path``: a regular file (no symlink) owned by this process's
-    user, mode 0600 or stricter, holding ``qlw_`` + 43 URL-safe characters (one line).
+    user (unless not ``owner``: ``config check`` may run as another user than the service),
+    mode 0600 or stricter, holding ``qlw_`` + 43 URL-safe characters (one line).
 
     Raises ValidationError(field="worker.credential_file") naming the rule broken (the
     credential itself is never quoted)."""
@@ -110,7 +111,7 @@ def read_credential(path: str) -> str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValidationError(field, f"{path}: not a regular file")
-        if st.st_uid != os.geteuid():
+        if owner and st.st_uid != os.geteuid():
             raise ValidationError(field, f"{path}: owned by uid {st.st_uid}, must be the agent's (uid {os.geteuid()})")
         if st.st_mode & 0o177:
             raise ValidationError(field, f"{path}: mode {stat.S_IMODE(st.st_mode):04o}, must be 0600")

@@ -4,15 +4,18 @@ configuration the check accepts is not refused by ``serve`` for the same values 
 
 - ``[cluster]``: the route threads against ``pool_size`` (``bootstrap.check_replica_pool``) and
   the TLS certificate and key (``http.tls.TlsAcceptor``), each refusal naming ``cluster.*``.
-- ``[worker]``: the CA file (``bootstrap.worker_ca``), naming ``worker.ca_file``. The credential
-  file is checked by ``serve`` only: its rule (owned by the agent's uid, 0600) depends on who
-  runs the check, and the OpenWrt converter runs it as root for a service that runs as ``qlagent``.
+- ``[worker]``: the CA file (``bootstrap.worker_ca``), naming ``worker.ca_file``; the credential
+  file when it is there (``bootstrap.worker_credential``: mode 0600, a Worker credential), naming
+  ``worker.credential_file``. Its owner and its absence are ``serve``'s to judge: the OpenWrt
+  converter runs the check as root for a service that runs as ``qlagent``, possibly before the
+  credential is installed.
 The rules that need no file (bounds, URL shapes, dispatcher ceilings, ``lease_ttl_s``) are in
 ``config.validate``, which every command runs when it loads the configuration.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from .. import bootstrap
@@ -30,7 +33,7 @@ class Preflight(NamedTuple):
 def preflight(settings: Settings) -> Preflight:
     """Run the database-free start-up checks of ``settings``' role. Raises ValidationError (exit 2)
     naming the field: ``cluster.pool_size``, ``cluster.tls_cert``, ``cluster.tls_key``,
-    ``worker.ca_file`` (a readable PEM holding a CA certificate)."""
+    ``worker.ca_file`` (a readable PEM holding a CA certificate), ``worker.credential_file``."""
     cluster, worker = settings.config.cluster, settings.config.worker
     if cluster is not None:
         threads = bootstrap.check_replica_pool(cluster)
@@ -41,4 +44,6 @@ def preflight(settings: Settings) -> Preflight:
         return Preflight(threads=threads, tls=tls)
     if worker is not None:
         bootstrap.worker_ca(worker)
+        if os.path.lexists(worker.credential_file):
+            bootstrap.worker_credential(worker, owner=False)
     return Preflight()

@@ -344,18 +344,6 @@ def test_bad_tls_or_pool_values_stop_the_replica_naming_the_field_and_write_noth
         drop_database(name)
 
 
-def test_sigterm_ends_the_replica_promptly_while_the_worker_long_polls(plane):
-    replica, worker = plane["replica"], plane["workers"][0]
-    # The Worker is idle: its Pull waits up to pull_wait_s = 20 s on the replica. The replica
-    # answers it at once on SIGTERM instead of holding the drain until the wait ends.
-    time.sleep(1.0)                  # the Worker's Pull after its last ACK is parked on the replica
-    replica.proc.send_signal(signal.SIGTERM)
-    assert replica.proc.wait(10) == 0               # not held until the Pull's 20 s are up
-    replica.wait_line("service.stopped")
-    assert worker.proc.poll() is None                     # the Worker survives and retries
-    assert worker.stop() == 0
-
-
 def test_a_task_sees_the_same_ql3_variables_on_a_worker_as_on_a_local_agent(plane):
     """README lists the QL3_* identity every task gets: a fleet Worker sets the same names, none
     empty, as a local agent (QL3_TASK_NAME was empty on a Worker)."""
@@ -364,10 +352,11 @@ def test_a_task_sees_the_same_ql3_variables_on_a_worker_as_on_a_local_agent(plan
     worker.wait_line("worker.ready")
     run_id = cp.ok("run", "start", "envdump").strip()
     deadline = time.monotonic() + 30
-    while sql(plane["url"], "SELECT r.state, a.log_next_offset > 0 FROM runs r JOIN attempts a "
-                            "ON a.attempt_id = r.latest_attempt_id WHERE r.run_id = %s",
-              (run_id,)) != [("succeeded", True)] and time.monotonic() < deadline:
+    done = "SELECT r.state, a.log_next_offset > 0 FROM runs r JOIN attempts a ON a.attempt_id = r.latest_attempt_id " \
+           "WHERE r.run_id = %s"
+    while sql(plane["url"], done, (run_id,)) != [("succeeded", True)] and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert sql(plane["url"], done, (run_id,)) == [("succeeded", True)], "".join(worker.lines)
     on_worker = dict(ln.split("=", 1) for ln in cp.ok("run", "logs", run_id).splitlines())
     local = Node(plane["root"], "local-env", "")
     local.ok("init")
@@ -381,6 +370,18 @@ def test_a_task_sees_the_same_ql3_variables_on_a_worker_as_on_a_local_agent(plan
     assert all(on_worker.values()) and all(on_local.values()), (on_worker, on_local)
     assert on_worker["QL3_TASK_NAME"] == on_local["QL3_TASK_NAME"] == "envdump"
     assert on_worker["QL3_RUN_ID"] == run_id
+
+
+def test_sigterm_ends_the_replica_promptly_while_the_worker_long_polls(plane):
+    replica, worker = plane["replica"], plane["workers"][0]
+    # The Worker is idle: its Pull waits up to pull_wait_s = 20 s on the replica. The replica
+    # answers it at once on SIGTERM instead of holding the drain until the wait ends.
+    time.sleep(1.0)                  # the Worker's Pull after its last ACK is parked on the replica
+    replica.proc.send_signal(signal.SIGTERM)
+    assert replica.proc.wait(10) == 0               # not held until the Pull's 20 s are up
+    replica.wait_line("service.stopped")
+    assert worker.proc.poll() is None                     # the Worker survives and retries
+    assert worker.stop() == 0
 
 
 def test_a_replica_whose_certificate_names_none_of_its_listen_addresses_warns_at_start(plane):

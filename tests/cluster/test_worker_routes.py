@@ -247,6 +247,26 @@ def test_lease_and_session_rows_of_the_error_table(kit, cp):
     assert snapshot(kit) == before
 
 
+def test_a_heartbeat_past_the_instant_the_worker_stopped_waiting_is_refused_and_renews_nothing(kit, cp):
+    """renewUntilUs (docs/worker-protocol.md): a heartbeat the replica would apply after it is
+    refused heartbeat_late, nothing written; before it, it renews as usual."""
+    c = Client(cp.port, enrolled(kit))
+    session(c)
+    now = kit.one("SELECT ql_now_us()")
+    before = snapshot(kit)
+    refused(c.post("heartbeat", {"sessionId": c.worker["session_id"], "generation": 1, "renewUntilUs": now - 1}),
+            409, "heartbeat_late")
+    assert snapshot(kit) == before
+    refused(c.post("heartbeat", {"sessionId": c.worker["session_id"], "generation": 1, "renewUntilUs": -1}),
+            400, "invalid_request", "renewUntilUs")
+    refused(c.post("heartbeat", {"sessionId": c.worker["session_id"], "generation": 1, "renewUntilUs": "soon"}),
+            400, "invalid_request", "renewUntilUs")
+    assert snapshot(kit) == before
+    status, _, hb, _ = c.post("heartbeat", {"sessionId": c.worker["session_id"], "generation": 1,
+                                            "renewUntilUs": now + 60_000_000})
+    assert status == 200 and hb["expiresAtUs"] > now
+
+
 def test_a_pull_whose_secret_is_missing_is_answered_lease_ended_not_503(kit, cp):
     c = Client(cp.port, enrolled(kit))
     session(c)

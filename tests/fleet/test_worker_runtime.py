@@ -645,12 +645,28 @@ def test_a_wrong_ca_is_refused_with_one_clear_error_and_nothing_written(tmp_path
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o700])
 def test_a_credential_file_not_0600_is_refused(tmp_path, cp, mode):
+    # `config check` (ExecReload, the OpenWrt converter) said "config ok" for it: the same line now.
     w = Worker(tmp_path, cp, cp.url, cred_mode=mode)
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+    check = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
+                           capture_output=True, env=env, timeout=60)
     assert w.start().p.wait(30) == 2
     lines = w.journal().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qlagent: error: worker.credential_file: ") \
         and f"mode {mode:04o}, must be 0600" in lines[0], lines
+    assert check.returncode == 2 and check.stderr.decode().strip().splitlines() == lines, check
     assert cp.requests == [] and not os.path.exists(w.state)         # nothing created, not even the lock
+
+
+def test_config_check_refuses_a_file_that_is_not_a_credential(tmp_path, cp):
+    w = Worker(tmp_path, cp, cp.url)
+    write_credential(w.cred, "not-a-credential")
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
+    check = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
+                           capture_output=True, env=env, timeout=60)
+    (line,) = check.stderr.decode().strip().splitlines()
+    assert check.returncode == 2 and line.startswith("qlagent: error: worker.credential_file: ") \
+        and "not a Worker credential" in line and "not-a-credential" not in line, check
 
 
 def load_worker_config(tmp_path, key: str, value: str):
