@@ -320,10 +320,10 @@ class ClusterServices:
     (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
     ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``), the
     ``[cluster]`` table as ``config``, ``stop_waiting()`` (SIGTERM: long-polling Pulls answer at
-    once) and ``close()`` for the LISTEN connection. ``qlagent.http.service`` mounts the Worker
-    routes over it."""
+    once) and ``close()`` for the LISTEN connection (supervised: ``log`` hears when it is lost and
+    restored). ``qlagent.http.service`` mounts the Worker routes over it."""
 
-    def __init__(self, settings, store) -> None:
+    def __init__(self, settings, store, log=None) -> None:
         from .adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
         from .adapters.postgres.leases import PgLeaseStore
         from .adapters.postgres.notify import PgCandidateSignal
@@ -343,7 +343,7 @@ class ClusterServices:
         self.registry = worker_registry(settings, store)
         plans = LeaseFitPlans(PgPlanSource(store.pool, settings.profile), c.lease_ttl_s)
         dispatch = PgDispatchStore(store.pool, plans)
-        self.signal = PgCandidateSignal(c.database)
+        self.signal = PgCandidateSignal(c.database, log)
         self.pull = WorkerPull(dispatch, PgSecretResolver(store.pool, _LazyBox(settings.key_file, SecretBox)),
                                self.budgets, self.signal)
         leases = PgLeaseStore(store.pool)

@@ -89,7 +89,7 @@ class ControlPlane:
         self.store = bootstrap.open_store(self.settings)        # migrates under the advisory lock
         if self.store.applied:
             self.log("info", "store.migrated", applied=",".join(self.store.applied))
-        self.services = bootstrap.ClusterServices(self.settings, self.store)
+        self.services = bootstrap.ClusterServices(self.settings, self.store, self.log)
         self.scheduler = Scheduler(self.store, system_timezone(), now_us, self.log)
         self._install_signals()
         self._start_http(threads, tls)
