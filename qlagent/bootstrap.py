@@ -318,7 +318,8 @@ class ClusterServices:
     ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``placement_report``
     (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
     (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
-    ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``), the
+    ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``),
+    ``clock`` (``core.dbclock.DatabaseClock`` over it: the replica's loop plans in it), the
     ``[cluster]`` table as ``config``, ``stop_waiting()`` (SIGTERM: long-polling Pulls answer at
     once) and ``close()`` for the LISTEN connection (supervised: ``log`` hears when it is lost and
     restored). ``qlagent.http.service`` mounts the Worker routes over it."""
@@ -336,6 +337,7 @@ class ClusterServices:
         from .cluster.logs import LogUpload
         from .cluster.placement import LeaseFitPlans
         from .cluster.pull import WorkerPull
+        from .core.dbclock import DatabaseClock
         c = settings.config.cluster
         self.config = c
         self.store = store
@@ -353,6 +355,7 @@ class ClusterServices:
         self.sweeper = LeaseSweeper(leases, PgWorkerRegistry(store.pool), c.sweep_batch)
         self.placement_report = PgPlacementReport(store.pool, plans.max_grace_ms)
         self.now_us = dispatch.now_us
+        self.clock = DatabaseClock(self.now_us)
 
     def stop_waiting(self) -> None:
         """End every long-poll now (each answers what it has: idle) and every later one at

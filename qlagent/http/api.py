@@ -72,7 +72,7 @@ class Api:
     ``ready()``: extra readiness (False while draining)."""
 
     def __init__(self, store: Store, on_change: Callable[[], None],
-                 ready: Callable[[], bool] = lambda: True, log_chunks=None) -> None:
+                 ready: Callable[[], bool] = lambda: True, log_chunks=None, clock=None) -> None:
         self.store = store
         self.runs = RunService(store)
         self.on_change = on_change
@@ -80,6 +80,9 @@ class Api:
         # On a control plane the logs are the chunks Workers uploaded to the authority
         # (``read_range(run_id, offset, limit) -> (bytes, size, TruncationFact | None)``).
         self.log_chunks = log_chunks
+        # A control-plane replica's ``core.dbclock.DatabaseClock``: /readyz says how far off the
+        # database's this host's clock is (it plans in the database's time either way).
+        self.clock = clock
 
     # ---- helpers -----------------------------------------------------------------------------
     def _principal(self, req: Request, project: str, permission: str):
@@ -239,7 +242,9 @@ class Api:
 
     def readyz(self, req: Request, p: dict[str, str]) -> Response:
         """GET /readyz: 200 ``ready`` when the store answers and its capability is present and the
-        agent is not draining; else 503 ``not_ready`` with the failing check."""
+        agent is not draining; else 503 ``not_ready`` with the failing check. On a replica also
+        ``clock``: ``{offsetS, boundS, skewed}``, this host's clock against the database's
+        (informative: the replica plans in the database's time, so a skew does not fail it)."""
         checks = {"store": "ok", "capability": "ok", "service": "ok" if self.ready() else "draining"}
         try:
             self.store.capabilities()
@@ -253,8 +258,10 @@ class Api:
             checks["store"] = str(e)[:200]
             checks["capability"] = "unknown"
         ok = all(v == "ok" for v in checks.values())
-        return Response.json(200 if ok else 503, {"status": "ready" if ok else "not_ready", "checks": checks},
-                             None if ok else [("Retry-After", "1")])
+        body = {"status": "ready" if ok else "not_ready", "checks": checks}
+        if self.clock is not None:
+            body["clock"] = self.clock.report()
+        return Response.json(200 if ok else 503, body, None if ok else [("Retry-After", "1")])
 
     def openapi(self, req: Request, p: dict[str, str]) -> Response:
         """GET /api/v3/openapi.json: the shipped OpenAPI 3.1 document."""

@@ -80,7 +80,8 @@ class HttpSurface(LoopSurface):
                  threads: int = 4) -> None:
         self.draining = False
         self.api = Api(store, on_change, ready=lambda: not self.draining,
-                       log_chunks=cluster.log_reader if cluster is not None else None)
+                       log_chunks=cluster.log_reader if cluster is not None else None,
+                       clock=cluster.clock if cluster is not None else None)
         self.router = build_router(self.api)
         limits = limits_for(settings)
         self.worker_routes = None

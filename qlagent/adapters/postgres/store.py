@@ -25,6 +25,7 @@ from typing import TypeVar
 
 from ...core import states
 from ...core.canonical import sha256_hex
+from ...core.dbclock import SKEW_BOUND_US, DatabaseClock
 from ...core.dispatch import Candidate, Finish
 from ...core.errors import UnavailableError
 from ...core.models import CreatedRun, Project, RetryPolicy
@@ -223,7 +224,8 @@ class PgStore(RowStore):
 
 def diagnose(url: str) -> list[tuple[str, bool, str]]:
     """``qlagent doctor``'s checks of the cluster authority without migrating: (name, ok, detail)
-    for reachability (a primary, not a standby), schema history, capability and Secrets a Task
+    for reachability (a primary, not a standby), this host's clock against the database's,
+    schema history, capability and Secrets a Task
     uses but the store lacks. Never raises for what it inspects."""
     from psycopg.rows import dict_row
 
@@ -235,11 +237,25 @@ def diagnose(url: str) -> list[tuple[str, bool, str]]:
         return [("database", False, str(e))]
 
 
+def _clock_check(conn) -> tuple[str, bool, str]:
+    """This host's clock against the database's (issue 21 §4): not ok beyond ``SKEW_BOUND_US``."""
+    clock = DatabaseClock(lambda: conn.execute(
+        "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint").fetchone()[0])
+    if not clock.sync():
+        return ("clock", True, "not measured: the database answered too slowly")
+    offset = "%+.3f s" % (clock.offset_us / 1e6)
+    if clock.skewed:
+        return ("clock", False, f"this host's clock is {offset} off the database's (bound ±{SKEW_BOUND_US / 1e6:g} s); "
+                                "a replica here plans in the database's time, but fix its time sync")
+    return ("clock", True, f"{offset} from the database's (bound ±{SKEW_BOUND_US / 1e6:g} s)")
+
+
 def _diagnose(conn, dict_row) -> list[tuple[str, bool, str]]:
     from ...core.errors import QlError
     standby = conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]
     out = [("database", not standby, "a standby (read-only): the authority is the primary" if standby
             else "reachable, primary (read-write)")]
+    out.append(_clock_check(conn))
     try:
         pending = migrations.verify_history(conn, migrations.known_migrations())
         out.append(("schema", not pending, "up to date" if not pending else f"{len(pending)} migration(s) pending: "
