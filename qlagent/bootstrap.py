@@ -280,10 +280,12 @@ def worker_checks(settings) -> list[tuple[str, bool, str]]:
 
 def check_cluster(cluster) -> None:
     """Start-up checks of a ``service.config.ClusterConfig`` beyond its msgspec bounds: the libpq
-    URL and ADR-0014's dispatcher ceilings. Raises ValidationError naming the ``cluster.*`` field."""
+    URLs (``database``, ``listen_database``) and ADR-0014's dispatcher ceilings. Raises ValidationError naming the ``cluster.*`` field."""
     from .adapters.postgres.connection import check_url
     from .cluster.dispatcher import check_budgets
     check_url(cluster.database)
+    if cluster.listen_database is not None:
+        check_url(cluster.listen_database, "cluster.listen_database")
     check_budgets(_budgets(cluster))
 
 
@@ -345,7 +347,7 @@ class ClusterServices:
         self.registry = worker_registry(settings, store)
         plans = LeaseFitPlans(PgPlanSource(store.pool, settings.profile), c.lease_ttl_s)
         dispatch = PgDispatchStore(store.pool, plans)
-        self.signal = PgCandidateSignal(c.database, log)
+        self.signal = PgCandidateSignal(c.listen_database or c.database, log, notify_url=c.database)
         self.pull = WorkerPull(dispatch, PgSecretResolver(store.pool, _LazyBox(settings.key_file, SecretBox)),
                                self.budgets, self.signal)
         leases = PgLeaseStore(store.pool)

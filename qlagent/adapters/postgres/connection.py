@@ -6,6 +6,11 @@ control plane only insists on a read-write session when more than one host is na
 ``open_pool`` returns a bounded psycopg_pool ConnectionPool; ``transaction`` runs one unit of
 work, retrying a bounded number of times on serialization failures and deadlocks.
 
+Transaction-mode poolers (PgBouncer ``pool_mode = transaction``) are supported: nothing here
+prepares statements (``prepare_threshold=None``: psycopg would prepare after 5 executions, and
+the next transaction on another server backend would find ``_pg3_0`` there already or missing),
+and no lock outlives its transaction (migrations and Run creation lock per transaction).
+
 Waiting for a pooled connection: a request waits at most ``POOL_WAIT_S``; code running under
 ``bounded_wait(s)`` (the control-plane loop's own duties, which share a thread with HTTP)
 waits at most ``s``. While the database is unreachable the pool retries a connection with
@@ -83,7 +88,7 @@ def connect(url: str, *, autocommit: bool = False):
     """One psycopg connection (loads psycopg). Raises UnavailableError when unreachable."""
     import psycopg
     try:
-        return psycopg.connect(check_url(url), autocommit=autocommit, connect_timeout=10)
+        return psycopg.connect(check_url(url), autocommit=autocommit, connect_timeout=10, prepare_threshold=None)
     except psycopg.OperationalError as e:
         raise UnavailableError(f"cluster database unreachable: {str(e).splitlines()[0]}") from None
 
@@ -94,7 +99,7 @@ def open_pool(url: str, size: int = 4):
         raise ValidationError("cluster.pool_size", f"{size} outside 1..{MAX_POOL}", limit=MAX_POOL)
     from psycopg_pool import ConnectionPool
     pool = ConnectionPool(check_url(url), min_size=1, max_size=size, open=False, timeout=POOL_WAIT_S,
-                          reconnect_timeout=RECONNECT_S, kwargs={"connect_timeout": 10})
+                          reconnect_timeout=RECONNECT_S, kwargs={"connect_timeout": 10, "prepare_threshold": None})
     try:
         pool.open(wait=True, timeout=10)
     except Exception as e:

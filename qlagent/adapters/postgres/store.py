@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ...core import states
-from ...core.canonical import sha256_hex
 from ...core.dbclock import SKEW_BOUND_US, DatabaseClock
 from ...core.dispatch import Candidate, Finish
 from ...core.errors import UnavailableError
@@ -43,8 +42,8 @@ WRITE_RETRIES = 8                  # whole-transaction re-runs after a serializa
 RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
 QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
 READY_WAIT_S = 2.0                 # a readiness check waits this long for a pooled connection (s)
-# Session advisory lock of the Run-creating writes: first 8 bytes of sha256("qlagent:run-create").
-RUN_CREATE_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:run-create")[:16]), "big", signed=True)
+# The table whose lock the Run-creating writes queue on (migration 0009; it holds no rows).
+RUN_CREATE_LOCK = "run_create_lock"
 
 
 class PgStore(RowStore):
@@ -93,10 +92,13 @@ class PgStore(RowStore):
     # ---- transactions --------------------------------------------------------------------------
     def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", queue: bool = False):
         """``fn(cursor)`` in one transaction (see the module docstring). ``queue``: the writes that
-        create Runs (Task Start, schedule fires) first take the session advisory lock
-        ``RUN_CREATE_LOCK`` (at most ``QUEUE_WAIT_MS``), outside the transaction so its snapshot
-        starts after the wait: they touch the same index pages (idempotency key, Runs by Task),
-        which SSI tracks per page, and would otherwise keep failing each other's commit."""
+        create Runs (Task Start, schedule fires) first lock the table ``RUN_CREATE_LOCK`` (at most
+        ``QUEUE_WAIT_MS``, then UnavailableError): they touch the same index pages (idempotency
+        key, Runs by Task), which SSI tracks per page, and would otherwise keep failing each
+        other's commit. The lock is the transaction's own (a transaction-mode pooler keeps it on
+        one server backend and it ends with the transaction), and taken before the first query,
+        so the SERIALIZABLE snapshot starts after the wait; its lock_timeout also bounds this
+        transaction's row locks."""
         import psycopg
         from psycopg import errors
         from psycopg.rows import dict_row
@@ -104,22 +106,15 @@ class PgStore(RowStore):
             fn = self._with_pending_project(fn)
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
-                with self.pool.connection(timeout=pool_wait()) as conn:
-                    if queue:       # lock_timeout bounds the wait (and this transaction's row locks)
-                        conn.execute(f"SET lock_timeout = {QUEUE_WAIT_MS}")
-                        conn.execute("SELECT pg_advisory_lock(%s)", (RUN_CREATE_LOCK,))
-                        conn.commit()
-                    try:
-                        with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-                            cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
-                                        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                            result = fn(cur)
-                        return self._committed(result) if write else result
-                    finally:
-                        if queue:
-                            conn.execute("SELECT pg_advisory_unlock(%s)", (RUN_CREATE_LOCK,))
-                            conn.execute("RESET lock_timeout")
-                            conn.commit()
+                with self.pool.connection(timeout=pool_wait()) as conn, conn.transaction(), \
+                        conn.cursor(row_factory=dict_row) as cur:
+                    cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
+                                "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                    if queue:   # neither statement takes a snapshot: it starts after the wait
+                        cur.execute(f"SET LOCAL lock_timeout = {QUEUE_WAIT_MS}")
+                        cur.execute(f"LOCK TABLE {RUN_CREATE_LOCK} IN SHARE ROW EXCLUSIVE MODE")
+                    result = fn(cur)
+                return self._committed(result) if write else result
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
                     raise
