@@ -111,6 +111,8 @@ class Api:
             if e.status == 404:
                 raise ts.TaskStartError.not_found() from None
             raise
+        except UnavailableError:    # the store did not answer the principal's reads in time
+            raise ts.TaskStartError.unavailable() from None
         body = ts.decode_task_start(req.body)   # read only after authentication (ADR-0376 §4)
         try:
             created = self.runs.start(

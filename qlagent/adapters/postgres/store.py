@@ -35,7 +35,7 @@ from . import execution as ex
 from . import migrations, policy
 from . import runs as runs_repo
 from . import secrets as secret_rows
-from .connection import autocommit, bounded_wait, open_pool, pool_wait
+from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
@@ -106,7 +106,7 @@ class PgStore(RowStore):
             fn = self._with_pending_project(fn)
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
-                with self.pool.connection(timeout=pool_wait()) as conn, conn.transaction(), \
+                with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn), conn.transaction(), \
                         conn.cursor(row_factory=dict_row) as cur:
                     cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
                                 "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
@@ -121,8 +121,8 @@ class PgStore(RowStore):
                 time.sleep(RETRY_PAUSE_S * (1 + os.urandom(1)[0] % 10) * (attempt + 1))
             except (errors.LockNotAvailable, errors.QueryCanceled) as e:
                 raise UnavailableError(f"cluster database: {str(e).splitlines()[0]}", code=busy_code) from None
-            except psycopg.OperationalError as e:
-                raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}",
+            except psycopg.OperationalError as e:      # unreachable, or cut at its deadline
+                raise UnavailableError(f"cluster database unavailable: {(str(e).splitlines() or ['no answer'])[0]}",
                                        code="store_unavailable") from None
         raise UnavailableError(f"cluster database: the transaction kept conflicting after {WRITE_RETRIES} tries; "
                                "retry later", code=busy_code)
@@ -158,7 +158,7 @@ class PgStore(RowStore):
         database is down: the probe answers 503 promptly, not 500 after the pool's 10 s)."""
         import psycopg
         try:
-            with self.pool.connection(timeout=READY_WAIT_S) as conn:
+            with self.pool.connection(timeout=READY_WAIT_S) as conn, deadline(conn, READY_WAIT_S):
                 return migrations.check_capabilities(conn)
         except psycopg.OperationalError as e:      # psycopg_pool.PoolTimeout included
             raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}",
