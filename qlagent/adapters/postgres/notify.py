@@ -111,6 +111,8 @@ class PgCandidateSignal:
 
     def _listen(self) -> None:
         delay, lost_at = BACKOFF_MIN_S, None
+        if self._conn is None:          # the first probe went unheard: not again at once
+            self._closed.wait(PROBE_RETRY_S)
         while not self._stop:
             if self._conn is None:
                 try:
