@@ -304,10 +304,12 @@ def worker_checks(settings) -> list[tuple[str, bool, str]]:
 
 def check_cluster(cluster) -> None:
     """Start-up checks of a ``service.config.ClusterConfig`` beyond its msgspec bounds: the libpq
-    URL and ADR-0014's dispatcher ceilings. Raises ValidationError naming the ``cluster.*`` field."""
+    URLs (``database``, ``listen_database``) and ADR-0014's dispatcher ceilings. Raises ValidationError naming the ``cluster.*`` field."""
     from .adapters.postgres.connection import check_url
     from .cluster.dispatcher import check_budgets
     check_url(cluster.database)
+    if cluster.listen_database is not None:
+        check_url(cluster.listen_database, "cluster.listen_database")
     check_budgets(_budgets(cluster))
 
 
@@ -342,12 +344,13 @@ class ClusterServices:
     ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``placement_report``
     (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
     (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
-    ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``), the
+    ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``),
+    ``clock`` (``core.dbclock.DatabaseClock`` over it: the replica's loop plans in it), the
     ``[cluster]`` table as ``config``, ``stop_waiting()`` (SIGTERM: long-polling Pulls answer at
-    once) and ``close()`` for the LISTEN connection. ``qlagent.http.service`` mounts the Worker
-    routes over it."""
+    once) and ``close()`` for the LISTEN connection (supervised: ``log`` hears when it is lost and
+    restored). ``qlagent.http.service`` mounts the Worker routes over it."""
 
-    def __init__(self, settings, store) -> None:
+    def __init__(self, settings, store, log=None) -> None:
         from .adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
         from .adapters.postgres.leases import PgLeaseStore
         from .adapters.postgres.notify import PgCandidateSignal
@@ -360,6 +363,7 @@ class ClusterServices:
         from .cluster.logs import LogUpload
         from .cluster.placement import LeaseFitPlans
         from .cluster.pull import WorkerPull
+        from .core.dbclock import DatabaseClock
         c = settings.config.cluster
         self.config = c
         self.store = store
@@ -367,7 +371,7 @@ class ClusterServices:
         self.registry = worker_registry(settings, store)
         plans = LeaseFitPlans(PgPlanSource(store.pool, settings.profile), c.lease_ttl_s)
         dispatch = PgDispatchStore(store.pool, plans)
-        self.signal = PgCandidateSignal(c.database)
+        self.signal = PgCandidateSignal(c.listen_database or c.database, log, notify_url=c.database)
         self.pull = WorkerPull(dispatch, PgSecretResolver(store.pool, _LazyBox(settings.key_file, SecretBox)),
                                self.budgets, self.signal)
         leases = PgLeaseStore(store.pool)
@@ -377,6 +381,7 @@ class ClusterServices:
         self.sweeper = LeaseSweeper(leases, PgWorkerRegistry(store.pool), c.sweep_batch)
         self.placement_report = PgPlacementReport(store.pool, plans.max_grace_ms)
         self.now_us = dispatch.now_us
+        self.clock = DatabaseClock(self.now_us)
 
     def stop_waiting(self) -> None:
         """End every long-poll now (each answers what it has: idle) and every later one at

@@ -73,7 +73,7 @@ class Api:
     takes no writes or no Run may start for lack of room (the state file system full), else None."""
 
     def __init__(self, store: Store, on_change: Callable[[], None],
-                 ready: Callable[[], bool] = lambda: True, log_chunks=None,
+                 ready: Callable[[], bool] = lambda: True, log_chunks=None, clock=None,
                  store_problem: Callable[[], str | None] = lambda: None) -> None:
         self.store = store
         self.store_problem = store_problem
@@ -83,6 +83,9 @@ class Api:
         # On a control plane the logs are the chunks Workers uploaded to the authority
         # (``read_range(run_id, offset, limit) -> (bytes, size, TruncationFact | None)``).
         self.log_chunks = log_chunks
+        # A control-plane replica's ``core.dbclock.DatabaseClock``: /readyz says how far off the
+        # database's this host's clock is (it plans in the database's time either way).
+        self.clock = clock
 
     # ---- helpers -----------------------------------------------------------------------------
     def _principal(self, req: Request, project: str, permission: str):
@@ -111,6 +114,8 @@ class Api:
             if e.status == 404:
                 raise ts.TaskStartError.not_found() from None
             raise
+        except UnavailableError:    # the store did not answer the principal's reads in time
+            raise ts.TaskStartError.unavailable() from None
         body = ts.decode_task_start(req.body)   # read only after authentication (ADR-0376 §4)
         try:
             created = self.runs.start(
@@ -243,7 +248,9 @@ class Api:
 
     def readyz(self, req: Request, p: dict[str, str]) -> Response:
         """GET /readyz: 200 ``ready`` when the store answers and takes writes, its capability is
-        present and the agent is not draining; else 503 ``not_ready`` with the failing check."""
+        present and the agent is not draining; else 503 ``not_ready`` with the failing check. On a
+        replica also ``clock``: ``{offsetS, boundS, skewed}``, this host's clock against the
+        database's (informative: the replica plans in the database's time, so a skew does not fail it)."""
         problem = self.store_problem()
         checks = {"store": "ok" if problem is None else problem[:200], "capability": "ok",
                   "service": "ok" if self.ready() else "draining"}
@@ -259,8 +266,10 @@ class Api:
             checks["store"] = str(e)[:200]
             checks["capability"] = "unknown"
         ok = all(v == "ok" for v in checks.values())
-        return Response.json(200 if ok else 503, {"status": "ready" if ok else "not_ready", "checks": checks},
-                             None if ok else [("Retry-After", "1")])
+        body = {"status": "ready" if ok else "not_ready", "checks": checks}
+        if self.clock is not None:
+            body["clock"] = self.clock.report()
+        return Response.json(200 if ok else 503, body, None if ok else [("Retry-After", "1")])
 
     def openapi(self, req: Request, p: dict[str, str]) -> Response:
         """GET /api/v3/openapi.json: the shipped OpenAPI 3.1 document."""

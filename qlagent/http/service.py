@@ -121,7 +121,8 @@ class HttpSurface(LoopSurface):
                  journal: Callable[..., None] | None = None) -> None:
         self.draining = False
         self.api = Api(store, on_change, ready=lambda: not self.draining,
-                       log_chunks=cluster.log_reader if cluster is not None else None, store_problem=store_problem)
+                       log_chunks=cluster.log_reader if cluster is not None else None,
+                       clock=cluster.clock if cluster is not None else None, store_problem=store_problem)
         self.router = build_router(self.api)
         limits = limits_for(settings)
         self.worker_routes = None

@@ -84,6 +84,9 @@ class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     lifetimes (s) and the lease sweeper's cadence (s) and batch."""
 
     database: str                           # libpq URL; several hosts need target_session_attrs=read-write
+    # libpq URL straight to PostgreSQL for the replica's LISTEN connection, when ``database``
+    # goes through a transaction-mode pooler (PgBouncer), where LISTEN hears nothing; default ``database``
+    listen_database: str | None = None
     pool_size: Annotated[int, msgspec.Meta(ge=1, le=64)] = 8
     session_ttl_s: Annotated[int, msgspec.Meta(ge=5, le=3600)] = 30
     lease_ttl_s: int = 30                   # 6..3600 (core.leasefit: grace_s = 0 must fit), via check_cluster

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import selectors
 import signal
 import socket
@@ -38,6 +39,7 @@ import time
 from .. import bootstrap
 from ..application.schedules import system_timezone
 from ..core.clock import now_us
+from ..core.dbclock import SKEW_BOUND_US
 from ..core.errors import QlError, UnavailableError
 from .config import Settings, parse_listen
 from .journal import Journal
@@ -50,6 +52,7 @@ MAX_SWEEPS_PER_WAKE = 4            # sweeper passes after one wake-up while a pa
 DUTY_WAIT_S = 1.0                  # a loop duty waits this long for a pooled connection: HTTP shares the loop
 BACKOFF_MIN_US = 500_000           # first pause of the loop's duties after a database failure (µs)
 BACKOFF_MAX_US = 8_000_000         # the pause doubles up to this (µs)
+SKEW_LOG_INTERVAL_S = 300          # a clock still skewed is journalled again after this (s)
 
 
 class ControlPlane:
@@ -68,8 +71,11 @@ class ControlPlane:
         self.services = None
         self.store = None
         self._backoff_us = 0               # 0: the authority answered last time
-        self._outage_since = None          # now_us() of the first failure of this outage
+        self._outage_since = None          # _now() of the first failure of this outage
         self._resume_at = 0                # no duty before this instant (µs) while backing off
+        self._now = now_us                 # the loop's clock: the database's once measured (_check_clock)
+        self._skew_logged_at = None        # monotonic s of the last clock.skewed line, None: clock agrees
+        self._name = f"{socket.gethostname()}/{os.getpid()}"
 
     def run(self) -> int:
         try:
@@ -81,7 +87,6 @@ class ControlPlane:
             self._close()
 
     def _run(self) -> int:
-        started = now_us()
         threads, tls = preflight(self.settings)      # no database yet: the same checks as config check
         # psycopg_pool logs every failed reconnect unformatted on stderr (the journal); the
         # store.unavailable / store.available lines below say the same once per outage.
@@ -89,21 +94,28 @@ class ControlPlane:
         self.store = bootstrap.open_store(self.settings)        # migrates under the advisory lock
         if self.store.applied:
             self.log("info", "store.migrated", applied=",".join(self.store.applied))
-        self.services = bootstrap.ClusterServices(self.settings, self.store)
-        self.scheduler = Scheduler(self.store, system_timezone(), now_us, self.log)
+        self.services = bootstrap.ClusterServices(self.settings, self.store, self.log)
+        # One time source for the cluster: the scheduler plans in the database's time, as Leases
+        # and sweeps already do, so a replica with a wrong clock neither fires early nor makes its
+        # peers see a clock stepping back.
+        self.clock = self.services.clock
+        self._check_clock()
+        self._now = self.clock.now_us
+        self.scheduler = Scheduler(self.store, system_timezone(), self._now, self.log)
         self._install_signals()
         self._start_http(threads, tls)
+        started = self._now()
         exit_at = None if self._exit_after_s is None else started + int(self._exit_after_s * 1e6)
         next_sweep = next_reload = started     # the first iteration loads the Task heads and sweeps
         self.log("info", "service.ready", role="control-plane", profile=self.settings.profile.name)
         self.notify.ready("control plane ready")
         while not self._stop:
-            now = now_us()
+            now = self._now()
             due = self.scheduler.next_wake_us
             if self._hup:                  # SIGHUP: re-read the Task heads now
                 self._hup, next_reload = False, now
             if now >= next_reload and not self._backing_off():
-                if self._guarded(self.scheduler.reload) is not None:
+                if self._guarded(self._reload) is not None:
                     due = now              # a Task may have been added: plan from the new heads
                 next_reload = now + RELOAD_INTERVAL_US
             if due is not None and now >= due and not self._backing_off():
@@ -128,23 +140,45 @@ class ControlPlane:
             wake = [t for t in (*duties, exit_at,
                                 self.http.next_timeout_us(now) if self.http else None,
                                 self.notify.next_ping_us(now)) if t is not None]
-            for key, mask in self.sel.select(max(0.0, (min(wake) - now_us()) / 1e6)):
+            for key, mask in self.sel.select(max(0.0, (min(wake) - self._now()) / 1e6)):
                 if self.http is not None and self.http.owns(key):
                     self.http.handle_event(key, mask)
                 elif key.data == "signal":
                     self._sig_r.recv(64)
             if self.http is not None:
-                self.http.tick(now_us())
-            self.notify.ping_if_due(now_us())
+                self.http.tick(self._now())
+            self.notify.ping_if_due(self._now())
         self.notify.stopping()
         self.services.stop_waiting()
         self._drain_http()
         self.log("info", "service.stopped", role="control-plane")
         return 0
 
+    def _reload(self) -> int:
+        """Measure this host's clock against the database's, then re-read the Task heads."""
+        self._check_clock()
+        return self.scheduler.reload()
+
+    def _check_clock(self) -> None:
+        """Re-anchor the loop's clock to the database's. A local clock more than
+        ``SKEW_BOUND_US`` off is journalled ``clock.skewed`` naming this replica and the offset
+        (at most every ``SKEW_LOG_INTERVAL_S``), ``clock.agreed`` once it is back within."""
+        if not self.clock.sync():
+            return
+        offset = "%+.1f" % (self.clock.offset_us / 1e6)
+        mono = time.monotonic()
+        if self.clock.skewed:
+            if self._skew_logged_at is None or mono - self._skew_logged_at >= SKEW_LOG_INTERVAL_S:
+                self.log("warning", "clock.skewed", replica=self._name, offset_s=offset,
+                         bound_s=SKEW_BOUND_US / 1e6, effect="this replica plans in the database's time; fix its clock")
+                self._skew_logged_at = mono
+        elif self._skew_logged_at is not None:
+            self.log("notice", "clock.agreed", replica=self._name, offset_s=offset)
+            self._skew_logged_at = None
+
     def _backing_off(self) -> bool:
         """True while the loop's database duties pause after a failure (only HTTP and signals)."""
-        return now_us() < self._resume_at
+        return self._now() < self._resume_at
 
     def _guarded(self, fn):
         """One pass of a loop duty, waiting at most ``DUTY_WAIT_S`` for a connection; None when
@@ -156,7 +190,7 @@ class ControlPlane:
             with self.store.waiting_at_most(DUTY_WAIT_S):
                 result = fn()
         except UnavailableError as e:
-            now = now_us()
+            now = self._now()
             if self._outage_since is None:
                 self._outage_since = now
                 self.log("warning", "store.unavailable", code=e.code, error=str(e))
@@ -164,7 +198,7 @@ class ControlPlane:
             self._resume_at = now + self._backoff_us
             return None
         if self._outage_since is not None:
-            self.log("notice", "store.available", down_s="%.1f" % ((now_us() - self._outage_since) / 1e6))
+            self.log("notice", "store.available", down_s="%.1f" % ((self._now() - self._outage_since) / 1e6))
             self._outage_since = None
         self._backoff_us = self._resume_at = 0
         return result
@@ -215,7 +249,7 @@ class ControlPlane:
             for key, mask in self.sel.select(0.1):
                 if self.http.owns(key):
                     self.http.handle_event(key, mask)
-            self.http.tick(now_us())
+            self.http.tick(self._now())
 
     def _close(self) -> None:
         if self.http is not None:

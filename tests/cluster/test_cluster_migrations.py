@@ -46,8 +46,9 @@ def test_four_concurrent_migrators_apply_each_migration_once(fresh_db):
         results.append(json.loads(out))
     applied = sorted(name for r in results for name in r)
     expected = sorted(f"{m.version:04d}_{m.name}" for m in known_migrations())
-    assert applied == expected                      # each migration applied by exactly one replica
-    assert sum(1 for r in results if r) == 1
+    # Each migration applied by exactly one replica (the lock is taken per migration's
+    # transaction, so another replica may carry on the sequence).
+    assert applied == expected
     with autocommit(fresh_db) as conn:
         assert conn.execute("SELECT count(*) FROM schema_migrations").fetchone()[0] == len(expected)
         assert check_capabilities(conn) == {"cluster-control-core": 1, "store-ports": 1}

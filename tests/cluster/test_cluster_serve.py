@@ -209,21 +209,21 @@ def test_a_task_start_waiting_on_the_database_never_holds_the_probes_or_other_re
     from qlagent.adapters.postgres.store import RUN_CREATE_LOCK
     env, (a, _), tok = cp
     req = body(_head(a, tok["alice"], "hello"))
-    with psycopg.connect(env.url, autocommit=True) as holder:
-        holder.execute("SELECT pg_advisory_lock(%s)", (RUN_CREATE_LOCK,))
+    with psycopg.connect(env.url) as holder:
+        holder.execute(f"LOCK TABLE {RUN_CREATE_LOCK} IN SHARE ROW EXCLUSIVE MODE")
         started: dict = {}
         t = threading.Thread(target=lambda: started.update(answer=a.request("POST", f"{BASE}/tasks/hello/runs",
                                                                             req, tok["alice"])))
         t.start()
         deadline = time.monotonic() + 10
-        while not env.sql("SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted") \
-                and time.monotonic() < deadline:
+        parked = f"SELECT 1 FROM pg_locks WHERE relation = '{RUN_CREATE_LOCK}'::regclass AND NOT granted"
+        while not env.sql(parked) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert env.sql("SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"), "never parked"
+        assert env.sql(parked), "never parked"
         assert _probe(a.port, "/healthz", 2)[0] == 200
         assert _probe(a.port, f"{BASE}/tasks/hello", 2, tok["alice"])[0] == 200
         assert "answer" not in started                # still parked behind the lock all along
-        holder.execute("SELECT pg_advisory_unlock(%s)", (RUN_CREATE_LOCK,))
+        holder.commit()
     t.join(30)
     assert started["answer"][0] == 202, started
 

@@ -6,17 +6,32 @@ control plane only insists on a read-write session when more than one host is na
 ``open_pool`` returns a bounded psycopg_pool ConnectionPool; ``transaction`` runs one unit of
 work, retrying a bounded number of times on serialization failures and deadlocks.
 
+Transaction-mode poolers (PgBouncer ``pool_mode = transaction``) are supported: nothing here
+prepares statements (``prepare_threshold=None``: psycopg would prepare after 5 executions, and
+the next transaction on another server backend would find ``_pg3_0`` there already or missing),
+and no lock outlives its transaction (migrations and Run creation lock per transaction).
+
 Waiting for a pooled connection: a request waits at most ``POOL_WAIT_S``; code running under
 ``bounded_wait(s)`` (the control-plane loop's own duties, which share a thread with HTTP)
 waits at most ``s``. While the database is unreachable the pool retries a connection with
 psycopg_pool's doubling back-off but gives up after ``RECONNECT_S``, so the next caller starts a
 fresh attempt and a returning database is used within seconds, not after a back-off grown
 during a long outage.
+
+Bounded waits (issue 21 §2): besides the pool wait, every unit of work (``transaction``,
+``read``, ``PgStore``'s) holds its connection at most ``UNIT_DEADLINE_S``, then the socket is cut
+(a frozen or unreachable server never hangs a request); each pooled session has a
+``statement_timeout``, ``lock_timeout`` and ``idle_in_transaction_session_timeout``, and every
+connection TCP keepalives and ``tcp_user_timeout``.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -32,6 +47,13 @@ MAX_POOL = 64
 TX_RETRIES = 5
 POOL_WAIT_S = 5.0            # longest wait for a pooled connection by default (s): then 503 + Retry-After
 RECONNECT_S = 2.0            # the pool's reconnect attempts give up after this (s); the next caller retries
+UNIT_DEADLINE_S = 10.0       # longest one unit of work may hold its connection (s): then it is cut
+# Server-side bounds of every pooled session (ms): a statement, a lock wait, an open transaction idle.
+SESSION_TIMEOUTS_MS = {"statement_timeout": 10_000, "lock_timeout": 10_000,
+                       "idle_in_transaction_session_timeout": 10_000}
+# libpq: a peer that stops answering (a cut link, a dead host) is noticed within ~10 s.
+TCP_KWARGS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3,
+              "tcp_user_timeout": 10_000}
 _WAIT: ContextVar[float] = ContextVar("qlagent_pool_wait", default=POOL_WAIT_S)
 
 
@@ -83,7 +105,8 @@ def connect(url: str, *, autocommit: bool = False):
     """One psycopg connection (loads psycopg). Raises UnavailableError when unreachable."""
     import psycopg
     try:
-        return psycopg.connect(check_url(url), autocommit=autocommit, connect_timeout=10)
+        return psycopg.connect(check_url(url), autocommit=autocommit, connect_timeout=10, prepare_threshold=None,
+                               **TCP_KWARGS)
     except psycopg.OperationalError as e:
         raise UnavailableError(f"cluster database unreachable: {str(e).splitlines()[0]}") from None
 
@@ -94,13 +117,86 @@ def open_pool(url: str, size: int = 4):
         raise ValidationError("cluster.pool_size", f"{size} outside 1..{MAX_POOL}", limit=MAX_POOL)
     from psycopg_pool import ConnectionPool
     pool = ConnectionPool(check_url(url), min_size=1, max_size=size, open=False, timeout=POOL_WAIT_S,
-                          reconnect_timeout=RECONNECT_S, kwargs={"connect_timeout": 10})
+                          reconnect_timeout=RECONNECT_S, configure=_configure,
+                          kwargs={"connect_timeout": 10, "prepare_threshold": None, **TCP_KWARGS})
     try:
         pool.open(wait=True, timeout=10)
     except Exception as e:
         pool.close()
         raise UnavailableError(f"cluster database unreachable: {str(e).splitlines()[0]}") from None
     return pool
+
+
+def _configure(conn) -> None:
+    """Every pooled session gets the server-side bounds (``SESSION_TIMEOUTS_MS``). Behind a
+    transaction-mode pooler they stay on the server backend for the next client: the same values."""
+    conn.execute("; ".join(f"SET {k} = {v}" for k, v in SESSION_TIMEOUTS_MS.items()))
+    conn.commit()
+
+
+class _Watchdog:
+    """One thread cutting the socket of a connection whose unit of work outlived its deadline.
+    A frozen server (SIGSTOP) or a silent network never answers, its kernel may even keep
+    acknowledging, and libpq has no timeout of its own: shutting the socket down makes the
+    blocked call fail at once (OperationalError), and the pool then drops the connection."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, object]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, conn, seconds: float) -> int:
+        with self._cond:
+            self._next += 1
+            self._armed[self._next] = (time.monotonic() + seconds, conn)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="qlagent-db-deadline", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def disarm(self, token: int) -> None:
+        with self._cond:
+            self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                for token, (due, conn) in list(self._armed.items()):
+                    if due <= now:
+                        del self._armed[token]
+                        _cut(conn)       # under the lock: the unit cannot end and hand it on meanwhile
+                soonest = min((due for due, _ in self._armed.values()), default=None)
+                self._cond.wait(None if soonest is None else max(0.01, soonest - now))
+
+
+def _cut(conn) -> None:
+    try:
+        s = socket.socket(fileno=os.dup(conn.pgconn.socket))
+    except Exception:       # already closed: nothing to cut
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.close()
+
+
+_WATCHDOG = _Watchdog()
+
+
+@contextmanager
+def deadline(conn, seconds: float = UNIT_DEADLINE_S):
+    """Within the block, ``conn`` is cut (its calls raise OperationalError) once ``seconds`` have
+    passed: no database wait on a request path outlives it."""
+    token = _WATCHDOG.arm(conn, seconds)
+    try:
+        yield conn
+    finally:
+        _WATCHDOG.disarm(token)
 
 
 def transaction(pool, fn: Callable):
@@ -115,7 +211,7 @@ def transaction(pool, fn: Callable):
     from psycopg.rows import dict_row
     for _ in range(TX_RETRIES):
         try:
-            with pool.connection(timeout=_WAIT.get()) as conn, conn.transaction(), \
+            with pool.connection(timeout=_WAIT.get()) as conn, deadline(conn), conn.transaction(), \
                     conn.cursor(row_factory=dict_row) as cur:
                 return fn(cur)
         except (errors.SerializationFailure, errors.DeadlockDetected):
@@ -134,7 +230,7 @@ def read(pool, fn: Callable):
     import psycopg
     from psycopg.rows import dict_row
     try:
-        with pool.connection(timeout=_WAIT.get()) as conn:
+        with pool.connection(timeout=_WAIT.get()) as conn, deadline(conn):
             conn.autocommit = True
             try:
                 with conn.cursor(row_factory=dict_row) as cur:

@@ -1,9 +1,10 @@
 """Numbered, checksummed migrations of the cluster authority (mirrors the SQLite migrator).
 
 Files ``migrations/NNNN_name.sql`` are applied in number order, each in its own transaction
-together with its ``schema_migrations`` row (version, name, SHA-256 of the file). The whole run
-holds ``pg_advisory_lock(MIGRATION_LOCK)``, so N replicas starting together migrate once: the
-first applies, the others wait, then find nothing pending. A database whose history names a
+together with its ``schema_migrations`` row (version, name, SHA-256 of the file) and the
+transaction-scoped ``pg_advisory_xact_lock(MIGRATION_LOCK)``, under which it re-reads the history,
+so N replicas starting together migrate once (also behind a transaction-mode pooler): one
+applies, the others wait, then find nothing pending. A database whose history names a
 migration this build does not know, or whose checksum/name differs, is refused
 (StoreIntegrityError) before anything is applied.
 """
@@ -20,6 +21,7 @@ _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
 # First 8 bytes of sha256("qlagent:cluster:migrations") as a signed bigint: one fixed lock key.
 MIGRATION_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:cluster:migrations")[:16]), "big", signed=True)
 REQUIRED_CAPABILITIES = {"cluster-control-core": 1, "store-ports": 1}
+LOCK_WAIT_S = 30.0     # longest wait for the migration lock (s): then UnavailableError naming its holder
 
 
 def known_migrations() -> list[Migration]:
@@ -40,29 +42,53 @@ def verify_history(conn, known: list[Migration]) -> list[Migration]:
 
 
 def migrate(conn) -> list[str]:
-    """Under the advisory lock: verify history, apply pending migrations; return names applied.
+    """Apply pending migrations, each in its own transaction under the migration lock; return
+    the names applied.
 
-    ``conn`` must be an autocommit psycopg connection (each migration opens its own transaction).
-    Raises StoreIntegrityError (altered/unknown history) or UnavailableError (a migration failed;
-    it and its history row rolled back together).
+    ``conn`` must be an autocommit psycopg connection. The lock is transaction-scoped
+    (``pg_advisory_xact_lock``), taken again by every migration's transaction, which re-reads
+    the history under it: behind a transaction-mode pooler each transaction may run on another
+    server backend, and a session lock would stay on one of them. The wait for it is bounded by
+    ``LOCK_WAIT_S``. Raises StoreIntegrityError (altered/unknown history) or UnavailableError (a
+    migration failed — it and its history row rolled back together — or the lock stayed held:
+    the message names the holding backend's pid).
     """
     import psycopg
-    conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
-    try:
-        pending = verify_history(conn, known_migrations())
-        applied = []
-        for m in pending:
-            try:
-                with conn.transaction():
+    known = known_migrations()
+    applied: list[str] = []
+    while True:
+        try:
+            with conn.transaction():
+                conn.execute(f"SET LOCAL lock_timeout = {int(LOCK_WAIT_S * 1000)}")
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+                todo = verify_history(conn, known)
+                if not todo:
+                    return applied
+                m = todo[0]
+                try:
                     conn.execute(m.sql)
                     conn.execute("INSERT INTO schema_migrations(version, name, checksum, applied_at_us) "
                                  "VALUES (%s, %s, %s, ql_now_us())", (m.version, m.name, m.checksum))
-            except psycopg.Error as e:
-                raise UnavailableError(f"migration {m.version:04d}_{m.name} failed: {str(e).splitlines()[0]}") from None
-            applied.append(f"{m.version:04d}_{m.name}")
-        return applied
-    finally:
-        conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
+                except psycopg.Error as e:      # its own lock waits too: a failed migration
+                    raise UnavailableError(f"migration {m.version:04d}_{m.name} failed: "
+                                           f"{str(e).splitlines()[0]}") from None
+        except psycopg.errors.LockNotAvailable:
+            raise UnavailableError(f"the migration lock stayed held for {LOCK_WAIT_S:g} s (by {_holder(conn)}); "
+                                   "another qlagent may be migrating: retry, or end that session") from None
+        applied.append(f"{m.version:04d}_{m.name}")
+
+
+def _holder(conn) -> str:
+    """Who holds ``MIGRATION_LOCK`` (pg_locks: key split in two 32-bit halves), for the message."""
+    key = MIGRATION_LOCK & 0xFFFFFFFFFFFFFFFF
+    rows = conn.execute("SELECT l.pid, a.application_name, a.client_addr::text, a.state FROM pg_locks l "
+                        "LEFT JOIN pg_stat_activity a USING (pid) WHERE l.locktype = 'advisory' AND l.granted "
+                        "AND l.classid = %s AND l.objid = %s AND l.objsubid = 1",
+                        (key >> 32, key & 0xFFFFFFFF)).fetchall()
+    if not rows:
+        return "a backend that has let go since"
+    return ", ".join(f"backend pid {pid} ({app or 'no application_name'}, {addr or 'local'}, {state}; "
+                     f"SELECT pg_terminate_backend({pid}) ends it)" for pid, app, addr, state in rows)
 
 
 def check_capabilities(conn) -> dict[str, int]:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ...core import states
-from ...core.canonical import sha256_hex
+from ...core.dbclock import SKEW_BOUND_US, DatabaseClock
 from ...core.dispatch import Candidate, Finish
 from ...core.errors import UnavailableError
 from ...core.models import CreatedRun, Project, RetryPolicy
@@ -35,15 +35,15 @@ from . import execution as ex
 from . import migrations, policy
 from . import runs as runs_repo
 from . import secrets as secret_rows
-from .connection import autocommit, bounded_wait, open_pool, pool_wait
+from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
 RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
 QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
 READY_WAIT_S = 2.0                 # a readiness check waits this long for a pooled connection (s)
-# Session advisory lock of the Run-creating writes: first 8 bytes of sha256("qlagent:run-create").
-RUN_CREATE_LOCK = int.from_bytes(bytes.fromhex(sha256_hex(b"qlagent:run-create")[:16]), "big", signed=True)
+# The table whose lock the Run-creating writes queue on (migration 0009; it holds no rows).
+RUN_CREATE_LOCK = "run_create_lock"
 
 
 class PgStore(RowStore):
@@ -92,10 +92,13 @@ class PgStore(RowStore):
     # ---- transactions --------------------------------------------------------------------------
     def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", queue: bool = False):
         """``fn(cursor)`` in one transaction (see the module docstring). ``queue``: the writes that
-        create Runs (Task Start, schedule fires) first take the session advisory lock
-        ``RUN_CREATE_LOCK`` (at most ``QUEUE_WAIT_MS``), outside the transaction so its snapshot
-        starts after the wait: they touch the same index pages (idempotency key, Runs by Task),
-        which SSI tracks per page, and would otherwise keep failing each other's commit."""
+        create Runs (Task Start, schedule fires) first lock the table ``RUN_CREATE_LOCK`` (at most
+        ``QUEUE_WAIT_MS``, then UnavailableError): they touch the same index pages (idempotency
+        key, Runs by Task), which SSI tracks per page, and would otherwise keep failing each
+        other's commit. The lock is the transaction's own (a transaction-mode pooler keeps it on
+        one server backend and it ends with the transaction), and taken before the first query,
+        so the SERIALIZABLE snapshot starts after the wait; its lock_timeout also bounds this
+        transaction's row locks."""
         import psycopg
         from psycopg import errors
         from psycopg.rows import dict_row
@@ -103,30 +106,23 @@ class PgStore(RowStore):
             fn = self._with_pending_project(fn)
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
-                with self.pool.connection(timeout=pool_wait()) as conn:
-                    if queue:       # lock_timeout bounds the wait (and this transaction's row locks)
-                        conn.execute(f"SET lock_timeout = {QUEUE_WAIT_MS}")
-                        conn.execute("SELECT pg_advisory_lock(%s)", (RUN_CREATE_LOCK,))
-                        conn.commit()
-                    try:
-                        with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-                            cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
-                                        "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                            result = fn(cur)
-                        return self._committed(result) if write else result
-                    finally:
-                        if queue:
-                            conn.execute("SELECT pg_advisory_unlock(%s)", (RUN_CREATE_LOCK,))
-                            conn.execute("RESET lock_timeout")
-                            conn.commit()
+                with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn), conn.transaction(), \
+                        conn.cursor(row_factory=dict_row) as cur:
+                    cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
+                                "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                    if queue:   # neither statement takes a snapshot: it starts after the wait
+                        cur.execute(f"SET LOCAL lock_timeout = {QUEUE_WAIT_MS}")
+                        cur.execute(f"LOCK TABLE {RUN_CREATE_LOCK} IN SHARE ROW EXCLUSIVE MODE")
+                    result = fn(cur)
+                return self._committed(result) if write else result
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
                     raise
                 time.sleep(RETRY_PAUSE_S * (1 + os.urandom(1)[0] % 10) * (attempt + 1))
             except (errors.LockNotAvailable, errors.QueryCanceled) as e:
                 raise UnavailableError(f"cluster database: {str(e).splitlines()[0]}", code=busy_code) from None
-            except psycopg.OperationalError as e:
-                raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}",
+            except psycopg.OperationalError as e:      # unreachable, or cut at its deadline
+                raise UnavailableError(f"cluster database unavailable: {(str(e).splitlines() or ['no answer'])[0]}",
                                        code="store_unavailable") from None
         raise UnavailableError(f"cluster database: the transaction kept conflicting after {WRITE_RETRIES} tries; "
                                "retry later", code=busy_code)
@@ -162,7 +158,7 @@ class PgStore(RowStore):
         database is down: the probe answers 503 promptly, not 500 after the pool's 10 s)."""
         import psycopg
         try:
-            with self.pool.connection(timeout=READY_WAIT_S) as conn:
+            with self.pool.connection(timeout=READY_WAIT_S) as conn, deadline(conn, READY_WAIT_S):
                 return migrations.check_capabilities(conn)
         except psycopg.OperationalError as e:      # psycopg_pool.PoolTimeout included
             raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}",
@@ -223,7 +219,8 @@ class PgStore(RowStore):
 
 def diagnose(url: str) -> list[tuple[str, bool, str]]:
     """``qlagent doctor``'s checks of the cluster authority without migrating: (name, ok, detail)
-    for reachability (a primary, not a standby), schema history, capability and Secrets a Task
+    for reachability (a primary, not a standby), this host's clock against the database's,
+    schema history, capability and Secrets a Task
     uses but the store lacks. Never raises for what it inspects."""
     from psycopg.rows import dict_row
 
@@ -235,11 +232,25 @@ def diagnose(url: str) -> list[tuple[str, bool, str]]:
         return [("database", False, str(e))]
 
 
+def _clock_check(conn) -> tuple[str, bool, str]:
+    """This host's clock against the database's (issue 21 §4): not ok beyond ``SKEW_BOUND_US``."""
+    clock = DatabaseClock(lambda: conn.execute(
+        "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint").fetchone()[0])
+    if not clock.sync():
+        return ("clock", True, "not measured: the database answered too slowly")
+    offset = "%+.3f s" % (clock.offset_us / 1e6)
+    if clock.skewed:
+        return ("clock", False, f"this host's clock is {offset} off the database's (bound ±{SKEW_BOUND_US / 1e6:g} s); "
+                                "a replica here plans in the database's time, but fix its time sync")
+    return ("clock", True, f"{offset} from the database's (bound ±{SKEW_BOUND_US / 1e6:g} s)")
+
+
 def _diagnose(conn, dict_row) -> list[tuple[str, bool, str]]:
     from ...core.errors import QlError
     standby = conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]
     out = [("database", not standby, "a standby (read-only): the authority is the primary" if standby
             else "reachable, primary (read-write)")]
+    out.append(_clock_check(conn))
     try:
         pending = migrations.verify_history(conn, migrations.known_migrations())
         out.append(("schema", not pending, "up to date" if not pending else f"{len(pending)} migration(s) pending: "

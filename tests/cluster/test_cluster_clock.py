@@ -1,0 +1,161 @@
+"""Issue 21 §4: one time source for the cluster. Two real ``qlagent serve`` replicas on one
+PostgreSQL database fire a ``*/5 * * * * *`` Task; one runs under libfaketime ``FAKETIME="+60s"``
+(its wall clock 60 s ahead). Before the fix that one fired every instant ~60 s early and the
+healthy one logged ``clock.stepped_back … seconds=59`` at every instant. Now no Run is created
+before its instant (database time), there is one Run per instant, the healthy replica logs no
+step back, and the skewed one names itself and its offset (journal, ``/readyz``, ``doctor``).
+
+libfaketime 0.9.10 fakes CLOCK_MONOTONIC with the same offset (its ``FAKETIME_DONT_FAKE_MONOTONIC``
+mode makes Python's ``time.sleep`` fail with EINVAL) but does not wrap glibc's newer
+``sem_clockwait``/``pthread_cond_clockwait``, so every timed wait of a thread would last 60 s
+longer. A 30-line preload compiled here (``clockwait.c``) turns those absolute deadlines back to
+the real clock before passing them on: the realtime clock stays faked, every wait keeps its length.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import psycopg
+import pytest
+
+from conftest import create_database, db_url, drop_database
+from test_cluster_e2e import Node, Proc, _env, free_port
+
+pytestmark = pytest.mark.slow
+
+TASKS = """
+[[task]]
+name = "tick"
+shell = "/bin/sh"
+script = "true"
+schedule = "*/5 * * * * *"
+concurrency = "parallel"
+"""
+SKEW_S = 60
+WATCH_S = 30
+
+CLOCKWAIT_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* The faked clock's absolute deadline as the real clock's. */
+static struct timespec to_real(clockid_t clk, const struct timespec *abs) {
+    struct timespec fake, real, out;
+    clock_gettime(clk, &fake);                       /* through libfaketime */
+    syscall(SYS_clock_gettime, clk, &real);          /* the kernel's */
+    long long ns = (long long)abs->tv_sec * 1000000000LL + abs->tv_nsec
+                 - ((long long)fake.tv_sec * 1000000000LL + fake.tv_nsec)
+                 + ((long long)real.tv_sec * 1000000000LL + real.tv_nsec);
+    out.tv_sec = ns / 1000000000LL;
+    out.tv_nsec = ns % 1000000000LL;
+    return out;
+}
+
+int sem_clockwait(sem_t *s, clockid_t clk, const struct timespec *abs) {
+    int (*next)(sem_t *, clockid_t, const struct timespec *) = dlsym(RTLD_NEXT, "sem_clockwait");
+    struct timespec r = to_real(clk, abs);
+    return next(s, clk, &r);
+}
+
+int pthread_cond_clockwait(pthread_cond_t *c, pthread_mutex_t *m, clockid_t clk, const struct timespec *abs) {
+    int (*next)(pthread_cond_t *, pthread_mutex_t *, clockid_t, const struct timespec *) =
+        dlsym(RTLD_NEXT, "pthread_cond_clockwait");
+    struct timespec r = to_real(clk, abs);
+    return next(c, m, clk, &r);
+}
+"""
+
+
+def _libfaketime() -> str:
+    found = glob.glob("/usr/lib/*/faketime/libfaketime.so.1")
+    if not found:
+        pytest.fail("libfaketime not installed (apt-get install libfaketime)", pytrace=False)
+    return found[0]
+
+
+def _sql(url: str, query: str, args=()):
+    with psycopg.connect(url, autocommit=True, connect_timeout=5) as c:
+        cur = c.execute(query, args)
+        return cur.fetchall() if cur.description else []
+
+
+@pytest.fixture
+def env():
+    name = create_database("clock")
+    root = tempfile.mkdtemp(prefix="qlagent-clock-")
+    src = os.path.join(root, "clockwait.c")
+    with open(src, "w") as f:
+        f.write(CLOCKWAIT_C)
+    shim = os.path.join(root, "clockwait.so")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", shim, src, "-ldl"], check=True, capture_output=True,
+                   timeout=60)
+    skewed = {**_env(), "LD_PRELOAD": f"{shim} {_libfaketime()}", "FAKETIME": f"+{SKEW_S}s"}
+    yield db_url(name), root, skewed
+    shutil.rmtree(root, ignore_errors=True)
+    drop_database(name)
+
+
+def test_a_replica_whose_clock_is_60_s_ahead_fires_nothing_early_and_names_itself(env):
+    url, root, skewed_env = env
+    cfg = f'[cluster]\ndatabase = "{url}"\npool_size = 4\nsweep_interval_s = 1\n'
+    healthy_node, skewed_node = Node(root, "healthy", cfg), Node(root, "skewed", cfg)
+    healthy_node.ok("init")
+    with open(os.path.join(root, "tasks.toml"), "w") as f:
+        f.write(TASKS)
+    healthy_node.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
+    skewed_port = free_port()
+    healthy = Proc(healthy_node, "--listen", f"127.0.0.1:{free_port()}")
+    skewed = _proc_with_env(skewed_node, skewed_env, "--listen", f"127.0.0.1:{skewed_port}")
+    try:
+        healthy.wait_line("service.ready")
+        skewed.wait_line("service.ready")
+        started = _sql(url, "SELECT ql_now_us()")[0][0]
+        time.sleep(WATCH_S)
+        rows = _sql(url, "SELECT scheduled_for_us, created_at_us FROM runs WHERE created_at_us >= %s "
+                         "ORDER BY scheduled_for_us", (started,))
+        early = [(s, c) for s, c in rows if c < s]
+        instants = [s for s, _ in rows]
+        assert len(rows) >= WATCH_S // 5 - 1 and not early, (rows, "".join(skewed.lines))
+        assert len(set(instants)) == len(instants) and all(b - a == 5_000_000 for a, b in zip(instants, instants[1:])), \
+            instants
+        assert not [ln for ln in healthy.lines if "clock.stepped_back" in ln or "clock.skewed" in ln], healthy.lines
+        line = skewed.wait_line("clock.skewed")
+        assert f"replica={os.uname().nodename}/{skewed.proc.pid}" in line, line
+        assert "offset_s=+60.0" in line or "offset_s=+59.9" in line, line
+        assert len([ln for ln in skewed.lines if "clock.skewed" in ln]) == 1, "rate-limited: once per 5 minutes"
+        with urllib.request.urlopen(f"http://127.0.0.1:{skewed_port}/readyz", timeout=10) as r:
+            clock = json.loads(r.read())["clock"]
+        assert clock["skewed"] and 59 <= clock["offsetS"] <= 61 and clock["boundS"] == 2, clock
+        doctor = subprocess.run(skewed_node.argv("doctor"), capture_output=True, timeout=60, env=skewed_env)
+        out = doctor.stdout.decode() + doctor.stderr.decode()
+        assert doctor.returncode != 0 and ("+60.0" in out or "+59.9" in out) and "bound ±2 s" in out, out
+        ok = subprocess.run(healthy_node.argv("doctor"), capture_output=True, timeout=60, env=_env())
+        assert "bound ±2 s" in ok.stdout.decode() + ok.stderr.decode()
+    finally:
+        healthy.stop()
+        skewed.stop()
+
+
+def _proc_with_env(node: Node, env: dict, *args: str) -> Proc:
+    """``Proc`` whose process runs with ``env`` (the faked clock)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        return Proc(node, *args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
