@@ -486,8 +486,11 @@ class ShimProcesses:
         known = self._known.setdefault(attempt_id, {})
         if shim_pid is None:
             # The shim is gone (died, or a previous agent's run is lost): its tree can no
-            # longer be walked, so find the run's processes by their QL3_ATTEMPT_ID.
+            # longer be walked, so find the run's processes by their QL3_ATTEMPT_ID, and by its
+            # cgroup, which also holds a daemon that dropped the tag (env -i) and left the group.
             known.update(find_by_attempt(attempt_id))
+            if self._cgroups is not None:
+                known.update(self._cgroups.members(attempt_id))
         return len(signal_tree(pgid, shim_pid, sig, self._started.get(attempt_id), known))
 
     def stop_strays(self, known: Container[str]) -> dict[str, int]:
