@@ -462,6 +462,26 @@ def test_a_daemon_a_keep_orphans_task_left_behind_survives_an_agent_restart(root
         daemon.kill()
 
 
+def test_a_run_waiting_for_memory_says_so_once_in_the_journal(root):
+    """Admission holds a Run whose memory reservation does not fit beside the live ones; the
+    user must be able to see why it sits queued (once, not at every pass), and it starts when
+    the memory is released."""
+    a = Agent(root)
+    a.add(task("big", "sleep 3\n", memory_max="64M"), task("other", "true\n", memory_max="64M"))
+    a.serve()
+    try:
+        big = a.start("big")
+        a.wait(big, ("running",))
+        other = a.start("other")
+        time.sleep(1.5)
+        assert a.run(other)["state"] == "queued"
+        assert a.wait(other)["state"] == "succeeded"
+    finally:
+        assert a.stop() == 0
+    lines = [ln for ln in a.journal().decode().splitlines() if "run.waiting" in ln]
+    assert len(lines) == 1 and other in lines[0] and "reason=memory_reserved" in lines[0], lines
+
+
 def test_retry_policy(root):
     flaky = os.path.join(root, "flaky")
     a = Agent(root)
