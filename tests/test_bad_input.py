@@ -232,3 +232,24 @@ def test_config_file_nested_too_deeply(store):
 
 def test_config_path_that_is_a_directory(store):
     refused(store, ["--config", store[1], "config", "check"], "config", "cannot read")
+
+
+@pytest.mark.parametrize("body, field", [
+    ('name = "x\\n"\ncommand = ["/bin/true"]', "task[0].name"),
+    ('name = "x"\ncommand = ["/bin/true"]\nmemory_max = "48M\\n"', "task[0].memory_max"),
+    ('name = "x"\ncommand = ["/bin/true"]\numask = "0027\\n"', "task[0].umask"),
+    ('name = "x"\ncommand = ["/bin/true"]\nnetwork = "interface:wan\\n"', "task[0].network"),
+    ('name = "x"\ncommand = ["/bin/true"]\nsecrets = { TOKEN = "tok\\n" }', "task[0].secrets.TOKEN"),
+])
+def test_a_trailing_newline_is_not_part_of_a_valid_name_or_size(store, body, field):
+    """``$`` in a Python pattern also matches before a final newline: "x\\n" passed as a task
+    name (stored with the newline, listed on two lines) and "48M\\n" as a size."""
+    refused(store, ["task", "add", "-f", write(store[1], "[[task]]\n" + body + "\n")], field, exact=False)
+
+
+def test_a_secret_name_with_a_trailing_newline_is_refused(store):
+    state, _ = store
+    p = cli(state, "secret", "set", "tok\n", stdin=b"value")
+    err = p.stderr.decode()
+    assert p.returncode == 2 and err.count("\n") == 1 and "name" in err and "Traceback" not in err, err
+    assert "tok" not in cli(state, "secret", "ls").stdout.decode()

@@ -470,3 +470,61 @@ def test_on_a_read_only_cgroup_mount_runs_get_no_cgroup_and_the_reason_says_so(t
         assert rc.create("a1", None) is None and not (svc / "run-a1").exists()
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_a_lost_runs_cgroup_is_emptied_even_of_an_untagged_daemon(tmp_path, monkeypatch):
+    """Shim SIGKILLed, then the agent restarts: the Run is lost and everything it started must
+    stop. A daemon that dropped the run's environment (``env -i``) and left its session
+    (``setsid``) is found by neither its tag nor its process group, but it still sits in the
+    Run's cgroup (a real cgroup2 mount, no controllers: this host binds them to v1)."""
+    from execkit import Bench, task
+    from qlagent.adapters.runcgroup import RunCgroups
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount cgroup2")
+    mnt = tmp_path / "cg"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "cgroup2", "none", str(mnt)], check=True)
+    svc = mnt / f"qlagent-test-{os.getpid()}"
+    svc.mkdir()
+    rc = RunCgroups(str(svc))
+    rc._enable(str(mnt))                      # the agent stays where it is (no leaf move)
+    monkeypatch.setattr(RunCgroups, "setup", classmethod(lambda cls, *a, **k: rc))
+    root = str(tmp_path / "s")
+    daemon = None
+    try:
+        assert rc.enabled, rc.reason
+        b = Bench(root)
+        b.add(task("de", "env -i /usr/bin/setsid /bin/sleep 3335 &\nsleep 60\n", timeout_s=120))
+        rid = b.start("de")
+        b.drive(lambda: b.run(rid).state == "running")
+        (att,) = b.store.live_attempts()
+        cg = svc / f"run-{att.attempt_id}"
+        end = time.monotonic() + 5
+        while daemon is None:
+            assert time.monotonic() < end, "the daemon did not start"
+            daemon = next((psutil.Process(int(p)) for p in (cg / "cgroup.procs").read_text().split()
+                           if psutil.Process(int(p)).cmdline()[-1:] == ["3335"]), None)
+            time.sleep(0.05)
+        os.kill(att.shim_pid, signal.SIGKILL)
+        b.close()
+        again = Bench(root)
+        try:
+            assert again.engine.recover()["lost"] == 1
+        finally:
+            again.close()
+        end = time.monotonic() + 3
+        while daemon.is_running() and daemon.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < end, "the daemon outlived its lost Run"
+            time.sleep(0.05)
+    finally:
+        for d in [svc / n for n in os.listdir(svc)] + [svc]:
+            if d.is_dir():
+                for p in (d / "cgroup.procs").read_text().split():
+                    os.kill(int(p), signal.SIGKILL)
+        time.sleep(0.2)
+        for d in [svc / n for n in os.listdir(svc) if (svc / n).is_dir()] + [svc]:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

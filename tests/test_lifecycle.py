@@ -438,6 +438,50 @@ def test_a_task_left_behind_is_stopped_by_an_agent_started_on_a_wiped_state_dir(
     assert len(line) == 1 and att["attempt_id"] in line[0] and "processes=1" in line[0], line
 
 
+def test_a_daemon_a_keep_orphans_task_left_behind_survives_an_agent_restart(root):
+    """``keep_orphans = true`` means the daemon a Run leaves is meant to stay: the start-up
+    scan for stray tasks is for Attempts nobody accounts for, not for one that ended with its
+    leftovers kept on purpose (a VPN or a watchdog a task starts must not die at every
+    service restart)."""
+    a = Agent(root)
+    a.add(task("vpn", "setsid sleep 120 >/dev/null 2>&1 &\necho started\n", keep_orphans=True))
+    a.serve()
+    try:
+        rid = a.start("vpn")
+        assert a.wait(rid)["state"] == "succeeded"
+    finally:
+        assert a.stop() == 0
+    (daemon,) = procs_with_env("QL3_RUN_ID", rid)
+    try:
+        a.serve()
+        time.sleep(1)
+        assert daemon.is_running() and daemon.status() != psutil.STATUS_ZOMBIE
+        assert "run.stray_stopped" not in a.journal().decode()
+    finally:
+        assert a.stop() == 0
+        daemon.kill()
+
+
+def test_a_run_waiting_for_memory_says_so_once_in_the_journal(root):
+    """Admission holds a Run whose memory reservation does not fit beside the live ones; the
+    user must be able to see why it sits queued (once, not at every pass), and it starts when
+    the memory is released."""
+    a = Agent(root)
+    a.add(task("big", "sleep 3\n", memory_max="64M"), task("other", "true\n", memory_max="64M"))
+    a.serve()
+    try:
+        big = a.start("big")
+        a.wait(big, ("running",))
+        other = a.start("other")
+        time.sleep(1.5)
+        assert a.run(other)["state"] == "queued"
+        assert a.wait(other)["state"] == "succeeded"
+    finally:
+        assert a.stop() == 0
+    lines = [ln for ln in a.journal().decode().splitlines() if "run.waiting" in ln]
+    assert len(lines) == 1 and other in lines[0] and "reason=memory_reserved" in lines[0], lines
+
+
 def test_retry_policy(root):
     flaky = os.path.join(root, "flaky")
     a = Agent(root)

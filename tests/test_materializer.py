@@ -158,7 +158,7 @@ def env_lines(data: bytes) -> dict[str, str]:
 
 def expected_env_keys(recipe: set[str]) -> set[str]:
     return recipe | {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "QL3_RUN_ID", "QL3_ATTEMPT_ID", "QL3_PROJECT_ID", "QL3_TASK_ID", "QL3_TASK_NAME",
-                     "QL3_TASK_REVISION"}
+                     "QL3_TASK_REVISION", "QL3_AGENT_KEY"}
 
 
 def test_task_env_is_recipe_secrets_and_identity_only_in_process(root, monkeypatch):

@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -112,5 +113,37 @@ def test_a_full_state_file_system_pauses_the_agent_and_it_resumes_when_space_ret
         assert "store.available" in a.journal().decode()
         with a.db() as c:
             assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        a.stop()
+
+
+def test_an_agent_started_on_a_full_state_file_system_waits_for_space_instead_of_exiting(root):
+    """A router rebooting with its flash full: the database's -wal/-shm files went with the last
+    close and cannot be made again, so every open fails. The CLI and doctor must say the file
+    system is full (exit 5, one line), and ``serve`` must wait for space, not exit into a
+    restart loop."""
+    a = Agent(root, config=f'artifact_dir = "{root}/artifacts"\n')
+    a.add(task("tick", "echo tick\n", schedule=["* * * * * *"]))
+    filler = os.path.join(a.state, "filler")
+    fill(filler)
+    p = a.cli("run", "ls", check=False)
+    assert p.returncode == 5 and p.stderr.count(b"\n") == 1 and b"file system is full" in p.stderr, p.stderr
+    doctor = a.cli("doctor", check=False)
+    assert doctor.returncode == 5 and b"FAIL  state free space" in doctor.stdout, (doctor.stdout, doctor.stderr)
+    log_path = os.path.join(root, "serve.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", a.state, "serve",
+                                 "--exit-after", "60"], stdout=log, stderr=subprocess.STDOUT, env=a.env(),
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    a.proc, a.log_path = proc, log_path
+    a.logs.append(log_path)
+    try:
+        time.sleep(4)
+        journal = a.journal().decode()
+        assert proc.poll() is None, journal
+        assert journal.count("store.unavailable") == 1 and "Traceback" not in journal, journal
+        os.unlink(filler)                                 # space returns: the same process carries on
+        wait_until(a, lambda: count(a, "succeeded") >= 2, "Runs after the space returned")
+        assert "service.ready" in a.journal().decode()
     finally:
         a.stop()

@@ -19,6 +19,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Container
 
 import msgspec
 import psutil
@@ -324,7 +325,7 @@ def agent_key(runs_root: str) -> str:
     return sha256_hex(os.path.realpath(runs_root).encode("utf-8", "surrogateescape"))[:16]
 
 
-def stop_strays(key: str, known: set[str]) -> dict[str, int]:
+def stop_strays(key: str, known: Container[str]) -> dict[str, int]:
     """SIGKILL every process of this uid whose environment carries ``QL3_AGENT_KEY=<key>`` and a
     ``QL3_ATTEMPT_ID`` not in ``known`` (the Attempts the caller re-attaches or has ended
     itself): a task left by an agent whose state was lost or whose shim died unseen, which would
@@ -485,11 +486,14 @@ class ShimProcesses:
         known = self._known.setdefault(attempt_id, {})
         if shim_pid is None:
             # The shim is gone (died, or a previous agent's run is lost): its tree can no
-            # longer be walked, so find the run's processes by their QL3_ATTEMPT_ID.
+            # longer be walked, so find the run's processes by their QL3_ATTEMPT_ID, and by its
+            # cgroup, which also holds a daemon that dropped the tag (env -i) and left the group.
             known.update(find_by_attempt(attempt_id))
+            if self._cgroups is not None:
+                known.update(self._cgroups.members(attempt_id))
         return len(signal_tree(pgid, shim_pid, sig, self._started.get(attempt_id), known))
 
-    def stop_strays(self, known: set[str]) -> dict[str, int]:
+    def stop_strays(self, known: Container[str]) -> dict[str, int]:
         return stop_strays(self._key, known)
 
     def collect(self, attempt_id: str) -> tuple[Receipt | None, TruncationFact | None]:

@@ -355,6 +355,13 @@ class RowStore:
         plan, _ = self.read(lambda c: self._ex.load_plan(c, task_id, revision))
         return (plan.timeout_ms, plan.grace_ms) if plan else (DEFAULT_TIMEOUT_MS, DEFAULT_GRACE_MS)
 
+    def keeps_orphans(self, attempt_id: str) -> bool:
+        where = self.read(lambda c: self._ex.attempt_revision(c, attempt_id))
+        if where is None:
+            return False
+        plan, _ = self.read(lambda c: self._ex.load_plan(c, *where))
+        return plan is not None and plan.execution.keep_orphans
+
     def next_backoff_us(self) -> int | None:
         return self.read(lambda c: self._ex.next_backoff_us(c, self._tx_now(c)))
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 
+import psutil
+
 from .budget import cgroup2_mount, find_service_cgroup
 
 AGENT_LEAF = "agent"
@@ -93,6 +95,23 @@ class RunCgroups:
             self.remove(attempt_id)
             return None
         return d
+
+    def members(self, attempt_id: str) -> dict[int, psutil.Process]:
+        """The processes in the Run's cgroup (none when it has no cgroup)."""
+        if self.service_dir is None:
+            return {}
+        try:
+            with open(os.path.join(self.path(attempt_id), "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            return {}
+        found = {}
+        for pid in pids:
+            try:
+                found[pid] = psutil.Process(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return found
 
     def remove(self, attempt_id: str) -> None:
         """Remove the Run's cgroup once no process is left in it (EBUSY: a ``keep_orphans``

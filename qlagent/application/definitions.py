@@ -17,7 +17,7 @@ from ..core.models import LOCAL_SUBJECT, TaskHead
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import Store
 
-_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def check_fence(revision: int, digest: str, *, revision_field: str = "expectedRevision",

@@ -17,7 +17,7 @@ from .registry import check_generation, check_token, check_uuid, credential_dige
 
 KINDS = ("starting", "running", "start_failure", "completion")
 KILL_REASONS = ("timeout", "cancel", "shutdown")
-START_ERROR = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+START_ERROR = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
 # Completion figures: (Ack attribute, wire name an error names; docs/worker-protocol.md "Errors").
 FIGURES = (("bytes_kept", "bytesKept"), ("bytes_dropped", "bytesDropped"), ("peak_rss_bytes", "peakRssBytes"),
            ("cpu_time_us", "cpuTimeUs"))

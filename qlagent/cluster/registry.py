@@ -41,11 +41,11 @@ from ..core.leasefit import check_lease_ttl
 from .placement import check_labels
 
 CREDENTIAL_PREFIX = "qlw_"
-_CREDENTIAL = re.compile(r"^qlw_[A-Za-z0-9_-]{43}$")
-WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+_CREDENTIAL = re.compile(r"^qlw_[A-Za-z0-9_-]{43}\Z")
+WORKER_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
 MAX_SLOTS = 256
 MAX_PROJECTS = 32              # Projects one Worker may be scoped to at enrolment
-UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z")
 
 
 def new_credential() -> str:

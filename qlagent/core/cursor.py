@@ -12,7 +12,7 @@ import re
 from .errors import ValidationError
 
 MAX_CURSOR_CHARS = 256
-_CURSOR = re.compile(r"^(0|[1-9][0-9]{0,18})\.([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
+_CURSOR = re.compile(r"^(0|[1-9][0-9]{0,18})\.([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\Z")
 _MAX_US = 2**63 - 1
 
 

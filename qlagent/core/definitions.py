@@ -22,13 +22,13 @@ from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, Placement
 from .profiles import AGENT_MEMORY_SHARE, PROFILES, MiB, Profile, run_memory_share
 from .schedule import ScheduleError, parse_schedules, validate_timezone
 
-POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
-UMASK = re.compile(r"^[0-7]{3,4}$")
-MEMORY_MAX = re.compile(r"^([0-9]{1,12})([KMG]?)$")
-SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")   # Linux IFNAMSIZ - 1
-PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*\Z")
+UMASK = re.compile(r"^[0-7]{3,4}\Z")
+MEMORY_MAX = re.compile(r"^([0-9]{1,12})([KMG]?)\Z")
+SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
+IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}\Z")   # Linux IFNAMSIZ - 1
+PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
 CATCH_UP = ("latest", "none")     # core.schedule.apply_catch_up; README "Catch-up after downtime"
 # What a fleet Worker does with a run whose Run Lease it cannot renew (issue 11 §6): stop it
 # (default; no second copy runs after the Attempt is re-offered) or keep it (at-least-once).

@@ -18,7 +18,7 @@ The process, filesystem, budget and network ports are implemented by ``qlagent.a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Protocol, TypeVar
 
 from .definitions import PreparedTask
@@ -271,6 +271,10 @@ class ExecutionStore(Protocol):
     def timing(self, task_id: str, revision: int) -> tuple[int, int]:
         """(timeout_ms, grace_ms) of the revision (defaults if it is gone)."""
 
+    def keeps_orphans(self, attempt_id: str) -> bool:
+        """True if the Attempt is stored and its Task revision has ``keep_orphans = true``: what
+        it left running is meant to outlive it (not a stray for restart recovery)."""
+
     def next_backoff_us(self) -> int | None:
         """Earliest ``not_before_us`` of a queued retry that is not yet due."""
 
@@ -359,7 +363,7 @@ class ProcessPort(Protocol):
         """Signal the task's process group and every descendant of the shim (never the shim
         itself); returns how many processes were signalled."""
 
-    def stop_strays(self, known: set[str]) -> dict[str, int]:
+    def stop_strays(self, known: Container[str]) -> dict[str, int]:
         """SIGKILL this agent's tasks (tagged QL3_AGENT_KEY, found even when its state directory
         was wiped) of Attempts not in ``known``; returns {attempt ID: processes killed}."""
 

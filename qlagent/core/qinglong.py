@@ -65,7 +65,7 @@ CONTAINER_SCRIPT_DIRS = ("/ql/data/scripts/", "/ql/scripts/")
 PANEL_OPTIONS = frozenset({"conc", "desi"})
 _SHELL_SYNTAX = re.compile(r"[;&|<>()$`\n]")
 _SLUG_DROP = re.compile(r"[^a-z0-9._-]+")
-_PREFIX = re.compile(r"^[a-z0-9][a-z0-9._-]{0,31}$")
+_PREFIX = re.compile(r"^[a-z0-9][a-z0-9._-]{0,31}\Z")
 
 
 class QlCron(msgspec.Struct, frozen=True):

@@ -29,6 +29,7 @@ from .secrets import resolve_secrets
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import ArtifactPort, CipherFactory, DispatchStore, SecretStore
 
+WAITING_REMEMBERED = 64      # Runs whose memory wait was journaled (oldest forgotten: at most a repeat)
 
 class Prepared(msgspec.Struct, frozen=True):
     """Outcome of one materialisation.
@@ -88,6 +89,7 @@ class Materializer:
         self._profile = profile
         self._baseline = dict(baseline or {})
         self._log = log
+        self._waiting: dict[str, str] = {}     # run ID → the memory wait already journaled
 
     def discard(self, artifact_path: str) -> None:
         """Remove a log file allocated by a pass that then lost the claim race."""
@@ -101,8 +103,16 @@ class Materializer:
             self._store.fail_unlaunched(c, missing, None)
             return Prepared("unavailable", missing)
         blocked = self._admission.run_block(c, plan)
+        if blocked == "memory_reserved" and self._waiting.get(c.run_id) != blocked:
+            # Nothing else says why the Run sits queued; once per Run, not at every pass.
+            if len(self._waiting) >= WAITING_REMEMBERED:
+                self._waiting.pop(next(iter(self._waiting)))
+            self._waiting[c.run_id] = blocked
+            self._log("notice", "run.waiting", run=c.run_id, reason=blocked,
+                      reserve_bytes=run_memory_reserve(self._profile, plan.execution.memory_max))
         if blocked:
             return Prepared("skip", blocked)
+        self._waiting.pop(c.run_id, None)
         try:
             plain = resolve_secrets(self._secrets, self._cipher, c.project_id,                # 4
                                     list(plan.recipe.secret_refs.values()))

@@ -251,8 +251,8 @@ class LocalExecutionCoordinator:
                 counts["lost"] += 1
         # A task no live Attempt accounts for (the state directory was wiped, or its shim died
         # while no agent watched) would run beside the Run's next Attempt: stopped now.
-        known = set(self.live) | {la.attempt_id for la in self._store.live_attempts()}
-        strays = self._procs.stop_strays(known)
+        strays = self._procs.stop_strays(_Accounted(set(self.live) | {la.attempt_id for la in
+                                                                      self._store.live_attempts()}, self._store))
         for aid, n in sorted(strays.items()):
             self._log("warning", "run.stray_stopped", attempt=aid, processes=n)
         counts["strays"] = sum(strays.values())
@@ -260,3 +260,18 @@ class LocalExecutionCoordinator:
 
     def __repr__(self) -> str:
         return f"LocalExecutionCoordinator(live={len(self.live)})"
+
+
+class _Accounted:
+    """The Attempts restart recovery accounts for: the live ones, and an ended one whose Task
+    keeps its orphans (the daemon it left on purpose is no stray). Asked only for the Attempt
+    IDs the stray scan finds, so the store is read once per tagged process, not for history."""
+
+    __slots__ = ("_live", "_store")
+
+    def __init__(self, live: set[str], store: ExecutionStore) -> None:
+        self._live = live
+        self._store = store
+
+    def __contains__(self, attempt_id: object) -> bool:
+        return attempt_id in self._live or (isinstance(attempt_id, str) and self._store.keeps_orphans(attempt_id))

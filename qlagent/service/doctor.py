@@ -12,6 +12,7 @@ import os
 import stat
 
 from .. import bootstrap
+from ..core.errors import QlError
 from ..core.limits import PRIVATE_DIR_MODE, STATE_DIR_MODE, STATE_MIN_FREE_BYTES
 from .config import Settings, state_space_problem
 from .trust import check as check_trust
@@ -51,8 +52,11 @@ def run_checks(s: Settings) -> list[dict]:
         return out
     add("trust", True, f"config, state dir, database, key file, artifacts and runs dirs owned by uid "
                        f"{os.geteuid()}" + (" or root" if os.geteuid() else "") + ", none group/world-writable")
-    for name, ok, detail in bootstrap.store_checks(s.db_path):
-        add(name, ok, detail)
+    try:
+        for name, ok, detail in bootstrap.store_checks(s.db_path):
+            add(name, ok, detail)
+    except QlError as e:        # e.g. a full file system: the checks below say why
+        add("database", False, str(e))
     problem = bootstrap.key_file_problem(s.key_file)
     add("key file", problem is None, problem or f"{s.key_file} (0600, 32 bytes)")
     probe = s.artifact_dir if os.path.exists(s.artifact_dir) else s.state_dir

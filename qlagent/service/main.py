@@ -100,6 +100,37 @@ class Service:
         for problem in problems:
             self.log("warning", "secrets.migration_failed", error=problem)
 
+    def _open_when_room(self) -> dict:
+        """Open the store and recover the live Runs (inline too, as it holds the service lock:
+        a Run left by an interrupted or timed-out `run start --wait` is ingested, re-attached or
+        lost instead of staying live forever). While the state file system is too full for
+        that (a router rebooted with its flash full: the open cannot even make the -shm file),
+        the service waits for space instead of exiting into a restart loop: store.unavailable
+        once a minute, systemd told why with its start timeout extended, a try every second."""
+        waited = False
+        while True:
+            try:
+                self._open()
+                counts = self.engine.recover()
+                if waited:
+                    self._store_back(self._now())
+                return counts
+            except UnavailableError as e:
+                problem = state_space_problem(self.settings.state_dir)
+                if e.code != "store_unavailable" or problem is None or self.inline_run is not None:
+                    raise
+                if getattr(self, "store", None) is not None:
+                    self.store.close()
+                    self.store = None
+                now = self._now()
+                if not waited or now - self._store_logged_us >= STORE_LOG_EVERY_US:
+                    self.log("err", "store.unavailable", error=str(e), state_dir=self.settings.state_dir)
+                    self._store_logged_us = now
+            waited = True
+            self.notify.status(f"waiting for room: {problem}")
+            self.notify.extend_timeout(3 * STORE_RETRY_US)
+            time.sleep(STORE_RETRY_US / 1e6)
+
     def _install_signals(self) -> None:
         r, w = socket.socketpair()
         r.setblocking(False)
@@ -192,10 +223,7 @@ class Service:
 
     def _run(self) -> int:
         started = self._now()
-        self._open()
-        # Inline too (it holds the service lock): a Run left by an interrupted or timed-out
-        # `run start --wait` is ingested, re-attached or lost instead of staying live forever.
-        counts = self.engine.recover()
+        counts = self._open_when_room()
         # Inline too: `run cancel` pokes this socket, and Ctrl-C/SIGTERM of the waiting CLI
         # cancels what it launched instead of leaving Runs live with nobody watching them.
         self.ctl = control.bind(self.settings.control_socket)

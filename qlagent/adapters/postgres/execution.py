@@ -189,6 +189,13 @@ def record_truncation(cur, attempt_id: str, fact: TruncationFact, now_us: int) -
                 (attempt_id, fact.quota_bytes, fact.bytes_kept, fact.bytes_dropped, now_us))
 
 
+def attempt_revision(cur, attempt_id: str) -> tuple[str, int] | None:
+    """(task ID, revision) of an Attempt's Run, or None for an Attempt this store never had."""
+    r = cur.execute("SELECT r.task_id, r.task_revision FROM attempts a JOIN runs r ON r.run_id = a.run_id "
+                    "WHERE a.attempt_id = %s", (attempt_id,)).fetchone()
+    return None if r is None else (r["task_id"], r["task_revision"])
+
+
 def live_attempts(cur) -> list[LiveAttempt]:
     return [LiveAttempt(r["run_id"], r["attempt_id"], r["task_id"], r["task_revision"], r["state"], r["shim_pid"],
                         r["shim_start_time"], r["deadline_at_us"], r["artifact_path"],

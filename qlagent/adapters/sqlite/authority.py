@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ...core.errors import UnavailableError
+from ...core.limits import STATE_MIN_FREE_BYTES
 
 T = TypeVar("T")
 
@@ -42,6 +43,18 @@ def domain_error(e: sqlite3.Error) -> BaseException:
     if isinstance(e, (sqlite3.OperationalError, sqlite3.DatabaseError)) and any(t in msg for t in _UNAVAILABLE):
         return UnavailableError(f"store is unavailable ({e})", code="store_unavailable")
     return e
+
+
+def _full_note(directory: str) -> str:
+    """Why an open failed when the file system is full: SQLite deletes the -wal and -shm files
+    at the last close and then cannot make the 32 KiB -shm again, so it says only "disk I/O
+    error"."""
+    try:
+        v = os.statvfs(directory)
+    except OSError:
+        return ""
+    free = v.f_bavail * v.f_frsize
+    return f"; its file system is full ({free} bytes free)" if free < STATE_MIN_FREE_BYTES else ""
 
 
 class _Op:
@@ -77,7 +90,8 @@ class SqliteAuthority:
         self._thread.start()
         self._ready.wait()
         if self._open_error is not None:
-            raise UnavailableError(f"cannot open store {path}: {self._open_error}")
+            raise UnavailableError(f"cannot open store {path}: {self._open_error}{_full_note(parent)}",
+                                   code="store_unavailable")
 
     def _run(self) -> None:
         try:

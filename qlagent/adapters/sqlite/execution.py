@@ -237,6 +237,13 @@ def live_attempts(conn: sqlite3.Connection) -> list[LiveAttempt]:
         f"JOIN runs r ON r.run_id = a.run_id WHERE a.state IN {ATTEMPT_ACTIVE_SQL}")]
 
 
+def attempt_revision(conn: sqlite3.Connection, attempt_id: str) -> tuple[str, int] | None:
+    """(task ID, revision) of an Attempt's Run, or None for an Attempt this store never had."""
+    r = conn.execute("SELECT r.task_id, r.task_revision FROM attempts a JOIN runs r ON r.run_id = a.run_id "
+                     "WHERE a.attempt_id = ?", (attempt_id,)).fetchone()
+    return None if r is None else (r[0], r[1])
+
+
 def claimed_attempt_ids(conn: sqlite3.Connection) -> list[str]:
     """Attempts still claimed: a crash between Artifact allocation and the claim may have left
     their (deterministic) log file behind, which recovery removes."""
