@@ -202,7 +202,7 @@ class WorkerRuntime:
         self.stopping = False
         self.exit_at_us: int | None = None          # serve --exit-after
         self.stop_deadline_us: int | None = None
-        self._signals: list[int] = []
+        self._signals: list[tuple[int, int]] = []     # (signal, arrival monotonic µs)
         self._wake_r = self._wake_w = None
         self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0}
         self.surface = None                             # the local HTTP status surface, if any
@@ -299,7 +299,10 @@ class WorkerRuntime:
         self._wake_r, self._wake_w = r, w
         signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda n, f: self._signals.append(n))
+            # The arrival time counts: a request blocked on a dead link may hold the loop for
+            # its whole timeout before the signal is handled, and the stop must still fit the
+            # unit's TimeoutStopSec measured from the signal.
+            signal.signal(sig, lambda n, f: self._signals.append((n, self.now())))
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
 
     def run(self, exit_after_s: float | None = None) -> int:
@@ -349,14 +352,19 @@ class WorkerRuntime:
             self.failures["connect"], self.next_connect_us = 0, now
         if self.session is None and not self.stopping and now >= self.next_connect_us:
             self._connect()
+            self._handle_signals()
         if self.session is not None and now >= self.next_beat_us:
             self._heartbeat()
+            # A SIGTERM that came while the call waited on a dead link: the calls that follow
+            # are bounded by the stop it begins, not by their full timeout each.
+            self._handle_signals()
         self._fence_and_time(self.now())
         for job in list(self.jobs.values()):
             if job.handle is not None and job.handle.pidfd is None and not self.runs.alive(job.handle):
                 self._on_exit(job)
         if self.session is not None and self.now() >= self.next_send_us:
             self._send_owed()
+            self._handle_signals()
         if self.pull is not None and self.client.poll_pending():
             self._finish_pull()
         self._maybe_pull()
@@ -398,9 +406,9 @@ class WorkerRuntime:
 
     def _handle_signals(self) -> None:
         while self._signals:
-            sig = self._signals.pop()
+            sig, at_us = self._signals.pop(0)
             if sig in (signal.SIGTERM, signal.SIGINT):
-                self._begin_drain()
+                self._begin_drain(at_us)
             elif sig == signal.SIGHUP and not self.stopping:
                 self._reload()
 
@@ -416,14 +424,15 @@ class WorkerRuntime:
         if self.notify is not None:
             self.notify.ready(f"worker slots={self.slots}")
 
-    def _begin_drain(self) -> None:
-        """SIGTERM/SIGINT or ``--exit-after``: no new Pulls; live runs get ``drain_grace_s``."""
+    def _begin_drain(self, at_us: int | None = None) -> None:
+        """SIGTERM/SIGINT (arrived at ``at_us``) or ``--exit-after``: no new Pulls; live runs
+        get ``drain_grace_s`` from then."""
         if self.stopping:
             return
         self.stopping = True
         if self.notify is not None:
             self.notify.stopping()
-        now = self.now()
+        now = self.now() if at_us is None else at_us
         self.stop_deadline_us = now + self.drain_grace_us + STOP_TAIL_US
         for j in self.jobs.values():
             if j.handle is not None and j.kill_reason is None:

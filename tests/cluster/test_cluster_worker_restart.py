@@ -71,6 +71,15 @@ retry = {{max_attempts = 2}}
 placement = {{required = {{case = "late_beat"}}}}
 '''
 
+TASKS += """
+[[task]]
+name = "stop_cut"
+shell = "/bin/sh"
+script = "sleep 2; echo done"
+grace_s = 1
+placement = {required = {case = "stop_cut"}}
+"""
+
 
 @pytest.fixture(scope="module")
 def plane(pg_url):
@@ -290,4 +299,86 @@ def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_
         assert sql(plane["url"], renewed, (aid,))[0][0] == held_at, "".join(worker.lines)
     finally:
         worker.stop()
+        proxy.close()
+
+
+class SilentLink:
+    """A TCP proxy to the replica that ``cut`` turns into a black hole: connections are
+    accepted and kept open, nothing is forwarded either way and nothing is closed, so every
+    call of the Worker waits its whole timeout (a link whose packets vanish)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.cut = threading.Event()
+        self.held: list[socket.socket] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut.is_set():
+                self.held.append(c)
+                continue
+            u = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while (data := src.recv(65536)) and not self.cut.is_set():
+                dst.sendall(data)
+        except OSError:
+            pass
+        if self.cut.is_set():
+            self.held += [src, dst]
+            return
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.held:
+            s.close()
+
+
+def test_a_sigterm_while_a_call_waits_on_a_dead_link_still_fits_the_units_stop_timeout(plane):
+    """The link goes silent (packets vanish, connections stay up) while a run goes on; its log
+    is owed once it ended, and every call waits its whole 10 s. A SIGTERM coming right after a
+    heartbeat gave up was handled only after the send that followed had waited too, and the
+    drain counted from then: the Worker exited ~drain_grace_s + 14 s after the signal, past
+    systemd's TimeoutStopSec (drain_grace_s + 10 s), so it was SIGKILLed."""
+    grace_s = 3
+    proxy = SilentLink(plane["port"])
+    worker_id, cred = enroll(plane, "stop_cut", "--label", "case=stop_cut")
+    node = Node(plane["root"], "stop_cut", f'drain_grace_s = {grace_s}\n[worker]\nworker_id = "{worker_id}"\n'
+                                          f'control_url = "http://127.0.0.1:{proxy.port}"\n'
+                                          f'credential_file = "{cred}"\nheartbeat_interval_s = 2\n'
+                                          'pull_wait_s = 20\nlabels = {case = "stop_cut"}\n')
+    worker = serve(plane, node)
+    try:
+        worker.wait_line("worker.session_opened")
+        run_id = plane["cp"].ok("run", "start", "stop_cut").strip()
+        wait_for("attempt 1 running", lambda: attempts(plane, run_id) == [(1, "running")], 60, worker)
+        proxy.cut.set()
+        # The run ends (its log is owed; its Lease is given up on while the heartbeat waits),
+        # then the Worker alternates heartbeats and sends, each waiting 10 s: the second
+        # heartbeat given up on is followed by a send.
+        wait_for("two heartbeats given up on the cut link",
+                 lambda: len([ln for ln in worker.lines if "worker.heartbeat_failed" in ln]) >= 2, 60, worker)
+        began = time.monotonic()
+        rc = worker.stop(60)
+        took = time.monotonic() - began
+        assert rc == 0 and took < grace_s + 10, (took, "".join(worker.lines))
+        assert "worker.send_failed" in "".join(worker.lines)    # something was owed
+    finally:
+        if worker.proc.poll() is None:
+            worker.proc.kill()
         proxy.close()
