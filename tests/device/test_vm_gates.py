@@ -74,6 +74,7 @@ def test_power_cut(vm_image):
     summary = vmkit.summarize_powercut(series)
     series["vm"].cleanup()
     print(json.dumps(summary, indent=1, default=str), file=sys.stderr)
+    assert summary["error"] is None, summary["error"]
     assert summary["cuts"] >= 3, summary
     assert summary["survived"] == summary["cuts"], summary
     assert not summary["failed"], json.dumps(summary["failed"], indent=1, default=str)

@@ -208,6 +208,7 @@ def powercut_series(image: Path, cuts: int, log=print) -> dict:
     vm = Vm(image)
     vm.make_ctl(["powercut"])
     boots, results = [], []
+    error = None
     try:
         for i in range(cuts + 1):
             last = i == cuts
@@ -223,9 +224,10 @@ def powercut_series(image: Path, cuts: int, log=print) -> dict:
             if res is None or (not rec["cut"] and not last):
                 raise VmError(f"boot {i} gave no result or powered off by itself; console tail:\n"
                               + vm.console_tail())
-    finally:
-        pass
-    return {"boots": boots, "results": results, "vm": vm}
+    except VmError as e:
+        error = str(e)[-3000:]
+        log(f"powercut series stopped: {error}")
+    return {"boots": boots, "results": results, "vm": vm, "error": error}
 
 
 def summarize_powercut(series: dict) -> dict:
@@ -241,8 +243,54 @@ def summarize_powercut(series: dict) -> dict:
             "acked": per_boot[-1]["acked"] if per_boot else 0,
             "lost_max": max((b["lost"] for b in per_boot), default=0),
             "double_max": max((b["double"] for b in per_boot), default=0),
-            "failed": failed, "per_boot": per_boot,
+            "failed": failed, "per_boot": per_boot, "error": series.get("error"),
             "boot_s": [b["boot_s"] for b in series["boots"]]}
+
+
+def _mib(v) -> str:
+    return "—" if v is None else f"{v / 1048576:.1f} MiB"
+
+
+def render_md(meta: dict, boot: dict | None, results: dict | None, pc: dict | None) -> str:
+    """bench/results/vm-gates.md from one `all` run."""
+    out = ["# Router VM gates (issue 22) — figures from the arm64 guest", "",
+           "Written by `python3 tests/device/vmkit.py all` (long form). Guest: "
+           + meta.get("guest", "?") + ".", ""]
+    for k, v in meta.items():
+        if k != "guest":
+            out.append(f"- {k}: {v}")
+    if boot:
+        out += ["", f"- boot (qemu start → gate driver running): {boot.get('boot_s')} s; whole boot with the "
+                f"gates: {boot.get('total_s')} s"]
+    if results:
+        seed = (results.get("seed") or {}).get("figures", {})
+        out += ["", "## Seed gate, per profile", "",
+                "| profile | ready | memory.peak (service) | pids.peak | agent RSS idle | agent RSS peak (sampled) | VmHWM | stop |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for prof in ("edge", "standalone"):
+            f = {k.split(".", 2)[2]: v for k, v in seed.items() if k.startswith(f"seed.{prof}.")}
+            out.append(f"| {prof} | {f.get('ready_s')} s | {_mib(f.get('memory.peak'))} | {f.get('pids.peak')} | "
+                       f"{_mib(f.get('rss_idle'))} | {_mib(f.get('rss_peak_sampled'))} | {_mib(f.get('vmhwm'))} | "
+                       f"{f.get('stop_s')} s |")
+        for mode, res in results.items():
+            out += ["", f"## {mode}: checks", ""]
+            if not res:
+                out.append("no result (the guest wrote none)")
+                continue
+            for name, c in res["checks"].items():
+                d = json.dumps(c["detail"], default=str)
+                out.append(f"- {'PASS' if c['ok'] else 'FAIL'} `{name}` {d[:300]}")
+            figs = {k: v for k, v in res["figures"].items() if not k.startswith("seed.")}
+            if figs:
+                out += ["", "figures: `" + json.dumps(figs, default=str)[:1500] + "`"]
+    if pc:
+        out += ["", "## Power cut", "",
+                f"- cuts: {pc['cuts']}, service back by itself after {pc['survived']} of them",
+                f"- acknowledged Task Starts (202s the client logged): {pc['acked']}; lost (most at any boot): {pc['lost_max']}",
+                f"- Runs executed twice (the task's fsynced marks): {pc['double_max']}",
+                f"- boot times: {pc['boot_s']}",
+                f"- failed checks: `{json.dumps(pc['failed'], default=str)[:2000]}`"]
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str]) -> int:
@@ -253,6 +301,10 @@ def main(argv: list[str]) -> int:
     pc = sub.add_parser("powercut")
     pc.add_argument("--cuts", type=int, default=30)
     pc.add_argument("--out", default=str(REPO / "bench" / "results" / "vm-powercut-long.json"))
+    al = sub.add_parser("all")
+    al.add_argument("--cuts", type=int, default=30)
+    al.add_argument("--md", default=str(REPO / "bench" / "results" / "vm-gates.md"))
+    al.add_argument("--merged", default="", help="what the tree holds (e.g. 'main + w22cg@abc'), for the record")
     bt = sub.add_parser("boot")
     bt.add_argument("modes", nargs="+")
     bt.add_argument("--out")
@@ -271,6 +323,21 @@ def main(argv: list[str]) -> int:
         ok = all(r and all(v["ok"] for v in r["checks"].values()) for r in results.values())
         vm.cleanup()
         return 0 if ok else 1
+    if a.cmd == "all":
+        meta = {"image (this run)": f"{took:.0f} s", "tree": a.merged or "?",
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        results, rec, vm = run_modes(image, ["seed", "hog", "pid1", "flash"])
+        vm.cleanup()
+        g = (results.get("seed") or {}).get("guest", {})
+        meta["guest"] = f"{g.get('machine')} {g.get('uname')}, {g.get('systemd')}, {g.get('cgroup')}, " \
+                        f"MemTotal {g.get('memtotal_kib')} KiB, {g.get('nproc')} CPUs"
+        Path(a.md).write_text(render_md(meta, rec, results, None))
+        series = powercut_series(image, a.cuts, log=lambda s: print(s, file=sys.stderr, flush=True))
+        pc = summarize_powercut(series)
+        series["vm"].cleanup()
+        Path(a.md).write_text(render_md(meta, rec, results, pc))
+        print(Path(a.md).read_text())
+        return 0
     series = powercut_series(image, a.cuts, log=lambda s: print(s, file=sys.stderr, flush=True))
     summary = summarize_powercut(series)
     series["vm"].cleanup()
