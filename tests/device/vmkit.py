@@ -127,7 +127,7 @@ class Vm:
                "-serial", f"file:{console}",
                "-kernel", str(self.image / "vmlinuz"), "-initrd", str(self.image / "initrd"),
                "-append", f"console=ttyAMA0 root=/dev/vda rw panic=-1 systemd.show_status=0 {append}".strip(),
-               "-netdev", "user,id=n0,restrict=on", "-device", "virtio-net-pci,netdev=n0"]
+               "-netdev", "user,id=n0,restrict=on", "-device", "virtio-net-pci,netdev=n0,romfile="]
         for i, (path, fmt) in enumerate(drives):
             cmd += ["-drive", f"file={path},format={fmt},if=none,id=d{i},cache=none,aio=threads",
                     "-device", f"virtio-blk-pci,drive=d{i}"]
