@@ -86,6 +86,12 @@ def budget_meter(profile: Profile) -> BudgetPort:
     return BudgetMeter(profile)
 
 
+def budget_check(profile: Profile) -> tuple[bool, str]:
+    """(ok, detail) of ``doctor``'s budget line: the running service's cgroup figures."""
+    from .adapters.budget import budget_check as check
+    return check(profile)
+
+
 def network_gate() -> NetworkPort:
     """The netlink gate; imports pyroute2 (≈ 18 MB), so call it only once a Task needs it."""
     from .adapters.netgate import NetworkGate
@@ -99,9 +105,15 @@ def build_engine(settings, store: Store, *, max_concurrent: int, budget: BudgetP
     baseline environment (HOME, USER, LOGNAME, SHELL)."""
     from .adapters.artifacts import ArtifactAllocator, Artifacts
     from .adapters.processes import ShimProcesses, baseline_env
+    from .adapters.runcgroup import RunCgroups
     from .application.engine import Engine
     alloc = ArtifactAllocator(settings.artifact_dir, settings.profile, runs_root=settings.runs_dir)
-    return Engine(store, procs=ShimProcesses(alloc, SHIM_LINGER_S, python), artifacts=Artifacts(alloc),
+    cgroups = RunCgroups.setup()
+    if cgroups.enabled:
+        log("info", "service.run_cgroups", detail=cgroups.reason)
+    elif cgroups.service_dir is not None:   # a cgroup of its own, but no subtree to give Runs
+        log("notice", "service.run_cgroups", detail=cgroups.reason, fallback="oom_score_adj")
+    return Engine(store, procs=ShimProcesses(alloc, SHIM_LINGER_S, python, cgroups), artifacts=Artifacts(alloc),
                   cipher=cipher_factory(settings.key_file), profile=settings.profile,
                   max_concurrent=max_concurrent, budget=budget, clock_us=clock_us, baseline=baseline_env(),
                   log=log)

@@ -20,7 +20,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from qlcli import cli, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, js, ok, rows, state, workdir  # noqa: F401  (fixtures)
 
 from qlagent.cli.main import main as cli_main
 
@@ -384,6 +384,20 @@ def test_doctor_before_init_lists_only_failures(workdir):  # noqa: F811
     assert p.returncode == 5 and lines and all(ln.startswith("FAIL") for ln in lines), lines
 
 
+@pytest.mark.parametrize("mode,healthy", [(0o700, True), (0o750, True), (0o751, False), (0o755, False)])
+def test_doctor_accepts_the_state_dir_mode_the_packages_set(state, mode, healthy):  # noqa: F811
+    """The .deb and the .ipk make the state dir 0750 (core.limits.STATE_DIR_MODE): doctor passes
+    it; one bit for others more is named."""
+    os.chmod(state, mode)
+    p = cli(state, "doctor", "--json")
+    (check,) = [c for c in json.loads(p.stdout)["checks"] if c["name"] == "state dir"]
+    assert check["ok"] is healthy, check
+    if healthy:
+        assert all(c["ok"] for c in json.loads(p.stdout)["checks"] if c["name"] != "network")
+    else:
+        assert p.returncode == 5 and check["detail"] == f"{state} mode {mode:04o}; expected a directory of mode 0750 or stricter"
+
+
 def test_schedule_omitted_means_once_and_task_show_says_so(store):
     s, _, _ = store
     assert "schedules     @once" in ok(s, "task", "show", "hello").stdout.decode()
@@ -466,3 +480,39 @@ def test_a_cluster_config_without_psycopg_is_one_line_exit_5_naming_the_extra(tm
         assert p.returncode == 5 and len(lines) == 1, (args, p.stderr)
         assert "pip install 'qlagent[cluster]'" in lines[0] and "Traceback" not in lines[0], lines
     assert not (tmp_path / "st" / "qlagent.db").exists()
+
+
+# ---- memory_max (issue 22 §3): a Task's memory limit, at each edge ----------------------------
+
+EDGE_SHARE = 96 * 1_048_576      # edge: 128 MiB less the agent's 32
+
+
+@pytest.mark.parametrize("value,stored", [('"4M"', 4_194_304), ("4194304", 4_194_304), ('"48M"', 50_331_648),
+                                          ('"98304K"', EDGE_SHARE), (str(EDGE_SHARE), EDGE_SHARE)])
+def test_memory_max_accepted_at_its_edges_is_stored_in_bytes(state, workdir, value, stored):  # noqa: F811
+    path = os.path.join(workdir, "t.toml")
+    with open(path, "w") as f:
+        f.write(f'[[task]]\nname = "t"\ncommand = ["/bin/true"]\nmemory_max = {value}\n')
+    ok(state, "task", "add", "-f", path)
+    assert js(state, "task", "show", "t")["definition"]["execution"]["memoryMax"] == stored
+
+
+@pytest.mark.parametrize("value,message", [
+    ('"4194303"', "4194303 bytes is below the floor of 4 MiB"),
+    ("0", "0 bytes is below the floor of 4 MiB"),
+    (str(EDGE_SHARE + 1), f"{EDGE_SHARE + 1} bytes is over the edge profile's share for runs: 96 MiB of 128 MiB "
+                          "(32 MiB stay the agent's)"),
+    ('"225M"', "235929600 bytes is over every Profile's share for runs (224 MiB)"),
+    ('"lots"', "'lots' is not a size: bytes, or a number with K, M or G (e.g. \"48M\")"),
+    ('"1.5M"', "'1.5M' is not a size: bytes, or a number with K, M or G (e.g. \"48M\")"),
+    ('"48MB"', "'48MB' is not a size: bytes, or a number with K, M or G (e.g. \"48M\")"),
+])
+def test_memory_max_refused_with_one_line_and_nothing_written(state, workdir, value, message):  # noqa: F811
+    path = os.path.join(workdir, "t.toml")
+    with open(path, "w") as f:
+        f.write(f'[[task]]\nname = "t"\ncommand = ["/bin/true"]\nmemory_max = {value}\n')
+    p = cli(state, "task", "add", "-f", path)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"qlagent: error: task[0].memory_max: {message}"), err
+    assert rows(state, "tasks") == 0

@@ -634,3 +634,26 @@ def test_wait_without_a_service_answers_cancel_and_interruption(root):
         assert time.monotonic() - t0 <= GRACE_S + 1.5
         assert json.loads(a.cli("run", "show", rid, "--json").stdout)["state"] == "cancelled"
         none_left(rid)
+
+
+def test_activation_is_committed_before_the_task_is_spawned(root):
+    """The task itself reads its Attempt from the database file through its own connection: the
+    claim (``starting``) is already committed — and, with synchronous=FULL, on stable storage —
+    when the task runs, so a power cut after the spawn cannot lose the activation."""
+    a = Agent(root)
+    db = os.path.join(a.state, "qlagent.db")
+    code = ("import os, sqlite3, sys\n"
+            "c = sqlite3.connect(f'file:{sys.argv[1]}?mode=ro', uri=True, timeout=10)\n"
+            "print(c.execute('SELECT state FROM attempts WHERE attempt_id = ?',"
+            " (os.environ['QL3_ATTEMPT_ID'],)).fetchone()[0])\n")
+    a.add(task("reader", command=[sys.executable, "-c", code, db]))
+    a.serve()
+    try:
+        rid = a.start("reader")
+        run = a.wait(rid)
+    finally:
+        assert a.stop() == 0
+    assert run["state"] == "succeeded"
+    (att,) = a.attempts(rid)
+    with open(att["artifact_path"]) as f:
+        assert f.read().strip() in ("starting", "running")

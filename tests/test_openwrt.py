@@ -300,6 +300,9 @@ def test_budget_of_the_profile_is_written_to_the_service_cgroup(router, profile)
     assert (cg / "pids.max").read_text() == f"{p.pids}\n"
     assert msg["instances"]["instance1"]["limits"] == {"nproc": f"{p.pids} {p.pids}"}
     assert router.log_lines() == []
+    # Delegated to the agent (its Runs' cgroups go below it); the limits stay root's.
+    assert f"chown qlagent:qlagent {cg} {cg}/cgroup.procs {cg}/cgroup.subtree_control {cg}/cgroup.threads" in \
+        Path(f"{router.calls}.chown").read_text().splitlines()
 
 
 UNIFIED = Path("/sys/fs/cgroup/unified")

@@ -118,6 +118,8 @@ def test_unit_is_notify_with_watchdog_budget_and_drain_consistent_stop_timeout()
     assert svc["ExecReload"] == ["/usr/bin/qlagent config check --config /etc/qlagent/qlagent.toml"]
     assert svc["Restart"] == ["on-failure"] and int(svc["WatchdogSec"][0]) > 0
     assert svc["MemoryMax"] == ["128M"] and svc["TasksMax"] == ["64"]
+    # The agent is the OOM killer's last choice; shims (500) and tasks (1000) raise themselves.
+    assert int(svc["OOMScoreAdjust"][0]) < 0
     assert svc["User"] == ["qlagent"] and svc["StateDirectory"] == ["qlagent"]
     # KillMode=process keeps runs across watchdog/crash restarts; stop-post ends them on a real stop.
     assert svc["KillMode"] == ["process"] and svc["ExecStopPost"] == ["/usr/lib/qlagent/stop-post"]
@@ -125,11 +127,28 @@ def test_unit_is_notify_with_watchdog_budget_and_drain_consistent_stop_timeout()
     assert int(svc["TimeoutStopSec"][0]) >= grace + 10
 
 
+def test_state_dir_mode_is_the_one_doctor_accepts():
+    """One rule (core.limits.STATE_DIR_MODE) for the mode every package gives the state dir
+    and the most `qlagent doctor` accepts: a package that sets more fails doctor on a healthy box."""
+    from qlagent.core.limits import STATE_DIR_MODE
+    want = f"{STATE_DIR_MODE:04o}"
+    assert unit_entries(UNIT)["Service"]["StateDirectoryMode"] == [want]
+    tmpfiles = [ln.split() for ln in (REPO / "systemd" / "qlagent.tmpfiles").read_text().splitlines()
+                if ln and not ln.startswith("#")]
+    assert ["d", "/var/lib/qlagent", want, "qlagent", "qlagent", "-"] in tmpfiles
+    init = (REPO / "openwrt" / "qlagent" / "files" / "qlagent.init").read_text()
+    assert f'chmod {want} "$state_dir"' in init
+
+
 def test_unit_hardening_keys():
     svc = unit_entries(UNIT)["Service"]
     for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "ProtectKernelTunables",
-                "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups", "RestrictSUIDSGID"):
+                "ProtectKernelModules", "ProtectKernelLogs", "RestrictSUIDSGID"):
         assert svc[key] == ["yes"], key
+    # The unit's own cgroup is the agent's to divide among Runs (adapters.runcgroup); a
+    # read-only /sys/fs/cgroup would leave only oom_score_adj.
+    assert (svc["Delegate"], svc["DelegateSubgroup"], svc["ProtectControlGroups"]) == (
+        ["memory pids"], ["agent"], ["no"])
     assert svc["ProtectSystem"] == ["strict"]
     assert svc["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
     assert svc["CapabilityBoundingSet"] == [""]
@@ -156,6 +175,8 @@ def test_systemd_analyze_verify_and_security_exposure(deb_tree, tmp_path):
     if version < 253:
         # notify-reload is systemd 253+ (Debian 13 has 257; packaging/e2e-systemd verifies there).
         problems = [l for l in problems if not l.endswith("Failed to parse service type, ignoring: notify-reload")]
+    if version < 254:       # DelegateSubgroup= is 254+, likewise
+        problems = [l for l in problems if "Unknown key 'DelegateSubgroup'" not in l]
     assert verify.returncode == 0 and not problems, verify.stderr
     unit = deb_tree / "usr/lib/systemd/system/qlagent.service"
     sec = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)], capture_output=True, text=True)
@@ -363,3 +384,22 @@ def test_stop_post_ends_every_run_process_on_a_real_stop(unit_cgroup, result):
     finally:
         outsider.kill()
         outsider.wait()
+
+
+def test_stop_post_from_control_ends_the_processes_of_every_sub_cgroup(unit_cgroup):
+    """With delegation systemd runs ExecStopPost in <unit>/.control while the agent and each
+    Run's tasks sit in <unit>/agent and <unit>/run-<attempt>: a real stop ends them all."""
+    subs = {n: unit_cgroup / n for n in (".control", "agent", "run-a1")}
+    for d in subs.values():
+        d.mkdir()
+    agent = spawn_in(subs["agent"], ["sleep", "60"])
+    task = spawn_in(subs["run-a1"], ["sleep", "60"])
+    try:
+        assert stop_post(subs[".control"], "success").returncode == 0
+        assert agent.wait(10) == -15 and task.wait(10) == -15
+    finally:
+        for p in (agent, task):
+            p.kill()
+            p.wait()
+        for d in subs.values():
+            d.rmdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -133,6 +134,41 @@ def test_wal_busy_timeout_and_foreign_keys(store, db):
         store.write(lambda c: c.execute("INSERT INTO tasks(task_id, project_id, name, head_revision, created_at_us, "
                                         "updated_at_us) VALUES ('x', 'no-such-project', 'n', 1, 0, 0)"))
     assert count(db, "tasks") == 0
+
+
+def test_every_commit_is_synced_full(store):
+    """synchronous = FULL (2): in WAL mode each COMMIT fsyncs the WAL (NORMAL, 1, lost acknowledged
+    Runs in a power cut: issue 22 §4)."""
+    assert store.read(lambda c: c.execute("PRAGMA synchronous").fetchone()[0]) == 2
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_run_start_answers_only_after_its_run_is_on_stable_storage(workdir):  # noqa: F811
+    """`qlagent run start` next to a running service prints the Run ID (its acknowledgement) only
+    after an fsync/fdatasync of the WAL that holds the new Run. Under synchronous=NORMAL there was
+    none: the service's open connection keeps the WAL from being checkpointed when the CLI exits."""
+    state = os.path.join(workdir, "state")
+    assert cli(state, "init").returncode == 0
+    service = sqlite3.connect(os.path.join(state, "qlagent.db"))      # holds the WAL open, as serve does
+    service.execute("SELECT count(*) FROM runs").fetchone()
+    path = os.path.join(workdir, "t.toml")
+    with open(path, "w") as f:
+        f.write('[[task]]\nname = "t"\ncommand = ["/bin/true"]\n')
+    assert cli(state, "task", "add", "-f", path).returncode == 0
+    trace = os.path.join(workdir, "trace")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    try:
+        p = subprocess.run(["strace", "-f", "-qq", "-y", "-s", "128", "-o", trace, "-e", "trace=fsync,fdatasync,write",
+                            sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "run", "start", "t"],
+                           capture_output=True, env=env, timeout=60)
+        assert p.returncode == 0, p.stderr
+        run_id = p.stdout.decode().strip()
+        lines = open(trace).read().splitlines()
+        answer = next(i for i, ln in enumerate(lines) if 'write(1<' in ln and run_id in ln)
+        synced = [ln for ln in lines[:answer] if ("fsync(" in ln or "fdatasync(" in ln) and "qlagent.db-wal>" in ln]
+    finally:
+        service.close()
+    assert synced, "the Run ID was printed before the WAL holding the Run was synced"
 
 
 def test_a_lock_held_past_the_busy_timeout_is_store_busy_and_writes_nothing(db):

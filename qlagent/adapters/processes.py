@@ -373,8 +373,9 @@ class ShimProcesses:
     a restart, their run directories under the allocator's ``runs_root``, and the signalling of
     a run's process tree (``signal_tree`` with the processes seen by earlier steps)."""
 
-    def __init__(self, allocator, linger_s: float, python: str | None = None) -> None:
+    def __init__(self, allocator, linger_s: float, python: str | None = None, cgroups=None) -> None:
         self._alloc = allocator            # adapters.artifacts.ArtifactAllocator (safe run dirs)
+        self._cgroups = cgroups            # adapters.runcgroup.RunCgroups, or None: no run cgroups
         self._linger_s = linger_s
         self._python = python or default_python()
         self._handles: dict[int, ShimHandle] = {}
@@ -393,7 +394,8 @@ class ShimProcesses:
         spec = {"attempt_id": attempt_id, "argv": list(cmd.argv), "env": cmd.env, "cwd": cmd.cwd,
                 "run_dir": run_dir, "artifact_path": cmd.artifact_path, "quota_bytes": cmd.quota_bytes,
                 "linger_s": self._linger_s, "umask": cmd.umask, "grace_s": cmd.grace_ms / 1000,
-                "keep_orphans": cmd.keep_orphans}
+                "keep_orphans": cmd.keep_orphans,
+                "cgroup": self._cgroups.create(attempt_id, cmd.memory_max) if self._cgroups else None}
         program = compiled_shim(self._alloc.runs_root, self._python)
         try:
             h = spawn_shim(spec, self._python, program=program)
@@ -449,6 +451,8 @@ class ShimProcesses:
         self._known.pop(attempt_id, None)
         self._started.pop(attempt_id, None)
         remove_run_dir(self._run_dir(attempt_id))
+        if self._cgroups is not None:
+            self._cgroups.remove(attempt_id)
 
 
 def remove_run_dir(run_dir: str) -> None:

@@ -33,7 +33,7 @@ class Engine:
         self._store = store
         self._artifacts = artifacts
         self._coordinator = LocalExecutionCoordinator(store, procs, clock_us, log)
-        self.admission = Admission(store, max_concurrent, budget, None, self.live_pids)
+        self.admission = Admission(store, max_concurrent, budget, None, self.live_pids, profile, self.live_reserves)
         self.dispatcher = LocalRunDispatcher(
             store, Materializer(store, store, cipher, artifacts, self.admission, profile, baseline=baseline, log=log),
             self._coordinator, self.admission, profile.dispatch_page)
@@ -66,6 +66,10 @@ class Engine:
 
     def live_pids(self) -> list[int]:
         return [lr.shim_pid for lr in self._coordinator.live.values()]
+
+    def live_reserves(self) -> list[int | None]:
+        """Memory admission holds for each live Run (bytes; None: re-attached after a restart)."""
+        return [lr.memory_reserve for lr in self._coordinator.live.values()]
 
     def stop_all(self, reason: str, grace_s: float) -> None:
         self._coordinator.stop_all(reason, int(grace_s * 1_000_000))

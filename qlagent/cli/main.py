@@ -226,6 +226,7 @@ def cmd_task_add(ctx: Ctx) -> int:
     from ..application.definitions import DefinitionWriter
     prepared = DefinitionWriter.prepare_file(_load_toml(ctx.args.file))
     _check_lease_fit(ctx, prepared)
+    _check_memory_max(ctx, prepared)
     heads = DefinitionWriter(ctx.store).add(prepared)
     ctx.poke_service()
     if ctx.args.json:
@@ -249,6 +250,14 @@ def _check_lease_fit(ctx: Ctx, prepared) -> None:
             check_grace(f"task[{i}].grace_s", p.definition.grace_ms, c.lease_ttl_s, DEFAULT_GRACE_S * 1000)
 
 
+def _check_memory_max(ctx: Ctx, prepared) -> None:
+    """Refuse (exit 2, nothing written) a Task whose ``memory_max`` is over the share for runs of
+    the Profile in force (core.profiles.run_memory_share)."""
+    from ..core.definitions import check_memory_max
+    for i, p in enumerate(prepared):
+        check_memory_max(f"task[{i}].memory_max", p.definition.execution.memory_max, ctx.settings.profile)
+
+
 def _warn_missing_secrets(ctx: Ctx, names: set[str]) -> None:
     """A Task whose Secret is not stored yet is accepted (set it next), but said so on stderr."""
     from ..application.secrets import SecretService
@@ -267,6 +276,7 @@ def cmd_task_edit(ctx: Ctx) -> int:
     if len(prepared) != 1:
         raise E.ValidationError("task", f"`task edit` takes a file with exactly one [[task]], got {len(prepared)}")
     _check_lease_fit(ctx, prepared)
+    _check_memory_max(ctx, prepared)
     h = DefinitionWriter(ctx.store).edit(ctx.args.name, ctx.args.expect_revision, ctx.args.expect_digest,
                                          prepared[0])
     ctx.poke_service()

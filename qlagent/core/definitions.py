@@ -19,11 +19,13 @@ from .errors import ValidationError, from_msgspec
 from .executors import EXECUTOR_LABEL, WORKER_EXECUTORS
 from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, PlacementSpec, RetryPolicy,
                      TaskDefinition)
+from .profiles import AGENT_MEMORY_SHARE, PROFILES, MiB, Profile, run_memory_share
 from .schedule import ScheduleError, parse_schedules, validate_timezone
 
 POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 UMASK = re.compile(r"^[0-7]{3,4}$")
+MEMORY_MAX = re.compile(r"^([0-9]{1,12})([KMG]?)$")
 SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 IFACE_NAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")   # Linux IFNAMSIZ - 1
 PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -54,6 +56,7 @@ class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     umask: str | None = None
     keep_orphans: bool = False
     on_lease_loss: str | None = None
+    memory_max: int | str | None = None
     timeout_s: float = 3600
     grace_s: float = DEFAULT_GRACE_S
     concurrency: str = "single"
@@ -231,6 +234,37 @@ def check_secret_name(name: str) -> str:
     return name
 
 
+def parse_memory_max(field: str, value: int | str) -> int:
+    """A Task's ``memory_max`` in bytes: a whole number of bytes or a string with K, M or G
+    (binary: "48M" = 48 MiB). Refused (ValidationError naming ``field``): anything else, below
+    limits.MIN_RUN_MEMORY, or above the largest Profile's runs' share (the Profile in force is
+    checked where it is known: ``check_memory_max``)."""
+    ceiling = max(run_memory_share(p) for p in PROFILES.values())
+    n = value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, str):
+        m = MEMORY_MAX.match(value)
+        if m:
+            n = int(m.group(1)) * L.MEMORY_UNITS.get(m.group(2), 1)
+    if n is None:
+        raise ValidationError(field, f"{value!r} is not a size: bytes, or a number with K, M or G (e.g. \"48M\")")
+    if n < L.MIN_RUN_MEMORY:
+        raise ValidationError(field, f"{n} bytes is below the floor of {L.MIN_RUN_MEMORY // MiB} MiB",
+                              limit=L.MIN_RUN_MEMORY)
+    if n > ceiling:
+        raise ValidationError(field, f"{n} bytes is over every Profile's share for runs ({ceiling // MiB} MiB)",
+                              limit=ceiling)
+    return n
+
+
+def check_memory_max(field: str, memory_max: int | None, profile: Profile) -> None:
+    """Refuse a ``memory_max`` over what ``profile`` leaves to Runs (core.profiles)."""
+    share = run_memory_share(profile)
+    if memory_max is not None and memory_max > share:
+        raise ValidationError(field, f"{memory_max} bytes is over the {profile.name} profile's share for runs: "
+                                     f"{share // MiB} MiB of {profile.memory_bytes // MiB} MiB "
+                                     f"({AGENT_MEMORY_SHARE // MiB} MiB stay the agent's)", limit=share)
+
+
 def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
     """Validate the launch spec (ADR-0071 §2): absolute bounded argv or allowlisted shell;
     ``cwd`` absolute (unset: HOME at launch); ``umask`` 3-4 octal digits ≤ 0777, kept as 4;
@@ -248,7 +282,8 @@ def prepare_execution(prefix: str, t: TaskInput) -> ExecutionSpec:
     if t.on_lease_loss is not None and t.on_lease_loss not in ON_LEASE_LOSS:
         raise ValidationError(f"{prefix}on_lease_loss",
                               f"{t.on_lease_loss!r} is not one of {', '.join(ON_LEASE_LOSS)}")
-    common = {"cwd": t.cwd, "umask": umask, "keep_orphans": t.keep_orphans, "on_lease_loss": t.on_lease_loss}
+    common = {"cwd": t.cwd, "umask": umask, "keep_orphans": t.keep_orphans, "on_lease_loss": t.on_lease_loss,
+              "memory_max": None if t.memory_max is None else parse_memory_max(f"{prefix}memory_max", t.memory_max)}
     if t.command is not None and (t.shell is not None or t.script is not None):
         raise ValidationError(f"{prefix}command", "give either command or shell+script, not both")
     if t.command is not None:
@@ -391,7 +426,7 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
 
 # Optional launch fields added after the first release: omitted while unset, so every Task
 # stored before them keeps its contentDigest and execution digest.
-_OMITTED_UNSET = {"umask": None, "keepOrphans": False, "onLeaseLoss": None}
+_OMITTED_UNSET = {"umask": None, "keepOrphans": False, "onLeaseLoss": None, "memoryMax": None}
 
 
 def _execution_builtins(e: ExecutionSpec) -> dict:

@@ -74,7 +74,9 @@ class LaunchCommand(msgspec.Struct, frozen=True):
 
     ``env`` is the frozen environment (baseline HOME/USER/LOGNAME/SHELL, recipe values, secret
     plaintext, ``QL3_*`` identity); it must never be logged, persisted or put in an error.
-    ``umask`` None: the service's; ``keep_orphans``: see ExecutionSpec.
+    ``umask`` None: the service's; ``keep_orphans``: see ExecutionSpec. ``memory_max``: the Run's
+    memory limit, ``memory_reserve``: what admission holds for it while it lives (bytes;
+    core.profiles.run_memory_limit / run_memory_reserve).
     """
 
     candidate: Candidate
@@ -88,6 +90,8 @@ class LaunchCommand(msgspec.Struct, frozen=True):
     retry: RetryPolicy
     umask: int | None = None
     keep_orphans: bool = False
+    memory_max: int | None = None
+    memory_reserve: int = 0
 
     def __repr__(self) -> str:      # keep secret values out of any accidental repr/traceback
         return f"LaunchCommand(run={self.candidate.run_id}, attempt={self.candidate.attempt_id})"

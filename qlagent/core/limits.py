@@ -30,6 +30,16 @@ MAX_RETRY_BACKOFF_S = 24 * 3600
 MAX_TASKS_PER_FILE = 1_000
 MAX_TASK_FILE_BYTES = 4 * 1_048_576
 
+MIN_RUN_MEMORY = 4 * 1_048_576         # a Task's memory_max floor: below it not even the shim fits
+MEMORY_UNITS = {"K": 1024, "M": 1_048_576, "G": 1_073_741_824}   # binary, as systemd's MemoryMax=
+
 SHELL_ALLOWLIST = ("/bin/sh", "/bin/bash")
 RESERVED_ENV_PREFIX = "QL3_"
+# Directory modes: the most ``doctor`` accepts, and what the packages set (systemd
+# StateDirectoryMode= and tmpfiles, the OpenWrt init script; tests/test_packaging.py reads them
+# against these). The qlagent group may read the state dir; only the owner writes. Log
+# artifacts and run dirs stay owner-only (ADR-0071 §4 step 7).
+STATE_DIR_MODE = 0o750
+PRIVATE_DIR_MODE = 0o700
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -55,8 +55,9 @@ class ExecutionSpec(Base):
     ``umask`` (4 octal digits, e.g. ``"0027"``) None: the service's umask. ``keep_orphans``:
     leave what the main process left behind running. ``on_lease_loss`` (``kill`` | ``keep``)
     None: ``kill``; what a fleet Worker does with a run whose Run Lease it cannot renew (issue 11
-    §6; a local agent has no Lease and ignores it). The three last are left out of the canonical
-    documents while unset, so a Task that does not use them keeps its digests.
+    §6; a local agent has no Lease and ignores it). ``memory_max`` (bytes) None: the Profile's
+    default per-run limit (core.profiles.run_memory_limit). The four last are left out of the
+    canonical documents while unset, so a Task that does not use them keeps its digests.
     """
 
     kind: str
@@ -67,6 +68,7 @@ class ExecutionSpec(Base):
     umask: str | None = None
     keep_orphans: bool = False
     on_lease_loss: str | None = None
+    memory_max: int | None = None
 
     def launch_argv(self) -> list[str]:
         """The argv handed to execve."""

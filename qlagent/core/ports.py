@@ -367,8 +367,16 @@ class ProcessPort(Protocol):
 
 
 class Usage(Protocol):
+    """One reading of the service tree (``adapters.budget.Usage``): bytes and counts; the
+    kernel-only figures are None without a cgroup of the service's own."""
     rss_bytes: int
     pids: int
+    current_bytes: int | None
+    peak_bytes: int | None
+    oom_kills: int | None
+    memory_max: int | None
+    pids_max: int | None
+    source: str
 
 
 class BudgetPort(Protocol):
@@ -379,6 +387,9 @@ class BudgetPort(Protocol):
 
     def recent(self, max_age_s: float, extra_roots: list[int]) -> Usage:
         """Figures measured within ``max_age_s`` s, else fresh ones (bytes, count)."""
+
+    def limits(self, u: Usage) -> tuple[int, int]:
+        """(memory bytes, PIDs) the tree may use: the Profile's, or the kernel's where lower."""
 
 
 class PanelSource(Protocol):

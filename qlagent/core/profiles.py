@@ -32,6 +32,29 @@ STANDALONE = Profile("standalone", 256 * MiB, 256, 16, 64 * MiB, 256 * MiB, 1024
 
 PROFILES = {p.name: p for p in (EDGE, STANDALONE)}
 
+# Per-run memory (issue 22 §3). The agent keeps AGENT_MEMORY_SHARE of the service budget (its
+# ~20 MiB RSS and headroom); the rest is the runs' share. A Run's limit (memory.max of its cgroup)
+# is its Task's ``memory_max``, else the whole runs' share (one runaway can never reach the
+# agent's); admission reserves ``memory_max``, else the runs' share split over
+# ``max_concurrent_runs`` (edge: 96 MiB for runs, 24 MiB reserved per Run by default).
+AGENT_MEMORY_SHARE = 32 * MiB
+
+
+def run_memory_share(p: Profile) -> int:
+    """Bytes the Profile leaves to Runs: the largest ``memory_max`` a Task may state."""
+    return p.memory_bytes - AGENT_MEMORY_SHARE
+
+
+def run_memory_limit(p: Profile, memory_max: int | None) -> int:
+    """A Run's memory limit in bytes: its Task's ``memory_max``, capped at the runs' share."""
+    share = run_memory_share(p)
+    return share if memory_max is None else min(memory_max, share)
+
+
+def run_memory_reserve(p: Profile, memory_max: int | None) -> int:
+    """What admission sets aside for a Run (bytes): ``memory_max``, else an equal slice."""
+    return run_memory_limit(p, memory_max) if memory_max is not None else run_memory_share(p) // p.max_concurrent_runs
+
 
 def get_profile(name: str) -> Profile:
     """Return the Profile called ``name``.

@@ -36,6 +36,7 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     cpu_time_us: int | None
     orphans_stopped: int | None = None    # absent from a receipt an older shim wrote
     lease_lost: bool = False              # the shim stopped the run: its Worker did not renew the Lease
+    oom_killed: bool = False              # SIGKILLed while its memory cgroup's oom_kill count rose
 
 
 def start_code(start_error: str) -> str:

@@ -2,8 +2,9 @@
 
 Global blocks, in order: ``draining`` (shutdown), ``concurrency`` (the limit of active Runs),
 then the Profile budget (``pids``/``memory`` from BudgetPort). Per-Run blocks:
-``single_instance`` (the Task has an active Run), ``network_unknown`` (no gate yet) or
-``network`` (the gate says the condition does not hold).
+``single_instance`` (the Task has an active Run), ``memory_reserved`` (the memory reserved for the live
+Runs plus this one's would pass the Profile's share for runs: core.profiles), ``network_unknown``
+(no gate yet) or ``network`` (the gate says the condition does not hold).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.dispatch import Candidate, Plan
+from ..core.profiles import Profile, run_memory_reserve, run_memory_share
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import BudgetPort, DispatchStore, NetworkPort
@@ -22,8 +24,11 @@ class Admission:
     ``last_block`` is the latest global block (STATUS)."""
 
     def __init__(self, store: DispatchStore, max_concurrent: int, budget: BudgetPort | None,
-                 network: NetworkPort | None, live_roots: Callable[[], list[int]]) -> None:
+                 network: NetworkPort | None, live_roots: Callable[[], list[int]], profile: Profile,
+                 live_reserves: Callable[[], list[int | None]]) -> None:
         self._store = store
+        self._profile = profile
+        self._live_reserves = live_reserves   # bytes held per live Run; None: re-attached, not known
         self.max_concurrent = max_concurrent
         self.budget = budget
         self.network = network
@@ -47,6 +52,10 @@ class Admission:
         """A reason this Run must wait, or None."""
         if plan.concurrency == "single" and self._store.task_active_count(c.task_id):
             return "single_instance"
+        default = run_memory_reserve(self._profile, None)
+        held = sum(default if r is None else r for r in self._live_reserves())
+        if held + run_memory_reserve(self._profile, plan.execution.memory_max) > run_memory_share(self._profile):
+            return "memory_reserved"
         if plan.network_require != "none":
             if self.network is None:
                 return "network_unknown"

@@ -22,7 +22,7 @@ import msgspec
 from ..core import limits as L
 from ..core.dispatch import Candidate, LaunchCommand, Plan
 from ..core.errors import QlError, StartError, UnavailableError
-from ..core.profiles import Profile
+from ..core.profiles import Profile, run_memory_limit, run_memory_reserve
 from .admission import Admission
 from .secrets import resolve_secrets
 
@@ -135,4 +135,5 @@ class Materializer:
             candidate=c, argv=tuple(ex.launch_argv()), env=env, cwd=ex.cwd or env.get("HOME") or "/",
             artifact_path=path, quota_bytes=quota, timeout_ms=plan.timeout_ms, grace_ms=plan.grace_ms,
             retry=plan.retry, umask=None if ex.umask is None else int(ex.umask, 8),
-            keep_orphans=ex.keep_orphans))
+            keep_orphans=ex.keep_orphans, memory_max=run_memory_limit(self._profile, ex.memory_max),
+            memory_reserve=run_memory_reserve(self._profile, ex.memory_max)))

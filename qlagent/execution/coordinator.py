@@ -31,13 +31,14 @@ class TrackedAttempt:
     """In-memory view of one running Attempt (the store stays the authority)."""
 
     __slots__ = ("run_id", "attempt_id", "task_id", "revision", "shim_pid", "create_time", "pidfd",
-                 "deadline_us", "grace_us", "kill_reason", "kill_at_us", "retry")
+                 "deadline_us", "grace_us", "kill_reason", "kill_at_us", "retry", "memory_reserve")
 
     def __init__(self, run_id, attempt_id, task_id, revision, shim_pid, create_time, pidfd, deadline_us,
-                 grace_us, retry) -> None:
+                 grace_us, retry, memory_reserve=None) -> None:
         self.run_id, self.attempt_id, self.task_id, self.revision = run_id, attempt_id, task_id, revision
         self.shim_pid, self.create_time, self.pidfd = shim_pid, create_time, pidfd
         self.deadline_us, self.grace_us, self.retry = deadline_us, grace_us, retry
+        self.memory_reserve: int | None = memory_reserve   # bytes admission holds; None after a re-attach
         self.kill_reason: str | None = None
         self.kill_at_us: int | None = None
 
@@ -75,7 +76,8 @@ class LocalExecutionCoordinator:
         deadline = now + cmd.timeout_ms * 1000
         self._store.mark_running(c, pid, ctime, deadline)
         self.live[c.attempt_id] = TrackedAttempt(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
-                                          self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry)
+                                          self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry,
+                                          cmd.memory_reserve)
         self._log("info", "run.started", run=c.run_id, attempt=c.attempt_id, pid=pid)
         return "activated", None
 
@@ -102,16 +104,19 @@ class LocalExecutionCoordinator:
             self._log("warning", "run.start_failed", run=lr.run_id, attempt=attempt_id, reason=f.failure_reason,
                       error=f.start_error)
         self._log("info" if state == "succeeded" else "warning", f"run.{state}", run=lr.run_id,
-                  exit=f.exit_code, signal=f.exit_signal, orphans=f.orphans_stopped)
+                  exit=f.exit_code, signal=f.exit_signal, orphans=f.orphans_stopped, reason=f.failure_reason,
+                  peak_rss=f.peak_rss_bytes if f.failure_reason == "oom_killed" else None)
         return state
 
     @staticmethod
     def _finish_from_receipt(r: Receipt, kill_reason: str | None) -> Finish:
         error = bounded(r.start_error) if r.start_error is not None else None
         st = outcome(r.exit_code, r.signal, error, kill_reason)
+        # A kill of ours (timeout, cancel) names itself; the kernel's OOM kill is the shim's finding.
+        reason = start_code(error) if error else kill_reason or ("oom_killed" if r.oom_killed else None)
         return Finish(st, exit_code=r.exit_code, exit_signal=r.signal, bytes_kept=r.bytes_kept,
                       bytes_dropped=r.bytes_dropped, peak_rss_bytes=r.peak_rss_bytes, cpu_time_us=r.cpu_time_us,
-                      ended_at_us=r.ended_at_us, failure_reason=(start_code(error) if error else kill_reason),
+                      ended_at_us=r.ended_at_us, failure_reason=reason,
                       start_error=error, orphans_stopped=r.orphans_stopped)
 
     # ---- time, cancellation, shutdown ----------------------------------------------------

@@ -12,6 +12,7 @@ import os
 import stat
 
 from .. import bootstrap
+from ..core.limits import PRIVATE_DIR_MODE, STATE_DIR_MODE
 from .config import Settings
 from .trust import check as check_trust
 from .trust import trusted_paths, worker_paths
@@ -63,15 +64,24 @@ def run_checks(s: Settings) -> list[dict]:
                                          f"{need // MiB} MiB (reserve + one log)")
     except OSError as e:
         add("free space", False, f"{probe}: {e.strerror}")
-    for name, path in (("state dir", s.state_dir), ("artifact dir", s.artifact_dir)):
+    for name, path, most in (("state dir", s.state_dir, STATE_DIR_MODE),
+                             ("artifact dir", s.artifact_dir, PRIVATE_DIR_MODE)):
         try:
-            st = os.lstat(path)
-            ok = stat.S_ISDIR(st.st_mode) and not (st.st_mode & 0o077)
-            add(name, ok, f"{path} mode {oct(st.st_mode & 0o777)}" + ("" if ok else "; expected a 0700 directory"))
+            add(name, *_dir_mode(path, most))
         except FileNotFoundError:
             add(name, name == "artifact dir", f"{path} not created yet")
+    add("budget", *bootstrap.budget_check(s.profile))
     add("network", *bootstrap.network_check())
     return out
+
+
+def _dir_mode(path: str, most: int) -> tuple[bool, str]:
+    """(ok, detail) for a directory whose mode may have no bit outside ``most`` (core.limits);
+    raises FileNotFoundError."""
+    st = os.lstat(path)
+    mode = stat.S_IMODE(st.st_mode)
+    ok = stat.S_ISDIR(st.st_mode) and not (mode & ~most)
+    return ok, f"{path} mode {mode:04o}" + ("" if ok else f"; expected a directory of mode {most:04o} or stricter")
 
 
 def _worker_checks(s: Settings, add, out: list[dict]) -> list[dict]:
@@ -83,10 +93,7 @@ def _worker_checks(s: Settings, add, out: list[dict]) -> list[dict]:
         add("trust", True, "config, state dir, credential and CA files, inbox and run dirs owned by uid "
                            f"{os.geteuid()}" + (" or root" if os.geteuid() else "") + ", none group/world-writable")
     try:
-        st = os.lstat(s.state_dir)
-        ok = stat.S_ISDIR(st.st_mode) and not (st.st_mode & 0o077)
-        add("state dir", ok, f"{s.state_dir} mode {oct(st.st_mode & 0o777)}" + ("" if ok else "; expected a 0700 "
-                                                                                 "directory"))
+        add("state dir", *_dir_mode(s.state_dir, STATE_DIR_MODE))
     except FileNotFoundError:
         add("state dir", False, f"{s.state_dir} does not exist (run `qlagent init`)")
     for name, ok, detail in bootstrap.worker_checks(s):

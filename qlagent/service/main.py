@@ -419,8 +419,10 @@ class Service:
                  "next=" + (time.strftime("%H:%M:%S", time.gmtime(nw / 1e6)) + "Z" if nw else "-")]
         if self.budget is not None:
             u = self.budget.recent(0.5, self.engine.live_pids())
-            parts.append(f"mem={u.rss_bytes // 1048576}/{self.settings.profile.memory_bytes // 1048576}MiB "
-                         f"pids={u.pids}/{self.settings.profile.pids}")
+            mem, pids = self.budget.limits(u)
+            parts.append(f"mem={u.rss_bytes // 1048576}/{mem // 1048576}MiB pids={u.pids}/{pids}")
+            if u.oom_kills:
+                parts.append(f"oom_kills={u.oom_kills}")
         block = self.engine.admission.last_block
         if block and block != "draining":
             parts.append(f"blocked={block}")

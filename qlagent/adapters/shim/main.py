@@ -12,7 +12,8 @@ Artifact), linger_s (seconds ≥ 0 the drainer keeps reading after the main task
 umask (int 0..0o777 or null: null gives the task the umask this process inherited, i.e. the
 service's), grace_s (seconds ≥ 0 between SIGTERM and SIGKILL when stopping what the main task
 left behind), keep_orphans (bool: leave them running), lease_file (absolute path or null, fleet
-Worker runs under on_lease_loss = "kill" only: see "Lease self-fencing").
+Worker runs under on_lease_loss = "kill" only: see "Lease self-fencing"), cgroup (absolute path
+or null: the Run's own cgroup, adapters/runcgroup.py, which the task joins before its exec).
 
 Start status (stdout, a pipe to the agent): ONE line once the outcome of the exec is known,
 ``ok`` or ``err <start_error>``; then stdout is pointed at /dev/null. The agent records the
@@ -37,6 +38,15 @@ process group and everything of the run (as for leftovers, keep_orphans or not) 
 SIGKILL after grace_s, and the receipt says "lease_lost": true. One wake-up per renewal period
 and no thread: the shim stays as small as before.
 
+Out of memory (issue 22 §3): with a ``cgroup`` the task tree runs there, under the Run's own
+memory.max (whole tree killed together: memory.oom.group), and this process stays beside the
+agent. Either way the task is exec'd with oom_score_adj TASK_OOM_SCORE_ADJ and this process runs
+at SHIM_OOM_SCORE_ADJ, so when a memory cgroup they share with the agent is full the kernel kills
+the task first and the agent (whose own value is lower: the unit's OOMScoreAdjust=) last. A task
+ended by SIGKILL while the oom_kill count rose — of the Run's cgroup, else of this process's
+memory cgroup (v2 memory.events, v1 memory.oom_control) — ends with "oom_killed": true; with a
+``cgroup`` peak_rss_bytes is its memory.peak (the whole tree) instead of the task's max RSS.
+
 Files in run_dir:
   output.fifo    0600 FIFO carrying the task's stdout+stderr; removed at the end.
   task.pid       the task PID (= its process group ID), written right after the spawn.
@@ -46,7 +56,7 @@ Files in run_dir:
   receipt.json   atomic completion receipt (temp, fsync, rename, dir fsync):
                  {"attempt_id","exit_code","signal","start_error","started_at_us","ended_at_us",
                   "bytes_total","bytes_kept","bytes_dropped","peak_rss_bytes","cpu_time_us",
-                  "orphans_stopped","lease_lost"}. start_error: at most START_ERROR_LIMIT characters, paths
+                  "orphans_stopped","lease_lost","oom_killed"}. start_error: at most START_ERROR_LIMIT characters, paths
                  and errno names only (never the environment).
   shim.err       the shim's own errors (never sent to the agent through a pipe).
 
@@ -73,6 +83,8 @@ MAX_GRACE_S = 300.0
 START_ERROR_LIMIT = 512
 _PATH_SHOWN = 200
 PR_SET_CHILD_SUBREAPER = 36
+TASK_OOM_SCORE_ADJ = b"1000"   # the kernel's first choice in an OOM (the maximum)
+SHIM_OOM_SCORE_ADJ = b"500"    # after the task, before the agent: killing a shim loses its run
 ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
 
 _task_pid = 0
@@ -195,8 +207,11 @@ def _validate(spec):
     lease_file = spec.get("lease_file")
     if lease_file is not None:
         lease_file = _str_field(spec, "lease_file", absolute=True)
+    cgroup = spec.get("cgroup")
+    if cgroup is not None:
+        cgroup = _str_field(spec, "cgroup", absolute=True)
     return {
-        "lease_file": lease_file,
+        "lease_file": lease_file, "cgroup": cgroup,
         "argv": argv, "env": env, "quota_bytes": quota, "linger_s": float(linger),
         "grace_s": float(grace), "umask": _inherited_umask if umask is None else umask,
         "keep_orphans": keep,
@@ -346,6 +361,9 @@ def _exec_child(cfg, path, wfd, err_w, reset):
         os.dup2(null, 0)
         os.dup2(wfd, 1)
         os.dup2(wfd, 2)
+        _set_oom_score_adj(TASK_OOM_SCORE_ADJ)
+        if cfg["cgroup"] is not None:
+            _join_cgroup(cfg["cgroup"])
         stage = b"cwd"
         os.chdir(cfg["cwd"])
         stage = b"exec"
@@ -355,6 +373,71 @@ def _exec_child(cfg, path, wfd, err_w, reset):
     except BaseException:
         os.write(err_w, b"shim 0")
     os._exit(127)
+
+
+def _set_oom_score_adj(value):
+    """Raise this process's oom_score_adj (raising needs no privilege); ignored without /proc."""
+    try:
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, value)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _join_cgroup(path):
+    """In the forked child: move into the Run's cgroup; a refusal leaves the task where the shim
+    is (under oom_score_adj only)."""
+    try:
+        fd = os.open(path + "/cgroup.procs", os.O_WRONLY)
+        try:
+            os.write(fd, b"%d" % os.getpid())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _cgroup_value(path, key):
+    """``key``'s number in a flat-keyed cgroup file, or the file's one number (key None)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.split()
+                if key is None and len(parts) == 1:
+                    return int(parts[0])
+                if len(parts) == 2 and parts[0] == key:
+                    return int(parts[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _oom_kills(cgroup=None):
+    """The oom_kill count of the Run's cgroup, else of this process's memory cgroup (v1
+    ``memory`` line, else v2 ``0::``), or None where there is none to read."""
+    if cgroup is not None:
+        n = _cgroup_value(cgroup + "/memory.events", "oom_kill")
+        if n is not None:
+            return n
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    except OSError:
+        return None
+    paths = [("/sys/fs/cgroup/memory%s/memory.oom_control" % p) for _, c, p in lines if "memory" in c.split(",")]
+    paths += [("/sys/fs/cgroup%s/memory.events" % p) for h, c, p in lines if h == "0" and c == ""]
+    for path in paths:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith("oom_kill "):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _spawn(cfg, wfd):
@@ -551,7 +634,7 @@ def new_receipt(attempt_id, start_error=None):
     return {"attempt_id": attempt_id, "exit_code": None, "signal": None, "start_error": start_error,
             "started_at_us": now, "ended_at_us": now if start_error is not None else None,
             "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None,
-            "orphans_stopped": None, "lease_lost": False}
+            "orphans_stopped": None, "lease_lost": False, "oom_killed": False}
 
 
 def run(w, cfg):
@@ -588,6 +671,8 @@ def run(w, cfg):
     _signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     _signal.signal(_signal.SIGCHLD, lambda s, f: None)  # only to wake poll through wakeup fd
 
+    _set_oom_score_adj(SHIM_OOM_SCORE_ADJ)
+    oom_before = _oom_kills(cfg["cgroup"])
     receipt["started_at_us"] = _now_us()
     try:
         if _term_requested:
@@ -700,8 +785,15 @@ def run(w, cfg):
     os.close(rfd)
     if os.WIFSIGNALED(status):
         receipt["signal"] = os.WTERMSIG(status)
+        if receipt["signal"] == _signal.SIGKILL and oom_before is not None:
+            receipt["oom_killed"] = (_oom_kills(cfg["cgroup"]) or 0) > oom_before
     else:
         receipt["exit_code"] = os.waitstatus_to_exitcode(status)
+    if cfg["cgroup"] is not None:
+        # The whole task tree's peak, as the kernel counted it (memory.peak: Linux 5.19+).
+        peak = _cgroup_value(cfg["cgroup"] + "/memory.peak", None)
+        if peak is not None:
+            receipt["peak_rss_bytes"] = peak
     return receipt
 
 

@@ -4,7 +4,10 @@ Every read and write of the local store goes through ``SqliteAuthority.read``/``
 on any thread submit a function and block until the owner thread has run it (ADR-0071 §3, "唯一
 SQLite authority / operation queue"). Mutations run inside ``BEGIN IMMEDIATE`` so that a
 writer takes the lock before it reads the facts it fences on; WAL lets readers in other
-processes (the CLI) proceed meanwhile.
+processes (the CLI) proceed meanwhile. ``synchronous = FULL``: in WAL mode each COMMIT
+fsyncs the WAL, so a write has reached stable storage when ``write`` returns — before a 202 or
+a CLI's answer is sent, before a claimed Attempt's task is spawned (a power cut lost
+acknowledged Runs under NORMAL, which syncs only at checkpoints; cost in bench/README.md).
 
 Driver errors stop here: SQLite's "database is locked"/"busy" (another process held the lock
 past the busy timeout) becomes ``UnavailableError(code="store_busy")`` and an I/O, full-disk,
@@ -83,7 +86,7 @@ class SqliteAuthority:
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA foreign_keys = ON")
-            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA synchronous = FULL")
         except BaseException as e:  # reported to the constructor's caller
             self._open_error = e
             self._ready.set()
@@ -130,7 +133,8 @@ class SqliteAuthority:
         return self._submit(fn, write=False)
 
     def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn(conn)`` inside BEGIN IMMEDIATE … COMMIT (ROLLBACK on error)."""
+        """Run ``fn(conn)`` inside BEGIN IMMEDIATE … COMMIT (ROLLBACK on error); on return the
+        commit is on stable storage (the WAL fsync'd)."""
         return self._submit(fn, write=True)
 
     def raw(self, fn: Callable[[sqlite3.Connection], T]) -> T:
