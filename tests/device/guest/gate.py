@@ -612,6 +612,9 @@ def mode_flash() -> None:
 
 
 # ---------------------------------------------------------------- power cut
+ACKED = [0]
+
+
 def load_client(token: str, stop: threading.Event, acks: str) -> None:
     """Task Starts over HTTP; every 202 is appended (runId) to the acks file and fsynced
     before the next request, so what the file holds the client was told."""
@@ -628,6 +631,7 @@ def load_client(token: str, stop: threading.Event, acks: str) -> None:
         if code == 202:
             os.write(fd, (out["runId"] + "\n").encode())
             os.fsync(fd)
+            ACKED[0] += 1
         else:
             time.sleep(0.5)
         time.sleep(random.uniform(0.0, 0.3))
@@ -724,13 +728,14 @@ def mode_powercut() -> None:
     stop = threading.Event()
     th = threading.Thread(target=load_client, args=(token, stop, f"{CTL}/acks.log"), daemon=True)
     th.start()
-    chatty = 0
-    say("LOAD RUNNING")  # the host cuts the power at a random instant after this line
+    ql("run", "start", "chatty", check_rc=False)
+    # The host cuts the power at a random instant after this line: once the client has had a
+    # few 202s, so that every cut falls among acknowledged starts.
+    wait_for(lambda: ACKED[0] >= 3, 180, 0.5)
+    say(f"LOAD RUNNING acked={ACKED[0]}")
     while True:
-        if chatty < 3:
-            ql("run", "start", "chatty", check_rc=False)
-            chatty += 1
         time.sleep(5)
+        ql("run", "start", "chatty", check_rc=False)
 
 
 def write_result(mode: str, extra: dict | None = None) -> None:
