@@ -305,10 +305,25 @@ def main(argv: list[str]) -> int:
     al.add_argument("--cuts", type=int, default=30)
     al.add_argument("--md", default=str(REPO / "bench" / "results" / "vm-gates.md"))
     al.add_argument("--merged", default="", help="what the tree holds (e.g. 'main + w22cg@abc'), for the record")
+    rp = sub.add_parser("report", help="vm-gates.md from a `boot --out` JSON and a `powercut --out` JSON")
+    rp.add_argument("--router")
+    rp.add_argument("--powercut")
+    rp.add_argument("--md", default=str(REPO / "bench" / "results" / "vm-gates.md"))
+    rp.add_argument("--merged", default="")
     bt = sub.add_parser("boot")
     bt.add_argument("modes", nargs="+")
     bt.add_argument("--out")
     a = ap.parse_args(argv)
+    if a.cmd == "report":
+        r = json.loads(Path(a.router).read_text()) if a.router else {}
+        pc = json.loads(Path(a.powercut).read_text()) if a.powercut else None
+        results = r.get("results")
+        g = ((results or {}).get("seed") or {}).get("guest", {})
+        meta = {"tree": a.merged or "?", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "guest": f"{g.get('machine')} {g.get('uname')}, {g.get('systemd')}, {g.get('cgroup')}, "
+                         f"MemTotal {g.get('memtotal_kib')} KiB, {g.get('nproc')} CPUs"}
+        Path(a.md).write_text(render_md(meta, r.get("boot"), results, pc))
+        return 0
     image, took = build_image()
     print(f"image {image} ({took:.0f} s)", file=sys.stderr)
     if a.cmd == "image":
