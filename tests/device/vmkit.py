@@ -254,7 +254,7 @@ def _mib(v) -> str:
 def render_md(meta: dict, boot: dict | None, results: dict | None, pc: dict | None) -> str:
     """bench/results/vm-gates.md from one `all` run."""
     out = ["# Router VM gates (issue 22) — figures from the arm64 guest", "",
-           "Written by `python3 tests/device/vmkit.py all` (long form). Guest: "
+           "Written by `tests/device/vmkit.py` (`all` runs every gate; `report` renders saved runs). Guest: "
            + meta.get("guest", "?") + ".", ""]
     for k, v in meta.items():
         if k != "guest":
