@@ -417,7 +417,10 @@ def mode_hog() -> None:
     check("hog.agent_kept_pid", s1["MainPID"] == pid and s1["NRestarts"] == "0" and s1["ActiveState"] == "active",
           {"before": s0, "after": s1})
     jr = journal(since)
-    check("hog.no_watchdog_timeout", "watchdog" not in jr.lower() or "Watchdog timeout" not in jr, None)
+    wd = [ln for ln in sh("journalctl", "--since", since, "-o", "cat", "--no-pager").stdout.splitlines()
+          if "atchdog" in ln or "oom" in ln.lower() or "Main process exited" in ln]
+    check("hog.no_watchdog_timeout", not any("Watchdog timeout" in ln or "result 'watchdog'" in ln for ln in wd),
+          wd[-12:])
     bad = [x for x in health if x != 200]
     check("hog.http_answered", len(health) >= 3 and not bad, {"probes": len(health), "not_200": bad[:10]})
     st, _ = http("GET", "/healthz")
