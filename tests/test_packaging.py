@@ -40,6 +40,9 @@ DEB_DEPENDS = [
 SHELL_SCRIPTS = [
     "packaging/build-deb",
     "packaging/e2e-systemd",
+    "packaging/vm/build-image",
+    "packaging/vm/guest-setup",
+    "packaging/vm/guest-boot",
     "packaging/debian/postinst",
     "packaging/debian/prerm",
     "packaging/debian/postrm",
