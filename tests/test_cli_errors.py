@@ -484,11 +484,11 @@ def test_a_cluster_config_without_psycopg_is_one_line_exit_5_naming_the_extra(tm
 
 # ---- memory_max (issue 22 §3): a Task's memory limit, at each edge ----------------------------
 
-EDGE_SHARE = 96 * 1_048_576      # edge: 128 MiB less the agent's 32
+EDGE_SHARE = 80 * 1_048_576      # edge: 128 MiB less the agent's 48
 
 
 @pytest.mark.parametrize("value,stored", [('"4M"', 4_194_304), ("4194304", 4_194_304), ('"48M"', 50_331_648),
-                                          ('"98304K"', EDGE_SHARE), (str(EDGE_SHARE), EDGE_SHARE)])
+                                          ('"81920K"', EDGE_SHARE), (str(EDGE_SHARE), EDGE_SHARE)])
 def test_memory_max_accepted_at_its_edges_is_stored_in_bytes(state, workdir, value, stored):  # noqa: F811
     path = os.path.join(workdir, "t.toml")
     with open(path, "w") as f:
@@ -500,9 +500,9 @@ def test_memory_max_accepted_at_its_edges_is_stored_in_bytes(state, workdir, val
 @pytest.mark.parametrize("value,message", [
     ('"4194303"', "4194303 bytes is below the floor of 4 MiB"),
     ("0", "0 bytes is below the floor of 4 MiB"),
-    (str(EDGE_SHARE + 1), f"{EDGE_SHARE + 1} bytes is over the edge profile's share for runs: 96 MiB of 128 MiB "
-                          "(32 MiB stay the agent's)"),
-    ('"225M"', "235929600 bytes is over every Profile's share for runs (224 MiB)"),
+    (str(EDGE_SHARE + 1), f"{EDGE_SHARE + 1} bytes is over the edge profile's share for runs: 80 MiB of 128 MiB "
+                          "(48 MiB stay the agent's)"),
+    ('"209M"', "219152384 bytes is over every Profile's share for runs (208 MiB)"),
     ('"lots"', "'lots' is not a size: bytes, or a number with K, M or G (e.g. \"48M\")"),
     ('"1.5M"', "'1.5M' is not a size: bytes, or a number with K, M or G (e.g. \"48M\")"),
     ('"48MB"', "'48MB' is not a size: bytes, or a number with K, M or G (e.g. \"48M\")"),

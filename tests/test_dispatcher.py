@@ -389,11 +389,11 @@ def test_recovery_ingests_a_receipt_of_an_attempt_left_starting(root):
 
 
 def test_admission_reserves_each_live_runs_memory_not_only_what_it_uses_now(root):
-    """Edge leaves 96 MiB to Runs. A live Run of a Task with memory_max 64M holds 64 MiB even
+    """Edge leaves 80 MiB to Runs. A live Run of a Task with memory_max 56M holds 56 MiB even
     while it uses almost nothing: a second Task's Run that states 48M waits (memory_reserved)
-    until the first ends; one stating nothing (24 MiB: 96 / 4 Runs) starts beside it at once."""
+    until the first ends; one stating nothing (20 MiB: 80 / 4 Runs) starts beside it at once."""
     b = Bench(os.path.join(root, "s"), profile=EDGE)
-    b.add(task("big", "sleep 30\n", memory_max="64M"), task("also-big", "true\n", memory_max="48M"),
+    b.add(task("big", "sleep 30\n", memory_max="56M"), task("also-big", "true\n", memory_max="48M"),
           task("small", "true\n"))
     big = b.start("big")
     assert b.engine.dispatcher.dispatch_once().run_id == big

@@ -493,6 +493,20 @@ class ShimProcesses:
                 known.update(self._cgroups.members(attempt_id))
         return len(signal_tree(pgid, shim_pid, sig, self._started.get(attempt_id), known))
 
+    def reap_orphans(self) -> int:
+        reaped = 0
+        for child in psutil.Process().children():
+            if child.pid in self._handles:        # a live shim: reap() collects it with its Popen
+                continue
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    continue
+                os.waitpid(child.pid, os.WNOHANG)
+                reaped += 1
+            except (psutil.Error, ChildProcessError):
+                continue
+        return reaped
+
     def stop_strays(self, known: Container[str]) -> dict[str, int]:
         return stop_strays(self._key, known)
 

@@ -32,6 +32,7 @@ class Engine:
                  log=lambda *a, **k: None) -> None:
         self._store = store
         self._artifacts = artifacts
+        self._procs = procs
         self._coordinator = LocalExecutionCoordinator(store, procs, clock_us, log)
         self.admission = Admission(store, max_concurrent, budget, None, self.live_pids, profile, self.live_reserves)
         self.dispatcher = LocalRunDispatcher(
@@ -60,6 +61,10 @@ class Engine:
     def next_wakeup_us(self) -> int | None:
         times = [t for t in (self._coordinator.next_wakeup_us(), self._store.next_backoff_us()) if t is not None]
         return min(times) if times else None
+
+    def reap_orphans(self) -> int:
+        """As PID 1 of a PID namespace: reap re-parented orphans (``ProcessPort.reap_orphans``)."""
+        return self._procs.reap_orphans()
 
     def live_count(self) -> int:
         return len(self._coordinator.live)

@@ -363,6 +363,12 @@ class ProcessPort(Protocol):
         """Signal the task's process group and every descendant of the shim (never the shim
         itself); returns how many processes were signalled."""
 
+    def reap_orphans(self) -> int:
+        """Reap this process's exited children that are not shims it waits for itself: as PID 1
+        of a PID namespace every orphan there is re-parented to the agent (a ``keep_orphans``
+        daemon, whatever ``nsenter`` left), and only its parent can clear the zombie. Returns how
+        many were reaped."""
+
     def stop_strays(self, known: Container[str]) -> dict[str, int]:
         """SIGKILL this agent's tasks (tagged QL3_AGENT_KEY, found even when its state directory
         was wiped) of Attempts not in ``known``; returns {attempt ID: processes killed}."""

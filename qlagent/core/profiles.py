@@ -32,12 +32,15 @@ STANDALONE = Profile("standalone", 256 * MiB, 256, 16, 64 * MiB, 256 * MiB, 1024
 
 PROFILES = {p.name: p for p in (EDGE, STANDALONE)}
 
-# Per-run memory (issue 22 §3). The agent keeps AGENT_MEMORY_SHARE of the service budget (its
-# ~20 MiB RSS and headroom); the rest is the runs' share. A Run's limit (memory.max of its cgroup)
+# Per-run memory (ADR-0071 §4 admission, the Profile's budget). The agent keeps AGENT_MEMORY_SHARE
+# of the service budget: its ~20 MiB RSS, the shims (which stay in its cgroup) and the page cache
+# of the logs being written; the rest is the runs' share. A Run's limit (memory.max of its cgroup)
 # is its Task's ``memory_max``, else the whole runs' share (one runaway can never reach the
 # agent's); admission reserves ``memory_max``, else the runs' share split over
-# ``max_concurrent_runs`` (edge: 96 MiB for runs, 24 MiB reserved per Run by default).
-AGENT_MEMORY_SHARE = 32 * MiB
+# ``max_concurrent_runs`` (edge: 80 MiB for runs, 20 MiB reserved per Run by default). With only
+# 32 MiB kept, a hog at its limit took the arm64 guest's edge service to 126 of 128 MiB and
+# reclaim stalled the agent past its watchdog.
+AGENT_MEMORY_SHARE = 48 * MiB
 
 
 def run_memory_share(p: Profile) -> int:

@@ -137,7 +137,12 @@ class Service:
         w.setblocking(False)
         self._sig_r, self._sig_w = r, w
         signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+        if os.getpid() == 1:
+            # PID 1 of a PID namespace (a container): orphans are re-parented here and stay
+            # zombies until this process reaps them; SIGCHLD wakes the loop to do it.
+            sigs.append(signal.SIGCHLD)
+        for sig in sigs:
             signal.signal(sig, lambda n, f: self._signals.append(n))
         self.sel.register(r, selectors.EVENT_READ, ("signal", None))
 
@@ -412,6 +417,8 @@ class Service:
                 self.stop_requested = True
             elif s == signal.SIGHUP:
                 self.reload_requested = True
+            elif s == signal.SIGCHLD:
+                self.engine.reap_orphans()
 
     def _reload(self) -> None:
         self.reload_requested = False
