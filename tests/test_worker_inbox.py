@@ -208,6 +208,29 @@ def test_the_row_cap_at_its_edge(tmp_path):
     box.close()
 
 
+def test_a_kept_orphans_attempt_is_recorded_with_its_ack_outlives_the_row_and_is_bounded(tmp_path, monkeypatch):
+    """What the Worker's stray scan spares once a keep_orphans row is pruned: recorded in the
+    commit that acknowledges it, kept across a restart, capped oldest first, forgotten on request."""
+    import qlagent.adapters.sqlite.inbox as inbox_mod
+    monkeypatch.setattr(inbox_mod, "KEPT_ORPHANS_MAX", 2)
+    box = SqliteInbox(str(tmp_path / FILENAME), max_rows=1, max_bytes=1_000_000)
+    offers = [make_offer() for _ in range(4)]
+    for o in offers[:3]:
+        box.receive(o)                               # a cap of one row: each prunes the one before
+        box.advance(o.offer_id, "completed", {"kind": "completion"})
+        with pytest.raises(ValidationError):
+            box.advance(o.offer_id, "completed", {"kind": "completion"}, keep_orphans=True)
+        box.advance(o.offer_id, "acked", keep_orphans=True)
+    box.receive(offers[3])
+    box.close()
+    box = SqliteInbox(str(tmp_path / FILENAME), max_rows=1, max_bytes=1_000_000)
+    assert box.get(offers[1].offer_id) is None
+    assert box.kept_orphans() == {offers[1].attempt_id, offers[2].attempt_id}
+    box.forget_orphans({offers[1].attempt_id})
+    assert box.kept_orphans() == {offers[2].attempt_id}
+    box.close()
+
+
 def test_the_byte_cap_at_its_edge(tmp_path):
     a, b = make_offer(), make_offer(argv=["/bin/echo", "y" * 100])
     size = lambda o: len(msgspec.json.encode(o.spec, order="sorted"))        # noqa: E731
@@ -274,7 +297,7 @@ def test_a_version_1_file_gains_the_pull_id_and_keeps_its_rows(tmp_path):
     box = SqliteInbox(path, max_rows=4, max_bytes=65_536)
     (entry,) = box.open_entries()
     assert entry.offer == offer and entry.pull_id is None
-    assert box._c.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert box._c.execute("PRAGMA user_version").fetchone()[0] == 3 and box.kept_orphans() == set()
     box.close()
 
 

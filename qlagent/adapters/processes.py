@@ -325,11 +325,13 @@ def agent_key(runs_root: str) -> str:
     return sha256_hex(os.path.realpath(runs_root).encode("utf-8", "surrogateescape"))[:16]
 
 
-def stop_strays(key: str, known: Container[str]) -> dict[str, int]:
+def stop_strays(key: str, known: Container[str], seen: set[str] | None = None) -> dict[str, int]:
     """SIGKILL every process of this uid whose environment carries ``QL3_AGENT_KEY=<key>`` and a
     ``QL3_ATTEMPT_ID`` not in ``known`` (the Attempts the caller re-attaches or has ended
     itself): a task left by an agent whose state was lost or whose shim died unseen, which would
-    otherwise run beside the Attempt's next copy. Returns {attempt ID: processes killed}.
+    otherwise run beside the Attempt's next copy. Returns {attempt ID: processes killed}; a
+    ``seen`` set gets the attempt ID of every tagged process found, known or not (so a caller
+    can forget the kept Attempts nothing carries any more).
     Reads /proc/<pid>/environ (this user's processes only); signals through psutil, which
     checks the start time, so a PID reused since the scan is never hit."""
     tag = f"\0{AGENT_KEY_ENV}={key}\0".encode()
@@ -350,6 +352,8 @@ def stop_strays(key: str, known: Container[str]) -> dict[str, int]:
         if tag not in env or at < 0:
             continue
         attempt_id = env[at + len(prefix):env.find(b"\0", at + 1)].decode("utf-8", "replace")
+        if seen is not None:
+            seen.add(attempt_id)
         if attempt_id in known or int(entry.name) == os.getpid():
             continue
         try:

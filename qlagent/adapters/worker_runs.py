@@ -206,10 +206,11 @@ class WorkerRuns:
         """SIGKILL whatever of a run is left when its shim is gone (found by QL3_ATTEMPT_ID)."""
         processes.signal_tree(None, None, signal.SIGKILL, None, processes.find_by_attempt(attempt_id))
 
-    def stop_strays(self, known: set[str]) -> dict[str, int]:
+    def stop_strays(self, known: set[str], seen: set[str] | None = None) -> dict[str, int]:
         """SIGKILL this Worker's tasks (its QL3_AGENT_KEY) of Attempts not in ``known``, even
-        after its state directory was wiped; {attempt ID: processes killed}."""
-        return processes.stop_strays(self._key, known)
+        after its state directory was wiped; {attempt ID: processes killed}. ``seen`` gets the
+        attempt ID of every tagged process found, known or not."""
+        return processes.stop_strays(self._key, known, seen)
 
     def log_size(self, attempt_id: str) -> int:
         try:

@@ -279,8 +279,12 @@ class WorkerRuntime:
             if job.entry.state != "acked":     # _complete closes a fenced or receipt-less run
                 self.jobs[job.offer_id] = job
         # Tasks of Attempts the inbox does not list (its state directory was wiped, a shim died
-        # unseen) would run beside the copy the control plane offers again: stopped first.
-        strays = self.runs.stop_strays({j.attempt_id for j in self.jobs.values()})
+        # unseen) would run beside the copy the control plane offers again: stopped first. What
+        # a keep_orphans run left on purpose (a VPN, a watchdog) is known, not a stray; an entry
+        # no process carries any more is forgotten, so the table holds only live leftovers.
+        kept, seen = self.inbox.kept_orphans(), set()
+        strays = self.runs.stop_strays({j.attempt_id for j in self.jobs.values()} | kept, seen)
+        self.inbox.forget_orphans(kept - seen)
         for aid, n in sorted(strays.items()):
             self.log("warning", "worker.stray_stopped", attempt=aid, processes=n)
         counts["strays"] = sum(strays.values())
@@ -1132,7 +1136,10 @@ class WorkerRuntime:
         gone), so a row already acked is only forgotten again. Any other move the inbox does
         not allow still raises IllegalInboxTransition."""
         if j.entry.state != "acked":
-            j.entry = self.inbox.advance(j.offer_id, "acked")
+            # A run that ended (not fenced or lost: those leave nothing on purpose) with
+            # keep_orphans may leave processes that must outlive this row: recorded with the ack.
+            keep = j.spec.keep_orphans and (j.entry.outcome or {}).get("kind") == "completion"
+            j.entry = self.inbox.advance(j.offer_id, "acked", keep_orphans=keep)
             unsent = self.runs.log_size(j.attempt_id) - j.uploaded
             if not j.log_done and unsent > 0:
                 # The control plane no longer takes this Lease's chunks: the log is cut where it

@@ -192,9 +192,10 @@ class WorkerRunsPort(Protocol):
     def kill_orphans(self, attempt_id: str) -> None:
         """SIGKILL what is left of a run whose shim is gone."""
 
-    def stop_strays(self, known: set[str]) -> dict[str, int]:
+    def stop_strays(self, known: set[str], seen: set[str] | None = None) -> dict[str, int]:
         """SIGKILL this Worker's tasks of Attempts not in ``known`` (found by the tag every task
-        carries, even after the state directory was wiped); {attempt ID: processes killed}."""
+        carries, even after the state directory was wiped); {attempt ID: processes killed}.
+        ``seen`` (if given) gets the attempt ID of every tagged process found, known or not."""
 
     def log_size(self, attempt_id: str) -> int:
         """Bytes in the Artifact."""

@@ -18,7 +18,7 @@ The process, filesystem, budget and network ports are implemented by ``qlagent.a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from typing import Protocol, TypeVar
 
 from .definitions import PreparedTask
@@ -452,14 +452,24 @@ class InboxPort(Protocol):
         same offer.
         Raises ValidationError, OfferConflict (recorded on the kept row), InboxFull."""
 
-    def advance(self, offer_id: str, state: str, outcome: dict | None = None) -> InboxEntry:
-        """Move one row to ``state`` (``outcome`` required for ``completed``). Raises
-        NotFoundError, IllegalInboxTransition, ValidationError (outcome over the byte cap)."""
+    def advance(self, offer_id: str, state: str, outcome: dict | None = None, *,
+                keep_orphans: bool = False) -> InboxEntry:
+        """Move one row to ``state`` (``outcome`` required for ``completed``). ``keep_orphans``
+        (only with ``acked``): the row's Attempt joins ``kept_orphans()`` in the same commit.
+        Raises NotFoundError, IllegalInboxTransition, ValidationError (outcome over the byte
+        cap, ``keep_orphans`` with another state)."""
 
     def get(self, offer_id: str) -> InboxEntry | None: ...
 
     def open_entries(self) -> list[InboxEntry]:
         """Rows not yet acknowledged, in receipt order (what a restarted Worker recovers)."""
+
+    def kept_orphans(self) -> set[str]:
+        """Attempt IDs whose acknowledged run left processes on purpose (``keepOrphans``): the
+        stray scan spares them. Bounded (oldest dropped first); outlives the rows' pruning."""
+
+    def forget_orphans(self, attempt_ids: Iterable[str]) -> None:
+        """Drop these Attempt IDs from ``kept_orphans()`` (no process carries them any more)."""
 
     def usage(self) -> tuple[int, int]:
         """(rows, bytes) counted against the Profile's inbox caps."""

@@ -177,14 +177,15 @@ class StubControlPlane:
         return wid, cred
 
     def add_run(self, argv=None, *, shell=None, script=None, env=None, secrets=None, timeout_ms=60_000,
-                grace_ms=1_000, log_quota_bytes=4_194_304, on_lease_loss="kill") -> str:
+                grace_ms=1_000, log_quota_bytes=4_194_304, on_lease_loss="kill", keep_orphans=False) -> str:
         aid = str(uuid.uuid4())
         secret_refs = {k: k.lower() for k in (secrets or {})}
         spec = ExecutionSpec(run_id=str(uuid.uuid4()), attempt_id=aid, project_id=str(uuid.uuid4()),
                              task_id=str(uuid.uuid4()), task_revision=1, executor_type="local_process",
                              kind="shell" if shell else "local_process", argv=tuple(argv or ()), shell=shell,
                              script=script, env=dict(env or {}), secret_refs=secret_refs, timeout_ms=timeout_ms,
-                             grace_ms=grace_ms, log_quota_bytes=log_quota_bytes, on_lease_loss=on_lease_loss)
+                             grace_ms=grace_ms, log_quota_bytes=log_quota_bytes, on_lease_loss=on_lease_loss,
+                             keep_orphans=keep_orphans)
         with self.lock:
             self.attempts[aid] = {"spec": spec, "secrets": dict(secrets or {}), "state": "queued", "lease": None,
                                   "cancel": False, "lease_generation": 0}

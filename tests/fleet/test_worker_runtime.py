@@ -205,6 +205,29 @@ def test_a_task_left_by_a_worker_whose_state_dir_was_wiped_is_stopped_at_its_nex
     assert cp.wait(lambda: f"worker.stray_stopped attempt={aid} processes=1" in worker.journal(), 10)
 
 
+def test_a_daemon_a_keep_orphans_task_left_behind_survives_a_worker_restart(tmp_path, cp, worker):
+    """``keep_orphans = true`` holds on a Worker as on the local agent: once the run is done and
+    acknowledged its inbox row no longer names the Attempt, yet the daemon it left on purpose (a
+    VPN, a watchdog) is no stray, and the start-up scan must not kill it at every restart."""
+    child = tmp_path / "daemon.pid"
+    aid = cp.add_run(shell="/bin/sh", script=f"setsid sleep 300 >/dev/null 2>&1 & echo $! > {child}; echo started",
+                     keep_orphans=True)
+    worker.start()
+    assert cp.wait(lambda: completion(cp, aid) is not None, 30)
+    daemon = psutil.Process(read_pid(str(child)))
+    try:
+        # The row is acknowledged and closed (its run directory goes with it).
+        assert cp.wait(lambda: not os.path.exists(os.path.join(worker.state, "worker-runs", aid)), 20)
+        assert worker.stop() == 0
+        worker.start()
+        assert cp.wait(lambda: worker.journal().count("worker.ready") == 2, 20)   # its scan is done
+        time.sleep(0.5)
+        assert daemon.is_running() and daemon.status() != psutil.STATUS_ZOMBIE
+        assert f"worker.stray_stopped attempt={aid}" not in worker.journal()
+    finally:
+        daemon.kill()
+
+
 def test_more_offers_than_the_inbox_cap_over_a_lifetime_keep_flowing(tmp_path, cp):
     """The inbox caps rows at once (edge: 64), not offers ever: acknowledged rows make room, so a
     Worker that has finished 64 runs still pulls the 65th and later."""

@@ -15,8 +15,15 @@ rows are never dropped, so when they alone fill a cap the offer is refused with 
 (``field`` ``inboxRows`` or ``inboxBytes``) and nothing is written. A spec larger than the byte
 cap on its own is bad input (ValidationError ``spec``).
 
-The schema version is ``PRAGMA user_version`` (2; a version-1 file gains the ``pull_id`` column
-in place); a file of another version is refused with StoreIntegrityError rather than guessed at.
+Beside the offers, ``kept_orphans`` names the Attempts whose run ended with ``keepOrphans`` in its
+spec (recorded in the commit that acknowledges the row): their leftovers are meant to run on after
+the row is pruned, so the Worker's start-up stray scan counts them as known. At most
+``KEPT_ORPHANS_MAX`` (256) entries, oldest dropped first; the Worker forgets an entry once no process
+carries its Attempt ID.
+
+The schema version is ``PRAGMA user_version`` (3; a version-1 file gains the ``pull_id`` column, a
+version-2 file the ``kept_orphans`` table, in place); a file of another version is refused with
+StoreIntegrityError rather than guessed at.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ from ...core.inbox_states import (OPEN_STATES, InboxEntry, InboxFull, InboxOffer
 from ...core.profiles import Profile
 
 FILENAME = "inbox.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+KEPT_ORPHANS_MAX = 256
 BUSY_TIMEOUT_MS = 5_000
 WAL_CHECKPOINT_PAGES = 64
 WAL_LIMIT_BYTES = 262_144
@@ -77,6 +85,9 @@ _COLS = ("offer_id, attempt_id, session_id, generation, lease_generation, lease_
 # Version 1 → 2: the pullId of each offer, so a restarted Worker can send its Pull again
 # (byte-identical, ADR-0108) and get the secret values back before the spawn.
 _V1_TO_V2 = "ALTER TABLE offers ADD COLUMN pull_id TEXT"
+# Version 2 → 3: the Attempts whose leftovers are kept on purpose (keepOrphans), which the
+# stray scan must spare once their acknowledged rows are pruned.
+_V2_TO_V3 = "CREATE TABLE kept_orphans (attempt_id TEXT PRIMARY KEY, kept_at_us INTEGER NOT NULL)"
 
 
 def _now_us() -> int:
@@ -127,12 +138,15 @@ class SqliteInbox:
         version = self._c.execute("PRAGMA user_version").fetchone()[0]
         if version == SCHEMA_VERSION:
             return
-        if version not in (0, 1):
+        if version not in (0, 1, 2):
             raise StoreIntegrityError(f"inbox {self.path}: schema version {version}, this build knows "
                                       f"{SCHEMA_VERSION}")
         self._c.execute("BEGIN IMMEDIATE")
         try:
-            for stmt in filter(str.strip, _SCHEMA.split(";")) if version == 0 else (_V1_TO_V2,):
+            # A new file is the version-2 schema plus each later step, as an old file gets them.
+            steps = {0: (*filter(str.strip, _SCHEMA.split(";")), _V2_TO_V3), 1: (_V1_TO_V2, _V2_TO_V3),
+                     2: (_V2_TO_V3,)}
+            for stmt in steps[version]:
                 self._c.execute(stmt)
             self._c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             self._c.execute("COMMIT")
@@ -228,9 +242,12 @@ class SqliteInbox:
                             field="inboxBytes", limit=self.max_bytes)
         c.executemany("DELETE FROM offers WHERE seq = ?", [(s,) for s in drop])
 
-    def advance(self, offer_id: str, state: str, outcome: dict | None = None) -> InboxEntry:
+    def advance(self, offer_id: str, state: str, outcome: dict | None = None, *,
+                keep_orphans: bool = False) -> InboxEntry:
         if (state == "completed") != (outcome is not None):
             raise ValidationError("outcome", "required for completed and only for it")
+        if keep_orphans and state != "acked":
+            raise ValidationError("keep_orphans", "only when the row is acknowledged")
         data = check_outcome(outcome) if outcome is not None else None
 
         def tx(c: sqlite3.Connection) -> InboxEntry:
@@ -245,6 +262,11 @@ class SqliteInbox:
                           (state, data, now, offer_id))
             else:
                 c.execute("UPDATE offers SET state = ?, updated_at_us = ? WHERE offer_id = ?", (state, now, offer_id))
+            if keep_orphans:
+                # In the commit that closes the row: no moment when neither names the Attempt.
+                c.execute("INSERT OR REPLACE INTO kept_orphans VALUES (?, ?)", (kept.offer.attempt_id, now))
+                c.execute("DELETE FROM kept_orphans WHERE attempt_id NOT IN (SELECT attempt_id FROM kept_orphans "
+                          "ORDER BY kept_at_us DESC, rowid DESC LIMIT ?)", (KEPT_ORPHANS_MAX,))
             return msgspec.structs.replace(kept, state=state, updated_at_us=now,
                                            outcome=outcome if outcome is not None else kept.outcome)
         return self._tx(tx)
@@ -258,6 +280,14 @@ class SqliteInbox:
         rows = self._c.execute(f"SELECT {_COLS} FROM offers WHERE state IN ({marks}) ORDER BY seq",
                                tuple(sorted(OPEN_STATES))).fetchall()
         return [_entry(r) for r in rows]
+
+    def kept_orphans(self) -> set[str]:
+        return {r[0] for r in self._c.execute("SELECT attempt_id FROM kept_orphans")}
+
+    def forget_orphans(self, attempt_ids) -> None:
+        if attempt_ids:
+            self._tx(lambda c: c.executemany("DELETE FROM kept_orphans WHERE attempt_id = ?",
+                                             [(a,) for a in attempt_ids]))
 
     def usage(self) -> tuple[int, int]:
         rows, used = self._c.execute("SELECT count(*), coalesce(sum(spec_bytes), 0) FROM offers").fetchone()
@@ -296,7 +326,7 @@ def diagnose(path: str, max_rows: int, max_bytes: int) -> tuple[bool, str]:
         return False, f"{path}: cannot be opened read-only ({e})"
     try:
         version = c.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (1, SCHEMA_VERSION):
+        if version not in (1, 2, SCHEMA_VERSION):
             return False, f"{path}: schema version {version}, this build knows {SCHEMA_VERSION}"
         check = [r[0] for r in c.execute("PRAGMA quick_check")]
         if check != ["ok"]:
