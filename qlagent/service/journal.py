@@ -4,8 +4,8 @@ journald sets ``JOURNAL_STREAM=dev:ino`` for the stream it attached to stderr; o
 matches fd 2 do we prefix lines with ``<N>`` so ``journalctl -p`` works. With
 ``QLAGENT_LOG=syslog`` (the OpenWrt init script sets it) each line goes to syslog itself, as
 ``daemon.<priority>`` from ``qlagent[PID]``: procd logs an instance's stderr as ``daemon.err``
-whatever the line says, so an INFO line would read as an error in ``logread`` (found by the
-procd gate, openwrt/gate). Otherwise lines carry a UTC timestamp and a level word. Fields are
+whatever the line says, so an INFO line would read as an error in ``logread`` (checked against
+the real procd by openwrt/gate). Otherwise lines carry a UTC timestamp and a level word. Fields are
 ``key=value``; callers pass identities and figures only — never secrets or task output.
 """
 
