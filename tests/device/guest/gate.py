@@ -202,7 +202,7 @@ def add_tasks(extra: str = "") -> None:
     with open(path, "w") as f:
         f.write(router + TICK_TASK + extra)
     os.chmod(path, 0o644)
-    have = {t["name"] for t in qljson("task", "ls")}
+    have = {t["name"] for t in qljson("task", "ls")["items"]}
     if "heartbeat" in have:
         return
     ql("secret", "set", "ddns_token", input="my-ddns-token\n")
@@ -374,7 +374,7 @@ def mode_hog() -> None:
     sh("systemctl", "stop", UNIT)
     set_config("edge", http=True)
     add_tasks(HOG_TASK)
-    have = {t["name"] for t in qljson("task", "ls")}
+    have = {t["name"] for t in qljson("task", "ls")["items"]}
     if "hog" not in have:
         path = "/srv/qlgate/hog.toml"
         with open(path, "w") as f:
