@@ -44,6 +44,14 @@ def create_database(tag: str) -> str:
     return name
 
 
+def sql(url: str, query: str, args=()) -> list:
+    """Run one statement on its own autocommit connection; its rows ([] for none)."""
+    import psycopg
+    with psycopg.connect(url, autocommit=True, connect_timeout=5) as c:
+        cur = c.execute(query, args)
+        return cur.fetchall() if cur.description else []
+
+
 def drop_database(name: str) -> None:
     with admin() as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -23,10 +23,9 @@ import tempfile
 import time
 import urllib.request
 
-import psycopg
 import pytest
 
-from conftest import create_database, db_url, drop_database
+from conftest import create_database, db_url, drop_database, sql
 from test_cluster_e2e import Node, Proc, _env, free_port
 
 pytestmark = pytest.mark.slow
@@ -86,12 +85,6 @@ def _libfaketime() -> str:
     return found[0]
 
 
-def _sql(url: str, query: str, args=()):
-    with psycopg.connect(url, autocommit=True, connect_timeout=5) as c:
-        cur = c.execute(query, args)
-        return cur.fetchall() if cur.description else []
-
-
 @pytest.fixture
 def env():
     name = create_database("clock")
@@ -122,9 +115,9 @@ def test_a_replica_whose_clock_is_60_s_ahead_fires_nothing_early_and_names_itsel
     try:
         healthy.wait_line("service.ready")
         skewed.wait_line("service.ready")
-        started = _sql(url, "SELECT ql_now_us()")[0][0]
+        started = sql(url, "SELECT ql_now_us()")[0][0]
         time.sleep(WATCH_S)
-        rows = _sql(url, "SELECT scheduled_for_us, created_at_us FROM runs WHERE created_at_us >= %s "
+        rows = sql(url, "SELECT scheduled_for_us, created_at_us FROM runs WHERE created_at_us >= %s "
                          "ORDER BY scheduled_for_us", (started,))
         early = [(s, c) for s, c in rows if c < s]
         instants = [s for s, _ in rows]

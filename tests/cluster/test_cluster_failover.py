@@ -14,11 +14,11 @@ import sys
 import tempfile
 import time
 
-import psycopg
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fleet"))
 from harness import PgPair, pg_bindir, wait_for  # noqa: E402
+from conftest import sql  # noqa: E402
 from cpkit import make_ca  # noqa: E402
 from test_cluster_e2e import Node, Proc, free_port, start_replica  # noqa: E402
 
@@ -32,12 +32,6 @@ script = "true"
 """
 BOUND_S = 2.0          # Task Start → offer, before and after the promotion (the issue's bound)
 WATCH_S = 60           # how long after the promotion the bound is checked
-
-
-def _sql(url: str, query: str, args=()):
-    with psycopg.connect(url, autocommit=True, connect_timeout=5) as c:
-        cur = c.execute(query, args)
-        return cur.fetchall() if cur.description else []
 
 
 @pytest.fixture
@@ -55,9 +49,9 @@ def _offer_latency_s(cp: Node, url: str) -> float:
     """Start ``quick`` from the CLI; seconds (database clock) from the Run's creation to its
     ``run.dispatching`` event (the Worker's Pull took it), once the Run has ended."""
     run_id = cp.ok("run", "start", "quick").strip()
-    wait_for(lambda: _sql(url, "SELECT 1 FROM runs WHERE run_id = %s AND state = 'succeeded'", (run_id,)),
+    wait_for(lambda: sql(url, "SELECT 1 FROM runs WHERE run_id = %s AND state = 'succeeded'", (run_id,)),
              40, f"run {run_id} to succeed")
-    (created, offered), = _sql(url, "SELECT r.created_at_us, e.created_at_us FROM runs r JOIN run_events e "
+    (created, offered), = sql(url, "SELECT r.created_at_us, e.created_at_us FROM runs r JOIN run_events e "
                                     "USING (run_id) WHERE r.run_id = %s AND e.type = 'run.dispatching'", (run_id,))
     return (offered - created) / 1e6
 

@@ -30,7 +30,7 @@ import uuid
 import psycopg
 import pytest
 
-from conftest import create_database, db_url, drop_database
+from conftest import create_database, db_url, drop_database, sql
 from qlagent.adapters.postgres.migrations import known_migrations
 from test_cluster_e2e import Node, Proc, _env, free_port
 
@@ -110,12 +110,6 @@ def bouncer():
         drop_database(name)
 
 
-def _sql(url: str, query: str, args=()):
-    with psycopg.connect(url, autocommit=True, connect_timeout=5) as c:
-        cur = c.execute(query, args)
-        return cur.fetchall() if cur.description else []
-
-
 def _init_together(nodes: list[Node]) -> list[subprocess.CompletedProcess]:
     procs = [subprocess.Popen(n.argv("init"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
              for n in nodes]
@@ -149,7 +143,7 @@ def test_two_replicas_starting_together_behind_pgbouncer_migrate_once_and_serve_
     results = _init_together(nodes)
     for r in results:
         assert r.returncode == 0 and b"Traceback" not in r.stderr, (r.returncode, r.stderr.decode(), b.log())
-    versions = [v for v, in _sql(direct, "SELECT version FROM schema_migrations ORDER BY version")]
+    versions = [v for v, in sql(direct, "SELECT version FROM schema_migrations ORDER BY version")]
     assert versions == [m.version for m in known_migrations()], versions
     # Nothing is left holding a lock on a pooled backend: a later start goes through at once.
     again = _init_together(nodes[1:2])[0]
@@ -187,14 +181,14 @@ def test_two_replicas_starting_together_behind_pgbouncer_migrate_once_and_serve_
             started.append(doc["runId"])
             time.sleep(0.3)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and _sql(direct, "SELECT count(*) FROM runs WHERE state = 'succeeded'"
+        while time.monotonic() < deadline and sql(direct, "SELECT count(*) FROM runs WHERE state = 'succeeded'"
                                                    )[0][0] < STARTS:
             time.sleep(0.2)
-        states = dict(_sql(direct, "SELECT state, count(*) FROM runs GROUP BY state"))
+        states = dict(sql(direct, "SELECT state, count(*) FROM runs GROUP BY state"))
         assert states == {"succeeded": STARTS}, (states, "".join(replica.lines[-20:]), "".join(worker.lines[-20:]))
         # Without LISTEN the re-check (every 0.5 s) still brings each Run to the Worker (4 slots)
         # within seconds (~0.1–1 s here; a long-poll that never heard would wait its 20 s).
-        lat = _sql(direct, "SELECT max(e.created_at_us - r.created_at_us) FROM runs r JOIN run_events e "
+        lat = sql(direct, "SELECT max(e.created_at_us - r.created_at_us) FROM runs r JOIN run_events e "
                            "USING (run_id) WHERE e.type = 'run.dispatching'")[0][0] / 1e6
         assert lat < 5, lat
         journal = "".join(replica.lines) + "".join(worker.lines)
