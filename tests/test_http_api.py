@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from qlagent.adapters.sqlite import policy
+from qlagent.adapters.rows import policy
+from qlagent.adapters.rows.dialect import Db
+from qlagent.adapters.sqlite.store import SQLITE
 from qlagent.http.routing import documented_routes
 
 from qlcli import ok, workdir  # noqa: F401  (workdir is a fixture)
@@ -526,7 +528,7 @@ def test_authorization_changed_when_the_role_is_revoked_between_admission_and_st
 
     def demote(c):    # what `qlagent role set alice viewer` writes, inside the held transaction
         pid = c.execute("SELECT project_id FROM projects WHERE name = 'default'").fetchone()[0]
-        policy.bind_role(c, pid, "alice", "viewer", time.time_ns() // 1000)
+        policy.bind_role(Db(c, SQLITE), pid, "alice", "viewer", time.time_ns() // 1000)
 
     status, err = _locked_start(agent, state, tok["op"], "revoked", start_body(h["revision"], h["contentDigest"]),
                                 demote, 0.5)

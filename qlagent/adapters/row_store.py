@@ -37,6 +37,7 @@ from ..core.models import (
     TokenInfo,
 )
 from ..core.receipt import TruncationFact
+from .rows import policy, secrets
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_MS = 3_600_000      # timing() of a revision that is gone (recovery only)
@@ -76,10 +77,10 @@ class RowBatch:
                                        self._now)
 
     def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
-        return self._s._secrets.ciphertexts(self._c, project_id, names)
+        return secrets.ciphertexts(self._c, project_id, names)
 
     def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
-        self._s._secrets.put_secret(self._c, project_id, name, ciphertext, key_id, self._now)
+        secrets.put_secret(self._c, project_id, name, ciphertext, key_id, self._now)
 
 
 class RowStore:
@@ -89,11 +90,9 @@ class RowStore:
     (NotFoundError, ConflictError, ValidationError …) and of the subclass's transactions
     (UnavailableError)."""
 
-    _policy: ModuleType
     _defs: ModuleType
     _runs: ModuleType
     _ex: ModuleType
-    _secrets: ModuleType
     executor_type: str
     # Opened with create_project="on_write" for a Project not stored yet: ``project`` (ID handed
     # out already) is inserted by the first write transaction, so a refused write leaves none.
@@ -122,7 +121,7 @@ class RowStore:
             return fn
 
         def tx(c):
-            self._policy.ensure_project(c, pending.name, self._tx_now(c), pending.project_id)
+            policy.ensure_project(c, pending.name, self._tx_now(c), pending.project_id)
             return fn(c)
         return tx
 
@@ -133,23 +132,23 @@ class RowStore:
 
     # ---- PolicyStore ---------------------------------------------------------------------------
     def ensure_project(self, name: str) -> Project:
-        return self.write(lambda c: self._policy.ensure_project(c, name, self._tx_now(c)))
+        return self.write(lambda c: policy.ensure_project(c, name, self._tx_now(c)))
 
     def get_project(self, name_or_id: str) -> Project:
-        return self.read(lambda c: self._policy.get_project(c, name_or_id))
+        return self.read(lambda c: policy.get_project(c, name_or_id))
 
     def lookup_token(self, digest: str) -> tuple[str, str] | None:
-        return self.read(lambda c: self._policy.lookup_token(c, digest))
+        return self.read(lambda c: policy.lookup_token(c, digest))
 
     def latest_binding(self, project_id: str, subject: str) -> RoleBinding | None:
-        return self.read(lambda c: self._policy.latest_binding(c, project_id, subject))
+        return self.read(lambda c: policy.latest_binding(c, project_id, subject))
 
     def bind_role(self, project_id: str, subject: str, role: str | None) -> int:
-        return self.write(lambda c: self._policy.bind_role(c, project_id, subject, role, self._tx_now(c)))
+        return self.write(lambda c: policy.bind_role(c, project_id, subject, role, self._tx_now(c)))
 
     def grant_token(self, project: str, subject: str, role: str, digest: str) -> str:
         def tx(c):
-            now, policy = self._tx_now(c), self._policy
+            now = self._tx_now(c)
             proj = policy.ensure_project(c, project, now)
             prev = policy.latest_binding(c, proj.project_id, subject)
             if prev is None or prev.role != role:
@@ -159,12 +158,12 @@ class RowStore:
 
     def revoke_token(self, *, token_id: str, digest: str | None = None) -> None:
         def tx(c):
-            found = self._policy.token_id_of(c, digest) if digest is not None else None
-            self._policy.revoke_token(c, found or token_id, self._tx_now(c))
+            found = policy.token_id_of(c, digest) if digest is not None else None
+            policy.revoke_token(c, found or token_id, self._tx_now(c))
         self.write(tx)
 
     def list_tokens(self, project_id: str) -> list[TokenInfo]:
-        return self.read(lambda c: self._policy.list_tokens(c, project_id))
+        return self.read(lambda c: policy.list_tokens(c, project_id))
 
     # ---- DefinitionStore -----------------------------------------------------------------------
     def add_tasks(self, project_id: str, prepared: list[PreparedTask]) -> list[TaskHead]:
@@ -302,25 +301,25 @@ class RowStore:
 
     # ---- SecretStore ---------------------------------------------------------------------------
     def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
-        self.write(lambda c: self._secrets.put_secret(c, project_id, name, ciphertext, key_id, self._tx_now(c)))
+        self.write(lambda c: secrets.put_secret(c, project_id, name, ciphertext, key_id, self._tx_now(c)))
 
     def secret_names(self, project_id: str) -> list[tuple[str, int]]:
-        return self.read(lambda c: self._secrets.secret_names(c, project_id))
+        return self.read(lambda c: secrets.secret_names(c, project_id))
 
     def delete_secret(self, project_id: str, name: str, *, force: bool = False) -> list[str]:
-        return self.write(lambda c: self._secrets.delete_secret(c, project_id, name, force=force))
+        return self.write(lambda c: secrets.delete_secret(c, project_id, name, force=force))
 
     def secret_uses(self, project_id: str | None) -> list[tuple[str, str, bool]]:
-        return self.read(lambda c: self._secrets.secret_uses(c, project_id))
+        return self.read(lambda c: secrets.secret_uses(c, project_id))
 
     def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
-        return self.read(lambda c: self._secrets.ciphertexts(c, project_id, names))
+        return self.read(lambda c: secrets.ciphertexts(c, project_id, names))
 
     def legacy_ciphertexts(self, magic: bytes) -> list[tuple[str, str, bytes]]:
-        return self.read(lambda c: self._secrets.legacy_ciphertexts(c, magic))
+        return self.read(lambda c: secrets.legacy_ciphertexts(c, magic))
 
     def replace_ciphertexts(self, rows: list[tuple[str, str, bytes, bytes]], key_id: str) -> int:
-        return self.write(lambda c: sum(self._secrets.replace_ciphertext(c, pid, name, old, new, key_id)
+        return self.write(lambda c: sum(secrets.replace_ciphertext(c, pid, name, old, new, key_id)
                                         for pid, name, old, new in rows))
 
     # ---- DispatchStore (candidate pages and unlaunched finishes are the subclass's) ------------

@@ -14,7 +14,7 @@ from ...core.ids import new_id
 from ...core.models import START_ROLES, Attempt, CreatedRun, Run, RunEvent, ScheduleCursor, TaskHead
 from ...core.receipt import TruncationFact
 from . import definitions as defs
-from . import policy
+from ..rows import policy
 
 MAX_PAGE = 200
 # Runs not ended: the local live set plus the cluster's ``dispatching`` (a Lease is being offered).

@@ -30,14 +30,16 @@ from ...core.errors import UnavailableError
 from ...core.models import CreatedRun, Project, RetryPolicy
 from ...core.receipt import TruncationFact
 from ..row_store import RowStore
+from ..rows import secrets as secret_rows
+from ..rows.dialect import Db, Dialect
 from . import definitions as defs
 from . import execution as ex
-from . import migrations, policy
+from . import migrations, queries
 from . import runs as runs_repo
-from . import secrets as secret_rows
 from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
 
 T = TypeVar("T")
+POSTGRES = Dialect("postgres", queries, paramstyle="format")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
 RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
 QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
@@ -61,7 +63,7 @@ class PgStore(RowStore):
     UnavailableError when the server is unreachable or a capability is missing.
     """
 
-    _policy, _defs, _runs, _ex, _secrets = policy, defs, runs_repo, ex, secret_rows
+    _defs, _runs, _ex = defs, runs_repo, ex
 
     def __init__(self, url: str, project: str | None = "default", *, migrate: bool = True,
                  create_project: bool | str = True,
@@ -113,7 +115,7 @@ class PgStore(RowStore):
                     if queue:   # neither statement takes a snapshot: it starts after the wait
                         cur.execute(f"SET LOCAL lock_timeout = {QUEUE_WAIT_MS}")
                         cur.execute(f"LOCK TABLE {RUN_CREATE_LOCK} IN SHARE ROW EXCLUSIVE MODE")
-                    result = fn(cur)
+                    result = fn(Db(cur, POSTGRES))
                 return self._committed(result) if write else result
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
@@ -261,7 +263,7 @@ def _diagnose(conn, dict_row) -> list[tuple[str, bool, str]]:
         out.append(("schema" if len(out) == 1 else "capability", False, str(e)))
         return out
     with conn.cursor(row_factory=dict_row) as cur:
-        missing = [(t, n) for t, n, stored in secret_rows.secret_uses(cur, None) if not stored]
+        missing = [(t, n) for t, n, stored in secret_rows.secret_uses(Db(cur, POSTGRES), None) if not stored]
     for task, name in missing:
         out.append(("secrets", False, f"task {task} uses secret {name!r}, which is not set "
                                       f"(`qlagent secret set {name}`); its runs fail secret_missing:{name}"))

@@ -12,6 +12,7 @@ schedule fires, candidate pages, claims and finishes.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 
 from ...core import states
@@ -21,14 +22,16 @@ from ...core.errors import QlError, UnavailableError
 from ...core.models import CreatedRun, Project, RetryPolicy
 from ...core.receipt import TruncationFact
 from ..row_store import RowStore
+from ..rows import secrets as secret_rows
+from ..rows.dialect import Db, Dialect
 from . import definitions as defs
 from . import execution as ex
-from . import migrations, policy
+from . import migrations, queries
 from . import runs as runs_repo
-from . import secrets as secret_rows
 from .authority import BUSY_TIMEOUT_MS, SqliteAuthority
 
 
+SQLITE = Dialect("sqlite", queries, duplicate_key=(sqlite3.IntegrityError,))
 WAL_CHECKPOINT_PAGES = 64            # checkpoint the WAL past 64 pages (256 KiB), not 1000 (4 MiB)
 WAL_LIMIT_BYTES = 262_144            # and truncate it back to at most this after a checkpoint
 
@@ -47,7 +50,7 @@ class SqliteStore(RowStore):
     the file cannot be opened or a required capability is missing.
     """
 
-    _policy, _defs, _runs, _ex, _secrets = policy, defs, runs_repo, ex, secret_rows
+    _defs, _runs, _ex = defs, runs_repo, ex
     executor_type = "local_process"     # the only executor of the local authority's Attempts
 
     def __init__(self, path: str, project: str = "default", *, migrate: bool = True,
@@ -79,12 +82,13 @@ class SqliteStore(RowStore):
 
     # ---- the authority (adapter-level access: migrations, tests of this package) -----------
     def read(self, fn):
-        """Run ``fn(conn)`` on the owner thread outside a transaction."""
-        return self.authority.read(fn)
+        """Run ``fn(db)`` (``rows.dialect.Db`` of the connection) on the owner thread outside a transaction."""
+        return self.authority.read(lambda c: fn(Db(c, SQLITE)))
 
     def write(self, fn):
-        """Run ``fn(conn)`` inside BEGIN IMMEDIATE … COMMIT (the pending Project's creation first)."""
-        return self._committed(self.authority.write(self._with_pending_project(fn)))
+        """Run ``fn(db)`` inside BEGIN IMMEDIATE … COMMIT (the pending Project's creation first)."""
+        tx = self._with_pending_project(fn)
+        return self._committed(self.authority.write(lambda c: tx(Db(c, SQLITE))))
 
     def _tx_now(self, conn) -> int:
         return self._now()
@@ -168,7 +172,7 @@ def diagnose(path: str) -> list[tuple[str, bool, str]]:
             out.append(("capability", False, str(e)))
         res = auth.read(lambda c: [r[0] for r in c.execute("PRAGMA integrity_check")])
         out.append(("integrity", res == ["ok"], "; ".join(res[:5])))
-        missing = [(t, n) for t, n, stored in auth.read(lambda c: secret_rows.secret_uses(c, None)) if not stored]
+        missing = [(t, n) for t, n, stored in auth.read(lambda c: secret_rows.secret_uses(Db(c, SQLITE), None)) if not stored]
         for task, name in missing:
             out.append(("secrets", False, f"task {task} uses secret {name!r}, which is not set "
                                           f"(`qlagent secret set {name}`); its runs fail secret_missing:{name}"))
