@@ -22,7 +22,7 @@ import pytest
 from execkit import Bench, task
 
 from qlagent.adapters.sqlite import execution as ex
-from qlagent.adapters.sqlite import definitions as defs
+from qlagent.adapters.rows import definitions as defs
 from qlagent.adapters.sqlite import runs as runs_repo
 from qlagent.core.dispatch import DispatchResult
 from qlagent.core.profiles import EDGE, STANDALONE

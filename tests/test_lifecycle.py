@@ -632,7 +632,7 @@ def test_service_walks_past_a_long_blocked_backlog(root):
     try:
         first = a.start("single")
         a.wait(first, ("running",))
-        from qlagent.adapters.sqlite import definitions as defs
+        from qlagent.adapters.rows import definitions as defs
         from qlagent.adapters.sqlite import runs as runs_repo
         from qlagent.adapters.sqlite.store import SqliteStore
         other = SqliteStore(os.path.join(a.state, "qlagent.db"))

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from qlcli import cli, workdir  # noqa: F401  (fixture)
 
-from qlagent.adapters.sqlite import definitions as defs
+from qlagent.adapters.rows import definitions as defs
 from qlagent.adapters.sqlite import migrations
 from qlagent.application.definitions import DefinitionWriter
 from qlagent.adapters.sqlite.store import SqliteStore

@@ -37,6 +37,7 @@ from ..core.models import (
     TokenInfo,
 )
 from ..core.receipt import TruncationFact
+from .rows import definitions as defs
 from .rows import policy, secrets
 
 T = TypeVar("T")
@@ -59,21 +60,21 @@ class RowBatch:
 
     def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:
         try:
-            return self._s._defs.get_head(self._c, project_id, name_or_id)
+            return defs.get_head(self._c, project_id, name_or_id)
         except NotFoundError:
             return None
 
     def list_heads(self, project_id: str) -> list[TaskHead]:
-        return self._s._defs.list_heads(self._c, project_id)
+        return defs.list_heads(self._c, project_id)
 
     def add_task(self, project_id: str, prepared: PreparedTask) -> TaskHead:
         check_executor(prepared.definition, self._s.executor_type)
-        return self._s._defs.add_task(self._c, project_id, prepared, self._now)
+        return defs.add_task(self._c, project_id, prepared, self._now)
 
     def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
                   prepared: PreparedTask) -> TaskHead:
         check_executor(prepared.definition, self._s.executor_type)
-        return self._s._defs.edit_task(self._c, project_id, name_or_id, expected_revision, expected_digest, prepared,
+        return defs.edit_task(self._c, project_id, name_or_id, expected_revision, expected_digest, prepared,
                                        self._now)
 
     def ciphertexts(self, project_id: str, names: list[str]) -> dict[str, bytes]:
@@ -90,7 +91,6 @@ class RowStore:
     (NotFoundError, ConflictError, ValidationError …) and of the subclass's transactions
     (UnavailableError)."""
 
-    _defs: ModuleType
     _runs: ModuleType
     _ex: ModuleType
     executor_type: str
@@ -172,19 +172,19 @@ class RowStore:
 
         def tx(c):
             now = self._tx_now(c)
-            return [self._defs.add_task(c, project_id, p, now) for p in prepared]
+            return [defs.add_task(c, project_id, p, now) for p in prepared]
         return self.write(tx)
 
     def edit_task(self, project_id: str, name_or_id: str, expected_revision: int, expected_digest: str,
                   prepared: PreparedTask) -> TaskHead:
         check_executor(prepared.definition, self.executor_type)
-        return self.write(lambda c: self._defs.edit_task(c, project_id, name_or_id, expected_revision,
+        return self.write(lambda c: defs.edit_task(c, project_id, name_or_id, expected_revision,
                                                          expected_digest, prepared, self._tx_now(c)))
 
     def set_enabled(self, project_id: str, name_or_id: str, enabled: bool, actor: str) -> tuple[TaskHead, int]:
         def tx(c):
             now = self._tx_now(c)
-            head = self._defs.set_enabled(c, project_id, name_or_id, enabled, now)
+            head = defs.set_enabled(c, project_id, name_or_id, enabled, now)
             n = 0 if enabled else self._runs.cancel_queued_for_task(c, head.task_id, actor, "task_disabled", now)
             return head, n
         return self.write(tx)
@@ -192,7 +192,7 @@ class RowStore:
     def remove_task(self, project_id: str, name_or_id: str, actor: str) -> tuple[TaskHead, int, int]:
         def tx(c):
             now = self._tx_now(c)
-            head = self._defs.remove_task(c, project_id, name_or_id, now)
+            head = defs.remove_task(c, project_id, name_or_id, now)
             queued = self._runs.cancel_queued_for_task(c, head.task_id, actor, "task_removed", now)
             active = self._runs.active_run_ids(c, head.task_id)
             for run_id in active:
@@ -212,16 +212,16 @@ class RowStore:
             return done.result
 
     def get_head(self, project_id: str, name_or_id: str) -> TaskHead:
-        return self.read(lambda c: self._defs.get_head(c, project_id, name_or_id))
+        return self.read(lambda c: defs.get_head(c, project_id, name_or_id))
 
     def list_heads(self, project_id: str | None) -> list[TaskHead]:
-        return self.read(lambda c: self._defs.list_heads(c, project_id))
+        return self.read(lambda c: defs.list_heads(c, project_id))
 
     def skipped_fires(self, task_id: str) -> int:
-        return self.read(lambda c: self._defs.skipped_fires(c, task_id))
+        return self.read(lambda c: defs.skipped_fires(c, task_id))
 
     def get_recipe(self, recipe_ref: str) -> ContextRecipe:
-        return self.read(lambda c: self._defs.get_recipe(c, recipe_ref))
+        return self.read(lambda c: defs.get_recipe(c, recipe_ref))
 
     # ---- RunStore (Task Start is the subclass's) -----------------------------------------------
     def get_run(self, run_id: str, project_id: str | None = None) -> Run:
@@ -271,13 +271,13 @@ class RowStore:
             if self._runs.run_id_for_key(c, project_id, idempotency_key) is not None:
                 return "exists"
             try:     # the head as it is now: a Task edited or disabled since the caller read it wins
-                head = self._defs.get_head(c, project_id, task_id)
+                head = defs.get_head(c, project_id, task_id)
             except NotFoundError:
                 return "gone"
             if not head.enabled:
                 return "gone"
             if head.definition.concurrency == "single" and self._runs.live_run_count(c, task_id):
-                self._defs.count_skipped_fire(c, task_id)
+                defs.count_skipped_fire(c, task_id)
                 return "skipped"
             created = self._runs.create_run(c, head=head, origin="schedule", trigger_type=trigger,
                                             idempotency_key=idempotency_key, requested_by=actor, now_us=now,

@@ -32,7 +32,6 @@ from ...core.receipt import TruncationFact
 from ..row_store import RowStore
 from ..rows import secrets as secret_rows
 from ..rows.dialect import Db, Dialect
-from . import definitions as defs
 from . import execution as ex
 from . import migrations, queries
 from . import runs as runs_repo
@@ -63,7 +62,7 @@ class PgStore(RowStore):
     UnavailableError when the server is unreachable or a capability is missing.
     """
 
-    _defs, _runs, _ex = defs, runs_repo, ex
+    _runs, _ex = runs_repo, ex
 
     def __init__(self, url: str, project: str | None = "default", *, migrate: bool = True,
                  create_project: bool | str = True,

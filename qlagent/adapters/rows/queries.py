@@ -26,3 +26,25 @@ SECRETS_WITH_PREFIX = ("SELECT project_id, name, ciphertext FROM secrets WHERE s
                        "ORDER BY project_id, name")
 SECRET_REPLACE_CIPHERTEXT = ("UPDATE secrets SET ciphertext = ?, key_id = ? WHERE project_id = ? AND name = ? "
                              "AND ciphertext = ?")
+
+# ---- definitions: Task heads, revisions, execution revisions, context recipes ------------------
+RECIPE_JSON = "SELECT recipe_json FROM context_recipes WHERE recipe_ref = ?"
+RECIPE_INSERT = "INSERT INTO context_recipes VALUES (?, ?, ?)"
+EXECUTION_REVISION_DIGEST = "SELECT execution_digest FROM execution_revisions WHERE task_id = ? AND revision = ?"
+EXECUTION_REVISION_INSERT = "INSERT INTO execution_revisions VALUES (?, ?, ?, ?, ?, ?, ?)"
+TASK_REVISION_DIGEST = "SELECT content_digest FROM task_revisions WHERE task_id = ? AND revision = ?"
+TASK_REVISION_INSERT = "INSERT INTO task_revisions VALUES (?, ?, ?, ?, ?)"
+TASK_NAME_LIVE = "SELECT task_id FROM tasks WHERE project_id = ? AND name = ? AND deleted_at_us IS NULL"
+TASK_INSERT = ("INSERT INTO tasks(task_id, project_id, name, head_revision, enabled, created_at_us, updated_at_us) "
+               "VALUES (?, ?, ?, 1, ?, ?, ?)")
+TASK_MOVE_HEAD = "UPDATE tasks SET head_revision = ?, updated_at_us = ? WHERE task_id = ? AND head_revision = ?"
+TASK_SET_ENABLED = "UPDATE tasks SET enabled = ?, updated_at_us = ? WHERE task_id = ?"
+TASK_REMOVE = "UPDATE tasks SET deleted_at_us = ?, enabled = ?, updated_at_us = ? WHERE task_id = ?"
+TASK_SKIPPED_FIRES = "SELECT skipped_fires FROM tasks WHERE task_id = ?"
+TASK_COUNT_SKIPPED_FIRE = "UPDATE tasks SET skipped_fires = skipped_fires + 1 WHERE task_id = ?"
+# Every Task head with its revision's digest and document (deleted ones too); the head
+# statements below and the dialects' ``HEAD_LIVE_FOR_UPDATE``/``HEADS_LIVE`` extend it.
+TASK_HEADS = ("SELECT t.task_id, t.project_id, t.name, t.head_revision, t.enabled, t.created_at_us, "
+              "t.updated_at_us, r.content_digest, r.definition_json FROM tasks t "
+              "JOIN task_revisions r ON r.task_id = t.task_id AND r.revision = t.head_revision ")
+HEAD_LIVE = TASK_HEADS + "WHERE t.project_id = ? AND (t.name = ? OR t.task_id = ?) AND t.deleted_at_us IS NULL"

@@ -5,7 +5,9 @@ SQLite's write transaction (BEGIN IMMEDIATE) already excludes every other writer
 statement PostgreSQL runs with a row lock (``…_FOR_SHARE``, ``…_FOR_UPDATE``) is the plain read
 here; names sort by SQLite's binary collation."""
 
-PROJECT_BY_NAME_OR_ID_FOR_SHARE = "SELECT * FROM projects WHERE name = ? OR project_id = ?"
+from ..rows import queries as shared
+
+PROJECT_BY_NAME_OR_ID_FOR_SHARE = shared.PROJECT_BY_NAME_OR_ID
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = ? "
                      "ORDER BY created_at_us")
 
@@ -15,3 +17,8 @@ SECRET_USES = ("SELECT t.project_id, t.name, cr.recipe_json FROM tasks t JOIN ex
                "ON e.task_id = t.task_id AND e.revision = t.head_revision "
                "JOIN context_recipes cr ON cr.recipe_ref = e.recipe_ref "
                "WHERE (? IS NULL OR t.project_id = ?) AND t.deleted_at_us IS NULL ORDER BY t.name")
+
+HEAD_LIVE_FOR_UPDATE = shared.HEAD_LIVE
+# Live heads of one Project (bound twice; NULL: of every Project).
+HEADS_LIVE = shared.TASK_HEADS + ("WHERE (? IS NULL OR t.project_id = ?) AND t.deleted_at_us IS NULL "
+                                  "ORDER BY t.name, t.task_id")

@@ -19,7 +19,7 @@ from ...core.errors import FenceRejected, NotFoundError, UnavailableError, Valid
 from ...core.ids import new_id
 from ...core.models import START_ROLES, Attempt, CreatedRun, Run, RunEvent, ScheduleCursor, TaskHead
 from ...core.receipt import TruncationFact
-from . import definitions as defs
+from ..rows import definitions as defs
 from ..rows import policy
 
 _enc = msgspec.json.Encoder(order="sorted")

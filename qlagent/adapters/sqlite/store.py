@@ -24,7 +24,6 @@ from ...core.receipt import TruncationFact
 from ..row_store import RowStore
 from ..rows import secrets as secret_rows
 from ..rows.dialect import Db, Dialect
-from . import definitions as defs
 from . import execution as ex
 from . import migrations, queries
 from . import runs as runs_repo
@@ -50,7 +49,7 @@ class SqliteStore(RowStore):
     the file cannot be opened or a required capability is missing.
     """
 
-    _defs, _runs, _ex = defs, runs_repo, ex
+    _runs, _ex = runs_repo, ex
     executor_type = "local_process"     # the only executor of the local authority's Attempts
 
     def __init__(self, path: str, project: str = "default", *, migrate: bool = True,
