@@ -29,7 +29,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qlagent.adapters.secretbox import create_key_file  # noqa: E402
 from qlagent.adapters.rows import definitions as defs  # noqa: E402
-from qlagent.adapters.sqlite import runs as runs_repo  # noqa: E402
+from qlagent.adapters.rows import runs as runs_repo  # noqa: E402
 from qlagent.application.definitions import DefinitionWriter  # noqa: E402
 from qlagent.application.runs import RunService  # noqa: E402
 from qlagent.application.secrets import SecretService  # noqa: E402

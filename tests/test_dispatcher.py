@@ -22,8 +22,9 @@ import pytest
 from execkit import Bench, task
 
 from qlagent.adapters.sqlite import execution as ex
+from qlagent.adapters.sqlite import queries
 from qlagent.adapters.rows import definitions as defs
-from qlagent.adapters.sqlite import runs as runs_repo
+from qlagent.adapters.rows import runs as runs_repo
 from qlagent.core.dispatch import DispatchResult
 from qlagent.core.profiles import EDGE, STANDALONE
 
@@ -151,7 +152,7 @@ def test_one_pass_reads_one_page_and_activates_at_most_one(root):
     assert (r10k.status, q10k, r10k.rows_read) == ("activated", 1, EDGE.dispatch_page + 1)
     assert not any("OFFSET" in s.upper() for s in traced)
     assert vm10k < vm100 * 1.5 + 200, (vm100, vm10k)
-    plan = b.store.read(lambda c: c.execute("EXPLAIN QUERY PLAN " + ex._CAND + ex._ORDER, (0, 5)).fetchall())
+    plan = b.store.read(lambda c: c.execute("EXPLAIN QUERY PLAN " + queries.CANDIDATES, (0, 5)).fetchall())
     text = " | ".join(str(row[3]) for row in plan)
     assert "runs_dispatch_candidates" in text and "TEMP B-TREE" not in text, text
     queued = b.store.read(lambda c: c.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0])

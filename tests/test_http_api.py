@@ -24,7 +24,7 @@ import pytest
 
 from qlagent.adapters.rows import policy
 from qlagent.adapters.rows.dialect import Db
-from qlagent.adapters.sqlite.store import SQLITE
+from qlagent.adapters.sqlite.dialect import SQLITE
 from qlagent.http.routing import documented_routes
 
 from qlcli import ok, workdir  # noqa: F401  (workdir is a fixture)

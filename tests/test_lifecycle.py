@@ -633,7 +633,7 @@ def test_service_walks_past_a_long_blocked_backlog(root):
         first = a.start("single")
         a.wait(first, ("running",))
         from qlagent.adapters.rows import definitions as defs
-        from qlagent.adapters.sqlite import runs as runs_repo
+        from qlagent.adapters.rows import runs as runs_repo
         from qlagent.adapters.sqlite.store import SqliteStore
         other = SqliteStore(os.path.join(a.state, "qlagent.db"))
 

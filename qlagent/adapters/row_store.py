@@ -16,11 +16,10 @@ hook (``_record_fire``, ``_write_creating_runs``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import TypeVar
 
 from ..core.definitions import PreparedTask, check_executor, check_project_name
-from ..core.dispatch import Candidate, LiveAttempt, Plan
+from ..core.dispatch import Candidate, Finish, LiveAttempt, Plan
 from ..core.errors import NotFoundError
 from ..core.ids import new_id
 from ..core.models import (
@@ -37,8 +36,10 @@ from ..core.models import (
     TokenInfo,
 )
 from ..core.receipt import TruncationFact
+from ..core.states import AttemptState
 from .rows import definitions as defs
-from .rows import policy, secrets
+from .rows import execution as ex
+from .rows import policy, runs, secrets
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_MS = 3_600_000      # timing() of a revision that is gone (recovery only)
@@ -91,8 +92,6 @@ class RowStore:
     (NotFoundError, ConflictError, ValidationError …) and of the subclass's transactions
     (UnavailableError)."""
 
-    _runs: ModuleType
-    _ex: ModuleType
     executor_type: str
     # Opened with create_project="on_write" for a Project not stored yet: ``project`` (ID handed
     # out already) is inserted by the first write transaction, so a refused write leaves none.
@@ -185,7 +184,7 @@ class RowStore:
         def tx(c):
             now = self._tx_now(c)
             head = defs.set_enabled(c, project_id, name_or_id, enabled, now)
-            n = 0 if enabled else self._runs.cancel_queued_for_task(c, head.task_id, actor, "task_disabled", now)
+            n = 0 if enabled else runs.cancel_queued_for_task(c, head.task_id, actor, "task_disabled", now)
             return head, n
         return self.write(tx)
 
@@ -193,10 +192,10 @@ class RowStore:
         def tx(c):
             now = self._tx_now(c)
             head = defs.remove_task(c, project_id, name_or_id, now)
-            queued = self._runs.cancel_queued_for_task(c, head.task_id, actor, "task_removed", now)
-            active = self._runs.active_run_ids(c, head.task_id)
+            queued = runs.cancel_queued_for_task(c, head.task_id, actor, "task_removed", now)
+            active = runs.active_run_ids(c, head.task_id)
             for run_id in active:
-                self._ex.request_cancel(c, run_id, actor, now)
+                ex.request_cancel(c, run_id, actor, now)
             return head, queued, len(active)
         return self.write(tx)
 
@@ -225,31 +224,31 @@ class RowStore:
 
     # ---- RunStore (Task Start is the subclass's) -----------------------------------------------
     def get_run(self, run_id: str, project_id: str | None = None) -> Run:
-        return self.read(lambda c: self._runs.get_run(c, run_id, project_id))
+        return self.read(lambda c: runs.get_run(c, run_id, project_id))
 
     def list_runs(self, project_id: str, *, task_id: str | None = None, state: str | None = None,
                   limit: int = 50, cursor: str | None = None) -> tuple[list[Run], str | None]:
-        return self.read(lambda c: self._runs.list_runs(c, project_id, task_id=task_id, state=state, limit=limit,
+        return self.read(lambda c: runs.list_runs(c, project_id, task_id=task_id, state=state, limit=limit,
                                                         cursor=cursor))
 
     def list_events(self, run_id: str) -> list[RunEvent]:
-        return self.read(lambda c: self._runs.list_events(c, run_id))
+        return self.read(lambda c: runs.list_events(c, run_id))
 
     def list_attempts(self, run_id: str) -> list[Attempt]:
-        return self.read(lambda c: self._runs.list_attempts(c, run_id))
+        return self.read(lambda c: runs.list_attempts(c, run_id))
 
     def latest_artifact(self, run_id: str) -> tuple[str | None, TruncationFact | None]:
-        return self.read(lambda c: self._runs.latest_artifact(c, run_id))
+        return self.read(lambda c: runs.latest_artifact(c, run_id))
 
     def request_cancel(self, run_id: str, actor: str, project_id: str | None = None) -> Run:
         def tx(c):
-            run = self._runs.get_run(c, run_id, project_id)
-            self._ex.request_cancel(c, run.run_id, actor, self._tx_now(c))
-            return self._runs.get_run(c, run.run_id)
+            run = runs.get_run(c, run_id, project_id)
+            ex.request_cancel(c, run.run_id, actor, self._tx_now(c))
+            return runs.get_run(c, run.run_id)
         return self.write(tx)
 
     def queued_count(self) -> int:
-        return self.read(self._runs.queued_count)
+        return self.read(runs.queued_count)
 
     # ---- ScheduleStore -------------------------------------------------------------------------
     def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
@@ -263,12 +262,12 @@ class RowStore:
             now = self._tx_now(c)
             if cursor is not None:
                 expected, new = cursor
-                if self._runs.schedule_cursor(c, task_id) != expected:
+                if runs.schedule_cursor(c, task_id) != expected:
                     return "moved"
-                self._runs.put_schedule_cursor(c, task_id, new)
+                runs.put_schedule_cursor(c, task_id, new)
             if idempotency_key is None:
                 return "cursor"
-            if self._runs.run_id_for_key(c, project_id, idempotency_key) is not None:
+            if runs.run_id_for_key(c, project_id, idempotency_key) is not None:
                 return "exists"
             try:     # the head as it is now: a Task edited or disabled since the caller read it wins
                 head = defs.get_head(c, project_id, task_id)
@@ -276,10 +275,10 @@ class RowStore:
                 return "gone"
             if not head.enabled:
                 return "gone"
-            if head.definition.concurrency == "single" and self._runs.live_run_count(c, task_id):
+            if head.definition.concurrency == "single" and runs.live_run_count(c, task_id):
                 defs.count_skipped_fire(c, task_id)
                 return "skipped"
-            created = self._runs.create_run(c, head=head, origin="schedule", trigger_type=trigger,
+            created = runs.create_run(c, head=head, origin="schedule", trigger_type=trigger,
                                             idempotency_key=idempotency_key, requested_by=actor, now_us=now,
                                             executor_type=self.executor_type, scheduled_for_us=scheduled_for_us,
                                             fences={"missed": missed} if missed else None)
@@ -297,7 +296,7 @@ class RowStore:
         return self.write(fn)
 
     def schedule_cursors(self) -> dict[str, ScheduleCursor]:
-        return self.read(self._runs.schedule_cursors)
+        return self.read(runs.schedule_cursors)
 
     # ---- SecretStore ---------------------------------------------------------------------------
     def put_secret(self, project_id: str, name: str, ciphertext: bytes, key_id: str) -> None:
@@ -322,53 +321,77 @@ class RowStore:
         return self.write(lambda c: sum(secrets.replace_ciphertext(c, pid, name, old, new, key_id)
                                         for pid, name, old, new in rows))
 
-    # ---- DispatchStore (candidate pages and unlaunched finishes are the subclass's) ------------
+    # ---- DispatchStore (candidate pages are the subclass's) ------------------------------------
     def reread(self, c: Candidate) -> bool:
-        return self.read(lambda conn: self._ex.reread_candidate(conn, c))
+        return self.read(lambda conn: ex.reread_candidate(conn, c))
 
     def load_plan(self, c: Candidate) -> tuple[Plan | None, str | None]:
-        return self.read(lambda conn: self._ex.load_plan(conn, c.task_id, c.task_revision))
+        return self.read(lambda conn: ex.load_plan(conn, c.task_id, c.task_revision))
 
     def active_count(self) -> int:
-        return self.read(self._ex.active_count)
+        return self.read(ex.active_count)
 
     def task_active_count(self, task_id: str) -> int:
-        return self.read(lambda c: self._ex.task_active_count(c, task_id))
+        return self.read(lambda c: ex.task_active_count(c, task_id))
 
-    # ---- ExecutionStore (claims and finishes are the subclass's) -------------------------------
+    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
+                        start_error: str | None = None) -> None:
+        f = Finish(AttemptState.START_FAILED, failure_reason=reason, start_error=start_error)
+        self.write(lambda conn: ex.finish_attempt(conn, c.run_id, c.attempt_id, f, retry, self._tx_now(conn),
+                                                  self.executor_type) if ex.reread_candidate(conn, c) else None)
+
+    # ---- ExecutionStore ------------------------------------------------------------------------
+    def claim_starting(self, c: Candidate, artifact_path: str) -> bool:
+        try:
+            return self.write(lambda conn: ex.claim_starting(conn, c, artifact_path, self._tx_now(conn)))
+        except ex.AttemptNotClaimed:
+            return False
+
+    def finish(self, run_id: str, attempt_id: str, f: Finish, truncation: TruncationFact | None,
+               retry: RetryPolicy | None) -> str:
+        def tx(conn):
+            now = self._tx_now(conn)
+            if truncation is not None:
+                fact = truncation if truncation.bytes_dropped is not None else TruncationFact(
+                    quota_bytes=truncation.quota_bytes, bytes_kept=truncation.bytes_kept,
+                    bytes_dropped=f.bytes_dropped)
+                ex.record_truncation(conn, attempt_id, fact, now)
+            return ex.finish_attempt(conn, run_id, attempt_id, f, retry, now, self.executor_type)
+        return self.write(tx)
+
     def mark_running(self, c: Candidate, shim_pid: int, shim_start: float, deadline_us: int) -> None:
-        self.write(lambda conn: self._ex.mark_running(conn, c.run_id, c.attempt_id, shim_pid, shim_start,
+        self.write(lambda conn: ex.mark_running(conn, c.run_id, c.attempt_id, shim_pid, shim_start,
                                                       deadline_us, self._tx_now(conn)))
 
     def live_attempts(self) -> list[LiveAttempt]:
-        return self.read(self._ex.live_attempts)
+        return self.read(ex.live_attempts)
 
     def cancel_requested(self) -> set[str]:
-        return {a.attempt_id for a in self.read(self._ex.live_attempts) if a.cancel_requested}
+        return {a.attempt_id for a in self.read(ex.live_attempts) if a.cancel_requested}
 
     def retry_policy(self, task_id: str, revision: int) -> RetryPolicy | None:
-        plan, _ = self.read(lambda c: self._ex.load_plan(c, task_id, revision))
+        plan, _ = self.read(lambda c: ex.load_plan(c, task_id, revision))
         return plan.retry if plan else None
 
     def timing(self, task_id: str, revision: int) -> tuple[int, int]:
-        plan, _ = self.read(lambda c: self._ex.load_plan(c, task_id, revision))
+        plan, _ = self.read(lambda c: ex.load_plan(c, task_id, revision))
         return (plan.timeout_ms, plan.grace_ms) if plan else (DEFAULT_TIMEOUT_MS, DEFAULT_GRACE_MS)
 
     def keeps_orphans(self, attempt_id: str) -> bool:
-        where = self.read(lambda c: self._ex.attempt_revision(c, attempt_id))
+        where = self.read(lambda c: ex.attempt_revision(c, attempt_id))
         if where is None:
             return False
-        plan, _ = self.read(lambda c: self._ex.load_plan(c, *where))
+        plan, _ = self.read(lambda c: ex.load_plan(c, *where))
         return plan is not None and plan.execution.keep_orphans
 
     def next_backoff_us(self) -> int | None:
-        return self.read(lambda c: self._ex.next_backoff_us(c, self._tx_now(c)))
+        return self.read(lambda c: ex.next_backoff_us(c, self._tx_now(c)))
 
     def claimed_attempt_ids(self) -> list[str]:
-        return self.read(self._ex.claimed_attempt_ids)
+        return self.read(ex.claimed_attempt_ids)
 
     def retention_entries(self) -> list[RetentionEntry]:
-        return self.read(self._ex.retention_entries)
+        return self.read(ex.retention_entries)
 
     def forget_artifacts(self, attempt_ids: list[str]) -> None:
-        self.write(lambda c: self._ex.forget_artifacts(c, attempt_ids))
+        self.write(lambda c: ex.forget_artifacts(c, attempt_ids))

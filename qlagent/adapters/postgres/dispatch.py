@@ -28,7 +28,8 @@ from ...core.errors import ConflictError
 from ...core.ids import new_id
 from ...core.profiles import Profile
 from .connection import read, transaction
-from .runs import OCCUPYING, set_holds
+from .queries import OCCUPYING
+from .runs import set_holds
 from .transitions import authenticate, finish_attempt, now_us, stale_session
 
 _CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,

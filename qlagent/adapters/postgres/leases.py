@@ -11,8 +11,9 @@ from ...core.cluster import Ack, AckResult, LeaseFence
 from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
 from .connection import transaction
-from .execution import record_truncation
-from .runs import OCCUPYING
+from ..rows.execution import record_truncation
+from .dialect import POSTGRES
+from .queries import OCCUPYING
 from .transitions import end_lease, event, fenced_lease, finish_attempt, now_us
 
 # Attempt progress order: an ACK for a state at or behind the current one is a replay.
@@ -74,7 +75,7 @@ class PgLeaseStore:
                 # drops (core.receipt), so the completion's figures are the truncation fact. The
                 # Worker uploads only the kept bytes, so no chunk would ever record it.
                 kept = ack.bytes_kept or 0
-                record_truncation(cur, fence.attempt_id, TruncationFact(quota_bytes=kept, bytes_kept=kept,
+                record_truncation(POSTGRES.db(cur), fence.attempt_id, TruncationFact(quota_bytes=kept, bytes_kept=kept,
                                                                          bytes_dropped=ack.bytes_dropped), now)
             figures = {"exit_code": ack.exit_code, "signal": ack.signal, "bytes_kept": ack.bytes_kept,
                        "bytes_dropped": ack.bytes_dropped, "peak_rss_bytes": ack.peak_rss_bytes,

@@ -5,7 +5,9 @@ Row locks the local store needs not (its write transaction excludes every other 
 ordered by byte (``COLLATE "C"``, SQLite's order) and parameters typed where PostgreSQL cannot
 infer them."""
 
+from ...core import states
 from ..rows import queries as shared
+from ..rows.queries import format_marks, sql_in
 
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = "SELECT * FROM projects WHERE name = %s OR project_id = %s FOR SHARE"
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = %s "
@@ -25,3 +27,61 @@ HEAD_LIVE_FOR_UPDATE = shared.TASK_HEADS + ("WHERE t.project_id = %s AND (t.name
 # Live heads of one Project (bound twice; NULL: of every Project).
 HEADS_LIVE = shared.TASK_HEADS + ("WHERE (%s::text IS NULL OR t.project_id = %s) AND t.deleted_at_us IS NULL "
                                   "ORDER BY t.name COLLATE \"C\", t.task_id")
+
+# Runs not ended: the local live set plus the cluster's ``dispatching`` (a Lease is being offered).
+LIVE = tuple(s for s in states.RunState.ALL_CLUSTER if s in states.RUN_LIVE_CLUSTER)
+ACTIVE = tuple(s for s in states.RunState.ALL if s in states.RUN_ACTIVE)
+# Runs that occupy a single-instance Task: leased to a Worker (``dispatching``) or started.
+OCCUPYING = ("dispatching", *ACTIVE)
+
+RUN_LIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE task_id = %s AND state IN {sql_in(frozenset(LIVE), LIVE)}"
+TASK_OCCUPIED = ("SELECT EXISTS (SELECT 1 FROM runs WHERE task_id = %s "
+                 f"AND state IN {sql_in(frozenset(OCCUPYING), OCCUPYING)}) AS live")
+# (held, task, not held). Rows another transaction has locked are skipped, never waited for: a
+# Pull holding its candidate page while it queues on the Task's row would otherwise deadlock
+# with the claim that holds the row (the Pull's own claim guard then holds what it locked), and
+# a hold left by a concurrent transaction is released by the sweeper (``PgLeaseStore.release_holds``).
+RUNS_HOLD = ("UPDATE runs SET held = %s WHERE run_id IN (SELECT run_id FROM runs WHERE task_id = %s"
+             " AND state = 'queued' AND single_instance AND held = %s FOR NO KEY UPDATE SKIP LOCKED)")
+RUNS_QUEUED_OF_TASK_FOR_UPDATE = ("SELECT run_id, event_sequence, version FROM runs WHERE task_id = %s "
+                                  "AND state = 'queued' ORDER BY run_id FOR UPDATE")
+RUNS_ACTIVE_OF_TASK = ("SELECT run_id FROM runs WHERE task_id = %s "
+                       f"AND state IN {sql_in(frozenset(OCCUPYING), OCCUPYING)} ORDER BY run_id")
+# A log retention deleted: an ended local Attempt of the Run kept bytes (a Worker's log is uploaded).
+ATTEMPT_LOG_PRUNED = ("SELECT 1 FROM attempts WHERE run_id = %s AND ended_at_us IS NOT NULL AND bytes_kept > 0 "
+                      "AND worker_id IS NULL LIMIT 1")
+# Row-locked so concurrent replicas compare-and-set the cursor in turn.
+SCHEDULE_CURSOR_FOR_UPDATE = "SELECT last_instant_us, observed_wall_us FROM schedule_cursors WHERE task_id = %s FOR UPDATE"
+# The (Task, instant) of a cron fire: a second replica's fire of it conflicts on the primary key.
+SCHEDULE_FIRE_INSERT = "INSERT INTO schedule_fires VALUES (%s, %s, %s, %s)"
+
+RUNS_ACTIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE state IN {sql_in(frozenset(ACTIVE), ACTIVE)}"
+TASK_RUNS_ACTIVE_COUNT = ("SELECT count(*) AS n FROM runs WHERE task_id = %s "
+                          f"AND state IN {sql_in(frozenset(ACTIVE), ACTIVE)}")
+ATTEMPT_STATE_FOR_UPDATE = "SELECT state, attempt_no FROM attempts WHERE attempt_id = %s FOR UPDATE"
+RUN_STATE_FOR_UPDATE = ("SELECT state, version, event_sequence, cancel_requested_at_us, task_id FROM runs "
+                        "WHERE run_id = %s FOR UPDATE")
+# The Run moves return the event sequence they took (the local store reads it back).
+RUN_MOVE = format_marks(shared.RUN_MOVE) + " RETURNING event_sequence"
+RUN_MOVE_AT_VERSION = format_marks(shared.RUN_MOVE_AT_VERSION) + " RETURNING event_sequence"
+RUN_MOVE_REQUEUE = format_marks(shared.RUN_MOVE_REQUEUE) + " RETURNING event_sequence"
+RUN_MOVE_END = format_marks(shared.RUN_MOVE_END) + " RETURNING event_sequence"
+RUN_NEXT_ATTEMPT = format_marks(shared.RUN_NEXT_ATTEMPT) + " RETURNING event_sequence"
+RUN_NEXT_EVENT = format_marks(shared.RUN_NEXT_EVENT) + " RETURNING event_sequence"
+# This process's own Attempts only: a Worker's are recovered by the Lease sweeper.
+LIVE_ATTEMPTS = ("SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.shim_pid, a.shim_start_time, "
+                 "a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a JOIN runs r "
+                 "ON r.run_id = a.run_id WHERE a.state IN "
+                 f"{sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)} AND a.worker_id IS NULL ORDER BY a.attempt_id")
+CLAIMED_ATTEMPT_IDS = "SELECT attempt_id FROM attempts WHERE state = 'claimed' AND worker_id IS NULL ORDER BY attempt_id"
+
+# Dispatch candidates of executor %(ex)s due at %(now)s, in Candidate.key() order.
+_CANDIDATE = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_revision, r.version, "
+              "r.priority, r.created_at_us, r.latest_attempt_created_at_us FROM runs r JOIN attempts a "
+              "ON a.attempt_id = r.latest_attempt_id WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL "
+              "AND NOT r.held AND a.state = 'claimed' AND a.executor_type = %(ex)s "
+              "AND (a.not_before_us IS NULL OR a.not_before_us <= %(now)s) ")
+_KEY = "(-r.priority), r.created_at_us, r.latest_attempt_created_at_us, r.latest_attempt_id"
+CANDIDATES = _CANDIDATE + f"ORDER BY {_KEY} LIMIT %(lim)s"
+# ... strictly after the keyset (%(p)s negated priority, %(c)s, %(ac)s, %(aid)s).
+CANDIDATES_AFTER = _CANDIDATE + f"AND ({_KEY}) > (%(p)s, %(c)s, %(ac)s, %(aid)s) ORDER BY {_KEY} LIMIT %(lim)s"

@@ -23,22 +23,21 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ...core import states
 from ...core.dbclock import SKEW_BOUND_US, DatabaseClock
-from ...core.dispatch import Candidate, Finish
+from ...core.dispatch import Candidate
 from ...core.errors import UnavailableError
-from ...core.models import CreatedRun, Project, RetryPolicy
-from ...core.receipt import TruncationFact
+from ...core.models import CreatedRun, Project
 from ..row_store import RowStore
+from ..rows import runs as runs_repo
 from ..rows import secrets as secret_rows
-from ..rows.dialect import Db, Dialect
-from . import execution as ex
-from . import migrations, queries
-from . import runs as runs_repo
+from ..rows.dialect import Db
+from . import migrations
+from . import runs as pg_runs
 from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
+from .dialect import POSTGRES
+from .execution import candidate_page
 
 T = TypeVar("T")
-POSTGRES = Dialect("postgres", queries, paramstyle="format")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
 RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
 QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
@@ -62,7 +61,6 @@ class PgStore(RowStore):
     UnavailableError when the server is unreachable or a capability is missing.
     """
 
-    _runs, _ex = runs_repo, ex
 
     def __init__(self, url: str, project: str | None = "default", *, migrate: bool = True,
                  create_project: bool | str = True,
@@ -183,39 +181,15 @@ class PgStore(RowStore):
     def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
         """Across replicas the (Task, instant) row of ``schedule_fires`` and the Run's unique
         idempotency key make one Run per instant."""
-        runs_repo.record_fire(c, task_id, scheduled_for_us, run_id, now_us)
+        pg_runs.record_fire(c, task_id, scheduled_for_us, run_id, now_us)
 
     def _write_creating_runs(self, fn: Callable[..., T]) -> T:
         return self._run(fn, write=True, queue=True)
 
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
-        return self.read(lambda c: ex.candidate_page(c, limit, after, self._tx_now(c), self.executor_type))
+        return self.read(lambda c: candidate_page(c, limit, after, self._tx_now(c), self.executor_type))
 
-    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
-                        start_error: str | None = None) -> None:
-        f = Finish(states.AttemptState.START_FAILED, failure_reason=reason, start_error=start_error)
-        self.write(lambda cur: ex.finish_attempt(cur, c.run_id, c.attempt_id, f, retry, self._tx_now(cur),
-                                                 self.executor_type) if ex.reread_candidate(cur, c) else None)
-
-    # ---- ExecutionStore ------------------------------------------------------------------------
-    def claim_starting(self, c: Candidate, artifact_path: str) -> bool:
-        try:
-            return self.write(lambda cur: ex.claim_starting(cur, c, artifact_path, self._tx_now(cur)))
-        except ex.AttemptNotClaimed:
-            return False
-
-    def finish(self, run_id: str, attempt_id: str, f: Finish, truncation: TruncationFact | None,
-               retry: RetryPolicy | None) -> str:
-        def tx(cur):
-            now = self._tx_now(cur)
-            if truncation is not None:
-                fact = truncation if truncation.bytes_dropped is not None else TruncationFact(
-                    quota_bytes=truncation.quota_bytes, bytes_kept=truncation.bytes_kept,
-                    bytes_dropped=f.bytes_dropped)
-                ex.record_truncation(cur, attempt_id, fact, now)
-            return ex.finish_attempt(cur, run_id, attempt_id, f, retry, now, self.executor_type)
-        return self.write(tx)
 
 
 def diagnose(url: str) -> list[tuple[str, bool, str]]:

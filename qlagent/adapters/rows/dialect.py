@@ -2,9 +2,9 @@
 
 A ``Dialect`` is built once per store module from ``rows.queries`` (the statements both stores
 run alike, ``?`` marks) and the dialect's own ``queries`` module (the statements that differ,
-under the same names). A ``{values}`` in a statement is an ``IN`` list that ``Db.all_in`` fills
-with one mark per value. ``paramstyle="format"`` (psycopg) turns every ``?`` of a shared statement
-into ``%s`` (a literal ``%`` into ``%%``). ``Db`` wraps the connection (sqlite3, ``sqlite3.Row``
+under the same names). A ``{values}`` in a statement is an ``IN`` list that ``Db.run_in`` fills
+with one mark per value. ``paramstyle="format"`` (psycopg) turns every ``?`` of a shared
+statement into ``%s`` (a literal ``%`` into ``%%``). ``Db`` wraps the connection (sqlite3, ``sqlite3.Row``
 rows) or cursor (psycopg, dict rows) of one transaction: ``one``/``all``/``run`` execute a
 statement by name; anything else (``execute`` of a dialect module's own SQL, ``rowcount``)
 reaches the wrapped object unchanged. Rows are read by column name, which both row types allow.
@@ -12,6 +12,7 @@ reaches the wrapped object unchanged. Rows are read by column name, which both r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -23,19 +24,28 @@ def _statements(module: ModuleType) -> dict[str, str]:
 
 
 class Dialect:
-    """``Dialect(name, own, paramstyle="qmark"|"format", duplicate_key=())``: ``name`` "sqlite"
-    or "postgres"; ``own`` the dialect's ``queries`` module; ``duplicate_key`` the driver
-    exceptions for a unique-key violation that a row function turns into ConflictError (empty
-    where the store's transaction re-runs on them instead, as ``PgStore``'s does)."""
+    """``Dialect(name, own, *, paramstyle="qmark"|"format", duplicate_key=(), run_states,
+    encode_json, decode_json)``: ``name`` "sqlite" or "postgres"; ``own`` the dialect's
+    ``queries`` module; ``duplicate_key`` the driver exceptions for a unique-key violation that a
+    row function turns into ConflictError (empty where the store's transaction re-runs on them
+    instead, as ``PgStore``'s does); ``run_states`` the Run states the store holds (the cluster's
+    add ``dispatching``); ``encode_json``/``decode_json`` a RunEvent payload (dict) to and from
+    its column (SQLite: text, PostgreSQL: jsonb)."""
 
-    def __init__(self, name: str, own: ModuleType, paramstyle: str = "qmark",
-                 duplicate_key: tuple[type[BaseException], ...] = ()) -> None:
+    def __init__(self, name: str, own: ModuleType, *, paramstyle: str = "qmark",
+                 duplicate_key: tuple[type[BaseException], ...] = (), run_states: frozenset[str],
+                 encode_json: Callable[[dict], Any], decode_json: Callable[[Any], dict]) -> None:
         self.name, self.paramstyle = name, paramstyle
-        self.duplicate_key = duplicate_key
+        self.duplicate_key, self.run_states = duplicate_key, run_states
+        self.encode_json, self.decode_json = encode_json, decode_json
         common = _statements(shared)
         if paramstyle == "format":
-            common = {k: v.replace("%", "%%").replace("?", "%s") for k, v in common.items()}
+            common = {k: shared.format_marks(v) for k, v in common.items()}
         self.statements = {**common, **_statements(own)}
+
+    def db(self, raw: Any) -> Db:
+        """``raw`` (a connection or cursor) as a ``Db`` of this dialect; a ``Db`` as it is."""
+        return raw if isinstance(raw, Db) else Db(raw, self)
 
 
 class Db:
@@ -46,12 +56,12 @@ class Db:
     def __init__(self, raw: Any, dialect: Dialect) -> None:
         self.raw, self.dialect, self._sql = raw, dialect, dialect.statements
 
-    def all_in(self, name: str, params: tuple, values: list) -> list:
-        """Every row of statement ``name`` whose ``{values}`` is an ``IN`` list of ``values``
-        (non-empty), bound after ``params``."""
+    def run_in(self, name: str, params: tuple, values: list):
+        """Execute statement ``name`` whose ``{values}`` is an ``IN`` list of ``values``
+        (non-empty), bound after ``params``; returns the driver's cursor."""
         mark = "%s" if self.dialect.paramstyle == "format" else "?"
         sql = self._sql[name].format(values=", ".join([mark] * len(values)))
-        return self.raw.execute(sql, (*params, *values)).fetchall()
+        return self.raw.execute(sql, (*params, *values))
 
     def run(self, name: str, params: Any = ()):
         """Execute statement ``name``; returns the driver's cursor (``rowcount``, ``fetch…``)."""

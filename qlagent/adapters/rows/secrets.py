@@ -24,7 +24,7 @@ def ciphertexts(db: Db, project_id: str, names: list[str]) -> dict[str, bytes]:
     """Ciphertext of each present name (missing names are simply absent)."""
     if not names:
         return {}
-    return {r["name"]: bytes(r["ciphertext"]) for r in db.all_in("SECRETS_CIPHERTEXT", (project_id,), names)}
+    return {r["name"]: bytes(r["ciphertext"]) for r in db.run_in("SECRETS_CIPHERTEXT", (project_id,), names)}
 
 
 def secret_uses(db: Db, project_id: str | None) -> list[tuple[str, str, bool]]:

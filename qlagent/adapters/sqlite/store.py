@@ -12,25 +12,22 @@ schedule fires, candidate pages, claims and finishes.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Callable
 
-from ...core import states
 from ...core.clock import now_us as wall_us
-from ...core.dispatch import Candidate, Finish
+from ...core.dispatch import Candidate
 from ...core.errors import QlError, UnavailableError
-from ...core.models import CreatedRun, Project, RetryPolicy
-from ...core.receipt import TruncationFact
+from ...core.models import CreatedRun, Project
 from ..row_store import RowStore
+from ..rows import runs as runs_repo
 from ..rows import secrets as secret_rows
-from ..rows.dialect import Db, Dialect
-from . import execution as ex
-from . import migrations, queries
-from . import runs as runs_repo
+from ..rows.dialect import Db
+from . import migrations
 from .authority import BUSY_TIMEOUT_MS, SqliteAuthority
+from .dialect import SQLITE
+from .execution import candidate_page
 
 
-SQLITE = Dialect("sqlite", queries, duplicate_key=(sqlite3.IntegrityError,))
 WAL_CHECKPOINT_PAGES = 64            # checkpoint the WAL past 64 pages (256 KiB), not 1000 (4 MiB)
 WAL_LIMIT_BYTES = 262_144            # and truncate it back to at most this after a checkpoint
 
@@ -49,7 +46,6 @@ class SqliteStore(RowStore):
     the file cannot be opened or a required capability is missing.
     """
 
-    _runs, _ex = runs_repo, ex
     executor_type = "local_process"     # the only executor of the local authority's Attempts
 
     def __init__(self, path: str, project: str = "default", *, migrate: bool = True,
@@ -121,33 +117,12 @@ class SqliteStore(RowStore):
             c, project=project, task=task, subject=subject, mutation_id=mutation_id,
             expected_revision=expected_revision, expected_digest=expected_digest,
             admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
-            now_us=self._now()))
+            now_us=self._now(), executor_type=self.executor_type))
 
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
-        return self.read(lambda c: ex.candidate_page(c, limit, after, self._now()))
+        return self.read(lambda c: candidate_page(c, limit, after, self._now()))
 
-    def fail_unlaunched(self, c: Candidate, reason: str, retry: RetryPolicy | None,
-                        start_error: str | None = None) -> None:
-        f = Finish(states.AttemptState.START_FAILED, failure_reason=reason, start_error=start_error)
-        self.write(lambda conn: ex.finish_attempt(conn, c.run_id, c.attempt_id, f, retry, self._now())
-                   if ex.reread_candidate(conn, c) else None)
-
-    # ---- ExecutionStore ------------------------------------------------------------------------
-    def claim_starting(self, c: Candidate, artifact_path: str) -> bool:
-        return self.write(lambda conn: ex.claim_starting(conn, c, artifact_path, self._now()))
-
-    def finish(self, run_id: str, attempt_id: str, f: Finish, truncation: TruncationFact | None,
-               retry: RetryPolicy | None) -> str:
-        def tx(conn):
-            now = self._now()
-            if truncation is not None:
-                fact = truncation if truncation.bytes_dropped is not None else TruncationFact(
-                    quota_bytes=truncation.quota_bytes, bytes_kept=truncation.bytes_kept,
-                    bytes_dropped=f.bytes_dropped)
-                ex.record_truncation(conn, attempt_id, fact, now)
-            return ex.finish_attempt(conn, run_id, attempt_id, f, retry, now)
-        return self.write(tx)
 
 
 def diagnose(path: str) -> list[tuple[str, bool, str]]:
