@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlagent.adapters.sqlite.inbox import _SCHEMA, FILENAME, SqliteInbox
+from qlagent.adapters.sqlite.inbox import FILENAME, SqliteInbox
 from qlagent.core.canonical import content_digest
 from qlagent.core.errors import EXIT_CONFLICT, EXIT_UNAVAILABLE, EXIT_USAGE, NotFoundError, StoreIntegrityError, \
     UnavailableError, ValidationError
@@ -279,25 +279,88 @@ def test_the_offer_keeps_the_pull_that_brought_it_so_the_same_body_can_be_sent_a
     box.close()
 
 
-def test_a_version_1_file_gains_the_pull_id_and_keeps_its_rows(tmp_path):
-    path = str(tmp_path / FILENAME)
-    c = sqlite3.connect(path)                        # the version-1 schema as it shipped
-    c.executescript(_SCHEMA.replace(",\n    pull_id             TEXT                                    "
-                                    "-- the Pull that brought it (v2)", "") + "PRAGMA user_version=1;")
-    assert "pull_id" not in [r[1] for r in c.execute("PRAGMA table_info(offers)")]
-    offer = make_offer()
+# The inbox DDL as builds before its migration files wrote it in place: version 1, then the
+# steps that made version 2 and version 3 of the same file.
+OLD_V1_DDL = """
+CREATE TABLE offers (
+    seq                 INTEGER PRIMARY KEY AUTOINCREMENT,
+    offer_id            TEXT NOT NULL UNIQUE,
+    attempt_id          TEXT NOT NULL,
+    session_id          TEXT NOT NULL,
+    generation          INTEGER NOT NULL,
+    lease_generation    INTEGER NOT NULL,
+    lease_expires_at_us INTEGER NOT NULL,
+    lease_token         TEXT NOT NULL,
+    spec_digest         TEXT NOT NULL,
+    spec_json           BLOB NOT NULL,
+    spec_bytes          INTEGER NOT NULL,
+    state               TEXT NOT NULL CHECK (state IN ('received','barrier','started','completed','acked')),
+    outcome_json        BLOB,
+    received_at_us      INTEGER NOT NULL,
+    updated_at_us       INTEGER NOT NULL,
+    conflicts           INTEGER NOT NULL DEFAULT 0,
+    last_conflict_digest TEXT,
+    last_conflict_at_us INTEGER
+);
+CREATE INDEX offers_state ON offers (state, seq);
+CREATE TABLE pending_pull (
+    one           INTEGER PRIMARY KEY CHECK (one = 1),
+    session_id    TEXT NOT NULL,
+    generation    INTEGER NOT NULL,
+    pull_id       TEXT NOT NULL,
+    lease_token   TEXT NOT NULL,
+    body          BLOB NOT NULL,
+    created_at_us INTEGER NOT NULL
+);
+"""
+OLD_V1_TO_V2 = "ALTER TABLE offers ADD COLUMN pull_id TEXT;"
+OLD_V2_TO_V3 = "CREATE TABLE kept_orphans (attempt_id TEXT PRIMARY KEY, kept_at_us INTEGER NOT NULL);"
+
+
+def old_inbox_file(path: str, version: int, offer: InboxOffer) -> None:
+    """An inbox file of schema ``version`` as an older build left it, holding ``offer`` (received)."""
+    c = sqlite3.connect(path)
+    c.executescript(OLD_V1_DDL + (OLD_V1_TO_V2 if version >= 2 else "") + (OLD_V2_TO_V3 if version >= 3 else "")
+                    + f"PRAGMA user_version={version};")
     c.execute("INSERT INTO offers (offer_id, attempt_id, session_id, generation, lease_generation, "
               "lease_expires_at_us, lease_token, spec_digest, spec_json, spec_bytes, state, received_at_us, "
               "updated_at_us) VALUES (?,?,?,?,?,?,?,?,?,?,'received',1,1)",
               (offer.offer_id, offer.attempt_id, offer.session_id, offer.generation, offer.lease_generation,
                offer.lease_expires_at_us, offer.lease_token, offer.spec_digest, spec_bytes(offer.spec),
                len(spec_bytes(offer.spec))))
+    if version >= 3:
+        c.execute("INSERT INTO kept_orphans VALUES ('kept-attempt', 1)")
     c.commit()
     c.close()
+
+
+def history(box: SqliteInbox) -> list[tuple[int, str]]:
+    return [tuple(r) for r in box._c.execute("SELECT version, name FROM schema_migrations ORDER BY version")]
+
+
+NEW_HISTORY = [(1, "offers"), (2, "offer_pull_id"), (3, "kept_orphans")]
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_an_inbox_file_of_an_older_build_upgrades_and_keeps_its_rows(tmp_path, version):
+    path = str(tmp_path / FILENAME)
+    offer = make_offer()
+    old_inbox_file(path, version, offer)
     box = SqliteInbox(path, max_rows=4, max_bytes=65_536)
     (entry,) = box.open_entries()
     assert entry.offer == offer and entry.pull_id is None
-    assert box._c.execute("PRAGMA user_version").fetchone()[0] == 3 and box.kept_orphans() == set()
+    assert box.kept_orphans() == ({"kept-attempt"} if version >= 3 else set())
+    assert box._c.execute("PRAGMA user_version").fetchone()[0] == 3 and history(box) == NEW_HISTORY
+    box.close()
+    box = SqliteInbox(path, max_rows=4, max_bytes=65_536)      # opened again: nothing left to apply
+    assert history(box) == NEW_HISTORY and [e.offer for e in box.open_entries()] == [offer]
+    box.close()
+
+
+def test_a_new_inbox_file_is_made_by_its_migrations(tmp_path):
+    box = SqliteInbox(str(tmp_path / FILENAME), max_rows=1, max_bytes=1)
+    assert box._c.execute("PRAGMA user_version").fetchone()[0] == 3 and history(box) == NEW_HISTORY
+    assert "pull_id" in [r[1] for r in box._c.execute("PRAGMA table_info(offers)")]
     box.close()
 
 

@@ -21,9 +21,10 @@ the row is pruned, so the Worker's start-up stray scan counts them as known. At 
 ``KEPT_ORPHANS_MAX`` (256) entries, oldest dropped first; the Worker forgets an entry once no process
 carries its Attempt ID.
 
-The schema version is ``PRAGMA user_version`` (3; a version-1 file gains the ``pull_id`` column, a
-version-2 file the ``kept_orphans`` table, in place); a file of another version is refused with
-StoreIntegrityError rather than guessed at.
+The schema is the numbered, checksummed files of ``inbox_migrations/``, applied at open by the
+store's migrator (``migrations.migrate``: history in ``schema_migrations``); ``PRAGMA user_version``
+is the last one applied (3). A file of a later version is refused with StoreIntegrityError
+rather than guessed at.
 """
 
 from __future__ import annotations
@@ -38,56 +39,19 @@ from ...core.errors import NotFoundError, StoreIntegrityError, UnavailableError,
 from ...core.inbox_states import (OPEN_STATES, InboxEntry, InboxFull, InboxOffer, OfferConflict, PendingPull,
                                   check_offer, check_outcome, check_pull, check_transition, pull_body, same_offer)
 from ...core.profiles import Profile
+from ..migration_files import read_migrations
+from . import migrations
 
 FILENAME = "inbox.sqlite3"
-SCHEMA_VERSION = 3
 KEPT_ORPHANS_MAX = 256
 BUSY_TIMEOUT_MS = 5_000
 WAL_CHECKPOINT_PAGES = 64
 WAL_LIMIT_BYTES = 262_144
 
-_SCHEMA = """
-CREATE TABLE offers (
-    seq                 INTEGER PRIMARY KEY AUTOINCREMENT,     -- receipt order
-    offer_id            TEXT NOT NULL UNIQUE,
-    attempt_id          TEXT NOT NULL,
-    session_id          TEXT NOT NULL,
-    generation          INTEGER NOT NULL,
-    lease_generation    INTEGER NOT NULL,
-    lease_expires_at_us INTEGER NOT NULL,
-    lease_token         TEXT NOT NULL,
-    spec_digest         TEXT NOT NULL,
-    spec_json           BLOB NOT NULL,
-    spec_bytes          INTEGER NOT NULL,
-    state               TEXT NOT NULL CHECK (state IN ('received','barrier','started','completed','acked')),
-    outcome_json        BLOB,
-    received_at_us      INTEGER NOT NULL,
-    updated_at_us       INTEGER NOT NULL,
-    conflicts           INTEGER NOT NULL DEFAULT 0,
-    last_conflict_digest TEXT,
-    last_conflict_at_us INTEGER,
-    pull_id             TEXT                                    -- the Pull that brought it (v2)
-);
-CREATE INDEX offers_state ON offers (state, seq);
-CREATE TABLE pending_pull (
-    one           INTEGER PRIMARY KEY CHECK (one = 1),          -- at most one Pull in flight
-    session_id    TEXT NOT NULL,
-    generation    INTEGER NOT NULL,
-    pull_id       TEXT NOT NULL,
-    lease_token   TEXT NOT NULL,
-    body          BLOB NOT NULL,
-    created_at_us INTEGER NOT NULL
-);
-"""
+_MIGRATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inbox_migrations")
 
 _COLS = ("offer_id, attempt_id, session_id, generation, lease_generation, lease_expires_at_us, lease_token, "
          "spec_digest, spec_json, state, outcome_json, received_at_us, updated_at_us, conflicts, pull_id")
-# Version 1 → 2: the pullId of each offer, so a restarted Worker can send its Pull again
-# (byte-identical, ADR-0108) and get the secret values back before the spawn.
-_V1_TO_V2 = "ALTER TABLE offers ADD COLUMN pull_id TEXT"
-# Version 2 → 3: the Attempts whose leftovers are kept on purpose (keepOrphans), which the
-# stray scan must spare once their acknowledged rows are pruned.
-_V2_TO_V3 = "CREATE TABLE kept_orphans (attempt_id TEXT PRIMARY KEY, kept_at_us INTEGER NOT NULL)"
 
 
 def _now_us() -> int:
@@ -135,24 +99,20 @@ class SqliteInbox:
         return cls(os.path.join(state_dir, FILENAME), max_rows=profile.inbox_rows, max_bytes=profile.inbox_bytes)
 
     def _migrate(self) -> None:
+        """Apply ``inbox_migrations/`` as the store applies its own (``migrations.migrate``).
+        ``PRAGMA user_version`` follows the last one applied; a file of a version beyond this
+        build's is StoreIntegrityError. A file from before the inbox had migration files
+        (version 1–3, no history) first records the migrations up to its version as applied."""
+        known = read_migrations(_MIGRATIONS)
+        latest = known[-1].version
         version = self._c.execute("PRAGMA user_version").fetchone()[0]
-        if version == SCHEMA_VERSION:
-            return
-        if version not in (0, 1, 2):
-            raise StoreIntegrityError(f"inbox {self.path}: schema version {version}, this build knows "
-                                      f"{SCHEMA_VERSION}")
-        self._c.execute("BEGIN IMMEDIATE")
-        try:
-            # A new file is the version-2 schema plus each later step, as an old file gets them.
-            steps = {0: (*filter(str.strip, _SCHEMA.split(";")), _V2_TO_V3), 1: (_V1_TO_V2, _V2_TO_V3),
-                     2: (_V2_TO_V3,)}
-            for stmt in steps[version]:
-                self._c.execute(stmt)
-            self._c.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-            self._c.execute("COMMIT")
-        except BaseException:
-            self._c.execute("ROLLBACK")
-            raise
+        if not 0 <= version <= latest:
+            raise StoreIntegrityError(f"inbox {self.path}: schema version {version}, this build knows {latest}")
+        if version and not self._c.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_migrations'").fetchone():
+            migrations.adopt_history(self._c, [m for m in known if m.version <= version])
+        migrations.migrate(self._c, known)
+        if version != latest:
+            self._c.execute(f"PRAGMA user_version={latest}")
 
     def close(self) -> None:
         self._c.close()
@@ -325,9 +285,9 @@ def diagnose(path: str, max_rows: int, max_bytes: int) -> tuple[bool, str]:
     except sqlite3.Error as e:
         return False, f"{path}: cannot be opened read-only ({e})"
     try:
-        version = c.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (1, 2, SCHEMA_VERSION):
-            return False, f"{path}: schema version {version}, this build knows {SCHEMA_VERSION}"
+        version, latest = c.execute("PRAGMA user_version").fetchone()[0], read_migrations(_MIGRATIONS)[-1].version
+        if not 1 <= version <= latest:
+            return False, f"{path}: schema version {version}, this build knows {latest}"
         check = [r[0] for r in c.execute("PRAGMA quick_check")]
         if check != ["ok"]:
             return False, f"{path}: quick_check: {'; '.join(check[:3])}"

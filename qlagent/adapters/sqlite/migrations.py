@@ -1,6 +1,6 @@
 """Numbered, checksummed migrations of the local store (ADR-0071 §2).
 
-Files ``migrations/NNNN_name.sql`` are applied in number order, each inside its own
+Files ``migrations/NNNN_name.sql`` (the Worker's inbox file: ``inbox_migrations/``, ``inbox``) are applied in number order, each inside its own
 ``BEGIN IMMEDIATE`` transaction together with its row in ``schema_migrations`` (version, name,
 SHA-256 of the file). Start-up refuses a database whose history names a migration this build
 does not know or whose checksum differs: that database was written by another build or edited.
@@ -43,12 +43,12 @@ def verify_history(conn: sqlite3.Connection, known: list[Migration]) -> list[Mig
     return pending(_history(conn), known)
 
 
-def migrate(conn: sqlite3.Connection) -> list[str]:
+def migrate(conn: sqlite3.Connection, known: list[Migration] | None = None) -> list[str]:
     """Verify history, then apply pending migrations in order; return the names applied.
-
-    Each migration and its history row commit together or not at all.
+    ``known``: the migrations of another file of this build (the Worker's inbox), else the
+    store's. Each migration and its history row commit together or not at all.
     """
-    pending = verify_history(conn, known_migrations())
+    pending = verify_history(conn, known_migrations() if known is None else known)
     applied = []
     for m in pending:
         try:
@@ -62,6 +62,20 @@ def migrate(conn: sqlite3.Connection) -> list[str]:
             raise UnavailableError(f"migration {m.version:04d}_{m.name} failed: {e}") from None
         applied.append(f"{m.version:04d}_{m.name}")
     return applied
+
+
+def adopt_history(conn: sqlite3.Connection, done: list[Migration]) -> None:
+    """Record ``done`` as applied, in one transaction: a file whose schema this build once
+    created or changed in place, without migration files, already has what they make."""
+    _history(conn)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.executemany("INSERT INTO schema_migrations(version, name, checksum, applied_at_us) VALUES (?, ?, ?, ?)",
+                         [(m.version, m.name, m.checksum, time.time_ns() // 1000) for m in done])
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def check_capabilities(conn: sqlite3.Connection) -> dict[str, int]:
