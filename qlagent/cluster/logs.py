@@ -7,12 +7,11 @@ offset but are not kept, and a write-once truncation fact records the quota.
 
 from __future__ import annotations
 
-from ..core.cluster import ChunkAnswer
+from ..core.cluster import MAX_CHUNK_BYTES, ChunkAnswer
 from ..core.errors import ValidationError
 from ..core.profiles import Profile
 from .acks import lease_fence
 
-MAX_CHUNK_BYTES = 262_144
 MAX_OFFSET = 2**62
 
 

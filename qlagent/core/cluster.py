@@ -517,6 +517,11 @@ class PullAnswer(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
     offer: ClaimedExecutionOffer | None = None
 
 
+# One log chunk (issue 10 §9): the Worker sends whole chunks of this size while a run goes on,
+# and the control plane refuses a larger one.
+MAX_CHUNK_BYTES = 262_144
+
+
 class ChunkAnswer(msgspec.Struct, frozen=True, rename="camel"):
     """A log chunk's answer: the next offset the control plane expects (bytes) and whether the
     quota truncated what it keeps."""
