@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..core.cluster import MAX_CHUNK_BYTES, ChunkAnswer
 from ..core.errors import ValidationError
+from ..core.ports import LogChunkStore
 from ..core.profiles import Profile
 from .acks import lease_fence
 
@@ -16,9 +17,10 @@ MAX_OFFSET = 2**62
 
 
 class LogUpload:
-    """Over ``adapters.postgres.logs.PgLogStore``; the quota is ``profile.log_max_bytes``."""
+    """Over the log chunk store (``core.ports.LogChunkStore``); the quota is
+    ``profile.log_max_bytes``."""
 
-    def __init__(self, store, profile: Profile) -> None:
+    def __init__(self, store: LogChunkStore, profile: Profile) -> None:
         self._store, self._quota = store, profile.log_max_bytes
 
     def append(self, worker_id: str, credential: str, *, session_id: str, generation: int, attempt_id: str,

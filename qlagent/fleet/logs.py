@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..core.cluster import MAX_CHUNK_BYTES
 from ..core.control import ChunkConflict
+from ..core.inbox_states import InboxState
 from .job import Job
 
 
@@ -25,7 +26,7 @@ class LogDuty:
         for j in list(self.jobs.values()):
             if over <= 0:
                 return
-            if j.entry.state == "completed" and not j.log_done:
+            if j.entry.state == InboxState.COMPLETED and not j.log_done:
                 freed = self.runs.truncate_log(j.attempt_id, max(j.uploaded, self.runs.log_size(j.attempt_id) - over))
                 if freed:
                     over -= freed

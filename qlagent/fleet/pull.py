@@ -12,7 +12,7 @@ import msgspec
 from ..core.cluster import PullAnswer
 from ..core.control import ControlError, PullTokenMismatch, RequestRefused, SessionGone
 from ..core.errors import QlError
-from ..core.inbox_states import InboxOffer
+from ..core.inbox_states import InboxState, InboxOffer
 from ..worker import fencing, pacing
 from .job import Job
 
@@ -26,7 +26,7 @@ class PullDuty:
     def _can_pull(self) -> bool:
         if self.session is None or self.stopping:
             return False
-        live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
+        live = sum(1 for j in self.jobs.values() if j.entry.state in InboxState.LIVE)
         # Room in the inbox = rows not yet acknowledged (``jobs``): acknowledged rows are pruned
         # when the next offer is received, so counting them would stop the Pulls for good once
         # the cap's worth of offers had been acknowledged.

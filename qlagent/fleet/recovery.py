@@ -9,7 +9,7 @@ import time
 import msgspec
 
 from ..core.cluster import ExecutionSpec
-from ..core.inbox_states import COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, recovery_action
+from ..core.inbox_states import InboxState, OutcomeKind, COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, recovery_action
 from .job import Job
 
 
@@ -29,8 +29,8 @@ class RecoveryDuty:
             if action == SPAWN:
                 counts["pending"] += 1
             elif action == REATTACH:
-                if entry.state == "barrier":
-                    job.entry = self.inbox.advance(job.offer_id, "started")
+                if entry.state == InboxState.BARRIER:
+                    job.entry = self.inbox.advance(job.offer_id, InboxState.STARTED)
                 job.handle, job.running_owed = h, True
                 job.deadline_us = self._deadline(job, h.create_time)
                 if job.spec.on_lease_loss == "kill":
@@ -47,14 +47,14 @@ class RecoveryDuty:
                 # control plane offers again never runs beside it.
                 self.runs.kill_orphans(aid)
                 self.log("warning", "worker.run_lost", attempt=aid)
-                self._close_row(job, {"kind": "lost"})
+                self._close_row(job, {"kind": OutcomeKind.LOST})
                 counts["lost"] += 1
                 continue
             elif action == RESEND:
-                job.completion_owed = entry.outcome.get("kind") in ("completion", "start_failure")
-                job.log_done = entry.outcome.get("kind") not in ("completion", "fenced")
+                job.completion_owed = entry.outcome.get("kind") in (OutcomeKind.COMPLETION, OutcomeKind.START_FAILURE)
+                job.log_done = entry.outcome.get("kind") not in (OutcomeKind.COMPLETION, OutcomeKind.FENCED)
                 counts["resend"] += 1
-            if job.entry.state != "acked":     # _complete closes a fenced or receipt-less run
+            if job.entry.state != InboxState.ACKED:     # _complete closes a fenced or receipt-less run
                 self.jobs[job.offer_id] = job
         # Tasks of Attempts the inbox does not list (its state directory was wiped, a shim died
         # unseen) would run beside the copy the control plane offers again: stopped first. What

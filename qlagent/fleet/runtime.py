@@ -60,9 +60,11 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..core.cluster import Hello
 from ..core.control import ControlPort, WorkerRunsPort
+from ..core.inbox_states import InboxState
 from .job import Job
 from .logs import LogDuty
 from .pull import DEFAULT_PULL_WAIT_S, PullDuty
@@ -71,6 +73,9 @@ from .sends import SendDuty
 from .session import SessionDuty
 from .spawn import SpawnDuty
 from .stops import STOP_TAIL_US, StopDuty
+
+if TYPE_CHECKING:       # annotations only: the Worker never loads the store ports
+    from ..core.ports import InboxPort
 
 CLOCK_LOOK_US = 1_000_000               # a clock that is not set is looked at again this often (local only)
 NO_PIDFD_LOOK_US = 1_000_000
@@ -91,7 +96,7 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
     one run's log: a spec's larger ``logQuotaBytes`` (a replica of a larger Profile) is cut to it.
     """
 
-    def __init__(self, client: ControlPort, inbox, runs: WorkerRunsPort, *, worker_id: str, hello: Hello, slots: int,
+    def __init__(self, client: ControlPort, inbox: InboxPort, runs: WorkerRunsPort, *, worker_id: str, hello: Hello, slots: int,
                  heartbeat_s: float = 5.0, pull_wait_s: int = DEFAULT_PULL_WAIT_S, drain_grace_s: float = 20.0,
                  log_store_bytes: int = 64 * 1_048_576, log_max_bytes: int = 4 * 1_048_576,
                  log=lambda *a, **k: None, notify=None, rand=random.random, mono_us=_mono_us) -> None:
@@ -152,7 +157,7 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
         fenced, pulls), ``blocked`` (None, or {code, error}: why it cannot work — the last failed
         hello while it has no Session, a credential the control plane refuses). Never a
         credential, lease token, command or environment."""
-        live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
+        live = sum(1 for j in self.jobs.values() if j.entry.state in InboxState.LIVE)
         rows, used = self.inbox.usage()
         sid_gen = self.session
         return {"workerId": self.worker_id, "control": list(self.client.urls),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import msgspec
 
-from ..core.cluster import MAX_CHUNK_BYTES, Ack, AckResult
+from ..core.cluster import AckKind, MAX_CHUNK_BYTES, Ack, AckResult
 from ..core.control import (AttemptNotFound, ControlError, ControlUnreachable, LeaseGone, PullTokenMismatch,
                             RequestRefused, SessionGone)
-from ..core.inbox_states import pull_body
+from ..core.inbox_states import InboxState, OutcomeKind, pull_body
 from ..worker import fencing
 from .job import Job
 
@@ -20,8 +20,8 @@ class SendDuty:
     def _owes(self, j: Job) -> bool:
         if j.gone:
             return False
-        return (j.entry.state == "received" or j.running_owed or j.completion_owed
-                or (j.entry.state == "completed" and not j.log_done)
+        return (j.entry.state == InboxState.RECEIVED or j.running_owed or j.completion_owed
+                or (j.entry.state == InboxState.COMPLETED and not j.log_done)
                 or (j.handle is not None and self.runs.log_size(j.attempt_id) - j.uploaded >= MAX_CHUNK_BYTES))
 
     def _ack(self, j: Job, kind: str, **fields) -> AckResult:
@@ -29,7 +29,7 @@ class SendDuty:
         ack = Ack(session_id=j.session[0], generation=j.session[1], attempt_id=o.attempt_id,
                   lease_generation=o.lease_generation, lease_token=o.lease_token, kind=kind, **fields)
         result, server_now_us, sent = self._rpc(lambda t: self.client.ack(ack, t))
-        if kind in ("starting", "running") and server_now_us is not None and self._ttl(j):
+        if kind in (AckKind.STARTING, AckKind.RUNNING) and server_now_us is not None and self._ttl(j):
             # A starting/running ACK extends the Lease to at least now + TTL.
             j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=server_now_us,
                                         expires_at_us=server_now_us + self._ttl(j))
@@ -67,7 +67,7 @@ class SendDuty:
 
     def _lease_gone(self, j: Job, code: str) -> None:
         """The control plane no longer knows this Lease: self-fence by on_lease_loss, drop what was owed."""
-        if j.entry.state == "acked":
+        if j.entry.state == InboxState.ACKED:
             return                      # already closed (by the recovery or another path): nothing left
         self.log("warning", "worker.lease_gone", attempt=j.attempt_id, code=code)
         j.gone = True
@@ -77,36 +77,36 @@ class SendDuty:
                 j.fenced = True
                 self._stop(j, None)
             return                      # its exit closes the row
-        if j.entry.state in ("received", "barrier"):
-            self._close_row(j, {"kind": "fenced"})
-        elif j.entry.state == "completed":
+        if j.entry.state in (InboxState.RECEIVED, InboxState.BARRIER):
+            self._close_row(j, {"kind": OutcomeKind.FENCED})
+        elif j.entry.state == InboxState.COMPLETED:
             self._acked(j)
 
     def _advance(self, j: Job) -> None:
         st = j.entry.state
-        if st == "received":
+        if st == InboxState.RECEIVED:
             if j.fenced or j.gone:
                 return
-            self._ack(j, "starting")
-            j.entry = self.inbox.advance(j.offer_id, "barrier")      # the crash barrier, fsync'd
-            st = "barrier"
-        if st == "barrier" and j.handle is None and not self.runs.exists(j.attempt_id):
+            self._ack(j, AckKind.STARTING)
+            j.entry = self.inbox.advance(j.offer_id, InboxState.BARRIER)      # the crash barrier, fsync'd
+            st = InboxState.BARRIER
+        if st == InboxState.BARRIER and j.handle is None and not self.runs.exists(j.attempt_id):
             if j.secrets is None and j.spec.secret_refs and j.entry.pull_id is not None and not j.refetched:
                 self._refetch_secrets(j)
             self._spawn(j)
         if j.running_owed:
-            self._ack(j, "running")
+            self._ack(j, AckKind.RUNNING)
             j.running_owed = False
         if j.handle is not None and not j.gone:
             self._upload(j, final=False)
         if j.completion_owed:
             out = j.entry.outcome
-            if out["kind"] == "start_failure":
-                self._ack(j, "start_failure", start_error=out["startError"])
+            if out["kind"] == OutcomeKind.START_FAILURE:
+                self._ack(j, AckKind.START_FAILURE, start_error=out["startError"])
             else:
-                self._ack(j, "completion", **{k: out.get(c) for k, c in _ACK_FIELDS})
+                self._ack(j, AckKind.COMPLETION, **{k: out.get(c) for k, c in _ACK_FIELDS})
             j.completion_owed = False
-        if j.entry.state == "completed" and not j.gone:
+        if j.entry.state == InboxState.COMPLETED and not j.gone:
             if not j.log_done:
                 self._upload(j, final=True)
             if j.log_done:
@@ -145,11 +145,11 @@ class SendDuty:
         closes a run its shim fenced, then the hello that did not adopt its Lease declares it
         gone), so a row already acked is only forgotten again. Any other move the inbox does
         not allow still raises IllegalInboxTransition."""
-        if j.entry.state != "acked":
+        if j.entry.state != InboxState.ACKED:
             # A run that ended (not fenced or lost: those leave nothing on purpose) with
             # keep_orphans may leave processes that must outlive this row: recorded with the ack.
-            keep = j.spec.keep_orphans and (j.entry.outcome or {}).get("kind") == "completion"
-            j.entry = self.inbox.advance(j.offer_id, "acked", keep_orphans=keep)
+            keep = j.spec.keep_orphans and (j.entry.outcome or {}).get("kind") == OutcomeKind.COMPLETION
+            j.entry = self.inbox.advance(j.offer_id, InboxState.ACKED, keep_orphans=keep)
             unsent = self.runs.log_size(j.attempt_id) - j.uploaded
             if not j.log_done and unsent > 0:
                 # The control plane no longer takes this Lease's chunks: the log is cut where it
@@ -162,8 +162,8 @@ class SendDuty:
     def _close_row(self, j: Job, outcome: dict) -> None:
         """End a row that owes nothing more (lost, fenced): completed → acked, run dir removed;
         a row already acked stays as it is (``_acked``)."""
-        if j.entry.state not in ("completed", "acked"):
-            j.entry = self.inbox.advance(j.offer_id, "completed", outcome)
+        if j.entry.state not in (InboxState.COMPLETED, InboxState.ACKED):
+            j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED, outcome)
         self._acked(j)
 
 _ACK_FIELDS = (("exit_code", "exitCode"), ("signal", "signal"), ("kill_reason", "killReason"),

@@ -14,6 +14,7 @@ from ..core.control import (ControlAuthError, ControlError, ControlTlsError, Con
 from ..core.errors import ValidationError
 from ..core.leasefit import KILL_REAP_US          # after SIGKILL: reaping the tree (fencing's kill grace adds it)
 from ..worker import backoff, fencing, heartbeat
+from ..core.inbox_states import InboxState
 from .job import Job
 
 
@@ -147,10 +148,10 @@ class SessionDuty:
         lost) is adopted and goes on (ACK replayed, barrier, spawn; never ``lost``); one still
         claimed is refused ``not_started`` and re-offered, as if it had not been named. A run
         being stopped for its Lease is not named; once it ended, its row is (its log still owed)."""
-        held = [j for j in self.jobs.values() if not j.gone and (not j.fenced or j.entry.state == "completed")]
-        rows = [j for j in held if j.entry.state in ("barrier", "started")]
-        rows += [j for j in held if j.entry.state == "completed"]
-        rows += [j for j in held if j.entry.state == "received"]
+        held = [j for j in self.jobs.values() if not j.gone and (not j.fenced or j.entry.state == InboxState.COMPLETED)]
+        rows = [j for j in held if j.entry.state in (InboxState.BARRIER, InboxState.STARTED)]
+        rows += [j for j in held if j.entry.state == InboxState.COMPLETED]
+        rows += [j for j in held if j.entry.state == InboxState.RECEIVED]
         return [AdoptClaim(attempt_id=j.attempt_id, lease_generation=j.entry.offer.lease_generation,
                            lease_token=j.entry.offer.lease_token) for j in rows[:MAX_ADOPT]]
 
@@ -199,8 +200,8 @@ class SessionDuty:
         must run out), ``received`` rows (the Attempt is still ``claimed``; the control plane
         renews only started Attempts), rows owing only log chunks (their Lease is completed)."""
         rows = [j for j in self.jobs.values() if not j.gone and not j.fenced and j.session == self.session]
-        held = [j for j in rows if j.entry.state in ("barrier", "started")]
-        held += [j for j in rows if j.entry.state == "completed" and j.completion_owed]
+        held = [j for j in rows if j.entry.state in (InboxState.BARRIER, InboxState.STARTED)]
+        held += [j for j in rows if j.entry.state == InboxState.COMPLETED and j.completion_owed]
         return [HeldLease(attempt_id=j.attempt_id, lease_generation=j.entry.offer.lease_generation)
                 for j in held[:MAX_HELD]]
 

@@ -10,6 +10,7 @@ import msgspec
 from ..core.cluster import ExecutionSpec
 from ..core.errors import StartError
 from ..core.receipt import start_code
+from ..core.inbox_states import InboxState, OutcomeKind
 from .job import Job
 
 
@@ -37,7 +38,7 @@ class SpawnDuty:
         j.secrets = None
         j.handle = h
         j.deadline_us = self.now() + j.spec.timeout_ms * 1000
-        j.entry = self.inbox.advance(j.offer_id, "started")
+        j.entry = self.inbox.advance(j.offer_id, InboxState.STARTED)
         j.running_owed = True
         self.counts["spawned"] += 1
         self._watch(j)
@@ -52,7 +53,8 @@ class SpawnDuty:
         return msgspec.structs.replace(spec, log_quota_bytes=self.log_max_bytes)
 
     def _start_failed(self, j: Job, code: str) -> None:
-        j.entry = self.inbox.advance(j.offer_id, "completed", {"kind": "start_failure", "startError": code})
+        j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED,
+                                       {"kind": OutcomeKind.START_FAILURE, "startError": code})
         j.completion_owed, j.log_done = True, True
 
     def _watch(self, j: Job) -> None:
@@ -81,22 +83,22 @@ class SpawnDuty:
         if receipt is None or (j.fenced and j.gone):
             # A shim that died without a receipt leaves the ending to the control plane's
             # sweeper; a Lease the control plane already ended takes no more chunks.
-            self._close_row(j, {"kind": "fenced" if j.fenced else "lost"})
+            self._close_row(j, {"kind": OutcomeKind.FENCED if j.fenced else OutcomeKind.LOST})
             return
         if j.fenced:
             # Self-fenced before its Lease expired: no completion is sent (the Attempt is
             # re-offered), but the log goes up while the Lease still takes chunks.
-            j.entry = self.inbox.advance(j.offer_id, "completed", {"kind": "fenced"})
+            j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED, {"kind": OutcomeKind.FENCED})
             return
         if receipt.start_error:
             self._start_failed(j, start_code(receipt.start_error))
         else:
-            out = {"kind": "completion", "exitCode": receipt.exit_code, "signal": receipt.signal,
+            out = {"kind": OutcomeKind.COMPLETION, "exitCode": receipt.exit_code, "signal": receipt.signal,
                    "killReason": j.kill_reason, "bytesKept": receipt.bytes_kept,
                    "bytesDropped": receipt.bytes_dropped, "peakRssBytes": receipt.peak_rss_bytes,
                    "cpuTimeUs": receipt.cpu_time_us, "truncated": trunc is not None}
             out = {k: v for k, v in out.items() if v is not None}
-            j.entry = self.inbox.advance(j.offer_id, "completed", out)
+            j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED, out)
             j.completion_owed = not j.gone
             self.counts["completed"] += 1
             self.log("info", "worker.run_ended", attempt=j.attempt_id, exit=receipt.exit_code,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 
 from ..worker import fencing
+from ..core.inbox_states import InboxState, OutcomeKind
 from .job import Job
 
 
@@ -28,7 +29,7 @@ class StopDuty:
                     j.kill_at_us = None
                 if j.kill_reason is None and not j.fenced and j.deadline_us is not None and now >= j.deadline_us:
                     self._stop(j, "shutdown" if self.stopping else "timeout")
-            if j.fenced or j.gone or j.entry.state not in ("received", "barrier", "started"):
+            if j.fenced or j.gone or j.entry.state not in InboxState.LIVE:
                 continue
             if j.renewal is None and j.stop_at_us is not None:
                 # Re-attached after a restart: the instant this run's shim would stop it is
@@ -52,7 +53,7 @@ class StopDuty:
                 # Not spawned yet and the Lease is (about to be) lost: never start it.
                 self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="not_started")
                 j.fenced = j.gone = True
-                self._close_row(j, {"kind": "fenced"})
+                self._close_row(j, {"kind": OutcomeKind.FENCED})
             elif d.action == fencing.STOP:
                 self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="kill")
                 j.fenced = True
