@@ -57,7 +57,6 @@ from __future__ import annotations
 import random
 import selectors
 import signal
-import socket
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -135,7 +134,7 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
         self.exit_at_us: int | None = None          # serve --exit-after
         self.stop_deadline_us: int | None = None
         self._signals: list[tuple[int, int]] = []     # (signal, arrival monotonic µs)
-        self._wake_r = self._wake_w = None
+        self.wakeup = None          # service.signals.SignalWakeup: drained when its key is ready
         self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0}
         self.surface = None                             # the local HTTP status surface, if any
         # SIGHUP: the service reads the configuration again and journals what it found
@@ -170,18 +169,13 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
                 "blocked": None if self.blocked is None else {"code": self.blocked[0], "error": self.blocked[1]}}
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def install_signals(self) -> None:
-        r, w = socket.socketpair()
-        r.setblocking(False)
-        w.setblocking(False)
-        self._wake_r, self._wake_w = r, w
-        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            # The arrival time counts: a request blocked on a dead link may hold the loop for
-            # its whole timeout before the signal is handled, and the stop must still fit the
-            # unit's TimeoutStopSec measured from the signal.
-            signal.signal(sig, lambda n, f: self._signals.append((n, self.now())))
-        self.sel.register(r, selectors.EVENT_READ, ("signal", None))
+    def on_signal(self, signum: int) -> None:
+        """A signal's handler (SIGTERM, SIGINT, SIGHUP; ``wakeup`` wakes the loop with key
+        ``("signal", None)``): only recorded, handled by the loop. The arrival time counts: a
+        request blocked on a dead link may hold the loop for its whole timeout before the signal
+        is handled, and the stop must still fit the unit's TimeoutStopSec measured from the
+        signal."""
+        self._signals.append((signum, self.now()))
 
     def run(self, exit_after_s: float | None = None) -> int:
         """Run until SIGTERM/SIGINT (or ``exit_after_s`` seconds, ``serve --exit-after``: the
@@ -203,11 +197,7 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
                 continue
             kind, ref = key.data
             if kind == "signal":
-                try:
-                    while self._wake_r.recv(64):
-                        pass
-                except BlockingIOError:
-                    pass
+                self.wakeup.drain()
             elif kind == "pidfd":
                 job = self.jobs.get(ref)
                 if job is not None and job.handle is not None:
