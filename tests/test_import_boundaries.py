@@ -43,8 +43,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "qlagent.cluster": frozenset({"qlagent.core", "qlagent.cluster"}),
     # Fleet Worker runtime (issue 11): its loop over core's ports and the Worker policy.
     "qlagent.fleet": frozenset({"qlagent.core", "qlagent.worker", "qlagent.fleet"}),
-    "qlagent.application": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch", "qlagent.worker",
-                                      "qlagent.application"}),
+    "qlagent.application": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch", "qlagent.application"}),
     "qlagent.bootstrap": frozenset({"qlagent.core", "qlagent.adapters", "qlagent.application", "qlagent.cluster",
                                     "qlagent.fleet", "qlagent.bootstrap"}),
     "qlagent.http": frozenset({"qlagent.core", "qlagent.application", "qlagent.cluster", "qlagent.http"}),

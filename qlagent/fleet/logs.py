@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..core.cluster import MAX_CHUNK_BYTES
 from ..core.control import ChunkConflict
 from ..core.inbox_states import InboxState
-from .job import Job
+from .job import Job, Owed
 
 
 class LogDuty:
@@ -55,5 +55,5 @@ class LogDuty:
             if not final:
                 break                           # one chunk per pass while the run goes on
         if final and j.uploaded >= size:
-            j.log_done = True
+            j.owed.discard(Owed.LOG)
 

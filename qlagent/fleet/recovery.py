@@ -10,7 +10,7 @@ import msgspec
 
 from ..core.cluster import ExecutionSpec
 from ..core.inbox_states import InboxState, OutcomeKind, COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, recovery_action
-from .job import Job
+from .job import Job, Owed
 
 
 class RecoveryDuty:
@@ -31,7 +31,8 @@ class RecoveryDuty:
             elif action == REATTACH:
                 if entry.state == InboxState.BARRIER:
                     job.entry = self.inbox.advance(job.offer_id, InboxState.STARTED)
-                job.handle, job.running_owed = h, True
+                job.handle = h
+                job.owed.add(Owed.RUNNING_ACK)
                 job.deadline_us = self._deadline(job, h.create_time)
                 if job.spec.on_lease_loss == "kill":
                     job.stop_at_us = self.runs.lease_deadline(aid)
@@ -51,8 +52,11 @@ class RecoveryDuty:
                 counts["lost"] += 1
                 continue
             elif action == RESEND:
-                job.completion_owed = entry.outcome.get("kind") in (OutcomeKind.COMPLETION, OutcomeKind.START_FAILURE)
-                job.log_done = entry.outcome.get("kind") not in (OutcomeKind.COMPLETION, OutcomeKind.FENCED)
+                kind = entry.outcome.get("kind")
+                if kind in (OutcomeKind.COMPLETION, OutcomeKind.START_FAILURE):
+                    job.owed.add(Owed.COMPLETION_ACK)
+                if kind not in (OutcomeKind.COMPLETION, OutcomeKind.FENCED):
+                    job.owed.discard(Owed.LOG)
                 counts["resend"] += 1
             if job.entry.state != InboxState.ACKED:     # _complete closes a fenced or receipt-less run
                 self.jobs[job.offer_id] = job

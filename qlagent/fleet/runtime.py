@@ -46,8 +46,8 @@ socket, a signal). Duties, in order, on every pass:
    sent, so a retry after a lost answer is byte-identical.
 
 Lease expiry: an offer, a heartbeat answer (each renewed Lease) and an adopting SessionGrant
-name it, with the answer's ``X-Qlagent-Server-Now-Us``. Only a ``starting``/``running`` ACK does
-not: the Worker takes it to grant the TTL learnt from its first offer (``leaseExpiresAtUs``
+name it, with the answer's server time (the database clock the client returns with it). Only a
+``starting``/``running`` ACK does not: the Worker takes it to grant the TTL learnt from its first offer (``leaseExpiresAtUs``
 minus the server time) again from the answer's server time; the fencing safety (1 s) covers
 the request's own duration.
 """
@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 from ..core.cluster import Hello
 from ..core.control import ControlPort, WorkerRunsPort
 from ..core.inbox_states import InboxState
-from .job import Job
+from .job import Job, LeaseHold
 from .logs import LogDuty
 from .pull import DEFAULT_PULL_WAIT_S, PullDuty
 from .recovery import RecoveryDuty
@@ -262,7 +262,7 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
             times += [j.deadline_us if j.kill_reason is None else None, j.kill_at_us]
             if j.handle.pidfd is None:
                 times.append(now + NO_PIDFD_LOOK_US)
-            if not j.fenced and not j.keep_reported:
+            if j.lease == LeaseHold.HELD:
                 times.append(self._stop_at(j))
         times = [t for t in times if t is not None]
         http_s = self.surface.next_timeout_s() if self.surface is not None else None

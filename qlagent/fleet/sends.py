@@ -11,7 +11,7 @@ from ..core.control import (AttemptNotFound, ControlError, ControlUnreachable, L
                             RequestRefused, SessionGone)
 from ..core.inbox_states import InboxState, OutcomeKind, pull_body
 from ..worker import fencing
-from .job import Job
+from .job import Job, Owed
 
 
 class SendDuty:
@@ -20,7 +20,7 @@ class SendDuty:
     def _owes(self, j: Job) -> bool:
         if j.gone:
             return False
-        return (j.entry.state == InboxState.RECEIVED or j.running_owed or j.completion_owed
+        return (j.entry.state == InboxState.RECEIVED or Owed.RUNNING_ACK in j.owed or Owed.COMPLETION_ACK in j.owed
                 or (j.entry.state == InboxState.COMPLETED and not j.log_done)
                 or (j.handle is not None and self.runs.log_size(j.attempt_id) - j.uploaded >= MAX_CHUNK_BYTES))
 
@@ -70,11 +70,11 @@ class SendDuty:
         if j.entry.state == InboxState.ACKED:
             return                      # already closed (by the recovery or another path): nothing left
         self.log("warning", "worker.lease_gone", attempt=j.attempt_id, code=code)
-        j.gone = True
-        j.running_owed = j.completion_owed = False
+        j.drop()
+        j.owed -= {Owed.RUNNING_ACK, Owed.COMPLETION_ACK}
         if j.handle is not None:
             if j.spec.on_lease_loss == "kill" and j.kill_reason is None and not j.fenced:
-                j.fenced = True
+                j.fence()
                 self._stop(j, None)
             return                      # its exit closes the row
         if j.entry.state in (InboxState.RECEIVED, InboxState.BARRIER):
@@ -94,18 +94,18 @@ class SendDuty:
             if j.secrets is None and j.spec.secret_refs and j.entry.pull_id is not None and not j.refetched:
                 self._refetch_secrets(j)
             self._spawn(j)
-        if j.running_owed:
+        if Owed.RUNNING_ACK in j.owed:
             self._ack(j, AckKind.RUNNING)
-            j.running_owed = False
+            j.owed.discard(Owed.RUNNING_ACK)
         if j.handle is not None and not j.gone:
             self._upload(j, final=False)
-        if j.completion_owed:
+        if Owed.COMPLETION_ACK in j.owed:
             out = j.entry.outcome
             if out["kind"] == OutcomeKind.START_FAILURE:
                 self._ack(j, AckKind.START_FAILURE, start_error=out["startError"])
             else:
                 self._ack(j, AckKind.COMPLETION, **{k: out.get(c) for k, c in _ACK_FIELDS})
-            j.completion_owed = False
+            j.owed.discard(Owed.COMPLETION_ACK)
         if j.entry.state == InboxState.COMPLETED and not j.gone:
             if not j.log_done:
                 self._upload(j, final=True)

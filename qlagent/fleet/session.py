@@ -15,7 +15,7 @@ from ..core.errors import ValidationError
 from ..core.leasefit import KILL_REAP_US          # after SIGKILL: reaping the tree (fencing's kill grace adds it)
 from ..worker import backoff, fencing, heartbeat
 from ..core.inbox_states import InboxState
-from .job import Job
+from .job import Job, LeaseHold, Owed
 
 
 T = TypeVar("T")
@@ -167,7 +167,9 @@ class SessionDuty:
             if a is None:
                 self._lease_gone(j, refused.get(j.attempt_id, "not_adopted"))
                 continue
-            j.session, j.keep_reported = self.session, False      # a kept run is under a valid Lease again
+            j.session = self.session
+            if j.lease == LeaseHold.LOST_KEPT:
+                j.lease = LeaseHold.HELD        # a kept run is under a valid Lease again
             if server_now_us is not None:
                 j.renewal = fencing.Renewal(sent_local_us=sent, server_now_us=server_now_us,
                                             expires_at_us=a.expires_at_us)
@@ -201,7 +203,7 @@ class SessionDuty:
         renews only started Attempts), rows owing only log chunks (their Lease is completed)."""
         rows = [j for j in self.jobs.values() if not j.gone and not j.fenced and j.session == self.session]
         held = [j for j in rows if j.entry.state in (InboxState.BARRIER, InboxState.STARTED)]
-        held += [j for j in rows if j.entry.state == InboxState.COMPLETED and j.completion_owed]
+        held += [j for j in rows if j.entry.state == InboxState.COMPLETED and Owed.COMPLETION_ACK in j.owed]
         return [HeldLease(attempt_id=j.attempt_id, lease_generation=j.entry.offer.lease_generation)
                 for j in held[:MAX_HELD]]
 

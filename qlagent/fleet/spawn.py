@@ -11,7 +11,7 @@ from ..core.cluster import ExecutionSpec
 from ..core.errors import StartError
 from ..core.receipt import start_code
 from ..core.inbox_states import InboxState, OutcomeKind
-from .job import Job
+from .job import Job, Owed
 
 
 class SpawnDuty:
@@ -39,7 +39,7 @@ class SpawnDuty:
         j.handle = h
         j.deadline_us = self.now() + j.spec.timeout_ms * 1000
         j.entry = self.inbox.advance(j.offer_id, InboxState.STARTED)
-        j.running_owed = True
+        j.owed.add(Owed.RUNNING_ACK)
         self.counts["spawned"] += 1
         self._watch(j)
         self.log("info", "worker.run_started", attempt=j.attempt_id, pid=h.pid)
@@ -55,7 +55,8 @@ class SpawnDuty:
     def _start_failed(self, j: Job, code: str) -> None:
         j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED,
                                        {"kind": OutcomeKind.START_FAILURE, "startError": code})
-        j.completion_owed, j.log_done = True, True
+        j.owed.add(Owed.COMPLETION_ACK)
+        j.owed.discard(Owed.LOG)
 
     def _watch(self, j: Job) -> None:
         if j.handle.pidfd is not None:
@@ -77,7 +78,7 @@ class SpawnDuty:
             self.runs.kill_orphans(j.attempt_id)
         if receipt is not None and receipt.lease_lost and not j.fenced:
             # The shim fenced it by itself (this Worker was down or late): the Lease is lost.
-            j.fenced = True
+            j.fence()
             self.counts["fenced"] += 1
             self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="killed_by_shim")
         if receipt is None or (j.fenced and j.gone):
@@ -99,7 +100,10 @@ class SpawnDuty:
                    "cpuTimeUs": receipt.cpu_time_us, "truncated": trunc is not None}
             out = {k: v for k, v in out.items() if v is not None}
             j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED, out)
-            j.completion_owed = not j.gone
+            if j.gone:
+                j.owed.discard(Owed.COMPLETION_ACK)
+            else:
+                j.owed.add(Owed.COMPLETION_ACK)
             self.counts["completed"] += 1
             self.log("info", "worker.run_ended", attempt=j.attempt_id, exit=receipt.exit_code,
                      signal=receipt.signal, kill_reason=j.kill_reason, truncated=trunc is not None)

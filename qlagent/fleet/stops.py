@@ -7,7 +7,7 @@ import signal
 
 from ..worker import fencing
 from ..core.inbox_states import InboxState, OutcomeKind
-from .job import Job
+from .job import Job, LeaseHold
 
 
 # A stop (SIGTERM) ends at most this long after ``drain_grace_s``: runs still live then are
@@ -52,16 +52,16 @@ class StopDuty:
             if j.handle is None:
                 # Not spawned yet and the Lease is (about to be) lost: never start it.
                 self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="not_started")
-                j.fenced = j.gone = True
+                j.lease = LeaseHold.FENCED_GONE
                 self._close_row(j, {"kind": OutcomeKind.FENCED})
             elif d.action == fencing.STOP:
                 self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="kill")
-                j.fenced = True
+                j.fence()
                 self.counts["fenced"] += 1
                 self._stop(j, None)
-            elif not j.keep_reported:
+            elif j.lease != LeaseHold.LOST_KEPT:
                 self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="keep")
-                j.keep_reported = True
+                j.lease = LeaseHold.LOST_KEPT
 
     def _stop(self, j: Job, reason: str | None) -> None:
         """SIGTERM the run's tree now, SIGKILL after the spec's grace."""
