@@ -1,5 +1,4 @@
-"""One open inbox row as the Worker's loop sees it (``Job``).
-"""
+"""One open inbox row as the Worker's loop sees it (``Job``)."""
 
 from __future__ import annotations
 

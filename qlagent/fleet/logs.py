@@ -1,6 +1,5 @@
 """A run's log on the Worker (issue 11 §4–5): offset-addressed chunks up to the control plane,
-the local log store bounded.
-"""
+the local log store bounded."""
 
 from __future__ import annotations
 
@@ -11,7 +10,8 @@ from .job import Job, Owed
 
 
 class LogDuty:
-    """``WorkerRuntime``'s log upload."""
+    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    ``inbox``, ``runs``, ``client``, ``session``): log upload."""
 
     def _bound_log_store(self, need: int) -> None:
         """Issue 11 §5: a partition must not fill the flash. Before a spawn, the Artifacts not yet

@@ -1,5 +1,4 @@
-"""The Worker's long-polling Pull and the offers it brings into the inbox (issue 11 §3, §6).
-"""
+"""The Worker's long-polling Pull and the offers it brings into the inbox (issue 11 §3, §6)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,8 @@ DEFAULT_PULL_WAIT_S = 20
 
 
 class PullDuty:
-    """``WorkerRuntime``'s Pulls."""
+    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    ``inbox``, ``runs``, ``client``, ``session``): the Pull."""
 
     def _can_pull(self) -> bool:
         if self.session is None or self.stopping:

@@ -1,6 +1,5 @@
 """A restarted Worker's open inbox rows (ADR-0021): re-attach, collect, resend, report lost;
-never a second spawn.
-"""
+never a second spawn."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ from .job import Job, Owed
 
 
 class RecoveryDuty:
-    """``WorkerRuntime``'s restart recovery."""
+    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    ``inbox``, ``runs``, ``client``, ``session``): restart recovery."""
 
     def recover(self) -> dict[str, int]:
         """ADR-0021 restart: every open inbox row by ``recovery_action``; never a second spawn."""

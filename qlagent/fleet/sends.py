@@ -1,6 +1,5 @@
 """What the Worker owes the control plane per row (issue 11 §3–4): ACKs in order, the row's
-advance through the inbox, its closing.
-"""
+advance through the inbox, its closing."""
 
 from __future__ import annotations
 
@@ -15,7 +14,8 @@ from .job import Job, Owed
 
 
 class SendDuty:
-    """``WorkerRuntime``'s owed sends."""
+    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    ``inbox``, ``runs``, ``client``, ``session``): owed sends."""
 
     def _owes(self, j: Job) -> bool:
         if j.gone:

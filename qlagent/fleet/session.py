@@ -1,5 +1,4 @@
-"""The Worker's Session (issue 11 §1–2): hello, adoption of held Leases, heartbeats, back-off.
-"""
+"""The Worker's Session (issue 11 §1–2): hello, adoption of held Leases, heartbeats, back-off."""
 
 from __future__ import annotations
 
@@ -35,7 +34,8 @@ def _config_field(wire_field: str | None) -> str | None:
 
 
 class SessionDuty:
-    """``WorkerRuntime``'s Session duties."""
+    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    ``inbox``, ``runs``, ``client``, ``session``): the Session."""
 
     def _fail(self, e: ControlError, what: str, delay: float | None = None) -> None:
         self.failures[what] += 1

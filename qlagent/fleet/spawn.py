@@ -1,5 +1,4 @@
-"""A run's shim on the Worker: spawn, watch, exit and receipt (issue 11 §3–4).
-"""
+"""A run's shim on the Worker: spawn, watch, exit and receipt (issue 11 §3–4)."""
 
 from __future__ import annotations
 
@@ -15,7 +14,8 @@ from .job import Job, Owed
 
 
 class SpawnDuty:
-    """``WorkerRuntime``'s runs."""
+    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    ``inbox``, ``runs``, ``client``, ``session``): the shims."""
 
     def _spawn(self, j: Job) -> None:
         if self.stopping or j.cancel:

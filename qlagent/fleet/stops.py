@@ -1,5 +1,4 @@
-"""Self-fencing, timeouts and kills of the Worker's runs (issue 11 §5; ``worker.fencing``).
-"""
+"""Self-fencing, timeouts and kills of the Worker's runs (issue 11 §5; ``worker.fencing``)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,8 @@ STOP_KILL_US = 2_000_000
 
 
 class StopDuty:
-    """``WorkerRuntime``'s fencing, timeouts and kills."""
+    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    ``inbox``, ``runs``, ``client``, ``session``): fencing, timeouts, kills."""
 
     def _fence_and_time(self, now: int) -> None:
         for j in list(self.jobs.values()):
