@@ -1,7 +1,7 @@
 """The composition root: the one module above ``qlagent.adapters`` that imports them.
 
 It builds the store, the engine's adapters, the secret cipher, the budget meter and the network
-gate from the resolved configuration (``service.config.Settings``) and hands the entry points
+gate from the resolved configuration (``core.settings.Settings``) and hands the entry points
 objects typed by ``core.ports``. Choosing another authority (the cluster's PostgreSQL) changes
 this module, not the service, the HTTP API, the CLI or the application: with a ``[cluster]``
 table ``open_store`` returns the PostgreSQL store and ``cluster_services`` the control plane's
@@ -19,12 +19,13 @@ from .core.profiles import Profile
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from .core.ports import BudgetPort, CipherFactory, NetworkPort, PanelSource, SecretCipher, Store
+    from .core.settings import Settings, WorkerConfig
 
 WORKER_RUNS_DIR = "worker-runs"   # a fleet Worker's run directories, under its state directory
 SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits (ARCHITECTURE.md)
 
 
-def open_store(settings, project: str | None = None, *, migrate: bool = True, create_project: bool | str = True,
+def open_store(settings: Settings, project: str | None = None, *, migrate: bool = True, create_project: bool | str = True,
                clock_us: Callable[[], int] = now_us) -> Store:
     """The authority acting in ``project`` (default: the config's): the local SQLite file at
     ``settings.db_path``, or with ``[cluster]`` the PostgreSQL database (whose own clock decides
@@ -46,7 +47,7 @@ def open_store(settings, project: str | None = None, *, migrate: bool = True, cr
                        busy_timeout_ms=int(settings.config.busy_timeout_s * 1000))
 
 
-def open_cluster_store(settings):
+def open_cluster_store(settings: Settings):
     """The ``[cluster]`` PostgreSQL store acting in no Project (``store.project`` is None), for
     what belongs to the cluster rather than to a Project (``qlagent workers``): it neither creates
     nor requires a Project. Not migrated here (UnavailableError ``store_not_migrated``); raises
@@ -66,7 +67,7 @@ def cipher_factory(key_file: str) -> CipherFactory:
     return open_cipher
 
 
-def migrate_legacy_secrets(settings, store: Store) -> tuple[int, list[str]]:
+def migrate_legacy_secrets(settings: Settings, store: Store) -> tuple[int, list[str]]:
     """Re-encrypt Secrets an earlier version stored (``qlsb1``, AES-GCM) with the current cipher
     (issue 14); see ``application.secrets.migrate_legacy_secrets``. (rows done, problem lines)."""
     from .adapters.secretbox import LEGACY_MAGIC
@@ -98,7 +99,7 @@ def network_gate() -> NetworkPort:
     return NetworkGate()
 
 
-def build_engine(settings, store: Store, *, max_concurrent: int, budget: BudgetPort | None,
+def build_engine(settings: Settings, store: Store, *, max_concurrent: int, budget: BudgetPort | None,
                  clock_us: Callable[[], int], log, python: str | None = None):
     """An ``application.engine.Engine`` over ``store`` with the shim, artifact and cipher adapters
     of ``settings`` (artifact root, runs directory, key file, Profile) and the run user's
@@ -150,7 +151,7 @@ def require_cluster_driver() -> None:
                                code="cluster_driver_missing", field="cluster")
 
 
-def cluster_store_checks(settings) -> list[tuple[str, bool, str]]:
+def cluster_store_checks(settings: Settings) -> list[tuple[str, bool, str]]:
     """``qlagent doctor``'s checks of the ``[cluster]`` database: (name, ok, detail) each.
     Raises UnavailableError ``cluster_driver_missing`` (``require_cluster_driver``)."""
     require_cluster_driver()
@@ -164,8 +165,8 @@ def key_file_problem(path: str) -> str | None:
     return check_key_file(path)
 
 
-def worker_ca(w):
-    """The TLS client context a ``service.config.WorkerConfig`` trusts (its ``ca_file``), or None
+def worker_ca(w: WorkerConfig):
+    """The TLS client context a ``core.settings.WorkerConfig`` trusts (its ``ca_file``), or None
     when no ``control_url`` is https. ValidationError naming ``worker.ca_file`` when the file is
     not a readable PEM CA."""
     from .adapters.control_client import tls_context
@@ -185,26 +186,26 @@ def tls_names_warning(cert_file: str, host: str) -> dict | None:
     return {"address": host or "*", "names": ",".join(names) or "none"}
 
 
-def worker_credential(w, owner: bool = True) -> str:
-    """The credential in ``w.credential_file`` (``service.config.WorkerConfig``); ValidationError
+def worker_credential(w: WorkerConfig, owner: bool = True) -> str:
+    """The credential in ``w.credential_file`` (``core.settings.WorkerConfig``); ValidationError
     naming ``worker.credential_file`` when it is missing, not the agent's (``owner``), not 0600
     or not a Worker credential (the value is never quoted)."""
     from .adapters.control_client import read_credential
     return read_credential(w.credential_file, owner)
 
 
-def build_worker(settings, log, notify):
+def build_worker(settings: Settings, log, notify):
     """The fleet Worker of ``settings.config.worker`` (issue 11): its control client (credential
     and CA checked now: ValidationError naming ``worker.credential_file``/``worker.ca_file``),
     its inbox (``<state dir>/inbox.sqlite3``) and its run directories
-    (``<state dir>/worker-runs``), in an ``application.fleet_worker.WorkerRuntime``. Nothing of
+    (``<state dir>/worker-runs``), in an ``fleet.runtime.WorkerRuntime``. Nothing of
     the local store or of the control plane (``qlagent.cluster``, psycopg) is loaded."""
     import os
 
     from .adapters.control_client import ControlClient
     from .adapters.sqlite.inbox import SqliteInbox
     from .adapters.worker_runs import WorkerRuns
-    from .application.fleet_worker import WorkerRuntime
+    from .fleet.runtime import WorkerRuntime
     from .core.cluster import Hello
     w = settings.config.worker
     client = ControlClient(w.control_url, w.worker_id, w.credential_file, w.ca_file)
@@ -221,7 +222,7 @@ def build_worker(settings, log, notify):
 DOCTOR_TIMEOUT_S = 5.0
 
 
-def worker_checks(settings) -> list[tuple[str, bool, str]]:
+def worker_checks(settings: Settings) -> list[tuple[str, bool, str]]:
     """``qlagent doctor``'s checks of ``[worker]``: (name, ok, detail) each. The credential file
     and the CA file by the rules ``build_worker``'s control client applies; then for each
     ``control_url`` TCP + TLS with the pinned CA + ``GET /healthz`` (status, ms) and, with a good
@@ -303,7 +304,7 @@ def worker_checks(settings) -> list[tuple[str, bool, str]]:
 # ---- the cluster control plane ([cluster]) -------------------------------------------------
 
 def check_cluster(cluster) -> None:
-    """Start-up checks of a ``service.config.ClusterConfig`` beyond its msgspec bounds: the libpq
+    """Start-up checks of a ``core.settings.ClusterConfig`` beyond its msgspec bounds: the libpq
     URLs (``database``, ``listen_database``) and ADR-0014's dispatcher ceilings. Raises ValidationError naming the ``cluster.*`` field."""
     from .adapters.postgres.connection import check_url
     from .cluster.dispatcher import check_budgets
@@ -322,7 +323,7 @@ def _budgets(cluster):
                              claim_tries=d.claim_tries, lease_ttl_s=cluster.lease_ttl_s)
 
 
-def worker_registry(settings, store):
+def worker_registry(settings: Settings, store):
     """``cluster.registry.WorkerRegistry`` on the PostgreSQL ``store``'s pool, with the Session and
     Lease lifetimes of ``[cluster]``."""
     from .adapters.postgres.registry import PgWorkerRegistry
@@ -350,7 +351,7 @@ class ClusterServices:
     once) and ``close()`` for the LISTEN connection (supervised: ``log`` hears when it is lost and
     restored). ``qlagent.http.service`` mounts the Worker routes over it."""
 
-    def __init__(self, settings, store, log=None) -> None:
+    def __init__(self, settings: Settings, store, log=None) -> None:
         from .adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
         from .adapters.postgres.leases import PgLeaseStore
         from .adapters.postgres.notify import PgCandidateSignal

@@ -41,10 +41,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "qlagent.worker": frozenset({"qlagent.core", "qlagent.worker"}),
     # Cluster policy (ADR-0014) sees only core's records and ports; PostgreSQL is an adapter.
     "qlagent.cluster": frozenset({"qlagent.core", "qlagent.cluster"}),
-    "qlagent.application": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch", "qlagent.worker",
-                                      "qlagent.application"}),
+    # Fleet Worker runtime (issue 11): its loop over core's ports and the Worker policy.
+    "qlagent.fleet": frozenset({"qlagent.core", "qlagent.worker", "qlagent.fleet"}),
+    "qlagent.application": frozenset({"qlagent.core", "qlagent.execution", "qlagent.dispatch", "qlagent.application"}),
     "qlagent.bootstrap": frozenset({"qlagent.core", "qlagent.adapters", "qlagent.application", "qlagent.cluster",
-                                    "qlagent.bootstrap"}),
+                                    "qlagent.fleet", "qlagent.bootstrap"}),
     "qlagent.http": frozenset({"qlagent.core", "qlagent.application", "qlagent.cluster", "qlagent.http"}),
     "qlagent.service": frozenset({"qlagent.core", "qlagent.application", "qlagent.bootstrap", "qlagent.http",
                                   "qlagent.service"}),

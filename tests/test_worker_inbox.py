@@ -22,7 +22,7 @@ from qlagent.adapters.sqlite.inbox import FILENAME, SqliteInbox
 from qlagent.core.canonical import content_digest
 from qlagent.core.errors import EXIT_CONFLICT, EXIT_UNAVAILABLE, EXIT_USAGE, NotFoundError, StoreIntegrityError, \
     UnavailableError, ValidationError
-from qlagent.core.inbox_states import (COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, STATES, IllegalInboxTransition,
+from qlagent.core.inbox_states import (InboxState, COLLECT, REATTACH, REPORT_LOST, RESEND, SPAWN, IllegalInboxTransition,
                                        InboxFull, InboxOffer, OfferConflict, pull_body, recovery_action,
                                        spec_bytes)
 from qlagent.core.profiles import EDGE
@@ -157,7 +157,7 @@ def test_states_move_only_forward_and_the_outcome_is_bounded(inbox):
     assert inbox.advance(offer.offer_id, "completed", edge).outcome == edge      # exactly 4096 bytes
     entry = inbox.advance(offer.offer_id, "acked")
     assert entry.state == "acked" and entry.outcome == edge
-    for state in STATES:
+    for state in InboxState.ALL:
         with pytest.raises(IllegalInboxTransition):
             inbox.advance(offer.offer_id, state, {"exitCode": 0} if state == "completed" else None)
     assert inbox.open_entries() == []

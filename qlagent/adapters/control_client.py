@@ -8,8 +8,8 @@ from ``credential_file``, which must be a regular file owned by the agent's user
 never appears in a log line, error or ``repr``.
 
 Two persistent connections: ``rpc`` (hello, heartbeat, ACKs, log chunks; blocking, bounded by
-the timeout the caller passes) and ``poll`` (the long-polling Pull, sent and then awaited by the
-Worker's selectors loop through ``poll_fileno``). ``control_url`` may name several replicas of
+the timeout the caller passes) and ``poll`` (the long-polling Pull, sent by ``start_pull`` and then awaited by the
+Worker's selectors loop on the socket it returns). ``control_url`` may name several replicas of
 one control plane: both connections use one at a time, and a request that gets no answer at all
 (refused, reset, timed out, TLS refused) moves them to the next, in order and round again; the
 Worker's loop paces the retries (its backoff), and every Worker request is idempotent, so the
@@ -40,7 +40,8 @@ import time
 import msgspec
 
 from ..core.control import (BY_CODE, Answer, ControlBusy, ControlError, ControlTlsError, ControlUnreachable)
-from ..core.cluster import WorkerInfo
+from ..core.cluster import (Ack, AckResult, ChunkAnswer, Heartbeat, HeartbeatRequest, Hello, PullAnswer, SessionGrant,
+                            WorkerInfo)
 from ..core.control_url import parse_control_url
 from ..core.errors import ValidationError
 
@@ -82,6 +83,10 @@ def build_date_s() -> float:
 def clock_plausible() -> bool:
     """Is the wall clock at or after this qlagent's build date (``build_date_s``)?"""
     return time.time() >= build_date_s()
+
+
+def _pull_path(wait_s: int) -> str:
+    return f"/pull?waitS={wait_s}"
 
 
 def _utc(t: float) -> str:
@@ -193,9 +198,49 @@ class ControlClient:
                 c.close()
         self._rpc = self._poll = None
 
+    # -- the Worker protocol (docs/worker-protocol.md) ------------------------------------------------
+    # Each call waits at most ``timeout_s`` (s; default the client's) and returns the decoded
+    # answer with the database clock of its ``X-Qlagent-Server-Now-Us`` (µs since the epoch, None
+    # when missing). Raises ControlError (typed by code), msgspec.DecodeError for an answer that
+    # is not the documented document.
+    def hello(self, hello: Hello, timeout_s: float | None = None) -> tuple[SessionGrant, int | None]:
+        """``POST …/sessions``: open a Session (ADR-0108 ``Hello`` → ``SessionGrant``)."""
+        return self._typed(self._request("POST", "/sessions", msgspec.json.encode(hello), timeout_s=timeout_s),
+                           SessionGrant)
+
+    def heartbeat(self, beat: HeartbeatRequest, timeout_s: float | None = None) -> tuple[Heartbeat, int | None]:
+        """``POST …/heartbeat``: renew the Session and the Leases it names."""
+        return self._typed(self._request("POST", "/heartbeat", msgspec.json.encode(beat), timeout_s=timeout_s),
+                           Heartbeat)
+
+    def ack(self, ack: Ack, timeout_s: float | None = None) -> tuple[AckResult, int | None]:
+        """``POST …/acks``: one ACK of an offered Attempt (``starting``, ``running``, …)."""
+        return self._typed(self._request("POST", "/acks", msgspec.json.encode(ack), timeout_s=timeout_s), AckResult)
+
+    def pull(self, body: bytes, timeout_s: float | None = None) -> tuple[PullAnswer, int | None]:
+        """``POST …/pull?waitS=0`` on the rpc connection: a kept Pull request (``body``, its exact
+        bytes) answered at once, without the long poll (ADR-0108: the same offer rebuilt)."""
+        return self._typed(self._request("POST", _pull_path(0), body, timeout_s=timeout_s), PullAnswer)
+
+    def upload_chunk(self, *, session_id: str, generation: int, attempt_id: str, lease_generation: int,
+                     lease_token: str, offset: int, data: bytes,
+                     timeout_s: float | None = None) -> tuple[ChunkAnswer, int | None]:
+        """``PUT …/attempts/{attemptId}/log?offset=N``: ``data`` (1..``MAX_CHUNK_BYTES`` bytes)
+        at ``offset`` (bytes) of the Attempt's log, under its Lease fence. ChunkConflict names
+        the offset the control plane expects (``next_offset``)."""
+        headers = {"X-Qlagent-Session": session_id, "X-Qlagent-Generation": str(generation),
+                   "X-Qlagent-Lease-Generation": str(lease_generation), "X-Qlagent-Lease-Token": lease_token}
+        ans = self._request("PUT", f"/attempts/{attempt_id}/log?offset={offset}", data, "application/octet-stream",
+                            headers, timeout_s)
+        return self._typed(ans, ChunkAnswer)
+
+    @staticmethod
+    def _typed(ans: Answer, kind: type):
+        return msgspec.json.decode(ans.body, type=kind), ans.server_now_us
+
     # -- blocking requests on the rpc connection -------------------------------------------------
-    def request(self, method: str, path: str, body: bytes, content_type: str = "application/json",
-                headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Answer:
+    def _request(self, method: str, path: str, body: bytes, content_type: str = "application/json",
+                 headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Answer:
         """Send one request under this Worker's route (``path`` after ``/workers/{id}``) and
         wait at most ``timeout_s`` (default the client's) for its answer. Raises ControlError."""
         t = max(0.05, timeout_s if timeout_s is not None else self.timeout_s)
@@ -224,9 +269,10 @@ class ControlClient:
                 raise self._transport_error(e, conn.endpoint) from None
 
     # -- the long-polling Pull on its own connection ---------------------------------------------
-    def start_poll(self, path: str, body: bytes, wait_s: float) -> int:
-        """Send a Pull (``path`` e.g. ``/pull?waitS=20``) on the poll connection and return the
-        socket's fileno to wait on; ``finish_poll`` reads the answer. Raises ControlError."""
+    def start_pull(self, body: bytes, wait_s: int) -> int:
+        """Send a Pull (``body``: the kept request's exact bytes) waiting up to ``wait_s`` (s) on
+        the poll connection and return the socket's fileno to wait on; ``finish_pull`` reads the
+        answer. Raises ControlError."""
         if self._poll is None:
             self._poll = self._connect(self.timeout_s)
         conn = self._poll
@@ -236,7 +282,7 @@ class ControlClient:
             else:
                 self._open(conn)
                 self._drain_tickets(conn.sock)
-            self._send(conn, "POST", path, body, "application/json", None)
+            self._send(conn, "POST", _pull_path(wait_s), body, "application/json", None)
             # The answer may take wait_s; reading it must not hang past that plus the timeout.
             conn.sock.settimeout(wait_s + self.timeout_s)
             return conn.sock.fileno()
@@ -249,8 +295,12 @@ class ControlClient:
         s = self._poll.sock if self._poll is not None else None
         return isinstance(s, ssl.SSLSocket) and s.pending() > 0
 
-    def finish_poll(self) -> Answer:
-        """The Pull's answer (the socket is readable). Raises ControlError."""
+    def finish_pull(self) -> tuple[PullAnswer, int | None]:
+        """The Pull's answer (the socket is readable) with its database clock (µs). Raises
+        ControlError, msgspec.DecodeError."""
+        return self._typed(self._finish_poll(), PullAnswer)
+
+    def _finish_poll(self) -> Answer:
         conn = self._poll
         if conn is None:
             raise ControlUnreachable("no Pull in flight")
@@ -344,7 +394,7 @@ class ControlClient:
         Lease touched, so ``qlagent doctor`` may ask while the Worker runs. Raises ControlError
         (``ControlAuthError`` for a credential it does not take; ``status`` 404 from a control
         plane older than the route)."""
-        answer = self.request("GET", "", b"")
+        answer = self._request("GET", "", b"")
         try:
             return msgspec.json.decode(answer.body, type=WorkerInfo)
         except msgspec.DecodeError:

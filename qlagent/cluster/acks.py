@@ -9,13 +9,13 @@ from __future__ import annotations
 import re
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import Ack, AckResult, LeaseFence
+from ..core.cluster import Ack, AckKind, AckResult, LeaseFence
 from ..core.errors import ValidationError
 from ..core.leasefit import check_lease_ttl
-from ..core.states import outcome
+from ..core.ports import LeaseStore
+from ..core.states import AttemptState, outcome
 from .registry import check_generation, check_token, check_uuid, credential_digest
 
-KINDS = ("starting", "running", "start_failure", "completion")
 KILL_REASONS = ("timeout", "cancel", "shutdown")
 START_ERROR = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
 # Completion figures: (Ack attribute, wire name an error names; docs/worker-protocol.md "Errors").
@@ -41,16 +41,16 @@ def _figure(field: str, value, hi: int = 2**62) -> None:
 
 def target_state(ack: Ack) -> str:
     """The Attempt state an ACK asks for; ValidationError naming the first bad field."""
-    if ack.kind not in KINDS:
-        raise ValidationError("kind", f"{ack.kind!r} is not one of {list(KINDS)}")
-    if ack.kind == "starting":
-        return "starting"
-    if ack.kind == "running":
-        return "running"
-    if ack.kind == "start_failure":
+    if ack.kind not in AckKind.ALL:
+        raise ValidationError("kind", f"{ack.kind!r} is not one of {list(AckKind.ALL)}")
+    if ack.kind == AckKind.STARTING:
+        return AttemptState.STARTING
+    if ack.kind == AckKind.RUNNING:
+        return AttemptState.RUNNING
+    if ack.kind == AckKind.START_FAILURE:
         if not isinstance(ack.start_error, str) or not START_ERROR.match(ack.start_error):
             raise ValidationError("startError", "must be a short code [a-z][a-z0-9_]{0,63}", limit=64)
-        return "start_failed"
+        return AttemptState.START_FAILED
     if (ack.exit_code is None) == (ack.signal is None):
         raise ValidationError("exitCode", "give exactly one of exitCode and signal")
     _figure("exitCode", ack.exit_code, 255)
@@ -64,10 +64,10 @@ def target_state(ack: Ack) -> str:
 
 
 class AckService:
-    """Over ``adapters.postgres.leases.PgLeaseStore``. ``lease_ttl_s``: a starting/running ACK
-    extends the Lease to at least now + this."""
+    """ACKs over the Lease store (``core.ports.LeaseStore``). ``lease_ttl_s``: a starting/running
+    ACK extends the Lease to at least now + this."""
 
-    def __init__(self, store, lease_ttl_s: int = 30) -> None:
+    def __init__(self, store: LeaseStore, lease_ttl_s: int = 30) -> None:
         check_lease_ttl("cluster.lease_ttl_s", lease_ttl_s)
         self._store, self._ttl_us = store, lease_ttl_s * 1_000_000
 

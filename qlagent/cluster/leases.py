@@ -17,6 +17,8 @@ from __future__ import annotations
 import msgspec
 
 from ..core.errors import ValidationError
+from ..core.ports import LeaseStore, WorkerRegistryStore
+from ..core.states import RunState
 
 MAX_BATCH = 64
 
@@ -33,10 +35,11 @@ class SweepResult(msgspec.Struct, frozen=True):
 
 
 class LeaseSweeper:
-    """Over ``adapters.postgres.leases.PgLeaseStore`` and ``...registry.PgWorkerRegistry``;
+    """Over the Lease store and the Worker registry's (``core.ports.LeaseStore``,
+    ``core.ports.WorkerRegistryStore``);
     ``batch`` 1..64 Sessions and Leases per pass (ValidationError otherwise)."""
 
-    def __init__(self, leases, registry, batch: int = 32) -> None:
+    def __init__(self, leases: LeaseStore, registry: WorkerRegistryStore, batch: int = 32) -> None:
         if not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH:
             raise ValidationError("cluster.sweep_batch", f"{batch!r} outside 1..{MAX_BATCH}", limit=MAX_BATCH)
         self._leases, self._registry, self._batch = leases, registry, batch
@@ -46,7 +49,7 @@ class LeaseSweeper:
         sessions = self._registry.expire_sessions(self._batch)
         ended = self._leases.sweep_expired(self._batch)
         released = self._leases.release_holds(self._batch)
-        requeued = sum(1 for _, run_state in ended if run_state == "queued")
+        requeued = sum(1 for _, run_state in ended if run_state == RunState.QUEUED)
         return SweepResult(sessions, len(ended), requeued, len(ended) - requeued,
                            sessions == self._batch or len(ended) == self._batch or released == self._batch,
                            released)

@@ -7,19 +7,20 @@ offset but are not kept, and a write-once truncation fact records the quota.
 
 from __future__ import annotations
 
-from ..core.cluster import ChunkAnswer
+from ..core.cluster import MAX_CHUNK_BYTES, ChunkAnswer
 from ..core.errors import ValidationError
+from ..core.ports import LogChunkStore
 from ..core.profiles import Profile
 from .acks import lease_fence
 
-MAX_CHUNK_BYTES = 262_144
 MAX_OFFSET = 2**62
 
 
 class LogUpload:
-    """Over ``adapters.postgres.logs.PgLogStore``; the quota is ``profile.log_max_bytes``."""
+    """Over the log chunk store (``core.ports.LogChunkStore``); the quota is
+    ``profile.log_max_bytes``."""
 
-    def __init__(self, store, profile: Profile) -> None:
+    def __init__(self, store: LogChunkStore, profile: Profile) -> None:
         self._store, self._quota = store, profile.log_max_bytes
 
     def append(self, worker_id: str, credential: str, *, session_id: str, generation: int, attempt_id: str,

@@ -13,10 +13,11 @@ from __future__ import annotations
 import msgspec
 
 from ..core import limits as L
-from ..core.cluster import WorkerSnapshot
+from ..core.cluster import ClusterCandidate, DispatchPlan, WorkerSnapshot
 from ..core.executors import EXECUTOR_LABEL
 from ..core.errors import ValidationError
 from ..core.leasefit import max_grace_ms
+from ..core.ports import ClusterPlans
 
 
 class Placement(msgspec.Struct, frozen=True):
@@ -88,20 +89,20 @@ def rank(p: Placement, workers: list[WorkerSnapshot]) -> list[tuple[int, WorkerS
 
 
 class LeaseFitPlans:
-    """A plan source (``adapters.postgres.dispatch.PgPlanSource``) that yields no plan for an
+    """A plan source (over ``core.ports.ClusterPlans``) that yields no plan for an
     Attempt whose ``graceMs`` a Lease of ``lease_ttl_s`` cannot hold (core.leasefit): its Worker
     would stop it right after it starts, so it is never offered (the dispatcher and Pull skip it
     as ``plan_missing``; it stays queued and ``PgPlacementReport`` reports it
     ``run.unplaceable``, reason ``grace_exceeds_lease``)."""
 
-    def __init__(self, plans, lease_ttl_s: int) -> None:
+    def __init__(self, plans: ClusterPlans, lease_ttl_s: int) -> None:
         self._plans, self.max_grace_ms = plans, max_grace_ms(lease_ttl_s)
 
-    def _fit(self, plan):
+    def _fit(self, plan: DispatchPlan | None) -> DispatchPlan | None:
         return None if plan is None or (plan.spec.get("graceMs") or 0) > self.max_grace_ms else plan
 
-    def prepare(self, c):
+    def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
         return self._fit(self._plans.prepare(c))
 
-    def prepare_with(self, cur, c):
-        return self._fit(self._plans.prepare_with(cur, c))
+    def prepare_with(self, tx, c: ClusterCandidate) -> DispatchPlan | None:
+        return self._fit(self._plans.prepare_with(tx, c))

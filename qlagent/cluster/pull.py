@@ -42,6 +42,7 @@ from ..core.canonical import sha256_hex
 from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, PullAnswer, PullRequest, PullStore, PullUnit,
                             SecretResolver)
 from ..core.errors import ConflictError, UnavailableError, ValidationError
+from ..core.states import AttemptState
 from .registry import check_token
 from .dispatcher import (BudgetExhausted, CandidateClaimer, CycleCounts, DispatcherBudgets, FailClosed, build_offer,
                          check_budgets)
@@ -132,7 +133,7 @@ class WorkerPull:
             lease, c, attempt_state = prior
             if lease.token_digest != token_digest:
                 raise ConflictError("this pullId was answered with another lease token", code="pull_token_mismatch")
-            if lease.state != "active" or attempt_state not in ("claimed", "starting"):
+            if lease.state != "active" or attempt_state not in (AttemptState.CLAIMED, AttemptState.STARTING):
                 return PullAnswer(status="lease_ended", reason=f"attempt_{attempt_state}"
                                   if lease.state == "active" else f"lease_{lease.state}")
             plan = unit.prepare(c)

@@ -38,6 +38,7 @@ from ..core.errors import ValidationError
 from ..core.executors import WORKER_EXECUTORS
 from ..core.inbox_states import MAX_GENERATION, MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
 from ..core.leasefit import check_lease_ttl
+from ..core.ports import WorkerRegistryStore
 from .placement import check_labels
 
 CREDENTIAL_PREFIX = "qlw_"
@@ -186,9 +187,9 @@ def narrow(enrolment: Enrolment, hello: Hello) -> tuple[dict[str, str], tuple[st
 
 
 class WorkerRegistry:
-    """Over ``adapters.postgres.registry.PgWorkerRegistry`` (or any store with its methods)."""
+    """Worker enrolment and Sessions over the registry store (``core.ports.WorkerRegistryStore``)."""
 
-    def __init__(self, store, timings: Timings = Timings()) -> None:
+    def __init__(self, store: WorkerRegistryStore, timings: Timings = Timings()) -> None:
         if not 5 <= timings.session_ttl_s <= 3600:
             raise ValidationError("cluster.session_ttl_s", f"{timings.session_ttl_s} outside 5..3600", limit=3600)
         check_lease_ttl("cluster.lease_ttl_s", timings.lease_ttl_s)

@@ -247,6 +247,18 @@ class ChunkConflict(ConflictError):
         self.next_offset = next_offset
 
 
+class AckKind:
+    """What an ACK reports (docs/worker-protocol.md "ACK"): not a state, the step the Worker
+    took; the control plane moves the Attempt by it (``cluster.acks``)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    START_FAILURE = "start_failure"
+    COMPLETION = "completion"
+
+    ALL = (STARTING, RUNNING, START_FAILURE, COMPLETION)
+
+
 class Ack(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
     """A Worker fact about one leased Attempt (ADR-0109), fenced by Session, generation, lease
     generation and lease token. ``kind``: starting | running | start_failure | completion.
@@ -515,6 +527,11 @@ class PullAnswer(msgspec.Struct, frozen=True, rename="camel", kw_only=True):
     status: str
     reason: str | None = None
     offer: ClaimedExecutionOffer | None = None
+
+
+# One log chunk (issue 10 §9): the Worker sends whole chunks of this size while a run goes on,
+# and the control plane refuses a larger one.
+MAX_CHUNK_BYTES = 262_144
 
 
 class ChunkAnswer(msgspec.Struct, frozen=True, rename="camel"):

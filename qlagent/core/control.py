@@ -1,7 +1,7 @@
 """A fleet Worker's view of its control plane (docs/worker-protocol.md "Errors"): the answer of
 one request, the typed errors the documented codes map to and the ports the Worker's loop
 uses (its client, its local runs), so the Worker's loop
-(``application.fleet_worker``) decides by type without importing the HTTP client
+(``fleet.runtime``) decides by type without importing the HTTP client
 (``adapters.control_client``, which raises them). Pure: no I/O.
 """
 
@@ -11,7 +11,8 @@ from typing import Protocol
 
 import msgspec
 
-from .cluster import ExecutionSpec
+from .cluster import (Ack, AckResult, ChunkAnswer, ExecutionSpec, Heartbeat, HeartbeatRequest, Hello, PullAnswer,
+                      SessionGrant)
 from .errors import EXIT_CONFLICT, EXIT_NOT_FOUND, EXIT_UNAVAILABLE, EXIT_USAGE, QlError
 
 
@@ -127,18 +128,34 @@ class ControlPort(Protocol):
     replicas: int
     urls: tuple[str, ...]
 
-    def request(self, method: str, path: str, body: bytes, content_type: str = "application/json",
-                headers: dict[str, str] | None = None, timeout_s: float | None = None) -> Answer:
-        """One request under this Worker's route, answered within ``timeout_s`` (s)."""
+    def hello(self, hello: Hello, timeout_s: float | None = None) -> tuple[SessionGrant, int | None]:
+        """Open a Session. Like every call below: answered within ``timeout_s`` (s), returned with
+        the answer's database clock (µs, None when missing); msgspec.DecodeError for an
+        unreadable answer."""
 
-    def start_poll(self, path: str, body: bytes, wait_s: float) -> int:
-        """Send the long-poll Pull; returns the fd to wait on."""
+    def heartbeat(self, beat: HeartbeatRequest, timeout_s: float | None = None) -> tuple[Heartbeat, int | None]:
+        """Renew the Session and the Leases ``beat`` names."""
+
+    def ack(self, ack: Ack, timeout_s: float | None = None) -> tuple[AckResult, int | None]:
+        """One ACK of an offered Attempt."""
+
+    def pull(self, body: bytes, timeout_s: float | None = None) -> tuple[PullAnswer, int | None]:
+        """A kept Pull request (its exact bytes) answered at once, without the long poll."""
+
+    def upload_chunk(self, *, session_id: str, generation: int, attempt_id: str, lease_generation: int,
+                     lease_token: str, offset: int, data: bytes,
+                     timeout_s: float | None = None) -> tuple[ChunkAnswer, int | None]:
+        """``data`` at ``offset`` (bytes) of the Attempt's log under its Lease fence."""
+
+    def start_pull(self, body: bytes, wait_s: int) -> int:
+        """Send the long-poll Pull (``body``: the kept request's bytes, ``wait_s`` s); returns
+        the fd to wait on."""
 
     def poll_pending(self) -> bool:
         """Decrypted answer bytes already buffered (the fd would not wake)."""
 
-    def finish_poll(self) -> Answer:
-        """The Pull's answer once the fd is readable."""
+    def finish_pull(self) -> tuple[PullAnswer, int | None]:
+        """The Pull's answer once the fd is readable, with its database clock (µs)."""
 
     def clock_plausible(self) -> bool:
         """Is the wall clock at or after the package's build date (a clock before it is not set)?"""

@@ -34,15 +34,40 @@ import msgspec
 from .canonical import canonical_json, sha256_hex
 from .errors import ConflictError, UnavailableError, ValidationError
 
-STATES = ("received", "barrier", "started", "completed", "acked")
-OPEN_STATES = frozenset({"received", "barrier", "started", "completed"})     # not yet acknowledged
+
+class InboxState:
+    """An inbox row's states (module docstring), plain strings as ``core.states.RunState``.
+    ``ALL`` in lifecycle order; ``OPEN``: not yet acknowledged; ``LIVE``: holding one of the
+    Worker's slots (its run not ended)."""
+
+    RECEIVED = "received"
+    BARRIER = "barrier"
+    STARTED = "started"
+    COMPLETED = "completed"
+    ACKED = "acked"
+
+    ALL = (RECEIVED, BARRIER, STARTED, COMPLETED, ACKED)
+    OPEN = frozenset({RECEIVED, BARRIER, STARTED, COMPLETED})
+    LIVE = frozenset({RECEIVED, BARRIER, STARTED})
+
+
+class OutcomeKind:
+    """``kind`` of a ``completed`` row's outcome: the run ended (``COMPLETION``, its ACK owed),
+    could not start (``START_FAILURE``, its ACK owed), was self-fenced (``FENCED``) or left no
+    trace (``LOST``) — the last two send no ACK (the control plane's sweeper ends them)."""
+
+    COMPLETION = "completion"
+    START_FAILURE = "start_failure"
+    FENCED = "fenced"
+    LOST = "lost"
+
 
 _NEXT = {
-    "received": {"barrier", "completed"},
-    "barrier": {"started", "completed"},
-    "started": {"completed"},
-    "completed": {"acked"},
-    "acked": set(),
+    InboxState.RECEIVED: {InboxState.BARRIER, InboxState.COMPLETED},
+    InboxState.BARRIER: {InboxState.STARTED, InboxState.COMPLETED},
+    InboxState.STARTED: {InboxState.COMPLETED},
+    InboxState.COMPLETED: {InboxState.ACKED},
+    InboxState.ACKED: set(),
 }
 
 # Recovery actions (what the Worker does with an open row after a restart).
@@ -238,11 +263,11 @@ def recovery_action(state: str, *, run_dir_exists: bool, alive: bool, receipt: b
     """
     if state not in _NEXT:
         raise ValueError(f"unknown inbox state {state!r}")
-    if state == "acked":
+    if state == InboxState.ACKED:
         return None
-    if state == "completed":
+    if state == InboxState.COMPLETED:
         return RESEND
-    if state == "received" or (state == "barrier" and not run_dir_exists):
+    if state == InboxState.RECEIVED or (state == InboxState.BARRIER and not run_dir_exists):
         return SPAWN
     if alive:
         return REATTACH

@@ -19,7 +19,7 @@ The process, filesystem, budget and network ports are implemented by ``qlagent.a
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from .definitions import PreparedTask
 from .dispatch import Candidate, Finish, LaunchCommand, LiveAttempt, Plan
@@ -40,6 +40,10 @@ from .models import (
 )
 from .qinglong import QlPanel, Toolset
 from .receipt import Receipt, TruncationFact
+
+if TYPE_CHECKING:       # annotations only: a local agent never loads the cluster's records
+    from .cluster import (Ack, AckResult, ClusterCandidate, DispatchPlan, Enrolment, LeaseFence, SessionGrant,
+                          WorkerInfo)
 
 T = TypeVar("T")
 
@@ -436,8 +440,13 @@ class NetworkPort(Protocol):
 
 
 class InboxPort(Protocol):
-    """The Worker's durable inbox (ADR-0021; states and rules in ``core.inbox_states``). Every
-    method commits durably (fsync) before it returns; nothing of a refused call is written."""
+    """The Worker's durable inbox (ADR-0021; states and rules in ``core.inbox_states``;
+    ``adapters.sqlite.inbox.SqliteInbox``). Every method commits durably (fsync) before it
+    returns; nothing of a refused call is written. ``max_rows``/``max_bytes``: its caps (rows,
+    spec bytes) from the Profile."""
+
+    max_rows: int
+    max_bytes: int
 
     def begin_pull(self, session_id: str, generation: int, pull_id: str, lease_token: str) -> PendingPull:
         """The Pull request to send: the kept one if it belongs to this Session and generation
@@ -473,3 +482,89 @@ class InboxPort(Protocol):
 
     def usage(self) -> tuple[int, int]:
         """(rows, bytes) counted against the Profile's inbox caps."""
+
+    def close(self) -> None: ...
+
+
+# ---- cluster ports (the PostgreSQL authority: ``adapters.postgres``) --------------------------
+# Each call is one transaction of the authority, on its clock (µs since the epoch); a fence
+# (``core.cluster.LeaseFence``) that no longer holds raises ConflictError (stale_generation,
+# lease_token_mismatch, lease_not_active, lease_expired) and writes nothing.
+
+
+class LeaseStore(Protocol):
+    """Run Leases: ACKs and the expiry sweep (``adapters.postgres.leases.PgLeaseStore``)."""
+
+    def apply_ack(self, fence: LeaseFence, ack: Ack, target: str, lease_ttl_us: int) -> AckResult:
+        """Move the Attempt to ``target`` (an ``AttemptState``) under ``fence``; a starting/running
+        ACK extends the Lease to at least now + ``lease_ttl_us``. ConflictError also
+        ack_out_of_order, ack_conflict (another terminal state was recorded)."""
+
+    def sweep_expired(self, limit: int) -> list[tuple[str, str]]:
+        """End up to ``limit`` active Leases past their expiry; (Attempt ID, the Run's new
+        ``RunState``) of each."""
+
+    def release_holds(self, limit: int) -> int:
+        """Release up to ``limit`` held queued Runs whose Task no Run occupies any more; how many."""
+
+
+class WorkerRegistryStore(Protocol):
+    """Workers and their Sessions (``adapters.postgres.registry.PgWorkerRegistry``); policy and
+    validation are ``cluster.registry.WorkerRegistry``'s. ``credential_digest``: SHA-256 hex of
+    the Worker credential (WorkerAuthError when it proves no live Worker)."""
+
+    def enroll(self, name: str, labels: dict[str, str], executor_types: tuple[str, ...], slots: int,
+               credential_digest: str, projects: tuple[str, ...] = ()) -> str:
+        """A new Worker scoped to ``projects`` (none: every Project); its Worker ID.
+        NotFoundError project_not_found, ConflictError worker_exists."""
+
+    def enrolment(self, worker_id: str, credential_digest: str) -> Enrolment:
+        """What the enrolment allows this Worker."""
+
+    def describe(self, worker_id: str, credential_digest: str) -> WorkerInfo:
+        """The Worker as the control plane knows it; read only."""
+
+    def worker_for_credential(self, credential_digest: str) -> str | None:
+        """The live Worker ID holding this credential, else None."""
+
+    def open_session(self, worker_id: str, credential_digest: str, labels: dict[str, str],
+                     executor_types: tuple[str, ...], slots: int, ttl_us: int,
+                     adopt: list[tuple[str, int, str]] = ()) -> SessionGrant:
+        """A new Session (generation + 1) adopting the qualifying Leases of ``adopt`` ((Attempt
+        ID, lease generation, token digest)); every older Session closes, its other Leases fenced."""
+
+    def heartbeat(self, worker_id: str, credential_digest: str, session_id: str, generation: int,
+                  held: list[tuple[str, int]], session_ttl_us: int, lease_ttl_us: int,
+                  renew_until_us: int | None = None) -> tuple[int, list[str], list[tuple[str, int]]]:
+        """Extend the Session and the Leases ``held`` names ((Attempt ID, lease generation));
+        (Session expiry µs, Attempt IDs whose cancel was requested, (Attempt ID, new Lease
+        expiry µs) of each renewed Lease). ConflictError stale_generation, session_expired,
+        heartbeat_late (``renew_until_us`` passed)."""
+
+    def set_state(self, name: str, state: str) -> str:
+        """``draining``, ``active`` or ``removed``; the Worker ID. NotFoundError for no live Worker."""
+
+    def expire_sessions(self, limit: int) -> int:
+        """Mark up to ``limit`` open Sessions past their expiry offline; how many."""
+
+    def workers(self, limit: int, after: str | None = None) -> list[dict]:
+        """Up to ``limit`` live Workers in name order (after the name ``after``)."""
+
+
+class LogChunkStore(Protocol):
+    """Uploaded Attempt logs (``adapters.postgres.logs.PgLogStore``)."""
+
+    def append(self, fence: LeaseFence, offset: int, data: bytes, quota_bytes: int) -> tuple[int, bool]:
+        """``data`` at byte ``offset``; (next expected offset, truncated). Bytes past
+        ``quota_bytes`` advance the offset but are not kept. ConflictError also chunk_gap,
+        chunk_mismatch."""
+
+
+class ClusterPlans(Protocol):
+    """The plans of cluster candidates (``adapters.postgres.dispatch.PgPlanSource``)."""
+
+    def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
+        """The plan of the Run's pinned revision, or None when it cannot be built."""
+
+    def prepare_with(self, tx, candidate: ClusterCandidate) -> DispatchPlan | None:
+        """The same inside the caller's open transaction ``tx`` (the adapter's own handle)."""

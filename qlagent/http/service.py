@@ -21,6 +21,7 @@ from qlagent.http.server import Deferred, HttpError, HttpLimits, HttpServer, Loo
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from qlagent.core.ports import Store
+    from qlagent.core.settings import Settings
 
 # Config overrides may only stay within these bounds (edge: never above the Profile's own
 # 4 in flight / 512-byte body, ADR-0376 §4).
@@ -70,7 +71,7 @@ class RefusalAudit:
                       suppressed=suppressed or None)
 
 
-def limits_for(settings) -> HttpLimits:
+def limits_for(settings: Settings) -> HttpLimits:
     """HttpLimits of the Profile with ``[http]`` ``max_in_flight`` (1..Profile value on edge,
     else ..64), ``max_body_bytes`` (256..Profile value on edge, else ..65536 bytes) and
     ``read_timeout_s`` (0.5..60 s) applied. Raises ValidationError naming the key and range."""
@@ -116,7 +117,7 @@ class HttpSurface(LoopSurface):
     ``[http]`` override out of bounds (see :func:`limits_for`).
     """
 
-    def __init__(self, settings, store: Store, on_change: Callable[[], None], cluster=None,
+    def __init__(self, settings: Settings, store: Store, on_change: Callable[[], None], cluster=None,
                  threads: int = 4, store_problem: Callable[[], str | None] = lambda: None,
                  journal: Callable[..., None] | None = None) -> None:
         self.draining = False

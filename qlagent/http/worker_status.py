@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from qlagent.http.routing import Router
 from qlagent.http.server import HttpServer, LoopSurface, Request, Response
 from qlagent.http.service import PROBE_PATHS, limits_for
+
+if TYPE_CHECKING:
+    from qlagent.core.settings import Settings
 
 STATUS_PATH = "/api/v3/worker"
 
@@ -39,7 +43,7 @@ class WorkerStatusSurface(LoopSurface):
     (a dict with at least ``session``, None while no Session is open, and ``draining``). Raises
     ValidationError for an ``[http]`` override out of bounds."""
 
-    def __init__(self, settings, status: Callable[[], dict]) -> None:
+    def __init__(self, settings: Settings, status: Callable[[], dict]) -> None:
         self._status = status
         self.draining = False
         r = Router()

@@ -46,6 +46,7 @@ from .journal import Journal
 from .notify import Notifier
 from .preflight import preflight
 from .scheduler import Scheduler
+from .signals import SignalWakeup
 
 RELOAD_INTERVAL_US = 10_000_000    # re-read Task heads this often (s × 1e6): peers change them silently
 MAX_SWEEPS_PER_WAKE = 4            # sweeper passes after one wake-up while a pass reports a full batch
@@ -144,7 +145,7 @@ class ControlPlane:
                 if self.http is not None and self.http.owns(key):
                     self.http.handle_event(key, mask)
                 elif key.data == "signal":
-                    self._sig_r.recv(64)
+                    self._wakeup.drain()
             if self.http is not None:
                 self.http.tick(self._now())
             self.notify.ping_if_due(self._now())
@@ -204,15 +205,8 @@ class ControlPlane:
         return result
 
     def _install_signals(self) -> None:
-        r, w = socket.socketpair()
-        r.setblocking(False)
-        w.setblocking(False)
-        self._sig_r, self._sig_w = r, w
-        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda n, f: setattr(self, "_stop", True))
-        signal.signal(signal.SIGHUP, lambda n, f: setattr(self, "_hup", True))
-        self.sel.register(r, selectors.EVENT_READ, "signal")
+        self._wakeup = SignalWakeup(self.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
+                                    lambda n: setattr(self, "_hup" if n == signal.SIGHUP else "_stop", True), "signal")
 
     def _start_http(self, threads: int, tls) -> None:
         cfg = self.settings.config.http

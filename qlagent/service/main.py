@@ -14,7 +14,6 @@ import errno
 import os
 import selectors
 import signal
-import socket
 import time
 
 from .. import bootstrap
@@ -28,6 +27,7 @@ from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
 from .scheduler import Scheduler
+from .signals import SignalWakeup
 
 MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each activates ≤ 1 Run)
 # Refusals that leave the Run queued (the next pass would meet the same candidate): stop
@@ -132,19 +132,12 @@ class Service:
             time.sleep(STORE_RETRY_US / 1e6)
 
     def _install_signals(self) -> None:
-        r, w = socket.socketpair()
-        r.setblocking(False)
-        w.setblocking(False)
-        self._sig_r, self._sig_w = r, w
-        signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
         sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
         if os.getpid() == 1:
             # PID 1 of a PID namespace (a container): orphans are re-parented here and stay
             # zombies until this process reaps them; SIGCHLD wakes the loop to do it.
             sigs.append(signal.SIGCHLD)
-        for sig in sigs:
-            signal.signal(sig, lambda n, f: self._signals.append(n))
-        self.sel.register(r, selectors.EVENT_READ, ("signal", None))
+        self._wakeup = SignalWakeup(self.sel, sigs, lambda n: self._signals.append(n), ("signal", None))
 
     def _network_needed(self) -> bool:
         heads = self.store.list_heads(None)
@@ -321,7 +314,7 @@ class Service:
             http_only = False
             kind, data = key.data
             if kind == "signal":
-                self._drain_signal_fd()
+                self._wakeup.drain()
             elif kind == "control":
                 control.drain(self.ctl)
                 self.poked = self.defs_changed = True
@@ -402,13 +395,6 @@ class Service:
             self._drain_step(now)
         self.engine.tick()
         self._sync_pidfds()
-
-    def _drain_signal_fd(self) -> None:
-        try:
-            while self._sig_r.recv(64):
-                pass
-        except BlockingIOError:
-            pass
 
     def _handle_signals(self) -> None:
         sigs, self._signals = self._signals, []

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..core.errors import UnavailableError
+
+if TYPE_CHECKING:
+    from ..core.settings import Settings
 
 
 class UntrustedPathError(UnavailableError):
@@ -38,8 +41,8 @@ class TrustedPath(NamedTuple):
     private: bool = False
 
 
-def trusted_paths(settings) -> list[TrustedPath]:
-    """Every path of ``settings`` (a service.config.Settings) the agent trusts, in check order."""
+def trusted_paths(settings: Settings) -> list[TrustedPath]:
+    """Every path of ``settings`` (``core.settings.Settings``) the agent trusts, in check order."""
     out = []
     if settings.config_path:
         out.append(TrustedPath("config file", settings.config_path))
@@ -55,7 +58,7 @@ def trusted_paths(settings) -> list[TrustedPath]:
     return out
 
 
-def worker_paths(settings) -> list[TrustedPath]:
+def worker_paths(settings: Settings) -> list[TrustedPath]:
     """The paths a fleet Worker (``[worker]``) trusts, for ``doctor``: the config file, the state
     directory, the credential and CA files, the inbox (and its ``-wal``/``-shm``) and the run
     directories."""

@@ -3,7 +3,7 @@
 Only wiring: the service lock of the state directory, the CA file check ``config check`` makes
 too (``service.preflight``), then the Worker built by the composition root
 (``bootstrap.build_worker``: control client, inbox, run directories; a bad credential or CA file
-is one line naming the field, exit 2) and its loop (``application.fleet_worker``).
+is one line naming the field, exit 2) and its loop (``fleet.runtime``).
 Local tasks and schedules are off in this mode: the local store is not opened at all. The
 local HTTP API cannot be served without it; with ``[http] listen`` / ``unix_socket`` (or ``serve
 --listen``) a read-only status surface is served instead (``http.worker_status``: ``/healthz``,
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 
 import msgspec
 
@@ -24,6 +25,7 @@ from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
 from .preflight import preflight
+from .signals import SignalWakeup
 
 
 def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: float | None = None) -> int:
@@ -50,7 +52,7 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)
         rt.reload_config = lambda: _reload_config(settings, log)
-        rt.install_signals()
+        rt.wakeup = SignalWakeup(rt.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP), rt.on_signal, ("signal", None))
         log("info", "worker.ready", worker=w.worker_id, control=",".join(rt.client.urls), slots=w.slots, **counts)
         rt.notify.ready(f"worker slots={w.slots}")
         return rt.run(exit_after_s)

@@ -600,13 +600,13 @@ def test_a_pull_refused_for_want_of_long_poll_slots_moves_the_worker_to_its_next
                                w["worker_id"], str(cred), None)
         session(Client(free.port, w))
         body = json.dumps(pull_body(w)).encode()
-        select.select([client.start_poll("/pull?waitS=1", body, 1)], [], [], 10)
+        select.select([client.start_pull(body, 1)], [], [], 10)
         with pytest.raises(ControlBusy) as refused:
-            client.finish_poll()
+            client.finish_pull()
         assert (refused.value.code, refused.value.retry_after_s) == ("long_polls_full", 1.0)
         client.abort_poll()
-        select.select([client.start_poll("/pull?waitS=1", body, 1)], [], [], 10)
-        assert json.loads(client.finish_poll().body)["status"] == "idle"    # answered by the other replica
+        select.select([client.start_pull(body, 1)], [], [], 10)
+        assert client.finish_pull()[0].status == "idle"    # answered by the other replica
         assert free.server.connections >= 1
         client.close()
         parked.join(10)

@@ -36,7 +36,7 @@ import time
 import msgspec
 
 from ...core.errors import NotFoundError, StoreIntegrityError, UnavailableError, ValidationError
-from ...core.inbox_states import (OPEN_STATES, InboxEntry, InboxFull, InboxOffer, OfferConflict, PendingPull,
+from ...core.inbox_states import (InboxState, InboxEntry, InboxFull, InboxOffer, OfferConflict, PendingPull,
                                   check_offer, check_outcome, check_pull, check_transition, pull_body, same_offer)
 from ...core.profiles import Profile
 from ..migration_files import read_migrations
@@ -175,7 +175,7 @@ class SqliteInbox:
                        data, len(data), now, now, pull_id))
             if pull_id is not None:
                 c.execute("DELETE FROM pending_pull WHERE pull_id = ?", (pull_id,))
-            return InboxEntry(offer=offer, state="received", outcome=None, received_at_us=now,
+            return InboxEntry(offer=offer, state=InboxState.RECEIVED, outcome=None, received_at_us=now,
                               updated_at_us=now, pull_id=pull_id), True
 
         result = self._tx(tx)
@@ -204,9 +204,9 @@ class SqliteInbox:
 
     def advance(self, offer_id: str, state: str, outcome: dict | None = None, *,
                 keep_orphans: bool = False) -> InboxEntry:
-        if (state == "completed") != (outcome is not None):
+        if (state == InboxState.COMPLETED) != (outcome is not None):
             raise ValidationError("outcome", "required for completed and only for it")
-        if keep_orphans and state != "acked":
+        if keep_orphans and state != InboxState.ACKED:
             raise ValidationError("keep_orphans", "only when the row is acknowledged")
         data = check_outcome(outcome) if outcome is not None else None
 
@@ -236,9 +236,9 @@ class SqliteInbox:
         return _entry(row) if row is not None else None
 
     def open_entries(self) -> list[InboxEntry]:
-        marks = ",".join("?" * len(OPEN_STATES))
+        marks = ",".join("?" * len(InboxState.OPEN))
         rows = self._c.execute(f"SELECT {_COLS} FROM offers WHERE state IN ({marks}) ORDER BY seq",
-                               tuple(sorted(OPEN_STATES))).fetchall()
+                               tuple(sorted(InboxState.OPEN))).fetchall()
         return [_entry(r) for r in rows]
 
     def kept_orphans(self) -> set[str]:
@@ -292,9 +292,9 @@ def diagnose(path: str, max_rows: int, max_bytes: int) -> tuple[bool, str]:
         if check != ["ok"]:
             return False, f"{path}: quick_check: {'; '.join(check[:3])}"
         rows, used = c.execute("SELECT count(*), coalesce(sum(spec_bytes), 0) FROM offers").fetchone()
-        marks = ",".join("?" * len(OPEN_STATES))
+        marks = ",".join("?" * len(InboxState.OPEN))
         open_rows = c.execute(f"SELECT count(*) FROM offers WHERE state IN ({marks})",
-                              tuple(sorted(OPEN_STATES))).fetchone()[0]
+                              tuple(sorted(InboxState.OPEN))).fetchone()[0]
     except sqlite3.Error as e:
         return False, f"{path}: {e}"
     finally:

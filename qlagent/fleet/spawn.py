@@ -1,0 +1,114 @@
+"""A run's shim on the Worker: spawn, watch, exit and receipt (issue 11 §3–4)."""
+
+from __future__ import annotations
+
+import selectors
+
+import msgspec
+
+from ..core.cluster import ExecutionSpec
+from ..core.errors import StartError
+from ..core.receipt import start_code
+from ..core.inbox_states import InboxState, OutcomeKind
+from .job import Job, Owed
+
+
+class SpawnDuty:
+    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    ``inbox``, ``runs``, ``client``, ``session``): the shims."""
+
+    def _spawn(self, j: Job) -> None:
+        if self.stopping or j.cancel:
+            self._start_failed(j, "cancelled" if j.cancel else "worker_stopping")
+            return
+        if j.secrets is None and j.spec.secret_refs:
+            # Secret values are never on disk: after a restart before the spawn they are gone.
+            self._start_failed(j, "secrets_unavailable")
+            return
+        self._bound_log_store(j.spec.log_quota_bytes)
+        try:
+            self.runs.make_run_dir(j.attempt_id)
+            h = self.runs.spawn(j.spec, j.secrets or {}, self._lease_stop_at(j))
+        except StartError as e:
+            j.secrets = None
+            code = start_code(e.message) if e.code == "start" else e.code
+            self.log("warning", "worker.start_failed", attempt=j.attempt_id, reason=code, error=e.message)
+            self._start_failed(j, code)
+            return
+        j.secrets = None
+        j.handle = h
+        j.deadline_us = self.now() + j.spec.timeout_ms * 1000
+        j.entry = self.inbox.advance(j.offer_id, InboxState.STARTED)
+        j.owed.add(Owed.RUNNING_ACK)
+        self.counts["spawned"] += 1
+        self._watch(j)
+        self.log("info", "worker.run_started", attempt=j.attempt_id, pid=h.pid)
+
+    def _within_profile(self, spec: ExecutionSpec) -> ExecutionSpec:
+        """The spec as this Worker runs it: a log quota above its Profile's ``log_max_bytes`` is
+        cut to it (the truncation fact then names that quota). The inbox keeps the spec as
+        offered: its digest is what the control plane signed off."""
+        if spec.log_quota_bytes <= self.log_max_bytes:
+            return spec
+        return msgspec.structs.replace(spec, log_quota_bytes=self.log_max_bytes)
+
+    def _start_failed(self, j: Job, code: str) -> None:
+        j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED,
+                                       {"kind": OutcomeKind.START_FAILURE, "startError": code})
+        j.owed.add(Owed.COMPLETION_ACK)
+        j.owed.discard(Owed.LOG)
+
+    def _watch(self, j: Job) -> None:
+        if j.handle.pidfd is not None:
+            self.sel.register(j.handle.pidfd, selectors.EVENT_READ, ("pidfd", j.offer_id))
+
+    def _on_exit(self, j: Job) -> None:
+        h = j.handle
+        if h.pidfd is not None:
+            self.sel.unregister(h.pidfd)
+        self.runs.finished(h)
+        j.handle = None
+        self._complete(j)
+        self._send_owed()
+
+    def _complete(self, j: Job) -> None:
+        """The shim ended: its receipt becomes the row's outcome (kept until acknowledged)."""
+        receipt, trunc = self.runs.collect(j.attempt_id)
+        if receipt is None:
+            self.runs.kill_orphans(j.attempt_id)
+        if receipt is not None and receipt.lease_lost and not j.fenced:
+            # The shim fenced it by itself (this Worker was down or late): the Lease is lost.
+            j.fence()
+            self.counts["fenced"] += 1
+            self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="killed_by_shim")
+        if receipt is None or (j.fenced and j.gone):
+            # A shim that died without a receipt leaves the ending to the control plane's
+            # sweeper; a Lease the control plane already ended takes no more chunks.
+            self._close_row(j, {"kind": OutcomeKind.FENCED if j.fenced else OutcomeKind.LOST})
+            return
+        if j.fenced:
+            # Self-fenced before its Lease expired: no completion is sent (the Attempt is
+            # re-offered), but the log goes up while the Lease still takes chunks.
+            j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED, {"kind": OutcomeKind.FENCED})
+            return
+        if receipt.start_error:
+            self._start_failed(j, start_code(receipt.start_error))
+        else:
+            out = {"kind": OutcomeKind.COMPLETION, "exitCode": receipt.exit_code, "signal": receipt.signal,
+                   "killReason": j.kill_reason, "bytesKept": receipt.bytes_kept,
+                   "bytesDropped": receipt.bytes_dropped, "peakRssBytes": receipt.peak_rss_bytes,
+                   "cpuTimeUs": receipt.cpu_time_us, "truncated": trunc is not None}
+            out = {k: v for k, v in out.items() if v is not None}
+            j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED, out)
+            if j.gone:
+                j.owed.discard(Owed.COMPLETION_ACK)
+            else:
+                j.owed.add(Owed.COMPLETION_ACK)
+            self.counts["completed"] += 1
+            self.log("info", "worker.run_ended", attempt=j.attempt_id, exit=receipt.exit_code,
+                     signal=receipt.signal, kill_reason=j.kill_reason, truncated=trunc is not None)
+        if j.gone:
+            # A run kept (on_lease_loss = "keep") after its Lease was gone owes nothing (nothing
+            # more is sent for it): its row closes now, or it would hold an inbox row for ever.
+            self._acked(j)
+
