@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 
-import msgspec
 
 from ..core import errors as E
 from .common import Ctx, command, group, print_json
@@ -86,11 +85,13 @@ def cmd_config_check(ctx: Ctx) -> int:
     """Loading the configuration validated its values; then the checks ``serve`` makes before it
     opens a database (``service.preflight``: pool size, TLS files, the Worker's CA file), so an
     ExecReload or OpenWrt conversion that passes is not refused by the next start for them."""
+    from msgspec import to_builtins
+
     from ..service.preflight import preflight
     s = ctx.settings
     preflight(s)
     out = {"configFile": s.config_path, "profile": s.profile.name, "stateDir": s.state_dir,
-           "artifactDir": s.artifact_dir, "config": msgspec.to_builtins(s.config)}
+           "artifactDir": s.artifact_dir, "config": to_builtins(s.config)}
     if ctx.args.json:
         print_json(out)
     else:

@@ -2,8 +2,8 @@
 invocation), the output helpers, the argparse value types and the parser helpers each group's
 ``register(subparsers)`` uses (``command``, ``group``).
 
-Only the standard library, ``msgspec`` and ``core`` are imported here: ``--help``, ``run ls`` and
-``task ls`` load each group module, so a group's handlers import their use cases inside.
+Only the standard library and ``core`` are imported here: ``--help``, ``run ls`` and ``task ls``
+load each group module, so a group's handlers import their use cases (and msgspec) inside.
 """
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ from __future__ import annotations
 import os
 import sys
 
-import msgspec
-
 from ..core import errors as E
 from ..core.limits import MAX_TIMEOUT_S as MAX_WAIT_S     # --timeout/--exit-after: seconds
 
 
 def print_json(obj) -> None:
     """``obj`` as indented JSON on stdout (msgspec encodes it)."""
-    sys.stdout.buffer.write(msgspec.json.format(msgspec.json.encode(obj), indent=2) + b"\n")
+    from msgspec import json
+    sys.stdout.buffer.write(json.format(json.encode(obj), indent=2) + b"\n")
     sys.stdout.flush()
 
 

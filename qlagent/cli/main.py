@@ -13,18 +13,11 @@ from __future__ import annotations
 
 import sys
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
-
-import msgspec
 
 from .. import __version__
 from ..core import errors as E
 from .common import Ctx, UsageError, ascii_decimal, options, parser_class
 from .serve import cmd_serve
-
-if TYPE_CHECKING:
-    import argparse
-
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``qlagent`` grammar: the common options, ``--version`` and every group's commands."""
@@ -122,6 +115,9 @@ def _refuse_undecodable(args, parser: argparse.ArgumentParser | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--version"]:       # argparse's --version too, but without building every parser
+        print(f"qlagent {__version__}")
+        return 0
     parser = None
     try:
         args = _serve_args(argv)
@@ -130,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             args = parser.parse_args(argv)
     except UsageError as e:
         if "--json" in argv:
-            sys.stdout.buffer.write(msgspec.json.encode({"error": {"code": "usage", "message": str(e)}}) + b"\n")
+            from msgspec.json import encode
+            sys.stdout.buffer.write(encode({"error": {"code": "usage", "message": str(e)}}) + b"\n")
         print(f"qlagent: error: {e}", file=sys.stderr)
         return E.EXIT_USAGE
     for k in ("state_dir", "config", "profile", "project"):
@@ -145,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(ctx)
     except E.QlError as e:
         if args.json:
-            sys.stdout.buffer.write(msgspec.json.encode({"error": e.to_dict()}) + b"\n")
+            from msgspec.json import encode
+            sys.stdout.buffer.write(encode({"error": e.to_dict()}) + b"\n")
         msg = str(e)
         if e.limit is not None and str(e.limit) not in msg:     # every refusal names its limit
             msg += f" (limit {e.limit})"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import msgspec
 
 from ..core import errors as E
 from ..core.states import RunState
@@ -73,6 +72,7 @@ def cmd_run_show(ctx: Ctx) -> int:
     if ctx.args.json:
         print_json(_run_json(run, attempts, events))
         return 0
+    from msgspec.json import encode
     print(f"run       {run.run_id}")
     print(f"task      {run.task_name} ({run.task_snapshot_ref})")
     print(f"state     {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
@@ -95,7 +95,7 @@ def cmd_run_show(ctx: Ctx) -> int:
         if a.start_error:
             print(f"          could not start: {a.start_error}")
     for e in events:
-        print(f"event     {e.sequence:>3} {fmt_us(e.created_at_us)} {e.type} {msgspec.json.encode(e.payload).decode()}")
+        print(f"event     {e.sequence:>3} {fmt_us(e.created_at_us)} {e.type} {encode(e.payload).decode()}")
     return 0
 
 
