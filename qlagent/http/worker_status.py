@@ -28,7 +28,8 @@ import time
 from collections.abc import Callable
 
 from qlagent.http.routing import Router
-from qlagent.http.server import HttpServer, LoopSurface, Request, Response
+from qlagent.http.server import HttpServer, LoopSurface
+from qlagent.http.wire import Request, Response
 from qlagent.http.service import PROBE_PATHS, limits_for
 
 STATUS_PATH = "/api/v3/worker"
