@@ -40,7 +40,8 @@ def serve(kind: str) -> None:
 
     if kind == "qlagent":
         from qlagent.http.routing import Router
-        from qlagent.http.server import HttpLimits, HttpServer, Response
+        from qlagent.http.server import HttpServer
+        from qlagent.http.wire import HttpLimits, Response
 
         router = Router()
         router.add("GET", "/api/v3/ping", lambda req, p: Response.json(200, PAYLOAD))

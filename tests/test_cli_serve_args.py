@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from qlagent.cli.main import _serve_args, build_parser, cmd_serve
+from qlagent.cli.main import _serve_args, build_parser
+from qlagent.cli.serve import cmd_serve
 
 ACCEPTED = [
     ["serve"],
@@ -46,7 +47,7 @@ def test_fast_path_gives_argparses_namespace(argv):
     fast = _serve_args(argv)
     assert fast is not None
     assert vars(fast) == reference(argv)
-    assert fast.fn is cmd_serve
+    assert fast.handler is cmd_serve
 
 
 @pytest.mark.parametrize("argv", REFUSED, ids=lambda a: " ".join(a) or "(empty)")

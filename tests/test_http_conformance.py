@@ -21,7 +21,7 @@ from qlcli import ok
 from test_http_api import Agent, token
 from test_http_server import connect, raw, read_response, running
 
-from qlagent.http.server import HttpLimits, byte_range
+from qlagent.http.wire import HttpLimits, byte_range
 
 
 # The test server of test_http_server.py plus the two probe paths, as the agent's surface has.
@@ -107,7 +107,7 @@ def test_unknown_range_unit_and_unmatchable_if_range_give_the_full_body(tmp_path
 
 
 def test_byte_range_ignores_other_units_without_a_socket():
-    from qlagent.http.server import Request
+    from qlagent.http.wire import Request
     req = Request("GET", "/", "/", {}, {"range": "Items=0-4"}, b"", "t")
     assert byte_range(req, 100, 50) == (0, 50, False)
 

@@ -11,7 +11,8 @@ import time
 from dataclasses import replace
 
 from qlagent.http.routing import Router
-from qlagent.http.server import Deferred, HttpError, HttpLimits, HttpServer, Response
+from qlagent.http.server import Deferred, HttpServer
+from qlagent.http.wire import HttpError, HttpLimits, Response
 
 
 def _server(release: threading.Event):

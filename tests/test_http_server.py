@@ -23,16 +23,8 @@ from hypothesis import strategies as st
 from qlagent.core.errors import ValidationError
 from qlagent.core.models import RoleBinding
 from qlagent.http.routing import Router
-from qlagent.http.server import (
-    FileRange,
-    HttpError,
-    HttpLimits,
-    HttpServer,
-    Request,
-    Response,
-    byte_range,
-    content_range,
-)
+from qlagent.http.server import HttpServer
+from qlagent.http.wire import FileRange, HttpError, HttpLimits, Request, Response, byte_range, content_range
 from qlagent.service.config import parse_listen
 
 FILE_SIZE = 50 * 1024 * 1024
@@ -880,7 +872,7 @@ def test_router_refuses_bad_or_ambiguous_templates():
 
 
 def test_refusal_audit_writes_at_most_its_lines_a_window_and_then_says_how_many_it_left_out():
-    from qlagent.http.server import Request, Response, json_error
+    from qlagent.http.wire import Request, Response, json_error
     from qlagent.http.service import AUDIT_LINES, AUDIT_WINDOW_S, RefusalAudit
     lines, now = [], [100.0]
     audit = RefusalAudit(lambda priority, event, **fields: lines.append((priority, event, fields)),

@@ -7,8 +7,6 @@ input), an optional ``limit`` and a process ``exit_code`` for the CLI:
 
 from __future__ import annotations
 
-import re
-
 EXIT_OK = 0
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
@@ -60,6 +58,7 @@ def from_msgspec(err: Exception, *, root: str = "", where: str | None = None, da
     with ``where`` (e.g. the file). A value outside a ``msgspec.Meta`` range of ``type_`` (the
     Struct ``data`` was converted to) reads ``9999.0 outside 0..600 seconds`` with ``limit``
     ``0..600`` (``seconds`` for a field named ``*_s``)."""
+    import re       # only here: `qlagent --version` imports this module and no regular expression
     msg = str(err)
     head, _, at = msg.partition(" - at `$")
     path = at.rstrip("`").lstrip(".")

@@ -26,15 +26,7 @@ from qlagent.core.models import Run
 from qlagent.core.states import RUN_TERMINAL, RunState
 from qlagent.http.auth import AuthError, Principal, authorize
 from qlagent.http.routing import Router, openapi_document
-from qlagent.http.server import (
-    FileRange,
-    HttpError,
-    Request,
-    Response,
-    byte_range,
-    content_range,
-    query_int,
-)
+from qlagent.http.wire import FileRange, HttpError, Request, Response, byte_range, content_range, query_int
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from qlagent.core.ports import Store

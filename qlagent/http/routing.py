@@ -23,7 +23,7 @@ import urllib.parse
 from typing import Callable
 
 from qlagent.core.errors import QlError
-from qlagent.http.server import HttpError, Request, Response, json_error
+from qlagent.http.wire import HttpError, Request, Response, json_error
 
 log = logging.getLogger("qlagent.http")
 

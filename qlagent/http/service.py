@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from qlagent.core.errors import ValidationError
 from qlagent.http.api import Api, build_router
-from qlagent.http.server import Deferred, HttpError, HttpLimits, HttpServer, LoopSurface, Request, Response
+from qlagent.http.server import Deferred, HttpServer, LoopSurface
+from qlagent.http.wire import HttpError, HttpLimits, Request, Response
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from qlagent.core.ports import Store

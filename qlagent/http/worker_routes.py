@@ -42,7 +42,8 @@ from qlagent.cluster.registry import WorkerRegistry, check_uuid
 from qlagent.core.cluster import Ack, ChunkConflict, HeartbeatRequest, Hello, PullRequest, WorkerAuthError
 from qlagent.core.errors import ConflictError, NotFoundError, QlError, UnavailableError, ValidationError
 from qlagent.http.routing import Router
-from qlagent.http.server import Deferred, HttpError, Request, Response
+from qlagent.http.server import Deferred
+from qlagent.http.wire import HttpError, Request, Response
 
 log = logging.getLogger("qlagent.http")
 

@@ -29,7 +29,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from qlagent.http.routing import Router
-from qlagent.http.server import HttpServer, LoopSurface, Request, Response
+from qlagent.http.server import HttpServer, LoopSurface
+from qlagent.http.wire import Request, Response
 from qlagent.http.service import PROBE_PATHS, limits_for
 
 if TYPE_CHECKING:

@@ -18,7 +18,8 @@ from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
 from qlagent.cluster.pull import WorkerPull
 from qlagent.core.profiles import EDGE
 from qlagent.http.routing import Router
-from qlagent.http.server import HttpLimits, HttpServer
+from qlagent.http.server import HttpServer
+from qlagent.http.wire import HttpLimits
 from qlagent.http.worker_routes import DbClock, WorkerRouteLimits, WorkerRoutes, WorkerServices
 
 BASE = "/api/v3/cluster/workers"
