@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from typing import Annotated
 
 import msgspec
@@ -66,16 +67,29 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class DispatcherConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """``[cluster.dispatcher]``: ADR-0014 §1 per-cycle budgets. Ceilings (page size 64, pages
-    16, Workers per cycle 64, claim tries 64) are refused at start-up naming the field."""
+    """``[cluster.dispatcher]``: ADR-0014 §1 budgets of one Worker Pull. Ceilings (page size 64,
+    pages 16, claim tries 64) are refused at start-up naming the field."""
 
-    recovery_page_size: int = 8
-    recovery_pages: int = 2
     candidate_page_size: int = 8
     candidate_pages: int = 2
-    worker_page_size: int = 8
-    worker_pages: int = 2
     claim_tries: int = 8
+
+
+# Keys of [cluster.dispatcher] that budgeted a dispatch cycle no process runs (a Worker Pull is
+# the only claimer): a file that still sets one is read with a warning, never refused.
+RETIRED_DISPATCHER_KEYS = ("recovery_page_size", "recovery_pages", "worker_page_size", "worker_pages")
+
+
+def _drop_retired(data: dict, path: str) -> None:
+    """Remove ``RETIRED_DISPATCHER_KEYS`` from the parsed file, one warning line on stderr each."""
+    d = data.get("cluster", {}).get("dispatcher") if isinstance(data.get("cluster"), dict) else None
+    if not isinstance(d, dict):
+        return
+    for key in RETIRED_DISPATCHER_KEYS:
+        if key in d:
+            del d[key]
+            print(f"qlagent: warning: {path}: cluster.dispatcher.{key} is no longer used (ignored); remove it",
+                  file=sys.stderr)
 
 
 class ClusterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -174,6 +188,7 @@ def load_config(path: str | None, *, trust: bool = True) -> tuple[Config, str | 
     if trust:
         require_trusted([TrustedPath("config file", path)])
     data = read_toml(path, "config", MAX_CONFIG_BYTES)
+    _drop_retired(data, path)
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:
