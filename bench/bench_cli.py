@@ -6,8 +6,8 @@ openwrt/ and packaging/ install it), each the median of N runs, as a ratio to th
 ``python3 -I -S -c pass`` measured interleaved with them; plus each command's peak RSS (KiB,
 GNU time's ``%M``; every timing includes that wrapper). ``--tree DIR`` (repeatable) measures
 another source tree (e.g. ``git archive main qlagent | tar -x -C /tmp/main``) over the same
-state directory, interleaved, so a before/after comparison shares the machine's load. Every tree is byte-compiled first, as a
-package ships.
+state directory, interleaved, so a before/after comparison shares the machine's load. Every
+tree is byte-compiled first, as a package ships.
 
     python bench/bench_cli.py [-n 15] [--tree /tmp/main]
 """
@@ -50,8 +50,8 @@ def timed(argv: list[str], env: dict, rss_file: str) -> tuple[float, int, int]:
 
 def seed(state: str, env: dict) -> None:
     """An initialised store with TASKS parallel Tasks and RUNS queued Runs (in-process, fast)."""
-    subprocess.run([sys.executable, "-c", ENTRY, "--state-dir", state, "init"], env=env, cwd=_tree(env), check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-c", ENTRY, "--state-dir", state, "init"], env=env, cwd=_tree(env),
+                   check=True, stdout=subprocess.DEVNULL)
     path = os.path.join(state, "tasks.toml")
     with open(path, "w") as f:
         for i in range(TASKS):
@@ -101,7 +101,8 @@ def main() -> None:
     print(f"{'tree':<12} {'command':<22} {'median ms':>10} {'× pass':>7} {'RSS KiB':>8}  exit")
     for key in sorted(times, key=lambda k: (k[0] != "baseline", k[1], k[0])):
         med = statistics.median(times[key])
-        print(f"{key[0]:<12} {key[1]:<22} {med * 1000:>10.1f} {med / ref:>7.2f} {statistics.median(rss[key]):>8.0f}  {codes[key]}")
+        rss_kib = statistics.median(rss[key])
+        print(f"{key[0]:<12} {key[1]:<22} {med * 1000:>10.1f} {med / ref:>7.2f} {rss_kib:>8.0f}  {codes[key]}")
 
 
 if __name__ == "__main__":
