@@ -4,10 +4,10 @@ Times ``qlagent --version``, ``--help``, ``run ls`` (1,000 Runs in the store) an
 (50 Tasks) as run from a package (``python3 -c 'from qlagent.cli.main import main; …'``, as
 openwrt/ and packaging/ install it), each the median of N runs, as a ratio to the median of
 ``python3 -I -S -c pass`` measured interleaved with them; plus each command's peak RSS (KiB,
-``ru_maxrss`` of that child). ``--tree DIR`` (repeatable) measures another source tree (e.g.
-``git archive main qlagent | tar -x -C /tmp/main``) over the same state directory, interleaved,
-so a before/after comparison shares the machine's load. Every tree is byte-compiled first, as a
-package ships.
+GNU time's ``%M``; every timing includes that wrapper). ``--tree DIR`` (repeatable) measures
+another source tree (e.g. ``git archive main qlagent | tar -x -C /tmp/main``) over the same
+state directory, interleaved, so a before/after comparison shares the machine's load. Every
+tree is byte-compiled first, as a package ships.
 
     python bench/bench_cli.py [-n 15] [--tree /tmp/main]
 """
@@ -27,28 +27,31 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENTRY = "import sys; from qlagent.cli.main import main; sys.exit(main())"    # as openwrt/, packaging/
 TASKS = 50
 RUNS = 1000
+TIME = "/usr/bin/time"      # GNU time, for the child's own peak RSS
 
 
 def _tree(env: dict) -> str:
     return env["PYTHONPATH"].split(":")[0]
 
 
-def timed(argv: list[str], env: dict) -> tuple[float, int, int]:
+def timed(argv: list[str], env: dict, rss_file: str) -> tuple[float, int, int]:
     """(wall seconds, peak RSS KiB, exit code) of one child, run in its tree (``-c`` puts the
-    working directory first on sys.path)."""
+    working directory first on sys.path). The RSS is GNU time's ``%M``: a child forked from this
+    process would report this process's RSS as its own peak (Linux keeps the high-water mark
+    across exec); time's own fork starts from its few hundred KiB."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv, env=env, cwd=_tree(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(p.pid, 0)
+    p = subprocess.run([TIME, "-f", "%M", "-o", rss_file, *argv], env=env, cwd=_tree(env),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
-    p.stderr.close()
-    return wall, usage.ru_maxrss, p.returncode
+    with open(rss_file) as f:
+        rss = int(f.read().split()[-1])
+    return wall, rss, p.returncode
 
 
 def seed(state: str, env: dict) -> None:
     """An initialised store with TASKS parallel Tasks and RUNS queued Runs (in-process, fast)."""
-    subprocess.run([sys.executable, "-c", ENTRY, "--state-dir", state, "init"], env=env, cwd=_tree(env), check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-c", ENTRY, "--state-dir", state, "init"], env=env, cwd=_tree(env),
+                   check=True, stdout=subprocess.DEVNULL)
     path = os.path.join(state, "tasks.toml")
     with open(path, "w") as f:
         for i in range(TASKS):
@@ -90,7 +93,7 @@ def main() -> None:
             for tree, env in envs.items():
                 for key, argv in (((tree, label), [sys.executable, "-S", "-c", ENTRY, "--state-dir", state, *args]),
                                   (("baseline", "python3 -I -S -c pass"), baseline)):
-                    w, r, codes[key] = timed(argv, env)
+                    w, r, codes[key] = timed(argv, env, os.path.join(state, "rss"))
                     times.setdefault(key, []).append(w)
                     rss.setdefault(key, []).append(r)
     ref = statistics.median(times[("baseline", "python3 -I -S -c pass")])
@@ -98,7 +101,8 @@ def main() -> None:
     print(f"{'tree':<12} {'command':<22} {'median ms':>10} {'× pass':>7} {'RSS KiB':>8}  exit")
     for key in sorted(times, key=lambda k: (k[0] != "baseline", k[1], k[0])):
         med = statistics.median(times[key])
-        print(f"{key[0]:<12} {key[1]:<22} {med * 1000:>10.1f} {med / ref:>7.2f} {statistics.median(rss[key]):>8.0f}  {codes[key]}")
+        rss_kib = statistics.median(rss[key])
+        print(f"{key[0]:<12} {key[1]:<22} {med * 1000:>10.1f} {med / ref:>7.2f} {rss_kib:>8.0f}  {codes[key]}")
 
 
 if __name__ == "__main__":

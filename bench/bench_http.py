@@ -48,7 +48,14 @@ def serve(kind: str) -> None:
         srv = HttpServer(HttpLimits.edge(), router)
         _, port = srv.listen_tcp("127.0.0.1", 0)
         print(port, flush=True)
-        srv.serve_forever()
+        import selectors
+        import time
+        sel = selectors.DefaultSelector()
+        srv.register(sel)
+        while True:            # the agent's loop, reduced to the server (killed by the parent)
+            deadline = srv.timeouts(time.monotonic())
+            for key, mask in sel.select(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                srv.handle_event(key, mask)
     else:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 

@@ -317,9 +317,7 @@ def check_cluster(cluster) -> None:
 def _budgets(cluster):
     from .cluster.dispatcher import DispatcherBudgets
     d = cluster.dispatcher
-    return DispatcherBudgets(recovery_page_size=d.recovery_page_size, recovery_pages=d.recovery_pages,
-                             candidate_page_size=d.candidate_page_size, candidate_pages=d.candidate_pages,
-                             worker_page_size=d.worker_page_size, worker_pages=d.worker_pages,
+    return DispatcherBudgets(candidate_page_size=d.candidate_page_size, candidate_pages=d.candidate_pages,
                              claim_tries=d.claim_tries, lease_ttl_s=cluster.lease_ttl_s)
 
 

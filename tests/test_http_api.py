@@ -25,9 +25,17 @@ import pytest
 from qlagent.adapters.rows import policy
 from qlagent.adapters.rows.dialect import Db
 from qlagent.adapters.sqlite.dialect import SQLITE
-from qlagent.http.routing import documented_routes
+from qlagent.http.routing import openapi_document
 
 from qlcli import ok, workdir  # noqa: F401  (workdir is a fixture)
+
+
+
+def documented_routes() -> set[tuple[str, str]]:
+    """Every (METHOD, path template) the shipped OpenAPI document describes."""
+    doc = json.loads(openapi_document())
+    return {(method.upper(), path) for path, item in doc["paths"].items() for method in item}
+
 
 TASKS = r"""
 [[task]]

@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import replace
 
+from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import Deferred, HttpServer
 from qlagent.http.wire import HttpError, HttpLimits, Response
@@ -37,9 +38,7 @@ def _server(release: threading.Event):
     r.add("GET", "/fast", lambda req, p: Response.json(200, {"fast": True}))
     srv = HttpServer(replace(HttpLimits.edge(), read_timeout_s=2.0), r)
     _, port = srv.listen_tcp("127.0.0.1", 0)
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_s": 0.05}, daemon=True)
-    t.start()
-    assert srv.ready.wait(5)
+    t = LoopThread(srv, 0.05)
     return srv, port, t
 
 
@@ -67,8 +66,7 @@ def test_a_parked_connection_does_not_block_the_loop_and_resumes_with_its_pipeli
         assert raw.index(b'{"slow":true}') < raw.index(b'{"fast":true}')
         _until(lambda: srv.in_flight == 0)
     finally:
-        srv.stop()
-        t.join(5)
+        t.stop()
 
 
 def test_a_deferred_past_its_bound_is_answered_503_and_its_slot_freed():
@@ -81,8 +79,7 @@ def test_a_deferred_past_its_bound_is_answered_503_and_its_slot_freed():
         resp.read()
         _until(lambda: srv.in_flight == 0)
     finally:
-        srv.stop()
-        t.join(5)
+        t.stop()
 
 
 def _until(cond, timeout: float = 5.0) -> None:

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from qlagent.core.errors import ValidationError
 from qlagent.core.models import RoleBinding
+from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import HttpServer
 from qlagent.http.wire import FileRange, HttpError, HttpLimits, Request, Response, byte_range, content_range
@@ -76,14 +77,11 @@ def running(limits: HttpLimits, files: dict[str, str] | None = None, unix_path: 
     host, port = srv.listen_tcp("127.0.0.1", 0)
     if unix_path:
         srv.listen_unix(unix_path)
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_s": 0.05}, daemon=True)
-    t.start()
-    assert srv.ready.wait(5)
+    t = LoopThread(srv, 0.05)
     try:
         yield srv, port
     finally:
-        srv.stop()
-        t.join(5)
+        t.stop()
         assert not t.is_alive()
 
 
@@ -509,9 +507,7 @@ def test_bearer_auth_and_permissions_over_http():
     router.add("GET", "/api/v3/projects/{projectId}/tasks/{taskId}", guarded("task.read"))
     srv = HttpServer(HttpLimits.edge(), router)
     _, port = srv.listen_tcp("127.0.0.1", 0)
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_s": 0.05}, daemon=True)
-    t.start()
-    srv.ready.wait(5)
+    t = LoopThread(srv, 0.05)
     try:
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
 
@@ -538,8 +534,7 @@ def test_bearer_auth_and_permissions_over_http():
         assert call("POST", "p1", tokens["ops"])[0] == 401
         c.close()
     finally:
-        srv.stop()
-        t.join(5)
+        t.stop()
     assert {p: auth.allowed("viewer", p) for p in auth.PERMISSIONS} == {
         "run.start": False, "run.cancel": False, "task.read": True, "run.read": True, "log.read": True}
     assert all(auth.allowed(r, p) for r in ("owner", "admin", "operator") for p in auth.PERMISSIONS)
@@ -778,7 +773,7 @@ def test_begin_drain_finishes_in_flight_requests_and_refuses_new_ones():
 
 def test_task_start_wire_errors_and_replay_over_http():
     from qlagent.core import errors, taskstart as ts
-    from qlagent.http.routing import documented_routes
+    from test_http_api import documented_routes
 
     created: dict[str, ts.TaskStartResult] = {}
 
@@ -811,9 +806,7 @@ def test_task_start_wire_errors_and_replay_over_http():
     assert set(router.routes()) == documented_routes()
     srv = HttpServer(HttpLimits.edge(), router)
     _, port = srv.listen_tcp("127.0.0.1", 0)
-    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_s": 0.05}, daemon=True)
-    t.start()
-    srv.ready.wait(5)
+    t = LoopThread(srv, 0.05)
     mid = str(uuid.uuid4())
     good = {"schema": ts.SCHEMA, "mutationId": mid, "expectedRevision": 3, "expectedContentDigest": "c" * 64}
     try:
@@ -851,8 +844,7 @@ def test_task_start_wire_errors_and_replay_over_http():
         assert len(created) == 1  # nothing else was "written"
         c.close()
     finally:
-        srv.stop()
-        t.join(5)
+        t.stop()
 
 
 def test_router_refuses_bad_or_ambiguous_templates():

@@ -24,9 +24,15 @@ from qlagent.core.schedule import (
     parse_schedule,
     parse_schedules,
     plan_due,
-    prev_fire,
     validate_timezone,
 )
+
+
+def prev_fire(schedule, at_or_before_utc_us: int, tz: str | None) -> int | None:
+    """The latest fire instant at or before ``at_or_before_utc_us`` (the reverse search
+    ``plan_due`` runs), as an oracle of next_fire and plan_due."""
+    from qlagent.core.schedule import _items, _merged_prev, _zone
+    return _merged_prev(_items(schedule), at_or_before_utc_us, _zone(tz))
 
 S = 1_000_000
 MIN = 60 * S

@@ -43,7 +43,7 @@ def rejected(raw: bytes) -> ts.TaskStartError:
 def test_valid_request_decodes():
     req = ts.decode_task_start(body())
     assert req == ts.TaskStartRequest(ts.SCHEMA, MID, 7, DIGEST)
-    assert ts.decode_task_start(ts.encode_task_start(req)) == req
+    assert ts.decode_task_start(msgspec.json.encode(req)) == req
 
 
 @pytest.mark.parametrize("revision", [1, 2147483647])
@@ -178,7 +178,7 @@ valid = st.builds(
 @settings(max_examples=200, deadline=None)
 @given(valid)
 def test_any_valid_request_round_trips(req):
-    assert ts.decode_task_start(ts.encode_task_start(req)) == req
+    assert ts.decode_task_start(msgspec.json.encode(req)) == req
     assert ts.decode_task_start(json.dumps(msgspec.structs.asdict(req)).encode()) == req
 
 

@@ -44,7 +44,7 @@ def cmd_run_start(ctx: Ctx) -> int:
     else:
         print(f"{run.run_id} {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
               + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
-    return 0 if run.state == "succeeded" else E.EXIT_RUN_FAILED
+    return 0 if run.state == RunState.SUCCEEDED else E.EXIT_RUN_FAILED
 
 
 def cmd_run_ls(ctx: Ctx) -> int:
@@ -77,7 +77,7 @@ def cmd_run_show(ctx: Ctx) -> int:
     print(f"task      {run.task_name} ({run.task_snapshot_ref})")
     print(f"state     {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
           + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
-    if run.held and run.state == "queued":
+    if run.held and run.state == RunState.QUEUED:
         print('waiting   for the live Run of this Task to end (concurrency = "single")')
     if run.state == RunState.QUEUED and ctx.settings.config.cluster is None:
         from ..service.config import state_space_problem

@@ -14,7 +14,7 @@ from .. import bootstrap
 from ..application.runs import RunService
 from ..core.errors import UnavailableError
 from ..core.models import Run
-from ..core.states import RUN_LIVE, RUN_TERMINAL
+from ..core.states import RUN_LIVE, RUN_TERMINAL, RunState
 from ..service.main import Service, service_running
 
 POLL_S = 0.2   # the CLI's own wait; the agent itself never polls
@@ -36,7 +36,7 @@ def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
             reopened.close()
         if run.state in RUN_LIVE:
             after = "" if timeout_s is None else f" after {timeout_s:g} s"
-            fate = ("it stays queued for the next `qlagent serve` or `run start --wait`" if run.state == "queued"
+            fate = ("it stays queued for the next `qlagent serve` or `run start --wait`" if run.state == RunState.QUEUED
                     else "it keeps running with no service watching it; the next `qlagent serve` or "
                          "`run start --wait` records its end")
             raise UnavailableError(f"run {run_id} still {run.state}{after}; {fate} (or `qlagent run cancel` it)",

@@ -87,16 +87,6 @@ class Lease(msgspec.Struct, frozen=True):
     pull_id: str | None = None
 
 
-class Recovery(msgspec.Struct, frozen=True):
-    """An active Lease whose Attempt is still ``claimed`` (ADR-0014 §2 step 1)."""
-
-    candidate: ClusterCandidate
-    lease: Lease
-
-    def key(self) -> tuple:
-        return (self.lease.attempt_id,)
-
-
 class Page(msgspec.Struct, frozen=True):
     """One bounded page from the authority: at most the requested ``limit`` items; ``truncated``
     when more rows follow, then ``next_cursor`` is the last item's key."""
@@ -164,26 +154,6 @@ class SecretResolver(Protocol):
     def resolve(self, project_id: str, names: list[str]) -> dict[str, bytes]:
         """Plaintext of each SecretRef; raises UnavailableError ``secret_missing`` or
         ``secret_unreadable`` with ``field`` = the Secret's name (never its value)."""
-
-
-class ClusterDispatchStore(Protocol):
-    def now_us(self) -> int:
-        """The authority's clock (µs)."""
-
-    def recovery_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        """Recoverable dispatcher Leases (Run dispatching, Attempt claimed, not cancelled, Lease
-        unexpired at ``observed_at_us``, Session current and open, no Pull ID), Attempt ID order."""
-
-    def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        """Cluster candidates in ``ClusterCandidate.key()`` order."""
-
-    def worker_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        """Online Workers' current Sessions in Worker ID order."""
-
-    def claim(self, candidate: ClusterCandidate, worker: WorkerSnapshot, token_digest: str,
-              lease_ttl_us: int, pull_id: str | None = None) -> ClaimOutcome:
-        """Atomically lease the candidate's Attempt to exactly this Session/generation."""
-
 
 
 class PullUnit(Protocol):

@@ -527,15 +527,6 @@ def next_fire(schedule: Schedule | Sequence[Schedule], after_utc_us: int,
     return _merged_next(_items(schedule), after_utc_us, _zone(tz))
 
 
-def prev_fire(schedule: Schedule | Sequence[Schedule], at_or_before_utc_us: int,
-              tz: str | None) -> int | None:
-    """Latest fire instant at or before ``at_or_before_utc_us`` (µs, UTC), or None.
-
-    Same conventions as ``next_fire``; several schedules merge to the latest of them.
-    """
-    return _merged_prev(_items(schedule), at_or_before_utc_us, _zone(tz))
-
-
 def plan_due(schedules: Schedule | Sequence[Schedule], tz: str | None, last_instant_us: int | None,
              observed_wall_us: int | None, now_us: int) -> Plan:
     """Decide which scheduled instant of ONE Task gets a Run at wall-clock ``now_us`` (µs).

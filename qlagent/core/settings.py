@@ -53,15 +53,11 @@ class WorkerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class DispatcherConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    """``[cluster.dispatcher]``: ADR-0014 §1 per-cycle budgets. Ceilings (page size 64, pages
-    16, Workers per cycle 64, claim tries 64) are refused at start-up naming the field."""
+    """``[cluster.dispatcher]``: ADR-0014 §1 budgets of one Worker Pull. Ceilings (page size 64,
+    pages 16, claim tries 64) are refused at start-up naming the field."""
 
-    recovery_page_size: int = 8
-    recovery_pages: int = 2
     candidate_page_size: int = 8
     candidate_pages: int = 2
-    worker_page_size: int = 8
-    worker_pages: int = 2
     claim_tries: int = 8
 
 

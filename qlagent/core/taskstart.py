@@ -206,11 +206,6 @@ def decode_task_start(body: bytes) -> TaskStartRequest:
     return req
 
 
-def encode_task_start(req: TaskStartRequest) -> bytes:
-    """Canonical JSON bytes of a request (field order as declared); the CLI sends these."""
-    return msgspec.json.encode(req)
-
-
 def rfc3339_from_us(us: int) -> str:
     """Render µs since the Unix epoch as RFC 3339 UTC with microseconds, e.g.
     ``2026-08-12T10:00:00.000001Z``."""

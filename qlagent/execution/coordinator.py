@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from ..core.dispatch import Finish, LaunchCommand
 from ..core.errors import StartError, UnavailableError
 from ..core.receipt import bounded, start_code
-from ..core.states import AttemptState, outcome
+from ..core.states import AttemptState, RunState, outcome
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import ExecutionStore, ProcessPort
@@ -131,7 +131,7 @@ class LocalExecutionCoordinator:
         if f.start_error:
             self._log("warning", "run.start_failed", run=lr.run_id, attempt=attempt_id, reason=f.failure_reason,
                       error=f.start_error)
-        self._log("info" if state == "succeeded" else "warning", f"run.{state}", run=lr.run_id,
+        self._log("info" if state == RunState.SUCCEEDED else "warning", f"run.{state}", run=lr.run_id,
                   exit=f.exit_code, signal=f.exit_signal, orphans=f.orphans_stopped, reason=f.failure_reason,
                   peak_rss=f.peak_rss_bytes if f.failure_reason == "oom_killed" else None)
         return state
@@ -218,7 +218,7 @@ class LocalExecutionCoordinator:
         Returns counts ``{"ingested", "reattached", "lost", "strays"}`` (strays: processes of
         Attempts nobody accounts for, killed: ``ProcessPort.stop_strays``).
         """
-        counts = {"ingested": 0, "reattached": 0, "lost": 0}
+        counts = {"ingested": 0, "reattached": 0, AttemptState.LOST: 0}
         cancels = self._store.cancel_requested()
         for la in self._store.live_attempts():
             if la.attempt_id in self.live:
@@ -248,7 +248,7 @@ class LocalExecutionCoordinator:
                 self._store.finish(la.run_id, la.attempt_id, Finish(AttemptState.LOST, failure_reason="agent_restart"), None,
                                    self._store.retry_policy(la.task_id, la.task_revision))
                 self._procs.cleanup(la.attempt_id)
-                counts["lost"] += 1
+                counts[AttemptState.LOST] += 1
         # A task no live Attempt accounts for (the state directory was wiped, or its shim died
         # while no agent watched) would run beside the Run's next Attempt: stopped now.
         strays = self._procs.stop_strays(_Accounted(set(self.live) | {la.attempt_id for la in

@@ -16,7 +16,6 @@ JSON ``err.to_dict()`` with :func:`status_for` (``Retry-After: 1`` on 503); an i
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import urllib.parse
@@ -173,9 +172,3 @@ def openapi_document() -> bytes:
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "openapi.json"), "rb") as f:
         return f.read()
 
-
-def documented_routes() -> set[tuple[str, str]]:
-    """Every (METHOD, path template) the OpenAPI document describes; compare with
-    :meth:`Router.routes` to prove the wiring serves exactly what is documented."""
-    doc = json.loads(openapi_document())
-    return {(method.upper(), path) for path, item in doc["paths"].items() for method in item}

@@ -169,8 +169,8 @@ class HttpServer:
     Drive it from one selectors loop: ``listen_tcp`` / ``listen_unix``, then
     ``register(selector)``; for each ready key with :meth:`owns` true call
     :meth:`handle_event`; call :meth:`timeouts` each turn (it returns the next deadline in
-    ``time.monotonic()`` seconds, or None). :meth:`serve_forever` does all of that for tests.
-    Not thread-safe except :meth:`stop`.
+    ``time.monotonic()`` seconds, or None). Not thread-safe: every call from the
+    loop's thread.
     """
 
     def __init__(self, limits: HttpLimits, handler: Callable[[Request], Response | Deferred],
@@ -193,11 +193,8 @@ class HttpServer:
         self._conns: set[_Conn] = set()
         self._in_flight = 0
         self._selector: selectors.BaseSelector | None = None
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
         self._stopping = False
         self._date_cache = (0, "")
-        self.ready = threading.Event()
 
     # -- listeners -----------------------------------------------------------------------
     def listen_tcp(self, host: str, port: int, backlog: int = 16, tls=None) -> tuple[str, int]:
@@ -317,29 +314,6 @@ class HttpServer:
         """Open client connections."""
         return len(self._conns)
 
-    def serve_forever(self, poll_s: float = 0.5) -> None:
-        """Run a private selectors loop until :meth:`stop`; closes everything on return."""
-        sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self.register(sel)
-        self.ready.set()
-        try:
-            while not self._stopping:
-                deadline = self.timeouts(time.monotonic())
-                timeout = poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))
-                for key, mask in sel.select(timeout):
-                    if key.data is None:
-                        self._wake_r.recv(64)
-                    elif self.owns(key):
-                        self.handle_event(key, mask)
-        finally:
-            self.close()
-            sel.close()
-            self._wake_r.close()
-            self._wake_w.close()
-
     def begin_drain(self) -> None:
         """Start a graceful stop (SIGTERM): close the listeners, close idle keep-alive
         connections, and answer every request still in progress with ``Connection: close``.
@@ -350,15 +324,6 @@ class HttpServer:
         for conn in list(self._conns):
             if conn.state == _HEAD and not conn.started:
                 self._close(conn)
-
-    def stop(self) -> None:
-        """Ask :meth:`serve_forever` to return (callable from any thread)."""
-        self._stopping = True
-        if self._wake_w is not None:
-            try:
-                self._wake_w.send(b"x")
-            except OSError:
-                pass
 
     def close(self) -> None:
         """Close every connection and listener (a unix socket file is removed)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import msgspec
 
@@ -24,6 +25,22 @@ from .trust import TrustedPath, require_trusted, trusted_paths
 DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
 MAX_CONFIG_BYTES = 65_536     # a config file is a few hundred bytes; refuse anything that is not
 MAX_CONTROL_URLS = 8           # worker.control_url: replicas of one control plane
+
+# Keys of [cluster.dispatcher] that budgeted a dispatch cycle no process runs (a Worker Pull is
+# the only claimer): a file that still sets one is read with a warning, never refused.
+RETIRED_DISPATCHER_KEYS = ("recovery_page_size", "recovery_pages", "worker_page_size", "worker_pages")
+
+
+def _drop_retired(data: dict, path: str) -> None:
+    """Remove ``RETIRED_DISPATCHER_KEYS`` from the parsed file, one warning line on stderr each."""
+    d = data.get("cluster", {}).get("dispatcher") if isinstance(data.get("cluster"), dict) else None
+    if not isinstance(d, dict):
+        return
+    for key in RETIRED_DISPATCHER_KEYS:
+        if key in d:
+            del d[key]
+            print(f"qlagent: warning: {path}: cluster.dispatcher.{key} is no longer used (ignored); remove it",
+                  file=sys.stderr)
 
 
 def state_space_problem(state_dir: str) -> str | None:
@@ -64,6 +81,7 @@ def load_config(path: str | None, *, trust: bool = True) -> tuple[Config, str | 
     if trust:
         require_trusted([TrustedPath("config file", path)])
     data = read_toml(path, "config", MAX_CONFIG_BYTES)
+    _drop_retired(data, path)
     try:
         cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as e:

@@ -20,7 +20,7 @@ from .. import bootstrap
 from ..application.schedules import system_timezone
 from ..core.clock import now_us
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
-from ..core.states import RUN_LIVE
+from ..core.states import RUN_LIVE, AttemptState
 from . import control
 from .config import Settings, parse_listen, resolve, state_space_problem
 from .journal import Journal
@@ -238,7 +238,7 @@ class Service:
         if self._exit_after_s is not None:
             self.exit_at_us = started + int(self._exit_after_s * 1e6)
         self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
-                 recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get("lost"),
+                 recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get(AttemptState.LOST),
                  strays=counts.get("strays"))
         self.notify.ready(self._status())
         try:

@@ -10,13 +10,13 @@ import json
 import os
 import socket
 import subprocess
-import threading
 from dataclasses import replace
 
 from qlagent.adapters.postgres.notify import PgCandidateSignal
 from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
 from qlagent.cluster.pull import WorkerPull
 from qlagent.core.profiles import EDGE
+from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import HttpServer
 from qlagent.http.wire import HttpLimits
@@ -47,13 +47,10 @@ class ControlPlane:
             from qlagent.http.tls import TlsAcceptor
             acceptor = TlsAcceptor(*tls)
         _, self.port = self.server.listen_tcp("127.0.0.1", 0, backlog=128, tls=acceptor)
-        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.2}, daemon=True)
-        self._thread.start()
-        self.server.ready.wait(5)
+        self._loop = LoopThread(self.server, 0.2)
 
     def close(self) -> None:
-        self.server.stop()
-        self._thread.join(10)
+        self._loop.stop()
         self.routes.close()
         self.signal.close()
 

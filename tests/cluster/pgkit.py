@@ -16,17 +16,16 @@ from qlagent.adapters.postgres.registry import PgWorkerRegistry
 from qlagent.adapters.postgres.secrets import PgSecretResolver
 from qlagent.adapters.secretbox import SecretBox, create_key_file
 from qlagent.cluster.acks import AckService
-from qlagent.cluster.dispatcher import ClusterDispatcher, DispatcherBudgets
+from qlagent.cluster.dispatcher import DispatcherBudgets
 from qlagent.cluster.pull import WorkerPull
 from qlagent.cluster.registry import Hello, WorkerRegistry
 from qlagent.core.canonical import content_digest, snapshot_ref
-from qlagent.core.cluster import Ack
+from qlagent.core.cluster import Ack, PullRequest
 from qlagent.core.definitions import (RetryInput, TaskInput, definition_document, execution_document, prepare_task,
                                      recipe_document)
 from qlagent.core.ids import new_id
 from qlagent.core.profiles import EDGE
 
-LEASE_KEY = b"k" * 32
 COMMAND_MARK = "/usr/bin/printf-the-secret-command"
 
 
@@ -128,21 +127,16 @@ class Kit:
         return {"worker_id": worker_id, "credential": credential, "session_id": grant.session_id,
                 "generation": grant.generation}
 
-    def dispatcher(self, budgets: DispatcherBudgets = DispatcherBudgets(), store=None, plans=None):
-        return ClusterDispatcher(store or self.store, plans or self.plans, LEASE_KEY, budgets)
-
-    def claim(self, n: int = 1, d=None) -> list:
-        """Run one dispatcher's cycles until it made ``n`` new claims (recovery offers of its
-        earlier claims interleave); return those offers."""
-        d = d or self.dispatcher()
+    def claim(self, w: dict, n: int = 1) -> list:
+        """``n`` Pulls of the Worker ``w`` (the live claim path), each answered with an offer;
+        return those offers."""
         out = []
-        for _ in range(4 * n + 4):
-            r = d.dispatch_once()
-            if r.reason == "new_claim":
-                out.append(r.offer)
-                if len(out) == n:
-                    return out
-        raise AssertionError(f"only {len(out)} of {n} claims; last cycle {r}")
+        for _ in range(n):
+            answer = self.pull().pull(w["worker_id"], w["credential"], PullRequest(
+                session_id=w["session_id"], generation=w["generation"], pull_id=new_id(), lease_token=token()))
+            assert answer.status == "offered", answer
+            out.append(answer.offer)
+        return out
 
     def pull(self, budgets: DispatcherBudgets = DispatcherBudgets(), signal=None) -> WorkerPull:
         return WorkerPull(self.store, self.secrets, budgets, signal)

@@ -53,7 +53,7 @@ def _lease(kit, attempt_id):
 def test_a_running_lease_is_adopted_by_the_new_session_and_only_its_new_generation_acts(kit):
     w = kit.worker("edge-1", slots=2)
     run_id, attempt_id = kit.queue(kit.task())
-    offer = kit.claim()[0]
+    offer = kit.claim(w)[0]
     kit.ack(w, offer, "starting")
     kit.ack(w, offer, "running")
     expires = kit.one("SELECT expires_at_us FROM run_leases WHERE attempt_id = %s", (attempt_id,))
@@ -86,7 +86,7 @@ def test_heartbeat_answers_each_renewed_lease_expiry(kit):
     w = kit.worker("edge-1", slots=2)
     kit.queue(kit.task())
     kit.queue(kit.task("other"))
-    started, claimed = kit.claim(2)
+    started, claimed = kit.claim(w, 2)
     kit.ack(w, started, "starting")
     # A claimed Attempt's Lease is not renewed even when named: only started ones are.
     hb = kit.registry.heartbeat(w["worker_id"], w["credential"], w["session_id"], w["generation"],
@@ -98,7 +98,7 @@ def test_heartbeat_answers_each_renewed_lease_expiry(kit):
 def test_a_completed_lease_is_adopted_so_its_log_upload_can_finish(kit):
     w = kit.worker("edge-1")
     run_id, attempt_id = kit.queue(kit.task())
-    offer = kit.claim()[0]
+    offer = kit.claim(w)[0]
     for kind in ("starting", "running"):
         kit.ack(w, offer, kind)
     kit.ack(w, offer, "completion", exit_code=0)
@@ -122,7 +122,7 @@ def test_a_completed_lease_is_adopted_so_its_log_upload_can_finish(kit):
 def test_a_refused_adoption_rebinds_nothing_and_the_lease_is_fenced_as_before(kit, case, reason, after):
     w = kit.worker("edge-1")
     run_id, attempt_id = kit.queue(kit.task())
-    offer = kit.claim()[0]
+    offer = kit.claim(w)[0]
     if case != "claimed":
         kit.ack(w, offer, "starting")
     claim = _claim(offer)
@@ -151,7 +151,7 @@ def test_a_refused_adoption_rebinds_nothing_and_the_lease_is_fenced_as_before(ki
 def test_another_workers_lease_is_refused_and_left_untouched(kit):
     other = kit.worker("edge-2")
     run_id, attempt_id = kit.queue(kit.task())
-    offer = kit.claim()[0]
+    offer = kit.claim(other)[0]
     kit.ack(other, offer, "starting")
     before = (kit.sql("SELECT * FROM run_leases"), kit.events(run_id))
     w = kit.worker("edge-1")
@@ -174,7 +174,7 @@ def test_another_workers_lease_is_refused_and_left_untouched(kit):
 def test_a_bad_adopt_list_is_refused_naming_the_field_and_nothing_is_written(kit, mutate, field):
     w = kit.worker("edge-1")
     kit.queue(kit.task())
-    offer = kit.claim()[0]
+    offer = kit.claim(w)[0]
     kit.ack(w, offer, "starting")
     before = (kit.sql("SELECT * FROM run_leases"), kit.sql("SELECT * FROM worker_sessions ORDER BY session_id"),
               kit.sql("SELECT count(*) FROM run_events"))

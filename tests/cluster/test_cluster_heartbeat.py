@@ -26,7 +26,7 @@ def _expiry(kit, attempt_id) -> int:
 
 def _running(kit, w, name, max_attempts=1):
     run_id, _ = kit.queue(kit.task(name, max_attempts=max_attempts))
-    offer = kit.claim()[0]
+    offer = kit.claim(w)[0]
     kit.ack(w, offer, "starting")
     kit.ack(w, offer, "running")
     return run_id, offer
@@ -54,7 +54,7 @@ def test_only_named_leases_are_renewed_and_an_unnamed_one_runs_out_lost(kit):
     assert kit.events(dropped_run)[-2:] == ["attempt.lost", "run.retrying"]
     assert kit.one("SELECT state FROM runs WHERE run_id = %s", (kept_run,)) == "running"
     # The retry is a new Attempt offered again; the lost one is never renewed again, even if named.
-    again = kit.claim()[0]
+    again = kit.claim(w)[0]
     assert again.run_id == dropped_run and again.attempt_id != dropped.attempt_id
     assert [x.attempt_id for x in _beat(kit, w, _held(kept), _held(dropped)).leases] == [kept.attempt_id]
 
@@ -62,7 +62,7 @@ def test_only_named_leases_are_renewed_and_an_unnamed_one_runs_out_lost(kit):
 def test_a_named_lease_of_another_session_or_generation_renews_nothing(kit):
     workers = [kit.worker("edge-1"), kit.worker("edge-2")]
     kit.queue(kit.task())
-    offer = kit.claim()[0]
+    offer = kit.claim(workers[0])[0]
     owner, other = sorted(workers, key=lambda w: w["worker_id"] != offer.worker_id)
     kit.ack(owner, offer, "starting")
     kit.ack(owner, offer, "running")

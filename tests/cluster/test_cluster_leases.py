@@ -9,18 +9,20 @@ import threading
 
 import pytest
 
+from pgkit import token
 from qlagent.cluster.leases import LeaseSweeper
 from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
 from qlagent.cluster.offer import offer_id
-from qlagent.core.cluster import WorkerSnapshot
+from qlagent.core.cluster import PullRequest
 from qlagent.core.errors import ConflictError, ValidationError
+from qlagent.core.ids import new_id
 from qlagent.core.profiles import EDGE
 
 
 def test_lease_expired_before_starting_requeues_and_reoffers_with_a_new_offer_id(kit):
     w = kit.worker("edge-1")
     run_id, attempt_id = kit.queue(kit.task())
-    first = kit.claim()[0]
+    first = kit.claim(w)[0]
     kit.expire_lease(attempt_id)
     with pytest.raises(ConflictError) as e:             # the Worker is too late
         kit.ack(w, first, "starting")
@@ -28,7 +30,7 @@ def test_lease_expired_before_starting_requeues_and_reoffers_with_a_new_offer_id
     r = LeaseSweeper(kit.leases, kit.registry).sweep_once()
     assert (r.leases_expired, r.requeued, r.ended) == (1, 1, 0)
     assert kit.sql("SELECT state FROM attempts WHERE run_id = %s", (run_id,)) == [("claimed",)]
-    again = kit.claim()[0]
+    again = kit.claim(w)[0]
     assert (again.attempt_id, again.lease_generation) == (attempt_id, 2)
     assert again.offer_id == offer_id(attempt_id, 2, w["session_id"]) != first.offer_id
     assert kit.events(run_id)[2:] == ["run.dispatching", "run.requeued", "run.dispatching"]
@@ -43,7 +45,7 @@ def test_lease_expired_before_starting_requeues_and_reoffers_with_a_new_offer_id
 def test_lease_expired_after_running_loses_the_attempt_and_retry_decides(kit, max_attempts, run_state, tail):
     w = kit.worker("edge-1")
     run_id, attempt_id = kit.queue(kit.task(max_attempts=max_attempts))
-    offer = kit.claim()[0]
+    offer = kit.claim(w)[0]
     kit.ack(w, offer, "starting")
     kit.ack(w, offer, "running")
     kit.expire_lease(attempt_id)
@@ -55,11 +57,11 @@ def test_lease_expired_after_running_loses_the_attempt_and_retry_decides(kit, ma
 
 
 def test_sweeper_is_bounded_and_skips_rows_another_replica_holds(kit):
-    kit.worker("edge-1", slots=8)
+    w = kit.worker("edge-1", slots=8)
     task = kit.task()
     for _ in range(5):
         kit.queue(task)
-    offers = kit.claim(5)
+    offers = kit.claim(w, 5)
     kit.sql("UPDATE run_leases SET expires_at_us = ql_now_us() - 1")
     locked = sorted(o.attempt_id for o in offers)[0]
     hold = threading.Event()
@@ -97,7 +99,7 @@ def _upload(kit, w, offer, offset, data, profile=EDGE):
 def test_log_chunks_are_idempotent_per_offset(kit):
     w = kit.worker("edge-1")
     kit.queue(kit.task())
-    offer = kit.claim()[0]
+    offer = kit.claim(w)[0]
     assert _upload(kit, w, offer, 0, b"hello ").next_offset == 6
     assert _upload(kit, w, offer, 0, b"hello ").next_offset == 6      # retried after a lost answer
     for offset, data, code in ((0, b"HELLO ", "chunk_mismatch"), (9, b"x", "chunk_gap"),
@@ -116,7 +118,7 @@ def test_log_chunks_are_idempotent_per_offset(kit):
 def test_log_chunks_capped_at_the_profile_quota_with_a_truncation_fact(kit):
     w = kit.worker("edge-1")
     kit.queue(kit.task())
-    offer = kit.claim()[0]
+    offer = kit.claim(w)[0]
     chunk = b"y" * MAX_CHUNK_BYTES
     n = EDGE.log_max_bytes // MAX_CHUNK_BYTES
     for i in range(n):
@@ -129,24 +131,22 @@ def test_log_chunks_capped_at_the_profile_quota_with_a_truncation_fact(kit):
                                                                                 EDGE.log_max_bytes)]
 
 
-def test_concurrent_claims_on_one_candidate_make_exactly_one_lease(kit):
+def test_concurrent_pulls_for_one_candidate_make_exactly_one_lease(kit):
     workers = [kit.worker(f"w{i:02d}") for i in range(16)]
     _, attempt_id = kit.queue(kit.task())
-    c = kit.store.candidate_page(kit.store.now_us(), 8, None).items[0]
-    snaps = [WorkerSnapshot(w["worker_id"], w["session_id"], w["generation"], {}, ("local_process",), 1, 1)
-             for w in workers]
-    barrier = threading.Barrier(len(snaps))
+    barrier = threading.Barrier(len(workers))
     results = []
 
-    def claim(s):
+    def pull(w):
         barrier.wait()
-        results.append(kit.store.claim(c, s, "0" * 64, 30_000_000).status)
-    threads = [threading.Thread(target=claim, args=(s,)) for s in snaps]
+        results.append(kit.pull().pull(w["worker_id"], w["credential"], PullRequest(
+            session_id=w["session_id"], generation=w["generation"], pull_id=new_id(), lease_token=token())).status)
+    threads = [threading.Thread(target=pull, args=(w,)) for w in workers]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(results).count("claimed") == 1 and len(results) == 16
+    assert sorted(results).count("offered") == 1 and len(results) == 16
     assert kit.one("SELECT count(*) FROM run_leases WHERE attempt_id = %s", (attempt_id,)) == 1
 
 

@@ -312,7 +312,6 @@ def test_cli_runs_logs_and_cancel_through_the_ports_on_postgresql(cp):
 @pytest.mark.parametrize("extra, field", [
     ("[cluster.dispatcher]\ncandidate_pages = 17\n", "cluster.dispatcher.candidate_pages"),
     ("[cluster.dispatcher]\nclaim_tries = 65\n", "cluster.dispatcher.claim_tries"),
-    ("[cluster.dispatcher]\nworker_page_size = 64\nworker_pages = 2\n", "cluster.dispatcher.worker_pages"),
     ("pool_size = 65\n", "cluster.pool_size"),
     ("lease_ttl_s = 4\n", "cluster.lease_ttl_s"),
     ('tls_cert = "/etc/cert.pem"\n', "cluster.tls_key"),
@@ -328,6 +327,20 @@ def test_bad_cluster_config_is_refused_at_start_up_naming_the_field_and_writes_n
         assert env.sql("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]
     finally:
         drop_database(name)
+
+
+def test_a_retired_dispatcher_key_is_a_warning_naming_it_not_a_refusal(tmp_path):
+    """A file written for an earlier version (the dispatch cycle's recovery and Worker page
+    budgets) still loads: one warning line per retired key, exit 0."""
+    env = Env(str(tmp_path), "postgresql://postgres@127.0.0.1:5432/unused",
+              "[cluster.dispatcher]\nworker_page_size = 64\nrecovery_pages = 2\nclaim_tries = 8\n")
+    p = env.cli("config", "check", "--json")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.decode().splitlines() == [
+        f"qlagent: warning: {env.config}: cluster.dispatcher.{k} is no longer used (ignored); remove it"
+        for k in ("recovery_pages", "worker_page_size")]
+    assert json.loads(p.stdout)["config"]["cluster"]["dispatcher"] == {
+        "candidate_page_size": 8, "candidate_pages": 2, "claim_tries": 8}
 
 
 def test_several_hosts_need_target_session_attrs_read_write(tmp_path):

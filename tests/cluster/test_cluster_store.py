@@ -12,7 +12,9 @@ import msgspec
 import pytest
 
 from conftest import create_database, db_url, drop_database
+from pgkit import token
 from qlagent.adapters.postgres.store import WRITE_RETRIES, PgStore
+from qlagent.core.cluster import PullRequest
 from qlagent.core.definitions import TaskInput, prepare_task
 from qlagent.core.errors import FenceRejected, UnavailableError
 from qlagent.core.ids import new_id
@@ -283,19 +285,20 @@ def test_a_scheduler_pass_is_bounded_and_carries_the_rest_to_the_next_pass(own_d
 
 def test_a_run_started_through_the_store_ports_is_placed_claimed_and_completed_by_a_worker(kit, pg_url):
     """End to end on one authority: PgStore's Task Start (the port the HTTP API and CLI use)
-    creates what the ADR-0014 dispatcher claims; the Task's Placement decides the Worker."""
+    creates what a Worker's Pull claims; the Task's Placement decides which Worker may take it."""
     store = PgStore(pg_url, f"p-{new_id()[:8]}", pool_size=2)
     try:
         (head,) = store.add_tasks(store.project.project_id, [prepared(
             "placed", placement={"required": {"site": "lab"}, "preferred": {"arch": "arm64"}})])
         created = _start(store, head)
-        kit.worker("mars-1", {"site": "mars"})
-        assert kit.dispatcher().dispatch_once().status == "unmatched"   # required site = lab: not on mars
-        kit.worker("lab-amd", {"site": "lab", "arch": "amd64"})
+        mars = kit.worker("mars-1", {"site": "mars"})
+        answer = kit.pull().pull(mars["worker_id"], mars["credential"], PullRequest(
+            session_id=mars["session_id"], generation=mars["generation"], pull_id=new_id(), lease_token=token()))
+        assert (answer.status, answer.reason) == ("unmatched", "no_matching_worker")   # required site = lab
         arm = kit.worker("lab-arm", {"site": "lab", "arch": "arm64"})
-        (offer,) = kit.claim(1)
+        (offer,) = kit.claim(arm)
         assert (offer.run_id, offer.attempt_id, offer.worker_id) == (created.run_id, created.attempt_id,
-                                                                     arm["worker_id"])   # preferred arch scores
+                                                                     arm["worker_id"])
         for kind, facts in (("starting", {}), ("running", {}), ("completion", {"exit_code": 0, "bytes_kept": 3})):
             kit.ack(arm, offer, kind, **facts)
         run = store.get_run(created.run_id)

@@ -653,7 +653,7 @@ def test_20000_hellos_from_one_credential_leave_a_bounded_session_table(kit, pg_
     from qlagent.core.cluster import Hello
     w = kit.worker("chatty", slots=2)
     kit.queue(kit.task("kept"))
-    assert kit.claim(1)            # a Lease names generation 1's Session: that row stays
+    assert kit.claim(w)            # a Lease names generation 1's Session: that row stays
     fast = open_pool(pg_url + "?options=-c%20synchronous_commit%3Doff", 1)
     try:
         registry = WorkerRegistry(PgWorkerRegistry(fast))

@@ -1,6 +1,5 @@
-"""The cluster dispatch store on PostgreSQL (``core.cluster.ClusterDispatchStore`` and
-``PullStore``) and the plan source that rebuilds a Run's plan from its pinned revision
-(``core.cluster.PlanSource``).
+"""The cluster dispatch store on PostgreSQL (``core.cluster.PullStore``) and the plan source
+that rebuilds a Run's plan from its pinned revision (``core.cluster.PlanSource``).
 
 Pages read ``limit + 1`` rows (the extra one only proves truncation) in keyset order, never
 OFFSET. A lease is written by one statement (``_LEASE``): the Attempt's lease generation
@@ -9,10 +8,7 @@ active Lease), the Run moves ``queued → dispatching`` with its next event sequ
 row and the ``run.dispatching`` RunEvent are inserted; a unique index keeps one active Lease per
 Attempt, so concurrent claimers on any number of replicas produce exactly one Lease.
 
-The dispatcher's claim is one READ COMMITTED transaction of its own: the Session row locked
-(free slots counted under the lock), the Run locked or skipped when another claimer holds it,
-then ``_LEASE``. A Worker Pull is one transaction from authentication to claim
-(``pull_unit``): the Session locked by the statement that authenticates it, candidate pages
+A Worker Pull is one transaction from authentication to claim (``pull_unit``): the Session locked by the statement that authenticates it, candidate pages
 locked ``FOR NO KEY UPDATE SKIP LOCKED`` (so concurrent Pulls take different Runs), plans from
 the plan source's cache, then ``_LEASE``: 4 statements besides BEGIN/COMMIT for a new claim.
 """
@@ -23,7 +19,7 @@ import threading
 
 import msgspec
 
-from ...core.cluster import ClaimOutcome, ClusterCandidate, DispatchPlan, Lease, Page, Recovery, WorkerSnapshot
+from ...core.cluster import ClaimOutcome, ClusterCandidate, DispatchPlan, Lease, Page, WorkerSnapshot
 from ...core.errors import ConflictError
 from ...core.ids import new_id
 from ...core.profiles import Profile
@@ -94,10 +90,11 @@ def _page(items: list, limit: int) -> Page:
     return Page(items)
 
 
-def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None, lock: bool,
+def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None,
                     projects: tuple[str, ...] = ()) -> Page:
-    """A keyset page of queued candidates; ``projects``: only theirs (a scoped Worker's Pull:
-    another Project's queue must not fill its pages)."""
+    """A keyset page of queued candidates, their Runs locked or skipped when another Pull holds
+    them; ``projects``: only theirs (a scoped Worker's Pull: another Project's queue must not
+    fill its pages)."""
     sql, args = _CANDIDATES, [observed_at_us]
     if projects:
         sql += " AND r.project_id = ANY(%s)"
@@ -105,7 +102,7 @@ def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None, l
     if after is not None:
         sql += f" AND ({_KEY}) > (%s, %s, %s, %s)"
         args += list(after)
-    sql += f" ORDER BY {_KEY} LIMIT %s" + (" FOR NO KEY UPDATE OF r SKIP LOCKED" if lock else "")
+    sql += f" ORDER BY {_KEY} LIMIT %s FOR NO KEY UPDATE OF r SKIP LOCKED"
     # Plain tuples in ClusterCandidate's field order: no dict per row (a page is up to 65 rows).
     with cur.connection.cursor() as tuples:
         rows = tuples.execute(sql, (*args, limit + 1)).fetchall()
@@ -142,83 +139,14 @@ def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease
 
 
 class PgDispatchStore:
-    """``core.cluster.ClusterDispatchStore`` and ``PullStore`` over a psycopg pool; Pull units
-    rebuild plans with ``plans`` (a ``PgPlanSource``) through their own connection."""
+    """``core.cluster.PullStore`` over a psycopg pool; Pull units rebuild plans with ``plans``
+    (a ``PgPlanSource``) through their own connection."""
 
     def __init__(self, pool, plans: PgPlanSource | None = None) -> None:
         self._pool, self._plans = pool, plans
 
     def now_us(self) -> int:
         return read(self._pool, lambda cur: cur.execute("SELECT ql_now_us() AS now").fetchone()["now"])
-
-    def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        return read(self._pool, lambda cur: _candidate_page(cur, observed_at_us, limit, after, False))
-
-    def recovery_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        sql = (f"SELECT {_CANDIDATE_COLS}, l.* FROM run_leases l"
-               " JOIN attempts a ON a.attempt_id = l.attempt_id JOIN runs r ON r.run_id = l.run_id"
-               " JOIN worker_sessions s ON s.session_id = l.session_id JOIN workers w ON w.worker_id = l.worker_id"
-               " WHERE l.state = 'active' AND l.pull_id IS NULL AND a.state = 'claimed'"
-               " AND r.state = 'dispatching' AND r.latest_attempt_id = a.attempt_id"
-               " AND r.cancel_requested_at_us IS NULL AND l.expires_at_us > %(obs)s"
-               " AND s.state = 'open' AND s.expires_at_us > %(obs)s AND w.current_session_id = l.session_id"
-               " AND w.generation = l.worker_generation AND w.state IN ('active', 'draining')")
-        args = {"obs": observed_at_us, "lim": limit + 1}
-        if after is not None:
-            sql += " AND l.attempt_id > %(after)s"
-            args["after"] = after[0]
-        sql += " ORDER BY l.attempt_id LIMIT %(lim)s"
-        rows = read(self._pool, lambda cur: cur.execute(sql, args).fetchall())
-        return _page([Recovery(_candidate(r), lease_of(r)) for r in rows], limit)
-
-    def worker_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        sql = ("SELECT w.worker_id, s.session_id, s.generation, s.labels, s.executor_types, s.slots, w.projects,"
-               " s.slots - (SELECT count(*) FROM run_leases l WHERE l.session_id = s.session_id"
-               "            AND l.state = 'active') AS free"
-               " FROM workers w JOIN worker_sessions s ON s.session_id = w.current_session_id"
-               " WHERE w.state = 'active' AND s.state = 'open' AND s.expires_at_us > %(obs)s"
-               " AND s.generation = w.generation")
-        args = {"obs": observed_at_us, "lim": limit + 1}
-        if after is not None:
-            sql += " AND w.worker_id > %(after)s"
-            args["after"] = after[0]
-        sql += " ORDER BY w.worker_id LIMIT %(lim)s"
-        rows = read(self._pool, lambda cur: cur.execute(sql, args).fetchall())
-        return _page([WorkerSnapshot(r["worker_id"], r["session_id"], r["generation"], r["labels"],
-                                     tuple(r["executor_types"]), r["slots"], max(0, r["free"]),
-                                     projects=tuple(r["projects"])) for r in rows], limit)
-
-    def claim(self, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease_ttl_us: int,
-              pull_id: str | None = None) -> ClaimOutcome:
-        from psycopg import errors
-
-        def tx(cur):
-            s = cur.execute(
-                "SELECT s.slots, s.state, s.expires_at_us, w.state AS worker_state, w.current_session_id,"
-                " w.generation AS worker_generation, ql_now_us() AS now,"
-                " (SELECT count(*) FROM run_leases l WHERE l.session_id = s.session_id AND l.state = 'active') AS used"
-                " FROM worker_sessions s JOIN workers w ON w.worker_id = s.worker_id"
-                " WHERE s.session_id = %s AND s.worker_id = %s AND s.generation = %s FOR NO KEY UPDATE OF s",
-                (w.session_id, w.worker_id, w.generation)).fetchone()
-            if s is None:
-                return ClaimOutcome("worker_unavailable", "session_unknown")
-            now = s["now"]
-            if not (s["state"] == "open" and s["expires_at_us"] > now and s["worker_state"] == "active"
-                    and s["current_session_id"] == w.session_id and s["worker_generation"] == w.generation):
-                return ClaimOutcome("worker_unavailable", "session_not_current")
-            if s["used"] >= s["slots"]:
-                return ClaimOutcome("worker_unavailable", "no_free_slot")
-            # A Run another claimer holds is lost to it: stop this candidate at once rather than
-            # wait for that commit only to fail the version check after it.
-            if cur.execute("SELECT 1 FROM runs WHERE run_id = %s FOR NO KEY UPDATE SKIP LOCKED",
-                           (c.run_id,)).fetchone() is None:
-                return ClaimOutcome("attempt_unavailable", "run_locked")
-            return _lease(cur, c, w, token_digest, lease_ttl_us, pull_id, now)
-
-        try:
-            return transaction(self._pool, tx)
-        except errors.UniqueViolation:
-            return ClaimOutcome("attempt_unavailable", "lease_exists")
 
     def pull_unit(self, worker_id: str, credential_digest: str, session_id: str, generation: int, pull_id: str,
                   work):
@@ -276,7 +204,7 @@ class _PgPullUnit:
         return lease_of(row), _candidate(row), row["attempt_state"]
 
     def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
-        page = _candidate_page(self._cur, observed_at_us, limit, after, True, self.worker.projects)
+        page = _candidate_page(self._cur, observed_at_us, limit, after, self.worker.projects)
         self._returned += [c.attempt_id for c in page.items]
         return page
 
