@@ -109,11 +109,14 @@ def test_sigkill_of_the_agent_during_a_start(tmp_path, when):
 
 def test_fifty_concurrent_starts(tmp_path):
     fs = processes.ForkServer(str(tmp_path))
-    specs = [make_spec(tmp_path, ["/bin/sh", "-c", "sleep 2; echo $0", str(i)]) for i in range(50)]
+    go = tmp_path / "go"                              # every task waits for it: all 50 live at once
+    specs = [make_spec(tmp_path, ["/bin/sh", "-c", 'while [ ! -e "$1" ]; do sleep 0.05; done; echo $0', str(i),
+                                  str(go)]) for i in range(50)]
     handles = [fs.spawn(s, sys.executable) for s in specs]
     assert all(h.start_error is None for h in handles)
-    assert sum(processes.process_matches(h.pid, h.create_time) for h in handles) == 50   # all live at once
+    assert sum(processes.process_matches(h.pid, h.create_time) for h in handles) == 50
     assert len({h.pid for h in handles}) == 50
+    go.touch()
     for i, (s, h) in enumerate(zip(specs, handles)):
         r = receipt_of(s, 60)
         assert (r.exit_code, output_of(s)) == (0, b"%d\n" % i)
@@ -121,7 +124,9 @@ def test_fifty_concurrent_starts(tmp_path):
     assert len(fs.pids()) == 1                        # one fork server served them all
 
 
-def test_a_fork_server_that_cannot_start_fails_runs_with_its_reason_and_is_not_retried_in_a_storm(tmp_path):
+def test_a_fork_server_that_cannot_start_fails_runs_with_its_reason_and_is_not_retried_in_a_storm(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(processes, "BACKOFF_MIN_S", 60.0)   # the second start surely falls in the back-off
     tries = tmp_path / "tries"
     broken = tmp_path / "python"
     # Counts its starts as the fork server (compiled_shim's --compile run is not one).

@@ -214,9 +214,10 @@ class ForkServer:
     """The fork server (shim/main.py ``serve_forks``, ARCHITECTURE.md "Fork server"): one
     ``python -I -S <compiled_shim>`` that imported the shim once and forks a fresh shim per run,
     so a start costs a fork, not an interpreter start. Started at the first ``spawn``, again
-    after it died or went idle (FORK_SERVER_IDLE_S); a shim it forked is double-forked into its
-    own session and belongs to neither the fork server nor this process, so it survives both
-    (as a shim does whose agent died) and is re-attached by PID + start time like any other.
+    after it died or went idle (FORK_SERVER_IDLE_S); a shim it forks leads its own session and
+    no death signal ties it to the fork server or to this process, so it survives both (as a
+    shim does whose agent died) and is re-attached by PID + start time like any other. The fork
+    server ignores SIGCHLD: the kernel reaps its shims, and init does once it is gone.
 
     The request carries two pipes, never the spec: the spec (secret plaintext) goes from this
     process straight into the shim's stdin pipe, as with ``spawn_shim``."""
@@ -686,9 +687,6 @@ class ShimProcesses:
         h = self._handles.pop(pid, None)
         self._forks.reap()
         if h is None:
-            return
-        if h.popen is not None:
-            h.popen.wait()
             return
         try:
             os.waitpid(pid, os.WNOHANG)   # ours only as PID 1 of a PID namespace (orphans come here)
