@@ -15,6 +15,7 @@ import os
 import pwd
 import select
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -50,14 +51,15 @@ class ShimSpawnError(UnavailableError):
 class ShimHandle(msgspec.Struct):
     """A started shim: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
     it identifies the process across PID reuse), ``pidfd`` (an fd readable when the shim
-    exits, or None where os.pidfd_open is unavailable), the Popen used to reap it and
+    exits, or None where os.pidfd_open is unavailable), the Popen used to reap it (None when
+    the ForkServer started it) and
     ``start_error``: None once the task was exec'd (or the status did not come in
     START_STATUS_TIMEOUT_S), else the shim's reason."""
 
     pid: int
     create_time: float
     pidfd: int | None
-    popen: subprocess.Popen
+    popen: subprocess.Popen | None     # None for a shim of the ForkServer: not this process's child
     start_error: str | None = None
 
 
@@ -172,6 +174,211 @@ def spawn_shim(spec: dict, python: str = sys.executable,
     except (AttributeError, OSError):
         pidfd = None
     return ShimHandle(popen.pid, create_time, pidfd, popen, start_error)
+
+
+# The fork server exits after this long without a request (shim/main.py FORK_SERVER_IDLE_S);
+# the agent stops using it a margin earlier, so no request is ever sent to one that is leaving.
+FORK_SERVER_IDLE_S = 10.0
+_RETIRE_MARGIN_S = 1.0
+# After a fork server failed, starts fail at once with its reason until the next try: the first
+# try after BACKOFF_MIN_S, each later one twice as late, at most BACKOFF_MAX_S (no restart storm).
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+_PIPE_BUF_BYTES = 65536
+
+
+def _read_line(fd: int, data: bytes, deadline: float) -> tuple[str | None, bytes]:
+    """One line from the status pipe ``fd`` after what ``data`` already holds: (line, rest);
+    line None on EOF before a line (rest: what came), raises TimeoutError past ``deadline``."""
+    while b"\n" not in data:
+        if len(data) >= _STATUS_LIMIT_BYTES:
+            break
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError
+        chunk = os.read(fd, _STATUS_LIMIT_BYTES)
+        if not chunk:
+            return None, data
+        data += chunk
+    line, _, rest = data.partition(b"\n")
+    return line.decode("utf-8", "replace"), rest
+
+
+def _wait_exit(pidfd: int | None, timeout_s: float) -> None:
+    """Until the process behind ``pidfd`` has exited, at most ``timeout_s`` seconds."""
+    if pidfd is not None:
+        select.select([pidfd], [], [], timeout_s)
+
+
+class ForkServer:
+    """The fork server (shim/main.py ``serve_forks``, ARCHITECTURE.md "Fork server"): one
+    ``python -I -S <compiled_shim>`` that imported the shim once and forks a fresh shim per run,
+    so a start costs a fork, not an interpreter start. Started at the first ``spawn``, again
+    after it died or went idle (FORK_SERVER_IDLE_S); a shim it forks leads its own session and
+    no death signal ties it to the fork server or to this process, so it survives both (as a
+    shim does whose agent died) and is re-attached by PID + start time like any other. The fork
+    server ignores SIGCHLD: the kernel reaps its shims, and init does once it is gone.
+
+    The request carries two pipes, never the spec: the spec (secret plaintext) goes from this
+    process straight into the shim's stdin pipe, as with ``spawn_shim``."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self._cache_dir = cache_dir          # where compiled_shim keeps the bytecode
+        self._python = ""                    # the interpreter of the running fork server
+        self._popen: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._last_request = 0.0             # time.monotonic() of the last request sent
+        self._leaving: list[subprocess.Popen] = []   # retired, not reaped yet
+        self._failure: str | None = None
+        self._retry_at = 0.0
+        self._backoff_s = 0.0
+
+    def pids(self) -> set[int]:
+        """The fork server processes this object has started and not reaped (its own children)."""
+        return {p.pid for p in [*self._leaving, *([self._popen] if self._popen else [])]}
+
+    def reap(self) -> None:
+        """Reap the fork servers that have exited (idle, killed or retired)."""
+        if self._popen is not None and self._popen.poll() is not None:
+            self._leaving.append(self._popen)
+            self._popen = None
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+        self._leaving = [p for p in self._leaving if p.poll() is None]
+
+    def _retire(self) -> None:
+        if self._sock is not None:
+            self._sock.close()            # EOF: it exits
+            self._sock = None
+        if self._popen is not None:
+            self._leaving.append(self._popen)
+            self._popen = None
+        self.reap()
+
+    def _fail(self, reason: str) -> ShimSpawnError:
+        self._retire()
+        self._backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff_s * 2))
+        self._failure = reason
+        self._retry_at = time.monotonic() + self._backoff_s
+        return ShimSpawnError(reason)
+
+    def _start(self, python: str) -> None:
+        program = compiled_shim(self._cache_dir, python)
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._popen = subprocess.Popen([python, "-I", "-S", program], stdin=theirs,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={},
+                                           cwd="/", start_new_session=True, close_fds=True)
+        except OSError as exc:
+            mine.close()
+            raise self._fail(f"python {python}: cannot start the shim: {errno_text(exc)}") from None
+        finally:
+            theirs.close()
+        self._sock = mine
+        self._python = python
+        self._last_request = time.monotonic()
+
+    def _send(self, python: str, spec_r: int, status_w: int) -> None:
+        """The request; a new fork server when this one is gone, about to leave or runs
+        another interpreter than ``python``."""
+        now = time.monotonic()
+        if self._sock is not None and (now - self._last_request >= FORK_SERVER_IDLE_S - _RETIRE_MARGIN_S
+                                       or self._python != python):
+            self._retire()
+        for _ in range(2):
+            if self._sock is None:
+                self._start(python)
+            try:
+                self._sock.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             spec_r.to_bytes(4, sys.byteorder) + status_w.to_bytes(4, sys.byteorder))])
+                self._last_request = now
+                return
+            except OSError:               # it died since the last request
+                self._retire()
+        raise self._fail("fork server: does not take requests")
+
+    def spawn(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimHandle:
+        """Start one shim for ``spec`` (the shim contract's document) from the fork server of
+        ``python -I -S`` and wait (at most ``status_timeout_s`` seconds) for its start status as
+        ``spawn_shim`` does: the shim's PID comes first (a ``pid <n>`` line from the forked
+        shim), then ``ok`` or ``err <reason>``. With a start_error it returns once the shim has
+        exited (it writes its receipt first).
+
+        Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything
+        starts; ShimSpawnError when the fork server cannot be started or forks no shim (the
+        reason; until the back-off has passed every call fails at once with it)."""
+        payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
+        if len(payload) > SPEC_LIMIT_BYTES:
+            raise ValidationError("spec", f"{len(payload)} bytes of JSON, over the limit", limit=SPEC_LIMIT_BYTES)
+        now = time.monotonic()
+        if self._failure is not None and now < self._retry_at:
+            raise ShimSpawnError(f"{self._failure} (next try in {self._retry_at - now:.1f} s)")
+        self.reap()
+        spec_r, spec_w = os.pipe()
+        status_r, status_w = os.pipe()
+        try:
+            if len(payload) > _PIPE_BUF_BYTES:
+                import fcntl
+                try:
+                    fcntl.fcntl(spec_w, fcntl.F_SETPIPE_SZ, len(payload))
+                except OSError:
+                    pass                     # then the write below waits for the shim to read
+            try:
+                self._send(python, spec_r, status_w)
+            finally:
+                os.close(spec_r)
+                os.close(status_w)
+            deadline = time.monotonic() + status_timeout_s
+            try:
+                first, rest = _read_line(status_r, b"", deadline)
+            except TimeoutError:
+                raise self._fail("fork server: no shim forked within %.0f s" % status_timeout_s) from None
+            if first is None or not first.startswith("pid "):
+                if first is not None and first.startswith("err "):
+                    raise self._fail(f"fork server: {first[4:]}")
+                try:
+                    status = self._popen.wait(1) if self._popen is not None else None
+                except subprocess.TimeoutExpired:
+                    status = None
+                if status is None:
+                    raise self._fail("fork server: forked no shim")
+                raise self._fail(f"fork server: exited with status {status} before forking the shim")
+            self._failure, self._backoff_s = None, 0.0
+            pid = int(first[4:])
+            try:
+                pidfd = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                pidfd = None
+            try:
+                create_time = psutil.Process(pid).create_time()
+            except psutil.NoSuchProcess:
+                create_time = 0.0
+            try:
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(spec_w, view):]
+            except BrokenPipeError:
+                pass                         # the shim is gone: the status says so
+            os.close(spec_w)
+            spec_w = -1
+            try:
+                line, _ = _read_line(status_r, rest, deadline)
+            except TimeoutError:
+                line = "ok"                  # as spawn_shim: the receipt will tell
+            if line == "ok":
+                start_error = None
+            elif line is not None and line.startswith("err "):
+                start_error = line[4:]
+            else:
+                start_error = "shim: exited before starting the task"
+            if start_error is not None:
+                _wait_exit(pidfd, status_timeout_s)
+            return ShimHandle(pid, create_time, pidfd, None, start_error)
+        finally:
+            if spec_w >= 0:
+                os.close(spec_w)
+            os.close(status_r)
 
 
 def errno_text(exc: OSError) -> str:
@@ -431,6 +638,7 @@ class ShimProcesses:
         self._linger_s = linger_s
         self._python = python or default_python()
         self._handles: dict[int, ShimHandle] = {}
+        self._forks = ForkServer(allocator.runs_root)
         self._known: dict[str, dict] = {}         # attempt → processes seen when first signalled
         self._started: dict[str, float] = {}
         self._key = agent_key(allocator.runs_root)
@@ -450,13 +658,11 @@ class ShimProcesses:
                 "linger_s": self._linger_s, "umask": cmd.umask, "grace_s": cmd.grace_ms / 1000,
                 "keep_orphans": cmd.keep_orphans,
                 "cgroup": self._cgroups.create(attempt_id, cmd.memory_max) if self._cgroups else None}
-        program = compiled_shim(self._alloc.runs_root, self._python)
         try:
-            h = spawn_shim(spec, self._python, program=program)
-        except QlError as e:              # spec over its bound, no interpreter
+            h = self._forks.spawn(spec, self._python)
+        except QlError as e:              # spec over its bound, no interpreter, no fork server
             raise StartError(f"shim: {e.message}", code="shim_failed") from None
         if h.start_error is not None:
-            h.popen.wait()                # it writes its receipt and exits at once
             if h.pidfd is not None:
                 os.close(h.pidfd)
             raise StartError(h.start_error, code=start_code(h.start_error))
@@ -479,8 +685,13 @@ class ShimProcesses:
 
     def reap(self, pid: int) -> None:
         h = self._handles.pop(pid, None)
-        if h is not None:
-            h.popen.wait()
+        self._forks.reap()
+        if h is None:
+            return
+        try:
+            os.waitpid(pid, os.WNOHANG)   # ours only as PID 1 of a PID namespace (orphans come here)
+        except ChildProcessError:
+            pass
 
     def signal_run(self, attempt_id: str, shim_pid: int | None, sig: int) -> int:
         try:
@@ -499,8 +710,10 @@ class ShimProcesses:
 
     def reap_orphans(self) -> int:
         reaped = 0
+        self._forks.reap()
+        forks = self._forks.pids()
         for child in psutil.Process().children():
-            if child.pid in self._handles:        # a live shim: reap() collects it with its Popen
+            if child.pid in self._handles or child.pid in forks:   # reap() collects these
                 continue
             try:
                 if child.status() != psutil.STATUS_ZOMBIE:

@@ -35,13 +35,13 @@ LINGER_S = 2.0
 
 class RunHandle:
     """One live (or just ended) shim: ``pid`` + ``create_time`` identify it across PID reuse;
-    ``pidfd`` becomes readable when it exits (None without pidfds: the loop looks every second);
-    ``popen`` only when this process spawned it."""
+    ``pidfd`` becomes readable when it exits (None without pidfds: the loop looks every second).
+    The shim is never this process's child (processes.ForkServer)."""
 
-    __slots__ = ("attempt_id", "pid", "create_time", "pidfd", "popen", "known", "started_at")
+    __slots__ = ("attempt_id", "pid", "create_time", "pidfd", "known", "started_at")
 
-    def __init__(self, attempt_id: str, pid: int, create_time: float, pidfd: int | None, popen=None) -> None:
-        self.attempt_id, self.pid, self.create_time, self.pidfd, self.popen = attempt_id, pid, create_time, pidfd, popen
+    def __init__(self, attempt_id: str, pid: int, create_time: float, pidfd: int | None) -> None:
+        self.attempt_id, self.pid, self.create_time, self.pidfd = attempt_id, pid, create_time, pidfd
         self.known: dict = {}
         self.started_at = create_time
 
@@ -58,6 +58,7 @@ class WorkerRuns:
         self.runs_dir = runs_dir
         os.makedirs(runs_dir, mode=0o700, exist_ok=True)
         self._python = python or processes.default_python()
+        self._forks = processes.ForkServer(self.runs_dir)
         self._baseline = processes.baseline_env()
         self._key = processes.agent_key(runs_dir)
 
@@ -138,21 +139,19 @@ class WorkerRuns:
                "run_dir": self.run_dir(aid), "artifact_path": self.artifact(aid), "quota_bytes": spec.log_quota_bytes,
                "linger_s": LINGER_S, "umask": int(spec.umask, 8) if spec.umask else None,
                "grace_s": spec.grace_ms / 1000, "keep_orphans": spec.keep_orphans, "lease_file": lease_file}
-        program = processes.compiled_shim(self.runs_dir, self._python)
         try:
-            h = processes.spawn_shim(doc, self._python, program=program)
+            h = self._forks.spawn(doc, self._python)
         except Exception as e:       # spec over its bound, no interpreter: never the spec in the text
             raise StartError(bounded(f"shim: {getattr(e, 'message', type(e).__name__)}"), code="shim_failed") from None
         finally:
             doc = env = plain = None                                   # noqa: F841  (one materialisation)
         if h.start_error is not None:
-            h.popen.wait()
             if h.pidfd is not None:
                 os.close(h.pidfd)
             raise StartError(bounded(h.start_error), code="start")
         with open(os.path.join(self.run_dir(aid), SHIM_FILE), "w") as f:
             json.dump({"pid": h.pid, "create_time": h.create_time}, f)
-        return RunHandle(aid, h.pid, h.create_time, h.pidfd, h.popen)
+        return RunHandle(aid, h.pid, h.create_time, h.pidfd)
 
     def reattach(self, attempt_id: str) -> RunHandle | None:
         """The shim of a previous Worker process, if it is still the same live process."""
@@ -171,8 +170,6 @@ class WorkerRuns:
         return RunHandle(attempt_id, pid, ctime, fd)
 
     def alive(self, h: RunHandle) -> bool:
-        if h.popen is not None:
-            return h.popen.poll() is None
         return processes.process_matches(h.pid, h.create_time)
 
     def signal(self, h: RunHandle, sig: int) -> int:
@@ -186,9 +183,8 @@ class WorkerRuns:
         return len(processes.signal_tree(pgid, h.pid if self.alive(h) else None, sig, h.started_at, h.known))
 
     def finished(self, h: RunHandle) -> None:
-        """Reap the shim (our child) and release its pidfd."""
-        if h.popen is not None:
-            h.popen.wait()
+        """Release the shim's pidfd; reap a fork server that has left."""
+        self._forks.reap()
         h.close()
 
     def collect(self, attempt_id: str) -> tuple[Receipt | None, TruncationFact | None]:

@@ -5,6 +5,10 @@ Run as ``python3 -I -S shim/main.py`` in its own session, stdin a pipe carrying 
 an empty environment. Stdlib only and no qlagent import: it must start fast, stay small
 (one extra PID, a few MiB) and outlive the agent.
 
+Fork server: started with stdin a Unix stream socket, this program is the fork server instead
+(``serve_forks``, processes.ForkServer): it forks one shim per request, which then runs exactly
+as above after writing ``pid <n>`` on its stdout; see ARCHITECTURE.md "Fork server".
+
 Spec fields: attempt_id (str), argv (non-empty list of str), env (dict str→str, the task's
 ENTIRE environment), cwd (absolute path), run_dir (absolute, 0700, created by the agent),
 artifact_path (absolute, created 0600 by the agent), quota_bytes (int ≥ 0, bytes kept in the
@@ -93,6 +97,7 @@ SHIM_OOM_SCORE_ADJ = b"500"    # after the task, before the agent: killing a shi
 PR_SET_PDEATHSIG = 1
 RECEIPT_RETRY_S = 1.0    # a full file system: try the receipt again this often until it fits
 ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
+FORK_SERVER_IDLE_S = 10.0   # a fork server this long without a request exits (processes.ForkServer)
 
 _task_pid = 0
 _term_requested = False
@@ -229,17 +234,14 @@ def _validate(spec):
 
 
 class Shim:
+    """One run's directory: its files (``write_file_atomic``), its own errors (``log_error``)
+    and, once the Artifact is open, its ``drainer``."""
+
     def __init__(self, attempt_id, run_dir):
         self.attempt_id = attempt_id
         self.run_dir = run_dir
         self.fifo_path = os.path.join(run_dir, "output.fifo")
-        self.bytes_total = 0
-        self.bytes_kept = 0
-        self.quota = 0
-        self.room = 0
-        self.art_fd = -1
-        self.truncated = False
-        self.write_failed = False
+        self.drainer = None
 
     def log_error(self, message):
         # Own errors go to a file in run_dir; if even that fails there is nowhere left to write.
@@ -277,6 +279,60 @@ class Shim:
         finally:
             os.close(dfd)
 
+
+class Drainer:
+    """The drainer (ADR-0071 §5, the "C-free FIFO drainer"): reads the task's FIFO into the log
+    Artifact ``art_fd`` (O_APPEND), keeps at most ``quota`` bytes there (``room`` of them left:
+    what the file already holds counts) and only counts the rest; at the first byte past the
+    quota it writes the truncation fact. One READ_CHUNK_BYTES buffer for the whole run (memory
+    stays flat), no line assembly (F8: never buffer a line). ``drain(timeout_ms)`` is its one
+    step; the shim's loop calls it while it waits for the task, its leftovers and the linger."""
+
+    def __init__(self, shim, art_fd, quota, room):
+        self.shim = shim
+        self.art_fd = art_fd
+        self.quota = quota
+        self.room = room
+        self.bytes_total = 0
+        self.bytes_kept = 0
+        self.truncated = False
+        self.write_failed = False
+        self.eof = False
+        self.rfd = -1
+        self.wake_r = -1
+        self.poller = select.poll()
+        self.buf = bytearray(READ_CHUNK_BYTES)
+        self.view = memoryview(self.buf)
+
+    def watch(self, rfd, wake_r):
+        """Read the FIFO's non-blocking read end ``rfd``; ``wake_r`` (the signal wakeup pipe)
+        only ends a wait early."""
+        self.rfd, self.wake_r = rfd, wake_r
+        self.poller.register(rfd, select.POLLIN)
+        self.poller.register(wake_r, select.POLLIN)
+
+    def drain(self, timeout_ms):
+        """Wait at most ``timeout_ms`` (None: until something happens) and read what came;
+        sets ``eof`` once every writer has closed the FIFO."""
+        for fd, _ in self.poller.poll(timeout_ms):
+            if fd == self.wake_r:
+                try:
+                    while os.read(self.wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif not self.eof:
+                for _ in range(16):   # bounded: the wakeup pipe and the clock are looked at again
+                    try:
+                        n = os.readv(self.rfd, [self.buf])
+                    except BlockingIOError:
+                        break
+                    if not n:
+                        self.eof = True
+                        self.poller.unregister(self.rfd)
+                        break
+                    self.consume(self.view[:n])
+
     def consume(self, data):
         """Account for one chunk (a memoryview into the read buffer); keep at most the remaining
         quota in the Artifact, drop the rest."""
@@ -291,16 +347,16 @@ class Shim:
                     self.room -= n
             except OSError as exc:
                 # Flash full or similar: stop writing, keep draining so the task is unaffected.
-                self.log_error("artifact write failed: %s" % exc)
+                self.shim.log_error("artifact write failed: %s" % exc)
                 self.room = 0
                 self.write_failed = True
         if not self.truncated and not self.write_failed and self.bytes_total > self.bytes_kept:
             self.truncated = True
             try:
-                self.write_file_atomic("truncated.json",
+                self.shim.write_file_atomic("truncated.json",
                                        {"quota_bytes": self.quota, "bytes_kept": self.bytes_kept}, True)
             except OSError as exc:
-                self.log_error("truncation fact not written: %s" % exc)
+                self.shim.log_error("truncation fact not written: %s" % exc)
 
 
 def _on_term(signum, frame):
@@ -575,18 +631,25 @@ def _reap_orphans():
             return
 
 
+def _load_prctl():
+    """libc's prctl into ``_prctl`` (None where unavailable); ctypes is loaded only here, once
+    per fork server or per directly started shim."""
+    global _prctl
+    if _prctl is None:
+        try:
+            import ctypes
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError, ImportError):
+            _prctl = None
+
+
 def _become_subreaper():
     """prctl(PR_SET_CHILD_SUBREAPER): the task's orphans are re-parented to this process, not
-    to init, so a daemonized leftover is still found. ctypes is loaded only here; it keeps
-    prctl in ``_prctl`` for the task's PR_SET_PDEATHSIG (``_exec_child``). False where prctl is
-    unavailable (the process group and QL3_ATTEMPT_ID still apply)."""
-    global _prctl
-    try:
-        import ctypes
-        _prctl = ctypes.CDLL(None, use_errno=True).prctl
-        return _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError, ImportError):
-        return False
+    to init, so a daemonized leftover is still found. ``_prctl`` also serves the task's
+    PR_SET_PDEATHSIG (``_exec_child``). False where prctl is unavailable (the process group and
+    QL3_ATTEMPT_ID still apply)."""
+    _load_prctl()
+    return _prctl is not None and _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
 def _stop_orphans(pgid, attempt_id, grace_s, drain):
@@ -659,8 +722,14 @@ def run(w, cfg):
     global _task_pid
     receipt = new_receipt(w.attempt_id)
     try:
-        w.art_fd = os.open(cfg["artifact_path"], os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
-        st = os.fstat(w.art_fd)
+        art_fd = os.open(cfg["artifact_path"], os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        receipt["start_error"] = "artifact_path %s: %s" % (_shown(cfg["artifact_path"]), _errno_text(exc.errno))
+        receipt["ended_at_us"] = _now_us()
+        return receipt
+    w.drainer = d = Drainer(w, art_fd, cfg["quota_bytes"], 0)
+    try:
+        st = os.fstat(art_fd)
     except OSError as exc:
         receipt["start_error"] = "artifact_path %s: %s" % (_shown(cfg["artifact_path"]), _errno_text(exc.errno))
         receipt["ended_at_us"] = _now_us()
@@ -669,9 +738,8 @@ def run(w, cfg):
         receipt["start_error"] = "artifact_path %s: not a regular file" % _shown(cfg["artifact_path"])
         receipt["ended_at_us"] = _now_us()
         return receipt
-    w.quota = cfg["quota_bytes"]
     # The agent creates the file empty; anything already there counts against the quota.
-    w.room = max(0, w.quota - st.st_size)
+    d.room = max(0, d.quota - st.st_size)
     try:
         os.mkfifo(w.fifo_path, 0o600)
         # Read end first and non-blocking, so opening the write end never blocks and EOF only
@@ -712,12 +780,7 @@ def run(w, cfg):
     except OSError as exc:
         w.log_error("task.pid not written: %s" % exc)
 
-    poller = select.poll()
-    poller.register(rfd, select.POLLIN)
-    poller.register(wake_r, select.POLLIN)
-    buf = bytearray(READ_CHUNK_BYTES)  # one buffer for the whole run: memory stays flat
-    view = memoryview(buf)
-    eof = False
+    d.watch(rfd, wake_r)
     status = None
     linger_deadline = None
     # Lease self-fencing: the instant to look at lease_file again, then (fenced) to SIGKILL.
@@ -725,29 +788,7 @@ def run(w, cfg):
     lease_at = (_lease_deadline(cfg["lease_file"]) or 0) if cfg["lease_file"] else None
     kill_at = None
 
-    def drain(timeout_ms):
-        nonlocal eof
-        for fd, _ in poller.poll(timeout_ms):
-            if fd == wake_r:
-                try:
-                    while os.read(wake_r, 512):
-                        pass
-                except BlockingIOError:
-                    pass
-            elif not eof:
-                # Bounded reads into the one buffer, no line assembly (F8: never buffer a line).
-                for _ in range(16):
-                    try:
-                        n = os.readv(rfd, [buf])
-                    except BlockingIOError:
-                        break
-                    if not n:
-                        eof = True
-                        poller.unregister(rfd)
-                        break
-                    w.consume(view[:n])
-
-    while not eof or status is None:
+    while not d.eof or status is None:
         if status is None:
             while True:
                 # As subreaper this process also gets the task's orphans: reap them as they
@@ -766,9 +807,9 @@ def run(w, cfg):
                 if receipt["lease_lost"]:
                     # Nothing of a run past its Lease may go on: what is left gets the rest of the grace.
                     left_s = max(0.0, (kill_at - _mono_us()) / 1e6) if kill_at is not None else 0.0
-                    receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, left_s, drain)
+                    receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, left_s, d.drain)
                 elif not cfg["keep_orphans"]:
-                    receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, cfg["grace_s"], drain)
+                    receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, cfg["grace_s"], d.drain)
                 linger_deadline = time.monotonic() + cfg["linger_s"]
                 continue
             now = _mono_us()
@@ -798,7 +839,7 @@ def run(w, cfg):
                             % cfg["linger_s"])
                 break
             timeout_ms = int(left * 1000) + 1
-        drain(timeout_ms)
+        d.drain(timeout_ms)
 
     os.close(rfd)
     if os.WIFSIGNALED(status):
@@ -840,6 +881,70 @@ def _compile_self(dest):
     return 0
 
 
+def _received_fds(ancdata, scm_rights):
+    fds = []
+    for _, kind, data in ancdata:
+        if kind == scm_rights:
+            usable = len(data) - len(data) % 4
+            fds += [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, usable, 4)]
+    return fds
+
+
+def _fork_shim(spec_r, status_w):
+    """In the fork server: one shim per request, in its own session like a shim the agent
+    starts; no death signal ties it here, so it outlives this process (then init, or the
+    nearest subreaper, is its parent). A failed fork's reason goes to status_w."""
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        os.write(status_w, ("err fork: %s\n" % _errno_text(exc.errno)).encode())
+        return
+    if pid == 0:
+        code = 1
+        try:
+            _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
+            os.setsid()
+            os.dup2(spec_r, 0)   # replaces the fork server's socket
+            os.dup2(status_w, 1)
+            os.close(spec_r)
+            os.close(status_w)
+            os.write(1, b"pid %d\n" % os.getpid())
+            code = main()
+        finally:
+            os._exit(code)
+
+
+def serve_forks():
+    """The fork server (see "Fork server" in the module docstring): stdin is the agent's end
+    of a Unix stream socket; each request is one byte carrying [spec_r, status_w] by
+    SCM_RIGHTS. Exits 0 on EOF (the agent closed it or died) or after FORK_SERVER_IDLE_S
+    seconds without a request."""
+    import _socket   # only here: a directly started shim never loads it
+    import gc
+    _load_prctl()
+    _signal.signal(_signal.SIGCHLD, _signal.SIG_IGN)   # the kernel reaps the shims forked here
+    sock = _socket.socket(fileno=0)
+    poller = select.poll()
+    poller.register(0, select.POLLIN)
+    gc.collect()
+    gc.freeze()   # what is here now is never scanned again: a shim's collections dirty no shared page
+    while poller.poll(int(FORK_SERVER_IDLE_S * 1000)):
+        try:
+            data, ancdata, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(8), _socket.MSG_CMSG_CLOEXEC)
+        except InterruptedError:
+            continue
+        except OSError:
+            return 1
+        if not data:
+            return 0
+        fds = _received_fds(ancdata, _socket.SCM_RIGHTS)
+        if len(fds) == 2:
+            _fork_shim(fds[0], fds[1])
+        for fd in fds:
+            os.close(fd)
+    return 0
+
+
 def main():
     global _inherited_umask
     if len(sys.argv) == 3 and sys.argv[1] == "--compile":
@@ -871,15 +976,16 @@ def main():
             w.log_error("shim failure: %r" % (exc,))
             receipt = new_receipt(attempt_id, "shim failure: %s" % type(exc).__name__)
     _report(receipt["start_error"])
-    if w.art_fd >= 0:
+    d = w.drainer
+    if d is not None:
         try:
-            os.fsync(w.art_fd)
+            os.fsync(d.art_fd)
         except OSError as exc:
             w.log_error("artifact fsync failed: %s" % exc)
-        os.close(w.art_fd)
-    receipt["bytes_total"] = w.bytes_total
-    receipt["bytes_kept"] = w.bytes_kept
-    receipt["bytes_dropped"] = w.bytes_total - w.bytes_kept
+        os.close(d.art_fd)
+        receipt["bytes_total"] = d.bytes_total
+        receipt["bytes_kept"] = d.bytes_kept
+        receipt["bytes_dropped"] = d.bytes_total - d.bytes_kept
     # FIFO first: once the receipt exists the run directory is final.
     try:
         os.unlink(w.fifo_path)
@@ -902,4 +1008,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve_forks() if stat.S_ISSOCK(os.fstat(0).st_mode) else main())

@@ -1,0 +1,148 @@
+"""The fork server (adapters/processes.ForkServer, shim/main.py ``serve_forks``): a run starts
+with a fork of a process that imported the shim once, and every promise of the shim holds.
+Real fork servers, real shims and tasks on real files and FIFOs; the "agent" of the crash tests is
+a real process killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+from execkit import Bench, task
+from shimkit import PATH_ENV, make_spec, wait_for
+
+from qlagent.adapters import processes
+from qlagent.core.profiles import EDGE
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def receipt_of(spec: dict, timeout: float = 20.0):
+    return wait_for(lambda: processes.read_receipt(spec["run_dir"]), timeout, "the receipt")
+
+
+def output_of(spec: dict) -> bytes:
+    with open(spec["artifact_path"], "rb") as f:
+        return f.read()
+
+
+def test_runs_outlive_a_killed_fork_server_and_the_next_start_gets_a_new_one(tmp_path):
+    fs = processes.ForkServer(str(tmp_path))
+    specs = [make_spec(tmp_path, ["/bin/sh", "-c", "sleep 1; echo done $0", str(i)]) for i in range(3)]
+    handles = [fs.spawn(s, sys.executable) for s in specs]
+    assert all(h.start_error is None for h in handles)
+    (server,) = fs.pids()
+    os.kill(server, signal.SIGKILL)
+    wait_for(lambda: not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE)
+    for i, (s, h) in enumerate(zip(specs, handles)):
+        r = receipt_of(s)
+        assert (r.exit_code, r.start_error) == (0, None)
+        assert output_of(s) == b"done %d\n" % i
+        os.close(h.pidfd)
+    nxt = make_spec(tmp_path, ["/bin/sh", "-c", "echo again"])
+    h = fs.spawn(nxt, sys.executable)
+    assert h.start_error is None and fs.pids() and server not in fs.pids()
+    assert receipt_of(nxt).exit_code == 0 and output_of(nxt) == b"again\n"
+    os.close(h.pidfd)
+
+
+def test_a_shim_is_in_its_own_session_and_nobody_it_dies_with(tmp_path):
+    fs = processes.ForkServer(str(tmp_path))
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 30"])
+    h = fs.spawn(spec, sys.executable)
+    assert os.getsid(h.pid) == h.pid                  # leads its own session, as a directly started shim
+    assert processes.process_matches(h.pid, h.create_time)
+    task_pid = wait_for(lambda: processes.read_task_pid(spec["run_dir"]))
+    assert psutil.Process(task_pid).ppid() == h.pid   # the task's leader is the shim's child
+    processes.signal_tree(task_pid, h.pid, signal.SIGKILL, None, {})
+    assert receipt_of(spec).signal == signal.SIGKILL
+    os.close(h.pidfd)
+
+
+AGENT = textwrap.dedent("""
+    import json, os, sys, time
+    from qlagent.adapters import processes
+    spec = json.loads(sys.stdin.read())
+    fs = processes.ForkServer(sys.argv[1])
+    if sys.argv[2] == "before-spec":
+        # The request is out and the shim forked; the agent dies before the spec reaches it.
+        r, w = os.pipe()
+        sr, sw = os.pipe()
+        fs._send(sys.executable, r, sw)
+        print(os.read(sr, 64).decode().split()[1], list(fs.pids())[0], flush=True)
+    else:
+        h = fs.spawn(spec, sys.executable)
+        print(h.pid, list(fs.pids())[0], flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("when", ["before-spec", "after-start"])
+def test_sigkill_of_the_agent_during_a_start(tmp_path, when):
+    """Killed between the shim's fork and the task's exec the run never starts (the shim reads
+    no spec and exits; nothing of it is left); killed after the start the run carries on to
+    its receipt. Either way the fork server leaves with the agent."""
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 0.5; echo finished"], env={**PATH_ENV, "QL3_ATTEMPT_ID": "x"})
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path), when], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, cwd=REPO)
+    agent.stdin.write(json.dumps(spec).encode())
+    agent.stdin.close()
+    shim, server = (int(x) for x in agent.stdout.readline().split())
+    agent.kill()
+    agent.wait()
+    wait_for(lambda: not psutil.pid_exists(server), what="the fork server to leave")
+    wait_for(lambda: not psutil.pid_exists(shim) or psutil.Process(shim).status() == psutil.STATUS_ZOMBIE,
+             what="the shim to end")
+    if when == "before-spec":
+        assert processes.read_receipt(spec["run_dir"]) is None and output_of(spec) == b""
+        assert not os.path.exists(os.path.join(spec["run_dir"], "task.pid"))
+    else:
+        assert receipt_of(spec).exit_code == 0 and output_of(spec) == b"finished\n"
+
+
+def test_fifty_concurrent_starts(tmp_path):
+    fs = processes.ForkServer(str(tmp_path))
+    go = tmp_path / "go"                              # every task waits for it: all 50 live at once
+    specs = [make_spec(tmp_path, ["/bin/sh", "-c", 'while [ ! -e "$1" ]; do sleep 0.05; done; echo $0', str(i),
+                                  str(go)]) for i in range(50)]
+    handles = [fs.spawn(s, sys.executable) for s in specs]
+    assert all(h.start_error is None for h in handles)
+    assert sum(processes.process_matches(h.pid, h.create_time) for h in handles) == 50
+    assert len({h.pid for h in handles}) == 50
+    go.touch()
+    for i, (s, h) in enumerate(zip(specs, handles)):
+        r = receipt_of(s, 60)
+        assert (r.exit_code, output_of(s)) == (0, b"%d\n" % i)
+        os.close(h.pidfd)
+    assert len(fs.pids()) == 1                        # one fork server served them all
+
+
+def test_a_fork_server_that_cannot_start_fails_runs_with_its_reason_and_is_not_retried_in_a_storm(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(processes, "BACKOFF_MIN_S", 60.0)   # the second start surely falls in the back-off
+    tries = tmp_path / "tries"
+    broken = tmp_path / "python"
+    # Counts its starts as the fork server (compiled_shim's --compile run is not one).
+    broken.write_text(f'#!/bin/sh\n[ "$4" = --compile ] || echo x >> {tries}\nexit 3\n')
+    broken.chmod(0o755)
+    b = Bench(str(tmp_path / "s"), profile=EDGE)
+    b.add(task("t", "echo ran\n", concurrency="parallel"))
+    b.engine._coordinator._procs._python = str(broken)
+    first, second = b.start("t"), b.start("t")
+    r = b.engine.dispatcher.dispatch_once()
+    assert (r.status, r.reason, r.run_id) == ("launch_failed", "shim_failed", first)
+    assert b.attempts(first)[0].start_error == "shim: fork server: exited with status 3 before forking the shim"
+    r = b.engine.dispatcher.dispatch_once()
+    assert (r.status, r.run_id) == ("launch_failed", second)
+    assert b.attempts(second)[0].start_error.startswith(
+        "shim: fork server: exited with status 3 before forking the shim (next try in ")
+    assert tries.read_text() == "x\n"                  # one start of the broken fork server, not two
+    assert b.run(first).state == b.run(second).state == "failed"
+    b.close()
