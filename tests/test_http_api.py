@@ -30,7 +30,6 @@ from qlagent.http.routing import openapi_document
 from qlcli import ok, workdir  # noqa: F401  (workdir is a fixture)
 
 
-
 def documented_routes() -> set[tuple[str, str]]:
     """Every (METHOD, path template) the shipped OpenAPI document describes."""
     doc = json.loads(openapi_document())
