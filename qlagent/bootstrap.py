@@ -185,6 +185,55 @@ def tls_names_warning(cert_file: str, host: str) -> dict | None:
     return {"address": host or "*", "names": ",".join(names) or "none"}
 
 
+def make_tls_ca(directory: str, days: int, common_name: str, force: bool) -> tuple[str, str, int]:
+    """``qlagent tls ca create``: (certificate file, key file, notAfter in Unix seconds) of a new
+    CA in ``directory`` (``adapters.tls_ca.create_ca``: its refusals, nothing written)."""
+    from .adapters import tls_ca
+    cert, key = tls_ca.create_ca(directory, days, common_name, force)
+    return cert, key, tls_ca.not_after(cert)
+
+
+def make_server_certificate(directory: str, names: str, ca: str | None, ca_key: str | None, days: int,
+                            force: bool) -> tuple[str, str, list[str], int]:
+    """``qlagent tls cert create --server``: (certificate file, key file, subjectAltNames,
+    notAfter in Unix seconds) of a replica certificate for ``names`` (``HOST[,HOST…]``) in
+    ``directory``, signed by ``ca`` (default ``directory/qlagent-ca.pem``) with ``ca_key``
+    (default ``qlagent-ca-key.pem`` beside it); ``adapters.tls_ca``'s refusals, nothing written."""
+    import os
+
+    from .adapters import tls_ca
+    sans = tls_ca.parse_names(names)
+    ca = ca or os.path.join(directory, tls_ca.CA_CERT)
+    ca_key = ca_key or os.path.join(os.path.dirname(ca), tls_ca.CA_KEY)
+    cert, key = tls_ca.create_server_cert(directory, sans, ca, ca_key, days, force)
+    return cert, key, sans, tls_ca.not_after(cert)
+
+
+def certificate_expiries(settings) -> list[tuple[str, str, int]]:
+    """(field, file, notAfter in Unix seconds) of each certificate ``settings``' role relies on:
+    a replica's ``cluster.tls_cert`` (read with ``cryptography``), a Worker's ``worker.ca_file``
+    with an https control_url (its earliest CA, read by ``ssl``: a router never loads
+    ``cryptography``). A file that cannot be read is left out: the preflight and ``doctor``'s
+    own lines name it."""
+    c, w = settings.config.cluster, settings.config.worker
+    if c is not None and c.tls_cert is not None:
+        from .adapters.tls_ca import not_after
+        try:
+            return [("cluster.tls_cert", c.tls_cert, not_after(c.tls_cert))]
+        except (OSError, ValueError):
+            return []
+    if w is not None and w.ca_file and any(u.startswith("https://") for u in w.urls):
+        import ssl
+        from .adapters.control_client import tls_context
+        from .core.errors import QlError
+        try:
+            ends = [ssl.cert_time_to_seconds(c["notAfter"]) for c in tls_context(w.ca_file).get_ca_certs()]
+        except (QlError, ValueError, KeyError):
+            return []
+        return [("worker.ca_file", w.ca_file, min(ends))] if ends else []
+    return []
+
+
 def worker_credential(w, owner: bool = True) -> str:
     """The credential in ``w.credential_file`` (``service.config.WorkerConfig``); ValidationError
     naming ``worker.credential_file`` when it is missing, not the agent's (``owner``), not 0600

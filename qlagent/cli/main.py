@@ -210,13 +210,33 @@ def cmd_config_check(ctx: Ctx) -> int:
     from ..service.preflight import preflight
     s = ctx.settings
     preflight(s)
+    certificates = _certificate_expiries(s)
     out = {"configFile": s.config_path, "profile": s.profile.name, "stateDir": s.state_dir,
-           "artifactDir": s.artifact_dir, "config": msgspec.to_builtins(s.config)}
+           "artifactDir": s.artifact_dir, "config": msgspec.to_builtins(s.config), "certificates": certificates}
+    for c in certificates:
+        if not c["ok"]:
+            print(f"qlagent: warning: {c['field']}: {c['file']} {c['detail']}; renew it "
+                  "(`qlagent tls cert create`, `qlagent tls ca create`)", file=sys.stderr)
     if ctx.args.json:
         _print_json(out)
     else:
         print(f"config ok: {s.config_path or '(defaults, no file)'}; profile {s.profile.name}; state {s.state_dir}")
     return 0
+
+
+def _certificate_expiries(s) -> list[dict]:
+    """``config check``'s certificate lines: {field, file, notAfter, ok, detail} each
+    (``bootstrap.certificate_expiries``; ok is False from 30 days before the end)."""
+    import time
+
+    from ..bootstrap import certificate_expiries
+    from ..core.certexpiry import expiry_note
+    out = []
+    for field, path, end in certificate_expiries(s):
+        good, detail = expiry_note(end, int(time.time()))
+        out.append({"field": field, "file": path, "notAfter": _fmt_us(end * 1_000_000), "ok": good,
+                    "detail": detail})
+    return out
 
 
 def _next_fires(head, count: int) -> list[int]:
@@ -878,6 +898,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(wk, "rm", lambda c: cmd_workers_state(c, "rm"), "remove the Worker (its Leases are fenced)"
         ).add_argument("name")
 
+    from . import tls
+    tls.register(sub, common)
+
     imp = sub.add_parser("import", help="import from another scheduler").add_subparsers(dest="sub", required=True,
                                                                                         metavar="SUB")
     q = add(imp, "qinglong", cmd_import_qinglong, "import the crons and variables of a qinglong 2.x panel")
@@ -936,7 +959,7 @@ def _serve_args(argv: list[str]) -> SimpleNamespace | None:
 
 # Arguments that are file-system paths: on POSIX a path is bytes, and one that is not UTF-8 is
 # still a path the OS opens (Python keeps its bytes as lone surrogates), so it is not refused.
-_PATH_ARGS = frozenset({"state_dir", "config", "file", "path", "scripts_dir"})
+_PATH_ARGS = frozenset({"state_dir", "config", "file", "path", "scripts_dir", "dir", "ca", "ca_key"})
 
 
 def _argument_names(parser: argparse.ArgumentParser | None, args) -> dict[str, str]:
