@@ -371,6 +371,34 @@ def _budgets(cluster):
                              claim_tries=d.claim_tries, lease_ttl_s=cluster.lease_ttl_s)
 
 
+def join_tokens(store):
+    """``cluster.joins.JoinTokens`` on the PostgreSQL ``store``'s pool (issue 26)."""
+    from .adapters.postgres.join_tokens import PgJoinTokens
+    from .cluster.joins import JoinTokens
+    return JoinTokens(PgJoinTokens(store.pool))
+
+
+def join_ca_pem(ca_der_b64: str) -> str:
+    """The PEM of a join token's CA (``adapters.join_client.ca_pem``; ValidationError ``TOKEN``)."""
+    from .adapters.join_client import ca_pem
+    return ca_pem(ca_der_b64)
+
+
+def redeem_join_token(token, ca_pem: str | None, timeout_s: float) -> str:
+    """Redeem a ``core.jointoken.JoinToken`` at the first of its URLs that answers (TLS trusting
+    only ``ca_pem``); the Worker's name. The refusals of ``adapters.join_client.redeem``; the
+    last URL's ``ControlUnreachable`` when none answers."""
+    from .adapters.join_client import redeem
+    from .core.control import ControlUnreachable
+    err = None
+    for url in token.urls:
+        try:
+            return redeem(url, ca_pem, token.worker_id, token.credential, token.token_id, timeout_s)
+        except ControlUnreachable as e:
+            err = e
+    raise err
+
+
 def worker_registry(settings, store):
     """``cluster.registry.WorkerRegistry`` on the PostgreSQL ``store``'s pool, with the Session and
     Lease lifetimes of ``[cluster]``."""
@@ -390,7 +418,7 @@ def log_chunks(store):
 class ClusterServices:
     """What one control-plane replica serves besides the store's routes, built over ONE pool:
     ``registry`` (WorkerRegistry), ``pull`` (WorkerPull, long-poll woken by LISTEN/NOTIFY),
-    ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``placement_report``
+    ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``joins`` (JoinTokens), ``placement_report``
     (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
     (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
     ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``),
@@ -429,6 +457,7 @@ class ClusterServices:
         self.logs = LogUpload(self.log_reader, settings.profile)
         self.sweeper = LeaseSweeper(leases, PgWorkerRegistry(store.pool), c.sweep_batch)
         self.placement_report = PgPlacementReport(store.pool, plans.max_grace_ms)
+        self.joins = join_tokens(store)
         self.now_us = dispatch.now_us
         self.clock = DatabaseClock(self.now_us)
 

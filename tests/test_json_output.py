@@ -46,8 +46,8 @@ TEXT_ONLY = {("task", "enable"), ("task", "disable"), ("task", "rm"), ("secret",
 # Need [cluster] (PostgreSQL): tests/cluster/test_cluster_serve.py::test_workers_enroll_ls_drain_rm.
 CLUSTER_ONLY = {("workers", "enroll"), ("workers", "ls"), ("workers", "drain"), ("workers", "resume"),
                 ("workers", "rm")}
-# Write files, checked with --json in their own module: tests/test_tls_cli.py.
-FILE_MAKING = {("tls", "ca"), ("tls", "cert")}
+# Write files, checked with --json in their own modules: tests/test_tls_cli.py, tests/cluster/test_join.py.
+FILE_MAKING = {("tls", "ca"), ("tls", "cert"), ("worker", "join")}
 
 
 def cli_commands() -> set[tuple[str, ...]]:

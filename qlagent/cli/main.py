@@ -661,8 +661,22 @@ def _labels(pairs: list[str]) -> dict[str, str]:
 def cmd_workers_enroll(ctx: Ctx) -> int:
     a = ctx.args
     labels = _labels(a.label or [])
+    material = None
+    if a.join_token:                    # checked before the Worker is enrolled
+        from .join import join_material
+        material = join_material(ctx)
     worker_id, credential = _registry(ctx).enroll(a.name, labels, tuple(a.executor or ["local_process"]), a.slots,
                                                   tuple(a.worker_projects or ()))
+    if material is not None:
+        from .join import join_token
+        token = join_token(ctx, worker_id, credential, material)
+        if a.json:
+            _print_json({"workerId": worker_id, "name": a.name, "joinToken": token})
+        else:
+            print(token)
+            print(f"qlagent: Worker {a.name} {worker_id} enrolled; the join token above is shown once and carries its "
+                  f"credential: on the router run `qlagent worker join TOKEN`", file=sys.stderr)
+        return 0
     if a.json:
         _print_json({"workerId": worker_id, "name": a.name, "credential": credential})
     else:
@@ -891,6 +905,8 @@ def build_parser() -> argparse.ArgumentParser:
     we.add_argument("--slots", type=int, default=1, help="concurrent Attempts (1..256)")
     we.add_argument("--project", action="append", dest="worker_projects", metavar="PROJECT",
                     help="offer it only this Project's Runs (repeatable, ≤ 32; none: every Project)")
+    from .join import add_token_options
+    add_token_options(we)
     add(wk, "ls", cmd_workers_ls, "list Workers: state, generation, Session, last heartbeat, free slots")
     add(wk, "drain", lambda c: cmd_workers_state(c, "drain"), "no new offers to the Worker").add_argument("name")
     add(wk, "resume", lambda c: cmd_workers_state(c, "resume"), "undo a drain: offers to the Worker again"
@@ -898,8 +914,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(wk, "rm", lambda c: cmd_workers_state(c, "rm"), "remove the Worker (its Leases are fenced)"
         ).add_argument("name")
 
-    from . import tls
+    from . import join, tls
     tls.register(sub, common)
+    join.register(sub, common)
 
     imp = sub.add_parser("import", help="import from another scheduler").add_subparsers(dest="sub", required=True,
                                                                                         metavar="SUB")
@@ -959,7 +976,8 @@ def _serve_args(argv: list[str]) -> SimpleNamespace | None:
 
 # Arguments that are file-system paths: on POSIX a path is bytes, and one that is not UTF-8 is
 # still a path the OS opens (Python keeps its bytes as lone surrogates), so it is not refused.
-_PATH_ARGS = frozenset({"state_dir", "config", "file", "path", "scripts_dir", "dir", "ca", "ca_key"})
+_PATH_ARGS = frozenset({"state_dir", "config", "file", "path", "scripts_dir", "dir", "ca", "ca_key",
+                         "target_config", "target_state_dir"})
 
 
 def _argument_names(parser: argparse.ArgumentParser | None, args) -> dict[str, str]:

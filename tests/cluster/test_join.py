@@ -1,0 +1,131 @@
+"""The one-line join (issue 26): ``workers enroll NAME --join-token`` on a real replica serving
+HTTPS with a certificate from ``qlagent tls``; ``worker join TOKEN`` writes a configuration
+that ``doctor`` accepts against that replica; a truncated, used, expired, foreign-CA,
+unreachable or removed-Worker token is one line and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from test_cluster_serve import Env, Replica
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    return subprocess.run([sys.executable, "-m", "qlagent.cli.main", *args], capture_output=True, env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cp(pg_url):
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="qlagent-join-", dir=base)
+    tls = os.path.join(root, "tls")
+    os.mkdir(tls)
+    assert _cli("tls", "ca", "create", "--dir", tls).returncode == 0
+    assert _cli("tls", "cert", "create", "--server", "--name", "localhost,127.0.0.1", "--dir", tls).returncode == 0
+    env = Env(root, pg_url, f'tls_cert = "{tls}/qlagent-server.pem"\ntls_key = "{tls}/qlagent-server-key.pem"\n')
+    env.ok("init")
+    replica = Replica(env)
+    yield env, replica, tls
+    assert replica.stop() == 0
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _enroll(env, name: str, *extra: str, port: int) -> str:
+    out = json.loads(env.ok("workers", "enroll", name, "--join-token", "--url", f"https://localhost:{port}",
+                            *extra, "--json"))
+    assert set(out) == {"workerId", "name", "joinToken"} and out["joinToken"].startswith("qlj1.")
+    return out["joinToken"]
+
+
+def _router(env, tag: str) -> str:
+    d = os.path.join(env.root, f"router-{tag}")
+    os.mkdir(d)
+    return d
+
+
+def _join(router: str, token: str, *extra: str) -> subprocess.CompletedProcess:
+    return _cli("worker", "join", token, "--config", os.path.join(router, "qlagent.toml"),
+                "--state-dir", os.path.join(router, "state"), *extra)
+
+
+def _refused(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    err = p.stderr.decode()
+    assert p.returncode == code, err
+    assert err.startswith("qlagent: error:") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, err
+
+
+def test_join_writes_config_credential_and_ca_that_doctor_accepts(cp):
+    env, replica, tls = cp
+    token = _enroll(env, "r1", port=replica.port)
+    router = _router(env, "ok")
+    p = _join(router, token, "--label", "site=lab", "--json")
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    out = json.loads(p.stdout)
+    assert out["name"] == "r1" and out["next"]
+    cred, ca = os.path.join(router, "worker.cred"), os.path.join(router, "cp-ca.pem")
+    assert stat.S_IMODE(os.stat(cred).st_mode) == 0o600 and stat.S_IMODE(os.stat(ca).st_mode) == 0o644
+    assert open(ca).read() == open(os.path.join(tls, "qlagent-ca.pem")).read()
+    checks = {c["name"]: c for c in out["checks"] if c["name"] in ("credential", "ca file", "control", "worker")}
+    assert all(c["ok"] for c in out["checks"]), out["checks"]
+    assert "known as r1" in checks["worker"]["detail"]
+    # config check takes what was written, and the same token is refused now: it was used.
+    ok = _cli("config", "check", "--config", os.path.join(router, "qlagent.toml"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    worker = json.loads(ok.stdout)["config"]["worker"]
+    assert worker["worker_id"] == out["workerId"] and worker["labels"] == {"site": "lab"}
+    again = _router(env, "again")
+    _refused(_join(again, token), 3, "TOKEN", "used")
+    assert os.listdir(again) == []
+    # Joining over a config that has a [worker] already needs --force.
+    _refused(_join(router, _enroll(env, "r1b", port=replica.port)), 3, "--force")
+
+
+def test_bad_tokens_are_one_line_and_write_nothing(cp):
+    env, replica, tls = cp
+    router = _router(env, "bad")
+    token = _enroll(env, "r2", port=replica.port)
+    _refused(_join(router, token[:-12]), 2, "TOKEN", "truncated")
+    _refused(_join(router, "qlj2." + token[5:]), 2, "TOKEN", "not a join token")
+    # The token's expiry is the control plane's record, not what the token says.
+    env.sql("UPDATE join_tokens SET expires_at_us = 0 WHERE worker_id = "
+            "(SELECT worker_id FROM workers WHERE name = 'r2' AND state <> 'removed')")
+    _refused(_join(router, token), 3, "TOKEN", "expired")
+    # Another control plane's CA pinned in the token: this replica's certificate is refused.
+    other = os.path.join(env.root, "other-ca")
+    os.mkdir(other)
+    assert _cli("tls", "ca", "create", "--dir", other).returncode == 0
+    foreign = _enroll(env, "r3", "--ca", os.path.join(other, "qlagent-ca.pem"), port=replica.port)
+    _refused(_join(router, foreign), 2, "TOKEN", "not signed by the CA in the token")
+    # No replica there.
+    unreachable = json.loads(env.ok("workers", "enroll", "r4", "--join-token", "--url", "https://localhost:1",
+                                    "--json"))["joinToken"]
+    _refused(_join(router, unreachable), 5, "localhost:1")
+    # A Worker removed since the token was made.
+    removed = _enroll(env, "r5", port=replica.port)
+    env.ok("workers", "rm", "r5")
+    _refused(_join(router, removed), 4, "TOKEN", "removed")
+    assert os.listdir(router) == []
+
+
+@pytest.mark.parametrize("args,field", [
+    ([], "--url"),
+    (["--url", "ftp://x"], "--url"),
+    (["--url", "https://localhost:7380", "--ca", "/nonexistent.pem"], "--ca"),
+    (["--url", "https://localhost:7380", "--token-ttl", "59"], "--token-ttl"),
+    (["--url", "https://localhost:7380", "--token-ttl", "604801"], "--token-ttl"),
+])
+def test_bad_join_token_options_enroll_nothing(cp, args, field):
+    env, _, _ = cp
+    p = env.cli("workers", "enroll", "nope", "--join-token", *args)
+    _refused(p, 2, field)
+    assert "nope" not in env.ok("workers", "ls")
