@@ -378,6 +378,20 @@ def join_tokens(store):
     return JoinTokens(PgJoinTokens(store.pool))
 
 
+def rotate_worker_credential(store, name: str) -> tuple[str, str]:
+    """``workers rotate-credential``: (Worker ID, new credential) of the Worker ``name`` on the
+    PostgreSQL ``store``'s pool (``cluster.credentials.rotate_credential``)."""
+    from .adapters.postgres.credentials import PgCredentials
+    from .cluster.credentials import rotate_credential
+    return rotate_credential(PgCredentials(store.pool), name)
+
+
+def fleet_overview(store) -> dict:
+    """``qlagent status``: ``adapters.postgres.overview.fleet_overview`` on the cluster store's pool."""
+    from .adapters.postgres.overview import fleet_overview as overview
+    return overview(store.pool)
+
+
 def join_ca_pem(ca_der_b64: str) -> str:
     """The PEM of a join token's CA (``adapters.join_client.ca_pem``; ValidationError ``TOKEN``)."""
     from .adapters.join_client import ca_pem

@@ -45,7 +45,7 @@ TEXT_ONLY = {("task", "enable"), ("task", "disable"), ("task", "rm"), ("secret",
              ("run", "cancel"), ("token", "create"), ("token", "revoke"), ("role", "set"), ("serve",)}
 # Need [cluster] (PostgreSQL): tests/cluster/test_cluster_serve.py::test_workers_enroll_ls_drain_rm.
 CLUSTER_ONLY = {("workers", "enroll"), ("workers", "ls"), ("workers", "drain"), ("workers", "resume"),
-                ("workers", "rm")}
+                ("workers", "rm"), ("workers", "rotate-credential"), ("status",)}
 # Write files, checked with --json in their own modules: tests/test_tls_cli.py, tests/cluster/test_join.py.
 FILE_MAKING = {("tls", "ca"), ("tls", "cert"), ("worker", "join")}
 

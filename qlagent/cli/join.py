@@ -94,6 +94,44 @@ def add_token_options(p) -> None:
                    help="with --join-token: the token's lifetime in seconds (60..604800, default 3600)")
 
 
+def cmd_rotate_credential(ctx) -> int:
+    """``workers rotate-credential NAME``: a new credential for the same Worker ID, shown once
+    (or inside a join token with ``--join-token``); the old one is refused from now on."""
+    from .. import bootstrap
+    from .main import _print_json, _registry
+    a = ctx.args
+    _registry(ctx)                          # [cluster] or exit 2
+    material = join_material(ctx) if a.join_token else None
+    worker_id, credential = bootstrap.rotate_worker_credential(ctx.store, a.name)
+    if material is not None:
+        token = join_token(ctx, worker_id, credential, material)
+        if a.json:
+            _print_json({"workerId": worker_id, "name": a.name, "joinToken": token})
+        else:
+            print(token)
+            print(f"qlagent: Worker {a.name} {worker_id}: new credential in the join token above (shown once); the "
+                  "old credential is refused from now on; on the router: `qlagent worker join --force TOKEN`",
+                  file=sys.stderr)
+        return 0
+    if a.json:
+        _print_json({"workerId": worker_id, "name": a.name, "credential": credential})
+    else:
+        print(f"worker      {a.name} {worker_id}")
+        print(f"credential  {credential}")
+        print("qlagent: the credential is shown once; the old one is refused from now on: put this one in the "
+              "router's worker.credential_file (0600)", file=sys.stderr)
+    return 0
+
+
+def register_rotate(wk, common) -> None:
+    """Add ``rotate-credential`` to the ``workers`` subparsers ``wk``."""
+    r = wk.add_parser("rotate-credential", parents=[common],
+                      help="a new credential for the same Worker ID; the old one is refused at once")
+    r.set_defaults(fn=cmd_rotate_credential)
+    r.add_argument("name")
+    add_token_options(r)
+
+
 # ---- on the router ----------------------------------------------------------------------------
 
 def _service_user(name: str | None) -> tuple[int, int, str]:
@@ -221,7 +259,7 @@ def cmd_worker_join(ctx) -> int:
         raise E.ValidationError("TOKEN", "it names an https:// control plane but carries no CA")
     uid, gid, user = _service_user(a.user)
     uci = not a.toml and _on_openwrt()
-    config = a.target_config or DEFAULT_CONFIG
+    config = a.target_config or os.environ.get("QLAGENT_CONFIG") or DEFAULT_CONFIG
     directory = a.dir or ("/etc/qlagent" if uci else os.path.dirname(os.path.abspath(config)))
     cred_file, ca_file = os.path.join(directory, CREDENTIAL_FILE), os.path.join(directory, CA_FILE)
     if not os.path.isdir(directory):
@@ -295,7 +333,7 @@ def _doctor(config: str, uid: int, gid: int) -> list[dict]:
     """``qlagent doctor --json`` on the new configuration, as the service's user would run it."""
     import json
     import subprocess
-    env = {k: v for k, v in os.environ.items() if k not in ("QLAGENT_CONFIG", "QLAGENT_STATE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k != "QLAGENT_CONFIG"}
     kw = {"user": uid, "group": gid} if uid != os.geteuid() else {}
     p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "doctor", "--config", config, "--json"],
                        capture_output=True, timeout=120, env=env, **kw)
@@ -311,10 +349,11 @@ def register(sub, common) -> None:
     w = sub.add_parser("worker", help="this host as a fleet Worker").add_subparsers(dest="sub", required=True,
                                                                                   metavar="SUB")
     j = w.add_parser("join", help="join the fleet with a token from `qlagent workers enroll --join-token`")
-    j.set_defaults(fn=cmd_worker_join)
+    j.set_defaults(fn=cmd_worker_join, writes_config=True)
     j.add_argument("token", metavar="TOKEN")
     j.add_argument("--config", dest="target_config", default=None,
-                   help="the config file to write (default /etc/qlagent/qlagent.toml; its other settings are kept)")
+                   help="the config file to write (default $QLAGENT_CONFIG, else /etc/qlagent/qlagent.toml; "
+                        "its other settings are kept)")
     j.add_argument("--state-dir", dest="target_state_dir", default=None, help="the state_dir to write into it")
     j.add_argument("--dir", default=None, help="where to write worker.cred and cp-ca.pem (default: the config's "
                                                "directory)")

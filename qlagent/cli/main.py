@@ -79,6 +79,9 @@ class Ctx:
     def __init__(self, args) -> None:
         self.args = args
         self._store = None
+        if getattr(args, "writes_config", False):   # `worker join` makes the config the others read
+            self.settings = None
+            return
         from ..service.config import resolve
         # Every command but doctor (which lists them) refuses paths another user could write.
         # `config check --as-user U`: as the agent running as U would (the OpenWrt converter
@@ -103,7 +106,7 @@ class Ctx:
                                          code="not_initialised")
             from .. import bootstrap
             a = self.args
-            if a.command == "workers":      # Workers are the cluster's, not a Project's: --project is not used
+            if a.command in ("workers", "status"):   # the cluster's, not a Project's: --project is not used
                 self._store = bootstrap.open_cluster_store(self.settings)
                 return self._store
             # (a dry run rolls its transaction back, and with it the Project it would create)
@@ -700,8 +703,9 @@ def cmd_workers_ls(ctx: Ctx) -> int:
         _print_json(presenter.page([presenter.worker(r) for r in rows]))
         return 0
     _table([[r["name"], r["worker_id"], r["state"], str(r["generation"]), _or_dash(r["session_id"]),
-             _fmt_us(r["last_heartbeat_us"]), str(max(0, r["free_slots"])), str(r["slots"])] for r in rows],
-           ["NAME", "WORKER", "STATE", "GEN", "SESSION", "HEARTBEAT", "FREE", "SLOTS"])
+             _fmt_us(r["last_heartbeat_us"]), str(max(0, r["free_slots"])), str(r["slots"]),
+             ",".join(f"{k}={v}" for k, v in sorted(r["labels"].items())) or "-"] for r in rows],
+           ["NAME", "WORKER", "STATE", "GEN", "SESSION", "HEARTBEAT", "FREE", "SLOTS", "LABELS"])
     return 0
 
 
@@ -907,6 +911,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="offer it only this Project's Runs (repeatable, ≤ 32; none: every Project)")
     from .join import add_token_options
     add_token_options(we)
+    from .join import register_rotate
+    register_rotate(wk, options(project=False))
     add(wk, "ls", cmd_workers_ls, "list Workers: state, generation, Session, last heartbeat, free slots")
     add(wk, "drain", lambda c: cmd_workers_state(c, "drain"), "no new offers to the Worker").add_argument("name")
     add(wk, "resume", lambda c: cmd_workers_state(c, "resume"), "undo a drain: offers to the Worker again"
@@ -914,9 +920,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(wk, "rm", lambda c: cmd_workers_state(c, "rm"), "remove the Worker (its Leases are fenced)"
         ).add_argument("name")
 
-    from . import join, tls
+    from . import join, status, tls
     tls.register(sub, common)
     join.register(sub, common)
+    status.register(sub, common)
 
     imp = sub.add_parser("import", help="import from another scheduler").add_subparsers(dest="sub", required=True,
                                                                                         metavar="SUB")

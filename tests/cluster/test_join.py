@@ -129,3 +129,56 @@ def test_bad_join_token_options_enroll_nothing(cp, args, field):
     p = env.cli("workers", "enroll", "nope", "--join-token", *args)
     _refused(p, 2, field)
     assert "nope" not in env.ok("workers", "ls")
+
+
+def test_rotate_credential_keeps_the_worker_id_and_refuses_the_old_one_at_once(cp):
+    env, replica, _ = cp
+    url = f"https://localhost:{replica.port}"
+    first = json.loads(env.ok("workers", "enroll", "rot", "--label", "site=lab", "--join-token", "--url", url,
+                              "--json"))
+    listed = {w["name"]: w for w in json.loads(env.ok("workers", "ls", "--json"))["items"]}
+    assert listed["rot"]["labels"] == {"site": "lab"}
+    assert "site=lab" in next(ln for ln in env.ok("workers", "ls").splitlines() if ln.startswith("rot "))
+    router = _router(env, "rot")
+    assert _join(router, first["joinToken"]).returncode == 0
+    config = os.path.join(router, "qlagent.toml")
+    rotated = json.loads(env.ok("workers", "rotate-credential", "rot", "--join-token", "--url", url, "--json"))
+    assert rotated["workerId"] == first["workerId"]
+    # The router's credential (the old one) is refused now.
+    doctor = json.loads(_cli("doctor", "--config", config, "--json").stdout)["checks"]
+    assert [c["ok"] for c in doctor if c["name"] == "worker"] == [False]
+    p = _join(router, rotated["joinToken"], "--force", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["workerId"] == first["workerId"]
+    doctor = json.loads(_cli("doctor", "--config", config, "--json").stdout)["checks"]
+    assert [c["ok"] for c in doctor if c["name"] == "worker"] == [True]
+    plain = json.loads(env.ok("workers", "rotate-credential", "rot", "--json"))
+    assert plain["workerId"] == first["workerId"] and plain["credential"].startswith("qlw_")
+    _refused(env.cli("workers", "rotate-credential", "nobody"), 4, "nobody")
+
+
+def test_status_shows_the_database_workers_queue_and_a_credential_clash(cp):
+    from qlagent.adapters.postgres.connection import open_pool
+    from qlagent.adapters.postgres.registry import PgWorkerRegistry
+    from qlagent.cluster.registry import WorkerRegistry
+    env, _, _ = cp
+    clash = json.loads(env.ok("workers", "enroll", "twice", "--json"))
+    pool = open_pool(env.url, 1)
+    try:            # two processes with one credential: each hello replaces the other's Session
+        registry = WorkerRegistry(PgWorkerRegistry(pool))
+        for _ in range(4):
+            registry.open_session(clash["workerId"], clash["credential"])
+    finally:
+        pool.close()
+    out = json.loads(env.ok("status", "--json"))
+    assert out["database"]["role"] == "primary"
+    assert out["workers"]["online"]["count"] >= 1 and out["workers"]["online"]["freeSlots"] >= 1
+    assert out["clashes"] == [{"name": "twice", "replaced": 3}]
+    assert out["runs"]["queued"] == 0 and out["runs"]["oldestQueuedAgeS"] is None
+    assert any(c["connections"] >= 1 for c in out["clients"])        # the replica's pool
+    text = env.ok("status")
+    assert "primary" in text and "twice (3 Sessions replaced" in text
+    plain = os.path.join(env.root, "plain.toml")
+    with open(plain, "w") as f:
+        f.write('profile = "edge"\n')
+    _refused(_cli("status", "--config", plain, "--state-dir", os.path.join(env.root, "plain")), 2, "cluster")
