@@ -8,7 +8,8 @@ file, then runs ``qlagent doctor`` as that user and says how to restart the serv
 and has not expired by this host's clock, the configuration it would write validates, no file
 is there already (``--force`` replaces them), and the control plane — over TLS trusting only
 the token's CA — accepts the token (``adapters.join_client.redeem``). On OpenWrt (``uci`` and
-``/etc/openwrt_release``) the options go to UCI ``qlagent.main`` instead of a TOML file.
+``/etc/openwrt_release``, or ``--uci``) the options go to UCI ``qlagent.main`` instead of a TOML
+file, checked when the init script converts them at the restart.
 Refusals: exit 2 ``TOKEN`` (truncated, damaged, wrong CA), ``--user``, ``--config``; exit 3
 ``file_exists``, ``join_token_used``, ``join_token_expired``; exit 4 ``worker_not_found`` (a
 removed Worker) or ``join_token_not_found``; exit 5 no control plane answered."""
@@ -258,7 +259,7 @@ def cmd_worker_join(ctx) -> int:
     if any(u.startswith("https://") for u in token.urls) and ca is None:
         raise E.ValidationError("TOKEN", "it names an https:// control plane but carries no CA")
     uid, gid, user = _service_user(a.user)
-    uci = not a.toml and _on_openwrt()
+    uci = a.uci or (not a.toml and _on_openwrt())
     config = a.target_config or os.environ.get("QLAGENT_CONFIG") or DEFAULT_CONFIG
     directory = a.dir or ("/etc/qlagent" if uci else os.path.dirname(os.path.abspath(config)))
     cred_file, ca_file = os.path.join(directory, CREDENTIAL_FILE), os.path.join(directory, CA_FILE)
@@ -361,5 +362,6 @@ def register(sub, common) -> None:
     j.add_argument("--user", default=None, help="the service's user, owner of the credential (default qlagent "
                                                 "when run as root and it exists, else you)")
     j.add_argument("--toml", action="store_true", help="on OpenWrt too, write the TOML file instead of UCI")
+    j.add_argument("--uci", action="store_true", help="write UCI qlagent.main (as on OpenWrt) wherever this runs")
     j.add_argument("--force", action="store_true", help="replace a present [worker], credential and CA file")
     j.add_argument("--json", action="store_true", help="machine-readable output")

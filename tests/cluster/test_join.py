@@ -182,3 +182,28 @@ def test_status_shows_the_database_workers_queue_and_a_credential_clash(cp):
     with open(plain, "w") as f:
         f.write('profile = "edge"\n')
     _refused(_cli("status", "--config", plain, "--state-dir", os.path.join(env.root, "plain")), 2, "cluster")
+
+
+def test_join_on_openwrt_writes_uci_options(cp):
+    env, replica, _ = cp
+    standin = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "openwrt_standin")
+    uci = os.path.join(env.root, "uci")
+    os.mkdir(uci)
+    router = _router(env, "openwrt")
+    token = _enroll(env, "owrt", port=replica.port)
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    run_env.update(UCI_DIR=uci, PATH=standin + os.pathsep + run_env["PATH"])
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "worker", "join", token, "--uci", "--dir", router,
+                        "--label", "site=roof"], capture_output=True, env=run_env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "/etc/init.d/qlagent restart" in p.stdout.decode()
+
+    def opt(name: str):
+        path = os.path.join(uci, name)
+        return [open(os.path.join(path, e)).read() for e in sorted(os.listdir(path))] if os.path.isdir(path) \
+            else open(path).read()
+    assert opt("control_url") == [f"https://localhost:{replica.port}"]
+    assert opt("credential_file") == os.path.join(router, "worker.cred")
+    assert opt("ca_file") == os.path.join(router, "cp-ca.pem") and opt("label") == ["site=roof"]
+    assert len(opt("worker_id")) == 36 and os.path.exists(os.path.join(uci, ".committed"))
+    assert sorted(os.listdir(router)) == ["cp-ca.pem", "worker.cred"]
