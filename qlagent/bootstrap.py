@@ -186,6 +186,55 @@ def tls_names_warning(cert_file: str, host: str) -> dict | None:
     return {"address": host or "*", "names": ",".join(names) or "none"}
 
 
+def make_tls_ca(directory: str, days: int, common_name: str, force: bool) -> tuple[str, str, int]:
+    """``qlagent tls ca create``: (certificate file, key file, notAfter in Unix seconds) of a new
+    CA in ``directory`` (``adapters.tls_ca.create_ca``: its refusals, nothing written)."""
+    from .adapters import tls_ca
+    cert, key = tls_ca.create_ca(directory, days, common_name, force)
+    return cert, key, tls_ca.not_after(cert)
+
+
+def make_server_certificate(directory: str, names: str, ca: str | None, ca_key: str | None, days: int,
+                            force: bool) -> tuple[str, str, list[str], int]:
+    """``qlagent tls cert create --server``: (certificate file, key file, subjectAltNames,
+    notAfter in Unix seconds) of a replica certificate for ``names`` (``HOST[,HOST…]``) in
+    ``directory``, signed by ``ca`` (default ``directory/qlagent-ca.pem``) with ``ca_key``
+    (default ``qlagent-ca-key.pem`` beside it); ``adapters.tls_ca``'s refusals, nothing written."""
+    import os
+
+    from .adapters import tls_ca
+    sans = tls_ca.parse_names(names)
+    ca = ca or os.path.join(directory, tls_ca.CA_CERT)
+    ca_key = ca_key or os.path.join(os.path.dirname(ca), tls_ca.CA_KEY)
+    cert, key = tls_ca.create_server_cert(directory, sans, ca, ca_key, days, force)
+    return cert, key, sans, tls_ca.not_after(cert)
+
+
+def certificate_expiries(settings: Settings) -> list[tuple[str, str, int]]:
+    """(field, file, notAfter in Unix seconds) of each certificate ``settings``' role relies on:
+    a replica's ``cluster.tls_cert`` (read with ``cryptography``), a Worker's ``worker.ca_file``
+    with an https control_url (its earliest CA, read by ``ssl``: a router never loads
+    ``cryptography``). A file that cannot be read is left out: the preflight and ``doctor``'s
+    own lines name it."""
+    c, w = settings.config.cluster, settings.config.worker
+    if c is not None and c.tls_cert is not None:
+        from .adapters.tls_ca import not_after
+        try:
+            return [("cluster.tls_cert", c.tls_cert, not_after(c.tls_cert))]
+        except (OSError, ValueError):
+            return []
+    if w is not None and w.ca_file and any(u.startswith("https://") for u in w.urls):
+        import ssl
+        from .adapters.control_client import tls_context
+        from .core.errors import QlError
+        try:
+            ends = [ssl.cert_time_to_seconds(c["notAfter"]) for c in tls_context(w.ca_file).get_ca_certs()]
+        except (QlError, ValueError, KeyError):
+            return []
+        return [("worker.ca_file", w.ca_file, min(ends))] if ends else []
+    return []
+
+
 def worker_credential(w: WorkerConfig, owner: bool = True) -> str:
     """The credential in ``w.credential_file`` (``core.settings.WorkerConfig``); ValidationError
     naming ``worker.credential_file`` when it is missing, not the agent's (``owner``), not 0600
@@ -321,6 +370,48 @@ def _budgets(cluster):
                              claim_tries=d.claim_tries, lease_ttl_s=cluster.lease_ttl_s)
 
 
+def join_tokens(store):
+    """``cluster.joins.JoinTokens`` on the PostgreSQL ``store``'s pool (issue 26)."""
+    from .adapters.postgres.join_tokens import PgJoinTokens
+    from .cluster.joins import JoinTokens
+    return JoinTokens(PgJoinTokens(store.pool))
+
+
+def rotate_worker_credential(store, name: str) -> tuple[str, str]:
+    """``workers rotate-credential``: (Worker ID, new credential) of the Worker ``name`` on the
+    PostgreSQL ``store``'s pool (``cluster.credentials.rotate_credential``)."""
+    from .adapters.postgres.credentials import PgCredentials
+    from .cluster.credentials import rotate_credential
+    return rotate_credential(PgCredentials(store.pool), name)
+
+
+def fleet_overview(store) -> dict:
+    """``qlagent status``: ``adapters.postgres.overview.fleet_overview`` on the cluster store's pool."""
+    from .adapters.postgres.overview import fleet_overview as overview
+    return overview(store.pool)
+
+
+def join_ca_pem(ca_der_b64: str) -> str:
+    """The PEM of a join token's CA (``adapters.join_client.ca_pem``; ValidationError ``TOKEN``)."""
+    from .adapters.join_client import ca_pem
+    return ca_pem(ca_der_b64)
+
+
+def redeem_join_token(token, ca_pem: str | None, timeout_s: float) -> str:
+    """Redeem a ``core.jointoken.JoinToken`` at the first of its URLs that answers (TLS trusting
+    only ``ca_pem``); the Worker's name. The refusals of ``adapters.join_client.redeem``; the
+    last URL's ``ControlUnreachable`` when none answers."""
+    from .adapters.join_client import redeem
+    from .core.control import ControlUnreachable
+    err = None
+    for url in token.urls:
+        try:
+            return redeem(url, ca_pem, token.worker_id, token.credential, token.token_id, timeout_s)
+        except ControlUnreachable as e:
+            err = e
+    raise err
+
+
 def worker_registry(settings: Settings, store):
     """``cluster.registry.WorkerRegistry`` on the PostgreSQL ``store``'s pool, with the Session and
     Lease lifetimes of ``[cluster]``."""
@@ -340,7 +431,7 @@ def log_chunks(store):
 class ClusterServices:
     """What one control-plane replica serves besides the store's routes, built over ONE pool:
     ``registry`` (WorkerRegistry), ``pull`` (WorkerPull, long-poll woken by LISTEN/NOTIFY),
-    ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``placement_report``
+    ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``joins`` (JoinTokens), ``placement_report``
     (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
     (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
     ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``),
@@ -379,6 +470,7 @@ class ClusterServices:
         self.logs = LogUpload(self.log_reader, settings.profile)
         self.sweeper = LeaseSweeper(leases, PgWorkerRegistry(store.pool), c.sweep_batch)
         self.placement_report = PgPlacementReport(store.pool, plans.max_grace_ms)
+        self.joins = join_tokens(store)
         self.now_us = dispatch.now_us
         self.clock = DatabaseClock(self.now_us)
 

@@ -45,7 +45,9 @@ TEXT_ONLY = {("task", "enable"), ("task", "disable"), ("task", "rm"), ("secret",
              ("run", "cancel"), ("token", "create"), ("token", "revoke"), ("role", "set"), ("serve",)}
 # Need [cluster] (PostgreSQL): tests/cluster/test_cluster_serve.py::test_workers_enroll_ls_drain_rm.
 CLUSTER_ONLY = {("workers", "enroll"), ("workers", "ls"), ("workers", "drain"), ("workers", "resume"),
-                ("workers", "rm")}
+                ("workers", "rm"), ("workers", "rotate-credential"), ("status",)}
+# Write files, checked with --json in their own modules: tests/test_tls_cli.py, tests/cluster/test_join.py.
+FILE_MAKING = {("tls", "ca"), ("tls", "cert"), ("worker", "join")}
 
 
 def cli_commands() -> set[tuple[str, ...]]:
@@ -93,7 +95,7 @@ def test_every_json_command_and_api_route_lists_as_items_with_rfc3339_instants(s
         ("run", "show"): ["run", "show", tick_run], ("run", "logs"): ["run", "logs", tick_run],
         ("import", "qinglong"): ["import", "qinglong", panel, "--dry-run"],
     }
-    assert set(calls) | {("task", "add")} | TEXT_ONLY | CLUSTER_ONLY == cli_commands()
+    assert set(calls) | {("task", "add")} | TEXT_ONLY | CLUSTER_ONLY | FILE_MAKING == cli_commands()
     for command, argv in calls.items():
         p = cli(state, *argv, "--json")
         assert p.returncode in (0, 5) and p.stdout, (argv, p.stderr)     # doctor: 5 when a check fails

@@ -113,10 +113,10 @@ def secret(name: str, updated_at_us: int) -> dict:
 def worker(w: dict) -> dict:
     """A cluster Worker as ``WorkerRegistry.list`` gives it; ``lastHeartbeatAt`` null before its first
     Session, ``freeSlots`` never below 0, ``projects`` the Project IDs it is scoped to (empty:
-    every Project)."""
+    every Project), ``labels`` its enrolled Placement labels."""
     return {"name": w["name"], "workerId": w["worker_id"], "state": w["state"], "generation": w["generation"],
             "sessionId": w["session_id"], "lastHeartbeatAt": instant(w["last_heartbeat_us"]),
-            "slots": w["slots"], "freeSlots": max(0, w["free_slots"]), "projects": w["projects"]}
+            "slots": w["slots"], "labels": w["labels"], "freeSlots": max(0, w["free_slots"]), "projects": w["projects"]}
 
 
 def task_head(h: TaskHead, now_us: int) -> dict:

@@ -8,7 +8,7 @@ import sys
 
 
 from ..core import errors as E
-from .common import Ctx, command, group, print_json
+from .common import Ctx, command, fmt_us, group, print_json
 
 
 def _redacted(url: str) -> str:
@@ -90,13 +90,33 @@ def cmd_config_check(ctx: Ctx) -> int:
     from ..service.preflight import preflight
     s = ctx.settings
     preflight(s)
+    certificates = _certificate_expiries(s)
     out = {"configFile": s.config_path, "profile": s.profile.name, "stateDir": s.state_dir,
-           "artifactDir": s.artifact_dir, "config": to_builtins(s.config)}
+           "artifactDir": s.artifact_dir, "config": to_builtins(s.config), "certificates": certificates}
+    for c in certificates:
+        if not c["ok"]:
+            print(f"qlagent: warning: {c['field']}: {c['file']} {c['detail']}; renew it "
+                  "(`qlagent tls cert create`, `qlagent tls ca create`)", file=sys.stderr)
     if ctx.args.json:
         print_json(out)
     else:
         print(f"config ok: {s.config_path or '(defaults, no file)'}; profile {s.profile.name}; state {s.state_dir}")
     return 0
+
+
+def _certificate_expiries(s) -> list[dict]:
+    """``config check``'s certificate lines: {field, file, notAfter, ok, detail} each
+    (``bootstrap.certificate_expiries``; ok is False from 30 days before the end)."""
+    import time
+
+    from ..bootstrap import certificate_expiries
+    from ..core.certexpiry import expiry_note
+    out = []
+    for field, path, end in certificate_expiries(s):
+        good, detail = expiry_note(end, int(time.time()))
+        out.append({"field": field, "file": path, "notAfter": fmt_us(end * 1_000_000), "ok": good,
+                    "detail": detail})
+    return out
 
 
 def register(subparsers) -> None:

@@ -77,6 +77,9 @@ class Ctx:
     def __init__(self, args) -> None:
         self.args = args
         self._store = None
+        if getattr(args, "writes_config", False):   # `worker join` makes the config the others read
+            self.settings = None
+            return
         from ..service.config import resolve
         # Every command but doctor (which lists them) refuses paths another user could write.
         # `config check --as-user U`: as the agent running as U would (the OpenWrt converter
@@ -101,7 +104,7 @@ class Ctx:
                                          code="not_initialised")
             from .. import bootstrap
             a = self.args
-            if a.command == "workers":      # Workers are the cluster's, not a Project's: --project is not used
+            if a.command in ("workers", "status"):   # the cluster's, not a Project's: --project is not used
                 self._store = bootstrap.open_cluster_store(self.settings)
                 return self._store
             # (a dry run rolls its transaction back, and with it the Project it would create)

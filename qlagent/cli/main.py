@@ -1,7 +1,7 @@
 """``qlagent`` command line: the top-level parser, dispatch to a command's handler and the
 mapping of errors to exit codes. Each command group is a module of this package with
 ``register(subparsers)`` (``agent``, ``task``, ``secret``, ``run``, ``access``, ``workers``,
-``imports``, ``serve``); a handler imports its use cases when it runs, so ``--help``, ``--version``,
+``tls``, ``join``, ``status``, ``imports``, ``serve``); a handler imports its use cases when it runs, so ``--help``, ``--version``,
 ``run ls`` and ``task ls`` load no HTTP server, dispatcher, cluster or Worker module.
 
 Exit codes (stable, documented in README): 0 ok, 1 internal error, 2 usage or bad input,
@@ -21,12 +21,12 @@ from .serve import cmd_serve
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``qlagent`` grammar: the common options, ``--version`` and every group's commands."""
-    from . import access, agent, imports, run, secret, serve, task, workers
+    from . import access, agent, imports, join, run, secret, serve, status, task, tls, workers
     p = parser_class()(prog="qlagent", parents=[options()],
                        description="Schedule and run tasks on routers and edge boxes.")
     p.add_argument("--version", action="version", version=f"qlagent {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (agent, task, secret, run, access, workers, imports, serve):
+    for group in (agent, task, secret, run, access, workers, tls, join, status, imports, serve):
         group.register(sub)
     return p
 
@@ -73,7 +73,8 @@ def _serve_args(argv: list[str]) -> SimpleNamespace | None:
 
 # Arguments that are file-system paths: on POSIX a path is bytes, and one that is not UTF-8 is
 # still a path the OS opens (Python keeps its bytes as lone surrogates), so it is not refused.
-_PATH_ARGS = frozenset({"state_dir", "config", "file", "path", "scripts_dir"})
+_PATH_ARGS = frozenset({"state_dir", "config", "file", "path", "scripts_dir", "dir", "ca", "ca_key",
+                         "target_config", "target_state_dir"})
 
 
 def _argument_names(parser: argparse.ArgumentParser | None, args) -> dict[str, str]:

@@ -32,8 +32,22 @@ def _labels(pairs: list[str]) -> dict[str, str]:
 def cmd_workers_enroll(ctx: Ctx) -> int:
     a = ctx.args
     labels = _labels(a.label or [])
+    material = None
+    if a.join_token:                    # checked before the Worker is enrolled
+        from .join import join_material
+        material = join_material(ctx)
     worker_id, credential = _registry(ctx).enroll(a.name, labels, tuple(a.executor or ["local_process"]), a.slots,
                                                   tuple(a.worker_projects or ()))
+    if material is not None:
+        from .join import join_token
+        token = join_token(ctx, worker_id, credential, material)
+        if a.json:
+            print_json({"workerId": worker_id, "name": a.name, "joinToken": token})
+        else:
+            print(token)
+            print(f"qlagent: Worker {a.name} {worker_id} enrolled; the join token above is shown once and carries its "
+                  f"credential: on the router run `qlagent worker join TOKEN`", file=sys.stderr)
+        return 0
     if a.json:
         print_json({"workerId": worker_id, "name": a.name, "credential": credential})
     else:
@@ -57,8 +71,9 @@ def cmd_workers_ls(ctx: Ctx) -> int:
         print_json(presenter.page([presenter.worker(r) for r in rows]))
         return 0
     table([[r["name"], r["worker_id"], r["state"], str(r["generation"]), or_dash(r["session_id"]),
-             fmt_us(r["last_heartbeat_us"]), str(max(0, r["free_slots"])), str(r["slots"])] for r in rows],
-           ["NAME", "WORKER", "STATE", "GEN", "SESSION", "HEARTBEAT", "FREE", "SLOTS"])
+             fmt_us(r["last_heartbeat_us"]), str(max(0, r["free_slots"])), str(r["slots"]),
+             ",".join(f"{k}={v}" for k, v in sorted(r["labels"].items())) or "-"] for r in rows],
+           ["NAME", "WORKER", "STATE", "GEN", "SESSION", "HEARTBEAT", "FREE", "SLOTS", "LABELS"])
     return 0
 
 
@@ -78,7 +93,7 @@ def cmd_workers_state(ctx: Ctx, verb: str) -> int:
 
 
 def register(subparsers) -> None:
-    """Add ``workers enroll|ls|drain|resume|rm``."""
+    """Add ``workers enroll|rotate-credential|ls|drain|resume|rm``."""
     wk = subparsers.add_parser("workers", help="cluster Workers ([cluster] only)").add_subparsers(
         dest="sub", required=True, metavar="SUB")
     # Here --project scopes the Worker (repeatable), not the command: the common options but that one.
@@ -90,6 +105,9 @@ def register(subparsers) -> None:
     we.add_argument("--slots", type=int, default=1, help="concurrent Attempts (1..256)")
     we.add_argument("--project", action="append", dest="worker_projects", metavar="PROJECT",
                     help="offer it only this Project's Runs (repeatable, ≤ 32; none: every Project)")
+    from .join import add_token_options, register_rotate
+    add_token_options(we)
+    register_rotate(wk)
     command(wk, "ls", cmd_workers_ls, "list Workers: state, generation, Session, last heartbeat, free slots")
     command(wk, "drain", lambda c: cmd_workers_state(c, "drain"), "no new offers to the Worker").add_argument("name")
     command(wk, "resume", lambda c: cmd_workers_state(c, "resume"), "undo a drain: offers to the Worker again"

@@ -280,7 +280,7 @@ class WorkerRegistry:
 
     def list(self, limit: int = 64, after: str | None = None) -> list[dict]:
         """One page of live Workers in name order after ``after``: name, worker_id, state
-        (online/draining/offline), generation, session_id, last_heartbeat_us (µs), slots,
+        (online/draining/offline), generation, session_id, last_heartbeat_us (µs), slots, labels,
         free_slots, projects (the names it is scoped to; empty: every Project). ``limit``
         1..256 (ValidationError otherwise)."""
         if not 1 <= limit <= MAX_LIST:

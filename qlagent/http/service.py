@@ -188,7 +188,7 @@ def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int):
     from qlagent.http.worker_routes import DbClock, WorkerRouteLimits, WorkerRoutes, WorkerServices
     c = cluster.config
     routes = WorkerRoutes(WorkerServices(registry=cluster.registry, pull=cluster.pull, acks=cluster.acks,
-                                         logs=cluster.logs, clock=DbClock(cluster.now_us)),
+                                         logs=cluster.logs, clock=DbClock(cluster.now_us), joins=cluster.joins),
                           WorkerRouteLimits(threads=threads, max_long_polls=c.max_long_polls,
                                             answer_timeout_s=c.answer_timeout_s))
     routes.register(router)

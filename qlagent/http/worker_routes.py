@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import msgspec
 
 from qlagent.cluster.acks import AckService
+from qlagent.cluster.joins import JoinTokens
 from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
 from qlagent.cluster.pull import MAX_WAIT_S, WorkerPull
 from qlagent.cluster.registry import WorkerRegistry, check_uuid
@@ -115,6 +116,11 @@ class WorkerServices:
     acks: AckService
     logs: LogUpload
     clock: DbClock
+    joins: JoinTokens
+
+
+class JoinRequest(msgspec.Struct, forbid_unknown_fields=True):
+    tokenId: str
 
 
 class WorkerError(HttpError):
@@ -187,6 +193,7 @@ class WorkerRoutes:
         router.add("POST", PREFIX + "/pull", self._pull, bad)
         router.add("POST", PREFIX + "/acks", self._acks, bad)
         router.add("PUT", PREFIX + "/attempts/{attemptId}/log", self._log, bad)
+        router.add("POST", PREFIX + "/join", self._join, bad)
 
     def handler(self, router: Router) -> Callable[[Request], Response | Deferred]:
         """``router`` as an HttpServer handler whose immediate answers carry the server clock."""
@@ -221,6 +228,19 @@ class WorkerRoutes:
             raise WorkerError(400, "invalid_request", "unknown query parameter", sorted(req.query)[0][:64])
         return self._submit(lambda: Response.json(200, self._s.registry.describe(worker_id, credential)),
                             worker_id, credential)
+
+    def _join(self, req: Request, params: dict[str, str]) -> Deferred:
+        """``POST …/workers/{workerId}/join`` ``{"tokenId"}`` (issue 26, ``qlagent worker join``):
+        redeem the join token once; 200 ``{"workerId", "name"}``; 409 ``join_token_used`` /
+        ``join_token_expired``, 404 ``join_token_not_found``, 401 for a removed Worker."""
+        worker_id, credential = self._who(req, params)
+        body = self._json(req, JoinRequest)
+
+        def work() -> Response:
+            self._s.joins.redeem(worker_id, credential, body.tokenId)
+            info = self._s.registry.describe(worker_id, credential)
+            return Response.json(200, {"workerId": info.worker_id, "name": info.name})
+        return self._submit(work, worker_id, credential)
 
     def _sessions(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)
@@ -402,7 +422,8 @@ class WorkerRoutes:
         if isinstance(err, ValidationError):
             return WorkerError(400, "invalid_request", err.message, err.field)
         if isinstance(err, NotFoundError):
-            return WorkerError(404, "attempt_not_found", err.message)
+            return WorkerError(404, err.code if err.code == "join_token_not_found" else "attempt_not_found",
+                               err.message)
         if isinstance(err, ChunkConflict):
             return WorkerError(409, err.code, err.message, nextOffset=err.next_offset)
         if isinstance(err, ConflictError):

@@ -41,6 +41,7 @@ def run_checks(s: Settings) -> list[dict]:
             add(name, ok, detail)
         problem = bootstrap.key_file_problem(s.key_file)
         add("key file", problem is None, problem or f"{s.key_file} (0600, 32 bytes)")
+        _expiry_checks(s, add)
         return out
     if not os.path.exists(s.db_path):
         add("database", False, f"{s.db_path} does not exist (run `qlagent init`)")
@@ -91,6 +92,17 @@ def _dir_mode(path: str, most: int) -> tuple[bool, str]:
     return ok, f"{path} mode {mode:04o}" + ("" if ok else f"; expected a directory of mode {most:04o} or stricter")
 
 
+def _expiry_checks(s: Settings, add) -> None:
+    """One ``certificate`` line per certificate the role relies on (``bootstrap.certificate_expiries``),
+    failing from 30 days before its end (``core.certexpiry``)."""
+    import time
+
+    from ..core.certexpiry import expiry_note
+    for field, path, end in bootstrap.certificate_expiries(s):
+        good, detail = expiry_note(end, int(time.time()))
+        add("certificate", good, f"{field} {path} {detail}" + ("" if good else "; renew it (`qlagent tls cert create`)"))
+
+
 def _worker_checks(s: Settings, add, out: list[dict]) -> list[dict]:
     """A fleet Worker's checks (module docstring); nothing is created or written."""
     untrusted = check_trust(worker_paths(s))
@@ -105,6 +117,7 @@ def _worker_checks(s: Settings, add, out: list[dict]) -> list[dict]:
         add("state dir", False, f"{s.state_dir} does not exist (run `qlagent init`)")
     for name, ok, detail in bootstrap.worker_checks(s):
         add(name, ok, detail)
+    _expiry_checks(s, add)
     w = s.config.worker
     logs = w.log_store_bytes or s.profile.artifact_total_bytes
     need = logs + s.profile.inbox_bytes

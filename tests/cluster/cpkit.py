@@ -12,7 +12,9 @@ import socket
 import subprocess
 from dataclasses import replace
 
+from qlagent.adapters.postgres.join_tokens import PgJoinTokens
 from qlagent.adapters.postgres.notify import PgCandidateSignal
+from qlagent.cluster.joins import JoinTokens
 from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
 from qlagent.cluster.pull import WorkerPull
 from qlagent.core.profiles import EDGE
@@ -34,7 +36,7 @@ class ControlPlane:
         self.signal = PgCandidateSignal(pg_url)
         services = WorkerServices(registry=kit.registry, acks=kit.acks, logs=LogUpload(kit.logs, EDGE),
                                   pull=WorkerPull(kit.store, kit.secrets, signal=self.signal),
-                                  clock=DbClock(kit.store.now_us))
+                                  clock=DbClock(kit.store.now_us), joins=JoinTokens(PgJoinTokens(kit.pool)))
         self.routes = WorkerRoutes(services, limits)
         router = Router()
         self.routes.register(router)

@@ -169,10 +169,10 @@ class PgWorkerRegistry:
 
     def workers(self, limit: int, after: str | None = None) -> list[dict]:
         """Up to ``limit`` live Workers in name order: name, Worker ID, state online/draining/offline,
-        generation, Session ID, last heartbeat (µs), slots, free slots, the names of the Projects
-        it is scoped to (empty: every Project)."""
+        generation, Session ID, last heartbeat (µs), slots, labels (as enrolled), free slots, the
+        names of the Projects it is scoped to (empty: every Project)."""
         return transaction(self._pool, lambda cur: cur.execute(
-            "SELECT w.name, w.worker_id, w.generation, s.session_id, s.last_heartbeat_us, w.slots,"
+            "SELECT w.name, w.worker_id, w.generation, s.session_id, s.last_heartbeat_us, w.slots, w.labels,"
             " ARRAY(SELECT p.name FROM projects p WHERE p.project_id = ANY(w.projects) ORDER BY p.name) AS projects,"
             " CASE WHEN s.state = 'open' AND s.expires_at_us > ql_now_us()"
             "      THEN CASE w.state WHEN 'draining' THEN 'draining' ELSE 'online' END ELSE 'offline' END AS state,"

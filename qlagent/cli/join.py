@@ -1,0 +1,372 @@
+"""The one-line join (issue 26): ``qlagent workers enroll NAME --join-token --url URL`` (and
+``workers rotate-credential NAME --join-token``) print a join token (``core.jointoken``) on the
+control plane; ``qlagent worker join TOKEN`` on the router redeems it and writes the
+``[worker]`` configuration, the credential file (0600, owned by the service's user) and the CA
+file, then runs ``qlagent doctor`` as that user and says how to restart the service.
+
+``worker join`` writes nothing unless every check before the write passes: the token decodes
+and has not expired by this host's clock, the configuration it would write validates, no file
+is there already (``--force`` replaces them), and the control plane — over TLS trusting only
+the token's CA — accepts the token (``adapters.join_client.redeem``). On OpenWrt (``uci`` and
+``/etc/openwrt_release``, or ``--uci``) the options go to UCI ``qlagent.main`` instead of a TOML
+file, checked when the init script converts them at the restart.
+Refusals: exit 2 ``TOKEN`` (truncated, damaged, wrong CA), ``--user``, ``--config``; exit 3
+``file_exists``, ``join_token_used``, ``join_token_expired``; exit 4 ``worker_not_found`` (a
+removed Worker) or ``join_token_not_found``; exit 5 no control plane answered."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+from ..core import errors as E
+
+DEFAULT_TOKEN_TTL_S = 3600
+CREDENTIAL_FILE = "worker.cred"
+CA_FILE = "cp-ca.pem"
+SERVICE_USER = "qlagent"
+JOIN_TIMEOUT_S = 10.0
+
+
+# ---- on the control plane ---------------------------------------------------------------------
+
+def join_material(ctx) -> tuple[list[str], str | None]:
+    """What a join token carries besides the credential, checked before anything is enrolled:
+    (``--url`` list, 1..8; the CA's DER in base64 from ``--ca``, default ``qlagent-ca.pem`` beside
+    ``cluster.tls_cert``, None without an https URL). ValidationError naming ``--url``, ``--ca``
+    or ``--token-ttl`` (60..604800 s)."""
+    import base64
+    import ssl
+
+    from ..core.control_url import parse_control_url
+    from ..core.jointoken import MAX_TTL_S, MIN_TTL_S
+    from ..service.config import MAX_CONTROL_URLS
+    a = ctx.args
+    if not MIN_TTL_S <= a.token_ttl <= MAX_TTL_S:
+        raise E.ValidationError("--token-ttl", f"{a.token_ttl} s is outside {MIN_TTL_S}..{MAX_TTL_S} s",
+                                limit=f"{MIN_TTL_S}..{MAX_TTL_S}")
+    urls = a.url or []
+    if not 1 <= len(urls) <= MAX_CONTROL_URLS or len(set(urls)) != len(urls):
+        raise E.ValidationError("--url", f"give the control plane's URLs a Worker dials (1..{MAX_CONTROL_URLS}, "
+                                         "no repeats), e.g. --url https://cp.example.net:7380", limit=MAX_CONTROL_URLS)
+    for u in urls:
+        try:
+            parse_control_url(u)
+        except E.ValidationError as e:
+            raise E.ValidationError("--url", e.message.partition(": ")[2] or e.message, limit=e.limit) from None
+    if not any(u.startswith("https://") for u in urls):
+        return list(urls), None
+    tls_cert = ctx.settings.config.cluster.tls_cert if ctx.settings.config.cluster else None
+    ca = a.ca or (os.path.join(os.path.dirname(tls_cert), "qlagent-ca.pem") if tls_cert else None)
+    if ca is None:
+        raise E.ValidationError("--ca", "required with an https:// --url: the CA that signed the replicas' "
+                                        "certificate (`qlagent tls ca create` made qlagent-ca.pem)")
+    try:
+        with open(ca) as f:
+            der = ssl.PEM_cert_to_DER_cert(f.read())
+    except (OSError, ValueError) as e:
+        raise E.ValidationError("--ca", f"{ca}: not a readable PEM certificate ({type(e).__name__})") from None
+    return list(urls), base64.b64encode(der).decode("ascii")
+
+
+def join_token(ctx, worker_id: str, credential: str, material: tuple[list[str], str | None]) -> str:
+    """The join token for a just-issued ``credential`` of ``worker_id`` with ``material``
+    (``join_material``), recorded by the control plane (``cluster.joins``) for
+    ``--token-ttl`` seconds."""
+    from .. import bootstrap
+    from ..core.jointoken import JoinToken, encode_token
+    urls, ca_der = material
+    token_id, expires_us = bootstrap.join_tokens(ctx.store).issue(worker_id, ctx.args.token_ttl)
+    return encode_token(JoinToken(token_id=token_id, worker_id=worker_id, urls=urls, ca_der=ca_der,
+                                  credential=credential, expires_at_s=expires_us // 1_000_000))
+
+
+def add_token_options(p) -> None:
+    """``--join-token``, ``--url``, ``--ca``, ``--token-ttl`` on an enrolling parser."""
+    from .common import ascii_int as _ascii_int
+    p.add_argument("--join-token", action="store_true", help="print a one-line join token for `qlagent worker join`")
+    p.add_argument("--url", action="append", metavar="URL", help="with --join-token: a control-plane URL the Worker "
+                                                                 "dials (repeatable, ≤ 8)")
+    p.add_argument("--ca", default=None, help="with --join-token: the CA certificate the Worker pins (default "
+                                              "qlagent-ca.pem beside cluster.tls_cert)")
+    p.add_argument("--token-ttl", type=_ascii_int, default=DEFAULT_TOKEN_TTL_S, metavar="S",
+                   help="with --join-token: the token's lifetime in seconds (60..604800, default 3600)")
+
+
+def cmd_rotate_credential(ctx) -> int:
+    """``workers rotate-credential NAME``: a new credential for the same Worker ID, shown once
+    (or inside a join token with ``--join-token``); the old one is refused from now on."""
+    from .. import bootstrap
+    from .common import print_json as _print_json
+    from .workers import _registry
+    a = ctx.args
+    _registry(ctx)                          # [cluster] or exit 2
+    material = join_material(ctx) if a.join_token else None
+    worker_id, credential = bootstrap.rotate_worker_credential(ctx.store, a.name)
+    if material is not None:
+        token = join_token(ctx, worker_id, credential, material)
+        if a.json:
+            _print_json({"workerId": worker_id, "name": a.name, "joinToken": token})
+        else:
+            print(token)
+            print(f"qlagent: Worker {a.name} {worker_id}: new credential in the join token above (shown once); the "
+                  "old credential is refused from now on; on the router: `qlagent worker join --force TOKEN`",
+                  file=sys.stderr)
+        return 0
+    if a.json:
+        _print_json({"workerId": worker_id, "name": a.name, "credential": credential})
+    else:
+        print(f"worker      {a.name} {worker_id}")
+        print(f"credential  {credential}")
+        print("qlagent: the credential is shown once; the old one is refused from now on: put this one in the "
+              "router's worker.credential_file (0600)", file=sys.stderr)
+    return 0
+
+
+def register_rotate(wk) -> None:
+    """Add ``rotate-credential`` to the ``workers`` subparsers ``wk``."""
+    from .common import options
+    common = options(project=False)
+    r = wk.add_parser("rotate-credential", parents=[common],
+                      help="a new credential for the same Worker ID; the old one is refused at once")
+    r.set_defaults(handler=cmd_rotate_credential)
+    r.add_argument("name")
+    add_token_options(r)
+
+
+# ---- on the router ----------------------------------------------------------------------------
+
+def _service_user(name: str | None) -> tuple[int, int, str]:
+    """(uid, gid, name) owning the credential: ``--user``, else ``qlagent`` when running as root
+    and that user exists, else this process's user."""
+    import pwd
+    if name is None and os.geteuid() == 0:
+        try:
+            pw = pwd.getpwnam(SERVICE_USER)
+            return pw.pw_uid, pw.pw_gid, pw.pw_name
+        except KeyError:
+            pass
+    if name is None:
+        pw = pwd.getpwuid(os.geteuid())
+        return pw.pw_uid, pw.pw_gid, pw.pw_name
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise E.ValidationError("--user", f"no user {name!r}") from None
+    if pw.pw_uid != os.geteuid() and os.geteuid() != 0:
+        raise E.ValidationError("--user", f"only root can give files to {name!r}")
+    return pw.pw_uid, pw.pw_gid, pw.pw_name
+
+
+def _toml_str(v: str) -> str:
+    return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _worker_table(token, credential_file: str, ca_file: str | None, labels: dict[str, str]) -> str:
+    urls = token.urls[0] if len(token.urls) == 1 else token.urls
+    lines = ["[worker]", f"worker_id = {_toml_str(token.worker_id)}",
+             "control_url = " + (_toml_str(urls) if isinstance(urls, str)
+                                 else "[" + ", ".join(_toml_str(u) for u in urls) + "]"),
+             f"credential_file = {_toml_str(credential_file)}"]
+    if ca_file is not None:
+        lines.append(f"ca_file = {_toml_str(ca_file)}")
+    if labels:
+        lines.append("labels = { " + ", ".join(f"{_toml_str(k)} = {_toml_str(v)}" for k, v in labels.items()) + " }")
+    return "\n".join(lines) + "\n"
+
+
+_TABLE = re.compile(r"^\s*\[\s*(worker|cluster)(\.[^\]]*)?\s*\]", re.MULTILINE)
+
+
+def _without_role(text: str) -> str:
+    """``text`` (a TOML config) without its ``[worker]``/``[cluster]`` tables (each up to the
+    next table header)."""
+    out, skip = [], False
+    for line in text.splitlines(keepends=True):
+        if re.match(r"^\s*\[", line):
+            skip = bool(_TABLE.match(line))
+        if not skip:
+            out.append(line)
+    return "".join(out)
+
+
+def _config_text(path: str, state_dir: str | None, table: str, force: bool) -> str:
+    """The new config file's text: the present file's settings (profile, state_dir, [http] …)
+    without a role, then ``table``. ConflictError ``file_exists`` when the present file has a
+    ``[worker]`` or ``[cluster]`` table and not ``force``."""
+    try:
+        with open(path) as f:
+            old = f.read()
+    except FileNotFoundError:
+        old = ""
+    if _TABLE.search(old) and not force:
+        raise E.ConflictError(f"{path} already has a [worker] or [cluster] table; --force replaces it",
+                              field="--config", code="file_exists")
+    head = _without_role(old).rstrip("\n")
+    if state_dir is not None:
+        head = re.sub(r"(?m)^\s*state_dir\s*=.*\n?", "", head).rstrip("\n")
+        head = f"state_dir = {_toml_str(state_dir)}\n" + head
+    # Top-level keys must precede every table: they stay first, the [worker] table goes last.
+    return (head + "\n\n" if head.strip() else "") + table
+
+
+def _on_openwrt() -> bool:
+    import shutil
+    return os.path.exists("/etc/openwrt_release") and shutil.which("uci") is not None
+
+
+def _write_file(path: str, data: bytes, mode: int, owner: tuple[int, int] | None) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)
+        if owner is not None and (owner[0] != os.geteuid()):
+            os.fchown(fd, *owner)
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _uci_set(options: list[tuple[str, str | list[str]]]) -> None:
+    """Set ``qlagent.main``'s worker options with ``uci`` and commit them."""
+    import subprocess
+    cmds = []
+    for name, value in options:
+        cmds.append(["uci", "-q", "delete", f"qlagent.main.{name}"])
+        for v in value if isinstance(value, list) else [value]:
+            cmds.append(["uci", "add_list" if isinstance(value, list) else "set", f"qlagent.main.{name}={v}"])
+    cmds.append(["uci", "commit", "qlagent"])
+    for c in cmds:
+        p = subprocess.run(c, capture_output=True, timeout=30)
+        if p.returncode != 0 and c[2] != "delete":
+            raise E.UnavailableError(f"`{' '.join(c[:3])}` failed: {p.stderr.decode(errors='replace').strip()}",
+                                     code="uci_failed")
+
+
+def cmd_worker_join(ctx) -> int:
+    from ..core.jointoken import decode_token
+    from ..service.config import DEFAULT_CONFIG, load_config
+    a = ctx.args
+    token = decode_token(a.token)
+    now = int(time.time())
+    if token.expires_at_s <= now:
+        raise E.ConflictError(f"TOKEN: expired {now - token.expires_at_s} s ago (by this host's clock); issue a new "
+                              "one on the control plane (`qlagent workers rotate-credential NAME --join-token`)",
+                              field="TOKEN", code="join_token_expired")
+    from .. import bootstrap
+    ca = bootstrap.join_ca_pem(token.ca_der) if token.ca_der is not None else None
+    if any(u.startswith("https://") for u in token.urls) and ca is None:
+        raise E.ValidationError("TOKEN", "it names an https:// control plane but carries no CA")
+    uid, gid, user = _service_user(a.user)
+    uci = a.uci or (not a.toml and _on_openwrt())
+    config = a.target_config or os.environ.get("QLAGENT_CONFIG") or DEFAULT_CONFIG
+    directory = a.dir or ("/etc/qlagent" if uci else os.path.dirname(os.path.abspath(config)))
+    cred_file, ca_file = os.path.join(directory, CREDENTIAL_FILE), os.path.join(directory, CA_FILE)
+    if not os.path.isdir(directory):
+        raise E.ValidationError("--dir", f"{directory}: no such directory")
+    for p in (cred_file, ca_file):
+        if os.path.lexists(p) and not a.force:
+            raise E.ConflictError(f"{p} exists; --force replaces it", field="--dir", code="file_exists")
+    from .workers import _labels
+    labels = _labels(a.label or [])
+    table = _worker_table(token, cred_file, ca_file if ca is not None else None, labels)
+    text = None
+    if not uci:
+        text = _config_text(config, a.target_state_dir, table, a.force)
+        # Judge it by the agent's own rules before anything is written or the token used.
+        probe = f"{config}.join{os.getpid()}"
+        with open(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(text)
+        try:
+            load_config(probe, trust=False)
+        except E.ValidationError as e:
+            raise E.ValidationError("--config", f"{config}: the configuration would not load: {e}") from None
+        finally:
+            os.unlink(probe)
+    name = bootstrap.redeem_join_token(token, ca, JOIN_TIMEOUT_S)
+    if ca is not None:
+        _write_file(ca_file, ca.encode(), 0o644, None)
+    _write_file(cred_file, token.credential.encode() + b"\n", 0o600, (uid, gid))
+    if uci:
+        options: list[tuple[str, str | list[str]]] = [("control_url", list(token.urls)), ("worker_id", token.worker_id),
+                                                      ("credential_file", cred_file)]
+        if ca is not None:
+            options.append(("ca_file", ca_file))
+        if labels:
+            options.append(("label", [f"{k}={v}" for k, v in labels.items()]))
+        _uci_set(options)
+        where, restart = "UCI qlagent.main", "/etc/init.d/qlagent restart"
+    else:
+        _write_file(config, text.encode(), 0o644, None)
+        where = config
+        restart = ("systemctl restart qlagent" if os.path.isdir("/run/systemd/system")
+                   else "/etc/init.d/qlagent restart" if os.path.exists("/etc/init.d/qlagent")
+                   else f"qlagent serve --config {config}")
+    state_dir = None
+    if not uci:
+        from ..service.config import resolve
+        state_dir = resolve(config, trust=False).state_dir
+        if not os.path.isdir(state_dir):       # as `qlagent init` makes it for a Worker, owned by the service
+            os.makedirs(state_dir, mode=0o700)
+            if uid != os.geteuid():
+                os.chown(state_dir, uid, gid)
+    checks = [] if uci else _doctor(config, uid, gid)
+    bad = [c for c in checks if not c["ok"]]
+    if a.json:
+        from .common import print_json as _print_json
+        _print_json({"workerId": token.worker_id, "name": name, "config": where, "credentialFile": cred_file,
+                     "caFile": ca_file if ca is not None else None, "user": user, "checks": checks,
+                     "next": restart})
+    else:
+        print(f"joined      {name} {token.worker_id} of {', '.join(token.urls)}")
+        print(f"config      {where}")
+        print(f"credential  {cred_file} (0600, user {user})")
+        if ca is not None:
+            print(f"ca file     {ca_file} (the only CA trusted)")
+        for c in checks:
+            print(f"{'ok  ' if c['ok'] else 'FAIL'}  {c['name']:<14} {c['detail']}")
+        print(f"next        {restart}")
+    return E.EXIT_UNAVAILABLE if bad else 0
+
+
+def _doctor(config: str, uid: int, gid: int) -> list[dict]:
+    """``qlagent doctor --json`` on the new configuration, as the service's user would run it."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "QLAGENT_CONFIG"}
+    kw = {"user": uid, "group": gid} if uid != os.geteuid() else {}
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "doctor", "--config", config, "--json"],
+                       capture_output=True, timeout=120, env=env, **kw)
+    try:
+        return json.loads(p.stdout)["checks"]
+    except (ValueError, KeyError):
+        return [{"name": "doctor", "ok": False, "detail": p.stderr.decode(errors="replace").strip()[:400]}]
+
+
+def register(sub) -> None:
+    """Add ``worker join`` to ``sub`` (the top-level subparsers). Its ``--config`` and
+    ``--state-dir`` are what it writes, not what the command reads."""
+    from .common import options
+    common = options()
+    w = sub.add_parser("worker", help="this host as a fleet Worker").add_subparsers(dest="sub", required=True,
+                                                                                  metavar="SUB")
+    j = w.add_parser("join", help="join the fleet with a token from `qlagent workers enroll --join-token`")
+    j.set_defaults(handler=cmd_worker_join, writes_config=True)
+    j.add_argument("token", metavar="TOKEN")
+    j.add_argument("--config", dest="target_config", default=None,
+                   help="the config file to write (default $QLAGENT_CONFIG, else /etc/qlagent/qlagent.toml; "
+                        "its other settings are kept)")
+    j.add_argument("--state-dir", dest="target_state_dir", default=None, help="the state_dir to write into it")
+    j.add_argument("--dir", default=None, help="where to write worker.cred and cp-ca.pem (default: the config's "
+                                               "directory)")
+    j.add_argument("--label", action="append", metavar="KEY=VALUE", help="a Placement label (repeatable)")
+    j.add_argument("--user", default=None, help="the service's user, owner of the credential (default qlagent "
+                                                "when run as root and it exists, else you)")
+    j.add_argument("--toml", action="store_true", help="on OpenWrt too, write the TOML file instead of UCI")
+    j.add_argument("--uci", action="store_true", help="write UCI qlagent.main (as on OpenWrt) wherever this runs")
+    j.add_argument("--force", action="store_true", help="replace a present [worker], credential and CA file")
+    j.add_argument("--json", action="store_true", help="machine-readable output")

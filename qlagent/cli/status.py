@@ -1,0 +1,56 @@
+"""``qlagent status`` (issue 26): the fleet at a glance on the control plane — the database
+(primary or standby, the standbys' replay lag), the clients connected to it (replicas, CLIs)
+by host, Workers by state with their free slots, queued and unplaceable Runs with the oldest
+queued age, and credential clashes (a Worker whose Sessions keep replacing each other: two
+processes with one credential). Needs ``[cluster]`` (exit 2); the database unreachable is exit 5.
+
+``--json``: {database: {role, version, standbys}, clients, workers: {STATE: {count, freeSlots}},
+runs: {queued, unplaceable, oldestQueuedAgeS}, clashes}."""
+
+from __future__ import annotations
+
+
+def cmd_status(ctx) -> int:
+    from .. import bootstrap
+    from .common import print_json as _print_json
+    from .workers import _registry
+    registry = _registry(ctx)
+    o = bootstrap.fleet_overview(ctx.store)
+    workers: dict[str, dict] = {}
+    after = None
+    while True:
+        page = registry.list(64, after)
+        for w in page:
+            s = workers.setdefault(w["state"], {"count": 0, "freeSlots": 0})
+            s["count"] += 1
+            s["freeSlots"] += max(0, w["free_slots"]) if w["state"] == "online" else 0
+        if len(page) < 64:
+            break
+        after = page[-1]["name"]
+    age = None if o["oldestQueuedUs"] is None else round((o["nowUs"] - o["oldestQueuedUs"]) / 1e6, 1)
+    out = {"database": {"role": "standby" if o["standby"] else "primary", "version": o["version"],
+                        "standbys": o["standbys"]},
+           "clients": o["clients"], "workers": workers,
+           "runs": {"queued": o["queued"], "unplaceable": o["unplaceable"], "oldestQueuedAgeS": age},
+           "clashes": o["clashes"]}
+    if ctx.args.json:
+        _print_json(out)
+        return 0
+    lag = ", ".join(f"{s['name'] or s['addr']} {s['state']} lag {s['replayLagS'] or 0:.1f} s" for s in o["standbys"])
+    print(f"database   {out['database']['role']} (PostgreSQL {o['version']}); standbys: {lag or 'none'}")
+    print("clients    " + (", ".join(f"{c['addr']} ×{c['connections']}" for c in o["clients"]) or "none"))
+    print("workers    " + (", ".join(f"{n} {s['count']}" + (f" ({s['freeSlots']} free slots)" if n == "online" else "")
+                                     for n, s in sorted(workers.items())) or "none enrolled"))
+    print(f"runs       {o['queued']} queued ({o['unplaceable']} unplaceable)"
+          + (f", oldest queued {age} s" if age is not None else ""))
+    print("clashes    " + (", ".join(f"{c['name']} ({c['replaced']} Sessions replaced in 10 min: two processes "
+                                     "with one credential?)" for c in o["clashes"]) or "none"))
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``status`` to ``sub`` (the top-level subparsers)."""
+    from .common import options
+    common = options()
+    s = sub.add_parser("status", parents=[common], help="the fleet at a glance ([cluster] only)")
+    s.set_defaults(handler=cmd_status)

@@ -1,0 +1,209 @@
+"""The one-line join (issue 26): ``workers enroll NAME --join-token`` on a real replica serving
+HTTPS with a certificate from ``qlagent tls``; ``worker join TOKEN`` writes a configuration
+that ``doctor`` accepts against that replica; a truncated, used, expired, foreign-CA,
+unreachable or removed-Worker token is one line and writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from test_cluster_serve import Env, Replica
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    return subprocess.run([sys.executable, "-m", "qlagent.cli.main", *args], capture_output=True, env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cp(pg_url):
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="qlagent-join-", dir=base)
+    tls = os.path.join(root, "tls")
+    os.mkdir(tls)
+    assert _cli("tls", "ca", "create", "--dir", tls).returncode == 0
+    assert _cli("tls", "cert", "create", "--server", "--name", "localhost,127.0.0.1", "--dir", tls).returncode == 0
+    env = Env(root, pg_url, f'tls_cert = "{tls}/qlagent-server.pem"\ntls_key = "{tls}/qlagent-server-key.pem"\n')
+    env.ok("init")
+    replica = Replica(env)
+    yield env, replica, tls
+    assert replica.stop() == 0
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _enroll(env, name: str, *extra: str, port: int) -> str:
+    out = json.loads(env.ok("workers", "enroll", name, "--join-token", "--url", f"https://localhost:{port}",
+                            *extra, "--json"))
+    assert set(out) == {"workerId", "name", "joinToken"} and out["joinToken"].startswith("qlj1.")
+    return out["joinToken"]
+
+
+def _router(env, tag: str) -> str:
+    d = os.path.join(env.root, f"router-{tag}")
+    os.mkdir(d)
+    return d
+
+
+def _join(router: str, token: str, *extra: str) -> subprocess.CompletedProcess:
+    return _cli("worker", "join", token, "--config", os.path.join(router, "qlagent.toml"),
+                "--state-dir", os.path.join(router, "state"), *extra)
+
+
+def _refused(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
+    err = p.stderr.decode()
+    assert p.returncode == code, err
+    assert err.startswith("qlagent: error:") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, err
+
+
+def test_join_writes_config_credential_and_ca_that_doctor_accepts(cp):
+    env, replica, tls = cp
+    token = _enroll(env, "r1", port=replica.port)
+    router = _router(env, "ok")
+    p = _join(router, token, "--label", "site=lab", "--json")
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    out = json.loads(p.stdout)
+    assert out["name"] == "r1" and out["next"]
+    cred, ca = os.path.join(router, "worker.cred"), os.path.join(router, "cp-ca.pem")
+    assert stat.S_IMODE(os.stat(cred).st_mode) == 0o600 and stat.S_IMODE(os.stat(ca).st_mode) == 0o644
+    assert open(ca).read() == open(os.path.join(tls, "qlagent-ca.pem")).read()
+    checks = {c["name"]: c for c in out["checks"] if c["name"] in ("credential", "ca file", "control", "worker")}
+    assert all(c["ok"] for c in out["checks"]), out["checks"]
+    assert "known as r1" in checks["worker"]["detail"]
+    # config check takes what was written, and the same token is refused now: it was used.
+    ok = _cli("config", "check", "--config", os.path.join(router, "qlagent.toml"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    worker = json.loads(ok.stdout)["config"]["worker"]
+    assert worker["worker_id"] == out["workerId"] and worker["labels"] == {"site": "lab"}
+    again = _router(env, "again")
+    _refused(_join(again, token), 3, "TOKEN", "used")
+    assert os.listdir(again) == []
+    # Joining over a config that has a [worker] already needs --force.
+    _refused(_join(router, _enroll(env, "r1b", port=replica.port)), 3, "--force")
+
+
+def test_bad_tokens_are_one_line_and_write_nothing(cp):
+    env, replica, tls = cp
+    router = _router(env, "bad")
+    token = _enroll(env, "r2", port=replica.port)
+    _refused(_join(router, token[:-12]), 2, "TOKEN", "truncated")
+    _refused(_join(router, "qlj2." + token[5:]), 2, "TOKEN", "not a join token")
+    # The token's expiry is the control plane's record, not what the token says.
+    env.sql("UPDATE join_tokens SET expires_at_us = 0 WHERE worker_id = "
+            "(SELECT worker_id FROM workers WHERE name = 'r2' AND state <> 'removed')")
+    _refused(_join(router, token), 3, "TOKEN", "expired")
+    # Another control plane's CA pinned in the token: this replica's certificate is refused.
+    other = os.path.join(env.root, "other-ca")
+    os.mkdir(other)
+    assert _cli("tls", "ca", "create", "--dir", other).returncode == 0
+    foreign = _enroll(env, "r3", "--ca", os.path.join(other, "qlagent-ca.pem"), port=replica.port)
+    _refused(_join(router, foreign), 2, "TOKEN", "not signed by the CA in the token")
+    # No replica there.
+    unreachable = json.loads(env.ok("workers", "enroll", "r4", "--join-token", "--url", "https://localhost:1",
+                                    "--json"))["joinToken"]
+    _refused(_join(router, unreachable), 5, "localhost:1")
+    # A Worker removed since the token was made.
+    removed = _enroll(env, "r5", port=replica.port)
+    env.ok("workers", "rm", "r5")
+    _refused(_join(router, removed), 4, "TOKEN", "removed")
+    assert os.listdir(router) == []
+
+
+@pytest.mark.parametrize("args,field", [
+    ([], "--url"),
+    (["--url", "ftp://x"], "--url"),
+    (["--url", "https://localhost:7380", "--ca", "/nonexistent.pem"], "--ca"),
+    (["--url", "https://localhost:7380", "--token-ttl", "59"], "--token-ttl"),
+    (["--url", "https://localhost:7380", "--token-ttl", "604801"], "--token-ttl"),
+])
+def test_bad_join_token_options_enroll_nothing(cp, args, field):
+    env, _, _ = cp
+    p = env.cli("workers", "enroll", "nope", "--join-token", *args)
+    _refused(p, 2, field)
+    assert "nope" not in env.ok("workers", "ls")
+
+
+def test_rotate_credential_keeps_the_worker_id_and_refuses_the_old_one_at_once(cp):
+    env, replica, _ = cp
+    url = f"https://localhost:{replica.port}"
+    first = json.loads(env.ok("workers", "enroll", "rot", "--label", "site=lab", "--join-token", "--url", url,
+                              "--json"))
+    listed = {w["name"]: w for w in json.loads(env.ok("workers", "ls", "--json"))["items"]}
+    assert listed["rot"]["labels"] == {"site": "lab"}
+    assert "site=lab" in next(ln for ln in env.ok("workers", "ls").splitlines() if ln.startswith("rot "))
+    router = _router(env, "rot")
+    assert _join(router, first["joinToken"]).returncode == 0
+    config = os.path.join(router, "qlagent.toml")
+    rotated = json.loads(env.ok("workers", "rotate-credential", "rot", "--join-token", "--url", url, "--json"))
+    assert rotated["workerId"] == first["workerId"]
+    # The router's credential (the old one) is refused now.
+    doctor = json.loads(_cli("doctor", "--config", config, "--json").stdout)["checks"]
+    assert [c["ok"] for c in doctor if c["name"] == "worker"] == [False]
+    p = _join(router, rotated["joinToken"], "--force", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["workerId"] == first["workerId"]
+    doctor = json.loads(_cli("doctor", "--config", config, "--json").stdout)["checks"]
+    assert [c["ok"] for c in doctor if c["name"] == "worker"] == [True]
+    plain = json.loads(env.ok("workers", "rotate-credential", "rot", "--json"))
+    assert plain["workerId"] == first["workerId"] and plain["credential"].startswith("qlw_")
+    _refused(env.cli("workers", "rotate-credential", "nobody"), 4, "nobody")
+
+
+def test_status_shows_the_database_workers_queue_and_a_credential_clash(cp):
+    from qlagent.adapters.postgres.connection import open_pool
+    from qlagent.adapters.postgres.registry import PgWorkerRegistry
+    from qlagent.cluster.registry import WorkerRegistry
+    env, _, _ = cp
+    clash = json.loads(env.ok("workers", "enroll", "twice", "--json"))
+    pool = open_pool(env.url, 1)
+    try:            # two processes with one credential: each hello replaces the other's Session
+        registry = WorkerRegistry(PgWorkerRegistry(pool))
+        for _ in range(4):
+            registry.open_session(clash["workerId"], clash["credential"])
+    finally:
+        pool.close()
+    out = json.loads(env.ok("status", "--json"))
+    assert out["database"]["role"] == "primary"
+    assert out["workers"]["online"]["count"] >= 1 and out["workers"]["online"]["freeSlots"] >= 1
+    assert out["clashes"] == [{"name": "twice", "replaced": 3}]
+    assert out["runs"]["queued"] == 0 and out["runs"]["oldestQueuedAgeS"] is None
+    assert any(c["connections"] >= 1 for c in out["clients"])        # the replica's pool
+    text = env.ok("status")
+    assert "primary" in text and "twice (3 Sessions replaced" in text
+    plain = os.path.join(env.root, "plain.toml")
+    with open(plain, "w") as f:
+        f.write('profile = "edge"\n')
+    _refused(_cli("status", "--config", plain, "--state-dir", os.path.join(env.root, "plain")), 2, "cluster")
+
+
+def test_join_on_openwrt_writes_uci_options(cp):
+    env, replica, _ = cp
+    standin = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "openwrt_standin")
+    uci = os.path.join(env.root, "uci")
+    os.mkdir(uci)
+    router = _router(env, "openwrt")
+    token = _enroll(env, "owrt", port=replica.port)
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    run_env.update(UCI_DIR=uci, PATH=standin + os.pathsep + run_env["PATH"])
+    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "worker", "join", token, "--uci", "--dir", router,
+                        "--label", "site=roof"], capture_output=True, env=run_env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "/etc/init.d/qlagent restart" in p.stdout.decode()
+
+    def opt(name: str):
+        path = os.path.join(uci, name)
+        return [open(os.path.join(path, e)).read() for e in sorted(os.listdir(path))] if os.path.isdir(path) \
+            else open(path).read()
+    assert opt("control_url") == [f"https://localhost:{replica.port}"]
+    assert opt("credential_file") == os.path.join(router, "worker.cred")
+    assert opt("ca_file") == os.path.join(router, "cp-ca.pem") and opt("label") == ["site=roof"]
+    assert len(opt("worker_id")) == 36 and os.path.exists(os.path.join(uci, ".committed"))
+    assert sorted(os.listdir(router)) == ["cp-ca.pem", "worker.cred"]
