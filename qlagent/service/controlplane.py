@@ -41,7 +41,8 @@ from ..application.schedules import system_timezone
 from ..core.clock import now_us
 from ..core.dbclock import SKEW_BOUND_US
 from ..core.errors import QlError, UnavailableError
-from .config import Settings, parse_listen
+from ..core.settings import Settings
+from .config import parse_listen
 from .journal import Journal
 from .notify import Notifier
 from .preflight import preflight

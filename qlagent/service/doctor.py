@@ -14,7 +14,8 @@ import stat
 from .. import bootstrap
 from ..core.errors import QlError
 from ..core.limits import PRIVATE_DIR_MODE, STATE_DIR_MODE, STATE_MIN_FREE_BYTES
-from .config import Settings, state_space_problem
+from ..core.settings import Settings
+from .config import state_space_problem
 from .trust import check as check_trust
 from .trust import trusted_paths, worker_paths
 

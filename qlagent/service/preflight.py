@@ -19,7 +19,7 @@ import os
 from typing import NamedTuple
 
 from .. import bootstrap
-from .config import Settings
+from ..core.settings import Settings
 
 
 class Preflight(NamedTuple):
