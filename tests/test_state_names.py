@@ -1,6 +1,7 @@
 """States are named by their constants (``RunState.X``, ``AttemptState.X`` of ``core.states``),
-never written as string literals, in the agent, the cluster and the fleet Worker: a mistyped literal compares
-false for ever where a mistyped constant fails at import. Docstrings may name states."""
+never written as string literals, in the agent, the cluster and the fleet Worker: a mistyped
+literal compares false for ever where a mistyped constant fails at import. Docstrings may name
+states."""
 
 from __future__ import annotations
 
