@@ -51,7 +51,8 @@ RUNS_ACTIVE_OF_TASK = ("SELECT run_id FROM runs WHERE task_id = %s "
 ATTEMPT_LOG_PRUNED = ("SELECT 1 FROM attempts WHERE run_id = %s AND ended_at_us IS NOT NULL AND bytes_kept > 0 "
                       "AND worker_id IS NULL LIMIT 1")
 # Row-locked so concurrent replicas compare-and-set the cursor in turn.
-SCHEDULE_CURSOR_FOR_UPDATE = "SELECT last_instant_us, observed_wall_us FROM schedule_cursors WHERE task_id = %s FOR UPDATE"
+SCHEDULE_CURSOR_FOR_UPDATE = ("SELECT last_instant_us, observed_wall_us FROM schedule_cursors WHERE task_id = %s "
+                              "FOR UPDATE")
 # The (Task, instant) of a cron fire: a second replica's fire of it conflicts on the primary key.
 SCHEDULE_FIRE_INSERT = "INSERT INTO schedule_fires VALUES (%s, %s, %s, %s)"
 
@@ -72,8 +73,10 @@ RUN_NEXT_EVENT = format_marks(shared.RUN_NEXT_EVENT) + " RETURNING event_sequenc
 LIVE_ATTEMPTS = ("SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.shim_pid, a.shim_start_time, "
                  "a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a JOIN runs r "
                  "ON r.run_id = a.run_id WHERE a.state IN "
-                 f"{sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)} AND a.worker_id IS NULL ORDER BY a.attempt_id")
-CLAIMED_ATTEMPT_IDS = "SELECT attempt_id FROM attempts WHERE state = 'claimed' AND worker_id IS NULL ORDER BY attempt_id"
+                 f"{sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)} AND a.worker_id IS NULL "
+                 "ORDER BY a.attempt_id")
+CLAIMED_ATTEMPT_IDS = ("SELECT attempt_id FROM attempts WHERE state = 'claimed' AND worker_id IS NULL "
+                       "ORDER BY attempt_id")
 
 # Dispatch candidates of executor %(ex)s due at %(now)s, in Candidate.key() order.
 _CANDIDATE = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_revision, r.version, "

@@ -11,9 +11,9 @@ still failing → UnavailableError (``task_start_unavailable`` for Task Start, `
 otherwise). A server that cannot be reached → UnavailableError ``store_unavailable``.
 
 Time: the database clock (``ql_now_us()``) unless the caller injects ``clock_us`` (tests).
-The methods the SQLite store has alike live in ``adapters.row_store.RowStore``; this class
-adds opening, the retried transactions, Task Start, schedule fires, candidate pages, claims and
-finishes.
+The methods the SQLite store has alike live in ``adapters.row_store.RowStore`` over the row
+functions of ``adapters/rows/`` (handed the cursor as a ``rows.dialect.Db`` of ``POSTGRES``);
+this class adds opening, the retried transactions, Task Start's lock and candidate pages.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ RUN_LIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE task_id = ? AND state IN
 TASK_OCCUPIED = ("SELECT EXISTS (SELECT 1 FROM runs WHERE task_id = ?1 AND state = 'starting') "
                  "OR EXISTS (SELECT 1 FROM runs WHERE task_id = ?1 AND state = 'running') AS live")
 RUNS_HOLD = "UPDATE runs SET held = ? WHERE task_id = ? AND state = 'queued' AND single_instance = 1 AND held = ?"
-RUNS_QUEUED_OF_TASK_FOR_UPDATE = "SELECT run_id, event_sequence, version FROM runs WHERE task_id = ? AND state = 'queued'"
+RUNS_QUEUED_OF_TASK_FOR_UPDATE = ("SELECT run_id, event_sequence, version FROM runs "
+                                  "WHERE task_id = ? AND state = 'queued'")
 RUNS_ACTIVE_OF_TASK = f"SELECT run_id FROM runs WHERE task_id = ? AND state IN {RUN_ACTIVE_SQL}"
 # A log retention deleted: an ended Attempt of the Run kept bytes.
 ATTEMPT_LOG_PRUNED = "SELECT 1 FROM attempts WHERE run_id = ? AND ended_at_us IS NOT NULL AND bytes_kept > 0 LIMIT 1"
@@ -48,7 +49,8 @@ _ACTIVE = f"state IN {RUN_LIVE_SQL} AND state IN {RUN_ACTIVE_SQL}"
 RUNS_ACTIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE {_ACTIVE}"
 TASK_RUNS_ACTIVE_COUNT = f"SELECT count(*) AS n FROM runs INDEXED BY runs_by_state WHERE {_ACTIVE} AND task_id = ?"
 ATTEMPT_STATE_FOR_UPDATE = "SELECT state, attempt_no FROM attempts WHERE attempt_id = ?"
-RUN_STATE_FOR_UPDATE = "SELECT state, version, event_sequence, cancel_requested_at_us, task_id FROM runs WHERE run_id = ?"
+RUN_STATE_FOR_UPDATE = ("SELECT state, version, event_sequence, cancel_requested_at_us, task_id FROM runs "
+                        "WHERE run_id = ?")
 LIVE_ATTEMPTS = ("SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.shim_pid, a.shim_start_time, "
                  "a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a "
                  f"JOIN runs r ON r.run_id = a.run_id WHERE a.state IN {ATTEMPT_ACTIVE_SQL}")
