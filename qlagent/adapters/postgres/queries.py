@@ -1,5 +1,6 @@
 """The cluster authority's statements that differ from the local store's, under the names
-``adapters/sqlite/queries.py`` gives them (the shared ones: ``adapters.rows.queries``).
+``adapters/sqlite/queries.py`` gives them (the shared ones: ``adapters.rows.queries``), and
+those only it runs (its clock, cron fires, an offer's Secrets).
 
 Row locks the local store needs not (its write transaction excludes every other writer), text
 ordered by byte (``COLLATE "C"``, SQLite's order) and parameters typed where PostgreSQL cannot
@@ -9,6 +10,8 @@ from ...core import states
 from ..rows import queries as shared
 from ..rows.queries import format_marks, sql_in
 
+# The database clock (µs since the epoch): the time of the cluster's store writes.
+DB_NOW = "SELECT ql_now_us() AS now"
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = "SELECT * FROM projects WHERE name = %s OR project_id = %s FOR SHARE"
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = %s "
                      "ORDER BY created_at_us, seq")

@@ -134,10 +134,10 @@ class PgStore(RowStore):
         """``fn(cursor)`` in one SERIALIZABLE transaction, re-run on serialization failures."""
         return self._run(fn, write=True)
 
-    def _tx_now(self, cur) -> int:
+    def _tx_now(self, db: Db) -> int:
         if self._clock is not None:
             return self._clock()
-        return cur.execute("SELECT ql_now_us() AS now").fetchone()["now"]
+        return db.one("DB_NOW")["now"]
 
     def close(self) -> None:
         if self._own_pool:

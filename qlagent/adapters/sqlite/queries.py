@@ -1,5 +1,6 @@
 """The local store's statements that differ from the cluster authority's, under the names
-``adapters/postgres/queries.py`` gives them (the shared ones: ``adapters.rows.queries``).
+``adapters/postgres/queries.py`` gives them (the shared ones: ``adapters.rows.queries``), and
+those only it runs (the write probe).
 
 SQLite's write transaction (BEGIN IMMEDIATE) already excludes every other writer, so a
 statement PostgreSQL runs with a row lock (``…_FOR_SHARE``, ``…_FOR_UPDATE``) is the plain read
@@ -9,6 +10,9 @@ from ...core import states
 from ..rows import queries as shared
 from ..rows.queries import sql_in
 
+# The local agent's write probe (``SqliteStore.probe_write``, migration 0013): one row, rewritten.
+STORE_PROBE_PUT = ("INSERT INTO store_probe (id, written_at_us) VALUES (1, ?) "
+                   "ON CONFLICT (id) DO UPDATE SET written_at_us = excluded.written_at_us")
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = shared.PROJECT_BY_NAME_OR_ID
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = ? "
                      "ORDER BY created_at_us")

@@ -105,9 +105,7 @@ class SqliteStore(RowStore):
         fills it (it is checkpointed only past 1000 pages, 4 MiB): truncating it gives that back."""
         now = self._now()
         self.authority.raw(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
-        self.authority.write(lambda c: c.execute(
-            "INSERT INTO store_probe (id, written_at_us) VALUES (1, ?) "
-            "ON CONFLICT (id) DO UPDATE SET written_at_us = excluded.written_at_us", (now,)))
+        self.authority.write(lambda c: Db(c, SQLITE).run("STORE_PROBE_PUT", (now,)))
 
     # ---- RunStore ------------------------------------------------------------------------------
     def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
