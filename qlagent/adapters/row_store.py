@@ -1,16 +1,14 @@
 """``RowStore``: the store-port methods the SQLite and PostgreSQL authorities implement alike
 (ADR-0014 "only the Repository and transport change"; ``core.ports``).
 
-Each method is one ``read`` or ``write`` unit of the subclass over the row functions of its own
-package, which have the same names and arguments in ``adapters/sqlite/`` and
-``adapters/postgres/`` (modules ``policy``, ``definitions``, ``runs``, ``execution``,
-``secrets``, bound as the class attributes ``_policy``, ``_defs``, ``_runs``, ``_ex``,
-``_secrets``). Inside a unit, time is ``_tx_now(conn)`` (µs: the SQLite store's clock, the
-PostgreSQL store's database clock) and new Attempts are of ``executor_type``. What really
-differs — opening, the transactions themselves, Task Start, schedule fires, candidate pages,
-claims and finishes — stays in ``sqlite.store`` and ``postgres.store``; where a shared unit
-differs by a step (a schedule fire's record, the lock Run creations take) the subclass fills a
-hook (``_record_fire``, ``_write_creating_runs``).
+Each method is one ``read`` or ``write`` unit of the subclass over the row functions of
+``adapters/rows/`` (``policy``, ``definitions``, ``runs``, ``execution``, ``secrets``), which
+the subclass hands a ``rows.dialect.Db`` of its connection or cursor. Inside a unit, time is
+``_tx_now(conn)`` (µs: the SQLite store's clock, the PostgreSQL store's database clock) and new
+Attempts are of ``executor_type``. What really differs — opening, the transactions themselves,
+candidate pages — stays in ``sqlite.store`` and ``postgres.store``; where a shared unit differs
+by a step (a schedule fire's record, the lock Run creations take) the subclass fills a hook
+(``_record_fire``, ``_write_creating_runs``).
 """
 
 from __future__ import annotations
@@ -87,8 +85,8 @@ class RowBatch:
 
 class RowStore:
     """Base of ``SqliteStore`` and ``PgStore``: a subclass provides ``read(fn)``/``write(fn)``
-    (``fn(conn)`` in one read-only / write transaction), ``_tx_now(conn)``, ``executor_type``
-    and the five row modules (module docstring). Errors are those of the row functions
+    (``fn(db)`` in one read-only / write transaction, ``db`` a ``rows.dialect.Db``),
+    ``_tx_now(db)``, ``executor_type`` and ``task_start``/``candidate_page``. Errors are those of the row functions
     (NotFoundError, ConflictError, ValidationError …) and of the subclass's transactions
     (UnavailableError)."""
 

@@ -13,5 +13,5 @@ def _jsonb(doc: dict):
 
 
 # A unique violation re-runs the transaction (``PgStore``); RunEvent payloads are jsonb, read as dicts.
-POSTGRES = Dialect("postgres", queries, paramstyle="format", run_states=states.RunState.ALL_CLUSTER,
+POSTGRES = Dialect(queries, paramstyle="format", run_states=states.RunState.ALL_CLUSTER,
                    encode_json=_jsonb, decode_json=lambda doc: doc)

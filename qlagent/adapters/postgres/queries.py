@@ -1,5 +1,6 @@
 """The cluster authority's statements that differ from the local store's, under the names
-``adapters/sqlite/queries.py`` gives them (the shared ones: ``adapters.rows.queries``).
+``adapters/sqlite/queries.py`` gives them (the shared ones: ``adapters.rows.queries``), and
+those only it runs (its clock, cron fires, an offer's Secrets).
 
 Row locks the local store needs not (its write transaction excludes every other writer), text
 ordered by byte (``COLLATE "C"``, SQLite's order) and parameters typed where PostgreSQL cannot
@@ -9,6 +10,8 @@ from ...core import states
 from ..rows import queries as shared
 from ..rows.queries import format_marks, sql_in
 
+# The database clock (µs since the epoch): the time of the cluster's store writes.
+DB_NOW = "SELECT ql_now_us() AS now"
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = "SELECT * FROM projects WHERE name = %s OR project_id = %s FOR SHARE"
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = %s "
                      "ORDER BY created_at_us, seq")
@@ -51,7 +54,8 @@ RUNS_ACTIVE_OF_TASK = ("SELECT run_id FROM runs WHERE task_id = %s "
 ATTEMPT_LOG_PRUNED = ("SELECT 1 FROM attempts WHERE run_id = %s AND ended_at_us IS NOT NULL AND bytes_kept > 0 "
                       "AND worker_id IS NULL LIMIT 1")
 # Row-locked so concurrent replicas compare-and-set the cursor in turn.
-SCHEDULE_CURSOR_FOR_UPDATE = "SELECT last_instant_us, observed_wall_us FROM schedule_cursors WHERE task_id = %s FOR UPDATE"
+SCHEDULE_CURSOR_FOR_UPDATE = ("SELECT last_instant_us, observed_wall_us FROM schedule_cursors WHERE task_id = %s "
+                              "FOR UPDATE")
 # The (Task, instant) of a cron fire: a second replica's fire of it conflicts on the primary key.
 SCHEDULE_FIRE_INSERT = "INSERT INTO schedule_fires VALUES (%s, %s, %s, %s)"
 
@@ -72,8 +76,10 @@ RUN_NEXT_EVENT = format_marks(shared.RUN_NEXT_EVENT) + " RETURNING event_sequenc
 LIVE_ATTEMPTS = ("SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.shim_pid, a.shim_start_time, "
                  "a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a JOIN runs r "
                  "ON r.run_id = a.run_id WHERE a.state IN "
-                 f"{sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)} AND a.worker_id IS NULL ORDER BY a.attempt_id")
-CLAIMED_ATTEMPT_IDS = "SELECT attempt_id FROM attempts WHERE state = 'claimed' AND worker_id IS NULL ORDER BY attempt_id"
+                 f"{sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)} AND a.worker_id IS NULL "
+                 "ORDER BY a.attempt_id")
+CLAIMED_ATTEMPT_IDS = ("SELECT attempt_id FROM attempts WHERE state = 'claimed' AND worker_id IS NULL "
+                       "ORDER BY attempt_id")
 
 # Dispatch candidates of executor %(ex)s due at %(now)s, in Candidate.key() order.
 _CANDIDATE = ("SELECT r.run_id, r.latest_attempt_id, r.project_id, r.task_id, r.task_revision, r.version, "

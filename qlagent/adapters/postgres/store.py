@@ -11,9 +11,9 @@ still failing → UnavailableError (``task_start_unavailable`` for Task Start, `
 otherwise). A server that cannot be reached → UnavailableError ``store_unavailable``.
 
 Time: the database clock (``ql_now_us()``) unless the caller injects ``clock_us`` (tests).
-The methods the SQLite store has alike live in ``adapters.row_store.RowStore``; this class
-adds opening, the retried transactions, Task Start, schedule fires, candidate pages, claims and
-finishes.
+The methods the SQLite store has alike live in ``adapters.row_store.RowStore`` over the row
+functions of ``adapters/rows/`` (handed the cursor as a ``rows.dialect.Db`` of ``POSTGRES``);
+this class adds opening, the retried transactions, Task Start's lock and candidate pages.
 """
 
 from __future__ import annotations
@@ -134,10 +134,10 @@ class PgStore(RowStore):
         """``fn(cursor)`` in one SERIALIZABLE transaction, re-run on serialization failures."""
         return self._run(fn, write=True)
 
-    def _tx_now(self, cur) -> int:
+    def _tx_now(self, db: Db) -> int:
         if self._clock is not None:
             return self._clock()
-        return cur.execute("SELECT ql_now_us() AS now").fetchone()["now"]
+        return db.one("DB_NOW")["now"]
 
     def close(self) -> None:
         if self._own_pool:

@@ -4,8 +4,8 @@ A ``Dialect`` is built once per store module from ``rows.queries`` (the statemen
 run alike, ``?`` marks) and the dialect's own ``queries`` module (the statements that differ,
 under the same names). A ``{values}`` in a statement is an ``IN`` list that ``Db.run_in`` fills
 with one mark per value. ``paramstyle="format"`` (psycopg) turns every ``?`` of a shared
-statement into ``%s`` (a literal ``%`` into ``%%``). ``Db`` wraps the connection (sqlite3, ``sqlite3.Row``
-rows) or cursor (psycopg, dict rows) of one transaction: ``one``/``all``/``run`` execute a
+statement into ``%s`` (a literal ``%`` into ``%%``). ``Db`` wraps the connection (sqlite3,
+``sqlite3.Row`` rows) or cursor (psycopg, dict rows) of one transaction: ``one``/``all``/``run`` execute a
 statement by name; anything else (``execute`` of a dialect module's own SQL, ``rowcount``)
 reaches the wrapped object unchanged. Rows are read by column name, which both row types allow.
 """
@@ -20,22 +20,22 @@ from . import queries as shared
 
 
 def _statements(module: ModuleType) -> dict[str, str]:
-    return {k: v for k, v in vars(module).items() if k.isupper() and isinstance(v, str)}
+    """The module's statements: its public upper-case string constants (``_FRAGMENT``s are parts)."""
+    return {k: v for k, v in vars(module).items() if k.isupper() and not k.startswith("_") and isinstance(v, str)}
 
 
 class Dialect:
-    """``Dialect(name, own, *, paramstyle="qmark"|"format", duplicate_key=(), run_states,
-    encode_json, decode_json)``: ``name`` "sqlite" or "postgres"; ``own`` the dialect's
-    ``queries`` module; ``duplicate_key`` the driver exceptions for a unique-key violation that a
+    """``Dialect(own, *, paramstyle="qmark"|"format", duplicate_key=(), run_states, encode_json,
+    decode_json)``: ``own`` the dialect's ``queries`` module; ``duplicate_key`` the driver exceptions for a unique-key violation that a
     row function turns into ConflictError (empty where the store's transaction re-runs on them
     instead, as ``PgStore``'s does); ``run_states`` the Run states the store holds (the cluster's
     add ``dispatching``); ``encode_json``/``decode_json`` a RunEvent payload (dict) to and from
     its column (SQLite: text, PostgreSQL: jsonb)."""
 
-    def __init__(self, name: str, own: ModuleType, *, paramstyle: str = "qmark",
+    def __init__(self, own: ModuleType, *, paramstyle: str = "qmark",
                  duplicate_key: tuple[type[BaseException], ...] = (), run_states: frozenset[str],
                  encode_json: Callable[[dict], Any], decode_json: Callable[[Any], dict]) -> None:
-        self.name, self.paramstyle = name, paramstyle
+        self.paramstyle = paramstyle
         self.duplicate_key, self.run_states = duplicate_key, run_states
         self.encode_json, self.decode_json = encode_json, decode_json
         common = _statements(shared)

@@ -78,7 +78,8 @@ FIRST_EVENT_IDS = "SELECT event_id FROM run_events WHERE run_id = ? AND sequence
 RUN_CANCEL_QUEUED = ("UPDATE runs SET state = 'cancelled', version = version + 1, event_sequence = ?, "
                      "cancel_requested_at_us = coalesce(cancel_requested_at_us, ?), updated_at_us = ?, "
                      "ended_at_us = ? WHERE run_id = ? AND version = ? AND state = 'queued'")
-ATTEMPT_CANCEL_CLAIMED = "UPDATE attempts SET state = 'cancelled', ended_at_us = ? WHERE run_id = ? AND state = 'claimed'"
+ATTEMPT_CANCEL_CLAIMED = ("UPDATE attempts SET state = 'cancelled', ended_at_us = ? "
+                          "WHERE run_id = ? AND state = 'claimed'")
 # Runs with their Task's name; the statements below extend it.
 RUNS_WITH_TASK_NAME = "SELECT r.*, t.name AS task_name FROM runs r JOIN tasks t ON t.task_id = r.task_id "
 RUN_BY_KEY = RUNS_WITH_TASK_NAME + "WHERE r.project_id = ? AND r.idempotency_key = ?"
@@ -106,7 +107,8 @@ RUNS_PAGE_TASK_STATE_BEFORE = _runs_page(task=True, state=True, before=True)
 EVENTS_OF_RUN = ("SELECT run_id, sequence, event_id, type, actor, payload_json, created_at_us FROM run_events "
                  "WHERE run_id = ? ORDER BY sequence")
 ATTEMPTS_OF_RUN = ("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated FROM attempts a "
-                   "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id WHERE a.run_id = ? ORDER BY a.attempt_no")
+                   "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id WHERE a.run_id = ? "
+                   "ORDER BY a.attempt_no")
 ATTEMPT_LATEST_LOG = ("SELECT a.artifact_path, f.quota_bytes, f.bytes_kept, f.bytes_dropped FROM attempts a "
                       "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id WHERE a.run_id = ? "
                       "AND a.artifact_path IS NOT NULL ORDER BY a.attempt_no DESC LIMIT 1")

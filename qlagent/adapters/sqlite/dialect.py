@@ -13,5 +13,5 @@ from . import queries
 _enc = msgspec.json.Encoder(order="sorted")
 
 # A duplicate token digest is ConflictError; RunEvent payloads are JSON text with sorted keys.
-SQLITE = Dialect("sqlite", queries, duplicate_key=(sqlite3.IntegrityError,), run_states=states.RunState.ALL,
+SQLITE = Dialect(queries, duplicate_key=(sqlite3.IntegrityError,), run_states=states.RunState.ALL,
                  encode_json=lambda doc: _enc.encode(doc).decode(), decode_json=msgspec.json.decode)

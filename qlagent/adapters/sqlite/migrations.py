@@ -1,8 +1,8 @@
 """Numbered, checksummed migrations of the local store (ADR-0071 §2).
 
-Files ``migrations/NNNN_name.sql`` (the Worker's inbox file: ``inbox_migrations/``, ``inbox``) are applied in number order, each inside its own
-``BEGIN IMMEDIATE`` transaction together with its row in ``schema_migrations`` (version, name,
-SHA-256 of the file). Start-up refuses a database whose history names a migration this build
+Files ``migrations/NNNN_name.sql`` (the Worker's inbox file: ``inbox_migrations/``, ``inbox``)
+are applied in number order, each inside its own ``BEGIN IMMEDIATE`` transaction together with
+its row in ``schema_migrations`` (version, name, SHA-256 of the file). Start-up refuses a database whose history names a migration this build
 does not know or whose checksum differs: that database was written by another build or edited.
 Capabilities are declared by their own migration after the DDL they depend on is durable
 (ADR-0071 §2 "DDL 与 capability 分步").

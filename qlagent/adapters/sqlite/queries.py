@@ -1,5 +1,6 @@
 """The local store's statements that differ from the cluster authority's, under the names
-``adapters/postgres/queries.py`` gives them (the shared ones: ``adapters.rows.queries``).
+``adapters/postgres/queries.py`` gives them (the shared ones: ``adapters.rows.queries``), and
+those only it runs (the write probe).
 
 SQLite's write transaction (BEGIN IMMEDIATE) already excludes every other writer, so a
 statement PostgreSQL runs with a row lock (``…_FOR_SHARE``, ``…_FOR_UPDATE``) is the plain read
@@ -9,6 +10,9 @@ from ...core import states
 from ..rows import queries as shared
 from ..rows.queries import sql_in
 
+# The local agent's write probe (``SqliteStore.probe_write``, migration 0013): one row, rewritten.
+STORE_PROBE_PUT = ("INSERT INTO store_probe (id, written_at_us) VALUES (1, ?) "
+                   "ON CONFLICT (id) DO UPDATE SET written_at_us = excluded.written_at_us")
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = shared.PROJECT_BY_NAME_OR_ID
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = ? "
                      "ORDER BY created_at_us")
@@ -25,18 +29,19 @@ HEAD_LIVE_FOR_UPDATE = shared.HEAD_LIVE
 HEADS_LIVE = shared.TASK_HEADS + ("WHERE (? IS NULL OR t.project_id = ?) AND t.deleted_at_us IS NULL "
                                   "ORDER BY t.name, t.task_id")
 
-RUN_LIVE_SQL = sql_in(states.RUN_LIVE, states.RunState.ALL)     # ('queued','starting','running'): runs_by_state
-RUN_ACTIVE_SQL = sql_in(states.RUN_ACTIVE, states.RunState.ALL)
-ATTEMPT_ACTIVE_SQL = sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)
+_RUN_LIVE = sql_in(states.RUN_LIVE, states.RunState.ALL)     # ('queued','starting','running'): runs_by_state
+_RUN_ACTIVE = sql_in(states.RUN_ACTIVE, states.RunState.ALL)
+_ATTEMPT_ACTIVE = sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)
 
-RUN_LIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE task_id = ? AND state IN {RUN_LIVE_SQL}"
+RUN_LIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE task_id = ? AND state IN {_RUN_LIVE}"
 # A Task's single instance is taken while it has a starting or running Run (two equality seeks
 # on runs_by_task_state); the queued single-instance Runs are then held: (held, task, not held).
 TASK_OCCUPIED = ("SELECT EXISTS (SELECT 1 FROM runs WHERE task_id = ?1 AND state = 'starting') "
                  "OR EXISTS (SELECT 1 FROM runs WHERE task_id = ?1 AND state = 'running') AS live")
 RUNS_HOLD = "UPDATE runs SET held = ? WHERE task_id = ? AND state = 'queued' AND single_instance = 1 AND held = ?"
-RUNS_QUEUED_OF_TASK_FOR_UPDATE = "SELECT run_id, event_sequence, version FROM runs WHERE task_id = ? AND state = 'queued'"
-RUNS_ACTIVE_OF_TASK = f"SELECT run_id FROM runs WHERE task_id = ? AND state IN {RUN_ACTIVE_SQL}"
+RUNS_QUEUED_OF_TASK_FOR_UPDATE = ("SELECT run_id, event_sequence, version FROM runs "
+                                  "WHERE task_id = ? AND state = 'queued'")
+RUNS_ACTIVE_OF_TASK = f"SELECT run_id FROM runs WHERE task_id = ? AND state IN {_RUN_ACTIVE}"
 # A log retention deleted: an ended Attempt of the Run kept bytes.
 ATTEMPT_LOG_PRUNED = "SELECT 1 FROM attempts WHERE run_id = ? AND ended_at_us IS NOT NULL AND bytes_kept > 0 LIMIT 1"
 SCHEDULE_CURSOR_FOR_UPDATE = "SELECT last_instant_us, observed_wall_us FROM schedule_cursors WHERE task_id = ?"
@@ -44,14 +49,15 @@ SCHEDULE_CURSOR_FOR_UPDATE = "SELECT last_instant_us, observed_wall_us FROM sche
 # SQLite uses the partial index runs_by_state only when the query repeats its WHERE term
 # verbatim; without it both counts scan every Run ever stored (the whole table, or the Task's
 # whole history) on every dispatcher pass, so a pass would grow with the backlog.
-_ACTIVE = f"state IN {RUN_LIVE_SQL} AND state IN {RUN_ACTIVE_SQL}"
+_ACTIVE = f"state IN {_RUN_LIVE} AND state IN {_RUN_ACTIVE}"
 RUNS_ACTIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE {_ACTIVE}"
 TASK_RUNS_ACTIVE_COUNT = f"SELECT count(*) AS n FROM runs INDEXED BY runs_by_state WHERE {_ACTIVE} AND task_id = ?"
 ATTEMPT_STATE_FOR_UPDATE = "SELECT state, attempt_no FROM attempts WHERE attempt_id = ?"
-RUN_STATE_FOR_UPDATE = "SELECT state, version, event_sequence, cancel_requested_at_us, task_id FROM runs WHERE run_id = ?"
+RUN_STATE_FOR_UPDATE = ("SELECT state, version, event_sequence, cancel_requested_at_us, task_id FROM runs "
+                        "WHERE run_id = ?")
 LIVE_ATTEMPTS = ("SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.shim_pid, a.shim_start_time, "
                  "a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a "
-                 f"JOIN runs r ON r.run_id = a.run_id WHERE a.state IN {ATTEMPT_ACTIVE_SQL}")
+                 f"JOIN runs r ON r.run_id = a.run_id WHERE a.state IN {_ATTEMPT_ACTIVE}")
 CLAIMED_ATTEMPT_IDS = "SELECT attempt_id FROM attempts WHERE state = 'claimed'"
 
 # Dispatch candidates: queued, uncancelled, not held, their claimed local Attempt due.

@@ -1,13 +1,13 @@
 """``SqliteStore``: the local authority behind every store port of ``core.ports`` (ADR-0071 §3).
 
 One ``SqliteAuthority`` (one connection, one thread, one operation queue); each method is one
-``read`` or one ``BEGIN IMMEDIATE`` ``write`` over the row functions of this package
-(``definitions``, ``runs``, ``execution``, ``policy``, ``secrets``). Where the store decides
-time it reads its own clock (``clock_us``, µs since the epoch). Opening migrates (the service,
-``init``) or refuses a schema that is behind, checks capabilities and resolves the Project this
-process acts in. The methods the PostgreSQL store has alike live in
-``adapters.row_store.RowStore``; this class adds opening, the transactions, Task Start,
-schedule fires, candidate pages, claims and finishes.
+``read`` or one ``BEGIN IMMEDIATE`` ``write`` over the row functions of ``adapters/rows/``,
+handed the connection as a ``rows.dialect.Db`` of ``SQLITE`` (this package's ``queries``).
+Where the store decides time it reads its own clock (``clock_us``, µs since the epoch). Opening
+migrates (the service, ``init``) or refuses a schema that is behind, checks capabilities and
+resolves the Project this process acts in. The methods the PostgreSQL store has alike live in
+``adapters.row_store.RowStore``; this class adds opening, the transactions, Task Start and
+candidate pages.
 """
 
 from __future__ import annotations
@@ -105,9 +105,7 @@ class SqliteStore(RowStore):
         fills it (it is checkpointed only past 1000 pages, 4 MiB): truncating it gives that back."""
         now = self._now()
         self.authority.raw(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())
-        self.authority.write(lambda c: c.execute(
-            "INSERT INTO store_probe (id, written_at_us) VALUES (1, ?) "
-            "ON CONFLICT (id) DO UPDATE SET written_at_us = excluded.written_at_us", (now,)))
+        self.authority.write(lambda c: Db(c, SQLITE).run("STORE_PROBE_PUT", (now,)))
 
     # ---- RunStore ------------------------------------------------------------------------------
     def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
@@ -146,7 +144,8 @@ def diagnose(path: str) -> list[tuple[str, bool, str]]:
             out.append(("capability", False, str(e)))
         res = auth.read(lambda c: [r[0] for r in c.execute("PRAGMA integrity_check")])
         out.append(("integrity", res == ["ok"], "; ".join(res[:5])))
-        missing = [(t, n) for t, n, stored in auth.read(lambda c: secret_rows.secret_uses(Db(c, SQLITE), None)) if not stored]
+        uses = auth.read(lambda c: secret_rows.secret_uses(Db(c, SQLITE), None))
+        missing = [(t, n) for t, n, stored in uses if not stored]
         for task, name in missing:
             out.append(("secrets", False, f"task {task} uses secret {name!r}, which is not set "
                                           f"(`qlagent secret set {name}`); its runs fail secret_missing:{name}"))
