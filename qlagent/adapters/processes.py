@@ -178,7 +178,7 @@ def spawn_shim(spec: dict, python: str = sys.executable,
 
 # The fork server exits after this long without a request (shim/main.py FORK_SERVER_IDLE_S);
 # the agent stops using it a margin earlier, so no request is ever sent to one that is leaving.
-FORK_SERVER_IDLE_S = 10.0
+FORK_SERVER_IDLE_S = 3600.0
 _RETIRE_MARGIN_S = 1.0
 # After a fork server failed, starts fail at once with its reason until the next try: the first
 # try after BACKOFF_MIN_S, each later one twice as late, at most BACKOFF_MAX_S (no restart storm).

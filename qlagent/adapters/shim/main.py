@@ -97,7 +97,9 @@ SHIM_OOM_SCORE_ADJ = b"500"    # after the task, before the agent: killing a shi
 PR_SET_PDEATHSIG = 1
 RECEIPT_RETRY_S = 1.0    # a full file system: try the receipt again this often until it fits
 ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
-FORK_SERVER_IDLE_S = 10.0   # a fork server this long without a request exits (processes.ForkServer)
+# A fork server this long without a request exits (processes.ForkServer): an hourly cron keeps
+# it warm; an agent with nothing to run gets its ~3 MiB back.
+FORK_SERVER_IDLE_S = 3600.0
 
 _task_pid = 0
 _term_requested = False
