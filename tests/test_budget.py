@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from qlcli import js, ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import NotifyListener, add_tasks, clean_env, runs_of, start_serve, stop, wait_until
+from servehelp import NotifyListener, add_tasks, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 MiB = 1_048_576
 CG = "/sys/fs/cgroup"

@@ -14,7 +14,8 @@ from datetime import datetime
 import pytest
 
 from qlcli import js, ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import NotifyListener, clean_env, db, runs_of, start_serve, stop, wait_until
+from servehelp import NotifyListener, db, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "router-tasks.toml")

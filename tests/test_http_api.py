@@ -26,6 +26,7 @@ from qlagent.adapters.sqlite import policy
 from qlagent.http.routing import documented_routes
 
 from qlcli import ok, workdir  # noqa: F401  (workdir is a fixture)
+from kit import free_port
 
 TASKS = r"""
 [[task]]
@@ -110,13 +111,6 @@ script = 'echo foreign'
 BASE = "/api/v3/projects/default"
 BUSY_TIMEOUT_S = 1.0
 SCHEMA = "qinglong/task-start@v1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Agent:
     """``qlagent serve --listen 127.0.0.1:PORT`` in a subprocess; ready once it logs

@@ -14,10 +14,11 @@ import sys
 
 import pytest
 from qlcli import cli, js, ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import clean_env, runs_of, start_serve, stop, wait_until
+from servehelp import runs_of, start_serve, stop
 
 from qlagent.core.qinglong import (QlConfig, QlCron, QlEnv, QlPanel, Toolset, assign_names, base_name,
                                    parse_config_sh, plan_import)
+from kit import clean_env, wait_until
 
 CRON_TABLE = ("CREATE TABLE Crontabs (id INTEGER PRIMARY KEY AUTOINCREMENT, name VARCHAR(255), command TEXT, "
               "schedule VARCHAR(255), isDisabled NUMBER DEFAULT 0, labels JSON, extra_schedules JSON, "

@@ -20,7 +20,8 @@ import psutil
 import pytest
 
 from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import NotifyListener, add_tasks, clean_env, runs_of, start_serve, stop, wait_until
+from servehelp import NotifyListener, add_tasks, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2")
 

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import NotifyListener, add_tasks, clean_env, db, runs_of, start_serve, stop, wait_until
+from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 from qlcli import ok
-from servehelp import add_tasks, clean_env, runs_of, wait_until
+from servehelp import add_tasks, runs_of
+from kit import clean_env, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None
                                 or shutil.which("nsenter") is None,

@@ -13,8 +13,8 @@ import time
 
 
 from qlcli import cli, js, ok, rows, state, workdir  # noqa: F401  (fixtures)
-from servehelp import (NotifyListener, add_tasks, clean_env, db, runs_of, start_serve, stop,
-                       wait_until)
+from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 QUICK_STOP = "drain_grace_s = 0\nkill_grace_s = 1\n"
 

@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
 
 from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import add_tasks, clean_env, runs_of, wait_until
+from servehelp import add_tasks, runs_of
 from test_secrets import write_legacy_store
+from kit import free_port
+from kit import clean_env, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # … and nothing of the cluster without a [cluster] table (issue 10): its policy, its adapter, its role.
@@ -74,17 +75,10 @@ def test_plain_service_loads_none_of_the_heavy_modules(state, workdir):  # noqa:
     # is parsed without it), importlib.resources, dataclasses/inspect, shutil with bz2/lzma
     assert loaded(mods, ("argparse", "importlib.resources", "dataclasses", "shutil", "bz2", "lzma")) == []
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_http_service_answers_a_token_request_without_openssl(state, workdir):  # noqa: F811
     add_tasks(state, workdir, TASK)
     token = ok(state, "token", "create", "--subject", "probe", "--role", "viewer").stdout.decode().strip()
-    port = _free_port()
+    port = free_port()
     answers = []
 
     def request() -> None:

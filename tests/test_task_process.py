@@ -10,7 +10,6 @@ import json
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from execkit import Agent, Bench, procs_with_env, task
 
 from qlagent.core.definitions import parse_task_file, prepare_task
 from qlagent.core.errors import ValidationError
+from kit import free_port
 
 SECRET = b"s3cret-V4LUE-never-in-a-reason"
 
@@ -337,13 +337,6 @@ def test_something_already_at_the_artifact_path_fails_the_run_instead_of_waiting
     with open(victim, "rb") as f:
         assert f.read() == b"keep me"
     b.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_start_failures_are_visible_in_run_show_json_http_events_and_journal(root):
     port = free_port()

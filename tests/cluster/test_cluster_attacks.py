@@ -20,7 +20,8 @@ import pytest
 from cpkit import make_ca
 from pgkit import token
 from qlagent.core.ids import new_id
-from test_cluster_e2e import free_port, sql, start_replica
+from test_cluster_e2e import sql, start_replica
+from kit import free_port
 
 WORKERS = "/api/v3/cluster/workers"
 TASKS = """

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import pytest
 
 from conftest import create_database, db_url, drop_database
 from cpkit import make_ca
+from kit import free_port
 
 BASE = "/api/v3/projects/default"
 TASKS = """
@@ -39,13 +39,6 @@ name = "envdump"
 shell = "/bin/sh"
 script = "env | grep '^QL3_' | sort"
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _env() -> dict:
     return {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}

@@ -17,10 +17,11 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fleet"))
-from harness import PgPair, pg_bindir, wait_for  # noqa: E402
+from harness import PgPair, pg_bindir  # noqa: E402
 from conftest import sql  # noqa: E402
 from cpkit import make_ca  # noqa: E402
-from test_cluster_e2e import Node, Proc, free_port, start_replica  # noqa: E402
+from test_cluster_e2e import Node, Proc, start_replica  # noqa: E402
+from kit import free_port, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +50,8 @@ def _offer_latency_s(cp: Node, url: str) -> float:
     """Start ``quick`` from the CLI; seconds (database clock) from the Run's creation to its
     ``run.dispatching`` event (the Worker's Pull took it), once the Run has ended."""
     run_id = cp.ok("run", "start", "quick").strip()
-    wait_for(lambda: sql(url, "SELECT 1 FROM runs WHERE run_id = %s AND state = 'succeeded'", (run_id,)),
-             40, f"run {run_id} to succeed")
+    wait_until(lambda: sql(url, "SELECT 1 FROM runs WHERE run_id = %s AND state = 'succeeded'", (run_id,)),
+               40, f"run {run_id} to succeed")
     (created, offered), = sql(url, "SELECT r.created_at_us, e.created_at_us FROM runs r JOIN run_events e "
                                     "USING (run_id) WHERE r.run_id = %s AND e.type = 'run.dispatching'", (run_id,))
     return (offered - created) / 1e6

@@ -25,7 +25,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fleet"))
 from harness import PgPair, pg_bindir  # noqa: E402
-from test_cluster_e2e import free_port, start_replica  # noqa: E402
+from test_cluster_e2e import start_replica  # noqa: E402
+from kit import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,8 @@ import pytest
 
 from conftest import create_database, db_url, drop_database, sql
 from qlagent.adapters.postgres.migrations import known_migrations
-from test_cluster_e2e import Node, Proc, _env, free_port
+from test_cluster_e2e import Node, Proc, _env
+from kit import free_port
 
 pytestmark = pytest.mark.slow
 

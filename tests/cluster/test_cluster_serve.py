@@ -26,6 +26,7 @@ import pytest
 
 from conftest import ADMIN_URL, create_database, db_url, drop_database
 from jsonshape import check_conventions, check_list
+from kit import free_port
 
 BASE = "/api/v3/projects/default"
 SCHEMA = "qinglong/task-start@v1"
@@ -58,13 +59,6 @@ script = "echo lab"
 executor = "remote_worker"
 placement = { required = { site = "lab" } }
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Env:
     """A state directory, a config with ``[cluster]`` on the module's database, the CLI."""

@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from test_cluster_e2e import Node, Proc, enroll, free_port, sql, start_replica
+from test_cluster_e2e import Node, Proc, enroll, sql, start_replica
+from kit import free_port, wait_until
 
 TTL_S = 10
 LOOP = "i=0; while [ $i -lt {n} ]; do echo tick $i; i=$((i+1)); sleep 1; done"
@@ -121,13 +122,8 @@ def attempts(plane, run_id: str) -> list[tuple[int, str]]:
 
 
 def wait_for(what, check, timeout_s: float = 60, *procs: Proc):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: " + "".join(ln for p in procs for ln in p.lines))
+    """``check()``'s first truthy value within ``timeout_s``; the failure carries ``procs``' journals."""
+    return wait_until(check, timeout_s, what, step=0.2, detail=lambda: "".join(ln for p in procs for ln in p.lines))
 
 
 def receipt(node: Node, attempt_id: str) -> dict | None:

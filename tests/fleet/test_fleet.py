@@ -40,7 +40,8 @@ import uuid
 
 import pytest
 
-from harness import Cgroup, PgPair, WorkerNet, cgroup_v1_available, free_port, pg_bindir, spawn_in, wait_for
+from harness import Cgroup, PgPair, WorkerNet, cgroup_v1_available, pg_bindir, spawn_in
+from kit import free_port, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -203,7 +204,7 @@ class Replica:
             self.proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", self.fleet.cp_config,
                                           "serve", "--listen", f"0.0.0.0:{self.port}"],
                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=_env())
-        wait_for(lambda: self.ready() or self.proc.poll() is not None, 60, f"replica {self.idx} to answer /readyz")
+        wait_until(lambda: self.ready() or self.proc.poll() is not None, 60, f"replica {self.idx} to answer /readyz")
         assert self.proc.poll() is None, self.journal()[-3000:]
         return self
 
@@ -281,8 +282,8 @@ class Worker:
                                  net=self.net, cgroup=self.cg, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=err, env=_env(NOTIFY_SOCKET=n.path,
                                                       WATCHDOG_USEC=str(_watchdog_sec() * 1_000_000)))
-        wait_for(lambda: any("READY=1" in m for _, m in n.messages) or self.proc.poll() is not None, 60,
-                 f"{self.name} to send READY=1")
+        wait_until(lambda: any("READY=1" in m for _, m in n.messages) or self.proc.poll() is not None, 60,
+                   f"{self.name} to send READY=1")
         assert self.proc.poll() is None, self.journal()[-3000:]
         return self
 
@@ -618,8 +619,8 @@ def _fresh_run(fleet: Fleet, loader: Loader, task: str, within_s: float, exclude
     while time.monotonic() < end:
         loader.start(task)
         try:
-            return wait_for(lambda: next((r for r in _running_attempts(fleet, task, within_s) if r[1] != exclude),
-                                         None), 2.0, f"a {task} run")
+            return wait_until(lambda: next((r for r in _running_attempts(fleet, task, within_s) if r[1] != exclude),
+                                           None), 2.0, f"a {task} run")
         except TimeoutError:
             continue
     raise AssertionError(f"no {task} run started on a Worker other than {exclude} within {timeout_s} s")
@@ -689,7 +690,7 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
 
     def succeeded() -> int:
         return _sql_retry(fleet, "SELECT count(*) FROM runs WHERE state = 'succeeded'")[0][0]
-    wait_for(lambda: succeeded() >= 20, 90, "20 Runs to succeed on the fleet")
+    wait_until(lambda: succeeded() >= 20, 90, "20 Runs to succeed on the fleet")
 
     # -- 1. a Worker SIGKILLed mid-run and started again: its live run is re-attached ----------
     aid_k, wid_k, run_k = _fresh_run(fleet, loader, "long", within_s=2.0, exclude=None)
@@ -698,8 +699,8 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     victim.kill()
     time.sleep(1)
     victim.start()
-    wait_for(lambda: victim.journal().count("worker.session_opened") > sessions, 30,
-             f"{victim.name} to open its new Session")
+    wait_until(lambda: victim.journal().count("worker.session_opened") > sessions, 30,
+               f"{victim.name} to open its new Session")
     fig["worker_restart"] = victim.name
 
     # -- 2. the replica every Worker talks to first SIGKILLed: they move to the other one ---------
@@ -707,8 +708,8 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     fleet.replicas[0].kill()
     t_replica = time.monotonic()
     claimed_after = ("SELECT DISTINCT worker_id FROM run_leases WHERE claimed_at_us > %s")
-    wait_for(lambda: len(fleet.sql(claimed_after, (db_kill_us,))) == WORKERS, 60,
-             "every Worker to be offered a run through the surviving replica")
+    wait_until(lambda: len(fleet.sql(claimed_after, (db_kill_us,))) == WORKERS, 60,
+               "every Worker to be offered a run through the surviving replica")
     fig["replica_failover_s"] = round(time.monotonic() - t_replica, 2)
     fleet.replicas[0].start()
 
@@ -726,7 +727,7 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     short = by_id[wid_s]
     short.net.link_down()
     t_short = time.monotonic()
-    wait_for(lambda: any(w == "end" for w, _ in _marks(fleet, aid_s)), 10, "the sleeper to end during the cut")
+    wait_until(lambda: any(w == "end" for w, _ in _marks(fleet, aid_s)), 10, "the sleeper to end during the cut")
     state_during_cut = fleet.sql("SELECT state FROM attempts WHERE attempt_id = %s", (aid_s,))[0][0]
     short.net.link_up()
     fig["short_cut_s"] = round(time.monotonic() - t_short, 1)
@@ -737,8 +738,8 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     fleet.pg.stop_primary("immediate")
     fleet.pg.promote()
     t_promoted = time.monotonic()
-    wait_for(lambda: len(loader.acked) > acked_at_stop and loader.ack_times[-1] > t_promoted, 60,
-             "a Task Start acknowledged after the promotion")
+    wait_until(lambda: len(loader.acked) > acked_at_stop and loader.ack_times[-1] > t_promoted, 60,
+               "a Task Start acknowledged after the promotion")
     fig["promote_s"] = round(t_promoted - t_stop, 2)
     # What a client saw: the longest wait between two acknowledged Task Starts across the failover.
     back = min(x for x in loader.ack_times if x > t_promoted)
@@ -762,7 +763,7 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
         return fleet.sql("SELECT r.run_id, t.name, r.state FROM runs r JOIN tasks t USING (task_id) "
                          "WHERE t.name <> 'probe' AND r.state <> ALL(%s)", (list(FINAL_STATES),))
     try:
-        wait_for(lambda: not unfinished(), 120, "every Run to end")
+        wait_until(lambda: not unfinished(), 120, "every Run to end")
     except TimeoutError:
         stuck = unfinished()
         pytest.fail(f"{len(stuck)} Runs not terminal: {stuck[:5]}; their Attempts: " + repr(fleet.sql(
@@ -889,7 +890,7 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
                 bad.append((aid, task, len(log)))
         return bad
     try:
-        wait_for(lambda: not logs_complete(), 60, "every succeeded Attempt's log to be uploaded")
+        wait_until(lambda: not logs_complete(), 60, "every succeeded Attempt's log to be uploaded")
     except TimeoutError:
         pytest.fail(f"incomplete logs: {logs_complete()[:10]}")
     chatty = [a[0] for a in attempts if task_of[a[1]] == "chatty" and a[3] == "succeeded"]

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from stubcp import StubControlPlane, make_ca, worker_config, write_credential
+from kit import free_port
 
 QUOTA = 4_194_304
 SECRET = "s3cr3t-value-never-at-rest-9f2c"
@@ -335,7 +336,7 @@ def test_serve_exit_after_ends_a_worker_with_the_sigterm_drain(tmp_path, cp, wor
     # `serve --exit-after S` was ignored in Worker mode: the Worker ran until killed.
     if not reachable:
         worker.cfg = worker_config(worker.cfg, state_dir=worker.state, worker_id=worker.worker_id,
-                                   url=f"https://127.0.0.1:{_free_port()}", credential_file=worker.cred,
+                                   url=f"https://127.0.0.1:{free_port()}", credential_file=worker.cred,
                                    ca_file=cp.ca_file)
     worker.start("--exit-after", "1")
     assert worker.p.wait(30) == 0, worker.journal()
@@ -588,13 +589,6 @@ def test_cancel_from_a_heartbeat_stops_the_whole_process_tree(tmp_path, cp, work
     assert completion(cp, aid).kill_reason == "cancel"
     assert all(gone(p) for p in tree)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(port: int, path: str, method: str = "GET") -> tuple[int, dict]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -617,7 +611,7 @@ def _wait_http(port: int, path: str, timeout_s: float = 20.0) -> tuple[int, dict
 
 
 def test_with_http_listen_a_worker_serves_a_read_only_status(tmp_path, cp):
-    port = _free_port()
+    port = free_port()
     w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     aid = cp.add_run(shell="/bin/sh", script="exec sleep 30")
     w.start()
@@ -643,7 +637,7 @@ def test_with_http_listen_a_worker_serves_a_read_only_status(tmp_path, cp):
 
 
 def test_a_worker_without_a_session_is_alive_but_not_ready(tmp_path, cp):
-    port = _free_port()
+    port = free_port()
     w = Worker(tmp_path, cp, "http://127.0.0.1:9", extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     w.start()
     try:
@@ -1122,7 +1116,7 @@ def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_on
     up and not ready, says the clock is before qlagent's build date, and joins once NTP sets it.
     libfaketime reads the offset from a file the test rewrites (its monotonic clock moves with
     it, forward only; stat() times stay real, as the package's files are)."""
-    port = _free_port()
+    port = free_port()
     w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     offset = tmp_path / "faketime"
     offset.write_text("-20000d\n")                              # 1972
@@ -1156,7 +1150,7 @@ def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_on
 def test_a_worker_holding_another_workers_credential_says_it_is_stuck(tmp_path, cp):
     """403 worker_mismatch on every hello: the Worker keeps retrying (the credential may be
     replaced) but /readyz and the journal say why it cannot work, not just "connecting"."""
-    port = _free_port()
+    port = free_port()
     w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     _, other = cp.enrol()
     write_credential(w.cred, other)
