@@ -34,9 +34,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _describe(predicate) -> str:
     try:
-        return " ".join(inspect.getsource(predicate).split())[:300]
+        source = " ".join(inspect.getsource(predicate).split())
     except (OSError, TypeError):
         return repr(predicate)
+    return source[source.find("lambda"):][:300] if "lambda" in source else source[:300]
 
 
 def wait_until(predicate, timeout: float = 10.0, what: str | None = None, *, step: float = 0.02,
@@ -73,11 +74,11 @@ def qlagent_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "qlagent.cli.main", *args]
 
 
-def run_cli(*args: str, stdin: bytes | None = None, env: dict | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run ``qlagent ARGS`` to its end with output captured; the environment is
-    :func:`clean_env` updated with ``env``."""
-    return subprocess.run(qlagent_argv(*args), input=stdin, capture_output=True,
+def run_cli(*args: str, stdin: bytes | None = None, env: dict | None = None, timeout: float = 60,
+            text: bool = False) -> subprocess.CompletedProcess:
+    """Run ``qlagent ARGS`` to its end with output captured (bytes, or str with ``text``); the
+    environment is :func:`clean_env` updated with ``env``; ``timeout`` in seconds."""
+    return subprocess.run(qlagent_argv(*args), input=stdin, capture_output=True, text=text,
                           env={**clean_env(), **(env or {})}, timeout=timeout)
 
 

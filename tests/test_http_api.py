@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import shutil
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -26,7 +25,7 @@ from qlagent.adapters.sqlite import policy
 from qlagent.http.routing import documented_routes
 
 from qlcli import ok, workdir  # noqa: F401  (workdir is a fixture)
-from kit import free_port
+from kit import Serve, free_port
 
 TASKS = r"""
 [[task]]
@@ -112,38 +111,15 @@ BASE = "/api/v3/projects/default"
 BUSY_TIMEOUT_S = 1.0
 SCHEMA = "qinglong/task-start@v1"
 
-class Agent:
+class Agent(Serve):
     """``qlagent serve --listen 127.0.0.1:PORT`` in a subprocess; ready once it logs
-    ``service.ready`` (stderr is drained by a thread so the pipe never fills)."""
+    ``service.ready``."""
 
     def __init__(self, state: str, listen: bool = True, config: str | None = None) -> None:
         self.state = state
         self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-        cmd = [sys.executable, "-m", "qlagent.cli.main", "--state-dir", state,
-               *(("--config", config) if config else ()), "serve"]
-        if listen:
-            cmd += ["--listen", f"127.0.0.1:{self.port}"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=env)
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.wait_log("service.ready")
-
-    def _drain(self) -> None:
-        for raw in self.proc.stderr:
-            with self.cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self.cond.notify_all()
-        with self.cond:
-            self.lines.append("<eof>")
-            self.cond.notify_all()
-
-    def wait_log(self, needle: str, timeout: float = 20) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: any(needle in ln or ln == "<eof>" for ln in self.lines), timeout)
-            assert any(needle in ln for ln in self.lines), "".join(self.lines)
+        super().__init__("--state-dir", state, *(("--config", config) if config else ()),
+                         serve_args=("--listen", f"127.0.0.1:{self.port}") if listen else (), timeout=20)
 
     def request(self, method: str, path: str, body: bytes | None = None, token: str | None = None,
                 headers: dict | None = None) -> tuple[int, dict, bytes]:
@@ -162,11 +138,6 @@ class Agent:
         status, headers, data = self.request(method, path, body, token)
         assert headers.get("content-type") == "application/json", (status, data)
         return status, json.loads(data)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
 
 
 def token(state: str, subject: str, role: str, project: str | None = None) -> str:
@@ -763,13 +734,8 @@ def test_unix_socket_from_config_serves_the_api(workdir):  # noqa: F811
     with open(cfg, "w") as f:
         f.write(f'[http]\nunix_socket = "{sock}"\n')
     ok(state, "init")
-    env_ = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "--config", cfg, "serve"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env_)
+    agent = Serve("--state-dir", state, "--config", cfg)
     try:
-        for line in proc.stderr:
-            if b"service.ready" in line:
-                break
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(sock)
             s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -778,6 +744,5 @@ def test_unix_socket_from_config_serves_the_api(workdir):  # noqa: F811
                 data += chunk
         assert data.startswith(b"HTTP/1.1 200 ") and b'"status":"ready"' in data
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert agent.stop() == 0
     assert not os.path.exists(sock)     # removed at close

@@ -14,9 +14,7 @@ import shutil
 import signal
 import ssl
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
@@ -25,7 +23,7 @@ import pytest
 
 from conftest import create_database, db_url, drop_database
 from cpkit import make_ca
-from kit import free_port
+from kit import Serve, free_port, qlagent_argv, run_cli
 
 BASE = "/api/v3/projects/default"
 TASKS = """
@@ -40,10 +38,6 @@ shell = "/bin/sh"
 script = "env | grep '^QL3_' | sort"
 """
 
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-
-
 class Node:
     """A state directory and a config file (0600); ``cli`` runs ``qlagent`` on them."""
 
@@ -53,12 +47,13 @@ class Node:
         with open(self.config, "w") as f:
             f.write(config)
         os.chmod(self.config, 0o600)
+        self.scope = ("--state-dir", self.state, "--config", self.config)
 
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state, "--config", self.config, *args]
+        return qlagent_argv(*self.scope, *args)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(*args), capture_output=True, timeout=60, env=_env())
+        return run_cli(*self.scope, *args)
 
     def ok(self, *args: str) -> str:
         p = self.cli(*args)
@@ -66,36 +61,12 @@ class Node:
         return p.stdout.decode()
 
 
-class Proc:
-    """``qlagent serve`` in a subprocess; its journal lines (stderr) collected as they come."""
+class Proc(Serve):
+    """``qlagent serve ARGS`` on ``node`` (environment ``env``, default :func:`kit.clean_env`);
+    returns at once, its journal lines collected as they come."""
 
-    def __init__(self, node: Node, *args: str) -> None:
-        self.proc = subprocess.Popen(node.argv("serve", *args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=_env())
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        for raw in self.proc.stderr:
-            with self.cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self.cond.notify_all()
-        with self.cond:
-            self.lines.append("<eof>")
-            self.cond.notify_all()
-
-    def wait_line(self, text: str, timeout_s: float = 20) -> str:
-        with self.cond:
-            self.cond.wait_for(lambda: any(text in ln or ln == "<eof>" for ln in self.lines), timeout_s)
-            found = [ln for ln in self.lines if text in ln]
-        assert found, "".join(self.lines)
-        return found[0]
-
-    def stop(self, timeout_s: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout_s)
+    def __init__(self, node: Node, *args: str, env: dict | None = None) -> None:
+        super().__init__(*node.scope, serve_args=args, env=env, ready=None)
 
 
 def sql(url: str, query: str, args=()):
@@ -328,8 +299,7 @@ def test_bad_tls_or_pool_values_stop_the_replica_naming_the_field_and_write_noth
     try:
         node = Node(root, f"bad-{field}", f'[cluster]\ndatabase = "{db_url(name)}"\n' +
                     cluster.format(root=root, cert=plane["cert"], key=plane["key"], other_key=plane["other_key"]))
-        p = subprocess.run(node.argv("serve", "--listen", "127.0.0.1:0"), capture_output=True, timeout=30,
-                           env=_env())
+        p = run_cli(*node.scope, "serve", "--listen", "127.0.0.1:0", timeout=30)
         lines = p.stderr.decode().strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and field in lines[0], p.stderr
         assert sql(db_url(name), "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]

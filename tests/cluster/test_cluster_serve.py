@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import pytest
 
 from conftest import ADMIN_URL, create_database, db_url, drop_database
 from jsonshape import check_conventions, check_list
-from kit import free_port
+from kit import Serve, clean_env, free_port, qlagent_argv, run_cli
 
 BASE = "/api/v3/projects/default"
 SCHEMA = "qinglong/task-start@v1"
@@ -73,10 +72,7 @@ class Env:
         os.chmod(self.config, 0o600)
 
     def cli(self, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-        return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state,
-                               "--config", self.config, *args], input=stdin, capture_output=True, env=env,
-                              timeout=60)
+        return run_cli("--state-dir", self.state, "--config", self.config, *args, stdin=stdin)
 
     def ok(self, *args: str, stdin: bytes | None = None) -> str:
         p = self.cli(*args, stdin=stdin)
@@ -97,31 +93,14 @@ class Env:
             return cur.fetchall() if cur.description else []
 
 
-class Replica:
+class Replica(Serve):
     """``qlagent serve --listen`` with ``[cluster]``: a control-plane replica in a subprocess."""
 
     def __init__(self, env: Env) -> None:
         self.port = free_port()
-        penv = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state,
-                                      "--config", env.config, "serve", "--listen", f"127.0.0.1:{self.port}"],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env=penv)
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-        with self.cond:
-            assert self.cond.wait_for(lambda: any("service.ready" in ln or ln == "<eof>" for ln in self.lines), 30)
+        super().__init__("--state-dir", env.state, "--config", env.config,
+                         serve_args=("--listen", f"127.0.0.1:{self.port}"))
         assert any("role=control-plane" in ln for ln in self.lines), "".join(self.lines)
-
-    def _drain(self) -> None:
-        for raw in self.proc.stderr:
-            with self.cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self.cond.notify_all()
-        with self.cond:
-            self.lines.append("<eof>")
-            self.cond.notify_all()
 
     def request(self, method: str, path: str, body: bytes | None = None, token: str | None = None):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -131,11 +110,6 @@ class Replica:
             return resp.status, json.loads(resp.read() or b"null")
         finally:
             conn.close()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
 
 
 def body(head: dict, mutation_id: str | None = None) -> bytes:
@@ -540,9 +514,7 @@ def test_bad_workers_drain_resume_and_rm_name_the_field_and_write_nothing(cp):
 
 
 def test_workers_need_a_cluster_table(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", str(tmp_path / "s"), "workers", "ls"],
-                       capture_output=True, env=env, timeout=60)
+    p = run_cli("--state-dir", str(tmp_path / "s"), "workers", "ls")
     assert p.returncode == 2 and b"[cluster]" in p.stderr and not (tmp_path / "s").exists()
 
 
@@ -615,10 +587,9 @@ def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
     outcome; the replica never runs it itself."""
     import time
     env, replicas, tokens = cp
-    p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state, "--config", env.config,
-                          "run", "start", "hello", "--wait", "--timeout", "30"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items()
-                                                      if not k.startswith("QLAGENT_")})
+    p = subprocess.Popen(qlagent_argv("--state-dir", env.state, "--config", env.config,
+                                      "run", "start", "hello", "--wait", "--timeout", "30"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
     deadline = time.monotonic() + 15
     run_id = None
     while run_id is None and time.monotonic() < deadline:
@@ -700,8 +671,7 @@ def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_
                 break
             time.sleep(0.1)
         assert _probe(replica.port, "/readyz", 4)[0] == 200
-        with replica.cond:             # the loop's duties resume within their back-off cap (8 s)
-            assert replica.cond.wait_for(lambda: any("store.available" in ln for ln in replica.lines), 15)
+        replica.wait_line("store.available", 15)   # the loop's duties resume within their back-off cap (8 s)
         assert replica.stop() == 0
         journal = "".join(replica.lines)
         assert journal.count("store.unavailable") == 1 and journal.count("store.available") == 1, journal
