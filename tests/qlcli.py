@@ -11,18 +11,15 @@ import os
 import shutil
 import sqlite3
 import subprocess
-import sys
 import tempfile
 
 import pytest
+from kit import run_cli
 
 
 def cli(state: str, *args: str, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m qlagent.cli.main --state-dir STATE ARGS``; never inherits QLAGENT_* vars."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    base.update(env or {})
-    return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, *args],
-                          input=stdin, capture_output=True, env=base, timeout=60)
+    """Run ``qlagent --state-dir STATE ARGS`` (:func:`kit.run_cli`: never inherits QLAGENT_* vars)."""
+    return run_cli("--state-dir", state, *args, stdin=stdin, env=env)
 
 
 def ok(state: str, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:

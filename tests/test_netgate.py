@@ -21,7 +21,7 @@ import pytest
 
 from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
 from servehelp import NotifyListener, add_tasks, runs_of, start_serve, stop
-from kit import clean_env, wait_until
+from kit import clean_env, qlagent_argv, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2")
 
@@ -177,8 +177,8 @@ def test_doctor_shows_the_default_route_as_netlink_reports_it(state, netns):  # 
     """``doctor`` (short-lived: pyroute2 decodes netlink there) names gateway and device, and
     agrees with what the gate reads from /proc."""
     def network_check():
-        p = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "qlagent.cli.main", "--state-dir",
-                            state, "doctor", "--json"], capture_output=True, env=clean_env(), timeout=60)
+        p = subprocess.run(["ip", "netns", "exec", netns, *qlagent_argv("--state-dir", state, "doctor", "--json")],
+                           capture_output=True, env=clean_env(), timeout=60)
         assert b"Traceback" not in p.stderr
         return [c for c in json.loads(p.stdout)["checks"] if c["name"] == "network"][0]
     before = network_check()

@@ -11,13 +11,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 from execkit import Agent, task
-from kit import free_port, wait_until
+from kit import REPO, free_port, qlagent_argv, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: root only")
 
@@ -125,9 +124,8 @@ def test_an_agent_started_on_a_full_state_file_system_waits_for_space_instead_of
     assert doctor.returncode == 5 and b"FAIL  state free space" in doctor.stdout, (doctor.stdout, doctor.stderr)
     log_path = os.path.join(root, "serve.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", a.state, "serve",
-                                 "--exit-after", "60"], stdout=log, stderr=subprocess.STDOUT, env=a.env(),
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.Popen(qlagent_argv("--state-dir", a.state, "serve", "--exit-after", "60"), stdout=log,
+                                stderr=subprocess.STDOUT, env=a.env(), cwd=REPO)
     a.proc, a.log_path = proc, log_path
     a.logs.append(log_path)
     try:

@@ -41,7 +41,7 @@ import uuid
 import pytest
 
 from harness import Cgroup, PgPair, WorkerNet, cgroup_v1_available, pg_bindir, spawn_in
-from kit import free_port, wait_until
+from kit import clean_env, free_port, qlagent_argv, run_cli, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -143,13 +143,6 @@ def make_ca(directory: str, name: str, ips: list[str]) -> tuple[str, str, str]:
 
 # ---------------------------------------------------------------- processes
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_") and k not in ("NOTIFY_SOCKET",
-                                                                                              "WATCHDOG_USEC")}
-    env.update(extra)
-    return env
-
-
 class NotifySocket:
     """A datagram socket standing in for systemd's NOTIFY_SOCKET of one Worker process: every
     message is kept with the test's monotonic time of arrival."""
@@ -201,9 +194,10 @@ class Replica:
 
     def start(self) -> "Replica":
         with open(self.log, "a") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", self.fleet.cp_config,
-                                          "serve", "--listen", f"0.0.0.0:{self.port}"],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=_env())
+            self.proc = subprocess.Popen(qlagent_argv("--config", self.fleet.cp_config, "serve",
+                                                      "--listen", f"0.0.0.0:{self.port}"),
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                         env=clean_env())
         wait_until(lambda: self.ready() or self.proc.poll() is not None, 60, f"replica {self.idx} to answer /readyz")
         assert self.proc.poll() is None, self.journal()[-3000:]
         return self
@@ -278,10 +272,10 @@ class Worker:
         n = NotifySocket(os.path.join(self.fleet.root, f"notify-w{self.idx}-{len(self.notifies)}.sock"))
         self.notifies.append(n)
         with open(self.log, "a") as err:
-            self.proc = spawn_in([sys.executable, "-m", "qlagent.cli.main", "--config", self.config, "serve"],
+            self.proc = spawn_in(qlagent_argv("--config", self.config, "serve"),
                                  net=self.net, cgroup=self.cg, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=err, env=_env(NOTIFY_SOCKET=n.path,
-                                                      WATCHDOG_USEC=str(_watchdog_sec() * 1_000_000)))
+                                 stderr=err, env=clean_env(NOTIFY_SOCKET=n.path,
+                                                           WATCHDOG_USEC=_watchdog_sec() * 1_000_000))
         wait_until(lambda: any("READY=1" in m for _, m in n.messages) or self.proc.poll() is not None, 60,
                    f"{self.name} to send READY=1")
         assert self.proc.poll() is None, self.journal()[-3000:]
@@ -359,8 +353,7 @@ class Fleet:
         return self.workers
 
     def cli(self, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", self.cp_config, *args],
-                              input=stdin, capture_output=True, env=_env(), timeout=60)
+        return run_cli("--config", self.cp_config, *args, stdin=stdin)
 
     def ok(self, *args: str) -> str:
         p = self.cli(*args)
@@ -592,8 +585,7 @@ def test_a_worker_with_a_wrong_ca_is_refused_with_one_clear_line_and_nothing_is_
                 f'ca_file = "{wrong_ca}"\nlabels = {{ probe = "yes" }}\n')
     os.chmod(cfg, 0o600)
     before = _db_facts(fleet)
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", cfg, "serve"], capture_output=True,
-                       env=_env(), timeout=60)
+    p = run_cli("--config", cfg, "serve")
     errors = [ln for ln in p.stderr.decode().splitlines() if " ERR " in ln]
     assert p.returncode == 2 and len(errors) == 1, p.stderr
     assert "worker.ca_file" in errors[0] and "certificate" in errors[0] and "Traceback" not in p.stderr.decode()
