@@ -17,7 +17,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fleet"))
-from harness import PgPair, pg_bindir  # noqa: E402
+from harness import started_pair  # noqa: E402
 from conftest import sql  # noqa: E402
 from cpkit import make_ca  # noqa: E402
 from test_cluster_e2e import Node, Proc, start_replica  # noqa: E402
@@ -37,13 +37,8 @@ WATCH_S = 60           # how long after the promotion the bound is checked
 
 @pytest.fixture
 def pair():
-    if pg_bindir() is None:
-        pytest.fail("PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup) not found", pytrace=False)
-    p = PgPair("w21a-failover")
-    try:
-        yield p.start()
-    finally:
-        p.close()
+    with started_pair("w21a-failover") as p:
+        yield p
 
 
 def _offer_latency_s(cp: Node, url: str) -> float:

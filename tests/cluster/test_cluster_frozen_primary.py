@@ -24,7 +24,7 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fleet"))
-from harness import PgPair, pg_bindir  # noqa: E402
+from harness import PgPair, started_pair  # noqa: E402
 from test_cluster_e2e import start_replica  # noqa: E402
 from kit import free_port  # noqa: E402
 
@@ -44,14 +44,11 @@ CLIENTS = 4
 
 @pytest.fixture
 def pair():
-    if pg_bindir() is None:
-        pytest.fail("PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup) not found", pytrace=False)
-    p = PgPair("w21a-frozen")
-    try:
-        yield p.start()
-    finally:
-        _signal_primary(p, signal.SIGCONT)
-        p.close()
+    with started_pair("w21a-frozen") as p:
+        try:
+            yield p
+        finally:
+            _signal_primary(p, signal.SIGCONT)
 
 
 def _signal_primary(pair: PgPair, sig: int) -> None:

@@ -222,15 +222,13 @@ def test_a_worker_down_past_the_lease_with_one_run_fenced_and_one_finished_resta
 
 
 
-class HoldingProxy:
-    """A TCP proxy to the replica. While held, what Workers send is kept back (the connection
-    stays up, as on a congested link) and delivered on release, even after the Worker gave up
-    on it and closed its socket: a request applied late."""
+class TcpProxy:
+    """A TCP proxy on 127.0.0.1 (``port``) to the replica at ``upstream_port``: every connection
+    it admits (``_admit``) is piped both ways by two threads running the subclass's
+    ``_pipe(src, dst, outbound)``."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream = upstream_port
-        self.open = threading.Event()
-        self.open.set()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -241,29 +239,52 @@ class HoldingProxy:
                 c, _ = self.listener.accept()
             except OSError:
                 return
+            if not self._admit(c):
+                continue
             u = socket.create_connection(("127.0.0.1", self.upstream))
             threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, held: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if held:
-                    self.open.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        if held:
-            time.sleep(5)               # the replica answers what it got last (into a closed socket)
-        for s in (src, dst):
+    def _admit(self, conn: socket.socket) -> bool:
+        return True
+
+    @staticmethod
+    def _shut(*socks: socket.socket) -> None:
+        for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
     def close(self) -> None:
-        self.open.set()
         self.listener.close()
+
+
+class HoldingProxy(TcpProxy):
+    """A TCP proxy to the replica. While held, what Workers send is kept back (the connection
+    stays up, as on a congested link) and delivered on release, even after the Worker gave up
+    on it and closed its socket: a request applied late."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        super().__init__(upstream_port)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if outbound:
+                    self.open.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        if outbound:
+            time.sleep(5)               # the replica answers what it got last (into a closed socket)
+        self._shut(src, dst)
+
+    def close(self) -> None:
+        self.open.set()
+        super().close()
 
 
 def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_it_stopped(plane):
@@ -298,33 +319,23 @@ def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_
         proxy.close()
 
 
-class SilentLink:
+class SilentLink(TcpProxy):
     """A TCP proxy to the replica that ``cut`` turns into a black hole: connections are
     accepted and kept open, nothing is forwarded either way and nothing is closed, so every
     call of the Worker waits its whole timeout (a link whose packets vanish)."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
         self.cut = threading.Event()
         self.held: list[socket.socket] = []
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream_port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.cut.is_set():
-                self.held.append(c)
-                continue
-            u = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
+    def _admit(self, conn: socket.socket) -> bool:
+        if self.cut.is_set():
+            self.held.append(conn)
+            return False
+        return True
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
         try:
             while (data := src.recv(65536)) and not self.cut.is_set():
                 dst.sendall(data)
@@ -333,14 +344,10 @@ class SilentLink:
         if self.cut.is_set():
             self.held += [src, dst]
             return
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._shut(src, dst)
 
     def close(self) -> None:
-        self.listener.close()
+        super().close()
         for s in self.held:
             s.close()
 

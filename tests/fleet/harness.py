@@ -19,6 +19,7 @@ call twice and after a failed start, so fixtures clean up even when a test fails
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -28,6 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import pytest
+
 from kit import free_port, wait_until
 
 MiB = 1_048_576
@@ -181,6 +185,20 @@ class PgPair:
                     _kill_postmaster(d)
                 self._running.discard(which)
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def started_pair(tag: str):
+    """A started :class:`PgPair` for a ``with`` block, closed at its end (also after a failed
+    start). Missing server binaries fail the test with one line: a cluster test is never
+    skipped silently."""
+    if pg_bindir() is None:
+        pytest.fail("PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup) not found", pytrace=False)
+    pair = PgPair(tag)
+    try:
+        yield pair.start()
+    finally:
+        pair.close()
 
 
 def _kill_postmaster(datadir: str) -> None:
