@@ -207,8 +207,8 @@ def test_every_subcommand_refuses_bad_input_in_one_line(store, argv, code, words
 
 
 X = "\udcff"     # how Python gives the argv byte 0xFF, which is not UTF-8 (PEP 383 surrogateescape)
-# (argv, the argument the refusal names). Before the fix each of these reached a store or an
-# encode and ended `internal error: UnicodeEncodeError` (exit 1).
+# (argv, the argument the refusal names). Each is refused before it reaches a store or an
+# encode, never as `internal error: UnicodeEncodeError` (exit 1).
 NOT_UTF8 = [
     (["workers", "enroll", "w2", "--label", f"k{X}=v"], "--label"),
     (["workers", "enroll", "w2", "--label", "a=b", "--label", f"k=v{X}"], "--label"),
@@ -458,8 +458,8 @@ def test_json_refusals_are_one_json_object_on_stdout_and_one_line_on_stderr(stor
 
 
 def test_a_cluster_config_without_psycopg_is_one_line_exit_5_naming_the_extra(tmp_path):
-    # psycopg is the optional `cluster` extra (README): a router's install has none. Found by
-    # hand: `workers ls` answered "internal error: ModuleNotFoundError" (exit 1).
+    # psycopg is the optional `cluster` extra (README): a router's install has none. `workers ls`
+    # and the rest say so in one line, never "internal error: ModuleNotFoundError" (exit 1).
     import site
     import subprocess
     import sys

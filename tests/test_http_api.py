@@ -313,9 +313,9 @@ def test_malformed_json_and_600_byte_body_are_refused_and_write_nothing(env):
 
 
 # Every route with a path parameter or a query value holding NUL (%00), or a path parameter that
-# is not UTF-8 (%FF): (method, path, status code, field). PostgreSQL text refuses NUL (the
-# replica answered 500 internal_error), SQLite took it and answered 404: the Router refuses it
-# for both before any store call (tests/cluster/test_cluster_serve.py: the replica).
+# is not UTF-8 (%FF): (method, path, status code, field). PostgreSQL text refuses NUL, SQLite
+# takes it: the Router refuses it for both before any store call, the same 400 on each
+# (tests/cluster/test_cluster_serve.py: the replica).
 BAD_PARAMS = [
     ("GET", BASE + "/runs?task=a%00b", "bad_query", "task"),
     ("GET", BASE + "/runs?cursor=a%00b", "bad_query", "cursor"),

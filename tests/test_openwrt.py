@@ -274,7 +274,7 @@ def test_a_good_change_is_applied_by_sighup_with_the_new_drain(router):
 def test_config_check_as_the_agents_user_trusts_the_state_dir_that_user_owns(router, tmp_path):
     """The converter runs as root; the agent runs as user qlagent and owns state_dir.  As root,
     a state_dir owned by another uid is untrusted, so every reload after the first start was
-    refused (found by the procd gate): ``config check --as-user`` judges as that user would."""
+    refused (as the procd gate runs it): ``config check --as-user`` judges as that user would."""
     state = tmp_path / "owned"
     state.mkdir(mode=0o750)
     os.chown(state, 65534, 65534)                 # nobody, standing in for qlagent

@@ -1,9 +1,8 @@
 """Issue 21 §4: one time source for the cluster. Two real ``qlagent serve`` replicas on one
 PostgreSQL database fire a ``*/5 * * * * *`` Task; one runs under libfaketime ``FAKETIME="+60s"``
-(its wall clock 60 s ahead). Before the fix that one fired every instant ~60 s early and the
-healthy one logged ``clock.stepped_back … seconds=59`` at every instant. Now no Run is created
-before its instant (database time), there is one Run per instant, the healthy replica logs no
-step back, and the skewed one names itself and its offset (journal, ``/readyz``, ``doctor``).
+(its wall clock 60 s ahead). No Run is created before its instant (database time), there is
+one Run per instant, the healthy replica logs no ``clock.stepped_back``, and the skewed one
+names itself and its offset (journal, ``/readyz``, ``doctor``).
 
 libfaketime 0.9.10 fakes CLOCK_MONOTONIC with the same offset (its ``FAKETIME_DONT_FAKE_MONOTONIC``
 mode makes Python's ``time.sleep`` fail with EINVAL) but does not wrap glibc's newer

@@ -225,9 +225,9 @@ def test_a_drained_worker_waits_out_its_long_poll_instead_of_pulling_in_a_loop(p
 
 
 def test_a_burst_of_task_starts_of_a_single_instance_task_all_run_one_at_a_time(plane):
-    # Found by a break-it pass: 40 concurrent Task Starts of a `concurrency = "single"` Task (the
-    # default) left most of its queue held for good once the live Run ended; nothing kept two
-    # Workers from running two of its Runs at once either. Here two Workers with 2 slots each.
+    # A burst of concurrent Task Starts of a `concurrency = "single"` Task (the default): every
+    # Run ends, each released as the live one ends, and no two Workers run two of its Runs at once.
+    # Here two Workers with 2 slots each.
     import uuid
     from concurrent.futures import ThreadPoolExecutor
     cp = plane["cp"]
@@ -276,7 +276,8 @@ def test_a_worker_trusting_another_ca_is_refused_with_one_line_and_writes_nothin
 ])
 def test_a_worker_claiming_more_than_its_enrolment_stops_naming_the_key_and_opens_no_session(plane, extra, field,
                                                                                             why):
-    # Found by hand: the hello was refused 400 and the Worker retried it for ever, warning each time.
+    # The Worker stops (exit 2) with one line naming the key and opens no Session: it does not
+    # retry a refused hello for ever.
     name = f"edge-wide-{field.rsplit('.', 1)[-1]}"
     worker, worker_id = start_worker(plane, name, plane["ca"], "--label", "site=lab", "--label", "arch=arm64",
                                      "--slots", "2", extra=extra)

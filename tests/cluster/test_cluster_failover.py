@@ -3,8 +3,9 @@ primary + synchronous standby started for the test (``tests/fleet/harness.PgPair
 ``qlagent serve`` replica on the pair's multi-host URL over HTTPS, one Worker process
 (``pull_wait_s = 20``). The primary is crashed and the standby promoted; from 2 s after the
 promotion, for a minute, every Task Start must reach the Worker (its Run ``dispatching``) within
-2 s, as it did before. Before the fix the LISTEN thread died with the old primary, each long-poll
-answered idle at once and the Worker paced itself to one Pull per ``pull_wait_s``: 0–20 s."""
+2 s, as it did before: the LISTEN thread follows the new primary, so a long-poll is woken by the
+NOTIFY rather than answering idle at once (which would pace the Worker to one Pull per
+``pull_wait_s``: 0–20 s)."""
 
 from __future__ import annotations
 

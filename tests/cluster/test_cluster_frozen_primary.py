@@ -4,8 +4,8 @@ sending Task Starts back to back. The primary's postmaster and every process it 
 still accepts and acknowledges: no keepalive or TCP timeout notices), then SIGCONT. Every Task
 Start is answered within the documented bound, 15 s (5 s for a pooled connection + 10 s for its
 transaction, README "Control plane"): 202, or 503 ``task_start_unavailable`` with Retry-After
-while the primary is frozen; a few seconds after SIGCONT they are 202 again. Before the fix a
-request in flight waited for the whole freeze (40.2 s in the issue's report)."""
+while the primary is frozen; a few seconds after SIGCONT they are 202 again. No request in
+flight waits for the whole freeze."""
 
 from __future__ import annotations
 

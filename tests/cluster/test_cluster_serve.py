@@ -434,7 +434,8 @@ def _written(env) -> tuple:
     (("workers", "drain", X), "name"),
 ], ids=lambda v: " ".join(v).replace(X, "<FF>") if isinstance(v, tuple) else v)
 def test_a_not_utf8_argument_on_the_cluster_is_one_line_exit_2_and_writes_nothing(cp, args, name):
-    # Before the fix: exit 1 `internal error: UnicodeEncodeError` from psycopg.
+    # Refused before psycopg sees it: one line naming the argument, never `internal error:
+    # UnicodeEncodeError` (exit 1).
     env, _, _ = cp
     before = _written(env)
     p = env.cli(*args)
@@ -465,8 +466,8 @@ _NO_WORKER = "/api/v3/cluster/workers/00000000-0000-4000-8000-000000000000"
     ("POST", f"{_NO_WORKER}/pull?wait=%00", "wait", "invalid_request"),
 ])
 def test_nul_in_a_path_parameter_or_query_is_400_on_a_replica_and_writes_nothing(cp, method, path, field, code):
-    # PostgreSQL text cannot hold NUL: the replica answered 500 internal_error (DataError) where
-    # the SQLite agent answered 404. The Router refuses it first (tests/test_http_api.py: SQLite).
+    # PostgreSQL text cannot hold NUL (a DataError would be 500 internal_error) where SQLite takes
+    # it: the Router refuses it first on both (tests/test_http_api.py: SQLite).
     env, replicas, tok = cp
     before = _written(env)
     body = b'{"schema": "qinglong/task-start@v1"}' if method != "GET" else None
@@ -610,8 +611,8 @@ def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
 
 
 def test_readyz_is_503_naming_the_store_while_the_database_refuses_connections(tmp_path):
-    # Found by hand: with the database refusing connections, /readyz answered 500 internal_error
-    # after the pool's 10 s and the replica's journal carried a PoolTimeout traceback.
+    # With the database refusing connections, /readyz answers 503 naming the store (not 500
+    # internal_error after the pool's 10 s) and the replica's journal carries no traceback.
     name = create_database("readyz_down")
     env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")
     env.ok("init")
@@ -645,8 +646,8 @@ def _probe(port: int, path: str, timeout: float, token: str | None = None):
 
 
 def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_path):
-    # Found by review: the loop's duties each waited the pool's 10 s for a connection, so during
-    # an outage /healthz went unanswered for 40 s at a time and 9 s after access returned.
+    # The loop's duties do not each wait the pool's 10 s for a connection: during an outage and
+    # once access returns, /healthz and /readyz keep being answered.
     name = create_database("outage")
     env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")
     env.ok("init")
@@ -793,8 +794,8 @@ def own_database(name: str):
     ("lease_ttl_s = 5\n", "cluster.lease_ttl_s", "6..3600", "lease_ttl_s = 6\n"),
 ])
 def test_config_check_refuses_what_serve_refuses_before_the_database(tmp_path, extra, field, words, ok_extra):
-    # Found by a tester: `config check` (ExecReload, the OpenWrt validator) said "config ok" for
-    # pool_size = 1, which serve then refused; lease_ttl_s = 5 passed both and no Task fitted.
+    # `config check` (ExecReload, the OpenWrt validator) refuses what serve refuses: pool_size = 1,
+    # and a lease_ttl_s = 5 under which no Task would fit.
     with own_database(f"cfgchk_pre_{abs(hash(extra)) % 10_000}") as url:
         os.makedirs(tmp_path / "bad")
         env = Env(str(tmp_path / "bad"), url, extra)
@@ -843,8 +844,8 @@ def test_config_check_and_serve_name_the_tls_file_that_is_wrong(tmp_path):
 
 @pytest.mark.parametrize("mode", [0o640, 0o644, 0o666, 0o604], ids=oct)
 def test_a_tls_key_others_may_read_is_refused_by_config_check_serve_and_doctor(tmp_path, mode):
-    # Found by the issue 21 attack pass: a 0666 replica key passed `config check` and `serve`
-    # silently while a 0666 config file was refused; the key is now judged like every trusted file.
+    # A 0666 replica key is refused by `config check` and `serve`, as a 0666 config file is: the
+    # key is judged like every trusted file.
     from cpkit import make_ca
     _, cert, key = make_ca(str(tmp_path), "k")
     os.chmod(key, mode)
@@ -868,7 +869,7 @@ def test_a_tls_key_others_may_read_is_refused_by_config_check_serve_and_doctor(t
 
 def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(tmp_path):
     # lease_ttl_s = 6 (the least accepted) holds a grace of 0.995 s: 0 and 0.995 are added, 1 is
-    # refused naming the real limit (the tester saw "0 s … (at most 0 s)" under lease_ttl_s = 5).
+    # refused naming the real limit (never "0 s … (at most 0 s)").
     with own_database("cfgchk_grace") as url:
         env = Env(str(tmp_path), url, "lease_ttl_s = 6\n")
         env.ok("init")
@@ -886,8 +887,8 @@ def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(t
 
 
 def test_workers_commands_never_create_a_project(tmp_path):
-    # Found by a tester: `workers enroll w2 --project nosuch` exited 0 and created Project
-    # 'nosuch'. Workers belong to the cluster: `enroll --project` scopes a Worker to Projects
+    # `workers enroll w2 --project nosuch` creates no Project 'nosuch'. Workers belong to the
+    # cluster: `enroll --project` scopes a Worker to Projects
     # that exist (else exit 4, nothing enrolled); the other verbs do not use --project.
     with own_database("cfgchk_wproj") as url:
         env = Env(str(tmp_path), url)
@@ -906,9 +907,9 @@ def test_workers_commands_never_create_a_project(tmp_path):
 
 
 def test_project_option_never_creates_a_project_a_command_is_refused_in(tmp_path):
-    # Found by a tester: `--project zz1 run start one` exited 4 yet created Project zz1, and
-    # `--project nosuch8 token create …` created a mistyped one. Commands that act on what a
-    # Project holds refuse an unknown one; defining commands create it only with their own write.
+    # `--project zz1 run start one` (exit 4) leaves no Project zz1 behind, nor does a mistyped
+    # `--project nosuch8 token create …`. Commands that act on what a Project holds refuse an
+    # unknown one; defining commands create it only with their own write.
     with own_database("projfix_scope") as url:
         env = Env(str(tmp_path), url)
         env.ok("init")

@@ -25,8 +25,8 @@ TTL_S = 10
 LOOP = "i=0; while [ $i -lt {n} ]; do echo tick $i; i=$((i+1)); sleep 1; done"
 # case → (script, on_lease_loss, how long the Worker stays down, what the run did meanwhile)
 CASES = {
-    # The bug: down longer than the TTL, the shim fenced the run itself (receipt lease_lost); the
-    # recovery collected and closed the row, then the hello's not-adopted Lease closed it again.
+    # Down longer than the TTL, the shim fences the run itself (receipt lease_lost); the recovery
+    # collects and closes the row, and the hello's not-adopted Lease does not close it again.
     "down_longer_shim_fenced": (LOOP.format(n=15), "kill", "lost", "lease_lost"),
     # Down longer, the run ended on its own before the Lease ran out.
     "down_longer_run_finished": ("echo short; sleep 3; echo done", "kill", "lost", "finished"),
@@ -47,8 +47,8 @@ on_lease_loss = "{policy}"
 retry = {{max_attempts = 2}}
 placement = {{required = {{case = "{case}"}}}}
 ''' for case, (script, policy, _, _) in CASES.items())
-# Two runs on one Worker at the SIGKILL, each ending differently while it is down (found by a
-# second tester): one outlives its Lease and is fenced by its shim, the other finishes.
+# Two runs on one Worker at the SIGKILL, each ending differently while it is down: one
+# outlives its Lease and is fenced by its shim, the other finishes.
 PAIR = {"pair_fenced": LOOP.format(n=15), "pair_finished": "echo short; sleep 3; echo done"}
 TASKS += "".join(f'''
 [[task]]

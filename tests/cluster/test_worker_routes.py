@@ -610,8 +610,9 @@ def test_a_pull_refused_for_want_of_long_poll_slots_moves_the_worker_to_its_next
 
 
 def test_a_stale_session_is_answered_naming_the_session_it_carried_and_the_current_one(kit, cp):
-    # Found by the issue 21 attack pass: an ACK of the current generation for a Lease of an older
-    # Session answered "generation 2 is stale (current 2)".
+    # An ACK of the current generation for a Lease of an older Session is refused naming the
+    # Session the Lease is bound to and the one the request carried (never "generation 2 is
+    # stale (current 2)").
     c = Client(cp.port, enrolled(kit, slots=2))
     session(c)
     offer = offered(kit, c)
@@ -638,8 +639,8 @@ def test_a_stale_session_is_answered_naming_the_session_it_carried_and_the_curre
 
 
 def test_20000_hellos_from_one_credential_leave_a_bounded_session_table(kit, pg_url):
-    # Found by the issue 21 attack pass: 20,000 hellos left 20,011 worker_sessions rows (nothing
-    # ever deleted one). The store's hello, the one the route calls, in a loop (its commits not
+    # 20,000 hellos leave a bounded number of worker_sessions rows (old Sessions are deleted,
+    # one a Lease names is kept). The store's hello, the one the route calls, in a loop (its commits not
     # waiting for the disk: 20,000 fsyncs would take minutes on a shared box).
     from qlagent.adapters.postgres.connection import open_pool
     from qlagent.adapters.postgres.registry import SESSION_HISTORY, PgWorkerRegistry
