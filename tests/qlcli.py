@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
-import tempfile
 
-import pytest
 from kit import run_cli
 
 
@@ -36,20 +33,3 @@ def js(state: str, *args: str):
 def rows(state: str, table: str) -> int:
     with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
         return c.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-
-
-@pytest.fixture
-def workdir():
-    """A fresh directory on tmpfs if available (else the system temp dir), removed afterwards."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="qlagent-test-", dir=base)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def state(workdir):
-    """An initialised state directory."""
-    s = os.path.join(workdir, "state")
-    ok(s, "init")
-    return s

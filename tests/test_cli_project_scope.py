@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sqlite3
 
-from qlcli import cli, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, ok
 
 TASK = '[[task]]\nname = "one"\ncommand = ["/bin/true"]\n'
 # Refused after the store is open (the local authority runs no remote_worker Task).

@@ -24,7 +24,7 @@ import pytest
 from qlagent.adapters.sqlite import policy
 from qlagent.http.routing import documented_routes
 
-from qlcli import ok, workdir  # noqa: F401  (workdir is a fixture)
+from qlcli import ok
 from kit import Serve, free_port
 
 TASKS = r"""
@@ -641,7 +641,7 @@ def test_health_ready_and_openapi(env):
 
 # ---- restart, drain, import closure -----------------------------------------------------------
 
-def test_replay_after_agent_restart_returns_the_same_identities(workdir):  # noqa: F811
+def test_replay_after_agent_restart_returns_the_same_identities(workdir):
     state = os.path.join(workdir, "state")
     ok(state, "init")
     tf = os.path.join(workdir, "t.toml")
@@ -691,7 +691,7 @@ print(json.dumps({"code": code, "http": sorted(m for m in sys.modules if m.start
 """
 
 
-def test_headless_serve_imports_no_http_module(workdir):  # noqa: F811
+def test_headless_serve_imports_no_http_module(workdir):
     state = os.path.join(workdir, "state")
     ok(state, "init")
     env_ = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
@@ -704,7 +704,7 @@ def test_headless_serve_imports_no_http_module(workdir):  # noqa: F811
     assert doc["code"] == 0 and "qlagent.http.service" in doc["http"], out.stderr
 
 
-def test_http_config_overrides_stay_within_the_profile_bounds(workdir):  # noqa: F811
+def test_http_config_overrides_stay_within_the_profile_bounds(workdir):
     from qlagent.core.errors import ValidationError
     from qlagent.http.service import limits_for
     from qlagent.service.config import resolve
@@ -727,7 +727,7 @@ def test_http_config_overrides_stay_within_the_profile_bounds(workdir):  # noqa:
         assert ("edge" if field != "http.read_timeout_s" else "seconds") in str(exc.value)
 
 
-def test_unix_socket_from_config_serves_the_api(workdir):  # noqa: F811
+def test_unix_socket_from_config_serves_the_api(workdir):
     state = os.path.join(workdir, "state")
     sock = os.path.join(workdir, "api.sock")
     cfg = os.path.join(workdir, "c.toml")

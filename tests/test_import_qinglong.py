@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from qlcli import cli, js, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, js, ok
 from servehelp import runs_of, start_serve, stop
 
 from qlagent.core.qinglong import (QlConfig, QlCron, QlEnv, QlPanel, Toolset, assign_names, base_name,

@@ -11,7 +11,7 @@ import os
 import uuid
 
 from jsonshape import check_conventions, check_list
-from qlcli import cli, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, ok
 from servehelp import runs_of
 from test_http_api import BASE, Agent, start_body, token
 from test_import_qinglong import make_panel

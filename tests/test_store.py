@@ -11,7 +11,7 @@ import threading
 
 import msgspec
 import pytest
-from qlcli import cli, workdir  # noqa: F401  (fixture)
+from qlcli import cli
 
 from qlagent.adapters.sqlite import definitions as defs
 from qlagent.adapters.sqlite import migrations
@@ -143,7 +143,7 @@ def test_every_commit_is_synced_full(store):
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
-def test_run_start_answers_only_after_its_run_is_on_stable_storage(workdir):  # noqa: F811
+def test_run_start_answers_only_after_its_run_is_on_stable_storage(workdir):
     """`qlagent run start` next to a running service prints the Run ID (its acknowledgement) only
     after an fsync/fdatasync of the WAL that holds the new Run. Under synchronous=NORMAL there was
     none: the service's open connection keeps the WAL from being checkpointed when the CLI exits."""
