@@ -100,11 +100,13 @@ def plane(pg_url):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def worker_node(plane, name: str) -> tuple[Node, str]:
+def worker_node(plane, name: str, port: int | None = None) -> tuple[Node, str]:
+    """A Worker enrolled as ``name`` (2 slots, label case=NAME) talking to the replica, or to
+    ``port`` (a proxy in front of it); (its Node, its worker_id)."""
     worker_id, cred = enroll(plane, name, "--slots", "2", "--label", f"case={name}")
     # drain_grace_s: the re-offered Attempt still running at the end is stopped soon.
     node = Node(plane["root"], name, f'drain_grace_s = 1\n[worker]\nworker_id = "{worker_id}"\n'
-                                     f'control_url = "http://127.0.0.1:{plane["port"]}"\n'
+                                     f'control_url = "http://127.0.0.1:{port or plane["port"]}"\n'
                                      f'credential_file = "{cred}"\nslots = 2\nheartbeat_interval_s = 2\n'
                                      f'pull_wait_s = 20\nlabels = {{case = "{name}"}}\n')
     return node, worker_id
@@ -293,11 +295,7 @@ def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_
     (the re-offer waited for nothing). The replica now refuses a heartbeat past the instant the
     Worker stopped waiting (heartbeat_late): the Lease ends when the Worker assumed it would."""
     proxy = HoldingProxy(plane["port"])
-    worker_id, cred = enroll(plane, "late_beat", "--slots", "2", "--label", "case=late_beat")
-    node = Node(plane["root"], "late_beat", f'drain_grace_s = 1\n[worker]\nworker_id = "{worker_id}"\n'
-                                            f'control_url = "http://127.0.0.1:{proxy.port}"\n'
-                                            f'credential_file = "{cred}"\nslots = 2\nheartbeat_interval_s = 2\n'
-                                            'pull_wait_s = 20\nlabels = {case = "late_beat"}\n')
+    node, _ = worker_node(plane, "late_beat", proxy.port)
     worker = serve(plane, node)
     try:
         worker.wait_line("worker.session_opened")
