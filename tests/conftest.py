@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 
 import pytest
 from qlcli import ok
+from kit import scratch_dir
 
 
 @pytest.fixture
 def workdir():
     """A fresh directory on tmpfs if available (else the system temp dir), removed afterwards."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="qlagent-test-", dir=base)
+    d = scratch_dir("qlagent-test-")
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

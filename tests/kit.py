@@ -14,10 +14,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scratch_dir(prefix: str) -> str:
+    """A fresh directory named ``PREFIX…`` on tmpfs (``/dev/shm``) when it is writable, else in
+    the system temp dir: the files are real, only a slow disk's fsync cost is avoided. The
+    caller removes it."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
 
 
 class WaitTimeout(AssertionError, TimeoutError):

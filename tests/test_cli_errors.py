@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 from qlcli import cli, js, ok, rows
 
 from qlagent.cli.main import main as cli_main
+from kit import scratch_dir
 
 TASKS = r'''
 [[task]]
@@ -69,8 +69,7 @@ def tree_digest(root: str) -> str:
 def store():
     """An initialised state with the tasks above, one succeeded Run of ``hello`` and the
     Secret ``present``; (state, scratch dir, hello run id)."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="qlagent-cli-errors-", dir=base)
+    d = scratch_dir("qlagent-cli-errors-")
     s = os.path.join(d, "state")
     ok(s, "init")
     ok(s, "secret", "set", "present", stdin=b"v")

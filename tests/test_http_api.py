@@ -12,7 +12,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -25,7 +24,7 @@ from qlagent.adapters.sqlite import policy
 from qlagent.http.routing import documented_routes
 
 from qlcli import ok
-from kit import Serve, free_port
+from kit import Serve, free_port, scratch_dir
 
 TASKS = r"""
 [[task]]
@@ -168,8 +167,7 @@ def start_body(revision: int, digest: str, mutation_id: str | None = None, **ext
 
 @pytest.fixture(scope="module")
 def env():
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-api-", dir=base)
+    root = scratch_dir("qlagent-api-")
     state = os.path.join(root, "state")
     ok(state, "init")
     tf = os.path.join(root, "tasks.toml")

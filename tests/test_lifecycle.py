@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 
@@ -26,14 +25,14 @@ import pytest
 from execkit import REPO, Agent, file_bytes_under, procs_with_env, task
 
 from qlagent.core.profiles import EDGE, MiB
-from kit import qlagent_argv
+from kit import qlagent_argv, scratch_dir
 
 GRACE_S = 1
 
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-life-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    d = scratch_dir("qlagent-life-")
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

@@ -12,7 +12,6 @@ import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
 import urllib.request
 
 import psutil
@@ -21,14 +20,14 @@ from execkit import Agent, Bench, procs_with_env, task
 
 from qlagent.core.definitions import parse_task_file, prepare_task
 from qlagent.core.errors import ValidationError
-from kit import free_port
+from kit import free_port, scratch_dir
 
 SECRET = b"s3cret-V4LUE-never-in-a-reason"
 
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-users-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    d = scratch_dir("qlagent-users-")
     os.chmod(d, 0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)

@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import ssl
-import tempfile
 import threading
 import time
 
@@ -21,7 +20,7 @@ from cpkit import make_ca
 from pgkit import token
 from qlagent.core.ids import new_id
 from test_cluster_e2e import sql, start_replica
-from kit import free_port
+from kit import free_port, scratch_dir
 
 WORKERS = "/api/v3/cluster/workers"
 TASKS = """
@@ -34,8 +33,7 @@ script = "echo hello"
 
 @pytest.fixture(scope="module")
 def plane(pg_url):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-attacks-", dir=base)
+    root = scratch_dir("qlagent-attacks-")
     ca, cert, key = make_ca(root, "cp")
     port = free_port()
     cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nsweep_interval_s = 0.5\n'

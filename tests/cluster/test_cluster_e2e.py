@@ -14,7 +14,6 @@ import shutil
 import signal
 import ssl
 import subprocess
-import tempfile
 import time
 import urllib.request
 
@@ -23,7 +22,7 @@ import pytest
 
 from conftest import create_database, db_url, drop_database
 from cpkit import make_ca
-from kit import Serve, free_port, qlagent_argv, run_cli
+from kit import Serve, free_port, qlagent_argv, run_cli, scratch_dir
 
 BASE = "/api/v3/projects/default"
 TASKS = """
@@ -88,8 +87,7 @@ def start_replica(root: str, config: str, tasks: str, port: int) -> tuple[Node, 
 
 @pytest.fixture(scope="module")
 def plane(pg_url):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-e2e-", dir=base)
+    root = scratch_dir("qlagent-e2e-")
     ca, cert, key = make_ca(root, "cp")
     other_ca, _, other_key = make_ca(root, "other")
     port = free_port()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import pytest
@@ -22,7 +21,7 @@ from harness import started_pair  # noqa: E402
 from conftest import sql  # noqa: E402
 from cpkit import make_ca  # noqa: E402
 from test_cluster_e2e import Node, Proc, start_replica  # noqa: E402
-from kit import free_port, wait_until  # noqa: E402
+from kit import free_port, scratch_dir, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +53,7 @@ def _offer_latency_s(cp: Node, url: str) -> float:
 
 
 def test_task_starts_reach_the_worker_within_2_s_again_after_the_standby_is_promoted(pair):
-    root = tempfile.mkdtemp(prefix="qlagent-failover-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    root = scratch_dir("qlagent-failover-")
     procs = []
     try:
         url = pair.url()

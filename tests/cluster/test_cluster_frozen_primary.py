@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -26,7 +25,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fleet"))
 from harness import PgPair, started_pair  # noqa: E402
 from test_cluster_e2e import start_replica  # noqa: E402
-from kit import free_port  # noqa: E402
+from kit import free_port, scratch_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +89,7 @@ def _start(port: int, token: str, head: dict) -> tuple[int, str | None, str | No
 
 
 def test_task_starts_while_the_primary_is_frozen_are_answered_503_within_the_bound_then_202(pair):
-    root = tempfile.mkdtemp(prefix="qlagent-frozen-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    root = scratch_dir("qlagent-frozen-")
     replica = None
     try:
         port = free_port()

@@ -33,7 +33,7 @@ import pytest
 from conftest import create_database, db_url, drop_database, sql
 from qlagent.adapters.postgres.migrations import known_migrations
 from test_cluster_e2e import Node, Proc
-from kit import clean_env, free_port, run_cli
+from kit import clean_env, free_port, run_cli, scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def bouncer():
         pytest.fail("pgbouncer not installed (apt-get install pgbouncer)", pytrace=False)
     name = create_database("pgbouncer")
     b = Bouncer(name)
-    root = tempfile.mkdtemp(prefix="qlagent-pgbt-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    root = scratch_dir("qlagent-pgbt-")
     try:
         yield b, db_url(name), root
     finally:

@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -25,7 +24,7 @@ import pytest
 
 from conftest import ADMIN_URL, create_database, db_url, drop_database
 from jsonshape import check_conventions, check_list
-from kit import Serve, clean_env, free_port, qlagent_argv, run_cli
+from kit import Serve, clean_env, free_port, qlagent_argv, run_cli, scratch_dir
 
 BASE = "/api/v3/projects/default"
 SCHEMA = "qinglong/task-start@v1"
@@ -119,8 +118,7 @@ def body(head: dict, mutation_id: str | None = None) -> bytes:
 
 @pytest.fixture(scope="module")
 def cp(pg_url):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-cp-", dir=base)
+    root = scratch_dir("qlagent-cp-")
     env = Env(root, pg_url, "sweep_interval_s = 0.5\n")
     env.define(TASKS)
     tokens = {s: env.ok("token", "create", "--subject", s, "--role", "operator").strip() for s in ("alice", "rita")}

@@ -12,14 +12,13 @@ import sqlite3
 import os
 import shutil
 import socket
-import tempfile
 import threading
 import time
 
 import pytest
 
 from test_cluster_e2e import Node, Proc, enroll, sql, start_replica
-from kit import free_port, wait_until
+from kit import free_port, scratch_dir, wait_until
 
 TTL_S = 10
 LOOP = "i=0; while [ $i -lt {n} ]; do echo tick $i; i=$((i+1)); sleep 1; done"
@@ -84,8 +83,7 @@ placement = {required = {case = "stop_cut"}}
 
 @pytest.fixture(scope="module")
 def plane(pg_url):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="wkfix-restart-", dir=base)
+    root = scratch_dir("wkfix-restart-")
     port = free_port()
     cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nlease_ttl_s = {TTL_S}\n'
                                       f'session_ttl_s = {TTL_S}\nsweep_interval_s = 1\n', TASKS, port)
