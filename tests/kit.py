@@ -1,6 +1,6 @@
-"""The helpers every test shares: a free loopback port, a bounded wait that names what it
-awaited, the ``qlagent`` CLI in a subprocess, and a real ``qlagent serve`` process whose journal
-(stderr) is read as it comes.
+"""The helpers every test shares: a scratch directory, a free loopback port, a bounded wait
+that names what it awaited, the ``qlagent`` CLI in a subprocess (in a clean environment), and a
+real ``qlagent serve`` process whose journal (stderr) is read as it comes.
 
 Importable from every test directory (``pythonpath = ["tests"]``); the fixtures built on them
 live in ``tests/conftest.py``.

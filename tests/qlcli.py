@@ -1,7 +1,8 @@
-"""Helpers for tests that drive the real ``qlagent`` CLI in a subprocess over a real state dir.
+"""Helpers for tests that drive the real ``qlagent`` CLI in a subprocess over a real state dir
+(the ``workdir`` and ``state`` fixtures in ``tests/conftest.py``).
 
-State directories live on tmpfs (``/dev/shm``) when it is writable: the SQLite files are real,
-only the fsync cost of a slow disk is avoided so each CLI call stays ~0.2 s.
+State directories live on tmpfs (``kit.scratch_dir``) when it is writable: the SQLite files are
+real, only the fsync cost of a slow disk is avoided so each CLI call stays ~0.2 s.
 """
 
 from __future__ import annotations
