@@ -46,7 +46,11 @@ class Node:
         with open(self.config, "w") as f:
             f.write(config)
         os.chmod(self.config, 0o600)
-        self.scope = ("--state-dir", self.state, "--config", self.config)
+
+    @property
+    def scope(self) -> tuple[str, ...]:
+        """The global arguments naming this node's state directory and config."""
+        return ("--state-dir", self.state, "--config", self.config)
 
     def argv(self, *args: str) -> list[str]:
         return qlagent_argv(*self.scope, *args)
