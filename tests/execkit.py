@@ -13,7 +13,6 @@ import selectors
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 
 import psutil
@@ -29,9 +28,9 @@ from qlagent.application.secrets import SecretService
 from qlagent.core.clock import now_us
 from qlagent.core.profiles import EDGE
 from qlagent.service import control
+from kit import REPO, clean_env, qlagent_argv
 
 TERMINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def task(name: str, script: str | None = None, **kw) -> dict:
@@ -189,13 +188,10 @@ class Agent:
         self.cli("init")
 
     def env(self, extra: dict | None = None) -> dict:
-        e = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-        e["QLAGENT_CONFIG"] = self.config
-        e.update(extra or {})
-        return e
+        return {**clean_env(QLAGENT_CONFIG=self.config), **(extra or {})}
 
     def cli(self, *args: str, stdin: bytes | None = None, check: bool = True, timeout: float = 60):
-        p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state, *args],
+        p = subprocess.run(qlagent_argv("--state-dir", self.state, *args),
                            input=stdin, capture_output=True, env=self.env(), timeout=timeout, cwd=REPO)
         if check:
             assert p.returncode == 0, (args, p.stdout, p.stderr)
@@ -216,9 +212,9 @@ class Agent:
             os.unlink(os.path.join(self.state, "control.sock"))
         except FileNotFoundError:
             pass
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state, "serve",
-                                      "--exit-after", str(exit_after)], stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.env(env), cwd=REPO)
+        self.proc = subprocess.Popen([*prefix, *qlagent_argv("--state-dir", self.state, "serve", "--exit-after",
+                                                             str(exit_after))],
+                                     stdout=log, stderr=subprocess.STDOUT, env=self.env(env), cwd=REPO)
         log.close()
         sock = os.path.join(self.state, "control.sock")
         end = time.monotonic() + 15

@@ -1,28 +1,23 @@
-"""Helpers for tests that drive the real ``qlagent`` CLI in a subprocess over a real state dir.
+"""Helpers for tests that drive the real ``qlagent`` CLI in a subprocess over a real state dir
+(the ``workdir`` and ``state`` fixtures in ``tests/conftest.py``).
 
-State directories live on tmpfs (``/dev/shm``) when it is writable: the SQLite files are real,
-only the fsync cost of a slow disk is avoided so each CLI call stays ~0.2 s.
+State directories live on tmpfs (``kit.scratch_dir``) when it is writable: the SQLite files are
+real, only the fsync cost of a slow disk is avoided so each CLI call stays ~0.2 s.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
-import sys
-import tempfile
 
-import pytest
+from kit import run_cli
 
 
 def cli(state: str, *args: str, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m qlagent.cli.main --state-dir STATE ARGS``; never inherits QLAGENT_* vars."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    base.update(env or {})
-    return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, *args],
-                          input=stdin, capture_output=True, env=base, timeout=60)
+    """Run ``qlagent --state-dir STATE ARGS`` (:func:`kit.run_cli`: never inherits QLAGENT_* vars)."""
+    return run_cli("--state-dir", state, *args, stdin=stdin, env=env)
 
 
 def ok(state: str, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
@@ -39,20 +34,3 @@ def js(state: str, *args: str):
 def rows(state: str, table: str) -> int:
     with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
         return c.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-
-
-@pytest.fixture
-def workdir():
-    """A fresh directory on tmpfs if available (else the system temp dir), removed afterwards."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="qlagent-test-", dir=base)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def state(workdir):
-    """An initialised state directory."""
-    s = os.path.join(workdir, "state")
-    ok(s, "init")
-    return s

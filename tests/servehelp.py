@@ -8,10 +8,10 @@ import os
 import socket
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 
+from kit import REPO, clean_env, qlagent_argv
 from qlcli import ok
 
 
@@ -74,19 +74,12 @@ class NotifyListener:
         self.sock.close()
 
 
-def clean_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("QLAGENT_", "NOTIFY_SOCKET", "WATCHDOG_", "JOURNAL_STREAM"))}
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
 def start_serve(state: str, *args: str, env: dict | None = None, prefix: list[str] | None = None,
                 stderr=subprocess.PIPE) -> subprocess.Popen:
     """Start ``qlagent --state-dir STATE serve ARGS`` (optionally under ``prefix``, e.g. ip netns exec)."""
-    cmd = [*(prefix or []), sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "serve", *args]
+    cmd = [*(prefix or []), *qlagent_argv("--state-dir", state, "serve", *args)]
     return subprocess.Popen(cmd, env=env if env is not None else clean_env(), stderr=stderr,
-                            stdout=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                            stdout=subprocess.DEVNULL, cwd=REPO)
 
 
 def stop(p: subprocess.Popen, timeout: float = 30) -> int:
@@ -116,16 +109,3 @@ def runs_of(state: str, task: str) -> list[tuple[str, str]]:
     with db(state) as c:
         return c.execute("SELECT r.run_id, r.state FROM runs r JOIN tasks t USING (task_id) "
                          "WHERE t.name = ? ORDER BY r.created_at_us", (task,)).fetchall()
-
-
-def wait_until(predicate, timeout: float = 10.0, step: float = 0.02):
-    """Poll ``predicate()`` (a store read) until truthy; returns its value. For external state
-    the test cannot await as an event (rows in another process's database)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = predicate()
-        if v:
-            return v
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(step)

@@ -1,26 +1,15 @@
 """Helpers shared by the shim-shim and process-tree tests: the router-task scripts,
-a minimal task environment, polling with a deadline, and a shim spec on real files."""
+a minimal task environment and a shim spec on real files."""
 
 from __future__ import annotations
 
 import os
-import time
 import uuid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "examples", "router-tasks")
 EDGE_LOG = 4194304
 PATH_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def make_spec(tmp_path, argv, env=None, quota=EDGE_LOG, linger=0.5, cwd="/"):

@@ -11,10 +11,10 @@ import json
 import os
 import shutil
 import sqlite3
-import tempfile
 
 import pytest
 from qlcli import cli, js, ok
+from kit import scratch_dir
 
 TABLES = ("tasks", "task_revisions", "execution_revisions", "context_recipes")
 EXISTING = '[[task]]\nname = "existing"\ncommand = ["/bin/true"]\n'
@@ -22,8 +22,7 @@ EXISTING = '[[task]]\nname = "existing"\ncommand = ["/bin/true"]\n'
 
 @pytest.fixture(scope="module")
 def store():
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="qlagent-bad-", dir=base)
+    d = scratch_dir("qlagent-bad-")
     s = os.path.join(d, "state")
     ok(s, "init")
     f = os.path.join(d, "existing.toml")

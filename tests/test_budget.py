@@ -14,8 +14,9 @@ import time
 import psutil
 import pytest
 
-from qlcli import js, ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import NotifyListener, add_tasks, clean_env, runs_of, start_serve, stop, wait_until
+from qlcli import js, ok
+from servehelp import NotifyListener, add_tasks, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 MiB = 1_048_576
 CG = "/sys/fs/cgroup"
@@ -81,7 +82,7 @@ def _settled_rss(proc, step: float = 0.2, timeout: float = 20.0) -> int:
     return last
 
 
-def test_f8_flat_memory_under_a_128mib_64pid_cgroup(state, workdir, budget_cgroup):  # noqa: F811
+def test_f8_flat_memory_under_a_128mib_64pid_cgroup(state, workdir, budget_cgroup):
     mem, pids = budget_cgroup
     add_tasks(state, workdir, '''
 [[task]]
@@ -128,7 +129,7 @@ script = "head -c 209715200 /dev/zero | tr '\\\\0' x"
     assert len(log) == 4 * MiB and set(log) == {ord("x")}
 
 
-def test_pid_budget_refuses_activations_and_says_so_in_status(state, workdir, budget_cgroup):  # noqa: F811
+def test_pid_budget_refuses_activations_and_says_so_in_status(state, workdir, budget_cgroup):
     mem, pids = budget_cgroup
     add_tasks(state, workdir, '''
 [[task]]
@@ -319,7 +320,7 @@ def test_doctor_budget_line_on_v2(tmp_path):
 # --- a runaway task never takes the agent down (issue 22 §3) ----------------------------------
 
 def test_a_hog_in_the_agents_64mib_v1_cgroup_is_killed_not_the_agent_and_the_run_says_oom_killed(
-        state, workdir, budget_cgroup):  # noqa: F811
+        state, workdir, budget_cgroup):
     """No cgroup of its own for the Run (cgroup v1 host): the agent, its shim and a task that
     allocates 200 MiB share one 64 MiB memory cgroup. The kernel kills the task (oom_score_adj
     1000; the shim 500), the agent lives on and runs the next Task, and the Run ends failed with
@@ -402,7 +403,7 @@ def _cgroup_of(pid: int) -> str:
         return next(ln.split("::", 1)[1].strip() for ln in f if ln.startswith("0::"))
 
 
-def test_each_run_has_its_own_v2_cgroup_the_agent_a_leaf_and_reattach_keeps_it(state, workdir, v2_service_cgroup):  # noqa: F811
+def test_each_run_has_its_own_v2_cgroup_the_agent_a_leaf_and_reattach_keeps_it(state, workdir, v2_service_cgroup):
     s = v2_service_cgroup
     name = "/" + os.path.basename(s)
     add_tasks(state, workdir, '''

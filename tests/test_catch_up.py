@@ -12,7 +12,7 @@ import sqlite3
 from datetime import datetime, timezone
 
 import pytest
-from qlcli import cli, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, ok
 
 from qlagent.core.definitions import definition_document, parse_task_file, prepare_task
 from qlagent.core.errors import ValidationError
@@ -131,7 +131,7 @@ def test_the_dialects_own_l_hash_and_names_still_parse(line):
     assert parse_schedule(line).kind == "cron"
 
 
-def test_task_add_refuses_15w_with_one_line(state, workdir):  # noqa: F811
+def test_task_add_refuses_15w_with_one_line(state, workdir):
     f = os.path.join(workdir, "w.toml")
     with open(f, "w") as fh:
         fh.write('[[task]]\nname = "w"\nschedule = "0 9 15W * *"\ncommand = ["/bin/true"]\n')
@@ -143,7 +143,7 @@ def test_task_add_refuses_15w_with_one_line(state, workdir):  # noqa: F811
 
 # ---- through the store: the scheduler, its journal and the run.created event ------------------
 
-def _scheduler_fire(state, now_us: int, journal: io.StringIO) -> int:  # noqa: F811
+def _scheduler_fire(state, now_us: int, journal: io.StringIO) -> int:
     from qlagent.adapters.sqlite.store import SqliteStore
     from qlagent.service.journal import Journal
     from qlagent.service.scheduler import Scheduler
@@ -156,21 +156,21 @@ def _scheduler_fire(state, now_us: int, journal: io.StringIO) -> int:  # noqa: F
         store.close()
 
 
-def _add(state, workdir, text):  # noqa: F811
+def _add(state, workdir, text):
     f = os.path.join(workdir, "tasks.toml")
     with open(f, "w") as fh:
         fh.write(text)
     ok(state, "task", "add", "-f", f)
 
 
-def _created_payloads(state):  # noqa: F811
+def _created_payloads(state):
     with sqlite3.connect(os.path.join(state, "qlagent.db")) as c:
         return [(json.loads(r[0]), r[1]) for r in c.execute(
             "SELECT e.payload_json, t.name FROM run_events e JOIN runs r ON r.run_id = e.run_id "
             "JOIN tasks t ON t.task_id = r.task_id WHERE e.type = 'run.created' ORDER BY e.created_at_us")]
 
 
-def test_downtime_through_the_store_none_latest_and_capped_missed(state, workdir):  # noqa: F811
+def test_downtime_through_the_store_none_latest_and_capped_missed(state, workdir):
     _add(state, workdir, '''
 [[task]]
 name = "nightly-none"

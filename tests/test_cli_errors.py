@@ -14,15 +14,15 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from qlcli import cli, js, ok, rows, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, js, ok, rows
 
 from qlagent.cli.main import main as cli_main
+from kit import scratch_dir
 
 TASKS = r'''
 [[task]]
@@ -69,8 +69,7 @@ def tree_digest(root: str) -> str:
 def store():
     """An initialised state with the tasks above, one succeeded Run of ``hello`` and the
     Secret ``present``; (state, scratch dir, hello run id)."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="qlagent-cli-errors-", dir=base)
+    d = scratch_dir("qlagent-cli-errors-")
     s = os.path.join(d, "state")
     ok(s, "init")
     ok(s, "secret", "set", "present", stdin=b"v")
@@ -207,8 +206,8 @@ def test_every_subcommand_refuses_bad_input_in_one_line(store, argv, code, words
 
 
 X = "\udcff"     # how Python gives the argv byte 0xFF, which is not UTF-8 (PEP 383 surrogateescape)
-# (argv, the argument the refusal names). Before the fix each of these reached a store or an
-# encode and ended `internal error: UnicodeEncodeError` (exit 1).
+# (argv, the argument the refusal names). Each is refused before it reaches a store or an
+# encode, never as `internal error: UnicodeEncodeError` (exit 1).
 NOT_UTF8 = [
     (["workers", "enroll", "w2", "--label", f"k{X}=v"], "--label"),
     (["workers", "enroll", "w2", "--label", "a=b", "--label", f"k=v{X}"], "--label"),
@@ -259,14 +258,14 @@ def test_an_argument_that_is_not_utf8_is_refused_naming_it(store, argv, name, js
     assert tree_digest(s) == before                          # nothing written
 
 
-def test_a_not_utf8_argument_is_refused_before_any_store_is_opened(workdir):  # noqa: F811
+def test_a_not_utf8_argument_is_refused_before_any_store_is_opened(workdir):
     missing = os.path.join(workdir, "never")
     p = cli(missing, "task", "show", X)
     assert (p.returncode, p.stderr) == (2, b"qlagent: error: name: is not valid UTF-8\n")   # not 5 not_initialised
     assert not os.path.exists(missing)
 
 
-def test_a_path_that_is_not_utf8_is_still_a_path(workdir):  # noqa: F811
+def test_a_path_that_is_not_utf8_is_still_a_path(workdir):
     # A POSIX path is bytes: --state-dir (and --config, -f, import PATH) are not refused for it.
     state = os.path.join(workdir, f"st{X}")
     ok(state, "init")
@@ -285,7 +284,7 @@ def test_documented_exit_codes_match_the_readme_table():
 
 # ---- the listed inputs, each with its expected outcome ---------------------------------------
 
-def test_serve_on_a_port_in_use_is_one_line_naming_address_and_errno_exit_5(state):  # noqa: F811
+def test_serve_on_a_port_in_use_is_one_line_naming_address_and_errno_exit_5(state):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -378,14 +377,14 @@ def test_run_show_of_a_live_run_prints_no_none(store):
     assert ok(s, "run", "cancel", run_id).stdout.decode().strip() == f"{run_id} cancelled"
 
 
-def test_doctor_before_init_lists_only_failures(workdir):  # noqa: F811
+def test_doctor_before_init_lists_only_failures(workdir):
     p = cli(os.path.join(workdir, "never"), "doctor")
     lines = p.stdout.decode().strip().splitlines()
     assert p.returncode == 5 and lines and all(ln.startswith("FAIL") for ln in lines), lines
 
 
 @pytest.mark.parametrize("mode,healthy", [(0o700, True), (0o750, True), (0o751, False), (0o755, False)])
-def test_doctor_accepts_the_state_dir_mode_the_packages_set(state, mode, healthy):  # noqa: F811
+def test_doctor_accepts_the_state_dir_mode_the_packages_set(state, mode, healthy):
     """The .deb and the .ipk make the state dir 0750 (core.limits.STATE_DIR_MODE): doctor passes
     it; one bit for others more is named."""
     os.chmod(state, mode)
@@ -458,8 +457,8 @@ def test_json_refusals_are_one_json_object_on_stdout_and_one_line_on_stderr(stor
 
 
 def test_a_cluster_config_without_psycopg_is_one_line_exit_5_naming_the_extra(tmp_path):
-    # psycopg is the optional `cluster` extra (README): a router's install has none. Found by
-    # hand: `workers ls` answered "internal error: ModuleNotFoundError" (exit 1).
+    # psycopg is the optional `cluster` extra (README): a router's install has none. `workers ls`
+    # and the rest say so in one line, never "internal error: ModuleNotFoundError" (exit 1).
     import site
     import subprocess
     import sys
@@ -489,7 +488,7 @@ EDGE_SHARE = 80 * 1_048_576      # edge: 128 MiB less the agent's 48
 
 @pytest.mark.parametrize("value,stored", [('"4M"', 4_194_304), ("4194304", 4_194_304), ('"48M"', 50_331_648),
                                           ('"81920K"', EDGE_SHARE), (str(EDGE_SHARE), EDGE_SHARE)])
-def test_memory_max_accepted_at_its_edges_is_stored_in_bytes(state, workdir, value, stored):  # noqa: F811
+def test_memory_max_accepted_at_its_edges_is_stored_in_bytes(state, workdir, value, stored):
     path = os.path.join(workdir, "t.toml")
     with open(path, "w") as f:
         f.write(f'[[task]]\nname = "t"\ncommand = ["/bin/true"]\nmemory_max = {value}\n')
@@ -507,7 +506,7 @@ def test_memory_max_accepted_at_its_edges_is_stored_in_bytes(state, workdir, val
     ('"1.5M"', "'1.5M' is not a size: bytes, or a number with K, M or G (e.g. \"48M\")"),
     ('"48MB"', "'48MB' is not a size: bytes, or a number with K, M or G (e.g. \"48M\")"),
 ])
-def test_memory_max_refused_with_one_line_and_nothing_written(state, workdir, value, message):  # noqa: F811
+def test_memory_max_refused_with_one_line_and_nothing_written(state, workdir, value, message):
     path = os.path.join(workdir, "t.toml")
     with open(path, "w") as f:
         f.write(f'[[task]]\nname = "t"\ncommand = ["/bin/true"]\nmemory_max = {value}\n')

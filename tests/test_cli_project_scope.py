@@ -1,5 +1,5 @@
-"""``--project NAME`` never creates a Project by accident (found by a tester: `qlagent --project
-zz1 run start one` exited 4 yet left Project zz1 behind). Through the real CLI on a real state
+"""``--project NAME`` never creates a Project by accident (`qlagent --project zz1 run start
+one` exits 4 and leaves no Project zz1 behind). Through the real CLI on a real state
 dir: a command that only acts on what a Project holds refuses an unknown one (exit 4, one line,
 nothing written); a command that defines things in a Project creates it only when it succeeds."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sqlite3
 
-from qlcli import cli, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, ok
 
 TASK = '[[task]]\nname = "one"\ncommand = ["/bin/true"]\n'
 # Refused after the store is open (the local authority runs no remote_worker Task).

@@ -4,13 +4,12 @@ namespace argparse gives, and everything else must be left to argparse (help, er
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
 from qlagent.cli.main import _serve_args, build_parser
 from qlagent.cli.serve import cmd_serve
+from kit import run_cli
 
 ACCEPTED = [
     ["serve"],
@@ -56,6 +55,5 @@ def test_everything_else_goes_to_argparse(argv):
 
 
 def test_a_bad_serve_option_is_argparses_usage_error():
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "serve", "--profile", "tiny"],
-                       capture_output=True, text=True, timeout=60)
+    p = run_cli("serve", "--profile", "tiny", text=True)
     assert p.returncode == 2 and "invalid choice: 'tiny'" in p.stderr and "Traceback" not in p.stderr

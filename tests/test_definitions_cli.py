@@ -11,7 +11,7 @@ import sqlite3
 from datetime import datetime
 
 import pytest
-from qlcli import cli, js, ok, rows, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, js, ok, rows
 
 THREE_TASKS = """
 [[task]]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import threading
 import time
 
@@ -27,6 +26,7 @@ from qlagent.adapters.rows import definitions as defs
 from qlagent.adapters.rows import runs as runs_repo
 from qlagent.core.dispatch import DispatchResult
 from qlagent.core.profiles import EDGE, STANDALONE
+from kit import scratch_dir
 
 STATUSES = {"activated", "no_candidate", "more", "unavailable", "launch_failed", "limited"}
 REASON = re.compile(r"^[a-z][a-z0-9_:]{0,40}$")
@@ -34,7 +34,7 @@ REASON = re.compile(r"^[a-z][a-z0-9_:]{0,40}$")
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-disp-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    d = scratch_dir("qlagent-disp-")
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

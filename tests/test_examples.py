@@ -10,7 +10,7 @@ import subprocess
 import tomllib
 
 import pytest
-from qlcli import js, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import js, ok
 
 from qlagent.application.definitions import DefinitionWriter
 from qlagent.core.limits import DEFAULT_PATH

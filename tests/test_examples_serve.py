@@ -13,8 +13,9 @@ from datetime import datetime
 
 import pytest
 
-from qlcli import js, ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import NotifyListener, clean_env, db, runs_of, start_serve, stop, wait_until
+from qlcli import js, ok
+from servehelp import NotifyListener, db, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "router-tasks.toml")
@@ -47,7 +48,7 @@ def _files_containing(root: str, needle: bytes) -> list[str]:
     return hits
 
 
-def _final(state, task):  # noqa: F811
+def _final(state, task):
     """The Run started by hand (cron may have added its own for ddns-update/wan-check)."""
     with db(state) as c:
         (run_id,), = c.execute("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) "
@@ -57,7 +58,7 @@ def _final(state, task):  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _has_default_route(), reason="wan-check and ddns-update need a default route")
-def test_router_task_set_under_serve(state, workdir):  # noqa: F811
+def test_router_task_set_under_serve(state, workdir):
     ok(state, "secret", "set", "ddns_token", stdin=TOKEN.encode() + b"\n")
     ok(state, "task", "add", "-f", EXAMPLE)
     cfg = os.path.join(workdir, "qlagent.toml")

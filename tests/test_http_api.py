@@ -8,12 +8,10 @@ import http.client
 import json
 import os
 import shutil
-import signal
 import socket
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -27,7 +25,8 @@ from qlagent.adapters.rows.dialect import Db
 from qlagent.adapters.sqlite.dialect import SQLITE
 from qlagent.http.routing import openapi_document
 
-from qlcli import ok, workdir  # noqa: F401  (workdir is a fixture)
+from qlcli import ok
+from kit import Serve, free_port, scratch_dir
 
 
 def documented_routes() -> set[tuple[str, str]]:
@@ -120,45 +119,15 @@ BASE = "/api/v3/projects/default"
 BUSY_TIMEOUT_S = 1.0
 SCHEMA = "qinglong/task-start@v1"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Agent:
+class Agent(Serve):
     """``qlagent serve --listen 127.0.0.1:PORT`` in a subprocess; ready once it logs
-    ``service.ready`` (stderr is drained by a thread so the pipe never fills)."""
+    ``service.ready``."""
 
     def __init__(self, state: str, listen: bool = True, config: str | None = None) -> None:
         self.state = state
         self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-        cmd = [sys.executable, "-m", "qlagent.cli.main", "--state-dir", state,
-               *(("--config", config) if config else ()), "serve"]
-        if listen:
-            cmd += ["--listen", f"127.0.0.1:{self.port}"]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=env)
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.wait_log("service.ready")
-
-    def _drain(self) -> None:
-        for raw in self.proc.stderr:
-            with self.cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self.cond.notify_all()
-        with self.cond:
-            self.lines.append("<eof>")
-            self.cond.notify_all()
-
-    def wait_log(self, needle: str, timeout: float = 20) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: any(needle in ln or ln == "<eof>" for ln in self.lines), timeout)
-            assert any(needle in ln for ln in self.lines), "".join(self.lines)
+        super().__init__("--state-dir", state, *(("--config", config) if config else ()),
+                         serve_args=("--listen", f"127.0.0.1:{self.port}") if listen else (), timeout=20)
 
     def request(self, method: str, path: str, body: bytes | None = None, token: str | None = None,
                 headers: dict | None = None) -> tuple[int, dict, bytes]:
@@ -177,11 +146,6 @@ class Agent:
         status, headers, data = self.request(method, path, body, token)
         assert headers.get("content-type") == "application/json", (status, data)
         return status, json.loads(data)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
 
 
 def token(state: str, subject: str, role: str, project: str | None = None) -> str:
@@ -212,8 +176,7 @@ def start_body(revision: int, digest: str, mutation_id: str | None = None, **ext
 
 @pytest.fixture(scope="module")
 def env():
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-api-", dir=base)
+    root = scratch_dir("qlagent-api-")
     state = os.path.join(root, "state")
     ok(state, "init")
     tf = os.path.join(root, "tasks.toml")
@@ -357,9 +320,9 @@ def test_malformed_json_and_600_byte_body_are_refused_and_write_nothing(env):
 
 
 # Every route with a path parameter or a query value holding NUL (%00), or a path parameter that
-# is not UTF-8 (%FF): (method, path, status code, field). PostgreSQL text refuses NUL (the
-# replica answered 500 internal_error), SQLite took it and answered 404: the Router refuses it
-# for both before any store call (tests/cluster/test_cluster_serve.py: the replica).
+# is not UTF-8 (%FF): (method, path, status code, field). PostgreSQL text refuses NUL, SQLite
+# takes it: the Router refuses it for both before any store call, the same 400 on each
+# (tests/cluster/test_cluster_serve.py: the replica).
 BAD_PARAMS = [
     ("GET", BASE + "/runs?task=a%00b", "bad_query", "task"),
     ("GET", BASE + "/runs?cursor=a%00b", "bad_query", "cursor"),
@@ -685,7 +648,7 @@ def test_health_ready_and_openapi(env):
 
 # ---- restart, drain, import closure -----------------------------------------------------------
 
-def test_replay_after_agent_restart_returns_the_same_identities(workdir):  # noqa: F811
+def test_replay_after_agent_restart_returns_the_same_identities(workdir):
     state = os.path.join(workdir, "state")
     ok(state, "init")
     tf = os.path.join(workdir, "t.toml")
@@ -735,7 +698,7 @@ print(json.dumps({"code": code, "http": sorted(m for m in sys.modules if m.start
 """
 
 
-def test_headless_serve_imports_no_http_module(workdir):  # noqa: F811
+def test_headless_serve_imports_no_http_module(workdir):
     state = os.path.join(workdir, "state")
     ok(state, "init")
     env_ = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
@@ -748,7 +711,7 @@ def test_headless_serve_imports_no_http_module(workdir):  # noqa: F811
     assert doc["code"] == 0 and "qlagent.http.service" in doc["http"], out.stderr
 
 
-def test_http_config_overrides_stay_within_the_profile_bounds(workdir):  # noqa: F811
+def test_http_config_overrides_stay_within_the_profile_bounds(workdir):
     from qlagent.core.errors import ValidationError
     from qlagent.http.service import limits_for
     from qlagent.service.config import resolve
@@ -771,20 +734,15 @@ def test_http_config_overrides_stay_within_the_profile_bounds(workdir):  # noqa:
         assert ("edge" if field != "http.read_timeout_s" else "seconds") in str(exc.value)
 
 
-def test_unix_socket_from_config_serves_the_api(workdir):  # noqa: F811
+def test_unix_socket_from_config_serves_the_api(workdir):
     state = os.path.join(workdir, "state")
     sock = os.path.join(workdir, "api.sock")
     cfg = os.path.join(workdir, "c.toml")
     with open(cfg, "w") as f:
         f.write(f'[http]\nunix_socket = "{sock}"\n')
     ok(state, "init")
-    env_ = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "--config", cfg, "serve"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env_)
+    agent = Serve("--state-dir", state, "--config", cfg)
     try:
-        for line in proc.stderr:
-            if b"service.ready" in line:
-                break
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(sock)
             s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
@@ -793,6 +751,5 @@ def test_unix_socket_from_config_serves_the_api(workdir):  # noqa: F811
                 data += chunk
         assert data.startswith(b"HTTP/1.1 200 ") and b'"status":"ready"' in data
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert agent.stop() == 0
     assert not os.path.exists(sock)     # removed at close

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import socket
-import tempfile
 import time
 import urllib.parse
 from dataclasses import replace
@@ -22,6 +21,7 @@ from test_http_api import Agent, token
 from test_http_server import connect, raw, read_response, running
 
 from qlagent.http.wire import HttpLimits, byte_range
+from kit import scratch_dir
 
 
 # The test server of test_http_server.py plus the two probe paths, as the agent's surface has.
@@ -239,8 +239,7 @@ def _closed(s: socket.socket) -> bool:
 
 @pytest.fixture(scope="module")
 def agent():
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-conf-", dir=base)
+    root = scratch_dir("qlagent-conf-")
     state = os.path.join(root, "state")
     ok(state, "init")
     tok = token(state, "alice", "operator")

@@ -7,13 +7,13 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
-import time
 from dataclasses import replace
 
 from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import Deferred, HttpServer
 from qlagent.http.wire import HttpError, HttpLimits, Response
+from kit import wait_until
 
 
 def _server(release: threading.Event):
@@ -49,7 +49,7 @@ def test_a_parked_connection_does_not_block_the_loop_and_resumes_with_its_pipeli
         slow = socket.create_connection(("127.0.0.1", port), timeout=5)
         # Two pipelined requests: the second waits for the first's deferred answer.
         slow.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
-        _until(lambda: srv.in_flight == 1)
+        wait_until(lambda: srv.in_flight == 1, 5.0)
         other = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         other.request("GET", "/fast")
         assert other.getresponse().read() == b'{"fast":true}'      # served while /slow is parked
@@ -64,7 +64,8 @@ def test_a_parked_connection_does_not_block_the_loop_and_resumes_with_its_pipeli
             raw += chunk
         # Both answers, in request order, on the same connection.
         assert raw.index(b'{"slow":true}') < raw.index(b'{"fast":true}')
-        _until(lambda: srv.in_flight == 0)
+        # The client may read an answer before the loop thread books its end: poll, bounded.
+        wait_until(lambda: srv.in_flight == 0, 5.0)
     finally:
         t.stop()
 
@@ -77,14 +78,6 @@ def test_a_deferred_past_its_bound_is_answered_503_and_its_slot_freed():
         resp = c.getresponse()
         assert (resp.status, resp.getheader("Retry-After")) == (503, "1")
         resp.read()
-        _until(lambda: srv.in_flight == 0)
+        wait_until(lambda: srv.in_flight == 0, 5.0)
     finally:
         t.stop()
-
-
-def _until(cond, timeout: float = 5.0) -> None:
-    # The client may read an answer before the loop thread books its end: poll, bounded.
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)

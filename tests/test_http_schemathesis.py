@@ -14,7 +14,6 @@ import datetime as dt
 import json
 import os
 import shutil
-import tempfile
 import urllib.parse
 import uuid
 
@@ -26,6 +25,7 @@ from test_http_api import TASKS, Agent, start_body, token
 from qlcli import ok
 
 from qlagent.http.routing import openapi_document
+from kit import scratch_dir
 
 DOC = json.loads(openapi_document())
 OPS = [(m.upper(), path, op) for path, item in DOC["paths"].items() for m, op in item.items()]
@@ -57,8 +57,7 @@ def _validator(schema: dict) -> Draft202012Validator:
 
 @pytest.fixture(scope="module")
 def live():
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-conf-", dir=base)
+    root = scratch_dir("qlagent-conf-")
     state = os.path.join(root, "state")
     ok(state, "init")
     with open(os.path.join(root, "t.toml"), "w") as f:

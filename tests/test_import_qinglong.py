@@ -13,11 +13,12 @@ import subprocess
 import sys
 
 import pytest
-from qlcli import cli, js, ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import clean_env, runs_of, start_serve, stop, wait_until
+from qlcli import cli, js, ok
+from servehelp import runs_of, start_serve, stop
 
 from qlagent.core.qinglong import (QlConfig, QlCron, QlEnv, QlPanel, Toolset, assign_names, base_name,
                                    parse_config_sh, plan_import)
+from kit import clean_env, qlagent_argv, wait_until
 
 CRON_TABLE = ("CREATE TABLE Crontabs (id INTEGER PRIMARY KEY AUTOINCREMENT, name VARCHAR(255), command TEXT, "
               "schedule VARCHAR(255), isDisabled NUMBER DEFAULT 0, labels JSON, extra_schedules JSON, "
@@ -386,8 +387,8 @@ def test_unreadable_scripts_dir(state, panel, workdir):
         # Root reads a mode-000 directory; without CAP_DAC_OVERRIDE/READ_SEARCH it cannot.
         p = subprocess.run(["setpriv", "--inh-caps=-dac_override,-dac_read_search",
                             "--bounding-set=-dac_override,-dac_read_search",
-                            sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "import", "qinglong",
-                            panel], capture_output=True, timeout=60, env=clean_env())
+                            *qlagent_argv("--state-dir", state, "import", "qinglong", panel)],
+                           capture_output=True, timeout=60, env=clean_env())
     finally:
         os.chmod(scripts, 0o755)
     one_line_error(p, 2, "scripts-dir", scripts, "not readable")

@@ -11,14 +11,15 @@ import os
 import uuid
 
 from jsonshape import check_conventions, check_list
-from qlcli import cli, ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import runs_of, wait_until
+from qlcli import cli, ok
+from servehelp import runs_of
 from test_http_api import BASE, Agent, start_body, token
 from test_import_qinglong import make_panel
 
 from qlagent.application import presenter
 from qlagent.cli.main import build_parser
 from qlagent.core.models import RunEvent
+from kit import wait_until
 
 TASKS = """
 [[task]]

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 
@@ -26,13 +25,14 @@ import pytest
 from execkit import REPO, Agent, file_bytes_under, procs_with_env, task
 
 from qlagent.core.profiles import EDGE, MiB
+from kit import qlagent_argv, scratch_dir
 
 GRACE_S = 1
 
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-life-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    d = scratch_dir("qlagent-life-")
     yield d
     shutil.rmtree(d, ignore_errors=True)
 
@@ -560,9 +560,9 @@ def test_inline_wait_honours_timeout_and_network_gate(root, netns):
     a.add(*[t for t in router_tasks(root) if t["name"] == "wan-check"])
     p = a.cli("run", "start", "wan-check", "--wait", "--timeout", "10", timeout=20)
     assert p.stdout.split()[1] == b"succeeded"
-    p = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "qlagent.cli.main", "--state-dir",
-                        a.state, "run", "start", "wan-check", "--wait", "--timeout", "1"], capture_output=True,
-                       env=a.env(), cwd=REPO, timeout=20)
+    p = subprocess.run(["ip", "netns", "exec", netns,
+                        *qlagent_argv("--state-dir", a.state, "run", "start", "wan-check", "--wait", "--timeout", "1")],
+                       capture_output=True, env=a.env(), cwd=REPO, timeout=20)
     assert p.returncode == 5 and b"still queued after 1 s; it stays queued" in p.stderr, p.stderr
     with a.db() as c:
         assert c.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0] == 1
@@ -693,8 +693,7 @@ def test_wait_without_a_service_answers_cancel_and_interruption(root):
     a = Agent(root)
     a.add(task("sl", command=["/bin/sh", "-c", "sleep 300 & setsid sleep 301 & wait"], timeout_s=120))
     for interrupt in (False, True):
-        waiter = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", a.state,
-                                   "run", "start", "sl", "--wait"],
+        waiter = subprocess.Popen(qlagent_argv("--state-dir", a.state, "run", "start", "sl", "--wait"),
                                   env=a.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         end = time.monotonic() + 10
         while True:

@@ -15,7 +15,6 @@ import shutil
 import socket
 import sqlite3
 import subprocess
-import tempfile
 import time
 
 import psutil
@@ -24,6 +23,7 @@ from execkit import Agent, Bench, file_bytes_under, task
 
 from qlagent.core.limits import DEFAULT_PATH
 from qlagent.core.profiles import EDGE, MiB
+from kit import scratch_dir
 
 SECRET = b"pl41ntext-S3CRET-7d1e0c"          # must never be found outside the task's own memory/log
 OTHER = b"second-S3CRET-value-91"
@@ -31,7 +31,7 @@ OTHER = b"second-S3CRET-value-91"
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-mat-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    d = scratch_dir("qlagent-mat-")
     yield d
     shutil.rmtree(d, ignore_errors=True)
 

@@ -19,8 +19,9 @@ import time
 import psutil
 import pytest
 
-from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import NotifyListener, add_tasks, clean_env, runs_of, start_serve, stop, wait_until
+from qlcli import ok
+from servehelp import NotifyListener, add_tasks, runs_of, start_serve, stop
+from kit import clean_env, qlagent_argv, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2")
 
@@ -44,7 +45,7 @@ def netns():
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _serve_in(netns, state, listener):  # noqa: F811
+def _serve_in(netns, state, listener):
     p = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path), prefix=["ip", "netns", "exec", netns])
     listener.wait_for(lambda m: m == "READY=1")
     return p
@@ -57,14 +58,14 @@ def _agent(p: subprocess.Popen) -> psutil.Process:
     return agent
 
 
-def _time_to_leave_queue(state, task, run_id, change) -> float:  # noqa: F811
+def _time_to_leave_queue(state, task, run_id, change) -> float:
     t0 = time.monotonic()
     change()
     wait_until(lambda: dict(runs_of(state, task))[run_id] != "queued", timeout=5, step=0.01)
     return time.monotonic() - t0
 
 
-def test_default_route_gate_waits_then_starts_within_1s(state, workdir, netns):  # noqa: F811
+def test_default_route_gate_waits_then_starts_within_1s(state, workdir, netns):
     add_tasks(state, workdir, '''
 [[task]]
 name = "online"
@@ -92,7 +93,7 @@ command = ["/bin/sleep", "0.2"]
         listener.close()
 
 
-def test_ipv6_default_route_opens_the_gate_within_1s(state, workdir, netns):  # noqa: F811
+def test_ipv6_default_route_opens_the_gate_within_1s(state, workdir, netns):
     """An IPv6-only uplink (no IPv4 default route at all) is a default route too."""
     ip("netns", "exec", netns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=0")
     ip("-n", netns, "-6", "addr", "add", "fd00:200::1/64", "dev", "v0", "nodad")
@@ -118,7 +119,7 @@ command = ["/bin/true"]
         listener.close()
 
 
-def test_interface_gate_follows_link_state(state, workdir, netns):  # noqa: F811
+def test_interface_gate_follows_link_state(state, workdir, netns):
     add_tasks(state, workdir, '''
 [[task]]
 name = "on-v1"
@@ -155,7 +156,7 @@ print(svc.netgate is not None, "pyroute2" in sys.modules or "asyncio" in sys.mod
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_gate_runs_without_pyroute2(state, workdir, gated):  # noqa: F811
+def test_gate_runs_without_pyroute2(state, workdir, gated):
     """The real Service start-up (store, recovery, scheduler, loop, drain) in a fresh
     interpreter: the gate is started for a gated Task only, and neither configuration ever
     imports pyroute2 (nor its asyncio)."""
@@ -172,12 +173,12 @@ command = ["/bin/true"]
     assert out.stdout.decode().split() == [str(gated), "False"]
 
 
-def test_doctor_shows_the_default_route_as_netlink_reports_it(state, netns):  # noqa: F811
+def test_doctor_shows_the_default_route_as_netlink_reports_it(state, netns):
     """``doctor`` (short-lived: pyroute2 decodes netlink there) names gateway and device, and
     agrees with what the gate reads from /proc."""
     def network_check():
-        p = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "qlagent.cli.main", "--state-dir",
-                            state, "doctor", "--json"], capture_output=True, env=clean_env(), timeout=60)
+        p = subprocess.run(["ip", "netns", "exec", netns, *qlagent_argv("--state-dir", state, "doctor", "--json")],
+                           capture_output=True, env=clean_env(), timeout=60)
         assert b"Traceback" not in p.stderr
         return [c for c in json.loads(p.stdout)["checks"] if c["name"] == "network"][0]
     before = network_check()

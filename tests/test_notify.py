@@ -15,12 +15,13 @@ import time
 
 import pytest
 
-from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import NotifyListener, add_tasks, clean_env, db, runs_of, start_serve, stop, wait_until
+from qlcli import ok
+from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 
 @pytest.fixture
-def listener(workdir):  # noqa: F811
+def listener(workdir):
     n = NotifyListener(workdir)
     yield n
     n.close()
@@ -34,7 +35,7 @@ def _is(prefix):
     return lambda line: line.startswith(prefix)
 
 
-def test_ready_only_after_recovery_of_a_previous_agents_runs(state, workdir, listener):  # noqa: F811
+def test_ready_only_after_recovery_of_a_previous_agents_runs(state, workdir, listener):
     add_tasks(state, workdir, '''
 [[task]]
 name = "short"
@@ -70,7 +71,7 @@ command = ["/bin/sleep", "30"]
         assert stop(p) == 0
 
 
-def test_watchdog_cadence_status_line_and_sigterm(state, listener):  # noqa: F811
+def test_watchdog_cadence_status_line_and_sigterm(state, listener):
     p = start_serve(state, env=_env(listener, WATCHDOG_USEC=1_000_000))
     try:
         t_ready, _ = listener.wait_for(_is("READY=1"))
@@ -89,7 +90,7 @@ def test_watchdog_cadence_status_line_and_sigterm(state, listener):  # noqa: F81
     assert b"Traceback" not in p.stderr.read()
 
 
-def test_no_watchdog_while_the_store_is_wedged(state, workdir, listener):  # noqa: F811
+def test_no_watchdog_while_the_store_is_wedged(state, workdir, listener):
     # An every-second single-instance Task whose Run stays live: each second the loop writes
     # (skipped fire + schedule cursor), so a held write lock wedges the loop's store operation.
     add_tasks(state, workdir, '''
@@ -128,7 +129,7 @@ command = ["/bin/sleep", "60"]
     assert b"store.busy" in err and b"Traceback" not in err
 
 
-def test_drain_gives_live_runs_their_grace_then_cancels(state, workdir, listener):  # noqa: F811
+def test_drain_gives_live_runs_their_grace_then_cancels(state, workdir, listener):
     cfg = os.path.join(workdir, "qlagent.toml")
     with open(cfg, "w") as f:
         f.write("drain_grace_s = 2\nkill_grace_s = 1\n")
@@ -165,7 +166,7 @@ command = ["/bin/sleep", "1"]
         assert c.execute("SELECT count(*) FROM runs WHERE state IN ('queued','starting','running')").fetchone()[0] == 0
 
 
-def test_without_notify_socket_nothing_is_sent_and_serve_works(state, workdir, listener):  # noqa: F811
+def test_without_notify_socket_nothing_is_sent_and_serve_works(state, workdir, listener):
     add_tasks(state, workdir, '''
 [[task]]
 name = "boot"
@@ -179,7 +180,7 @@ command = ["/bin/true"]
     assert runs_of(state, "boot")[0][1] == "succeeded"
 
 
-def test_watchdog_pid_of_another_process_disables_pings(state, listener):  # noqa: F811
+def test_watchdog_pid_of_another_process_disables_pings(state, listener):
     p = start_serve(state, env=_env(listener, WATCHDOG_USEC=200_000, WATCHDOG_PID=1))
     try:
         listener.wait_for(_is("READY=1"))
@@ -189,7 +190,7 @@ def test_watchdog_pid_of_another_process_disables_pings(state, listener):  # noq
         assert stop(p) == 0
 
 
-def test_sighup_reload_protocol_good_and_refused_file(state, workdir, listener):  # noqa: F811
+def test_sighup_reload_protocol_good_and_refused_file(state, workdir, listener):
     """Type=notify-reload (issue 13 §4): on SIGHUP RELOADING=1 with MONOTONIC_USEC (CLOCK_MONOTONIC µs,
     taken after the signal was sent), then READY=1 once the file is applied -- and also when it is
     refused, so that systemd leaves the reloading state; the refusal names the field and the agent

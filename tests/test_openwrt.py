@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from qlagent.core.profiles import PROFILES
+from kit import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 FILES = REPO / "openwrt" / "qlagent" / "files"
@@ -273,20 +274,18 @@ def test_a_good_change_is_applied_by_sighup_with_the_new_drain(router):
 def test_config_check_as_the_agents_user_trusts_the_state_dir_that_user_owns(router, tmp_path):
     """The converter runs as root; the agent runs as user qlagent and owns state_dir.  As root,
     a state_dir owned by another uid is untrusted, so every reload after the first start was
-    refused (found by the procd gate): ``config check --as-user`` judges as that user would."""
+    refused (as the procd gate runs it): ``config check --as-user`` judges as that user would."""
     state = tmp_path / "owned"
     state.mkdir(mode=0o750)
     os.chown(state, 65534, 65534)                 # nobody, standing in for qlagent
     conf = tmp_path / "c.toml"
     conf.write_text(f'profile = "edge"\nstate_dir = "{state}"\n')
-    cli = [sys.executable, "-m", "qlagent.cli.main", "config", "check", "--config", str(conf)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    as_root = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60)
+    check = ("config", "check", "--config", str(conf))
+    as_root = run_cli(*check, text=True)
     assert as_root.returncode == 5 and f"untrusted state dir {state}: owned by uid 65534" in as_root.stderr
-    as_nobody = subprocess.run(cli + ["--as-user", "nobody"], env=env, capture_output=True, text=True, timeout=60)
+    as_nobody = run_cli(*check, "--as-user", "nobody", text=True)
     assert as_nobody.returncode == 0, as_nobody.stderr
-    unknown = subprocess.run(cli + ["--as-user", "no-such-user-27"], env=env, capture_output=True, text=True,
-                             timeout=60)
+    unknown = run_cli(*check, "--as-user", "no-such-user-27", text=True)
     assert unknown.returncode == 2 and "no user 'no-such-user-27'" in unknown.stderr
 
 

@@ -9,11 +9,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
 from qlcli import ok
-from servehelp import add_tasks, clean_env, runs_of, wait_until
+from servehelp import add_tasks, runs_of
+from kit import clean_env, qlagent_argv, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None
                                 or shutil.which("nsenter") is None,
@@ -65,9 +65,8 @@ name = "longrun"
 shell = "/bin/sh"
 script = "sleep 3; echo done"
 ''')
-    u = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "qlagent.cli.main",
-                          "--state-dir", state, "serve"], env=clean_env(), stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE)
+    u = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", *qlagent_argv("--state-dir", state, "serve")],
+                         env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         agent = wait_until(lambda: (_children(u.pid) or [None])[0], 20)
         with open(f"/proc/{agent}/status") as f:

@@ -12,7 +12,8 @@ import pytest
 
 from qlagent.adapters import processes
 
-from shimkit import FIXTURES, make_spec, wait_for  # noqa: E402
+from shimkit import FIXTURES, make_spec  # noqa: E402
+from kit import wait_until  # noqa: E402
 
 
 def start(tmp_path, argv, linger=0.5):
@@ -69,7 +70,7 @@ def stop(task, shim_pid, grace_s):
 
 def test_hang_is_killed_after_the_grace(tmp_path):
     spec, handle = start(tmp_path, ["/bin/sh", os.path.join(FIXTURES, "hang.sh")])
-    wait_for(lambda: output(spec) == b"hanging\n", what="hanging")
+    wait_until(lambda: output(spec) == b"hanging\n", 20, "hanging")
     task = processes.read_task_pid(spec["run_dir"])
     termed, killed = stop(task, handle.pid, 0.5)
     assert task in termed and task in killed        # hang.sh ignores SIGTERM
@@ -79,16 +80,16 @@ def test_hang_is_killed_after_the_grace(tmp_path):
 
 def test_spawn_tree_leaves_no_process_of_the_run_alive(tmp_path):
     spec, handle = start(tmp_path, ["/bin/sh", os.path.join(FIXTURES, "spawn-tree.sh")])
-    wait_for(lambda: output(spec) == b"spawned\n", what="spawned")
-    sleeps = wait_for(lambda: (lambda f: f if len(f) == 3 else None)(
-        run_sleeps(handle.pid, ("300", "301", "302"))), what="three sleeps")
+    wait_until(lambda: output(spec) == b"spawned\n", 20, "spawned")
+    sleeps = wait_until(lambda: (lambda f: f if len(f) == 3 else None)(
+        run_sleeps(handle.pid, ("300", "301", "302"))), 20, "three sleeps")
     escaped = [p for p in sleeps if p.cmdline() == ["sleep", "301"]][0]
     task = processes.read_task_pid(spec["run_dir"])
     assert os.getpgid(escaped.pid) != task  # setsid took it out of the task's group
     try:
         termed = processes.signal_tree(task, handle.pid, signal.SIGTERM, None, {})
         assert escaped.pid in termed and handle.pid not in termed      # never the shim itself
-        wait_for(lambda: alive(sleeps) == [], what="the run's processes gone")
+        wait_until(lambda: alive(sleeps) == [], 20, "the run's processes gone")
     finally:
         reap_leftovers(sleeps)
     assert handle.popen.wait(10) == 0
@@ -118,8 +119,8 @@ def test_process_matches_is_pid_reuse_safe(tmp_path):
     assert not processes.process_matches(handle.pid, handle.create_time - 5)
     go.touch()
     # Exited but not yet reaped (zombie) already counts as gone.
-    wait_for(lambda: processes.read_receipt(spec["run_dir"]), what="receipt")
-    wait_for(lambda: not processes.process_matches(handle.pid, handle.create_time), what="exit")
+    wait_until(lambda: processes.read_receipt(spec["run_dir"]), 20, "receipt")
+    wait_until(lambda: not processes.process_matches(handle.pid, handle.create_time), 20, "exit")
     assert handle.popen.wait(10) == 0
     assert not processes.process_matches(handle.pid, handle.create_time)
     assert not processes.process_matches(2 ** 22 + 1, handle.create_time)
@@ -136,7 +137,7 @@ def test_pidfd_becomes_readable_when_the_shim_exits(tmp_path):
 
 def test_signal_tree_without_task_pid_takes_the_shims_child(tmp_path):
     spec, handle = start(tmp_path, ["/bin/sh", "-c", "sleep 30 & sleep 30 & echo up; wait"])
-    wait_for(lambda: len(psutil.Process(handle.pid).children(recursive=True)) == 3, what="three processes")
+    wait_until(lambda: len(psutil.Process(handle.pid).children(recursive=True)) == 3, 20, "three processes")
     # Without task.pid (None) the shim's first child is taken as the task.
     assert len(processes.signal_tree(None, handle.pid, signal.SIGTERM, None, {})) == 3
     assert handle.popen.wait(10) == 0

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from qlcli import cli, js, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, js, ok
 
 from qlagent.adapters.sqlite.store import SqliteStore
 from qlagent.bootstrap import cipher_factory

@@ -12,21 +12,21 @@ import signal
 import time
 
 
-from qlcli import cli, js, ok, rows, state, workdir  # noqa: F401  (fixtures)
-from servehelp import (NotifyListener, add_tasks, clean_env, db, runs_of, start_serve, stop,
-                       wait_until)
+from qlcli import cli, js, ok, rows
+from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve, stop
+from kit import clean_env, wait_until
 
 QUICK_STOP = "drain_grace_s = 0\nkill_grace_s = 1\n"
 
 
-def _config(workdir, text, name="qlagent.toml"):  # noqa: F811
+def _config(workdir, text, name="qlagent.toml"):
     path = os.path.join(workdir, name)
     with open(path, "w") as f:
         f.write(text)
     return path
 
 
-def _live(state, task=None):  # noqa: F811
+def _live(state, task=None):
     q = ("SELECT count(*) FROM runs r JOIN tasks t USING (task_id) WHERE r.state IN ('starting','running')"
          + (" AND t.name = ?" if task else ""))
     with db(state) as c:
@@ -35,7 +35,7 @@ def _live(state, task=None):  # noqa: F811
 
 # ---- logging (§4) --------------------------------------------------------------------------
 
-def _serve_stderr_to_file(state, workdir, env_extra, name):  # noqa: F811
+def _serve_stderr_to_file(state, workdir, env_extra, name):
     path = os.path.join(workdir, name)
     with open(path, "wb") as err:
         st = os.fstat(err.fileno())
@@ -46,7 +46,7 @@ def _serve_stderr_to_file(state, workdir, env_extra, name):  # noqa: F811
         return f.read().splitlines()
 
 
-def test_journald_prefixes_only_when_journal_stream_is_our_stderr(state, workdir):  # noqa: F811
+def test_journald_prefixes_only_when_journal_stream_is_our_stderr(state, workdir):
     lines = _serve_stderr_to_file(state, workdir, {"JOURNAL_STREAM": "{dev}:{ino}"}, "j1")
     assert lines and all(re.match(r"<[0-7]>\S", ln) for ln in lines), lines
     assert any(ln.startswith("<6>service.ready ") for ln in lines)
@@ -57,7 +57,7 @@ def test_journald_prefixes_only_when_journal_stream_is_our_stderr(state, workdir
     assert plain and all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (INFO|NOTICE)\s", ln) for ln in plain), plain
 
 
-def test_agent_stderr_never_carries_secrets_or_task_output(state, workdir):  # noqa: F811
+def test_agent_stderr_never_carries_secrets_or_task_output(state, workdir):
     secret = "s3cr3t-VALUE-71d0c"
     ok(state, "secret", "set", "tok", stdin=secret.encode())
     add_tasks(state, workdir, '''
@@ -82,7 +82,7 @@ script = 'echo "TASKOUT-$TOK"; echo "TASKERR-MARK" >&2; exit 4'
 
 # ---- config (§5) -----------------------------------------------------------------------------
 
-def test_config_unknown_key_is_an_error_naming_the_key(state, workdir):  # noqa: F811
+def test_config_unknown_key_is_an_error_naming_the_key(state, workdir):
     bad = _config(workdir, "drain_grace_s = 3\nbogus_key = 1\n")
     p = cli(state, "--config", bad, "config", "check")
     assert p.returncode == 2 and b"bogus_key" in p.stderr and b"Traceback" not in p.stderr
@@ -104,7 +104,7 @@ def test_config_unknown_key_is_an_error_naming_the_key(state, workdir):  # noqa:
     assert p.returncode == 2 and b"bogus_key" in p.stderr
 
 
-def test_config_file_env_and_flag_precedence(state, workdir):  # noqa: F811
+def test_config_file_env_and_flag_precedence(state, workdir):
     a = _config(workdir, 'profile = "standalone"\ndrain_grace_s = 7\n', "a.toml")
     b = _config(workdir, 'drain_grace_s = 11\n', "b.toml")
     out = json.loads(cli(state, "--config", a, "config", "check", "--json").stdout)
@@ -121,7 +121,7 @@ def test_config_file_env_and_flag_precedence(state, workdir):  # noqa: F811
     assert flag_profile["profile"] == "standalone"
 
 
-def test_sighup_reloads_the_config(state, workdir):  # noqa: F811
+def test_sighup_reloads_the_config(state, workdir):
     cfg = _config(workdir, QUICK_STOP + "max_concurrent_runs = 1\n")
     add_tasks(state, workdir, '''
 [[task]]
@@ -159,7 +159,7 @@ command = ["/bin/true"]
 
 # ---- CLI and the running service (§1, §2) ------------------------------------------------------
 
-def test_cli_run_starts_at_once_and_cli_works_without_service(state, workdir):  # noqa: F811
+def test_cli_run_starts_at_once_and_cli_works_without_service(state, workdir):
     add_tasks(state, workdir, '''
 [[task]]
 name = "job"
@@ -185,7 +185,7 @@ command = ["/bin/sleep", "0.2"]
         listener.close()
 
 
-def test_disabling_or_deleting_a_task_cancels_its_queued_runs(state, workdir):  # noqa: F811
+def test_disabling_or_deleting_a_task_cancels_its_queued_runs(state, workdir):
     cfg = _config(workdir, QUICK_STOP + "max_concurrent_runs = 1\n")
     add_tasks(state, workdir, '''
 [[task]]
@@ -219,7 +219,7 @@ command = ["/bin/true"]
 
 # ---- exactly once (§2) -------------------------------------------------------------------------
 
-def test_second_service_on_the_same_state_is_refused(state):  # noqa: F811
+def test_second_service_on_the_same_state_is_refused(state):
     listener = NotifyListener(os.path.dirname(state))
     first = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path))
     try:
@@ -233,7 +233,7 @@ def test_second_service_on_the_same_state_is_refused(state):  # noqa: F811
         listener.close()
 
 
-def test_restart_during_due_instants_creates_each_scheduled_run_once(state, workdir):  # noqa: F811
+def test_restart_during_due_instants_creates_each_scheduled_run_once(state, workdir):
     add_tasks(state, workdir, '''
 [[task]]
 name = "every"
@@ -254,7 +254,7 @@ command = ["/bin/true"]
     assert n >= 6 and dup == []
 
 
-def test_two_schedulers_on_one_database_create_an_instant_once(state, workdir):  # noqa: F811
+def test_two_schedulers_on_one_database_create_an_instant_once(state, workdir):
     """The idempotency key, not the cursor, is what stops a second loop: B plans from the cursor
     A had before it fired, as a loop that read it a moment earlier would."""
     from qlagent.adapters.sqlite.store import SqliteStore
@@ -295,7 +295,7 @@ command = ["/bin/true"]
 
 # ---- field reports -----------------------------------------------------------------------------
 
-def test_f6_boot_tasks_all_start_right_after_ready(state, workdir):  # noqa: F811
+def test_f6_boot_tasks_all_start_right_after_ready(state, workdir):
     cfg = _config(workdir, QUICK_STOP + "max_concurrent_runs = 4\n")
     add_tasks(state, workdir, "".join(f'''
 [[task]]
@@ -321,7 +321,7 @@ F7_GOOD = ["9,19,29,39,49,59 * * * *", "*/10 * * * * *", "0 */5 * * * *"]
 F7_BAD = [("30 5/10 * * * ?", "day-of-week"), ("/6 * * * *", "minute"), ("0 0 0 * * * *", "7 fields")]
 
 
-def test_f7_cron_lines_accepted_fire_right_and_bad_ones_refused(state, workdir):  # noqa: F811
+def test_f7_cron_lines_accepted_fire_right_and_bad_ones_refused(state, workdir):
     for i, (line, field) in enumerate(F7_BAD):
         path = _config(workdir, f'[[task]]\nname = "bad{i}"\nschedule = "{line}"\ncommand = ["/bin/true"]\n',
                        f"bad{i}.toml")
@@ -359,7 +359,7 @@ def _epoch(iso: str) -> int:
     return calendar.timegm(time.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ"))
 
 
-def test_f4_single_instance_never_runs_beside_itself(state, workdir):  # noqa: F811
+def test_f4_single_instance_never_runs_beside_itself(state, workdir):
     add_tasks(state, workdir, '''
 [[task]]
 name = "f4"
@@ -387,7 +387,7 @@ command = ["/bin/sleep", "5"]
         assert stop(p) == 0
 
 
-def test_run_show_says_why_a_run_waits_behind_the_live_one(state, workdir):  # noqa: F811
+def test_run_show_says_why_a_run_waits_behind_the_live_one(state, workdir):
     # A queued Run of a single-instance Task showed only "queued / attempt #1 claimed" while it
     # waited: `run show` names the reason, and the line goes once it can start.
     add_tasks(state, workdir, '[[task]]\nname = "solo"\ncommand = ["/bin/sleep", "2"]\n')
@@ -405,7 +405,7 @@ def test_run_show_says_why_a_run_waits_behind_the_live_one(state, workdir):  # n
         assert stop(p) == 0
 
 
-def test_a_task_added_while_serving_is_scheduled_without_sighup(state, workdir):  # noqa: F811
+def test_a_task_added_while_serving_is_scheduled_without_sighup(state, workdir):
     listener = NotifyListener(workdir)
     p = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path))
     try:
@@ -423,7 +423,7 @@ command = ["/bin/true"]
         listener.close()
 
 
-def test_clock_steps_through_the_store_cursor(state, workdir):  # noqa: F811
+def test_clock_steps_through_the_store_cursor(state, workdir):
     """A router without RTC: the persisted cursor makes a forward jump give one catch-up Run and
     a backward jump repeat nothing — across a scheduler restart (a new Scheduler on the store)."""
     from qlagent.adapters.sqlite.store import SqliteStore

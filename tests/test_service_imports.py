@@ -13,14 +13,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
 
-from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
-from servehelp import add_tasks, clean_env, runs_of, wait_until
+from qlcli import ok
+from servehelp import add_tasks, runs_of
 from test_secrets import write_legacy_store
+from kit import free_port
+from kit import clean_env, wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # … and nothing of the cluster without a [cluster] table (issue 10): its policy, its adapter, its role.
@@ -41,7 +42,7 @@ command = ["/bin/true"]
 '''
 
 
-def serve(state: str, *args: str, until=None) -> set[str]:  # noqa: F811
+def serve(state: str, *args: str, until=None) -> set[str]:
     """Run ``qlagent serve ARGS`` in a fresh interpreter; ``until()`` (if given) runs while it
     serves, then SIGTERM drains it. Returns the modules it had loaded by its exit."""
     p = subprocess.Popen([sys.executable, "-c", PROBE, "--state-dir", state, "serve", *args], cwd=REPO,
@@ -65,7 +66,7 @@ def loaded(modules: set[str], names) -> list[str]:
     return sorted(n for n in names if n in modules or any(m.startswith(n + ".") for m in modules))
 
 
-def test_plain_service_loads_none_of_the_heavy_modules(state, workdir):  # noqa: F811
+def test_plain_service_loads_none_of_the_heavy_modules(state, workdir):
     add_tasks(state, workdir, TASK)
     mods = serve(state, "--exit-after", "0.3")
     assert "qlagent.service.scheduler" in mods                    # the probe saw a real start
@@ -74,17 +75,10 @@ def test_plain_service_loads_none_of_the_heavy_modules(state, workdir):  # noqa:
     # is parsed without it), importlib.resources, dataclasses/inspect, shutil with bz2/lzma
     assert loaded(mods, ("argparse", "importlib.resources", "dataclasses", "shutil", "bz2", "lzma")) == []
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_http_service_answers_a_token_request_without_openssl(state, workdir):  # noqa: F811
+def test_http_service_answers_a_token_request_without_openssl(state, workdir):
     add_tasks(state, workdir, TASK)
     token = ok(state, "token", "create", "--subject", "probe", "--role", "viewer").stdout.decode().strip()
-    port = _free_port()
+    port = free_port()
     answers = []
 
     def request() -> None:
@@ -103,7 +97,7 @@ def test_http_service_answers_a_token_request_without_openssl(state, workdir):  
     assert loaded(mods, (*HEAVY, "nacl", "secrets", "hashlib", "qlagent.adapters.netgate")) == []
 
 
-def test_gated_service_watches_the_network_without_pyroute2(state, workdir):  # noqa: F811
+def test_gated_service_watches_the_network_without_pyroute2(state, workdir):
     add_tasks(state, workdir, TASK.replace('command', 'network = "default_route"\ncommand'))
     mods = serve(state, "--exit-after", "0.3")
     assert "qlagent.adapters.netgate" in mods and "qlagent.adapters.netlink_wake" in mods   # the gate ran
@@ -120,7 +114,7 @@ secrets = { TOKEN = "api_token" }
 '''
 
 
-def test_secret_run_decrypts_with_pynacl_only(state, workdir):  # noqa: F811
+def test_secret_run_decrypts_with_pynacl_only(state, workdir):
     add_tasks(state, workdir, SECRET_TASK)
     ok(state, "secret", "set", "api_token", stdin=b"value-1")
     run_id = ok(state, "run", "start", "uses-secret").stdout.decode().strip()
@@ -130,7 +124,7 @@ def test_secret_run_decrypts_with_pynacl_only(state, workdir):  # noqa: F811
     assert loaded(mods, HEAVY) == []
 
 
-def test_cryptography_is_loaded_only_while_an_old_format_row_exists(state, workdir):  # noqa: F811
+def test_cryptography_is_loaded_only_while_an_old_format_row_exists(state, workdir):
     """A store written by the AES-GCM version: the first start re-encrypts (and so loads
     cryptography once); every later start, with a Secret Run, loads only PyNaCl."""
     write_legacy_store(state, {"api_token": b"value-1"})

@@ -17,7 +17,8 @@ from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
 from qlagent.core.receipt import Receipt, TruncationFact
 
-from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, wait_for  # noqa: E402
+from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec  # noqa: E402
+from kit import wait_until  # noqa: E402
 
 
 def run_to_end(spec, timeout=30.0):
@@ -150,7 +151,7 @@ def test_wan_check_prints_json(tmp_path):
 def test_slow_is_running_until_stopped(tmp_path):
     spec = make_spec(tmp_path, fixture("slow.sh"))
     handle = processes.spawn_shim(spec)
-    wait_for(lambda: log_bytes(spec) == b"slow start\n", what="slow start")
+    wait_until(lambda: log_bytes(spec) == b"slow start\n", 20, "slow start")
     task = processes.read_task_pid(spec["run_dir"])
     assert task in processes.signal_tree(task, handle.pid, signal.SIGTERM, None, {})
     assert handle.popen.wait(10) == 0
@@ -163,7 +164,7 @@ def test_f1_yes_fills_exactly_the_quota_then_is_killed(tmp_path):
     quota = 65536 * 3 + 17  # not a multiple of the read size
     spec = make_spec(tmp_path, ["/usr/bin/yes", "0123456789abcdef"], quota=quota)
     handle = processes.spawn_shim(spec)
-    fact = wait_for(lambda: processes.read_truncation(spec["run_dir"]), what="truncation fact")
+    fact = wait_until(lambda: processes.read_truncation(spec["run_dir"]), 20, "truncation fact")
     assert fact == TruncationFact(quota_bytes=quota, bytes_kept=quota)
     # The task is not blocked by the quota: output keeps being drained.
     assert psutil.Process(processes.read_task_pid(spec["run_dir"])).status() != psutil.STATUS_STOPPED
@@ -193,13 +194,13 @@ def test_shim_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
     spawner.stdin.write(json.dumps(spec) + "\n")
     spawner.stdin.flush()
     shim_pid = int(spawner.stdout.readline())
-    task_pid = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
+    task_pid = wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20, "task.pid")
     spawner.kill()
     spawner.wait()
     assert psutil.pid_exists(shim_pid) and psutil.Process(task_pid).status() != psutil.STATUS_ZOMBIE
     assert os.path.getsize(spec["artifact_path"]) == 0
     go.touch()
-    receipt = wait_for(lambda: processes.read_receipt(spec["run_dir"]), what="receipt")
+    receipt = wait_until(lambda: processes.read_receipt(spec["run_dir"]), 20, "receipt")
     assert receipt.exit_code == 7
     assert os.path.getsize(spec["artifact_path"]) == 1048576
     assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=1048576, bytes_kept=1048576)
@@ -210,7 +211,7 @@ def test_a_kept_orphan_holding_the_fifo_does_not_keep_the_shim_past_linger(tmp_p
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 30 & echo main; exit 5"], linger=0.3)
     spec["keep_orphans"] = True
     handle = processes.spawn_shim(spec)
-    task = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
+    task = wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20, "task.pid")
     fifo = os.path.join(spec["run_dir"], "output.fifo")
     st = os.stat(fifo)
     assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
@@ -263,7 +264,7 @@ def test_task_runs_in_its_own_group_with_null_stdin_in_cwd(tmp_path):
 def test_sigterm_to_the_shim_is_forwarded_and_a_receipt_still_written(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo up; exec sleep 30"])
     handle = processes.spawn_shim(spec)
-    wait_for(lambda: log_bytes(spec) == b"up\n", what="task output")
+    wait_until(lambda: log_bytes(spec) == b"up\n", 20, "task output")
     os.kill(handle.pid, signal.SIGTERM)
     assert handle.popen.wait(10) == 0
     assert processes.read_receipt(spec["run_dir"]).signal == signal.SIGTERM
@@ -274,19 +275,19 @@ def test_a_task_never_outlives_its_shim_killed_by_sigkill(tmp_path):
     # the task running unseen beside the Attempt offered again.
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo up; exec sleep 120"])
     handle = processes.spawn_shim(spec)
-    wait_for(lambda: log_bytes(spec) == b"up\n", what="task output")
+    wait_until(lambda: log_bytes(spec) == b"up\n", 20, "task output")
     task = psutil.Process(processes.read_task_pid(spec["run_dir"]))
     os.kill(handle.pid, signal.SIGKILL)
     handle.popen.wait(10)
-    wait_for(lambda: not task.is_running() or task.status() == psutil.STATUS_ZOMBIE, timeout=5.0,
-             what="the task to die with its shim")
+    wait_until(lambda: not task.is_running() or task.status() == psutil.STATUS_ZOMBIE, timeout=5.0,
+               what="the task to die with its shim")
 
 
 def test_sigint_sighup_sigpipe_to_the_shim_are_ignored(tmp_path):
     go = tmp_path / "go"
     spec = make_spec(tmp_path, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; echo done"])
     handle = processes.spawn_shim(spec)
-    wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
+    wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20, "task.pid")
     shim = psutil.Process(handle.pid)
     assert shim.environ() == {} and shim.cwd() == "/"  # nothing of the agent's leaks in
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
@@ -384,7 +385,7 @@ def test_start_status_comes_after_the_exec_and_carries_the_exact_reason(tmp_path
     handle = processes.spawn_shim(spec)
     try:
         assert handle.start_error is None
-        task = wait_for(lambda: processes.read_task_pid(spec["run_dir"]), what="task.pid")
+        task = wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20, "task.pid")
         assert psutil.Process(task).cmdline()[0] in ("/bin/sh", "sleep")   # exec'd, not a python fork
     finally:
         os.killpg(task, signal.SIGKILL)
@@ -455,7 +456,7 @@ def test_a_lease_not_renewed_stops_the_whole_tree_kept_orphans_too_and_the_recei
     spec.update(keep_orphans=True, grace_s=0.5, lease_file=os.path.join(spec["run_dir"], "lease"))
     _write_lease(spec["lease_file"], _mono_us() + 2_000_000)
     handle = processes.spawn_shim(spec)
-    orphan = wait_for(lambda: pids.exists() and pids.read_text().strip() and int(pids.read_text()), what="pids")
+    orphan = wait_until(lambda: pids.exists() and pids.read_text().strip() and int(pids.read_text()), 20, "pids")
     assert handle.popen.wait(20) == 0
     receipt = processes.read_receipt(spec["run_dir"])
     assert receipt.lease_lost is True and receipt.signal == signal.SIGKILL

@@ -10,23 +10,15 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 import pytest
 from execkit import Agent, task
+from kit import REPO, free_port, qlagent_argv, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: root only")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture
 def root():
@@ -64,21 +56,21 @@ def count(a: Agent, state: str) -> int:
         return c.execute("SELECT count(*) FROM runs WHERE state = ?", (state,)).fetchone()[0]
 
 
-def wait_until(a: Agent, predicate, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
+def wait_running(a: Agent, predicate, what: str, timeout: float = 20.0) -> None:
+    """Wait for ``predicate()`` while ``a``'s serve stays up; a failure carries its journal tail."""
+    def check():
         assert a.proc.poll() is None, a.journal().decode()[-3000:]
-        assert time.monotonic() < deadline, f"{what}: " + a.journal().decode()[-3000:]
-        time.sleep(0.2)
+        return predicate()
+    wait_until(check, timeout, what, step=0.2, detail=lambda: a.journal().decode()[-3000:])
 
 
 def test_a_full_state_file_system_pauses_the_agent_and_it_resumes_when_space_returns(root):
-    port = _free_port()
+    port = free_port()
     a = Agent(root, config=f'artifact_dir = "{root}/artifacts"\n[http]\nlisten = "127.0.0.1:{port}"\n')
     a.add(task("tick", "echo tick\n", schedule=["* * * * * *"]), task("slow", "sleep 6; echo done\n", timeout_s=60))
     a.serve(exit_after=120)
     try:
-        wait_until(a, lambda: count(a, "succeeded") >= 2, "scheduled Runs before the file system fills")
+        wait_running(a, lambda: count(a, "succeeded") >= 2, "scheduled Runs before the file system fills")
         slow = a.start("slow")
         a.wait(slow, ("running",))
         waiting = a.start("slow")                 # queued behind it (concurrency = "single")
@@ -86,7 +78,7 @@ def test_a_full_state_file_system_pauses_the_agent_and_it_resumes_when_space_ret
             c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         filler = os.path.join(a.state, "filler")
         fill(filler)
-        wait_until(a, lambda: "store.unavailable" in a.journal().decode(), "the store filling up")
+        wait_running(a, lambda: "store.unavailable" in a.journal().decode(), "the store filling up")
         fill(filler)                    # and what the agent's own checkpoint gave back
         time.sleep(8)                   # eight more fires due, and the slow Run ends: none may kill it
         assert a.proc.poll() is None
@@ -103,7 +95,7 @@ def test_a_full_state_file_system_pauses_the_agent_and_it_resumes_when_space_ret
         assert journal.count("store.unavailable") == 1 and "Traceback" not in journal, journal[-3000:]
         done = count(a, "succeeded")
         os.unlink(filler)                                 # space returns: no restart
-        wait_until(a, lambda: count(a, "succeeded") >= done + 3, "Runs after the space returned")
+        wait_running(a, lambda: count(a, "succeeded") >= done + 3, "Runs after the space returned")
         run = a.run(slow)
         assert (run["state"], run["exit_code"]) == ("succeeded", 0)
         assert a.wait(waiting)["state"] == "succeeded"
@@ -132,9 +124,8 @@ def test_an_agent_started_on_a_full_state_file_system_waits_for_space_instead_of
     assert doctor.returncode == 5 and b"FAIL  state free space" in doctor.stdout, (doctor.stdout, doctor.stderr)
     log_path = os.path.join(root, "serve.log")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", a.state, "serve",
-                                 "--exit-after", "60"], stdout=log, stderr=subprocess.STDOUT, env=a.env(),
-                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.Popen(qlagent_argv("--state-dir", a.state, "serve", "--exit-after", "60"), stdout=log,
+                                stderr=subprocess.STDOUT, env=a.env(), cwd=REPO)
     a.proc, a.log_path = proc, log_path
     a.logs.append(log_path)
     try:
@@ -143,7 +134,7 @@ def test_an_agent_started_on_a_full_state_file_system_waits_for_space_instead_of
         assert proc.poll() is None, journal
         assert journal.count("store.unavailable") == 1 and "Traceback" not in journal, journal
         os.unlink(filler)                                 # space returns: the same process carries on
-        wait_until(a, lambda: count(a, "succeeded") >= 2, "Runs after the space returned")
+        wait_running(a, lambda: count(a, "succeeded") >= 2, "Runs after the space returned")
         assert "service.ready" in a.journal().decode()
     finally:
         a.stop()

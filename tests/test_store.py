@@ -7,12 +7,11 @@ import os
 import shutil
 import sqlite3
 import subprocess
-import sys
 import threading
 
 import msgspec
 import pytest
-from qlcli import cli, workdir  # noqa: F401  (fixture)
+from qlcli import cli
 
 from qlagent.adapters.rows import definitions as defs
 from qlagent.adapters.sqlite import migrations
@@ -20,6 +19,7 @@ from qlagent.application.definitions import DefinitionWriter
 from qlagent.adapters.sqlite.store import SqliteStore
 from qlagent.core.clock import now_us
 from qlagent.core.errors import ConflictError, StoreIntegrityError, UnavailableError
+from kit import clean_env, qlagent_argv, run_cli
 
 TASK = {"task": [{"name": "t", "command": ["/bin/echo", "one"], "env": {"A": "1"}}]}
 
@@ -143,7 +143,7 @@ def test_every_commit_is_synced_full(store):
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
-def test_run_start_answers_only_after_its_run_is_on_stable_storage(workdir):  # noqa: F811
+def test_run_start_answers_only_after_its_run_is_on_stable_storage(workdir):
     """`qlagent run start` next to a running service prints the Run ID (its acknowledgement) only
     after an fsync/fdatasync of the WAL that holds the new Run. Under synchronous=NORMAL there was
     none: the service's open connection keeps the WAL from being checkpointed when the CLI exits."""
@@ -156,11 +156,10 @@ def test_run_start_answers_only_after_its_run_is_on_stable_storage(workdir):  # 
         f.write('[[task]]\nname = "t"\ncommand = ["/bin/true"]\n')
     assert cli(state, "task", "add", "-f", path).returncode == 0
     trace = os.path.join(workdir, "trace")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
     try:
         p = subprocess.run(["strace", "-f", "-qq", "-y", "-s", "128", "-o", trace, "-e", "trace=fsync,fdatasync,write",
-                            sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "run", "start", "t"],
-                           capture_output=True, env=env, timeout=60)
+                            *qlagent_argv("--state-dir", state, "run", "start", "t")],
+                           capture_output=True, env=clean_env(), timeout=60)
         assert p.returncode == 0, p.stderr
         run_id = p.stdout.decode().strip()
         lines = open(trace).read().splitlines()
@@ -288,14 +287,12 @@ def test_cli_never_migrates_under_a_running_service(db, monkeypatch, tmp_path):
     SqliteStore(db).close()                                # an "older" agent's store
     monkeypatch.undo()
     state = os.path.dirname(db)
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "task", "ls"],
-                       capture_output=True, text=True, timeout=60)
+    p = run_cli("--state-dir", state, "task", "ls", text=True)
     assert p.returncode == 5 and "Traceback" not in p.stderr, p.stderr
     assert "migration" in p.stderr and "qlagent init" in p.stderr
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT max(version) FROM schema_migrations").fetchone()[0] == every[-2].version
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "init"],
-                       capture_output=True, text=True, timeout=60)
+    p = run_cli("--state-dir", state, "init", text=True)
     assert p.returncode == 0, p.stderr
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT max(version) FROM schema_migrations").fetchone()[0] == every[-1].version

@@ -10,10 +10,8 @@ import json
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import urllib.request
 
 import psutil
@@ -22,13 +20,14 @@ from execkit import Agent, Bench, procs_with_env, task
 
 from qlagent.core.definitions import parse_task_file, prepare_task
 from qlagent.core.errors import ValidationError
+from kit import free_port, scratch_dir
 
 SECRET = b"s3cret-V4LUE-never-in-a-reason"
 
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-users-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    d = scratch_dir("qlagent-users-")
     os.chmod(d, 0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
@@ -337,13 +336,6 @@ def test_something_already_at_the_artifact_path_fails_the_run_instead_of_waiting
     with open(victim, "rb") as f:
         assert f.read() == b"keep me"
     b.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_start_failures_are_visible_in_run_show_json_http_events_and_journal(root):
     port = free_port()

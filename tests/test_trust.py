@@ -11,14 +11,14 @@ import json
 import os
 
 import pytest
-from qlcli import cli, ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, ok
 
 FOREIGN_UID = 65534
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 
 
-def _paths(state: str, workdir: str) -> dict[str, tuple[str, bool]]:  # noqa: F811
+def _paths(state: str, workdir: str) -> dict[str, tuple[str, bool]]:
     """role → (path, is_dir); files that do not exist yet are created as the agent would."""
     return {
         "state dir": (state, True),
@@ -61,7 +61,7 @@ COMMANDS = [("task", "ls"), ("run", "ls"), ("secret", "ls"), ("config", "check")
 @pytest.mark.parametrize("fault", ["world-writable", "group-writable", "foreign owner"])
 @pytest.mark.parametrize("role", ["state dir", "database", "database wal", "database shm", "key file",
                                   "artifacts dir", "runs dir", "config file"])
-def test_every_command_refuses_an_untrusted_path(state, workdir, role, fault):  # noqa: F811
+def test_every_command_refuses_an_untrusted_path(state, workdir, role, fault):
     paths = _paths(state, workdir)
     for p, is_dir in paths.values():
         _make(p, is_dir)
@@ -108,7 +108,7 @@ def test_every_command_refuses_an_untrusted_path(state, workdir, role, fault):  
     assert [c["ok"] for c in checks if c["name"] == "trust"] == [True], checks
 
 
-def test_a_readable_but_safe_layout_is_accepted(state, workdir):  # noqa: F811
+def test_a_readable_but_safe_layout_is_accepted(state, workdir):
     """0755 directories and 0644 files owned by the agent are not writable by others: accepted.
     QLAGENT_CONFIG=/dev/null (examples/run-demo) is accepted although it is 0666."""
     os.chmod(state, 0o755)
@@ -118,7 +118,7 @@ def test_a_readable_but_safe_layout_is_accepted(state, workdir):  # noqa: F811
     assert p.returncode == 0, p.stderr
 
 
-def test_a_planted_foreign_database_is_never_opened(state, workdir):  # noqa: F811
+def test_a_planted_foreign_database_is_never_opened(state, workdir):
     """The issue's reproduction: another user replaces qlagent.db (here: with a file they
     own). serve refuses before reading it, so its @boot task never runs."""
     db = os.path.join(state, "qlagent.db")
@@ -131,7 +131,7 @@ def test_a_planted_foreign_database_is_never_opened(state, workdir):  # noqa: F8
     assert p.returncode == 5 and f"untrusted database {db}" in p.stderr.decode()
 
 
-def test_a_non_root_agent_trusts_its_own_and_root_owned_files_only(workdir):  # noqa: F811
+def test_a_non_root_agent_trusts_its_own_and_root_owned_files_only(workdir):
     """The packaged agent runs as its own user and reads the root-owned /etc/qlagent config: root
     can already act as any user, so root-owned is trusted; a third uid's file is not."""
     from qlagent.service.trust import problem
@@ -148,7 +148,7 @@ def test_a_non_root_agent_trusts_its_own_and_root_owned_files_only(workdir):  # 
     assert f"fix: chown {agent_uid} {path}" in text
 
 
-def test_a_state_dir_reached_through_another_users_symlink_is_refused(state, workdir):  # noqa: F811
+def test_a_state_dir_reached_through_another_users_symlink_is_refused(state, workdir):
     """The symlink's owner can point it anywhere at any moment (between the check and the
     open): a path reached through it is not trusted, although its target is the agent's."""
     link = os.path.join(workdir, "link")
@@ -166,7 +166,7 @@ def test_a_state_dir_reached_through_another_users_symlink_is_refused(state, wor
 
 
 @pytest.mark.parametrize("mode,trusted", [(0o777, False), (0o775, False), (0o1777, True), (0o755, True)])
-def test_a_state_dir_whose_parent_others_can_write_is_refused_unless_sticky(state, workdir, mode, trusted):  # noqa: F811
+def test_a_state_dir_whose_parent_others_can_write_is_refused_unless_sticky(state, workdir, mode, trusted):
     """Anyone who can write the parent can rename the state dir away and put their own in its
     place (unless the sticky bit, as on /tmp, keeps them to their own entries)."""
     os.chmod(workdir, mode)
@@ -181,7 +181,7 @@ def test_a_state_dir_whose_parent_others_can_write_is_refused_unless_sticky(stat
     assert [c["ok"] for c in json.loads(p.stdout)["checks"] if c["name"] == "trust"] == [trusted]
 
 
-def test_a_state_dir_inside_another_users_directory_is_refused(state, workdir):  # noqa: F811
+def test_a_state_dir_inside_another_users_directory_is_refused(state, workdir):
     os.chown(workdir, FOREIGN_UID, -1)
     p = cli(state, "task", "ls")
     assert p.returncode == 5 and f"directory {workdir} is owned by uid {FOREIGN_UID}" in p.stderr.decode()

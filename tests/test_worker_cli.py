@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-from qlcli import cli, workdir  # noqa: F401  (fixture)
+from qlcli import cli
 from test_cli_errors import tree_digest
 
 WORKER_ID = "3f0c0000-0000-4000-8000-000000000001"
@@ -19,7 +19,7 @@ TASK = '[[task]]\nname = "t"\ncommand = ["/bin/true"]\n'
 
 
 @pytest.fixture
-def worker(workdir):  # noqa: F811
+def worker(workdir):
     """(state dir, config path, scratch dir) of a Worker whose control plane is not running."""
     cred = os.path.join(workdir, "worker.credential")
     fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -166,8 +166,8 @@ def test_the_longest_grace_a_lease_holds_leaves_three_one_second_beats_and_a_ms_
 
 
 def test_grace_zero_first_fits_a_six_second_lease_and_a_shorter_one_is_refused_as_the_config():
-    # Found by a tester: lease_ttl_s = 5 was accepted, then `task add` of grace_s = 0 said
-    # "0 s cannot live under cluster.lease_ttl_s = 5 (at most 0 s …)".
+    # The least lease_ttl_s is the one grace_s = 0 fits: 5 is refused as the config, and a
+    # grace refused under it never reads "0 s … (at most 0 s …)".
     from qlagent.core import leasefit
     assert leasefit.MIN_LEASE_TTL_S == 6 and leasefit.max_grace_ms(5) < 0 <= leasefit.max_grace_ms(6)
     leasefit.check_lease_ttl("cluster.lease_ttl_s", 6)                         # the limit
@@ -190,7 +190,7 @@ def test_the_grace_limit_shown_is_exact_never_rounded_above_the_real_one():
     assert "at most 1000.995 s" in str(e.value) and e.value.limit == 1000.995
 
 
-# ---- pacing: the next Pull after one answered without an offer (a drained Worker sent ~170/s)
+# ---- pacing: the next Pull after one answered without an offer (never a tight loop of Pulls)
 
 @pytest.mark.parametrize("wait_s, reason, after_s", [
     (20, None, 20.0),              # a long-poll that ran out: the next Pull goes at once
@@ -207,8 +207,8 @@ def test_the_next_pull_after_an_idle_answer_waits_out_the_long_poll(wait_s, reas
 
 
 def test_a_default_grace_the_lease_cannot_hold_is_said_to_be_the_default():
-    """A task file naming no grace_s gets 5 s; under lease_ttl_s = 10 the refusal says so (a
-    break-it tester read `task[0].grace_s: 5 s` for a file that sets none)."""
+    """A task file naming no grace_s gets 5 s; under lease_ttl_s = 10 the refusal says it is the
+    default rather than `task[0].grace_s: 5 s` for a file that sets none."""
     from qlagent.core import leasefit
     with pytest.raises(ValidationError) as e:
         leasefit.check_grace("task[0].grace_s", 5_000, 10, 5_000)

@@ -11,7 +11,6 @@ import os
 import shutil
 import socket
 import ssl
-import tempfile
 import threading
 import time
 
@@ -20,7 +19,8 @@ import pytest
 from cpkit import make_ca
 from pgkit import token
 from qlagent.core.ids import new_id
-from test_cluster_e2e import free_port, sql, start_replica
+from test_cluster_e2e import sql, start_replica
+from kit import free_port, scratch_dir
 
 WORKERS = "/api/v3/cluster/workers"
 TASKS = """
@@ -33,8 +33,7 @@ script = "echo hello"
 
 @pytest.fixture(scope="module")
 def plane(pg_url):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-attacks-", dir=base)
+    root = scratch_dir("qlagent-attacks-")
     ca, cert, key = make_ca(root, "cp")
     port = free_port()
     cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nsweep_interval_s = 0.5\n'
@@ -93,9 +92,8 @@ def probe(plane, timeout: float = 5) -> int:
 
 
 def test_200_half_open_tls_connections_renewed_every_2_s_never_silence_probes_or_a_worker_pull(plane):
-    # Found by the issue 21 attack pass: ~60 TCP connections that never finished the handshake
-    # took every slot (handshakes were never evicted, the newcomer was the one closed): 0 of 6
-    # /healthz probes answered in 12 s, Worker requests failed with SSLEOFError.
+    # Connections that never finish the TLS handshake cannot take every slot: a stalled handshake
+    # is evicted rather than the newcomer, so /healthz probes and a Worker's requests are answered.
     w = Worker(plane, "flooded")
     w.hello()
     stop = threading.Event()
@@ -150,7 +148,7 @@ def _tls12(plane, ciphers: str) -> str:
 
 
 def test_tls_1_2_takes_only_aead_suites_and_tls_1_3_is_unchanged(plane):
-    # Found by the issue 21 attack pass: a client offering only the CBC-mode suite was served.
+    # A client offering only a CBC-mode suite is refused the handshake.
     with pytest.raises(ssl.SSLError):
         _tls12(plane, "ECDHE-ECDSA-AES128-SHA256")
     with pytest.raises(ssl.SSLError):
@@ -165,8 +163,8 @@ def test_tls_1_2_takes_only_aead_suites_and_tls_1_3_is_unchanged(plane):
 
 
 def test_one_worker_flooding_long_polls_never_starves_another_workers_pull(plane):
-    # Found by the issue 21 attack pass: one (compromised) Worker held all 32 max_long_polls
-    # slots with its own Session; every other Worker's pull?waitS=5 got 503 on that replica.
+    # One (compromised) Worker opening long-polls without end cannot hold all max_long_polls
+    # slots with its own Session: another Worker's pull?waitS=5 is still served by that replica.
     greedy, other = Worker(plane, "greedy"), Worker(plane, "patient")
     greedy.hello()
     other.hello()
@@ -206,7 +204,7 @@ def _get(plane, path: str, authorization: str, method: str = "GET", body: bytes 
 
 
 def test_refused_credentials_leave_a_rate_limited_audit_line_that_never_quotes_them(plane):
-    # Found by the issue 21 attack pass: 401 and 403 worker_mismatch left nothing in the journal.
+    # A 401 and a 403 worker_mismatch each leave an audit line in the journal.
     replica = plane["replica"]
     mine, other = Worker(plane, "audited"), Worker(plane, "victim")
     api_token = plane["cp"].ok("token", "create", "--subject", "auditor", "--role", "viewer").strip()
@@ -233,8 +231,8 @@ def test_refused_credentials_leave_a_rate_limited_audit_line_that_never_quotes_t
 
 
 def test_a_worker_enrolled_for_a_project_is_never_offered_another_projects_run(plane):
-    # Found by the issue 21 attack pass: Workers were not scoped to Projects, so a compromised
-    # Worker received the Secrets of any Project's Task that had no placement requirement.
+    # Workers are scoped to Projects: a compromised Worker never receives the Run (and its
+    # Secrets) of another Project's Task, even one without a placement requirement.
     cp, root = plane["cp"], plane["root"]
     tasks = os.path.join(root, "scoped.toml")
     with open(tasks, "w") as f:

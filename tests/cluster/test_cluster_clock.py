@@ -1,9 +1,8 @@
 """Issue 21 §4: one time source for the cluster. Two real ``qlagent serve`` replicas on one
 PostgreSQL database fire a ``*/5 * * * * *`` Task; one runs under libfaketime ``FAKETIME="+60s"``
-(its wall clock 60 s ahead). Before the fix that one fired every instant ~60 s early and the
-healthy one logged ``clock.stepped_back … seconds=59`` at every instant. Now no Run is created
-before its instant (database time), there is one Run per instant, the healthy replica logs no
-step back, and the skewed one names itself and its offset (journal, ``/readyz``, ``doctor``).
+(its wall clock 60 s ahead). No Run is created before its instant (database time), there is
+one Run per instant, the healthy replica logs no ``clock.stepped_back``, and the skewed one
+names itself and its offset (journal, ``/readyz``, ``doctor``).
 
 libfaketime 0.9.10 fakes CLOCK_MONOTONIC with the same offset (its ``FAKETIME_DONT_FAKE_MONOTONIC``
 mode makes Python's ``time.sleep`` fail with EINVAL) but does not wrap glibc's newer
@@ -26,7 +25,8 @@ import urllib.request
 import pytest
 
 from conftest import create_database, db_url, drop_database, sql
-from test_cluster_e2e import Node, Proc, _env, free_port
+from test_cluster_e2e import Node, Proc
+from kit import clean_env, free_port, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def env():
     shim = os.path.join(root, "clockwait.so")
     subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", shim, src, "-ldl"], check=True, capture_output=True,
                    timeout=60)
-    skewed = {**_env(), "LD_PRELOAD": f"{shim} {_libfaketime()}", "FAKETIME": f"+{SKEW_S}s"}
+    skewed = {**clean_env(), "LD_PRELOAD": f"{shim} {_libfaketime()}", "FAKETIME": f"+{SKEW_S}s"}
     yield db_url(name), root, skewed
     shutil.rmtree(root, ignore_errors=True)
     drop_database(name)
@@ -111,7 +111,7 @@ def test_a_replica_whose_clock_is_60_s_ahead_fires_nothing_early_and_names_itsel
     healthy_node.ok("task", "add", "-f", os.path.join(root, "tasks.toml"))
     skewed_port = free_port()
     healthy = Proc(healthy_node, "--listen", f"127.0.0.1:{free_port()}")
-    skewed = _proc_with_env(skewed_node, skewed_env, "--listen", f"127.0.0.1:{skewed_port}")
+    skewed = Proc(skewed_node, "--listen", f"127.0.0.1:{skewed_port}", env=skewed_env)
     try:
         healthy.wait_line("service.ready")
         skewed.wait_line("service.ready")
@@ -132,23 +132,11 @@ def test_a_replica_whose_clock_is_60_s_ahead_fires_nothing_early_and_names_itsel
         with urllib.request.urlopen(f"http://127.0.0.1:{skewed_port}/readyz", timeout=10) as r:
             clock = json.loads(r.read())["clock"]
         assert clock["skewed"] and 59 <= clock["offsetS"] <= 61 and clock["boundS"] == 2, clock
-        doctor = subprocess.run(skewed_node.argv("doctor"), capture_output=True, timeout=60, env=skewed_env)
+        doctor = run_cli(*skewed_node.scope, "doctor", env=skewed_env)
         out = doctor.stdout.decode() + doctor.stderr.decode()
         assert doctor.returncode != 0 and ("+60.0" in out or "+59.9" in out) and "bound ±2 s" in out, out
-        ok = subprocess.run(healthy_node.argv("doctor"), capture_output=True, timeout=60, env=_env())
+        ok = run_cli(*healthy_node.scope, "doctor")
         assert "bound ±2 s" in ok.stdout.decode() + ok.stderr.decode()
     finally:
         healthy.stop()
         skewed.stop()
-
-
-def _proc_with_env(node: Node, env: dict, *args: str) -> Proc:
-    """``Proc`` whose process runs with ``env`` (the faked clock)."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        return Proc(node, *args)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)

@@ -12,12 +12,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
-import sys
-import tempfile
-import threading
 import time
 import urllib.request
 
@@ -26,6 +22,7 @@ import pytest
 
 from conftest import create_database, db_url, drop_database
 from cpkit import make_ca
+from kit import Serve, free_port, qlagent_argv, run_cli, scratch_dir
 
 BASE = "/api/v3/projects/default"
 TASKS = """
@@ -40,17 +37,6 @@ shell = "/bin/sh"
 script = "env | grep '^QL3_' | sort"
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-
-
 class Node:
     """A state directory and a config file (0600); ``cli`` runs ``qlagent`` on them."""
 
@@ -61,11 +47,16 @@ class Node:
             f.write(config)
         os.chmod(self.config, 0o600)
 
+    @property
+    def scope(self) -> tuple[str, ...]:
+        """The global arguments naming this node's state directory and config."""
+        return ("--state-dir", self.state, "--config", self.config)
+
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state, "--config", self.config, *args]
+        return qlagent_argv(*self.scope, *args)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(*args), capture_output=True, timeout=60, env=_env())
+        return run_cli(*self.scope, *args)
 
     def ok(self, *args: str) -> str:
         p = self.cli(*args)
@@ -73,36 +64,12 @@ class Node:
         return p.stdout.decode()
 
 
-class Proc:
-    """``qlagent serve`` in a subprocess; its journal lines (stderr) collected as they come."""
+class Proc(Serve):
+    """``qlagent serve ARGS`` on ``node`` (environment ``env``, default :func:`kit.clean_env`);
+    returns at once, its journal lines collected as they come."""
 
-    def __init__(self, node: Node, *args: str) -> None:
-        self.proc = subprocess.Popen(node.argv("serve", *args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, env=_env())
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        for raw in self.proc.stderr:
-            with self.cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self.cond.notify_all()
-        with self.cond:
-            self.lines.append("<eof>")
-            self.cond.notify_all()
-
-    def wait_line(self, text: str, timeout_s: float = 20) -> str:
-        with self.cond:
-            self.cond.wait_for(lambda: any(text in ln or ln == "<eof>" for ln in self.lines), timeout_s)
-            found = [ln for ln in self.lines if text in ln]
-        assert found, "".join(self.lines)
-        return found[0]
-
-    def stop(self, timeout_s: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout_s)
+    def __init__(self, node: Node, *args: str, env: dict | None = None) -> None:
+        super().__init__(*node.scope, serve_args=args, env=env, ready=None)
 
 
 def sql(url: str, query: str, args=()):
@@ -124,8 +91,7 @@ def start_replica(root: str, config: str, tasks: str, port: int) -> tuple[Node, 
 
 @pytest.fixture(scope="module")
 def plane(pg_url):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-e2e-", dir=base)
+    root = scratch_dir("qlagent-e2e-")
     ca, cert, key = make_ca(root, "cp")
     other_ca, _, other_key = make_ca(root, "other")
     port = free_port()
@@ -261,9 +227,9 @@ def test_a_drained_worker_waits_out_its_long_poll_instead_of_pulling_in_a_loop(p
 
 
 def test_a_burst_of_task_starts_of_a_single_instance_task_all_run_one_at_a_time(plane):
-    # Found by a break-it pass: 40 concurrent Task Starts of a `concurrency = "single"` Task (the
-    # default) left most of its queue held for good once the live Run ended; nothing kept two
-    # Workers from running two of its Runs at once either. Here two Workers with 2 slots each.
+    # A burst of concurrent Task Starts of a `concurrency = "single"` Task (the default): every
+    # Run ends, each released as the live one ends, and no two Workers run two of its Runs at once.
+    # Here two Workers with 2 slots each.
     import uuid
     from concurrent.futures import ThreadPoolExecutor
     cp = plane["cp"]
@@ -312,7 +278,8 @@ def test_a_worker_trusting_another_ca_is_refused_with_one_line_and_writes_nothin
 ])
 def test_a_worker_claiming_more_than_its_enrolment_stops_naming_the_key_and_opens_no_session(plane, extra, field,
                                                                                             why):
-    # Found by hand: the hello was refused 400 and the Worker retried it for ever, warning each time.
+    # The Worker stops (exit 2) with one line naming the key and opens no Session: it does not
+    # retry a refused hello for ever.
     name = f"edge-wide-{field.rsplit('.', 1)[-1]}"
     worker, worker_id = start_worker(plane, name, plane["ca"], "--label", "site=lab", "--label", "arch=arm64",
                                      "--slots", "2", extra=extra)
@@ -335,8 +302,7 @@ def test_bad_tls_or_pool_values_stop_the_replica_naming_the_field_and_write_noth
     try:
         node = Node(root, f"bad-{field}", f'[cluster]\ndatabase = "{db_url(name)}"\n' +
                     cluster.format(root=root, cert=plane["cert"], key=plane["key"], other_key=plane["other_key"]))
-        p = subprocess.run(node.argv("serve", "--listen", "127.0.0.1:0"), capture_output=True, timeout=30,
-                           env=_env())
+        p = run_cli(*node.scope, "serve", "--listen", "127.0.0.1:0", timeout=30)
         lines = p.stderr.decode().strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and field in lines[0], p.stderr
         assert sql(db_url(name), "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'") == [(0,)]

@@ -3,24 +3,25 @@ primary + synchronous standby started for the test (``tests/fleet/harness.PgPair
 ``qlagent serve`` replica on the pair's multi-host URL over HTTPS, one Worker process
 (``pull_wait_s = 20``). The primary is crashed and the standby promoted; from 2 s after the
 promotion, for a minute, every Task Start must reach the Worker (its Run ``dispatching``) within
-2 s, as it did before. Before the fix the LISTEN thread died with the old primary, each long-poll
-answered idle at once and the Worker paced itself to one Pull per ``pull_wait_s``: 0–20 s."""
+2 s, as it did before: the LISTEN thread follows the new primary, so a long-poll is woken by the
+NOTIFY rather than answering idle at once (which would pace the Worker to one Pull per
+``pull_wait_s``: 0–20 s)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fleet"))
-from harness import PgPair, pg_bindir, wait_for  # noqa: E402
+from harness import started_pair  # noqa: E402
 from conftest import sql  # noqa: E402
 from cpkit import make_ca  # noqa: E402
-from test_cluster_e2e import Node, Proc, free_port, start_replica  # noqa: E402
+from test_cluster_e2e import Node, Proc, start_replica  # noqa: E402
+from kit import free_port, scratch_dir, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -36,28 +37,23 @@ WATCH_S = 60           # how long after the promotion the bound is checked
 
 @pytest.fixture
 def pair():
-    if pg_bindir() is None:
-        pytest.fail("PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup) not found", pytrace=False)
-    p = PgPair("w21a-failover")
-    try:
-        yield p.start()
-    finally:
-        p.close()
+    with started_pair("w21a-failover") as p:
+        yield p
 
 
 def _offer_latency_s(cp: Node, url: str) -> float:
     """Start ``quick`` from the CLI; seconds (database clock) from the Run's creation to its
     ``run.dispatching`` event (the Worker's Pull took it), once the Run has ended."""
     run_id = cp.ok("run", "start", "quick").strip()
-    wait_for(lambda: sql(url, "SELECT 1 FROM runs WHERE run_id = %s AND state = 'succeeded'", (run_id,)),
-             40, f"run {run_id} to succeed")
+    wait_until(lambda: sql(url, "SELECT 1 FROM runs WHERE run_id = %s AND state = 'succeeded'", (run_id,)),
+               40, f"run {run_id} to succeed")
     (created, offered), = sql(url, "SELECT r.created_at_us, e.created_at_us FROM runs r JOIN run_events e "
                                     "USING (run_id) WHERE r.run_id = %s AND e.type = 'run.dispatching'", (run_id,))
     return (offered - created) / 1e6
 
 
 def test_task_starts_reach_the_worker_within_2_s_again_after_the_standby_is_promoted(pair):
-    root = tempfile.mkdtemp(prefix="qlagent-failover-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    root = scratch_dir("qlagent-failover-")
     procs = []
     try:
         url = pair.url()

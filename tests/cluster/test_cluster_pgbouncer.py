@@ -32,7 +32,8 @@ import pytest
 
 from conftest import create_database, db_url, drop_database, sql
 from qlagent.adapters.postgres.migrations import known_migrations
-from test_cluster_e2e import Node, Proc, _env, free_port
+from test_cluster_e2e import Node, Proc
+from kit import clean_env, free_port, run_cli, scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +102,7 @@ def bouncer():
         pytest.fail("pgbouncer not installed (apt-get install pgbouncer)", pytrace=False)
     name = create_database("pgbouncer")
     b = Bouncer(name)
-    root = tempfile.mkdtemp(prefix="qlagent-pgbt-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    root = scratch_dir("qlagent-pgbt-")
     try:
         yield b, db_url(name), root
     finally:
@@ -111,7 +112,7 @@ def bouncer():
 
 
 def _init_together(nodes: list[Node]) -> list[subprocess.CompletedProcess]:
-    procs = [subprocess.Popen(n.argv("init"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    procs = [subprocess.Popen(n.argv("init"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
              for n in nodes]
     out = []
     for p in procs:
@@ -217,11 +218,11 @@ def test_a_held_migration_lock_stops_init_after_the_bound_naming_its_holder(boun
         holder.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
         pid = holder.execute("SELECT pg_backend_pid()").fetchone()[0]
         t0 = time.monotonic()
-        p = subprocess.run(node.argv("init"), capture_output=True, timeout=LOCK_WAIT_S + 60, env=_env())
+        p = run_cli(*node.scope, "init", timeout=LOCK_WAIT_S + 60)
         took = time.monotonic() - t0
     err = p.stderr.decode()
     assert p.returncode == 5 and took < LOCK_WAIT_S + 20, (p.returncode, took, err)
     assert f"backend pid {pid}" in err and f"pg_terminate_backend({pid})" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
     # Once the holder is gone, init goes through the pooler.
-    assert subprocess.run(node.argv("init"), capture_output=True, timeout=120, env=_env()).returncode == 0
+    assert run_cli(*node.scope, "init", timeout=120).returncode == 0

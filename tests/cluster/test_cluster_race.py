@@ -13,10 +13,8 @@ processes) on one PostgreSQL authority.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -29,6 +27,7 @@ from cpkit import BASE as WORKERS, RawHttp
 from qlagent.adapters.postgres.registry import PgWorkerRegistry
 from qlagent.cluster.registry import WorkerRegistry
 from test_cluster_serve import BASE, Env, Replica, body
+from kit import scratch_dir
 
 RUNS = 10_000
 SESSIONS = 64
@@ -49,8 +48,7 @@ script = "echo racer"
 
 @pytest.fixture(scope="module")
 def cluster(pg_url, pool):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-race-", dir=base)
+    root = scratch_dir("qlagent-race-")
     # Leases and Sessions outlive the test: a Lease expiring mid-run would re-queue its Run.
     env = Env(root, pg_url, "pool_size = 6\nsession_ttl_s = 3600\nlease_ttl_s = 3600\n")
     env.define(TASKS)

@@ -12,10 +12,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -26,6 +24,7 @@ import pytest
 
 from conftest import ADMIN_URL, create_database, db_url, drop_database
 from jsonshape import check_conventions, check_list
+from kit import Serve, clean_env, free_port, qlagent_argv, run_cli, scratch_dir
 
 BASE = "/api/v3/projects/default"
 SCHEMA = "qinglong/task-start@v1"
@@ -59,13 +58,6 @@ executor = "remote_worker"
 placement = { required = { site = "lab" } }
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Env:
     """A state directory, a config with ``[cluster]`` on the module's database, the CLI."""
 
@@ -79,10 +71,7 @@ class Env:
         os.chmod(self.config, 0o600)
 
     def cli(self, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-        return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", self.state,
-                               "--config", self.config, *args], input=stdin, capture_output=True, env=env,
-                              timeout=60)
+        return run_cli("--state-dir", self.state, "--config", self.config, *args, stdin=stdin)
 
     def ok(self, *args: str, stdin: bytes | None = None) -> str:
         p = self.cli(*args, stdin=stdin)
@@ -103,31 +92,14 @@ class Env:
             return cur.fetchall() if cur.description else []
 
 
-class Replica:
+class Replica(Serve):
     """``qlagent serve --listen`` with ``[cluster]``: a control-plane replica in a subprocess."""
 
     def __init__(self, env: Env) -> None:
         self.port = free_port()
-        penv = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state,
-                                      "--config", env.config, "serve", "--listen", f"127.0.0.1:{self.port}"],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env=penv)
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._drain, daemon=True).start()
-        with self.cond:
-            assert self.cond.wait_for(lambda: any("service.ready" in ln or ln == "<eof>" for ln in self.lines), 30)
+        super().__init__("--state-dir", env.state, "--config", env.config,
+                         serve_args=("--listen", f"127.0.0.1:{self.port}"))
         assert any("role=control-plane" in ln for ln in self.lines), "".join(self.lines)
-
-    def _drain(self) -> None:
-        for raw in self.proc.stderr:
-            with self.cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self.cond.notify_all()
-        with self.cond:
-            self.lines.append("<eof>")
-            self.cond.notify_all()
 
     def request(self, method: str, path: str, body: bytes | None = None, token: str | None = None):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
@@ -138,11 +110,6 @@ class Replica:
         finally:
             conn.close()
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
-
 
 def body(head: dict, mutation_id: str | None = None) -> bytes:
     return json.dumps({"schema": SCHEMA, "mutationId": mutation_id or str(uuid.uuid4()),
@@ -151,8 +118,7 @@ def body(head: dict, mutation_id: str | None = None) -> bytes:
 
 @pytest.fixture(scope="module")
 def cp(pg_url):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="qlagent-cp-", dir=base)
+    root = scratch_dir("qlagent-cp-")
     env = Env(root, pg_url, "sweep_interval_s = 0.5\n")
     env.define(TASKS)
     tokens = {s: env.ok("token", "create", "--subject", s, "--role", "operator").strip() for s in ("alice", "rita")}
@@ -479,7 +445,8 @@ def _written(env) -> tuple:
     (("workers", "drain", X), "name"),
 ], ids=lambda v: " ".join(v).replace(X, "<FF>") if isinstance(v, tuple) else v)
 def test_a_not_utf8_argument_on_the_cluster_is_one_line_exit_2_and_writes_nothing(cp, args, name):
-    # Before the fix: exit 1 `internal error: UnicodeEncodeError` from psycopg.
+    # Refused before psycopg sees it: one line naming the argument, never `internal error:
+    # UnicodeEncodeError` (exit 1).
     env, _, _ = cp
     before = _written(env)
     p = env.cli(*args)
@@ -510,8 +477,8 @@ _NO_WORKER = "/api/v3/cluster/workers/00000000-0000-4000-8000-000000000000"
     ("POST", f"{_NO_WORKER}/pull?wait=%00", "wait", "invalid_request"),
 ])
 def test_nul_in_a_path_parameter_or_query_is_400_on_a_replica_and_writes_nothing(cp, method, path, field, code):
-    # PostgreSQL text cannot hold NUL: the replica answered 500 internal_error (DataError) where
-    # the SQLite agent answered 404. The Router refuses it first (tests/test_http_api.py: SQLite).
+    # PostgreSQL text cannot hold NUL (a DataError would be 500 internal_error) where SQLite takes
+    # it: the Router refuses it first on both (tests/test_http_api.py: SQLite).
     env, replicas, tok = cp
     before = _written(env)
     body = b'{"schema": "qinglong/task-start@v1"}' if method != "GET" else None
@@ -559,9 +526,7 @@ def test_bad_workers_drain_resume_and_rm_name_the_field_and_write_nothing(cp):
 
 
 def test_workers_need_a_cluster_table(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", str(tmp_path / "s"), "workers", "ls"],
-                       capture_output=True, env=env, timeout=60)
+    p = run_cli("--state-dir", str(tmp_path / "s"), "workers", "ls")
     assert p.returncode == 2 and b"[cluster]" in p.stderr and not (tmp_path / "s").exists()
 
 
@@ -634,10 +599,9 @@ def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
     outcome; the replica never runs it itself."""
     import time
     env, replicas, tokens = cp
-    p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", env.state, "--config", env.config,
-                          "run", "start", "hello", "--wait", "--timeout", "30"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env={k: v for k, v in os.environ.items()
-                                                      if not k.startswith("QLAGENT_")})
+    p = subprocess.Popen(qlagent_argv("--state-dir", env.state, "--config", env.config,
+                                      "run", "start", "hello", "--wait", "--timeout", "30"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
     deadline = time.monotonic() + 15
     run_id = None
     while run_id is None and time.monotonic() < deadline:
@@ -658,8 +622,8 @@ def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
 
 
 def test_readyz_is_503_naming_the_store_while_the_database_refuses_connections(tmp_path):
-    # Found by hand: with the database refusing connections, /readyz answered 500 internal_error
-    # after the pool's 10 s and the replica's journal carried a PoolTimeout traceback.
+    # With the database refusing connections, /readyz answers 503 naming the store (not 500
+    # internal_error after the pool's 10 s) and the replica's journal carries no traceback.
     name = create_database("readyz_down")
     env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")
     env.ok("init")
@@ -693,8 +657,8 @@ def _probe(port: int, path: str, timeout: float, token: str | None = None):
 
 
 def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_path):
-    # Found by review: the loop's duties each waited the pool's 10 s for a connection, so during
-    # an outage /healthz went unanswered for 40 s at a time and 9 s after access returned.
+    # The loop's duties do not each wait the pool's 10 s for a connection: during an outage and
+    # once access returns, /healthz and /readyz keep being answered.
     name = create_database("outage")
     env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")
     env.ok("init")
@@ -719,8 +683,7 @@ def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_
                 break
             time.sleep(0.1)
         assert _probe(replica.port, "/readyz", 4)[0] == 200
-        with replica.cond:             # the loop's duties resume within their back-off cap (8 s)
-            assert replica.cond.wait_for(lambda: any("store.available" in ln for ln in replica.lines), 15)
+        replica.wait_line("store.available", 15)   # the loop's duties resume within their back-off cap (8 s)
         assert replica.stop() == 0
         journal = "".join(replica.lines)
         assert journal.count("store.unavailable") == 1 and journal.count("store.available") == 1, journal
@@ -842,8 +805,8 @@ def own_database(name: str):
     ("lease_ttl_s = 5\n", "cluster.lease_ttl_s", "6..3600", "lease_ttl_s = 6\n"),
 ])
 def test_config_check_refuses_what_serve_refuses_before_the_database(tmp_path, extra, field, words, ok_extra):
-    # Found by a tester: `config check` (ExecReload, the OpenWrt validator) said "config ok" for
-    # pool_size = 1, which serve then refused; lease_ttl_s = 5 passed both and no Task fitted.
+    # `config check` (ExecReload, the OpenWrt validator) refuses what serve refuses: pool_size = 1,
+    # and a lease_ttl_s = 5 under which no Task would fit.
     with own_database(f"cfgchk_pre_{abs(hash(extra)) % 10_000}") as url:
         os.makedirs(tmp_path / "bad")
         env = Env(str(tmp_path / "bad"), url, extra)
@@ -892,8 +855,8 @@ def test_config_check_and_serve_name_the_tls_file_that_is_wrong(tmp_path):
 
 @pytest.mark.parametrize("mode", [0o640, 0o644, 0o666, 0o604], ids=oct)
 def test_a_tls_key_others_may_read_is_refused_by_config_check_serve_and_doctor(tmp_path, mode):
-    # Found by the issue 21 attack pass: a 0666 replica key passed `config check` and `serve`
-    # silently while a 0666 config file was refused; the key is now judged like every trusted file.
+    # A 0666 replica key is refused by `config check` and `serve`, as a 0666 config file is: the
+    # key is judged like every trusted file.
     from cpkit import make_ca
     _, cert, key = make_ca(str(tmp_path), "k")
     os.chmod(key, mode)
@@ -917,7 +880,7 @@ def test_a_tls_key_others_may_read_is_refused_by_config_check_serve_and_doctor(t
 
 def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(tmp_path):
     # lease_ttl_s = 6 (the least accepted) holds a grace of 0.995 s: 0 and 0.995 are added, 1 is
-    # refused naming the real limit (the tester saw "0 s … (at most 0 s)" under lease_ttl_s = 5).
+    # refused naming the real limit (never "0 s … (at most 0 s)").
     with own_database("cfgchk_grace") as url:
         env = Env(str(tmp_path), url, "lease_ttl_s = 6\n")
         env.ok("init")
@@ -935,8 +898,8 @@ def test_grace_zero_fits_the_least_lease_ttl_and_the_message_reads_at_the_edge(t
 
 
 def test_workers_commands_never_create_a_project(tmp_path):
-    # Found by a tester: `workers enroll w2 --project nosuch` exited 0 and created Project
-    # 'nosuch'. Workers belong to the cluster: `enroll --project` scopes a Worker to Projects
+    # `workers enroll w2 --project nosuch` creates no Project 'nosuch'. Workers belong to the
+    # cluster: `enroll --project` scopes a Worker to Projects
     # that exist (else exit 4, nothing enrolled); the other verbs do not use --project.
     with own_database("cfgchk_wproj") as url:
         env = Env(str(tmp_path), url)
@@ -955,9 +918,9 @@ def test_workers_commands_never_create_a_project(tmp_path):
 
 
 def test_project_option_never_creates_a_project_a_command_is_refused_in(tmp_path):
-    # Found by a tester: `--project zz1 run start one` exited 4 yet created Project zz1, and
-    # `--project nosuch8 token create …` created a mistyped one. Commands that act on what a
-    # Project holds refuse an unknown one; defining commands create it only with their own write.
+    # `--project zz1 run start one` (exit 4) leaves no Project zz1 behind, nor does a mistyped
+    # `--project nosuch8 token create …`. Commands that act on what a Project holds refuse an
+    # unknown one; defining commands create it only with their own write.
     with own_database("projfix_scope") as url:
         env = Env(str(tmp_path), url)
         env.ok("init")

@@ -1,9 +1,8 @@
 """`concurrency = "single"` (the default) on the cluster authority: one live Run per Task across
 Workers and replicas, and a queued Run held behind it is offered once that Run ends.
 
-Found by a break-it pass: the Worker ACK and sweeper paths never released the holds a Task
-Start wrote while a Run was live, so a Task's queue stayed held for good (1,009 Runs stuck
-after a burst of Task Starts); and nothing stopped two Workers from leasing two Runs of one
+The Worker ACK and sweeper paths release the holds a Task Start wrote while a Run was live,
+so a Task's queue drains after a burst of Task Starts; and no two Workers lease two Runs of one
 single-instance Task at once.
 """
 
@@ -136,8 +135,8 @@ def test_the_sweeper_releases_a_hold_no_live_run_justifies(kit):
 
 
 def test_a_waiting_pull_is_woken_when_the_held_run_is_released(kit, pg_url):
-    # Found by a second tester: a released Run was offered only when a Worker's long-poll ran
-    # out (17 s between two 3 s Runs of one Task), the NOTIFY fired only for Runs entering queued.
+    # A released Run is offered at once, not when a Worker's long-poll runs out: the NOTIFY
+    # fires for a Run released from its hold as for one entering queued.
     from qlagent.adapters.postgres.notify import PgCandidateSignal
     w, other = kit.worker("edge-1"), kit.worker("edge-2")
     task = kit.task("solo")

@@ -12,20 +12,20 @@ import sqlite3
 import os
 import shutil
 import socket
-import tempfile
 import threading
 import time
 
 import pytest
 
-from test_cluster_e2e import Node, Proc, enroll, free_port, sql, start_replica
+from test_cluster_e2e import Node, Proc, enroll, sql, start_replica
+from kit import free_port, scratch_dir, wait_until
 
 TTL_S = 10
 LOOP = "i=0; while [ $i -lt {n} ]; do echo tick $i; i=$((i+1)); sleep 1; done"
 # case → (script, on_lease_loss, how long the Worker stays down, what the run did meanwhile)
 CASES = {
-    # The bug: down longer than the TTL, the shim fenced the run itself (receipt lease_lost); the
-    # recovery collected and closed the row, then the hello's not-adopted Lease closed it again.
+    # Down longer than the TTL, the shim fences the run itself (receipt lease_lost); the recovery
+    # collects and closes the row, and the hello's not-adopted Lease does not close it again.
     "down_longer_shim_fenced": (LOOP.format(n=15), "kill", "lost", "lease_lost"),
     # Down longer, the run ended on its own before the Lease ran out.
     "down_longer_run_finished": ("echo short; sleep 3; echo done", "kill", "lost", "finished"),
@@ -46,8 +46,8 @@ on_lease_loss = "{policy}"
 retry = {{max_attempts = 2}}
 placement = {{required = {{case = "{case}"}}}}
 ''' for case, (script, policy, _, _) in CASES.items())
-# Two runs on one Worker at the SIGKILL, each ending differently while it is down (found by a
-# second tester): one outlives its Lease and is fenced by its shim, the other finishes.
+# Two runs on one Worker at the SIGKILL, each ending differently while it is down: one
+# outlives its Lease and is fenced by its shim, the other finishes.
 PAIR = {"pair_fenced": LOOP.format(n=15), "pair_finished": "echo short; sleep 3; echo done"}
 TASKS += "".join(f'''
 [[task]]
@@ -83,8 +83,7 @@ placement = {required = {case = "stop_cut"}}
 
 @pytest.fixture(scope="module")
 def plane(pg_url):
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    root = tempfile.mkdtemp(prefix="wkfix-restart-", dir=base)
+    root = scratch_dir("wkfix-restart-")
     port = free_port()
     cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pg_url}"\npool_size = 6\nlease_ttl_s = {TTL_S}\n'
                                       f'session_ttl_s = {TTL_S}\nsweep_interval_s = 1\n', TASKS, port)
@@ -99,11 +98,13 @@ def plane(pg_url):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def worker_node(plane, name: str) -> tuple[Node, str]:
+def worker_node(plane, name: str, port: int | None = None) -> tuple[Node, str]:
+    """A Worker enrolled as ``name`` (2 slots, label case=NAME) talking to the replica, or to
+    ``port`` (a proxy in front of it); (its Node, its worker_id)."""
     worker_id, cred = enroll(plane, name, "--slots", "2", "--label", f"case={name}")
     # drain_grace_s: the re-offered Attempt still running at the end is stopped soon.
     node = Node(plane["root"], name, f'drain_grace_s = 1\n[worker]\nworker_id = "{worker_id}"\n'
-                                     f'control_url = "http://127.0.0.1:{plane["port"]}"\n'
+                                     f'control_url = "http://127.0.0.1:{port or plane["port"]}"\n'
                                      f'credential_file = "{cred}"\nslots = 2\nheartbeat_interval_s = 2\n'
                                      f'pull_wait_s = 20\nlabels = {{case = "{name}"}}\n')
     return node, worker_id
@@ -121,13 +122,8 @@ def attempts(plane, run_id: str) -> list[tuple[int, str]]:
 
 
 def wait_for(what, check, timeout_s: float = 60, *procs: Proc):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: " + "".join(ln for p in procs for ln in p.lines))
+    """``check()``'s first truthy value within ``timeout_s``; the failure carries ``procs``' journals."""
+    return wait_until(check, timeout_s, what, step=0.2, detail=lambda: "".join(ln for p in procs for ln in p.lines))
 
 
 def receipt(node: Node, attempt_id: str) -> dict | None:
@@ -226,15 +222,13 @@ def test_a_worker_down_past_the_lease_with_one_run_fenced_and_one_finished_resta
 
 
 
-class HoldingProxy:
-    """A TCP proxy to the replica. While held, what Workers send is kept back (the connection
-    stays up, as on a congested link) and delivered on release, even after the Worker gave up
-    on it and closed its socket: a request applied late."""
+class TcpProxy:
+    """A TCP proxy on 127.0.0.1 (``port``) to the replica at ``upstream_port``: every connection
+    it admits (``_admit``) is piped both ways by two threads running the subclass's
+    ``_pipe(src, dst, outbound)``."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream = upstream_port
-        self.open = threading.Event()
-        self.open.set()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -245,29 +239,52 @@ class HoldingProxy:
                 c, _ = self.listener.accept()
             except OSError:
                 return
+            if not self._admit(c):
+                continue
             u = socket.create_connection(("127.0.0.1", self.upstream))
             threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, held: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if held:
-                    self.open.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        if held:
-            time.sleep(5)               # the replica answers what it got last (into a closed socket)
-        for s in (src, dst):
+    def _admit(self, conn: socket.socket) -> bool:
+        return True
+
+    @staticmethod
+    def _shut(*socks: socket.socket) -> None:
+        for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
     def close(self) -> None:
-        self.open.set()
         self.listener.close()
+
+
+class HoldingProxy(TcpProxy):
+    """A TCP proxy to the replica. While held, what Workers send is kept back (the connection
+    stays up, as on a congested link) and delivered on release, even after the Worker gave up
+    on it and closed its socket: a request applied late."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        super().__init__(upstream_port)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if outbound:
+                    self.open.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        if outbound:
+            time.sleep(5)               # the replica answers what it got last (into a closed socket)
+        self._shut(src, dst)
+
+    def close(self) -> None:
+        self.open.set()
+        super().close()
 
 
 def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_it_stopped(plane):
@@ -276,11 +293,7 @@ def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_
     (the re-offer waited for nothing). The replica now refuses a heartbeat past the instant the
     Worker stopped waiting (heartbeat_late): the Lease ends when the Worker assumed it would."""
     proxy = HoldingProxy(plane["port"])
-    worker_id, cred = enroll(plane, "late_beat", "--slots", "2", "--label", "case=late_beat")
-    node = Node(plane["root"], "late_beat", f'drain_grace_s = 1\n[worker]\nworker_id = "{worker_id}"\n'
-                                            f'control_url = "http://127.0.0.1:{proxy.port}"\n'
-                                            f'credential_file = "{cred}"\nslots = 2\nheartbeat_interval_s = 2\n'
-                                            'pull_wait_s = 20\nlabels = {case = "late_beat"}\n')
+    node, _ = worker_node(plane, "late_beat", proxy.port)
     worker = serve(plane, node)
     try:
         worker.wait_line("worker.session_opened")
@@ -302,33 +315,23 @@ def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_
         proxy.close()
 
 
-class SilentLink:
+class SilentLink(TcpProxy):
     """A TCP proxy to the replica that ``cut`` turns into a black hole: connections are
     accepted and kept open, nothing is forwarded either way and nothing is closed, so every
     call of the Worker waits its whole timeout (a link whose packets vanish)."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
         self.cut = threading.Event()
         self.held: list[socket.socket] = []
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream_port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.cut.is_set():
-                self.held.append(c)
-                continue
-            u = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pipe, args=(c, u), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(u, c), daemon=True).start()
+    def _admit(self, conn: socket.socket) -> bool:
+        if self.cut.is_set():
+            self.held.append(conn)
+            return False
+        return True
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
         try:
             while (data := src.recv(65536)) and not self.cut.is_set():
                 dst.sendall(data)
@@ -337,14 +340,10 @@ class SilentLink:
         if self.cut.is_set():
             self.held += [src, dst]
             return
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._shut(src, dst)
 
     def close(self) -> None:
-        self.listener.close()
+        super().close()
         for s in self.held:
             s.close()
 

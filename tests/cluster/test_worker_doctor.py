@@ -13,7 +13,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from test_cluster_e2e import Node, enroll, free_port, https, plane, sql, start_worker  # noqa: F401  (fixture)
+from test_cluster_e2e import Node, enroll, https, plane, sql, start_worker  # noqa: F401  (fixture)
+from kit import free_port
 
 ROUTE = "/api/v3/cluster/workers/{}"
 

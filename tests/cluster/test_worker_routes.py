@@ -21,6 +21,7 @@ from qlagent.cluster.registry import credential_digest, new_credential
 from qlagent.core.ids import new_id
 from qlagent.http.auth import AuthError, authorize
 from qlagent.http.worker_routes import MAX_JSON_BYTES, WorkerRouteLimits
+from kit import wait_until
 
 _TABLES = ("workers", "worker_sessions", "run_leases", "attempts", "runs", "run_events", "log_chunks",
            "truncation_facts")
@@ -432,7 +433,7 @@ def test_a_waiting_pull_is_answered_when_a_run_is_queued(kit, cp):
     t0 = time.monotonic()
     t = threading.Thread(target=waiter)
     t.start()
-    _until(lambda: cp.server.in_flight == 1)
+    wait_until(lambda: cp.server.in_flight == 1)
     time.sleep(0.3)
     assert "answer" not in out               # still waiting: nothing was queued
     queued_at = time.monotonic()
@@ -457,7 +458,7 @@ def test_eight_waiting_pulls_do_not_block_other_requests(kit, cp):
     threads = [threading.Thread(target=waiter, args=(c,)) for c in clients]
     for t in threads:
         t.start()
-    _until(lambda: cp.server.in_flight == 8)
+    wait_until(lambda: cp.server.in_flight == 8)
     other = Client(cp.port, enrolled(kit, "edge-other"))
     assert session(other)["generation"] == 1                        # answered while eight wait
     st, _, hb, _ = other.post("heartbeat", {"sessionId": other.worker["session_id"], "generation": 1})
@@ -480,7 +481,7 @@ def test_long_polls_beyond_the_bound_are_503_with_retry_after(kit, pg_url):
                                                          pull_body(c.worker))) for c in clients[:2]]
         for t in threads:
             t.start()
-        _until(lambda: plane.server.in_flight == 2)
+        wait_until(lambda: plane.server.in_flight == 2)
         st, h, raw = clients[2].call("POST", f"{BASE}/{clients[2].worker['worker_id']}/pull?waitS=3",
                                      pull_body(clients[2].worker))
         assert (st, json.loads(raw)["error"], h["retry-after"]) == (503, "long_polls_full", "1")
@@ -560,13 +561,6 @@ def test_a_stalled_tls_handshake_is_closed_at_its_bound_and_blocks_nobody(kit, p
         plane.close()
 
 
-def _until(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.02)
-
-
 def test_the_local_http_surface_loads_no_tls_pool_or_cluster_module():
     import subprocess
     import sys
@@ -590,7 +584,7 @@ def test_a_pull_refused_for_want_of_long_poll_slots_moves_the_worker_to_its_next
         parked = threading.Thread(target=hog.call, args=("POST", f"{BASE}/{hog.worker['worker_id']}/pull?waitS=4",
                                                          pull_body(hog.worker)))
         parked.start()
-        _until(lambda: full.server.in_flight == 1)
+        wait_until(lambda: full.server.in_flight == 1)
         w = enrolled(kit, "mover")
         cred = tmp_path / "cred"
         fd = os.open(cred, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -616,8 +610,9 @@ def test_a_pull_refused_for_want_of_long_poll_slots_moves_the_worker_to_its_next
 
 
 def test_a_stale_session_is_answered_naming_the_session_it_carried_and_the_current_one(kit, cp):
-    # Found by the issue 21 attack pass: an ACK of the current generation for a Lease of an older
-    # Session answered "generation 2 is stale (current 2)".
+    # An ACK of the current generation for a Lease of an older Session is refused naming the
+    # Session the Lease is bound to and the one the request carried (never "generation 2 is
+    # stale (current 2)").
     c = Client(cp.port, enrolled(kit, slots=2))
     session(c)
     offer = offered(kit, c)
@@ -644,8 +639,8 @@ def test_a_stale_session_is_answered_naming_the_session_it_carried_and_the_curre
 
 
 def test_20000_hellos_from_one_credential_leave_a_bounded_session_table(kit, pg_url):
-    # Found by the issue 21 attack pass: 20,000 hellos left 20,011 worker_sessions rows (nothing
-    # ever deleted one). The store's hello, the one the route calls, in a loop (its commits not
+    # 20,000 hellos leave a bounded number of worker_sessions rows (old Sessions are deleted,
+    # one a Lease names is kept). The store's hello, the one the route calls, in a loop (its commits not
     # waiting for the disk: 20,000 fsyncs would take minutes on a shared box).
     from qlagent.adapters.postgres.connection import open_pool
     from qlagent.adapters.postgres.registry import SESSION_HISTORY, PgWorkerRegistry

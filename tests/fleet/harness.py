@@ -19,40 +19,25 @@ call twice and after a failed start, so fixtures clean up even when a test fails
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+import pytest
+
+from kit import free_port, wait_until
+
 MiB = 1_048_576
 CG = "/sys/fs/cgroup"
 EDGE_MEMORY_BYTES = 128 * MiB
 EDGE_PIDS = 64
-
-
-def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.05):
-    """Poll ``pred()`` until it returns a truthy value (returned); raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (bind port 0, read it, release it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- PostgreSQL primary + standby
@@ -169,10 +154,10 @@ class PgPair:
         self._ctl_start("standby", self.standby_dir)
         self.query(self.primary_port, f"ALTER SYSTEM SET synchronous_standby_names = '{self.standby_name}'")
         self.query(self.primary_port, "SELECT pg_reload_conf()")
-        wait_for(lambda: self.query(self.primary_port,
-                                    "SELECT 1 FROM pg_stat_replication WHERE application_name = %s "
-                                    "AND sync_state = 'sync' AND state = 'streaming'", (self.standby_name,)),
-                 timeout_s, "the standby to stream synchronously")
+        wait_until(lambda: self.query(self.primary_port,
+                                      "SELECT 1 FROM pg_stat_replication WHERE application_name = %s "
+                                      "AND sync_state = 'sync' AND state = 'streaming'", (self.standby_name,)),
+                   timeout_s, "the standby to stream synchronously")
         return self
 
     def in_recovery(self, port: int) -> bool:
@@ -181,7 +166,7 @@ class PgPair:
     def promote(self, timeout_s: float = 60) -> None:
         """Promote the standby (``pg_ctl promote -w``); returns once it accepts writes."""
         self._run("pg_ctl", "-D", self.standby_dir, "-w", "-t", str(int(timeout_s)), "promote")
-        wait_for(lambda: not self.in_recovery(self.standby_port), timeout_s, "the promoted standby to leave recovery")
+        wait_until(lambda: not self.in_recovery(self.standby_port), timeout_s, "the promoted standby to leave recovery")
 
     def stop_primary(self, mode: str = "immediate") -> None:
         """``pg_ctl stop -m MODE`` on the primary (``immediate`` = a crash: no checkpoint)."""
@@ -200,6 +185,20 @@ class PgPair:
                     _kill_postmaster(d)
                 self._running.discard(which)
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def started_pair(tag: str):
+    """A started :class:`PgPair` for a ``with`` block, closed at its end (also after a failed
+    start). Missing server binaries fail the test with one line: a cluster test is never
+    skipped silently."""
+    if pg_bindir() is None:
+        pytest.fail("PostgreSQL server binaries (initdb, pg_ctl, pg_basebackup) not found", pytrace=False)
+    pair = PgPair(tag)
+    try:
+        yield pair.start()
+    finally:
+        pair.close()
 
 
 def _kill_postmaster(datadir: str) -> None:

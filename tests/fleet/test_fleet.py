@@ -40,7 +40,8 @@ import uuid
 
 import pytest
 
-from harness import Cgroup, PgPair, WorkerNet, cgroup_v1_available, free_port, pg_bindir, spawn_in, wait_for
+from harness import Cgroup, PgPair, WorkerNet, cgroup_v1_available, pg_bindir, spawn_in
+from kit import clean_env, free_port, qlagent_argv, run_cli, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -142,13 +143,6 @@ def make_ca(directory: str, name: str, ips: list[str]) -> tuple[str, str, str]:
 
 # ---------------------------------------------------------------- processes
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_") and k not in ("NOTIFY_SOCKET",
-                                                                                              "WATCHDOG_USEC")}
-    env.update(extra)
-    return env
-
-
 class NotifySocket:
     """A datagram socket standing in for systemd's NOTIFY_SOCKET of one Worker process: every
     message is kept with the test's monotonic time of arrival."""
@@ -200,10 +194,11 @@ class Replica:
 
     def start(self) -> "Replica":
         with open(self.log, "a") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", self.fleet.cp_config,
-                                          "serve", "--listen", f"0.0.0.0:{self.port}"],
-                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=_env())
-        wait_for(lambda: self.ready() or self.proc.poll() is not None, 60, f"replica {self.idx} to answer /readyz")
+            self.proc = subprocess.Popen(qlagent_argv("--config", self.fleet.cp_config, "serve",
+                                                      "--listen", f"0.0.0.0:{self.port}"),
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                         env=clean_env())
+        wait_until(lambda: self.ready() or self.proc.poll() is not None, 60, f"replica {self.idx} to answer /readyz")
         assert self.proc.poll() is None, self.journal()[-3000:]
         return self
 
@@ -277,12 +272,12 @@ class Worker:
         n = NotifySocket(os.path.join(self.fleet.root, f"notify-w{self.idx}-{len(self.notifies)}.sock"))
         self.notifies.append(n)
         with open(self.log, "a") as err:
-            self.proc = spawn_in([sys.executable, "-m", "qlagent.cli.main", "--config", self.config, "serve"],
+            self.proc = spawn_in(qlagent_argv("--config", self.config, "serve"),
                                  net=self.net, cgroup=self.cg, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=err, env=_env(NOTIFY_SOCKET=n.path,
-                                                      WATCHDOG_USEC=str(_watchdog_sec() * 1_000_000)))
-        wait_for(lambda: any("READY=1" in m for _, m in n.messages) or self.proc.poll() is not None, 60,
-                 f"{self.name} to send READY=1")
+                                 stderr=err, env=clean_env(NOTIFY_SOCKET=n.path,
+                                                           WATCHDOG_USEC=_watchdog_sec() * 1_000_000))
+        wait_until(lambda: any("READY=1" in m for _, m in n.messages) or self.proc.poll() is not None, 60,
+                   f"{self.name} to send READY=1")
         assert self.proc.poll() is None, self.journal()[-3000:]
         return self
 
@@ -358,8 +353,7 @@ class Fleet:
         return self.workers
 
     def cli(self, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", self.cp_config, *args],
-                              input=stdin, capture_output=True, env=_env(), timeout=60)
+        return run_cli("--config", self.cp_config, *args, stdin=stdin)
 
     def ok(self, *args: str) -> str:
         p = self.cli(*args)
@@ -591,8 +585,7 @@ def test_a_worker_with_a_wrong_ca_is_refused_with_one_clear_line_and_nothing_is_
                 f'ca_file = "{wrong_ca}"\nlabels = {{ probe = "yes" }}\n')
     os.chmod(cfg, 0o600)
     before = _db_facts(fleet)
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", cfg, "serve"], capture_output=True,
-                       env=_env(), timeout=60)
+    p = run_cli("--config", cfg, "serve")
     errors = [ln for ln in p.stderr.decode().splitlines() if " ERR " in ln]
     assert p.returncode == 2 and len(errors) == 1, p.stderr
     assert "worker.ca_file" in errors[0] and "certificate" in errors[0] and "Traceback" not in p.stderr.decode()
@@ -618,8 +611,8 @@ def _fresh_run(fleet: Fleet, loader: Loader, task: str, within_s: float, exclude
     while time.monotonic() < end:
         loader.start(task)
         try:
-            return wait_for(lambda: next((r for r in _running_attempts(fleet, task, within_s) if r[1] != exclude),
-                                         None), 2.0, f"a {task} run")
+            return wait_until(lambda: next((r for r in _running_attempts(fleet, task, within_s) if r[1] != exclude),
+                                           None), 2.0, f"a {task} run")
         except TimeoutError:
             continue
     raise AssertionError(f"no {task} run started on a Worker other than {exclude} within {timeout_s} s")
@@ -689,7 +682,7 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
 
     def succeeded() -> int:
         return _sql_retry(fleet, "SELECT count(*) FROM runs WHERE state = 'succeeded'")[0][0]
-    wait_for(lambda: succeeded() >= 20, 90, "20 Runs to succeed on the fleet")
+    wait_until(lambda: succeeded() >= 20, 90, "20 Runs to succeed on the fleet")
 
     # -- 1. a Worker SIGKILLed mid-run and started again: its live run is re-attached ----------
     aid_k, wid_k, run_k = _fresh_run(fleet, loader, "long", within_s=2.0, exclude=None)
@@ -698,8 +691,8 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     victim.kill()
     time.sleep(1)
     victim.start()
-    wait_for(lambda: victim.journal().count("worker.session_opened") > sessions, 30,
-             f"{victim.name} to open its new Session")
+    wait_until(lambda: victim.journal().count("worker.session_opened") > sessions, 30,
+               f"{victim.name} to open its new Session")
     fig["worker_restart"] = victim.name
 
     # -- 2. the replica every Worker talks to first SIGKILLed: they move to the other one ---------
@@ -707,8 +700,8 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     fleet.replicas[0].kill()
     t_replica = time.monotonic()
     claimed_after = ("SELECT DISTINCT worker_id FROM run_leases WHERE claimed_at_us > %s")
-    wait_for(lambda: len(fleet.sql(claimed_after, (db_kill_us,))) == WORKERS, 60,
-             "every Worker to be offered a run through the surviving replica")
+    wait_until(lambda: len(fleet.sql(claimed_after, (db_kill_us,))) == WORKERS, 60,
+               "every Worker to be offered a run through the surviving replica")
     fig["replica_failover_s"] = round(time.monotonic() - t_replica, 2)
     fleet.replicas[0].start()
 
@@ -726,7 +719,7 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     short = by_id[wid_s]
     short.net.link_down()
     t_short = time.monotonic()
-    wait_for(lambda: any(w == "end" for w, _ in _marks(fleet, aid_s)), 10, "the sleeper to end during the cut")
+    wait_until(lambda: any(w == "end" for w, _ in _marks(fleet, aid_s)), 10, "the sleeper to end during the cut")
     state_during_cut = fleet.sql("SELECT state FROM attempts WHERE attempt_id = %s", (aid_s,))[0][0]
     short.net.link_up()
     fig["short_cut_s"] = round(time.monotonic() - t_short, 1)
@@ -737,8 +730,8 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
     fleet.pg.stop_primary("immediate")
     fleet.pg.promote()
     t_promoted = time.monotonic()
-    wait_for(lambda: len(loader.acked) > acked_at_stop and loader.ack_times[-1] > t_promoted, 60,
-             "a Task Start acknowledged after the promotion")
+    wait_until(lambda: len(loader.acked) > acked_at_stop and loader.ack_times[-1] > t_promoted, 60,
+               "a Task Start acknowledged after the promotion")
     fig["promote_s"] = round(t_promoted - t_stop, 2)
     # What a client saw: the longest wait between two acknowledged Task Starts across the failover.
     back = min(x for x in loader.ack_times if x > t_promoted)
@@ -762,7 +755,7 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
         return fleet.sql("SELECT r.run_id, t.name, r.state FROM runs r JOIN tasks t USING (task_id) "
                          "WHERE t.name <> 'probe' AND r.state <> ALL(%s)", (list(FINAL_STATES),))
     try:
-        wait_for(lambda: not unfinished(), 120, "every Run to end")
+        wait_until(lambda: not unfinished(), 120, "every Run to end")
     except TimeoutError:
         stuck = unfinished()
         pytest.fail(f"{len(stuck)} Runs not terminal: {stuck[:5]}; their Attempts: " + repr(fleet.sql(
@@ -889,7 +882,7 @@ def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fle
                 bad.append((aid, task, len(log)))
         return bad
     try:
-        wait_for(lambda: not logs_complete(), 60, "every succeeded Attempt's log to be uploaded")
+        wait_until(lambda: not logs_complete(), 60, "every succeeded Attempt's log to be uploaded")
     except TimeoutError:
         pytest.fail(f"incomplete logs: {logs_complete()[:10]}")
     chatty = [a[0] for a in attempts if task_of[a[1]] == "chatty" and a[3] == "succeeded"]

@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from harness import (Cgroup, PgPair, WorkerNet, cgroup_v1_available, multi_host_url, pg_bindir, python_in,
-                     spawn_in, wait_for)
+                     spawn_in)
+from kit import wait_until
 
 TAG = f"fleet-{os.getpid()}"
 
@@ -132,7 +133,7 @@ def test_a_worker_namespace_reaches_the_host_only_while_its_link_is_up(net):
         assert out == "" and ("unreachable" in err or "timed out" in err), err
 
         net.link_up()
-        wait_for(lambda: _fetch(net, url)[0] == "hello from the control plane\n", 15, "the link to come back")
+        wait_until(lambda: _fetch(net, url)[0] == "hello from the control plane\n", 15, "the link to come back")
     finally:
         srv.shutdown()
         srv.server_close()
@@ -211,7 +212,7 @@ def test_a_worker_in_its_namespace_and_edge_cgroup_is_bounded_and_the_figures_sh
     # 64 PIDs in the cgroup: ``ip netns exec`` execs into python (one PID), the rest are children.
     assert made == 63
     assert cgroup.fork_failures() >= 1
-    wait_for(lambda: cgroup.procs() == [], 10, "the cgroup to empty")
+    wait_until(lambda: cgroup.procs() == [], 10, "the cgroup to empty")
 
 
 @needs_root
@@ -219,7 +220,7 @@ def test_cleanup_is_idempotent_and_survives_a_half_gone_setup():
     w = WorkerNet(5).create()
     cg = Cgroup(f"qlagent-{TAG}-half").create()
     sleeper = spawn_in(["sleep", "60"], net=w, cgroup=cg)
-    wait_for(lambda: sleeper.pid in cg.procs(), 10, "the sleeper in its cgroup")
+    wait_until(lambda: sleeper.pid in cg.procs(), 10, "the sleeper in its cgroup")
     subprocess.run(["ip", "link", "del", w.host_if], check=True)     # something already went away
     for _ in range(2):
         w.close()

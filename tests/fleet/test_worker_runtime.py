@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from stubcp import StubControlPlane, make_ca, worker_config, write_credential
+from kit import clean_env, free_port, qlagent_argv, run_cli, wait_until
 
 QUOTA = 4_194_304
 SECRET = "s3cr3t-value-never-at-rest-9f2c"
@@ -41,10 +42,8 @@ class Worker:
         self.p: subprocess.Popen | None = None
 
     def start(self, *serve_args: str) -> "Worker":
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
-        self.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", self.cfg, "serve",
-                                   *serve_args],
-                                  stdout=subprocess.DEVNULL, stderr=open(self.err, "a"), env=env)
+        self.p = subprocess.Popen(qlagent_argv("--config", self.cfg, "serve", *serve_args),
+                                  stdout=subprocess.DEVNULL, stderr=open(self.err, "a"), env=clean_env())
         return self
 
     def kill(self) -> None:
@@ -93,14 +92,13 @@ def completion(cp, aid):
 
 
 def read_pid(path, timeout_s=20.0) -> int:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
+    def pid() -> int | None:
         try:
             with open(path) as f:
                 return int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
-            time.sleep(0.05)
-    raise AssertionError(f"{path} never written")
+            return None
+    return wait_until(pid, timeout_s, f"a PID in {path}", step=0.05)
 
 
 def gone(pid: int) -> bool:
@@ -335,13 +333,12 @@ def test_serve_exit_after_ends_a_worker_with_the_sigterm_drain(tmp_path, cp, wor
     # `serve --exit-after S` was ignored in Worker mode: the Worker ran until killed.
     if not reachable:
         worker.cfg = worker_config(worker.cfg, state_dir=worker.state, worker_id=worker.worker_id,
-                                   url=f"https://127.0.0.1:{_free_port()}", credential_file=worker.cred,
+                                   url=f"https://127.0.0.1:{free_port()}", credential_file=worker.cred,
                                    ca_file=cp.ca_file)
     worker.start("--exit-after", "1")
     assert worker.p.wait(30) == 0, worker.journal()
     assert "worker.draining" in worker.journal()
-    assert subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", worker.cfg, "serve",
-                           "--exit-after", "-1"], capture_output=True, timeout=30).returncode == 2
+    assert run_cli("--config", worker.cfg, "serve", "--exit-after", "-1", timeout=30).returncode == 2
 
 
 def test_two_processes_with_one_credential_back_off_and_say_so_instead_of_a_hello_storm(tmp_path, cp, worker):
@@ -588,13 +585,6 @@ def test_cancel_from_a_heartbeat_stops_the_whole_process_tree(tmp_path, cp, work
     assert completion(cp, aid).kill_reason == "cancel"
     assert all(gone(p) for p in tree)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(port: int, path: str, method: str = "GET") -> tuple[int, dict]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -606,18 +596,16 @@ def _http(port: int, path: str, method: str = "GET") -> tuple[int, dict]:
 
 
 def _wait_http(port: int, path: str, timeout_s: float = 20.0) -> tuple[int, dict]:
-    end = time.monotonic() + timeout_s
-    while True:
+    def answer() -> tuple[int, dict] | None:
         try:
             return _http(port, path)
         except OSError:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.05)
+            return None
+    return wait_until(answer, timeout_s, f"an answer to GET {path} on port {port}", step=0.05)
 
 
 def test_with_http_listen_a_worker_serves_a_read_only_status(tmp_path, cp):
-    port = _free_port()
+    port = free_port()
     w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     aid = cp.add_run(shell="/bin/sh", script="exec sleep 30")
     w.start()
@@ -643,7 +631,7 @@ def test_with_http_listen_a_worker_serves_a_read_only_status(tmp_path, cp):
 
 
 def test_a_worker_without_a_session_is_alive_but_not_ready(tmp_path, cp):
-    port = _free_port()
+    port = free_port()
     w = Worker(tmp_path, cp, "http://127.0.0.1:9", extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     w.start()
     try:
@@ -670,9 +658,7 @@ def test_a_wrong_ca_is_refused_with_one_clear_error_and_nothing_written(tmp_path
 def test_a_credential_file_not_0600_is_refused(tmp_path, cp, mode):
     # `config check` (ExecReload, the OpenWrt converter) said "config ok" for it: the same line now.
     w = Worker(tmp_path, cp, cp.url, cred_mode=mode)
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
-    check = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
-                           capture_output=True, env=env, timeout=60)
+    check = run_cli("--config", w.cfg, "config", "check")
     assert w.start().p.wait(30) == 2
     lines = w.journal().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qlagent: error: worker.credential_file: ") \
@@ -684,9 +670,7 @@ def test_a_credential_file_not_0600_is_refused(tmp_path, cp, mode):
 def test_config_check_refuses_a_file_that_is_not_a_credential(tmp_path, cp):
     w = Worker(tmp_path, cp, cp.url)
     write_credential(w.cred, "not-a-credential")
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
-    check = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
-                           capture_output=True, env=env, timeout=60)
+    check = run_cli("--config", w.cfg, "config", "check")
     (line,) = check.stderr.decode().strip().splitlines()
     assert check.returncode == 2 and line.startswith("qlagent: error: worker.credential_file: ") \
         and "not a Worker credential" in line and "not-a-credential" not in line, check
@@ -785,9 +769,8 @@ def test_a_control_plane_that_never_answers_does_not_starve_the_watchdog(tmp_pat
     notify.bind(str(tmp_path / "notify.sock"))
     notify.settimeout(0.2)
     w = Worker(tmp_path, cp, f"https://localhost:{silent.getsockname()[1]}")
-    env = {k: v for k, v in os.environ.items() if k not in ("QLAGENT_CONFIG", "WATCHDOG_PID")}
-    env.update(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), WATCHDOG_USEC="2000000")
-    w.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "serve"],
+    env = clean_env(NOTIFY_SOCKET=tmp_path / "notify.sock", WATCHDOG_USEC=2000000)
+    w.p = subprocess.Popen(qlagent_argv("--config", w.cfg, "serve"),
                            stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
     pings = []
     try:
@@ -827,13 +810,11 @@ def test_config_check_refuses_the_ca_file_serve_refuses(tmp_path, cp):
     # depends on the uid running the check, so it stays serve's: service.preflight.)
     junk = tmp_path / "junk.pem"
     junk.write_text("not a PEM certificate\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
     for sub, ca_file, ok in (("junk", str(junk), False), ("missing", str(tmp_path / "none.pem"), False),
                              ("ok", None, True)):
         (tmp_path / sub).mkdir()
         w = Worker(tmp_path / sub, cp, cp.url, ca_file=ca_file)
-        p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
-                           capture_output=True, env=env, timeout=60)
+        p = run_cli("--config", w.cfg, "config", "check")
         if ok:
             assert p.returncode == 0 and p.stdout.startswith(b"config ok: "), p.stderr
             continue
@@ -856,9 +837,7 @@ def test_config_check_refuses_the_control_url_serve_refuses(tmp_path, cp, url, s
     """One rule for the URL's shape (``core.control_url``): `config check` said "config ok" for
     a plain http:// to another host and for port 99999, which serve then refused."""
     w = Worker(tmp_path, cp, url)
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
-                       capture_output=True, env=env, timeout=60)
+    p = run_cli("--config", w.cfg, "config", "check")
     lines = p.stderr.decode().strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("qlagent: error: worker.control_url: ") \
         and says in lines[0], p.stderr
@@ -889,9 +868,8 @@ def test_sighup_answers_the_notify_reload_handshake_and_sigterm_says_stopping(tm
         raise AssertionError(f"no {line_start} in {got}")
 
     w = Worker(tmp_path, cp, cp.url)
-    env = {k: v for k, v in os.environ.items() if k not in ("QLAGENT_CONFIG", "WATCHDOG_PID", "WATCHDOG_USEC")}
-    env["NOTIFY_SOCKET"] = str(tmp_path / "notify.sock")
-    w.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "serve"],
+    env = clean_env(NOTIFY_SOCKET=tmp_path / "notify.sock")
+    w.p = subprocess.Popen(qlagent_argv("--config", w.cfg, "serve"),
                            stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
     try:
         expect("READY=1")
@@ -1122,14 +1100,12 @@ def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_on
     up and not ready, says the clock is before qlagent's build date, and joins once NTP sets it.
     libfaketime reads the offset from a file the test rewrites (its monotonic clock moves with
     it, forward only; stat() times stay real, as the package's files are)."""
-    port = _free_port()
+    port = free_port()
     w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     offset = tmp_path / "faketime"
     offset.write_text("-20000d\n")                              # 1972
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
-    env.update(LD_PRELOAD=FAKETIME_LIB, FAKETIME_TIMESTAMP_FILE=str(offset), FAKETIME_NO_CACHE="1",
-               NO_FAKE_STAT="1")
-    w.p = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "serve"],
+    env = clean_env(LD_PRELOAD=FAKETIME_LIB, FAKETIME_TIMESTAMP_FILE=offset, FAKETIME_NO_CACHE=1, NO_FAKE_STAT=1)
+    w.p = subprocess.Popen(qlagent_argv("--config", w.cfg, "serve"),
                            stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
     try:
         assert _wait_http(port, "/healthz") == (200, {"status": "ok"}), w.journal()
@@ -1156,7 +1132,7 @@ def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_on
 def test_a_worker_holding_another_workers_credential_says_it_is_stuck(tmp_path, cp):
     """403 worker_mismatch on every hello: the Worker keeps retrying (the credential may be
     replaced) but /readyz and the journal say why it cannot work, not just "connecting"."""
-    port = _free_port()
+    port = free_port()
     w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     _, other = cp.enrol()
     write_credential(w.cred, other)
@@ -1193,9 +1169,7 @@ def test_a_server_certificate_given_as_the_ca_is_refused_by_config_check_and_ser
     "config ok" and serve then stopped on every replica's TLS refusal; both now refuse the file
     itself, with the same one line, before anything is written or sent."""
     w = Worker(tmp_path, cp, cp.url, ca_file=cp.cert)
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "QLAGENT_CONFIG")}
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--config", w.cfg, "config", "check"],
-                       capture_output=True, env=env, timeout=60)
+    p = run_cli("--config", w.cfg, "config", "check")
     lines = p.stderr.decode().strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1, p
     assert lines[0].startswith(f"qlagent: error: worker.ca_file: {cp.cert}: holds no CA certificate"), lines

@@ -1,0 +1,140 @@
+"""The helpers every test shares: a scratch directory, a free loopback port, a bounded wait
+that names what it awaited, the ``qlagent`` CLI in a subprocess (in a clean environment), and a
+real ``qlagent serve`` process whose journal (stderr) is read as it comes.
+
+Importable from every test directory (``pythonpath = ["tests"]``); the fixtures built on them
+live in ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scratch_dir(prefix: str) -> str:
+    """A fresh directory named ``PREFIX…`` on tmpfs (``/dev/shm``) when it is writable, else in
+    the system temp dir: the files are real, only a slow disk's fsync cost is avoided. The
+    caller removes it."""
+    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+
+
+class WaitTimeout(AssertionError, TimeoutError):
+    """A wait that ran out: a test failure for pytest, a ``TimeoutError`` for a caller that
+    retries on one."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (bind port 0, read it, release it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _describe(predicate) -> str:
+    try:
+        source = " ".join(inspect.getsource(predicate).split())
+    except (OSError, TypeError):
+        return repr(predicate)
+    return source[source.find("lambda"):][:300] if "lambda" in source else source[:300]
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str | None = None, *, step: float = 0.02,
+               detail=None):
+    """Poll ``predicate()`` until it returns a truthy value, and return that value. For state
+    the test cannot await as an event (rows another process writes, a file appearing).
+
+    ``timeout`` and ``step`` in seconds. Raises :class:`WaitTimeout` "timed out after T s waiting
+    for WHAT" (``what`` defaults to the predicate's source), followed by ``detail()`` when given
+    (e.g. a journal tail). An exception the predicate raises ends the wait at once.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            extra = f": {detail()}" if detail else ""
+            raise WaitTimeout(f"timed out after {timeout} s waiting for {what or _describe(predicate)}{extra}")
+        time.sleep(step)
+
+
+def clean_env(**extra) -> dict:
+    """This process's environment without ``QLAGENT_*`` and the systemd variables
+    (``NOTIFY_SOCKET``, ``WATCHDOG_*``, ``JOURNAL_STREAM``), plus ``extra`` (values as str)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("QLAGENT_", "NOTIFY_SOCKET", "WATCHDOG_", "JOURNAL_STREAM"))}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def qlagent_argv(*args: str) -> list[str]:
+    """The argv of ``qlagent ARGS`` run from the source tree (``python -m qlagent.cli.main``)."""
+    return [sys.executable, "-m", "qlagent.cli.main", *args]
+
+
+def run_cli(*args: str, stdin: bytes | None = None, env: dict | None = None, timeout: float = 60,
+            text: bool = False) -> subprocess.CompletedProcess:
+    """Run ``qlagent ARGS`` to its end with output captured (bytes, or str with ``text``); the
+    environment is :func:`clean_env` updated with ``env``; ``timeout`` in seconds."""
+    return subprocess.run(qlagent_argv(*args), input=stdin, capture_output=True, text=text,
+                          env={**clean_env(), **(env or {})}, timeout=timeout)
+
+
+class Serve:
+    """``qlagent GLOBAL_ARGS serve SERVE_ARGS`` in a subprocess; its journal (stderr) is read by
+    a thread into ``lines`` so the pipe never fills. With ``ready`` set, the constructor returns
+    once a journal line contains it (default ``service.ready``) and fails, naming the journal,
+    if the process ends first.
+    """
+
+    EOF = "<eof>"
+
+    def __init__(self, *global_args: str, serve_args: tuple = (), env: dict | None = None,
+                 ready: str | None = "service.ready", timeout: float = 30) -> None:
+        self.proc = subprocess.Popen(qlagent_argv(*global_args, "serve", *serve_args), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env=env if env is not None else clean_env())
+        self.lines: list[str] = []
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        if ready:
+            self.wait_line(ready, timeout)
+
+    def _read(self) -> None:
+        for raw in self.proc.stderr:
+            with self.cond:
+                self.lines.append(raw.decode(errors="replace"))
+                self.cond.notify_all()
+        with self.cond:
+            self.lines.append(self.EOF)
+            self.cond.notify_all()
+
+    def wait_line(self, text: str, timeout: float = 20) -> str:
+        """The first journal line containing ``text``, waiting up to ``timeout`` seconds for it;
+        ``AssertionError`` carrying the journal when it does not come (or the process ended)."""
+        with self.cond:
+            self.cond.wait_for(lambda: any(text in ln or ln == self.EOF for ln in self.lines), timeout)
+            found = [ln for ln in self.lines if text in ln]
+        assert found, f"no journal line with {text!r} within {timeout} s:\n" + self.journal()
+        return found[0]
+
+    def journal(self) -> str:
+        """Every journal line read so far."""
+        with self.cond:
+            return "".join(self.lines)
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM (drain) and wait up to ``timeout`` seconds; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
