@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from qlcli import ok, state, workdir  # noqa: F401  (fixtures)
+from qlcli import ok
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = ("qlagent.http", "qlagent.dispatch", "qlagent.execution", "qlagent.application.engine",

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from qlagent.core.errors import ValidationError
 from qlagent.core.models import RoleBinding
+from qlagent.core.tokens import new_token
 from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import HttpServer
@@ -486,13 +487,13 @@ def test_bearer_auth_and_permissions_over_http():
     port_ = DictTokens()
     tokens = {}
     for subject, role in [("ops", "operator"), ("eve", "viewer"), ("own", "owner"), ("gone", None)]:
-        tok = auth.new_token()
+        tok = new_token()
         assert tok.startswith("qlt_") and len(tok) == 47 and auth.parse_bearer(f"Bearer {tok}") == tok
         port_.tokens[auth.token_digest(tok)] = ("p1", subject)
         if role:
             port_.bindings[("p1", subject)] = (role, 3)
         tokens[subject] = tok
-    other = auth.new_token()
+    other = new_token()
     port_.tokens[auth.token_digest(other)] = ("p2", "ops")
     assert auth.token_digest(tokens["ops"]) == hashlib.sha256(tokens["ops"].encode()).hexdigest()
 

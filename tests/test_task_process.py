@@ -10,7 +10,6 @@ import json
 import os
 import pwd
 import shutil
-import subprocess
 import sys
 import urllib.request
 

@@ -12,7 +12,7 @@ import stat
 import threading
 
 import pytest
-from qlcli import cli, ok, workdir  # noqa: F401  (fixtures)
+from qlcli import cli, ok
 
 
 def _mode(path: str) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 
-from ..core import errors as E
 from .common import Ctx, command, fmt_us, group, print_json, table
 
 

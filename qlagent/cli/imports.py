@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..core import errors as E
 from .common import Ctx, command, group, print_json
 
 

@@ -350,8 +350,6 @@ def _doctor(config: str, uid: int, gid: int) -> list[dict]:
 def register(sub) -> None:
     """Add ``worker join`` to ``sub`` (the top-level subparsers). Its ``--config`` and
     ``--state-dir`` are what it writes, not what the command reads."""
-    from .common import options
-    common = options()
     w = sub.add_parser("worker", help="this host as a fleet Worker").add_subparsers(dest="sub", required=True,
                                                                                   metavar="SUB")
     j = w.add_parser("join", help="join the fleet with a token from `qlagent workers enroll --join-token`")

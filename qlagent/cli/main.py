@@ -1,8 +1,9 @@
 """``qlagent`` command line: the top-level parser, dispatch to a command's handler and the
 mapping of errors to exit codes. Each command group is a module of this package with
 ``register(subparsers)`` (``agent``, ``task``, ``secret``, ``run``, ``access``, ``workers``,
-``tls``, ``join``, ``status``, ``imports``, ``serve``); a handler imports its use cases when it runs, so ``--help``, ``--version``,
-``run ls`` and ``task ls`` load no HTTP server, dispatcher, cluster or Worker module.
+``tls``, ``join``, ``status``, ``imports``, ``serve``); a handler imports its use cases when it
+runs, so ``--help``, ``--version``, ``run ls`` and ``task ls`` load no HTTP server, dispatcher,
+cluster or Worker module.
 
 Exit codes (stable, documented in README): 0 ok, 1 internal error, 2 usage or bad input,
 3 conflict, 4 not found, 5 unavailable, 6 ``run start --wait``: the Run did not succeed.
@@ -13,11 +14,15 @@ from __future__ import annotations
 
 import sys
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from .. import __version__
 from ..core import errors as E
 from .common import Ctx, UsageError, ascii_decimal, options, parser_class
 from .serve import cmd_serve
+
+if TYPE_CHECKING:
+    import argparse
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``qlagent`` grammar: the common options, ``--version`` and every group's commands."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from qlagent.core.models import ROLES, START_ROLES
-from qlagent.core.tokens import new_token, token_digest  # noqa: F401  (re-exported for callers)
+from qlagent.core.tokens import token_digest
 from qlagent.http.wire import HttpError
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time

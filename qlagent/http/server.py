@@ -58,7 +58,7 @@ import threading
 import time
 from typing import Callable
 
-from qlagent.http.wire import (HttpError, HttpLimits, Request, Response, body_length, http_date, json_error,
+from qlagent.http.wire import (FileRange, HttpError, HttpLimits, Request, Response, body_length, http_date, json_error,
                                parse_head, response_head, tokens)
 
 log = logging.getLogger("qlagent.http")

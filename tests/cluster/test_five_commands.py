@@ -13,11 +13,11 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
+
+from kit import free_port, wait_until
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 
@@ -30,12 +30,6 @@ def _section() -> tuple[list[str], list[list[str]]]:
     tomls = [b for kind, b in blocks if kind == "toml"]
     shs = [[ln for ln in b.splitlines() if ln.strip()] for kind, b in blocks if kind == "sh"]
     return tomls, shs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Host:
@@ -75,10 +69,10 @@ class Host:
             self.service = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "serve"],
                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                             env=self.env)
-        deadline = time.monotonic() + 30
-        while not re.search(r"(service|worker)\.ready", open(self.log, errors="replace").read()):
-            assert self.service.poll() is None and time.monotonic() < deadline, open(self.log).read()
-            time.sleep(0.1)
+        def ready() -> bool:
+            assert self.service.poll() is None, open(self.log).read()
+            return re.search(r"(service|worker)\.ready", open(self.log, errors="replace").read()) is not None
+        wait_until(ready, 30, f"{self.log}: service.ready or worker.ready")
 
     def stop(self) -> None:
         if self.service is not None and self.service.poll() is None:
@@ -96,7 +90,7 @@ def test_the_readme_walkthrough_runs_a_task_on_a_joined_worker_over_https(pg_url
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="qlagent-five-", dir=base)
     cp, router = Host(root, "cp"), Host(root, "router")
-    port = str(_free_port())
+    port = str(free_port())
     subst = {"/etc/qlagent": cp.etc, "/var/lib/qlagent": cp.state, "cp.example.net": "localhost", "7380": port,
              "0.0.0.0": "127.0.0.1", "postgresql://qlagent@db.example.net/qlagent": pg_url}
     try:
