@@ -1,6 +1,6 @@
 """Bench for the shim (issue 3 item 4 and bench lines): drainer throughput vs `cat`
 through a FIFO, per-run overhead (extra PIDs, shim RSS/USS) of `python3 -I -S shim/main.py`
-vs a POSIX sh shim, and dispatch→exec latency of spawn_shim vs a bare os.posix_spawn.
+vs a POSIX sh shim, and dispatch→exec latency of the shim by its own interpreter (tests/shimkit.spawn_shim) vs a bare os.posix_spawn.
 Every figure is printed with its baseline measured in the same run.
 
 Usage: python3 bench/bench_drainer.py [--mib 256] [--rounds 15]
@@ -22,6 +22,8 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qlagent.adapters import processes  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from shimkit import spawn_shim  # noqa: E402  (the shim alone, by its own interpreter)
 
 MiB = 1024 * 1024
 PATH_ENV = {"PATH": "/usr/bin:/bin"}
@@ -57,7 +59,7 @@ def new_run(base, quota, argv, linger=1.0):
 
 
 def run_python_shim(spec):
-    h = processes.spawn_shim(spec)
+    h = spawn_shim(spec)
     assert h.popen.wait() == 0
     os.close(h.pidfd)
     return processes.read_receipt(spec["run_dir"])
@@ -127,7 +129,7 @@ def sample_overhead(base, runner_cmd, label, argv=("/usr/bin/yes", "0123456789ab
     """Start a shim around an endless producer, sample its session while it drains."""
     spec = new_run(base, 4 * MiB, list(argv))
     if runner_cmd == "python":
-        h = processes.spawn_shim(spec)
+        h = spawn_shim(spec)
         root = h.pid
     else:
         p = subprocess.Popen(["/bin/sh", "-c", SH_SHIM, "sh", spec["run_dir"], spec["artifact_path"],

@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_drainer import new_run, private_dirty, throughput  # noqa: E402
 
 from qlagent.adapters import processes  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from shimkit import spawn_shim  # noqa: E402  (the shim alone, by its own interpreter)
 
 MiB = 1024 * 1024
 PATH_ENV = {"PATH": "/usr/bin:/bin"}
@@ -87,7 +89,7 @@ def latency(base, rounds, fs):
     def via_interpreter():
         spec = new_run(base, 4096, argv)
         t0 = time.time_ns()
-        h = processes.spawn_shim(spec, program=program)
+        h = spawn_shim(spec, program=program)
         finish(spec, h)
         with open(spec["artifact_path"]) as f:
             return int(f.read()) - t0
@@ -104,7 +106,7 @@ def latency(base, rounds, fs):
 
     paths = {"posix_spawn": via_posix_spawn, "fork": via_fork_server, "interp": via_interpreter,
              "fork_ok": until_running(lambda s: fs.spawn(s, sys.executable)),
-             "interp_ok": until_running(lambda s: processes.spawn_shim(s, program=program))}
+             "interp_ok": until_running(lambda s: spawn_shim(s, program=program))}
     samples = {name: [] for name in paths}
     for fn in paths.values():
         fn()
@@ -137,7 +139,7 @@ def shim_cost(pid, task):
 def overhead(base, fs):
     rows = []
     for label, spawn in (("fork-served shim", lambda s: fs.spawn(s, sys.executable)),
-                         ("shim with its own interpreter (before)", processes.spawn_shim)):
+                         ("shim with its own interpreter (before)", spawn_shim)):
         uss, dirty, pids = [], [], []
         for _ in range(5):
             spec = new_run(base, 4 * MiB, ["/usr/bin/yes", "0123456789abcdef"])

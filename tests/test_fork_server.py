@@ -16,7 +16,8 @@ import textwrap
 import psutil
 import pytest
 from execkit import Bench, task
-from shimkit import PATH_ENV, make_spec, wait_for
+from kit import wait_until
+from shimkit import PATH_ENV, make_spec
 
 from qlagent.adapters import processes
 from qlagent.core.profiles import EDGE
@@ -25,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def receipt_of(spec: dict, timeout: float = 20.0):
-    return wait_for(lambda: processes.read_receipt(spec["run_dir"]), timeout, "the receipt")
+    return wait_until(lambda: processes.read_receipt(spec["run_dir"]), timeout, "the receipt")
 
 
 def output_of(spec: dict) -> bytes:
@@ -40,7 +41,7 @@ def test_runs_outlive_a_killed_fork_server_and_the_next_start_gets_a_new_one(tmp
     assert all(h.start_error is None for h in handles)
     (server,) = fs.pids()
     os.kill(server, signal.SIGKILL)
-    wait_for(lambda: not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE)
+    wait_until(lambda: not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE, 20)
     for i, (s, h) in enumerate(zip(specs, handles)):
         r = receipt_of(s)
         assert (r.exit_code, r.start_error) == (0, None)
@@ -59,7 +60,7 @@ def test_a_shim_is_in_its_own_session_and_nobody_it_dies_with(tmp_path):
     h = fs.spawn(spec, sys.executable)
     assert os.getsid(h.pid) == h.pid                  # leads its own session, as a directly started shim
     assert processes.process_matches(h.pid, h.create_time)
-    task_pid = wait_for(lambda: processes.read_task_pid(spec["run_dir"]))
+    task_pid = wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20)
     assert psutil.Process(task_pid).ppid() == h.pid   # the task's leader is the shim's child
     processes.signal_tree(task_pid, h.pid, signal.SIGKILL, None, {})
     assert receipt_of(spec).signal == signal.SIGKILL
@@ -97,9 +98,9 @@ def test_sigkill_of_the_agent_during_a_start(tmp_path, when):
     shim, server = (int(x) for x in agent.stdout.readline().split())
     agent.kill()
     agent.wait()
-    wait_for(lambda: not psutil.pid_exists(server), what="the fork server to leave")
-    wait_for(lambda: not psutil.pid_exists(shim) or psutil.Process(shim).status() == psutil.STATUS_ZOMBIE,
-             what="the shim to end")
+    wait_until(lambda: not psutil.pid_exists(server), 20, "the fork server to leave")
+    wait_until(lambda: not psutil.pid_exists(shim) or psutil.Process(shim).status() == psutil.STATUS_ZOMBIE,
+               timeout=20, what="the shim to end")
     if when == "before-spec":
         assert processes.read_receipt(spec["run_dir"]) is None and output_of(spec) == b""
         assert not os.path.exists(os.path.join(spec["run_dir"], "task.pid"))

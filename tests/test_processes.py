@@ -12,13 +12,13 @@ import pytest
 
 from qlagent.adapters import processes
 
-from shimkit import FIXTURES, make_spec  # noqa: E402
+from shimkit import FIXTURES, make_spec, spawn_shim  # noqa: E402
 from kit import wait_until  # noqa: E402
 
 
 def start(tmp_path, argv, linger=0.5):
     spec = make_spec(tmp_path, argv, quota=1 << 20, linger=linger)
-    return spec, processes.spawn_shim(spec)
+    return spec, spawn_shim(spec)
 
 
 def output(spec):
@@ -143,9 +143,9 @@ def test_signal_tree_without_task_pid_takes_the_shims_child(tmp_path):
     assert handle.popen.wait(10) == 0
 
 
-def test_spawn_shim_with_a_missing_interpreter_raises(tmp_path):
+def test_a_start_with_a_missing_interpreter_fails_naming_it(tmp_path):
     with pytest.raises(processes.ShimSpawnError, match=r"no-python: cannot start the shim: ENOENT ") as err:
-        processes.spawn_shim({"attempt_id": "x"}, python=str(tmp_path / "no-python"))
+        processes.ForkServer(str(tmp_path)).spawn({"attempt_id": "x"}, python=str(tmp_path / "no-python"))
     assert err.value.code == "launch_failed" and err.value.exit_code == 5
 
 

@@ -17,12 +17,12 @@ from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
 from qlagent.core.receipt import Receipt, TruncationFact
 
-from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec  # noqa: E402
+from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, spawn_shim  # noqa: E402
 from kit import wait_until  # noqa: E402
 
 
 def run_to_end(spec, timeout=30.0):
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     try:
         assert handle.popen.wait(timeout) == 0
     finally:
@@ -150,7 +150,7 @@ def test_wan_check_prints_json(tmp_path):
 
 def test_slow_is_running_until_stopped(tmp_path):
     spec = make_spec(tmp_path, fixture("slow.sh"))
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     wait_until(lambda: log_bytes(spec) == b"slow start\n", 20, "slow start")
     task = processes.read_task_pid(spec["run_dir"])
     assert task in processes.signal_tree(task, handle.pid, signal.SIGTERM, None, {})
@@ -163,7 +163,7 @@ def test_slow_is_running_until_stopped(tmp_path):
 def test_f1_yes_fills_exactly_the_quota_then_is_killed(tmp_path):
     quota = 65536 * 3 + 17  # not a multiple of the read size
     spec = make_spec(tmp_path, ["/usr/bin/yes", "0123456789abcdef"], quota=quota)
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     fact = wait_until(lambda: processes.read_truncation(spec["run_dir"]), 20, "truncation fact")
     assert fact == TruncationFact(quota_bytes=quota, bytes_kept=quota)
     # The task is not blocked by the quota: output keeps being drained.
@@ -185,9 +185,9 @@ def test_shim_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
     spawner = subprocess.Popen(
         [sys.executable, "-c",
          "import json, sys, time\n"
-         f"sys.path.insert(0, {REPO!r})\n"
-         "from qlagent.adapters import processes\n"
-         "h = processes.spawn_shim(json.loads(sys.stdin.readline()))\n"
+         f"sys.path[:0] = [{REPO!r}, {os.path.join(REPO, 'tests')!r}]\n"
+         "from shimkit import spawn_shim\n"
+         "h = spawn_shim(json.loads(sys.stdin.readline()))\n"
          "print(h.pid, flush=True)\n"
          "time.sleep(60)\n"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -210,7 +210,7 @@ def test_shim_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
 def test_a_kept_orphan_holding_the_fifo_does_not_keep_the_shim_past_linger(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 30 & echo main; exit 5"], linger=0.3)
     spec["keep_orphans"] = True
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     task = wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20, "task.pid")
     fifo = os.path.join(spec["run_dir"], "output.fifo")
     st = os.stat(fifo)
@@ -253,7 +253,7 @@ def test_task_environment_is_exactly_the_given_one(tmp_path, monkeypatch):
 def test_task_runs_in_its_own_group_with_null_stdin_in_cwd(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "cut -d' ' -f5 /proc/$$/stat; pwd; cat; echo $$"],
                      cwd=str(tmp_path))
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     assert os.getsid(handle.pid) == handle.pid  # the shim leads its own session
     assert handle.popen.wait(10) == 0
     pgrp, cwd, pid = log_bytes(spec).decode().split("\n")[:3]
@@ -263,7 +263,7 @@ def test_task_runs_in_its_own_group_with_null_stdin_in_cwd(tmp_path):
 
 def test_sigterm_to_the_shim_is_forwarded_and_a_receipt_still_written(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo up; exec sleep 30"])
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     wait_until(lambda: log_bytes(spec) == b"up\n", 20, "task output")
     os.kill(handle.pid, signal.SIGTERM)
     assert handle.popen.wait(10) == 0
@@ -274,7 +274,7 @@ def test_a_task_never_outlives_its_shim_killed_by_sigkill(tmp_path):
     # Issue #20 point 3: the shim SIGKILLed (OOM killer, a Worker's whole tree) must not leave
     # the task running unseen beside the Attempt offered again.
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo up; exec sleep 120"])
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     wait_until(lambda: log_bytes(spec) == b"up\n", 20, "task output")
     task = psutil.Process(processes.read_task_pid(spec["run_dir"]))
     os.kill(handle.pid, signal.SIGKILL)
@@ -286,7 +286,7 @@ def test_a_task_never_outlives_its_shim_killed_by_sigkill(tmp_path):
 def test_sigint_sighup_sigpipe_to_the_shim_are_ignored(tmp_path):
     go = tmp_path / "go"
     spec = make_spec(tmp_path, ["/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; echo done"])
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20, "task.pid")
     shim = psutil.Process(handle.pid)
     assert shim.environ() == {} and shim.cwd() == "/"  # nothing of the agent's leaks in
@@ -338,7 +338,7 @@ def test_oversized_spec_is_refused_before_anything_starts(tmp_path):
     spec = make_spec(tmp_path, ["/bin/true"], env={"BIG": "x" * (1 << 20)})
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValidationError, match="spec: .* bytes of JSON, over the limit") as err:
-        processes.spawn_shim(spec)
+        spawn_shim(spec)
     assert err.value.limit == 1048576 and err.value.field == "spec"
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     assert os.listdir(spec["run_dir"]) == []
@@ -382,7 +382,7 @@ def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
 
 def test_start_status_comes_after_the_exec_and_carries_the_exact_reason(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "exec sleep 30"])
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     try:
         assert handle.start_error is None
         task = wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20, "task.pid")
@@ -393,7 +393,7 @@ def test_start_status_comes_after_the_exec_and_carries_the_exact_reason(tmp_path
         if handle.pidfd is not None:
             os.close(handle.pidfd)
     bad = make_spec(tmp_path, ["/bin/sh", "-c", "echo ran"], cwd=str(tmp_path / "gone"))
-    handle = processes.spawn_shim(bad)
+    handle = spawn_shim(bad)
     assert handle.start_error == f"cwd {tmp_path / 'gone'}: ENOENT (No such file or directory)"
     assert handle.popen.wait(10) == 0
     assert processes.read_receipt(bad["run_dir"]).start_error == handle.start_error
@@ -411,13 +411,8 @@ def test_start_error_is_bounded_whatever_the_path_length(tmp_path):
 def test_shim_that_dies_before_the_status_is_a_start_error_not_a_hang(tmp_path):
     spec = make_spec(tmp_path, ["/bin/true"])
     spec["quota_bytes"] = "not a number"        # bad spec: receipt with start_error, status err
-    handle = processes.spawn_shim(spec)
+    handle = processes.ForkServer(str(tmp_path)).spawn(spec, sys.executable)
     assert handle.start_error == "bad spec: quota_bytes: must be an integer >= 0"
-    handle.popen.wait(10)
-    proc = subprocess.Popen([sys.executable, "-I", "-S", processes.SHIM_PATH], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env={})
-    proc.stdin.close()                          # no spec at all: exit 2 without a status line
-    assert processes._read_status(proc, 10) == "shim: exited with status 2 before starting the task"
 
 
 # --- lease self-fencing (a fleet Worker's run under on_lease_loss = "kill") ---------------------
@@ -437,7 +432,7 @@ def test_a_lease_renewed_in_time_lets_the_run_finish(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 2.5; echo done"])
     spec["lease_file"] = os.path.join(spec["run_dir"], "lease")
     _write_lease(spec["lease_file"], _mono_us() + 1_500_000)
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     # The Worker renews every 0.2 s: at each instant it was given, the shim finds a later one.
     while handle.popen.poll() is None:
         _write_lease(spec["lease_file"], _mono_us() + 1_500_000)
@@ -455,7 +450,7 @@ def test_a_lease_not_renewed_stops_the_whole_tree_kept_orphans_too_and_the_recei
     spec = make_spec(tmp_path, ["/bin/sh", "-c", script])
     spec.update(keep_orphans=True, grace_s=0.5, lease_file=os.path.join(spec["run_dir"], "lease"))
     _write_lease(spec["lease_file"], _mono_us() + 2_000_000)
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     orphan = wait_until(lambda: pids.exists() and pids.read_text().strip() and int(pids.read_text()), 20, "pids")
     assert handle.popen.wait(20) == 0
     receipt = processes.read_receipt(spec["run_dir"])
@@ -468,7 +463,7 @@ def test_a_lease_not_renewed_stops_the_whole_tree_kept_orphans_too_and_the_recei
 def test_an_unreadable_lease_file_fails_closed(tmp_path):
     spec = make_spec(tmp_path, ["/bin/sleep", "60"])
     spec["lease_file"] = os.path.join(spec["run_dir"], "lease")           # never written
-    handle = processes.spawn_shim(spec)
+    handle = spawn_shim(spec)
     assert handle.popen.wait(20) == 0
     receipt = processes.read_receipt(spec["run_dir"])
     assert receipt.lease_lost is True and receipt.signal == signal.SIGTERM

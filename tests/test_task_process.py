@@ -16,6 +16,7 @@ import urllib.request
 import psutil
 import pytest
 from execkit import Agent, Bench, procs_with_env, task
+from shimkit import spawn_shim
 
 from qlagent.core.definitions import parse_task_file, prepare_task
 from qlagent.core.errors import ValidationError
@@ -413,7 +414,6 @@ def test_the_shim_runs_precompiled_from_the_private_runs_root(root):
 def test_recovery_keeps_the_reason_of_a_start_failure_the_previous_agent_never_read(root):
     """The agent died while waiting for the start status; the shim wrote its receipt with
     the start error. The next agent ends the Attempt with that reason, not as lost."""
-    from qlagent.adapters import processes
     from qlagent.adapters.artifacts import ArtifactAllocator
     from qlagent.core.profiles import EDGE
     b = Bench(os.path.join(root, "s"))
@@ -423,9 +423,8 @@ def test_recovery_keeps_the_reason_of_a_start_failure_the_previous_agent_never_r
     run_dir = ArtifactAllocator(b.artifact_dir, EDGE, runs_root=b.runs_dir).run_dir(aid)
     art = os.path.join(root, "art.log")
     os.close(os.open(art, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    h = processes.spawn_shim({"attempt_id": aid, "argv": ["/bin/sh", "-c", "echo ran"], "env": {},
-                                 "cwd": "/nonexistent/dir", "run_dir": run_dir, "artifact_path": art,
-                                 "quota_bytes": 1024})
+    h = spawn_shim({"attempt_id": aid, "argv": ["/bin/sh", "-c", "echo ran"], "env": {},
+                    "cwd": "/nonexistent/dir", "run_dir": run_dir, "artifact_path": art, "quota_bytes": 1024})
     assert h.popen.wait(10) == 0
     os.close(h.pidfd)
     b.store.write(lambda c: (c.execute("UPDATE runs SET state = 'starting' WHERE run_id = ?", (rid,)),

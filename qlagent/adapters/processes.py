@@ -63,35 +63,6 @@ class ShimHandle(msgspec.Struct):
     start_error: str | None = None
 
 
-def _read_status(popen: subprocess.Popen, timeout_s: float) -> str | None:
-    """The shim's start status line (see shim/main.py): None for ``ok`` or no answer
-    within ``timeout_s``; the reason for ``err <reason>`` or an exit before any status."""
-    fd = popen.stdout.fileno()
-    data = b""
-    deadline = time.monotonic() + timeout_s
-    try:
-        while b"\n" not in data and len(data) < _STATUS_LIMIT_BYTES:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, _STATUS_LIMIT_BYTES)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        popen.stdout.close()
-    line = data.split(b"\n", 1)[0].decode("utf-8", "replace")
-    if line == "ok":
-        return None
-    if line.startswith("err "):
-        return line[4:]
-    try:
-        status = popen.wait(5)
-    except subprocess.TimeoutExpired:
-        status = None
-    return f"shim: exited with status {status} before starting the task"
-
-
 def compiled_shim(cache_dir: str, python: str) -> str:
     """The shim precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc
     script without compiling it, which saves the compiler's memory (USS 4.5 → 2.9 MiB per run)
@@ -131,49 +102,6 @@ def compiled_shim(cache_dir: str, python: str) -> str:
             pass
         return SHIM_PATH
     return path
-
-
-def spawn_shim(spec: dict, python: str = sys.executable,
-                  status_timeout_s: float = START_STATUS_TIMEOUT_S, program: str = SHIM_PATH) -> ShimHandle:
-    """Start ``python -I -S <program>`` (shim/main.py, or its compiled_shim) in a new session
-    with an empty environment, cwd "/", stderr /dev/null, and send ``spec`` (the shim
-    contract's JSON document, which may hold secret plaintext) through its stdin pipe, then
-    close the pipe; then wait (at most
-    ``status_timeout_s`` seconds) for its start status on stdout, so the caller learns whether
-    the task was exec'd before it records the Run running (``ShimHandle.start_error``).
-
-    Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything starts;
-    ShimSpawnError when the interpreter cannot be started or exits before reading the spec.
-    """
-    payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
-    if len(payload) > SPEC_LIMIT_BYTES:
-        raise ValidationError("spec", f"{len(payload)} bytes of JSON, over the limit",
-                              limit=SPEC_LIMIT_BYTES)
-    try:
-        popen = subprocess.Popen([python, "-I", "-S", program], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={},
-                                 cwd="/", start_new_session=True, close_fds=True)
-    except OSError as exc:
-        raise ShimSpawnError(f"python {python}: cannot start the shim: {errno_text(exc)}",
-                                field="python") from None
-    try:
-        popen.stdin.write(payload)
-        popen.stdin.close()
-    except BrokenPipeError:
-        popen.stdout.close()
-        popen.wait()
-        raise ShimSpawnError("shim: exited before reading its spec") from None
-    start_error = _read_status(popen, status_timeout_s)
-    try:
-        create_time = psutil.Process(popen.pid).create_time()
-    except psutil.NoSuchProcess:
-        # Already reaped by _read_status after a start failure: no identity to record.
-        create_time = 0.0
-    try:
-        pidfd = os.pidfd_open(popen.pid)
-    except (AttributeError, OSError):
-        pidfd = None
-    return ShimHandle(popen.pid, create_time, pidfd, popen, start_error)
 
 
 # The fork server exits after this long without a request (shim/main.py FORK_SERVER_IDLE_S);
@@ -287,16 +215,29 @@ class ForkServer:
                                        or self._python != python):
             self._retire()
         for _ in range(2):
-            if self._sock is None:
+            fresh = self._sock is None
+            if fresh:
                 self._start(python)
             try:
                 self._sock.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                              spec_r.to_bytes(4, sys.byteorder) + status_w.to_bytes(4, sys.byteorder))])
                 self._last_request = now
                 return
-            except OSError:               # it died since the last request
-                self._retire()
+            except OSError:
+                if fresh:                 # one start per request: a server that cannot start is not retried
+                    raise self._fail(self._exit_reason()) from None
+                self._retire()            # it died since the last request: one new one
         raise self._fail("fork server: does not take requests")
+
+    def _exit_reason(self) -> str:
+        """Why the fork server just started or asked took no request / forked no shim."""
+        try:
+            status = self._popen.wait(1) if self._popen is not None else None
+        except subprocess.TimeoutExpired:
+            status = None
+        if status is None:
+            return "fork server: forked no shim"
+        return f"fork server: exited with status {status} before forking the shim"
 
     def spawn(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimHandle:
         """Start one shim for ``spec`` (the shim contract's document) from the fork server of
@@ -337,13 +278,7 @@ class ForkServer:
             if first is None or not first.startswith("pid "):
                 if first is not None and first.startswith("err "):
                     raise self._fail(f"fork server: {first[4:]}")
-                try:
-                    status = self._popen.wait(1) if self._popen is not None else None
-                except subprocess.TimeoutExpired:
-                    status = None
-                if status is None:
-                    raise self._fail("fork server: forked no shim")
-                raise self._fail(f"fork server: exited with status {status} before forking the shim")
+                raise self._fail(self._exit_reason())
             self._failure, self._backoff_s = None, 0.0
             pid = int(first[4:])
             try:
