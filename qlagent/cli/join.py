@@ -99,29 +99,39 @@ def cmd_rotate_credential(ctx) -> int:
     """``workers rotate-credential NAME``: a new credential for the same Worker ID, shown once
     (or inside a join token with ``--join-token``); the old one is refused from now on."""
     from .. import bootstrap
-    from .common import print_json as _print_json
     from .workers import _registry
     a = ctx.args
     _registry(ctx)                          # [cluster] or exit 2
     material = join_material(ctx) if a.join_token else None
     worker_id, credential = bootstrap.rotate_worker_credential(ctx.store, a.name)
+    return show_credential(ctx, worker_id, credential, material,
+                           ": new credential in the join token above (shown once); the old credential is refused "
+                           "from now on; on the router: `qlagent worker join --force TOKEN`",
+                           "the credential is shown once; the old one is refused from now on: put this one in the "
+                           "router's worker.credential_file (0600)")
+
+
+def show_credential(ctx, worker_id: str, credential: str, material: tuple[list[str], str | None] | None,
+                    token_note: str, note: str) -> int:
+    """Print a Worker's new credential once — inside a join token when ``material``
+    (``join_material``) is given — with ``token_note`` / ``note`` on stderr; ``--json``:
+    {workerId, name, joinToken | credential}. Exit code 0."""
+    from .common import print_json
+    a = ctx.args
     if material is not None:
         token = join_token(ctx, worker_id, credential, material)
         if a.json:
-            _print_json({"workerId": worker_id, "name": a.name, "joinToken": token})
+            print_json({"workerId": worker_id, "name": a.name, "joinToken": token})
         else:
             print(token)
-            print(f"qlagent: Worker {a.name} {worker_id}: new credential in the join token above (shown once); the "
-                  "old credential is refused from now on; on the router: `qlagent worker join --force TOKEN`",
-                  file=sys.stderr)
+            print(f"qlagent: Worker {a.name} {worker_id}{token_note}", file=sys.stderr)
         return 0
     if a.json:
-        _print_json({"workerId": worker_id, "name": a.name, "credential": credential})
+        print_json({"workerId": worker_id, "name": a.name, "credential": credential})
     else:
         print(f"worker      {a.name} {worker_id}")
         print(f"credential  {credential}")
-        print("qlagent: the credential is shown once; the old one is refused from now on: put this one in the "
-              "router's worker.credential_file (0600)", file=sys.stderr)
+        print(f"qlagent: {note}", file=sys.stderr)
     return 0
 
 

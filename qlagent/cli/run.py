@@ -115,9 +115,20 @@ def cmd_run_logs(ctx: Ctx) -> int:
     if ctx.args.json:
         print_json(log_page_json(run.run_id, path, fact, offset, min(remaining or MAX_LOG_READ, MAX_LOG_READ)))
         return 0
+    _copy_log(lambda at, n: read_log_range(path, at, n)[0], offset, remaining)
+    if fact:      # stdout stays the log's bytes; the truncation fact goes to stderr, always
+        print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {fact.bytes_dropped} bytes dropped",
+              file=sys.stderr)
+    return 0
+
+
+def _copy_log(read, offset: int, remaining: int | None) -> None:
+    """Write a Run's log to stdout from ``offset`` (bytes; ``remaining`` at most, None: to its
+    end) through ``read(offset, n) -> bytes`` calls of at most ``MAX_LOG_READ`` bytes each."""
+    from ..application.runs import MAX_LOG_READ
     out = sys.stdout.buffer
     while remaining is None or remaining > 0:
-        chunk, size = read_log_range(path, offset, min(MAX_LOG_READ, remaining or MAX_LOG_READ))
+        chunk = read(offset, min(MAX_LOG_READ, remaining or MAX_LOG_READ))
         if not chunk:
             break
         out.write(chunk)
@@ -125,10 +136,6 @@ def cmd_run_logs(ctx: Ctx) -> int:
         if remaining is not None:
             remaining -= len(chunk)
     out.flush()
-    if fact:      # stdout stays the log's bytes; the truncation fact goes to stderr, always
-        print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {fact.bytes_dropped} bytes dropped",
-              file=sys.stderr)
-    return 0
 
 
 def _cluster_logs(ctx: Ctx, run_id: str, offset: int, remaining: int | None) -> int:
@@ -140,16 +147,14 @@ def _cluster_logs(ctx: Ctx, run_id: str, offset: int, remaining: int | None) -> 
         chunk, size, fact = reader.read_range(run_id, offset, min(remaining or MAX_LOG_READ, MAX_LOG_READ))
         print_json(log_page(run_id, chunk, size, offset, fact))
         return 0
-    out, fact = sys.stdout.buffer, None
-    while remaining is None or remaining > 0:
-        chunk, _, fact = reader.read_range(run_id, offset, min(MAX_LOG_READ, remaining or MAX_LOG_READ))
-        if not chunk:
-            break
-        out.write(chunk)
-        offset += len(chunk)
-        if remaining is not None:
-            remaining -= len(chunk)
-    out.flush()
+    facts = []
+
+    def read(at: int, n: int) -> bytes:
+        chunk, _, fact = reader.read_range(run_id, at, n)
+        facts.append(fact)
+        return chunk
+    _copy_log(read, offset, remaining)
+    fact = facts[-1] if facts else None
     if fact:
         print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {or_dash(fact.bytes_dropped)} bytes "
               "dropped", file=sys.stderr)

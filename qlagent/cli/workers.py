@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from ..core import errors as E
 from .common import Ctx, command, fmt_us, options, or_dash, print_json, table
 
@@ -38,24 +36,11 @@ def cmd_workers_enroll(ctx: Ctx) -> int:
         material = join_material(ctx)
     worker_id, credential = _registry(ctx).enroll(a.name, labels, tuple(a.executor or ["local_process"]), a.slots,
                                                   tuple(a.worker_projects or ()))
-    if material is not None:
-        from .join import join_token
-        token = join_token(ctx, worker_id, credential, material)
-        if a.json:
-            print_json({"workerId": worker_id, "name": a.name, "joinToken": token})
-        else:
-            print(token)
-            print(f"qlagent: Worker {a.name} {worker_id} enrolled; the join token above is shown once and carries its "
-                  f"credential: on the router run `qlagent worker join TOKEN`", file=sys.stderr)
-        return 0
-    if a.json:
-        print_json({"workerId": worker_id, "name": a.name, "credential": credential})
-    else:
-        print(f"worker      {a.name} {worker_id}")
-        print(f"credential  {credential}")
-        print("qlagent: the credential is shown once (only its SHA-256 is stored); give it to the Worker",
-              file=sys.stderr)
-    return 0
+    from .join import show_credential
+    return show_credential(ctx, worker_id, credential, material,
+                           " enrolled; the join token above is shown once and carries its credential: on the "
+                           "router run `qlagent worker join TOKEN`",
+                           "the credential is shown once (only its SHA-256 is stored); give it to the Worker")
 
 
 def cmd_workers_ls(ctx: Ctx) -> int:
