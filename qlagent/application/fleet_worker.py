@@ -204,7 +204,8 @@ class WorkerRuntime:
         self.stop_deadline_us: int | None = None
         self._signals: list[tuple[int, int]] = []     # (signal, arrival monotonic µs)
         self._wake_r = self._wake_w = None
-        self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0}
+        self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0, "sessions": 0}
+        self.heartbeat_rtt_us: int | None = None        # the last answered heartbeat's round trip
         self.surface = None                             # the local HTTP status surface, if any
         # SIGHUP: the service reads the configuration again and journals what it found
         # (``service.worker_mode``); None: nothing to read.
@@ -221,8 +222,10 @@ class WorkerRuntime:
         (the control-plane URLs it tries, in order), ``session`` ({sessionId, generation} or None while
         connecting), ``draining``, ``slots``, ``freeSlots``, ``liveRuns`` (spawned, not ended),
         ``inbox`` ({rows, bytes, maxRows, maxBytes, open}: rows and spec bytes kept, their caps,
-        rows not yet acknowledged), ``counts`` (since start: spawned, reattached, completed,
-        fenced, pulls), ``blocked`` (None, or {code, error}: why it cannot work — the last failed
+        rows not yet acknowledged), ``logStore`` ({bytes, maxBytes}: logs not yet uploaded, a
+        live run at its quota), ``heartbeatRttS`` (the last answered heartbeat's round trip, s;
+        None before one), ``counts`` (since start: spawned, reattached, completed, fenced — runs
+        this Worker self-fenced —, pulls, sessions — Sessions opened), ``blocked`` (None, or {code, error}: why it cannot work — the last failed
         hello while it has no Session, a credential the control plane refuses). Never a
         credential, lease token, command or environment."""
         live = sum(1 for j in self.jobs.values() if j.entry.state in ("received", "barrier", "started"))
@@ -234,6 +237,8 @@ class WorkerRuntime:
                 "liveRuns": sum(1 for j in self.jobs.values() if j.handle is not None),
                 "inbox": {"rows": rows, "bytes": used, "maxRows": self.inbox.max_rows,
                           "maxBytes": self.inbox.max_bytes, "open": len(self.jobs)},
+                "logStore": {"bytes": self.log_store_used(), "maxBytes": self.log_store_bytes},
+                "heartbeatRttS": None if self.heartbeat_rtt_us is None else self.heartbeat_rtt_us / 1e6,
                 "counts": dict(self.counts),
                 "blocked": None if self.blocked is None else {"code": self.blocked[0], "error": self.blocked[1]}}
 
@@ -500,6 +505,7 @@ class WorkerRuntime:
             if not self.connected_once and ans.server_now_us is not None:
                 self._check_cadence(grant.expires_at_us - ans.server_now_us)
             self.session = (grant.session_id, grant.generation)
+            self.counts["sessions"] += 1
             self.session_opened_us = self.now()
             self.connected_once = True
             self._unblocked()
@@ -647,6 +653,7 @@ class WorkerRuntime:
             return
         except msgspec.DecodeError:
             return
+        self.heartbeat_rtt_us = self.now() - sent
         self.next_beat_us = self.now() + self._beat_delay_us()
         self.failures["heartbeat"] = 0
         self._unblocked()
@@ -1030,16 +1037,18 @@ class WorkerRuntime:
             return spec
         return msgspec.structs.replace(spec, log_quota_bytes=self.log_max_bytes)
 
+    def log_store_used(self) -> int:
+        """Bytes of the logs not yet uploaded, a live run counted at its quota."""
+        return sum(j.spec.log_quota_bytes if j.handle is not None else self.runs.log_size(j.attempt_id)
+                   for j in self.jobs.values() if not j.log_done)
+
     def _bound_log_store(self, need: int) -> None:
         """Issue 11 §5: a partition must not fill the flash. Before a spawn, the Artifacts not yet
         uploaded (a live run counted at its quota) plus ``need`` bytes must fit ``log_store_bytes``;
         otherwise the oldest completed runs' bytes the control plane does not hold yet are cut,
         each cut recorded (``worker.log_truncated``: attempt, bytes dropped, bytes the control
         plane keeps)."""
-        def used() -> int:
-            return sum(j.spec.log_quota_bytes if j.handle is not None else self.runs.log_size(j.attempt_id)
-                       for j in self.jobs.values() if not j.log_done)
-        over = used() + need - self.log_store_bytes
+        over = self.log_store_used() + need - self.log_store_bytes
         for j in list(self.jobs.values()):
             if over <= 0:
                 return

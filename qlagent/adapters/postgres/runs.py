@@ -266,6 +266,17 @@ def queued_count(cur) -> int:
     return cur.execute("SELECT count(*) AS n FROM runs WHERE state = 'queued'").fetchone()["n"]
 
 
+def oldest_queued_us(cur) -> int | None:
+    """``created_at_us`` of the oldest queued Run, None when none is queued."""
+    return cur.execute("SELECT min(created_at_us) AS t FROM runs WHERE state = 'queued'").fetchone()["t"]
+
+
+def state_counts(cur) -> dict[str, int]:
+    """state → Runs in it (states without a Run left out)."""
+    rows = cur.execute("SELECT state, count(*) AS n FROM runs GROUP BY state").fetchall()
+    return {r["state"]: r["n"] for r in rows}
+
+
 def run_id_for_key(cur, project_id: str, key: str) -> str | None:
     row = cur.execute("SELECT run_id FROM runs WHERE project_id = %s AND idempotency_key = %s",
                       (project_id, key)).fetchone()

@@ -299,6 +299,16 @@ def queued_count(conn: sqlite3.Connection) -> int:
     return conn.execute("SELECT count(*) FROM runs WHERE state = 'queued'").fetchone()[0]
 
 
+def oldest_queued_us(conn: sqlite3.Connection) -> int | None:
+    """``created_at_us`` of the oldest queued Run, None when none is queued."""
+    return conn.execute("SELECT min(created_at_us) FROM runs WHERE state = 'queued'").fetchone()[0]
+
+
+def state_counts(conn: sqlite3.Connection) -> dict[str, int]:
+    """state → Runs in it (states without a Run left out)."""
+    return dict(conn.execute("SELECT state, count(*) FROM runs GROUP BY state").fetchall())
+
+
 def run_id_for_key(conn: sqlite3.Connection, project_id: str, key: str) -> str | None:
     """The Run created under idempotency ``key`` in the Project, else None."""
     row = conn.execute("SELECT run_id FROM runs WHERE project_id = ? AND idempotency_key = ?",
