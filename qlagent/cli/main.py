@@ -449,7 +449,7 @@ def cmd_secret_rm(ctx: Ctx) -> int:
 def _run_json(run, attempts=None, events=None) -> dict:
     """The shared Run shape (application.presenter); ``run show`` adds every Attempt and RunEvent."""
     from ..application import presenter
-    d = presenter.run(run)
+    d = presenter.run(run, attempts[-1] if attempts else None)
     if attempts is not None:
         d["attempts"] = [presenter.attempt(a) for a in attempts]
     if events is not None:

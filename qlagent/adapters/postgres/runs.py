@@ -229,8 +229,9 @@ def list_events(cur, run_id: str) -> list[RunEvent]:
 
 
 def list_attempts(cur, run_id: str) -> list[Attempt]:
-    rows = cur.execute("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated FROM attempts a "
+    rows = cur.execute("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated, w.name AS worker_name FROM attempts a "
                        "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id "
+                       "LEFT JOIN workers w ON w.worker_id = a.worker_id "
                        "WHERE a.run_id = %s ORDER BY a.attempt_no", (run_id,)).fetchall()
     return [Attempt(attempt_id=r["attempt_id"], run_id=r["run_id"], attempt_no=r["attempt_no"], state=r["state"],
                     executor_type=r["executor_type"], exit_code=r["exit_code"], exit_signal=r["exit_signal"],
@@ -238,7 +239,8 @@ def list_attempts(cur, run_id: str) -> list[Attempt]:
                     peak_rss_bytes=r["peak_rss_bytes"], cpu_time_us=r["cpu_time_us"],
                     failure_reason=r["failure_reason"], created_at_us=r["created_at_us"],
                     started_at_us=r["started_at_us"], ended_at_us=r["ended_at_us"], start_error=r["start_error"],
-                    orphans_stopped=r["orphans_stopped"]) for r in rows]
+                    orphans_stopped=r["orphans_stopped"], worker_id=r["worker_id"],
+                    worker_name=r["worker_name"]) for r in rows]
 
 
 def latest_artifact(cur, run_id: str) -> tuple[str | None, TruncationFact | None]:
