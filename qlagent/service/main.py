@@ -534,8 +534,9 @@ class Service:
             runs.add(counts.get(state, 0), state=state)
         refused = Family("qlagent_admission_refusals_total", COUNTER,
                          "Admission refusals journaled (dispatch.refused, run.waiting) by reason")
-        for reason, n in sorted({**self._refused, **self.engine.waits()}.items()):
-            refused.add(n, reason=reason)
+        waits = self.engine.waits()
+        for reason in sorted(self._refused.keys() | waits.keys()):
+            refused.add(self._refused.get(reason, 0) + waits.get(reason, 0), reason=reason)
         fams = [runs, refused,
                 Family("qlagent_runs_live", GAUGE, "Attempts with a process tree now").add(self.engine.live_count()),
                 Family("qlagent_artifact_bytes", GAUGE, "Bytes of the log Artifacts kept")
