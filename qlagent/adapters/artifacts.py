@@ -257,6 +257,9 @@ class Artifacts:
         self._a = allocator
         self._grant: SpaceGrant | None = None
 
+    def used_bytes(self) -> int:
+        return self._a.used_bytes()
+
     def admit(self, quota_bytes: int) -> str | None:
         grant = self._a.admit(quota_bytes)
         self._grant = grant if grant.ok else None

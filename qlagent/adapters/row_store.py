@@ -248,6 +248,12 @@ class RowStore:
     def queued_count(self) -> int:
         return self.read(runs.queued_count)
 
+    def run_state_counts(self) -> dict[str, int]:
+        return self.read(runs.state_counts)
+
+    def oldest_queued_us(self) -> int | None:
+        return self.read(runs.oldest_queued_us)
+
     # ---- ScheduleStore -------------------------------------------------------------------------
     def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
                       scheduled_for_us: int | None, actor: str,

@@ -35,9 +35,18 @@ class Engine:
         self._procs = procs
         self._coordinator = LocalExecutionCoordinator(store, procs, clock_us, log)
         self.admission = Admission(store, max_concurrent, budget, None, self.live_pids, profile, self.live_reserves)
-        self.dispatcher = LocalRunDispatcher(
-            store, Materializer(store, store, cipher, artifacts, self.admission, profile, baseline=baseline, log=log),
-            self._coordinator, self.admission, profile.dispatch_page)
+        self._materializer = Materializer(store, store, cipher, artifacts, self.admission, profile,
+                                          baseline=baseline, log=log)
+        self.dispatcher = LocalRunDispatcher(store, self._materializer, self._coordinator, self.admission,
+                                             profile.dispatch_page)
+
+    def waits(self) -> dict[str, int]:
+        """Reason → Runs journaled as ``run.waiting`` (held back by admission) since start."""
+        return self._materializer.waits
+
+    def artifact_bytes(self) -> int:
+        """Bytes of every log Artifact under the artifact root."""
+        return self._artifacts.used_bytes()
 
     # -- lifecycle hooks for the loop -----------------------------------------------------------
     def recover(self) -> dict[str, int]:

@@ -50,12 +50,15 @@ def attempt(a: Attempt) -> dict:
             "bytesKept": a.bytes_kept, "bytesDropped": a.bytes_dropped, "truncated": a.truncated,
             "peakRssBytes": a.peak_rss_bytes, "cpuTimeUs": a.cpu_time_us,
             "failureReason": a.failure_reason, "startError": a.start_error, "orphansStopped": a.orphans_stopped,
+            "workerId": a.worker_id, "workerName": a.worker_name,
             "startedAt": instant(a.started_at_us),
             "endedAt": instant(a.ended_at_us)}
 
 
 def run(r: Run, latest: Attempt | None = None, *, with_attempt: bool = False) -> dict:
-    """A Run; ``with_attempt`` adds ``latestAttempt`` (an Attempt or null)."""
+    """A Run; given its ``latest`` Attempt, also ``workerId``/``workerName``: the Worker that
+    ran it (cluster; null on a local agent or before a Worker leased it); ``with_attempt`` adds
+    ``latestAttempt`` (an Attempt or null)."""
     d = {"runId": r.run_id, "projectId": r.project_id, "taskId": r.task_id, "taskName": r.task_name,
          "state": r.state, "taskRevision": r.task_revision, "taskSnapshotRef": r.task_snapshot_ref,
          "executionOrigin": r.execution_origin, "executionOwner": r.execution_owner,
@@ -65,6 +68,8 @@ def run(r: Run, latest: Attempt | None = None, *, with_attempt: bool = False) ->
          "exitCode": r.exit_code, "signal": r.exit_signal, "scheduledFor": instant(r.scheduled_for_us),
          "createdAt": instant(r.created_at_us), "updatedAt": instant(r.updated_at_us),
          "endedAt": instant(r.ended_at_us)}
+    if latest is not None:
+        d["workerId"], d["workerName"] = latest.worker_id, latest.worker_name
     if with_attempt:
         d["latestAttempt"] = None if latest is None else attempt(latest)
     return d

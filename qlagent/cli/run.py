@@ -13,7 +13,7 @@ from .common import Ctx, MAX_WAIT_S, ascii_int, ascii_seconds, command, fmt_us, 
 def _run_json(run, attempts=None, events=None) -> dict:
     """The shared Run shape (application.presenter); ``run show`` adds every Attempt and RunEvent."""
     from ..application import presenter
-    d = presenter.run(run)
+    d = presenter.run(run, attempts[-1] if attempts else None)
     if attempts is not None:
         d["attempts"] = [presenter.attempt(a) for a in attempts]
     if events is not None:

@@ -180,6 +180,13 @@ class RunStore(Protocol):
     def queued_count(self) -> int:
         """Runs waiting in ``queued`` (STATUS)."""
 
+    def run_state_counts(self) -> dict[str, int]:
+        """``RunState`` value → Runs in that state, every Project (``GET /metrics``); a state
+        without a Run is left out."""
+
+    def oldest_queued_us(self) -> int | None:
+        """``created_at_us`` (µs) of the oldest queued Run, None when none is queued."""
+
 
 class ScheduleStore(Protocol):
     """Schedule cursors and the Runs they fire, exactly once per instant."""
@@ -326,6 +333,9 @@ CipherFactory = Callable[[], SecretCipher]
 
 class ArtifactPort(Protocol):
     """Log Artifacts on the filesystem (``adapters.artifacts``)."""
+
+    def used_bytes(self) -> int:
+        """Bytes of every log Artifact under the root (``GET /metrics``)."""
 
     def admit(self, quota_bytes: int) -> str | None:
         """None if one full log fits above the reserve and within the total quota, else a reason."""

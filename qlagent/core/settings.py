@@ -20,6 +20,7 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_in_flight: int | None = None       # default: the Profile's
     max_body_bytes: int | None = None      # default: the Profile's
     read_timeout_s: float = 5.0
+    metrics: bool = False                  # GET /metrics (Prometheus text, no token): opt-in
 
 
 class RetentionConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -90,6 +90,7 @@ class Materializer:
         self._baseline = dict(baseline or {})
         self._log = log
         self._waiting: dict[str, str] = {}     # run ID → the memory wait already journaled
+        self.waits: dict[str, int] = {}        # reason → ``run.waiting`` lines journaled (GET /metrics)
 
     def discard(self, artifact_path: str) -> None:
         """Remove a log file allocated by a pass that then lost the claim race."""
@@ -108,6 +109,7 @@ class Materializer:
             if len(self._waiting) >= WAITING_REMEMBERED:
                 self._waiting.pop(next(iter(self._waiting)))
             self._waiting[c.run_id] = blocked
+            self.waits[blocked] = self.waits.get(blocked, 0) + 1
             self._log("notice", "run.waiting", run=c.run_id, reason=blocked,
                       reserve_bytes=run_memory_reserve(self._profile, plan.execution.memory_max))
         if blocked:

@@ -13,16 +13,18 @@ class LogDuty:
     """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
     ``inbox``, ``runs``, ``client``, ``session``): log upload."""
 
+    def log_store_used(self) -> int:
+        """Bytes of the logs not yet uploaded, a live run counted at its quota."""
+        return sum(j.spec.log_quota_bytes if j.handle is not None else self.runs.log_size(j.attempt_id)
+                   for j in self.jobs.values() if not j.log_done)
+
     def _bound_log_store(self, need: int) -> None:
         """Issue 11 §5: a partition must not fill the flash. Before a spawn, the Artifacts not yet
         uploaded (a live run counted at its quota) plus ``need`` bytes must fit ``log_store_bytes``;
         otherwise the oldest completed runs' bytes the control plane does not hold yet are cut,
         each cut recorded (``worker.log_truncated``: attempt, bytes dropped, bytes the control
         plane keeps)."""
-        def used() -> int:
-            return sum(j.spec.log_quota_bytes if j.handle is not None else self.runs.log_size(j.attempt_id)
-                       for j in self.jobs.values() if not j.log_done)
-        over = used() + need - self.log_store_bytes
+        over = self.log_store_used() + need - self.log_store_bytes
         for j in list(self.jobs.values()):
             if over <= 0:
                 return

@@ -135,7 +135,8 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
         self.stop_deadline_us: int | None = None
         self._signals: list[tuple[int, int]] = []     # (signal, arrival monotonic µs)
         self.wakeup = None          # service.signals.SignalWakeup: drained when its key is ready
-        self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0}
+        self.counts = {"spawned": 0, "reattached": 0, "completed": 0, "fenced": 0, "pulls": 0, "sessions": 0}
+        self.heartbeat_rtt_us: int | None = None        # the last answered heartbeat's round trip
         self.surface = None                             # the local HTTP status surface, if any
         # SIGHUP: the service reads the configuration again and journals what it found
         # (``service.worker_mode``); None: nothing to read.
@@ -152,8 +153,10 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
         (the control-plane URLs it tries, in order), ``session`` ({sessionId, generation} or None while
         connecting), ``draining``, ``slots``, ``freeSlots``, ``liveRuns`` (spawned, not ended),
         ``inbox`` ({rows, bytes, maxRows, maxBytes, open}: rows and spec bytes kept, their caps,
-        rows not yet acknowledged), ``counts`` (since start: spawned, reattached, completed,
-        fenced, pulls), ``blocked`` (None, or {code, error}: why it cannot work — the last failed
+        rows not yet acknowledged), ``logStore`` ({bytes, maxBytes}: logs not yet uploaded, a
+        live run at its quota), ``heartbeatRttS`` (the last answered heartbeat's round trip, s;
+        None before one), ``counts`` (since start: spawned, reattached, completed, fenced — runs
+        this Worker self-fenced —, pulls, sessions — Sessions opened), ``blocked`` (None, or {code, error}: why it cannot work — the last failed
         hello while it has no Session, a credential the control plane refuses). Never a
         credential, lease token, command or environment."""
         live = sum(1 for j in self.jobs.values() if j.entry.state in InboxState.LIVE)
@@ -165,6 +168,8 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
                 "liveRuns": sum(1 for j in self.jobs.values() if j.handle is not None),
                 "inbox": {"rows": rows, "bytes": used, "maxRows": self.inbox.max_rows,
                           "maxBytes": self.inbox.max_bytes, "open": len(self.jobs)},
+                "logStore": {"bytes": self.log_store_used(), "maxBytes": self.log_store_bytes},
+                "heartbeatRttS": None if self.heartbeat_rtt_us is None else self.heartbeat_rtt_us / 1e6,
                 "counts": dict(self.counts),
                 "blocked": None if self.blocked is None else {"code": self.blocked[0], "error": self.blocked[1]}}
 

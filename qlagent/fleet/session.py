@@ -88,6 +88,7 @@ class SessionDuty:
             if not self.connected_once and server_now_us is not None:
                 self._check_cadence(grant.expires_at_us - server_now_us)
             self.session = (grant.session_id, grant.generation)
+            self.counts["sessions"] += 1
             self.session_opened_us = self.now()
             self.connected_once = True
             self._unblocked()
@@ -235,6 +236,7 @@ class SessionDuty:
             return
         except msgspec.DecodeError:
             return
+        self.heartbeat_rtt_us = self.now() - sent
         self.next_beat_us = self.now() + self._beat_delay_us()
         self.failures["heartbeat"] = 0
         self._unblocked()

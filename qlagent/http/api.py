@@ -21,6 +21,7 @@ from qlagent.application import presenter
 from qlagent.application.cancel import request_cancel
 from qlagent.application.runs import MAX_LOG_READ, RunService
 from qlagent.core import taskstart as ts
+from qlagent.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from qlagent.core.errors import FenceRejected, NotFoundError, QlError, UnavailableError, ValidationError
 from qlagent.core.models import Run
 from qlagent.core.states import RUN_TERMINAL, RunState
@@ -62,12 +63,15 @@ class Api:
     """The route functions. ``store``: the agent's store (``core.ports.Store``); ``on_change()``: wake the service
     loop after a new Run or a cancellation intent so it dispatches / stops the tree at once;
     ``ready()``: extra readiness (False while draining); ``store_problem()``: why the store
-    takes no writes or no Run may start for lack of room (the state file system full), else None."""
+    takes no writes or no Run may start for lack of room (the state file system full), else None;
+    ``metrics()``: the Prometheus text of ``GET /metrics`` (None: metrics are off)."""
 
     def __init__(self, store: Store, on_change: Callable[[], None],
                  ready: Callable[[], bool] = lambda: True, log_chunks=None, clock=None,
-                 store_problem: Callable[[], str | None] = lambda: None) -> None:
+                 store_problem: Callable[[], str | None] = lambda: None,
+                 metrics: Callable[[], bytes] | None = None) -> None:
         self.store = store
+        self.metrics_text = metrics
         self.store_problem = store_problem
         self.runs = RunService(store)
         self.on_change = on_change
@@ -263,6 +267,13 @@ class Api:
             body["clock"] = self.clock.report()
         return Response.json(200 if ok else 503, body, None if ok else [("Retry-After", "1")])
 
+    def metrics(self, req: Request, p: dict[str, str]) -> Response:
+        """GET /metrics: Prometheus text exposition 0.0.4, without a token (issue 26 §3); 404
+        ``not_found`` unless ``[http] metrics = true``."""
+        if self.metrics_text is None:
+            raise HttpError(404, "not_found", "metrics are off ([http] metrics = true turns them on)")
+        return Response(200, [("Content-Type", METRICS_CONTENT_TYPE)], self.metrics_text())
+
     def openapi(self, req: Request, p: dict[str, str]) -> Response:
         """GET /api/v3/openapi.json: the shipped OpenAPI 3.1 document."""
         return Response(200, [("Content-Type", "application/json")], openapi_document())
@@ -283,4 +294,5 @@ def build_router(api: Api) -> Router:
     r.add("GET", "/healthz", api.healthz)
     r.add("GET", "/readyz", api.readyz)
     r.add("GET", "/api/v3/openapi.json", api.openapi)
+    r.add("GET", "/metrics", api.metrics)
     return r

@@ -40,6 +40,23 @@ AUDIT_LINES = 20              # refusal audit lines per AUDIT_WINDOW_S; beyond, 
 AUDIT_WINDOW_S = 60.0
 
 
+class AnswerTally:
+    """``AnswerTally(then)``: an HttpServer ``on_answer`` hook counting the answers to Task Start
+    (``POST …/tasks/{taskId}/runs``) by HTTP status in ``task_starts`` (status text → answers),
+    then calling ``then`` (another hook, or None)."""
+
+    def __init__(self, then: Callable[[Request, Response], None] | None) -> None:
+        self._then = then
+        self.task_starts: dict[str, int] = {}
+
+    def __call__(self, req: Request, resp: Response) -> None:
+        if req.method == "POST" and req.path.endswith("/runs") and "/tasks/" in req.path:
+            code = str(resp.status)
+            self.task_starts[code] = self.task_starts.get(code, 0) + 1
+        if self._then is not None:
+            self._then(req, resp)
+
+
 class RefusalAudit:
     """``RefusalAudit(journal)``: an HttpServer ``on_answer`` hook writing one ``http.refused``
     warning per 401/403 answer — peer address, method, route (path, ≤ 200 characters), status,
@@ -114,25 +131,31 @@ class HttpSurface(LoopSurface):
     Drive it with ``listen_tcp``/``listen_unix``, ``register(selector)``, ``owns(key)`` +
     ``handle_event(key, mask)``, ``next_timeout_us(now_us)`` and ``tick(now_us)`` each turn,
     ``begin_drain()`` on SIGTERM and ``close()`` at exit. ``journal`` (``service.journal.
-    Journal``): every 401/403 answer is audited there (:class:`RefusalAudit`). Raises ValidationError for an
+    Journal``): every 401/403 answer is audited there (:class:`RefusalAudit`). ``metrics()``
+    (``[http] metrics = true``): the ``GET /metrics`` body; None answers that path 404. On a
+    replica ``tally`` (:class:`AnswerTally`) counts the Task Start answers by status. Raises ValidationError for an
     ``[http]`` override out of bounds (see :func:`limits_for`).
     """
 
     def __init__(self, settings: Settings, store: Store, on_change: Callable[[], None], cluster=None,
                  threads: int = 4, store_problem: Callable[[], str | None] = lambda: None,
-                 journal: Callable[..., None] | None = None) -> None:
+                 journal: Callable[..., None] | None = None,
+                 metrics: Callable[[], bytes] | None = None) -> None:
         self.draining = False
         self.api = Api(store, on_change, ready=lambda: not self.draining,
                        log_chunks=cluster.log_reader if cluster is not None else None,
-                       clock=cluster.clock if cluster is not None else None, store_problem=store_problem)
+                       clock=cluster.clock if cluster is not None else None, store_problem=store_problem,
+                       metrics=metrics)
         self.router = build_router(self.api)
         limits = limits_for(settings)
         self.worker_routes = None
+        self.tally = None
         audit = RefusalAudit(journal) if journal is not None else None
         if cluster is None:
             self.server = HttpServer(limits, self.router, probe_paths=PROBE_PATHS, on_answer=audit)
         else:   # a control plane: the cluster is loaded only here (never on a local agent)
             from qlagent.cluster.logs import MAX_CHUNK_BYTES
+            self.tally = audit = AnswerTally(audit)
             self.worker_routes, handler, error_response = mount_worker_routes(
                 self.router, cluster, threads, limits.max_body_bytes)
             # Every Worker route request is in flight while its database work (or long-poll)

@@ -275,6 +275,11 @@ class WorkerRoutes:
             release()
             raise
 
+    def polls_waiting(self) -> int:
+        """Pulls long-polling on this replica now."""
+        with self._polls_lock:
+            return sum(self._polls_by_worker.values())
+
     def _take_poll_slot(self, worker_id: str) -> Callable[[], None]:
         """One long-poll slot for ``worker_id``; returns its release. Raises WorkerError 503
         ``long_polls_full`` when the Worker already holds ``MAX_LONG_POLLS_PER_WORKER`` or every

@@ -42,6 +42,7 @@ from ..core.clock import now_us
 from ..core.dbclock import SKEW_BOUND_US
 from ..core.errors import QlError, UnavailableError
 from ..core.settings import Settings
+from ..core.states import RunState
 from .config import parse_listen
 from .journal import Journal
 from .notify import Notifier
@@ -78,6 +79,9 @@ class ControlPlane:
         self._now = now_us                 # the loop's clock: the database's once measured (_check_clock)
         self._skew_logged_at = None        # monotonic s of the last clock.skewed line, None: clock agrees
         self._name = f"{socket.gethostname()}/{os.getpid()}"
+        # Since start, for GET /metrics: sweeper passes, what they expired, failed duties by code.
+        self._sweeps = self._leases_expired = self._sessions_expired = 0
+        self._store_errors: dict[str, int] = {}
 
     def run(self) -> int:
         try:
@@ -125,6 +129,10 @@ class ControlPlane:
             if now >= next_sweep and not self._backing_off():
                 for _ in range(MAX_SWEEPS_PER_WAKE):
                     result = self._guarded(self.services.sweeper.sweep_once)
+                    if result is not None:
+                        self._sweeps += 1
+                        self._leases_expired += result.leases_expired
+                        self._sessions_expired += result.sessions_expired
                     if result is not None and result.holds_released:
                         self.log("info", "runs.holds_released", count=result.holds_released)
                     if result is None or not result.truncated:
@@ -193,6 +201,7 @@ class ControlPlane:
                 result = fn()
         except UnavailableError as e:
             now = self._now()
+            self._store_errors[e.code] = self._store_errors.get(e.code, 0) + 1
             if self._outage_since is None:
                 self._outage_since = now
                 self.log("warning", "store.unavailable", code=e.code, error=str(e))
@@ -204,6 +213,41 @@ class ControlPlane:
             self._outage_since = None
         self._backoff_us = self._resume_at = 0
         return result
+
+    def _metrics(self) -> bytes:
+        """``GET /metrics`` of this replica (issue 26 §3), on a database thread: Runs by state
+        and the queue (every Project, from the database), the oldest queued Run's age (s, by
+        the database's clock), Task Start answers by HTTP status, Pulls long-polling, sweeper
+        passes and the Run Leases and Sessions they expired, the pool, failed loop duties by
+        error code — the counters since this replica started."""
+        from ..core.metrics import COUNTER, GAUGE, Family, render
+        counts = self.store.run_state_counts()
+        oldest = self.store.oldest_queued_us()
+        runs = Family("qlagent_runs", GAUGE, "Runs by state, every Project")
+        for state in RunState.ALL_CLUSTER:
+            runs.add(counts.get(state, 0), state=state)
+        starts = Family("qlagent_task_starts_total", COUNTER, "Task Start answers of this replica by HTTP status")
+        for code, n in sorted(self.http.tally.task_starts.items()):
+            starts.add(n, code=code)
+        errors = Family("qlagent_store_errors_total", COUNTER, "Loop duties failed on the database by error code")
+        for code, n in sorted(self._store_errors.items()):
+            errors.add(n, code=code)
+        size, in_use, waiting = self.store.pool_use()
+        age = 0.0 if oldest is None else max(0, self.services.now_us() - oldest) / 1e6
+        return render([
+            runs, starts,
+            Family("qlagent_queue_depth", GAUGE, "Runs queued").add(counts.get(RunState.QUEUED, 0)),
+            Family("qlagent_queue_oldest_age_seconds", GAUGE, "Age of the oldest queued Run (0: none)").add(age),
+            Family("qlagent_pulls_waiting", GAUGE, "Pulls long-polling on this replica")
+            .add(self.http.worker_routes.polls_waiting()),
+            Family("qlagent_sweeper_passes_total", COUNTER, "Lease sweeper passes").add(self._sweeps),
+            Family("qlagent_lease_expiries_total", COUNTER, "Run Leases expired by the sweeper").add(self._leases_expired),
+            Family("qlagent_session_expiries_total", COUNTER, "Worker Sessions expired by the sweeper")
+            .add(self._sessions_expired),
+            Family("qlagent_pool_connections", GAUGE, "Database connections open").add(size),
+            Family("qlagent_pool_in_use", GAUGE, "Database connections in use").add(in_use),
+            Family("qlagent_pool_waiting", GAUGE, "Requests waiting for a database connection").add(waiting),
+            errors])
 
     def _install_signals(self) -> None:
         self._wakeup = SignalWakeup(self.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
@@ -217,7 +261,8 @@ class ControlPlane:
             return
         from ..http.service import HttpSurface
         self.http = HttpSurface(self.settings, self.store, on_change=lambda: None, cluster=self.services,
-                                threads=threads, journal=self.log)
+                                threads=threads, journal=self.log,
+                                metrics=self._metrics if cfg is not None and cfg.metrics else None)
         host, port = parse_listen(listen, "--listen" if self._listen else "http.listen")
         try:
             bound = self.http.listen_tcp(host, port, tls=tls)

@@ -20,7 +20,7 @@ from .. import bootstrap
 from ..application.schedules import system_timezone
 from ..core.clock import now_us
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
-from ..core.states import RUN_LIVE, AttemptState
+from ..core.states import RUN_LIVE, AttemptState, RunState
 from . import control
 from .config import Settings, parse_listen, resolve, state_space_problem
 from .journal import Journal
@@ -78,6 +78,7 @@ class Service:
         self._signals: list[int] = []
         self._last_extend_us = 0
         self._refusal: str | None = None
+        self._refused: dict[str, int] = {}      # reason → dispatch.refused lines (GET /metrics)
         # Why the store takes no writes (its file system full, read-only, failing), while it lasts.
         self.store_down: str | None = None
         self.store_retry_us: int | None = None
@@ -160,7 +161,8 @@ class Service:
             return
         from ..http.service import HttpSurface     # the optional surface: imported only when on
         self.http = HttpSurface(self.settings, self.store, on_change=self._poke_self,
-                                store_problem=self._store_problem, journal=self.log)
+                                store_problem=self._store_problem, journal=self.log,
+                                metrics=self._metrics if cfg is not None and cfg.metrics else None)
         bound = None
         try:
             if listen:
@@ -454,6 +456,7 @@ class Service:
             self.log("notice", "dispatch.admitting", after=self._refusal)
         else:
             self.log("warning", "dispatch.refused", reason=reason)
+            self._refused[reason] = self._refused.get(reason, 0) + 1
         self._refusal = reason
 
     def _sync_pidfds(self) -> None:
@@ -505,6 +508,37 @@ class Service:
             # Everything got SIGKILL; a shim that still has not exited is not worth waiting for.
             self.log("err", "service.drain_abandoned", live=self.engine.live_count())
             self.engine.abandon_all()
+
+    def _metrics(self) -> bytes:
+        """``GET /metrics`` of the local agent (issue 26 §3): Runs by state, admission refusals
+        by reason (``dispatch.refused`` and ``run.waiting`` lines journaled), the service tree's
+        memory (bytes) and tasks against the Profile's budget, log Artifact bytes."""
+        from ..core.metrics import COUNTER, GAUGE, Family, render
+        counts = self.store.run_state_counts()
+        runs = Family("qlagent_runs", GAUGE, "Runs by state, every Project")
+        for state in RunState.ALL:
+            runs.add(counts.get(state, 0), state=state)
+        refused = Family("qlagent_admission_refusals_total", COUNTER,
+                         "Admission refusals journaled (dispatch.refused, run.waiting) by reason")
+        waits = self.engine.waits()
+        for reason in sorted(self._refused.keys() | waits.keys()):
+            refused.add(self._refused.get(reason, 0) + waits.get(reason, 0), reason=reason)
+        fams = [runs, refused,
+                Family("qlagent_runs_live", GAUGE, "Attempts with a process tree now").add(self.engine.live_count()),
+                Family("qlagent_artifact_bytes", GAUGE, "Bytes of the log Artifacts kept")
+                .add(self.engine.artifact_bytes())]
+        if self.budget is not None:
+            u = self.budget.recent(0.5, self.engine.live_pids())
+            mem, pids = self.budget.limits(u)
+            fams += [Family("qlagent_service_memory_bytes", GAUGE,
+                            "Anonymous memory of the service tree (cgroup, else PSS sum)").add(u.rss_bytes),
+                     Family("qlagent_service_memory_limit_bytes", GAUGE, "Memory budget of the service").add(mem),
+                     Family("qlagent_service_pids", GAUGE, "Tasks in the service tree").add(u.pids),
+                     Family("qlagent_service_pids_limit", GAUGE, "Task budget of the service").add(pids)]
+            if u.oom_kills is not None:
+                fams.append(Family("qlagent_service_oom_kills_total", COUNTER,
+                                   "OOM kills in the service cgroup").add(u.oom_kills))
+        return render(fams)
 
     def _status(self) -> str:
         queued = self.store.queued_count()

@@ -174,8 +174,15 @@ def test_a_real_worker_runs_a_task_started_from_the_cli_and_its_log_is_read_from
     assert cp.ok("run", "logs", run_id) == output.decode()
     assert sql(plane["url"], "SELECT w.name FROM attempts a JOIN workers w ON w.worker_id = a.worker_id "
                              "WHERE a.run_id = %s", (run_id,)) == [("edge-1",)]
+    doc = json.loads(cp.ok("run", "show", run_id, "--json"))      # the Run and its Attempt name the Worker
+    assert (doc["workerId"], doc["workerName"]) == (worker_id, "edge-1")
+    assert [(a["workerId"], a["workerName"]) for a in doc["attempts"]] == [(worker_id, "edge-1")]
     assert cp.ok("run", "ls", "--state", "dispatching").count(run_id) == 0
     token = cp.ok("token", "create", "--subject", "alice", "--role", "operator").strip()
+    status, _, body = https(plane, f"{BASE}/runs/{run_id}", token)
+    run = json.loads(body)
+    assert status == 200 and (run["workerId"], run["workerName"]) == (worker_id, "edge-1")
+    assert (run["latestAttempt"]["workerId"], run["latestAttempt"]["workerName"]) == (worker_id, "edge-1")
     status, headers, body = https(plane, f"{BASE}/runs/{run_id}/log", token)
     assert (status, body, headers["x-qlagent-log-size"]) == (200, output, str(len(output)))
     assert int(headers["x-qlagent-server-now-us"]) > 0

@@ -91,3 +91,7 @@ _KEY = "(-r.priority), r.created_at_us, r.latest_attempt_created_at_us, r.latest
 CANDIDATES = _CANDIDATE + f"ORDER BY {_KEY} LIMIT %(lim)s"
 # ... strictly after the keyset (%(p)s negated priority, %(c)s, %(ac)s, %(aid)s).
 CANDIDATES_AFTER = _CANDIDATE + f"AND ({_KEY}) > (%(p)s, %(c)s, %(ac)s, %(aid)s) ORDER BY {_KEY} LIMIT %(lim)s"
+# The Worker that leased each Attempt, by name (None once removed).
+ATTEMPTS_OF_RUN = ("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated, w.name AS worker_name FROM attempts a "
+                   "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id "
+                   "LEFT JOIN workers w ON w.worker_id = a.worker_id WHERE a.run_id = %s ORDER BY a.attempt_no")

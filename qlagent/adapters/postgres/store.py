@@ -151,6 +151,12 @@ class PgStore(RowStore):
         pooled connection, then raise UnavailableError (``connection.bounded_wait``)."""
         return bounded_wait(seconds)
 
+    def pool_use(self) -> tuple[int, int, int]:
+        """(connections open, in use, requests waiting for one) of the pool, now."""
+        s = self.pool.get_stats()
+        size = s.get("pool_size", 0)
+        return size, size - s.get("pool_available", 0), s.get("requests_waiting", 0)
+
     def capabilities(self) -> dict[str, int]:
         """The declared capabilities (readiness, ``GET /readyz``). UnavailableError: a required one
         missing, or ``store_unavailable`` when no connection comes within ``READY_WAIT_S`` (the

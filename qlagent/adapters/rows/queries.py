@@ -106,13 +106,12 @@ RUNS_PAGE_TASK_STATE = _runs_page(task=True, state=True)
 RUNS_PAGE_TASK_STATE_BEFORE = _runs_page(task=True, state=True, before=True)
 EVENTS_OF_RUN = ("SELECT run_id, sequence, event_id, type, actor, payload_json, created_at_us FROM run_events "
                  "WHERE run_id = ? ORDER BY sequence")
-ATTEMPTS_OF_RUN = ("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated FROM attempts a "
-                   "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id WHERE a.run_id = ? "
-                   "ORDER BY a.attempt_no")
 ATTEMPT_LATEST_LOG = ("SELECT a.artifact_path, f.quota_bytes, f.bytes_kept, f.bytes_dropped FROM attempts a "
                       "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id WHERE a.run_id = ? "
                       "AND a.artifact_path IS NOT NULL ORDER BY a.attempt_no DESC LIMIT 1")
 RUNS_QUEUED_COUNT = "SELECT count(*) AS n FROM runs WHERE state = 'queued'"
+RUNS_OLDEST_QUEUED = "SELECT min(created_at_us) AS t FROM runs WHERE state = 'queued'"
+RUN_STATE_COUNTS = "SELECT state, count(*) AS n FROM runs GROUP BY state"
 RUN_ID_FOR_KEY = "SELECT run_id FROM runs WHERE project_id = ? AND idempotency_key = ?"
 SCHEDULE_CURSORS = "SELECT task_id, last_instant_us, observed_wall_us FROM schedule_cursors"
 SCHEDULE_CURSOR_PUT = ("INSERT INTO schedule_cursors VALUES (?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "

@@ -227,7 +227,8 @@ def list_attempts(db: Db, run_id: str) -> list[Attempt]:
                     peak_rss_bytes=r["peak_rss_bytes"], cpu_time_us=r["cpu_time_us"],
                     failure_reason=r["failure_reason"], created_at_us=r["created_at_us"],
                     started_at_us=r["started_at_us"], ended_at_us=r["ended_at_us"], start_error=r["start_error"],
-                    orphans_stopped=r["orphans_stopped"]) for r in db.all("ATTEMPTS_OF_RUN", (run_id,))]
+                    orphans_stopped=r["orphans_stopped"], worker_id=r["worker_id"], worker_name=r["worker_name"])
+            for r in db.all("ATTEMPTS_OF_RUN", (run_id,))]
 
 
 def latest_artifact(db: Db, run_id: str) -> tuple[str | None, TruncationFact | None]:
@@ -254,6 +255,16 @@ def active_run_ids(db: Db, task_id: str) -> list[str]:
 def queued_count(db: Db) -> int:
     """Runs waiting in ``queued``, every Project."""
     return db.one("RUNS_QUEUED_COUNT")["n"]
+
+
+def oldest_queued_us(db: Db) -> int | None:
+    """``created_at_us`` of the oldest queued Run (µs), None when none is queued."""
+    return db.one("RUNS_OLDEST_QUEUED")["t"]
+
+
+def state_counts(db: Db) -> dict[str, int]:
+    """state → Runs in it, every Project (states without a Run left out)."""
+    return {r["state"]: r["n"] for r in db.all("RUN_STATE_COUNTS")}
 
 
 def run_id_for_key(db: Db, project_id: str, key: str) -> str | None:

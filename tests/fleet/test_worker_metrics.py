@@ -1,0 +1,71 @@
+"""GET /metrics on a fleet Worker's status surface (issue 26 §3): a real Worker process against
+the Worker-protocol stub, scraped over loopback and read by prometheus_client's parser."""
+
+from __future__ import annotations
+
+import http.client
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from qlagent.core.metrics import CONTENT_TYPE
+from kit import free_port, wait_until
+from test_worker_runtime import Worker, _http, _wait_http, completion, cp  # noqa: F401 (cp: fixture)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """sample name → value (every Worker family has one sample)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        c.request("GET", "/metrics")
+        r = c.getresponse()
+        data = r.read()
+        assert r.status == 200 and r.getheader("Content-Type") == CONTENT_TYPE, data
+    finally:
+        c.close()
+    return {s.name: s.value for f in text_string_to_metric_families(data.decode()) for s in f.samples}
+
+
+def test_worker_metrics_are_present_and_move_with_a_run(tmp_path, cp):
+    port = free_port()
+    w = Worker(tmp_path, cp, cp.url,
+               extra=f'\n[http]\nlisten = "127.0.0.1:{port}"\nmetrics = true\n')
+    w.start()
+    try:
+        assert _wait_http(port, "/healthz")[0] == 200
+        assert cp.wait(lambda: _http(port, "/api/v3/worker")[1]["heartbeatRttS"] is not None, 20), w.journal()
+        idle = scrape(port)
+        assert idle["qlagent_worker_slots"] == 2 and idle["qlagent_worker_free_slots"] == 2
+        assert idle["qlagent_worker_session_open"] == 1 and idle["qlagent_worker_sessions_total"] == 1
+        assert idle["qlagent_worker_reconnects_total"] == 0 and idle["qlagent_worker_self_fences_total"] == 0
+        assert 0 < idle["qlagent_worker_heartbeat_rtt_seconds"] < 5
+        assert idle["qlagent_worker_live_runs"] == idle["qlagent_worker_runs_spawned_total"] == 0
+        assert idle["qlagent_worker_inbox_max_rows"] == 64 and idle["qlagent_worker_log_store_max_bytes"] > 0
+        aid = cp.add_run(shell="/bin/sh", script="exec sleep 30")
+        assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
+        busy = scrape(port)
+        assert busy["qlagent_worker_live_runs"] == 1 and busy["qlagent_worker_free_slots"] == 1
+        assert busy["qlagent_worker_runs_spawned_total"] == 1 and busy["qlagent_worker_inbox_rows"] == 1
+        assert busy["qlagent_worker_inbox_bytes"] > 0 and busy["qlagent_worker_log_store_bytes"] > 0
+        assert busy["qlagent_worker_pulls_total"] > idle["qlagent_worker_pulls_total"]
+        cp.cancel(aid)
+        assert cp.wait(lambda: completion(cp, aid) is not None, 20)
+        wait_until(lambda: scrape(port)["qlagent_worker_runs_completed_total"] == 1, 10, "one completed run counted")
+        done = scrape(port)
+        assert done["qlagent_worker_runs_completed_total"] == 1 and done["qlagent_worker_live_runs"] == 0
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def test_worker_metrics_are_off_unless_configured(tmp_path, cp):
+    port = free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    w.start()
+    try:
+        assert _wait_http(port, "/healthz")[0] == 200
+        assert _http(port, "/metrics")[0] == 404
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()

@@ -1,0 +1,117 @@
+"""GET /metrics (issue 26 §3): our Prometheus text writer read back by prometheus_client's parser,
+and a real ``qlagent serve`` whose figures move when a Run runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from qlagent.core.metrics import CONTENT_TYPE, COUNTER, GAUGE, Family, render
+from qlagent.core.states import RunState
+from qlcli import ok
+from test_http_api import BASE, Agent, await_state, head, start_body, token
+
+TASK = """
+[[task]]
+name = "tick"
+schedule = "0 3 * * *"
+timeout_s = 30
+shell = "/bin/sh"
+script = 'echo tick'
+"""
+
+
+def parse(text: str) -> dict[str, list]:
+    """name (as the parser names it: a counter without ``_total``) → its samples."""
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def test_writer_output_parses_with_escaped_label_values_and_help():
+    odd = 'a "quoted" \\ back\nslash'
+    text = render([
+        Family("x_runs", GAUGE, "Runs by state\nsecond line \\ kept").add(3, state=odd).add(0, state="b"),
+        Family("x_refusals_total", COUNTER, "Refusals").add(7, reason="pids"),
+        Family("x_rss_bytes", GAUGE, "Bytes").add(1.5e9),
+    ]).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["x_runs"].documentation == "Runs by state\nsecond line \\ kept"
+    assert [(s.labels["state"], s.value) for s in fams["x_runs"].samples] == [(odd, 3), ("b", 0)]
+    assert fams["x_refusals"].type == "counter"
+    assert [(s.name, s.value) for s in fams["x_refusals"].samples] == [("x_refusals_total", 7)]
+    assert fams["x_rss_bytes"].samples[0].value == 1.5e9
+    with pytest.raises(ValueError):
+        Family("x_refusals", COUNTER, "a counter must end in _total")
+    with pytest.raises(ValueError):
+        Family("x_total", GAUGE, "a gauge must not")
+    with pytest.raises(ValueError):
+        Family("x", GAUGE, "h").add(1, **{"bad-name": "v"})
+
+
+@pytest.fixture(scope="module")
+def agent_env():
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    root = tempfile.mkdtemp(prefix="qlagent-metrics-", dir=base)
+    state = os.path.join(root, "state")
+    ok(state, "init")
+    tf = os.path.join(root, "tasks.toml")
+    with open(tf, "w") as f:
+        f.write(TASK)
+    ok(state, "task", "add", "-f", tf)
+    tok = token(state, "alice", "operator")
+    cfg = os.path.join(root, "qlagent.toml")
+    with open(cfg, "w") as f:
+        f.write("[http]\nmetrics = true\n")
+    agent = Agent(state, config=cfg)
+    yield agent, state, tok, root
+    agent.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def scrape(agent: Agent) -> dict[str, list]:
+    status, headers, data = agent.request("GET", "/metrics")
+    assert status == 200, data
+    assert headers["content-type"] == CONTENT_TYPE
+    return parse(data.decode())
+
+
+def by_label(samples, label: str) -> dict[str, float]:
+    return {s.labels[label]: s.value for s in samples}
+
+
+def test_local_agent_metrics_are_present_and_move_with_a_run(agent_env):
+    agent, state, tok, _ = agent_env
+    before = scrape(agent)
+    for name in ("qlagent_runs", "qlagent_runs_live", "qlagent_artifact_bytes", "qlagent_service_memory_bytes",
+                 "qlagent_service_memory_limit_bytes", "qlagent_service_pids", "qlagent_service_pids_limit"):
+        assert name in before, name
+    assert "qlagent_admission_refusals" in before
+    runs = by_label(before["qlagent_runs"], "state")
+    assert set(runs) == set(RunState.ALL)
+    assert before["qlagent_service_memory_bytes"][0].value > 1_000_000
+    assert before["qlagent_service_pids"][0].value >= 1
+
+    h = head(agent, tok, "tick")
+    status, doc = agent.json("POST", f"{BASE}/tasks/tick/runs", tok,
+                             start_body(h["revision"], h["contentDigest"], str(uuid.uuid4())))
+    assert status == 202, doc
+    await_state(agent, tok, doc["runId"], {RunState.SUCCEEDED})
+    after = scrape(agent)
+    moved = by_label(after["qlagent_runs"], "state")
+    assert moved[RunState.SUCCEEDED] == runs[RunState.SUCCEEDED] + 1
+    assert after["qlagent_artifact_bytes"][0].value > before["qlagent_artifact_bytes"][0].value
+
+
+def test_metrics_are_off_unless_configured(tmp_path):
+    state = str(tmp_path / "state")
+    ok(state, "init")
+    agent = Agent(state)
+    try:
+        status, doc = agent.json("GET", "/metrics")
+        assert status == 404 and doc["code"] == "not_found", doc
+    finally:
+        agent.stop()
