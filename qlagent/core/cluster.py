@@ -16,7 +16,7 @@ import msgspec
 
 from .errors import EXIT_USAGE, ConflictError, QlError
 from .models import RetryPolicy
-from .states import backoff_ms, retryable
+from .states import AttemptState, RunState, backoff_ms, retryable
 
 T = TypeVar("T")                 # what a PullUnit's work returns
 
@@ -139,10 +139,10 @@ def decide_after_attempt(end: AttemptEnd) -> RunDecision:
     (``start_failed`` → ``failed``).
     """
     if end.cancel_requested:
-        return RunDecision(False, "cancelled")
+        return RunDecision(False, RunState.CANCELLED)
     if end.retry and retryable(end.attempt_state) and end.attempt_no < end.retry.max_attempts:
-        return RunDecision(True, "queued", backoff_ms(end.retry.backoff_ms, end.attempt_no))
-    return RunDecision(False, "failed" if end.attempt_state == "start_failed" else end.attempt_state)
+        return RunDecision(True, RunState.QUEUED, backoff_ms(end.retry.backoff_ms, end.attempt_no))
+    return RunDecision(False, RunState.FAILED if end.attempt_state == AttemptState.START_FAILED else end.attempt_state)
 
 
 class PlanSource(Protocol):

@@ -93,10 +93,10 @@ def claim_starting(db: Db, c: Candidate, artifact_path: str, now_us: int) -> boo
     False means another pass won the race: the caller must not spawn. AttemptNotClaimed when
     the Run moved but its Attempt was not claimed (the caller's transaction rolls both back).
     """
-    seq = _move(db, c.run_id, "queued", "starting", now_us, c.version)
+    seq = _move(db, c.run_id, states.RunState.QUEUED, states.RunState.STARTING, now_us, c.version)
     if seq is None:
         return False
-    states.check_attempt("claimed", "starting")
+    states.check_attempt(states.AttemptState.CLAIMED, states.AttemptState.STARTING)
     if db.run("ATTEMPT_START", (artifact_path, c.attempt_id)).rowcount == 0:
         raise AttemptNotClaimed(c.attempt_id)
     append_event(db, c.run_id, seq, "run.starting", "dispatcher", {"attemptId": c.attempt_id}, now_us)
@@ -107,9 +107,9 @@ def claim_starting(db: Db, c: Candidate, artifact_path: str, now_us: int) -> boo
 def mark_running(db: Db, run_id: str, attempt_id: str, shim_pid: int, shim_start: float, deadline_us: int,
                  now_us: int) -> None:
     """starting → running once the shim process exists (``deadline_us``: its timeout, µs)."""
-    states.check_attempt("starting", "running")
+    states.check_attempt(states.AttemptState.STARTING, states.AttemptState.RUNNING)
     db.run("ATTEMPT_RUNNING", (shim_pid, shim_start, deadline_us, now_us, attempt_id))
-    seq = _move(db, run_id, "starting", "running", now_us)
+    seq = _move(db, run_id, states.RunState.STARTING, states.RunState.RUNNING, now_us)
     if seq is not None:
         append_event(db, run_id, seq, "run.running", "coordinator",
                      {"attemptId": attempt_id, "deadlineUs": deadline_us}, now_us)
@@ -140,7 +140,7 @@ def finish_attempt(db: Db, run_id: str, attempt_id: str, f: Finish, retry: Retry
         figures["orphansStopped"] = f.orphans_stopped
     if f.failure_reason:
         figures["reason"] = f.failure_reason
-    if f.attempt_state == "start_failed":
+    if f.attempt_state == states.AttemptState.START_FAILED:
         seq = _sequence(db, db.run("RUN_NEXT_EVENT", (run_id,)), run_id)
         append_event(db, run_id, seq, "run.start_failed", "coordinator",
                      {"attemptId": attempt_id, "reason": f.failure_reason, "error": f.start_error}, now_us)
@@ -150,16 +150,16 @@ def finish_attempt(db: Db, run_id: str, attempt_id: str, f: Finish, retry: Retry
         nxt = new_id()
         db.run("ATTEMPT_RETRY_INSERT", (nxt, run_id, attempt_no + 1, executor_type,
                                         now_us + states.backoff_ms(retry.backoff_ms, attempt_no) * 1000, now_us))
-        if run["state"] == "queued":      # never left the queue (unlaunchable): only the Attempt changes
+        if run["state"] == states.RunState.QUEUED:      # never left the queue (unlaunchable): only the Attempt changes
             seq = _sequence(db, db.run("RUN_NEXT_ATTEMPT", (nxt, now_us, now_us, run_id)), run_id)
         else:
-            states.check_run(run["state"], "queued")
-            seq = _sequence(db, db.run("RUN_MOVE_REQUEUE", ("queued", now_us, nxt, now_us, run_id, run["state"])),
+            states.check_run(run["state"], states.RunState.QUEUED)
+            seq = _sequence(db, db.run("RUN_MOVE_REQUEUE", (states.RunState.QUEUED, now_us, nxt, now_us, run_id, run["state"])),
                             run_id)
         append_event(db, run_id, seq, "run.retry_queued", "coordinator", {**figures, "nextAttemptId": nxt}, now_us)
         set_holds(db, run["task_id"])
-        return "queued"
-    run_state = "failed" if f.attempt_state == "start_failed" else f.attempt_state
+        return states.RunState.QUEUED
+    run_state = states.RunState.FAILED if f.attempt_state == states.AttemptState.START_FAILED else f.attempt_state
     states.check_run(run["state"], run_state)
     seq = _sequence(db, db.run("RUN_MOVE_END", (run_state, now_us, f.exit_code, f.exit_signal, ended, run_id,
                                                 run["state"])), run_id)
@@ -200,7 +200,7 @@ def request_cancel(db: Db, run_id: str, actor: str, now_us: int) -> str:
     r = db.one("RUN_STATE_FOR_UPDATE", (run_id,))
     if r["state"] == states.RunState.QUEUED:
         cancel_queued(db, run_id, r["event_sequence"], r["version"], actor, "cancel_requested", now_us)
-        return "cancelled"
+        return states.RunState.CANCELLED
     if r["state"] not in states.RUN_TERMINAL and r["cancel_requested_at_us"] is None:
         db.run("RUN_CANCEL_REQUEST", (now_us, now_us, run_id))
         append_event(db, run_id, r["event_sequence"] + 1, "run.cancel_requested", actor, {}, now_us)

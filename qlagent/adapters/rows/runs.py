@@ -15,6 +15,7 @@ from ...core.errors import FenceRejected, NotFoundError, UnavailableError, Valid
 from ...core.ids import new_id
 from ...core.models import START_ROLES, Attempt, CreatedRun, Run, RunEvent, ScheduleCursor, TaskHead
 from ...core.receipt import TruncationFact
+from ...core.states import RunState
 from . import definitions as defs
 from . import policy
 from .dialect import Db
@@ -73,7 +74,7 @@ def create_run(db: Db, *, head: TaskHead, origin: str, trigger_type: str, idempo
                       {"attemptId": attempt_id, "executorType": executor_type}, now_us)
     set_holds(db, head.task_id)
     return CreatedRun(run_id=run_id, attempt_id=attempt_id, event_ids=(e1, e2), task_revision=head.revision,
-                      task_snapshot_ref=ref, state="queued", created_at_us=now_us)
+                      task_snapshot_ref=ref, state=RunState.QUEUED, created_at_us=now_us)
 
 
 def persisted_identity(db: Db, run_row) -> CreatedRun:
@@ -141,7 +142,7 @@ def cancel_queued(db: Db, run_id: str, seq: int, version: int, actor: str, reaso
     n = db.run("RUN_CANCEL_QUEUED", (seq + 1, now_us, now_us, now_us, run_id, version)).rowcount
     if n:
         db.run("ATTEMPT_CANCEL_CLAIMED", (now_us, run_id))
-        append_event(db, run_id, seq + 1, "run.cancelled", actor, {"reason": reason, "from": "queued"}, now_us)
+        append_event(db, run_id, seq + 1, "run.cancelled", actor, {"reason": reason, "from": RunState.QUEUED}, now_us)
     return bool(n)
 
 
