@@ -172,17 +172,17 @@ def shim_ab(base_ref: str, samples: int = 7) -> None:
     import json
     root = tempfile.mkdtemp(prefix="bench-shim-")
 
-    def compiled(source: str, name: str) -> str:
-        src, dest = os.path.join(root, name + ".py"), os.path.join(root, name + ".pyc")
-        with open(src, "w") as f:
-            f.write(source)
-        subprocess.run([sys.executable, "-I", "-S", src, "--compile", dest], check=True)
+    def compiled(shim_dir: str, name: str) -> str:
+        dest = os.path.join(root, name + ".pyc")
+        subprocess.run([sys.executable, "-I", "-S", os.path.join(shim_dir, "main.py"), "--compile", dest], check=True)
         return dest
 
-    with open(os.path.join(REPO, "qlagent", "adapters", "shim", "main.py")) as f:
-        this = compiled(f.read(), "this")
-    base = compiled(subprocess.run(["git", "show", f"{base_ref}:qlagent/adapters/shim/main.py"], cwd=REPO,
-                                   capture_output=True, text=True, check=True).stdout, "base")
+    this = compiled(os.path.join(REPO, "qlagent", "adapters", "shim"), "this")
+    # The base's whole shim directory: main.py compiles its sibling modules with it.
+    archive = subprocess.run(["git", "archive", base_ref, "qlagent/adapters/shim"], cwd=REPO,
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+    base = compiled(os.path.join(root, "qlagent", "adapters", "shim"), "base")
 
     def one(program: str, lease: bool) -> tuple[int, int]:
         d = tempfile.mkdtemp(dir=root)

@@ -1,4 +1,4 @@
-"""The fork server (adapters/processes.ForkServer, shim/main.py ``serve_forks``): a run starts
+"""The fork server (adapters/processes.ForkServer, shim/forkserver.py ``serve_forks``): a run starts
 with a fork of a process that imported the shim once, and every promise of the shim holds.
 Real fork servers, real shims and tasks on real files and FIFOs; the "agent" of the crash tests is
 a real process killed with SIGKILL.

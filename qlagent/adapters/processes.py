@@ -32,7 +32,8 @@ from qlagent.core.receipt import Receipt, TruncationFact, decode_receipt, decode
 
 from .artifacts import UnsafeDirectoryError
 
-SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
+SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
+SHIM_PATH = os.path.join(SHIM_DIR, "main.py")
 # The shim reports the exec's outcome within its start-up time (~10 ms; seconds on a loaded
 # router). Past this bound the agent records the Run running and lets the receipt tell.
 START_STATUS_TIMEOUT_S = 30.0
@@ -69,15 +70,18 @@ def compiled_shim(cache_dir: str, python: str) -> str:
     and its time on every run (bench/results/shim.md). ``python`` itself writes it (``shim/main.py
     --compile``, so its magic number is right and the agent's heap never holds the compiler's
     garbage) into ``cache_dir`` (the agent's private runs root, 0700) as ``.shim-<key>.pyc``,
-    mode 0600, where the key is the SHA-256 of the source and of the interpreter file's identity
-    (path, inode, mtime, size): a changed source or an upgraded interpreter gets a new file and
-    never runs stale bytecode. Cheap once written (a stat and a read of the source per call).
+    mode 0600: one file holding main.py and its siblings (drainer.py, forkserver.py), which it
+    loads into sys.modules itself. The key is the SHA-256 of every source in ``shim/`` and of
+    the interpreter file's identity (path, inode, mtime, size): a changed source or an upgraded
+    interpreter gets a new file and never runs stale bytecode. Cheap once written (a stat and a read of the source per call).
     Returns SHIM_PATH when it cannot be used (not ours, cannot be written)."""
     try:
         real = os.path.realpath(python)
         st = os.stat(real)
-        with open(SHIM_PATH, "rb") as f:
-            source = f.read()
+        source = b""
+        for name in sorted(n for n in os.listdir(SHIM_DIR) if n.endswith(".py")):
+            with open(os.path.join(SHIM_DIR, name), "rb") as f:
+                source += name.encode() + b"\0" + f.read()
     except OSError:
         return SHIM_PATH
     key = sha256_hex(source + f"\0{real}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_size}".encode())[:32]
@@ -104,7 +108,7 @@ def compiled_shim(cache_dir: str, python: str) -> str:
     return path
 
 
-# The fork server exits after this long without a request (shim/main.py FORK_SERVER_IDLE_S);
+# The fork server exits after this long without a request (shim/forkserver.py FORK_SERVER_IDLE_S);
 # the agent stops using it a margin earlier, so no request is ever sent to one that is leaving.
 FORK_SERVER_IDLE_S = 3600.0
 _RETIRE_MARGIN_S = 1.0
@@ -139,7 +143,7 @@ def _wait_exit(pidfd: int | None, timeout_s: float) -> None:
 
 
 class ForkServer:
-    """The fork server (shim/main.py ``serve_forks``, ARCHITECTURE.md "Fork server"): one
+    """The fork server (shim/forkserver.py ``serve_forks``, ARCHITECTURE.md "Fork server"): one
     ``python -I -S <compiled_shim>`` that imported the shim once and forks a fresh shim per run,
     so a start costs a fork, not an interpreter start. Started at the first ``spawn``, again
     after it died or went idle (FORK_SERVER_IDLE_S); a shim it forks leads its own session and

@@ -1,5 +1,5 @@
 """``core.control.WorkerRunsPort``: a fleet Worker's local execution of offered Attempts (issue 11 §4, ADR-0021): the same shim
-(``adapters/shim/main.py``), FIFO drainer, log quota, truncation fact and receipt as a
+(``adapters/shim/main.py``), FIFO drainer (``shim/drainer.py``), log quota, truncation fact and receipt as a
 local Run, driven by the Worker's loop.
 
 Layout: ``<runs dir>/<attemptId>/`` (0700) is the Attempt's run directory: its existence is the

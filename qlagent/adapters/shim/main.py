@@ -1,4 +1,5 @@
-"""The shim: the per-run process, and its FIFO drainer (ADR-0071 §5, ARCHITECTURE.md "Shim contract").
+"""The shim: the per-run process (ADR-0071 §5, ARCHITECTURE.md "Shim contract"); its FIFO drainer
+is ``drainer.py`` (``Drainer``), the fork server ``forkserver.py`` (``serve_forks``).
 
 Run as ``python3 -I -S shim/main.py`` in its own session, stdin a pipe carrying ONE JSON spec
 (it holds secret plaintext, so it never travels through argv or disk), stdout/stderr /dev/null,
@@ -6,8 +7,15 @@ an empty environment. Stdlib only and no qlagent import: it must start fast, sta
 (one extra PID, a few MiB) and outlive the agent.
 
 Fork server: started with stdin a Unix stream socket, this program is the fork server instead
-(``serve_forks``, processes.ForkServer): it forks one shim per request, which then runs exactly
-as above after writing ``pid <n>`` on its stdout; see ARCHITECTURE.md "Fork server".
+(``forkserver.serve_forks``, processes.ForkServer): it forks one shim per request, which then
+runs exactly as above after writing ``pid <n>`` on its stdout; see ARCHITECTURE.md "Fork server".
+
+Siblings: ``drainer`` and ``forkserver`` are imported by their plain names. The agent runs one
+file, ``processes.compiled_shim`` (``--compile``, ``_compile_self``), whose code puts the
+compiled siblings into ``sys.modules`` before it runs this file's code: nothing is compiled and
+nothing is searched on sys.path. Run from source (``python3 -I -S shim/main.py``, tests and
+benches), -I keeps this file's directory off sys.path, so it is put first there; that directory
+is as trusted as this file itself (same package, same owner, same installation).
 
 Spec fields: attempt_id (str), argv (non-empty list of str), env (dict str→str, the task's
 ENTIRE environment), cwd (absolute path), run_dir (absolute, 0700, created by the agent),
@@ -80,13 +88,15 @@ import _json
 import _signal
 import errno
 import os
-import select
 import stat
 import sys
 import time
 
+if "drainer" not in sys.modules:   # run from source, not from compiled_shim's file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from drainer import Drainer  # noqa: E402  (needs the line above when run from source)
+
 SPEC_LIMIT_BYTES = 1 << 20
-READ_CHUNK_BYTES = 65536
 MAX_LINGER_S = 3600.0
 MAX_GRACE_S = 300.0
 START_ERROR_LIMIT = 512
@@ -97,9 +107,6 @@ SHIM_OOM_SCORE_ADJ = b"500"    # after the task, before the agent: killing a shi
 PR_SET_PDEATHSIG = 1
 RECEIPT_RETRY_S = 1.0    # a full file system: try the receipt again this often until it fits
 ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
-# A fork server this long without a request exits (processes.ForkServer): an hourly cron keeps
-# it warm; an agent with nothing to run gets its ~3 MiB back.
-FORK_SERVER_IDLE_S = 3600.0
 
 _task_pid = 0
 _term_requested = False
@@ -280,85 +287,6 @@ class Shim:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-
-
-class Drainer:
-    """The drainer (ADR-0071 §5, the "C-free FIFO drainer"): reads the task's FIFO into the log
-    Artifact ``art_fd`` (O_APPEND), keeps at most ``quota`` bytes there (``room`` of them left:
-    what the file already holds counts) and only counts the rest; at the first byte past the
-    quota it writes the truncation fact. One READ_CHUNK_BYTES buffer for the whole run (memory
-    stays flat), no line assembly (F8: never buffer a line). ``drain(timeout_ms)`` is its one
-    step; the shim's loop calls it while it waits for the task, its leftovers and the linger."""
-
-    def __init__(self, shim, art_fd, quota, room):
-        self.shim = shim
-        self.art_fd = art_fd
-        self.quota = quota
-        self.room = room
-        self.bytes_total = 0
-        self.bytes_kept = 0
-        self.truncated = False
-        self.write_failed = False
-        self.eof = False
-        self.rfd = -1
-        self.wake_r = -1
-        self.poller = select.poll()
-        self.buf = bytearray(READ_CHUNK_BYTES)
-        self.view = memoryview(self.buf)
-
-    def watch(self, rfd, wake_r):
-        """Read the FIFO's non-blocking read end ``rfd``; ``wake_r`` (the signal wakeup pipe)
-        only ends a wait early."""
-        self.rfd, self.wake_r = rfd, wake_r
-        self.poller.register(rfd, select.POLLIN)
-        self.poller.register(wake_r, select.POLLIN)
-
-    def drain(self, timeout_ms):
-        """Wait at most ``timeout_ms`` (None: until something happens) and read what came;
-        sets ``eof`` once every writer has closed the FIFO."""
-        for fd, _ in self.poller.poll(timeout_ms):
-            if fd == self.wake_r:
-                try:
-                    while os.read(self.wake_r, 512):
-                        pass
-                except BlockingIOError:
-                    pass
-            elif not self.eof:
-                for _ in range(16):   # bounded: the wakeup pipe and the clock are looked at again
-                    try:
-                        n = os.readv(self.rfd, [self.buf])
-                    except BlockingIOError:
-                        break
-                    if not n:
-                        self.eof = True
-                        self.poller.unregister(self.rfd)
-                        break
-                    self.consume(self.view[:n])
-
-    def consume(self, data):
-        """Account for one chunk (a memoryview into the read buffer); keep at most the remaining
-        quota in the Artifact, drop the rest."""
-        self.bytes_total += len(data)
-        if self.room > 0:
-            view = data[:self.room]
-            try:
-                while view:
-                    n = os.write(self.art_fd, view)
-                    view = view[n:]
-                    self.bytes_kept += n
-                    self.room -= n
-            except OSError as exc:
-                # Flash full or similar: stop writing, keep draining so the task is unaffected.
-                self.shim.log_error("artifact write failed: %s" % exc)
-                self.room = 0
-                self.write_failed = True
-        if not self.truncated and not self.write_failed and self.bytes_total > self.bytes_kept:
-            self.truncated = True
-            try:
-                self.shim.write_file_atomic("truncated.json",
-                                       {"quota_bytes": self.quota, "bytes_kept": self.bytes_kept}, True)
-            except OSError as exc:
-                self.shim.log_error("truncation fact not written: %s" % exc)
 
 
 def _on_term(signum, frame):
@@ -858,21 +786,39 @@ def run(w, cfg):
     return receipt
 
 
+# The shim's sibling modules, in the order compiled_shim's file loads them (neither imports main).
+SIBLINGS = ("drainer", "forkserver")
+# The code of compiled_shim's file: the siblings into sys.modules, then main.py's code as
+# __main__. "PARTS" stands for a tuple of (name, code object) with main last.
+_LOADER = """
+import sys
+for _name, _code in "PARTS":
+    if _name == "main":
+        del _name
+        exec(_code)
+        break
+    _mod = sys.modules[_name] = type(sys)(_name)
+    exec(_code, _mod.__dict__)
+"""
+
+
 def _compile_self(dest):
-    """``shim/main.py --compile DEST``: write this file compiled for this interpreter to DEST
-    (new, 0600) so that the agent can run it without a compile per run."""
+    """``shim/main.py --compile DEST``: write the shim (this file and SIBLINGS) compiled for this
+    interpreter to DEST (new, 0600) as one .pyc script (_LOADER) that runs with no compile and
+    no import search, so that the agent pays neither per run."""
     import marshal
-    fd = os.open(__file__, os.O_RDONLY)
-    try:
-        source = b""
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            source += chunk
-    finally:
-        os.close(fd)
-    code = compile(source, __file__, "exec", dont_inherit=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    for name in SIBLINGS + ("main",):
+        path = os.path.join(here, name + ".py")
+        source = _read_all(path)
+        if source is None:
+            return 1
+        parts.append((name, compile(source, path, "exec", dont_inherit=True)))
+    loader = compile(_LOADER, __file__, "exec", dont_inherit=True)
+    # The code objects themselves as a constant: marshal keeps them as code, so the process
+    # holds no second, serialised copy of them.
+    code = loader.replace(co_consts=tuple(tuple(parts) if c == "PARTS" else c for c in loader.co_consts))
     # PEP 552 header: magic, flags 0, then mtime and size (never checked for a script).
     data = sys.modules["_frozen_importlib_external"].MAGIC_NUMBER + bytes(12) + marshal.dumps(code)
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -880,70 +826,6 @@ def _compile_self(dest):
         os.write(fd, data)
     finally:
         os.close(fd)
-    return 0
-
-
-def _received_fds(ancdata, scm_rights):
-    fds = []
-    for _, kind, data in ancdata:
-        if kind == scm_rights:
-            usable = len(data) - len(data) % 4
-            fds += [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for i in range(0, usable, 4)]
-    return fds
-
-
-def _fork_shim(spec_r, status_w):
-    """In the fork server: one shim per request, in its own session like a shim the agent
-    starts; no death signal ties it here, so it outlives this process (then init, or the
-    nearest subreaper, is its parent). A failed fork's reason goes to status_w."""
-    try:
-        pid = os.fork()
-    except OSError as exc:
-        os.write(status_w, ("err fork: %s\n" % _errno_text(exc.errno)).encode())
-        return
-    if pid == 0:
-        code = 1
-        try:
-            _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-            os.setsid()
-            os.dup2(spec_r, 0)   # replaces the fork server's socket
-            os.dup2(status_w, 1)
-            os.close(spec_r)
-            os.close(status_w)
-            os.write(1, b"pid %d\n" % os.getpid())
-            code = main()
-        finally:
-            os._exit(code)
-
-
-def serve_forks():
-    """The fork server (see "Fork server" in the module docstring): stdin is the agent's end
-    of a Unix stream socket; each request is one byte carrying [spec_r, status_w] by
-    SCM_RIGHTS. Exits 0 on EOF (the agent closed it or died) or after FORK_SERVER_IDLE_S
-    seconds without a request."""
-    import _socket   # only here: a directly started shim never loads it
-    import gc
-    _load_prctl()
-    _signal.signal(_signal.SIGCHLD, _signal.SIG_IGN)   # the kernel reaps the shims forked here
-    sock = _socket.socket(fileno=0)
-    poller = select.poll()
-    poller.register(0, select.POLLIN)
-    gc.collect()
-    gc.freeze()   # what is here now is never scanned again: a shim's collections dirty no shared page
-    while poller.poll(int(FORK_SERVER_IDLE_S * 1000)):
-        try:
-            data, ancdata, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(8), _socket.MSG_CMSG_CLOEXEC)
-        except InterruptedError:
-            continue
-        except OSError:
-            return 1
-        if not data:
-            return 0
-        fds = _received_fds(ancdata, _socket.SCM_RIGHTS)
-        if len(fds) == 2:
-            _fork_shim(fds[0], fds[1])
-        for fd in fds:
-            os.close(fd)
     return 0
 
 
@@ -1009,5 +891,11 @@ def main():
         time.sleep(RECEIPT_RETRY_S)
 
 
+def _serve_forks():
+    from forkserver import serve_forks
+    _load_prctl()   # once, before the fork server freezes its heap: every shim it forks has it
+    return serve_forks(main, _errno_text)
+
+
 if __name__ == "__main__":
-    sys.exit(serve_forks() if stat.S_ISSOCK(os.fstat(0).st_mode) else main())
+    sys.exit(_serve_forks() if stat.S_ISSOCK(os.fstat(0).st_mode) else main())
