@@ -34,6 +34,7 @@ NOTIFY ends it early) instead of only waiting for the next NOTIFY, until its wai
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import msgspec
@@ -69,6 +70,14 @@ class WorkerPull:
         self._store, self._secrets = store, secrets
         self._signal = signal
         self._claimer = CandidateClaimer(self._b)
+        self._count_lock = threading.Lock()
+        self.offers = 0        # Pulls answered with an offer since start (GET /metrics); route threads add
+
+    def _count(self, answer: PullAnswer) -> PullAnswer:
+        if answer.status == "offered":
+            with self._count_lock:
+                self.offers += 1
+        return answer
 
     def pull(self, worker_id: str, credential: str, req: PullRequest, wait_s: float = 0) -> PullAnswer:
         """Answer one Pull, long-polling up to ``wait_s`` seconds (0..30; needs a signal).
@@ -85,7 +94,7 @@ class WorkerPull:
             left = deadline - time.monotonic()
             if answer.status not in ("idle", "unmatched") or answer.reason in ("draining", "no_free_slot") \
                     or left <= 0:
-                return answer
+                return self._count(answer)
             if held:
                 # Concurrent Pulls held candidates this one skipped; they release them unclaimed
                 # (another Worker's Placement) without a NOTIFY, so look again shortly. Under a

@@ -217,9 +217,9 @@ class ControlPlane:
     def _metrics(self) -> bytes:
         """``GET /metrics`` of this replica (issue 26 §3), on a database thread: Runs by state
         and the queue (every Project, from the database), the oldest queued Run's age (s, by
-        the database's clock), Task Start answers by HTTP status, Pulls long-polling, sweeper
-        passes and the Run Leases and Sessions they expired, the pool, failed loop duties by
-        error code — the counters since this replica started."""
+        the database's clock), Task Start answers by HTTP status, Pulls answered with an offer,
+        Pulls long-polling, sweeper passes and the Run Leases and Sessions they expired, the
+        pool, failed loop duties by error code — the counters since this replica started."""
         from ..core.metrics import COUNTER, GAUGE, Family, render
         counts = self.store.run_state_counts()
         oldest = self.store.oldest_queued_us()
@@ -238,6 +238,8 @@ class ControlPlane:
             runs, starts,
             Family("qlagent_queue_depth", GAUGE, "Runs queued").add(counts.get(RunState.QUEUED, 0)),
             Family("qlagent_queue_oldest_age_seconds", GAUGE, "Age of the oldest queued Run (0: none)").add(age),
+            Family("qlagent_offers_total", COUNTER, "Pulls this replica answered with a claimed Attempt")
+            .add(self.services.pull.offers),
             Family("qlagent_pulls_waiting", GAUGE, "Pulls long-polling on this replica")
             .add(self.http.worker_routes.polls_waiting()),
             Family("qlagent_sweeper_passes_total", COUNTER, "Lease sweeper passes").add(self._sweeps),
