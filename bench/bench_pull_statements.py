@@ -4,7 +4,7 @@ One puller calls ``WorkerPull.pull`` directly (no HTTP) over a pool of ONE conne
 PostgreSQL backend serves every statement; that backend's CPU (user + system, ``psutil``, clock
 ticks of 10 ms: each figure is a sum of many samples, unbiased but ±10 % over 1,000 claims) is
 read around every statement and attributed to it: the Session statement (authentication, the
-Session lock, the active-Lease count), the candidate page, the claim (``_LEASE``), the rest
+Session lock, the active-Lease count), the candidate page, the claim (``queries.LEASE_CLAIM``), the rest
 (BEGIN/COMMIT with its WAL flush, the pool's reset). Then the same for the baseline's bare
 ``SELECT … FOR UPDATE SKIP LOCKED LIMIT 1`` + ``UPDATE`` of ``bench_cluster.py``. Sessions have
 ``--slots`` slots each: a Pull counts its Session's active Leases, so the Session statement
@@ -40,9 +40,9 @@ from qlagent.core.cluster import PullRequest  # noqa: E402
 def kind(query) -> str:
     q = query if isinstance(query, str) else str(query)
     if q.startswith("WITH a AS"):
-        return "claim (_LEASE)"
+        return "claim (LEASE_CLAIM)"
     if "credential_digest" in q:
-        return "Session (_PULL_SESSION)"
+        return "Session (PULL_SESSION)"
     if "ORDER BY" in q:
         return "candidate page"
     return "other: " + q[:40]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ...core.errors import NotFoundError
 from .connection import transaction
+from .queries import WORKER_CREDENTIAL_SET
 from .transitions import now_us
 
 
@@ -19,9 +20,7 @@ class PgCredentials:
         """Store ``credential_digest`` for the live Worker ``name``; its Worker ID.
         NotFoundError ``worker_not_found``."""
         def tx(cur):
-            row = cur.execute("UPDATE workers SET credential_digest = %s, updated_at_us = %s"
-                              " WHERE name = %s AND state <> 'removed' RETURNING worker_id",
-                              (credential_digest, now_us(cur), name)).fetchone()
+            row = cur.execute(WORKER_CREDENTIAL_SET, (credential_digest, now_us(cur), name)).fetchone()
             if row is None:
                 raise NotFoundError(f"no Worker named {name!r}", code="worker_not_found")
             return row["worker_id"]

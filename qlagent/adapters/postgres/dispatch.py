@@ -2,7 +2,7 @@
 that rebuilds a Run's plan from its pinned revision (``core.cluster.PlanSource``).
 
 Pages read ``limit + 1`` rows (the extra one only proves truncation) in keyset order, never
-OFFSET. A lease is written by one statement (``_LEASE``): the Attempt's lease generation
+OFFSET. A lease is written by one statement (``queries.LEASE_CLAIM``): the Attempt's lease generation
 advances by compare-and-set (guarded by the Run's version, state and latest Attempt and by no
 active Lease), the Run moves ``queued → dispatching`` with its next event sequence, the Lease
 row and the ``run.dispatching`` RunEvent are inserted; a unique index keeps one active Lease per
@@ -10,7 +10,7 @@ Attempt, so concurrent claimers on any number of replicas produce exactly one Le
 
 A Worker Pull is one transaction from authentication to claim (``pull_unit``): the Session locked by the statement that authenticates it, candidate pages
 locked ``FOR NO KEY UPDATE SKIP LOCKED`` (so concurrent Pulls take different Runs), plans from
-the plan source's cache, then ``_LEASE``: 4 statements besides BEGIN/COMMIT for a new claim.
+the plan source's cache, then ``queries.LEASE_CLAIM``: 4 statements besides BEGIN/COMMIT for a new claim.
 """
 
 from __future__ import annotations
@@ -24,50 +24,12 @@ from ...core.errors import ConflictError
 from ...core.ids import new_id
 from ...core.profiles import Profile
 from .connection import read, transaction
-from .queries import OCCUPYING
+from .queries import (DB_NOW, LEASE_ACTIVE_ATTEMPT_FOR_UPDATE, LEASE_CLAIM, LEASE_COMPLETE, OCCUPYING, OFFER_DEFINITION,
+                      PULL_CANDIDATE_PAGE, PULL_CANDIDATE_PAGE_AFTER, PULL_CANDIDATE_PAGE_SCOPED,
+                      PULL_CANDIDATE_PAGE_SCOPED_AFTER, PULL_HELD_ELSEWHERE, PULL_HELD_ELSEWHERE_SCOPED, PULL_PRIOR,
+                      PULL_SESSION, TASK_FOR_NO_KEY_UPDATE)
 from .runs import set_holds
 from .transitions import authenticate, finish_attempt, now_us, stale_session
-
-_CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,
-    r.version, r.priority, r.created_at_us, r.latest_attempt_created_at_us, a.lease_generation, r.single_instance"""
-_KEY = "(-r.priority), r.created_at_us, r.latest_attempt_created_at_us, r.latest_attempt_id"
-_CANDIDATES = (f"SELECT {_CANDIDATE_COLS} FROM runs r JOIN attempts a ON a.attempt_id = r.latest_attempt_id"
-               " WHERE r.state = 'queued' AND r.cancel_requested_at_us IS NULL AND NOT r.held"
-               " AND a.state = 'claimed' AND a.executor_type = 'remote_worker'"
-               " AND (a.not_before_us IS NULL OR a.not_before_us <= %s)")
-_PRIOR = (f"SELECT {_CANDIDATE_COLS}, l.*, a.state AS attempt_state FROM run_leases l"
-          " JOIN attempts a ON a.attempt_id = l.attempt_id JOIN runs r ON r.run_id = l.run_id"
-          " WHERE l.session_id = %s AND l.pull_id = %s")
-# The Pull's Session: authenticated, current, locked for the unit, its active Leases counted
-# under that lock, the database clock, and whether this pullId already has a Lease.
-_PULL_SESSION = (
-    "SELECT s.labels, s.executor_types, s.slots, s.state, s.expires_at_us, s.generation,"
-    " w.generation AS worker_generation, w.state AS worker_state, w.projects, ql_now_us() AS now,"
-    " (SELECT count(*) FROM run_leases l WHERE l.session_id = s.session_id AND l.state = 'active') AS used,"
-    " EXISTS (SELECT 1 FROM run_leases p WHERE p.session_id = s.session_id AND p.pull_id = %(pull)s) AS prior"
-    " FROM workers w JOIN worker_sessions s ON s.session_id = %(session)s AND s.worker_id = w.worker_id"
-    " WHERE w.worker_id = %(worker)s AND w.credential_digest = %(credential)s AND w.state <> 'removed'"
-    " FOR NO KEY UPDATE OF s")
-# ADR-0014 §2 step 8 in one statement; the caller holds the Run's row lock, so the guards read
-# in ``a`` still hold when ``r`` writes. No row back: the Attempt is no longer claimable.
-_LEASE = (
-    "WITH a AS (UPDATE attempts SET lease_generation = lease_generation + 1, worker_id = %(worker)s,"
-    "   version = version + 1 WHERE attempt_id = %(attempt)s AND state = 'claimed' AND lease_generation = %(lg)s"
-    "   AND EXISTS (SELECT 1 FROM runs WHERE run_id = %(run)s AND version = %(version)s AND state = 'queued'"
-    "     AND cancel_requested_at_us IS NULL AND latest_attempt_id = %(attempt)s)"
-    "   AND NOT EXISTS (SELECT 1 FROM run_leases WHERE attempt_id = %(attempt)s AND state = 'active')"
-    "   AND NOT (%(single)s AND EXISTS (SELECT 1 FROM runs WHERE task_id = %(task)s AND run_id <> %(run)s"
-    "     AND state = ANY(%(occupying)s)))"
-    "   RETURNING lease_generation),"
-    " r AS (UPDATE runs SET state = 'dispatching', version = version + 1, event_sequence = event_sequence + 1,"
-    "   updated_at_us = %(now)s WHERE run_id = %(run)s AND EXISTS (SELECT 1 FROM a) RETURNING event_sequence),"
-    " e AS (INSERT INTO run_events(run_id, sequence, event_id, type, actor, payload_json, created_at_us)"
-    "   SELECT %(run)s, r.event_sequence, %(event)s, 'run.dispatching', 'control-plane', %(payload)s, %(now)s"
-    "   FROM r)"
-    " INSERT INTO run_leases(attempt_id, lease_generation, run_id, worker_id, session_id, worker_generation,"
-    " token_digest, pull_id, state, claimed_at_us, expires_at_us)"
-    " SELECT %(attempt)s, a.lease_generation, %(run)s, %(worker)s, %(session)s, %(generation)s, %(digest)s,"
-    " %(pull)s, 'active', %(now)s, %(expires)s FROM a RETURNING lease_generation")
 
 
 def _candidate(row: dict) -> ClusterCandidate:
@@ -95,14 +57,11 @@ def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None,
     """A keyset page of queued candidates, their Runs locked or skipped when another Pull holds
     them; ``projects``: only theirs (a scoped Worker's Pull: another Project's queue must not
     fill its pages)."""
-    sql, args = _CANDIDATES, [observed_at_us]
     if projects:
-        sql += " AND r.project_id = ANY(%s)"
-        args.append(list(projects))
-    if after is not None:
-        sql += f" AND ({_KEY}) > (%s, %s, %s, %s)"
-        args += list(after)
-    sql += f" ORDER BY {_KEY} LIMIT %s FOR NO KEY UPDATE OF r SKIP LOCKED"
+        sql = PULL_CANDIDATE_PAGE_SCOPED if after is None else PULL_CANDIDATE_PAGE_SCOPED_AFTER
+    else:
+        sql = PULL_CANDIDATE_PAGE if after is None else PULL_CANDIDATE_PAGE_AFTER
+    args = [observed_at_us, *([list(projects)] if projects else []), *(after or ())]
     # Plain tuples in ClusterCandidate's field order: no dict per row (a page is up to 65 rows).
     with cur.connection.cursor() as tuples:
         rows = tuples.execute(sql, (*args, limit + 1)).fetchall()
@@ -111,15 +70,15 @@ def _candidate_page(cur, observed_at_us: int, limit: int, after: tuple | None,
 
 def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease_ttl_us: int, pull_id: str | None,
            now: int) -> ClaimOutcome:
-    """``_LEASE`` for a Run whose row the caller has locked. A single-instance Run is claimed
+    """``queries.LEASE_CLAIM`` for a Run whose row the caller has locked. A single-instance Run is claimed
     only while no other Run of its Task is live: claimers of one Task queue on the Task's row,
-    so the guard in ``_LEASE`` (a statement of its own: a snapshot taken after that wait) sees
+    so the guard in ``queries.LEASE_CLAIM`` (a statement of its own: a snapshot taken after that wait) sees
     a Run another claimer just moved to ``dispatching``; the Task's other queued Runs are then
     held (``runs.set_holds``) and leave the candidate pages until it ends."""
     from psycopg.types.json import Jsonb
     if c.single_instance:
-        cur.execute("SELECT 1 FROM tasks WHERE task_id = %s FOR NO KEY UPDATE", (c.task_id,))
-    row = cur.execute(_LEASE, {
+        cur.execute(TASK_FOR_NO_KEY_UPDATE, (c.task_id,))
+    row = cur.execute(LEASE_CLAIM, {
         "worker": w.worker_id, "session": w.session_id, "generation": w.generation, "attempt": c.attempt_id,
         "single": c.single_instance, "task": c.task_id, "occupying": list(OCCUPYING),
         "run": c.run_id, "version": c.version, "lg": c.lease_generation, "now": now, "expires": now + lease_ttl_us,
@@ -146,7 +105,7 @@ class PgDispatchStore:
         self._pool, self._plans = pool, plans
 
     def now_us(self) -> int:
-        return read(self._pool, lambda cur: cur.execute("SELECT ql_now_us() AS now").fetchone()["now"])
+        return read(self._pool, lambda cur: cur.execute(DB_NOW).fetchone()["now"])
 
     def pull_unit(self, worker_id: str, credential_digest: str, session_id: str, generation: int, pull_id: str,
                   work):
@@ -154,7 +113,7 @@ class PgDispatchStore:
         from psycopg import errors
 
         def tx(cur):
-            s = cur.execute(_PULL_SESSION, {"worker": worker_id, "credential": credential_digest,
+            s = cur.execute(PULL_SESSION, {"worker": worker_id, "credential": credential_digest,
                                             "session": session_id, "pull": pull_id}).fetchone()
             if s is None or s["generation"] != generation or s["worker_generation"] != generation:
                 raise stale_session(session_id, generation, authenticate(cur, worker_id, credential_digest))
@@ -175,14 +134,11 @@ class PgDispatchStore:
         """``core.cluster.PullStore.fail_claimed`` in one transaction; the events are
         ``attempt.start_failed`` (payload ``reason``) then ``run.failed`` or ``run.retrying``."""
         def tx(cur):
-            lease = cur.execute("SELECT l.run_id, a.state FROM run_leases l JOIN attempts a USING (attempt_id)"
-                                " WHERE l.attempt_id = %s AND l.lease_generation = %s AND l.state = 'active'"
-                                " FOR UPDATE OF l, a", (attempt_id, lease_generation)).fetchone()
+            lease = cur.execute(LEASE_ACTIVE_ATTEMPT_FOR_UPDATE, (attempt_id, lease_generation)).fetchone()
             if lease is None or lease["state"] != "claimed":
                 return None
             now = now_us(cur)
-            cur.execute("UPDATE run_leases SET state = 'completed', ended_at_us = %s"
-                        " WHERE attempt_id = %s AND lease_generation = %s", (now, attempt_id, lease_generation))
+            cur.execute(LEASE_COMPLETE, (now, attempt_id, lease_generation))
             return finish_attempt(cur, lease["run_id"], attempt_id, "start_failed", "control-plane", now,
                                   failure_reason=reason)
         return transaction(self._pool, tx)
@@ -200,7 +156,7 @@ class _PgPullUnit:
     def prior(self) -> tuple[Lease, ClusterCandidate, str] | None:
         if self._prior_pull is None:
             return None
-        row = self._cur.execute(_PRIOR, (self.worker.session_id, self._prior_pull)).fetchone()
+        row = self._cur.execute(PULL_PRIOR, (self.worker.session_id, self._prior_pull)).fetchone()
         return lease_of(row), _candidate(row), row["attempt_state"]
 
     def candidate_page(self, observed_at_us: int, limit: int, after: tuple | None) -> Page:
@@ -209,10 +165,11 @@ class _PgPullUnit:
         return page
 
     def held_elsewhere(self, observed_at_us: int) -> bool:
-        scoped = " AND r.project_id = ANY(%s)" if self.worker.projects else ""
-        args = (observed_at_us, self._returned) + ((list(self.worker.projects),) if scoped else ())
-        return self._cur.execute(f"SELECT EXISTS ({_CANDIDATES} AND a.attempt_id <> ALL(%s){scoped}) AS held",
-                                 args).fetchone()["held"]
+        if self.worker.projects:
+            sql, args = PULL_HELD_ELSEWHERE_SCOPED, (observed_at_us, self._returned, list(self.worker.projects))
+        else:
+            sql, args = PULL_HELD_ELSEWHERE, (observed_at_us, self._returned)
+        return self._cur.execute(sql, args).fetchone()["held"]
 
     def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
         return self._plans.prepare_with(self._cur, c)
@@ -263,11 +220,7 @@ class PgPlanSource:
 
     def _load(self, cur, task_id: str, revision: int) -> _Revision | None:
         row = cur.execute(
-            "SELECT t.project_id, tr.definition_json, er.spec_json, cr.recipe_json FROM tasks t"
-            " JOIN task_revisions tr ON tr.task_id = t.task_id AND tr.revision = %s"
-            " JOIN execution_revisions er ON er.task_id = t.task_id AND er.revision = tr.revision"
-            " JOIN context_recipes cr ON cr.recipe_ref = er.recipe_ref WHERE t.task_id = %s",
-            (revision, task_id)).fetchone()
+            OFFER_DEFINITION, (revision, task_id)).fetchone()
         if row is None:
             return None
         rev = _Revision(row["project_id"], row["definition_json"], row["spec_json"], row["recipe_json"])

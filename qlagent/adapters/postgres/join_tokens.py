@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ...core.errors import ConflictError, NotFoundError
 from .connection import transaction
+from .queries import JOIN_TOKEN_FOR_UPDATE, JOIN_TOKEN_INSERT, JOIN_TOKEN_USE
 from .transitions import authenticate, now_us
 
 
@@ -20,8 +21,7 @@ class PgJoinTokens:
         expiry (µs, database clock)."""
         def tx(cur):
             now = now_us(cur)
-            cur.execute("INSERT INTO join_tokens(token_id, worker_id, issued_at_us, expires_at_us)"
-                        " VALUES (%s, %s, %s, %s)", (token_id, worker_id, now, now + ttl_us))
+            cur.execute(JOIN_TOKEN_INSERT, (token_id, worker_id, now, now + ttl_us))
             return now + ttl_us
         return transaction(self._pool, tx)
 
@@ -31,8 +31,7 @@ class PgJoinTokens:
         ConflictError ``join_token_used`` / ``join_token_expired`` (nothing written)."""
         def tx(cur):
             authenticate(cur, worker_id, credential_digest)
-            row = cur.execute("SELECT expires_at_us, used_at_us FROM join_tokens WHERE token_id = %s AND worker_id = %s"
-                              " FOR UPDATE", (token_id, worker_id)).fetchone()
+            row = cur.execute(JOIN_TOKEN_FOR_UPDATE, (token_id, worker_id)).fetchone()
             if row is None:
                 raise NotFoundError("no such join token for this Worker", code="join_token_not_found")
             if row["used_at_us"] is not None:
@@ -42,5 +41,5 @@ class PgJoinTokens:
             if row["expires_at_us"] <= now:
                 raise ConflictError("this join token has expired; issue a new one (`qlagent workers "
                                     "rotate-credential NAME --join-token`)", code="join_token_expired")
-            cur.execute("UPDATE join_tokens SET used_at_us = %s WHERE token_id = %s", (now, token_id))
+            cur.execute(JOIN_TOKEN_USE, (now, token_id))
         transaction(self._pool, tx)

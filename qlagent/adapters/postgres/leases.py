@@ -13,7 +13,8 @@ from ...core.receipt import TruncationFact
 from .connection import transaction
 from ..rows.execution import record_truncation
 from .dialect import POSTGRES
-from .queries import OCCUPYING
+from .queries import (ACK_ATTEMPT_FOR_NO_KEY_UPDATE, ACK_ATTEMPT_MOVE, ACK_RUN_MOVE, LEASES_EXPIRED_FOR_UPDATE,
+                      LEASE_COMPLETE, LEASE_EXTEND, OCCUPYING, RUNS_RELEASE_HOLDS, RUN_STATE)
 from .transitions import end_lease, event, fenced_lease, finish_attempt, now_us
 
 # Attempt progress order: an ACK for a state at or behind the current one is a replay.
@@ -37,8 +38,7 @@ class PgLeaseStore:
 
         def tx(cur):
             lease, _ = fenced_lease(cur, fence)
-            a = cur.execute("SELECT a.*, r.state AS run_state FROM attempts a JOIN runs r ON r.run_id = a.run_id"
-                            " WHERE a.attempt_id = %s FOR NO KEY UPDATE OF a", (fence.attempt_id,)).fetchone()
+            a = cur.execute(ACK_ATTEMPT_FOR_NO_KEY_UPDATE, (fence.attempt_id,)).fetchone()
             state = a["state"]
             if lease["state"] in ("expired", "fenced") or a["lease_generation"] != fence.lease_generation:
                 # An ended or superseded Lease answers nothing, not even a replay: its Worker must stop.
@@ -57,19 +57,13 @@ class PgLeaseStore:
             if state not in allowed:
                 raise ConflictError(f"{ack.kind} ACK while the Attempt is {state}", code="ack_out_of_order")
             if target in _RANK:
-                cur.execute("UPDATE attempts SET state = %s, started_at_us = coalesce(started_at_us, %s),"
-                            " version = version + 1 WHERE attempt_id = %s", (target, now, fence.attempt_id))
-                cur.execute("UPDATE runs SET state = %s, version = version + 1, updated_at_us = %s WHERE run_id = %s",
-                            (target, now, lease["run_id"]))
-                cur.execute("UPDATE run_leases SET expires_at_us = greatest(expires_at_us, %s)"
-                            " WHERE attempt_id = %s AND lease_generation = %s",
-                            (now + lease_ttl_us, fence.attempt_id, fence.lease_generation))
+                cur.execute(ACK_ATTEMPT_MOVE, (target, now, fence.attempt_id))
+                cur.execute(ACK_RUN_MOVE, (target, now, lease["run_id"]))
+                cur.execute(LEASE_EXTEND, (now + lease_ttl_us, fence.attempt_id, fence.lease_generation))
                 event(cur, lease["run_id"], f"run.{target}", actor,
                       {"attemptId": fence.attempt_id, "leaseGeneration": fence.lease_generation}, now)
                 return AckResult(target, target)
-            cur.execute("UPDATE run_leases SET state = 'completed', ended_at_us = %s"
-                        " WHERE attempt_id = %s AND lease_generation = %s",
-                        (now, fence.attempt_id, fence.lease_generation))
+            cur.execute(LEASE_COMPLETE, (now, fence.attempt_id, fence.lease_generation))
             if ack.bytes_dropped:
                 # The quota cut the log on the Worker: the shim keeps exactly the quota once it
                 # drops (core.receipt), so the completion's figures are the truncation fact. The
@@ -87,7 +81,7 @@ class PgLeaseStore:
 
     @staticmethod
     def _run_state(cur, run_id: str) -> str:
-        return cur.execute("SELECT state FROM runs WHERE run_id = %s", (run_id,)).fetchone()["state"]
+        return cur.execute(RUN_STATE, (run_id,)).fetchone()["state"]
 
     def release_holds(self, limit: int) -> int:
         """Release up to ``limit`` held queued Runs whose Task no Run occupies any more (a hold a
@@ -96,11 +90,7 @@ class PgLeaseStore:
         own guard keeps a single-instance Task to one live Run whatever this pass sees."""
         def tx(cur):
             return len(cur.execute(
-                "UPDATE runs SET held = false WHERE run_id IN ("
-                " SELECT r.run_id FROM runs r WHERE r.held AND r.state = 'queued' AND NOT EXISTS ("
-                "  SELECT 1 FROM runs o WHERE o.task_id = r.task_id AND o.state = ANY(%s))"
-                " ORDER BY r.created_at_us LIMIT %s FOR NO KEY UPDATE OF r SKIP LOCKED) RETURNING run_id",
-                (list(OCCUPYING), limit)).fetchall())
+                RUNS_RELEASE_HOLDS, (list(OCCUPYING), limit)).fetchall())
         return transaction(self._pool, tx)
 
     def sweep_expired(self, limit: int) -> list[tuple[str, str]]:
@@ -108,8 +98,6 @@ class PgLeaseStore:
         another replica holds (``FOR UPDATE SKIP LOCKED``); return (Attempt ID, Run state) pairs."""
         def tx(cur):
             now = now_us(cur)
-            rows = cur.execute("SELECT * FROM run_leases WHERE state = 'active' AND expires_at_us <= %s"
-                               " ORDER BY expires_at_us, attempt_id LIMIT %s FOR UPDATE SKIP LOCKED",
-                               (now, limit)).fetchall()
+            rows = cur.execute(LEASES_EXPIRED_FOR_UPDATE, (now, limit)).fetchall()
             return [(r["attempt_id"], end_lease(cur, r, "expired", "lease_expired", now)) for r in rows]
         return transaction(self._pool, tx)

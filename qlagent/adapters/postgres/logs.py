@@ -7,6 +7,8 @@ from ...core.cluster import ChunkConflict, LeaseFence
 from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
 from .connection import transaction
+from .queries import (ATTEMPT_LOG_NEXT_FOR_NO_KEY_UPDATE, ATTEMPT_LOG_NEXT_SET, LOG_CHUNKS_RANGE, LOG_CHUNK_AT,
+                      LOG_CHUNK_INSERT, RUN_LOG_LATEST_ATTEMPT, TRUNCATION_FACT_EXISTS, TRUNCATION_FACT_INSERT)
 from .transitions import fenced_lease, now_us
 
 
@@ -28,14 +30,11 @@ class PgLogStore:
             lease, _ = fenced_lease(cur, fence)
             if lease["state"] not in ("active", "completed"):
                 raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
-            a = cur.execute("SELECT log_next_offset FROM attempts WHERE attempt_id = %s FOR NO KEY UPDATE",
-                            (fence.attempt_id,)).fetchone()
+            a = cur.execute(ATTEMPT_LOG_NEXT_FOR_NO_KEY_UPDATE, (fence.attempt_id,)).fetchone()
             end = a["log_next_offset"]
-            truncated = cur.execute("SELECT 1 FROM truncation_facts WHERE attempt_id = %s",
-                                    (fence.attempt_id,)).fetchone() is not None
+            truncated = cur.execute(TRUNCATION_FACT_EXISTS, (fence.attempt_id,)).fetchone() is not None
             if offset < end:
-                kept = cur.execute("SELECT data FROM log_chunks WHERE attempt_id = %s AND offset_bytes = %s",
-                                   (fence.attempt_id, offset)).fetchone()
+                kept = cur.execute(LOG_CHUNK_AT, (fence.attempt_id, offset)).fetchone()
                 stored = bytes(kept["data"]) if kept else b""
                 if offset + len(data) > end or stored != data[:len(stored)] or (
                         not stored and offset < min(end, quota_bytes)):
@@ -47,23 +46,18 @@ class PgLogStore:
                                     next_offset=end)
             keep = max(0, min(len(data), quota_bytes - offset))
             if keep:
-                cur.execute("INSERT INTO log_chunks(attempt_id, offset_bytes, data) VALUES (%s, %s, %s)",
-                            (fence.attempt_id, offset, data[:keep]))
+                cur.execute(LOG_CHUNK_INSERT, (fence.attempt_id, offset, data[:keep]))
             if keep < len(data) and not truncated:
-                cur.execute("INSERT INTO truncation_facts(attempt_id, quota_bytes, bytes_kept, recorded_at_us)"
-                            " VALUES (%s, %s, %s, %s)", (fence.attempt_id, quota_bytes, quota_bytes, now_us(cur)))
+                cur.execute(TRUNCATION_FACT_INSERT, (fence.attempt_id, quota_bytes, quota_bytes, now_us(cur)))
                 truncated = True
-            cur.execute("UPDATE attempts SET log_next_offset = %s WHERE attempt_id = %s",
-                        (offset + len(data), fence.attempt_id))
+            cur.execute(ATTEMPT_LOG_NEXT_SET, (offset + len(data), fence.attempt_id))
             return offset + len(data), truncated
         return transaction(self._pool, tx)
 
     def read(self, attempt_id: str, offset: int, limit: int) -> bytes:
         """Up to ``limit`` kept bytes of the Attempt's log from ``offset``."""
         rows = transaction(self._pool, lambda cur: cur.execute(
-            "SELECT offset_bytes, data FROM log_chunks WHERE attempt_id = %s"
-            " AND offset_bytes + length(data) > %s AND offset_bytes < %s ORDER BY offset_bytes",
-            (attempt_id, offset, offset + limit)).fetchall())
+            LOG_CHUNKS_RANGE, (attempt_id, offset, offset + limit)).fetchall())
         out = b"".join(bytes(r["data"]) for r in rows)
         start = offset - rows[0]["offset_bytes"] if rows else 0
         return out[start:start + limit]
@@ -73,16 +67,10 @@ class PgLogStore:
         bytes at ``offset`` of the Run's latest Attempt's uploaded log, the log's size in bytes,
         its truncation fact or None), in one snapshot."""
         def tx(cur):
-            a = cur.execute("SELECT a.attempt_id, f.quota_bytes, f.bytes_kept, f.bytes_dropped,"
-                            " (SELECT coalesce(max(c.offset_bytes + length(c.data)), 0) FROM log_chunks c"
-                            "  WHERE c.attempt_id = a.attempt_id) AS size FROM attempts a"
-                            " LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id"
-                            " WHERE a.run_id = %s ORDER BY a.attempt_no DESC LIMIT 1", (run_id,)).fetchone()
+            a = cur.execute(RUN_LOG_LATEST_ATTEMPT, (run_id,)).fetchone()
             if a is None:
                 return b"", 0, None
-            rows = cur.execute("SELECT offset_bytes, data FROM log_chunks WHERE attempt_id = %s"
-                               " AND offset_bytes + length(data) > %s AND offset_bytes < %s ORDER BY offset_bytes",
-                               (a["attempt_id"], offset, offset + limit)).fetchall()
+            rows = cur.execute(LOG_CHUNKS_RANGE, (a["attempt_id"], offset, offset + limit)).fetchall()
             out = b"".join(bytes(r["data"]) for r in rows)
             start = offset - rows[0]["offset_bytes"] if rows else 0
             fact = None if a["quota_bytes"] is None else TruncationFact(a["quota_bytes"], a["bytes_kept"],

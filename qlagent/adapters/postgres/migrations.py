@@ -16,6 +16,8 @@ import os
 from ...core.canonical import sha256_hex
 from ...core.errors import UnavailableError
 from ..migration_files import Migration, pending, read_migrations
+from .queries import (ADVISORY_XACT_LOCK, CAPABILITIES, MIGRATIONS_APPLIED, MIGRATIONS_TABLE_CREATE,
+                      MIGRATION_LOCK_HOLDERS, MIGRATION_RECORD)
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
 # First 8 bytes of sha256("qlagent:cluster:migrations") as a signed bigint: one fixed lock key.
@@ -34,10 +36,8 @@ def verify_history(conn, known: list[Migration]) -> list[Migration]:
 
     Raises StoreIntegrityError naming the first unknown or altered migration.
     """
-    conn.execute("""CREATE TABLE IF NOT EXISTS schema_migrations (
-        version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,
-        applied_at_us bigint NOT NULL)""")
-    applied = conn.execute("SELECT version, name, checksum FROM schema_migrations ORDER BY version").fetchall()
+    conn.execute(MIGRATIONS_TABLE_CREATE)
+    applied = conn.execute(MIGRATIONS_APPLIED).fetchall()
     return pending([tuple(r) for r in applied], known)
 
 
@@ -60,15 +60,14 @@ def migrate(conn) -> list[str]:
         try:
             with conn.transaction():
                 conn.execute(f"SET LOCAL lock_timeout = {int(LOCK_WAIT_S * 1000)}")
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+                conn.execute(ADVISORY_XACT_LOCK, (MIGRATION_LOCK,))
                 todo = verify_history(conn, known)
                 if not todo:
                     return applied
                 m = todo[0]
                 try:
                     conn.execute(m.sql)
-                    conn.execute("INSERT INTO schema_migrations(version, name, checksum, applied_at_us) "
-                                 "VALUES (%s, %s, %s, ql_now_us())", (m.version, m.name, m.checksum))
+                    conn.execute(MIGRATION_RECORD, (m.version, m.name, m.checksum))
                 except psycopg.Error as e:      # its own lock waits too: a failed migration
                     raise UnavailableError(f"migration {m.version:04d}_{m.name} failed: "
                                            f"{str(e).splitlines()[0]}") from None
@@ -81,10 +80,7 @@ def migrate(conn) -> list[str]:
 def _holder(conn) -> str:
     """Who holds ``MIGRATION_LOCK`` (pg_locks: key split in two 32-bit halves), for the message."""
     key = MIGRATION_LOCK & 0xFFFFFFFFFFFFFFFF
-    rows = conn.execute("SELECT l.pid, a.application_name, a.client_addr::text, a.state FROM pg_locks l "
-                        "LEFT JOIN pg_stat_activity a USING (pid) WHERE l.locktype = 'advisory' AND l.granted "
-                        "AND l.classid = %s AND l.objid = %s AND l.objsubid = 1",
-                        (key >> 32, key & 0xFFFFFFFF)).fetchall()
+    rows = conn.execute(MIGRATION_LOCK_HOLDERS, (key >> 32, key & 0xFFFFFFFF)).fetchall()
     if not rows:
         return "a backend that has let go since"
     return ", ".join(f"backend pid {pid} ({app or 'no application_name'}, {addr or 'local'}, {state}; "
@@ -95,7 +91,7 @@ def check_capabilities(conn) -> dict[str, int]:
     """Readiness: the declared capabilities; UnavailableError if one this build needs is missing."""
     import psycopg
     try:
-        caps = dict(conn.execute("SELECT name, version FROM capabilities").fetchall())
+        caps = dict(conn.execute(CAPABILITIES).fetchall())
     except psycopg.errors.UndefinedTable:
         caps = {}
     for name, version in REQUIRED_CAPABILITIES.items():

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 from ...core.errors import UnavailableError
 from .connection import connect
+from .queries import NOTIFY
 
 CHANNEL = "qlagent_candidates"
 RECHECK_S = 0.5        # while LISTEN is down, a waiting Pull re-reads the queue this often (s)
@@ -88,7 +89,7 @@ class PgCandidateSignal:
         conn.execute(f"LISTEN {channel}")
         sender = connect(self._notify_url, autocommit=True)
         try:
-            sender.execute("SELECT pg_notify(%s, '')", (channel,))
+            sender.execute(NOTIFY, (channel,))
         finally:
             sender.close()
         deadline = time.monotonic() + PROBE_S

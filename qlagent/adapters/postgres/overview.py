@@ -5,6 +5,7 @@ queue, and Workers whose Sessions keep replacing each other."""
 from __future__ import annotations
 
 from .connection import read
+from .queries import OVERVIEW_CLIENTS, OVERVIEW_QUEUE, OVERVIEW_REPLICATION, OVERVIEW_SERVER, OVERVIEW_SESSION_CHURN
 
 # A Worker whose Sessions were replaced this often within the window: more than one process
 # says hello with one credential (each hello fences the other's Session).
@@ -19,22 +20,11 @@ def fleet_overview(pool) -> dict:
     Run, µs, or None), ``unplaceable`` (queued Runs with a ``run.unplaceable`` event), ``nowUs``,
     ``clashes`` [{name, replaced}]}. UnavailableError when the database does not answer."""
     def fn(cur):
-        db = cur.execute("SELECT pg_is_in_recovery() AS standby, current_setting('server_version') AS version,"
-                         " ql_now_us() AS now").fetchone()
-        standbys = cur.execute("SELECT application_name AS name, client_addr::text AS addr, state,"
-                               " extract(epoch FROM replay_lag)::float8 AS lag FROM pg_stat_replication"
-                               " ORDER BY 1").fetchall()
-        clients = cur.execute("SELECT coalesce(client_addr::text, 'local') AS addr, count(*) AS n FROM pg_stat_activity"
-                              " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-                              " AND backend_type = 'client backend' GROUP BY 1 ORDER BY 1").fetchall()
-        runs = cur.execute("SELECT count(*) AS queued, min(created_at_us) AS oldest,"
-                           " count(*) FILTER (WHERE EXISTS (SELECT 1 FROM run_events e WHERE e.run_id = r.run_id"
-                           "   AND e.type = 'run.unplaceable')) AS unplaceable"
-                           " FROM runs r WHERE r.state = 'queued'").fetchone()
-        clashes = cur.execute("SELECT w.name, count(*) AS replaced FROM worker_sessions s JOIN workers w"
-                              " ON w.worker_id = s.worker_id WHERE s.state = 'replaced' AND s.opened_at_us > %s"
-                              " AND w.state <> 'removed' GROUP BY w.name HAVING count(*) >= %s ORDER BY 1",
-                              (db["now"] - CLASH_WINDOW_US, CLASH_REPLACED)).fetchall()
+        db = cur.execute(OVERVIEW_SERVER).fetchone()
+        standbys = cur.execute(OVERVIEW_REPLICATION).fetchall()
+        clients = cur.execute(OVERVIEW_CLIENTS).fetchall()
+        runs = cur.execute(OVERVIEW_QUEUE).fetchone()
+        clashes = cur.execute(OVERVIEW_SESSION_CHURN, (db["now"] - CLASH_WINDOW_US, CLASH_REPLACED)).fetchall()
         return {"standby": db["standby"], "version": db["version"], "nowUs": db["now"],
                 "standbys": [{"name": s["name"], "addr": s["addr"], "state": s["state"], "replayLagS": s["lag"]}
                              for s in standbys],

@@ -13,6 +13,7 @@ import json
 
 from ...core.executors import EXECUTOR_LABEL
 from .connection import transaction
+from .queries import PLACEMENT_CHECKED, PLACEMENT_UNCHECKED_FOR_UPDATE, PLACEMENT_WORKER_FITS
 from .transitions import event, now_us
 
 
@@ -30,15 +31,11 @@ class PgPlacementReport:
 
         def tx(cur):
             rows = cur.execute(
-                "SELECT r.run_id, r.project_id, a.attempt_id, a.worker_executor, tr.definition_json FROM runs r"
-                " JOIN attempts a ON a.attempt_id = r.latest_attempt_id"
-                " JOIN task_revisions tr ON tr.task_id = r.task_id AND tr.revision = r.task_revision"
-                " WHERE r.state = 'queued' AND NOT r.placement_checked AND a.executor_type = 'remote_worker'"
-                " ORDER BY r.created_at_us LIMIT %s FOR UPDATE OF r SKIP LOCKED", (limit,)).fetchall()
+                PLACEMENT_UNCHECKED_FOR_UPDATE, (limit,)).fetchall()
             now, reported = now_us(cur), 0
             for r in rows:
                 definition = json.loads(r["definition_json"])
-                cur.execute("UPDATE runs SET placement_checked = true WHERE run_id = %s", (r["run_id"],))
+                cur.execute(PLACEMENT_CHECKED, (r["run_id"],))
                 grace_ms = definition.get("graceMs") or 0
                 if grace_ms > self._max_grace_ms:
                     event(cur, r["run_id"], "run.unplaceable", "control-plane",
@@ -48,9 +45,7 @@ class PgPlacementReport:
                     continue
                 required = dict((definition.get("placement") or {}).get("required") or {})
                 executor = required.pop(EXECUTOR_LABEL, r["worker_executor"])
-                possible = cur.execute("SELECT EXISTS (SELECT 1 FROM workers WHERE state <> 'removed'"
-                                       " AND labels @> %s AND %s = ANY(executor_types)"
-                                       " AND (projects = '{}' OR %s = ANY(projects))) AS ok",
+                possible = cur.execute(PLACEMENT_WORKER_FITS,
                                        (Jsonb(required), executor, r["project_id"])).fetchone()["ok"]
                 if not possible:
                     event(cur, r["run_id"], "run.unplaceable", "control-plane",

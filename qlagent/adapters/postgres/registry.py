@@ -8,6 +8,10 @@ from ...core.cluster import Enrolment, SessionGrant, WorkerInfo
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from .connection import read, transaction
+from .queries import (LEASES_CANCEL_REQUESTED, LEASES_RENEW, PROJECTS_BY_NAMES, SESSIONS_EXPIRE, SESSIONS_PRUNE,
+                      SESSION_HEARTBEAT, SESSION_INSERT, SESSION_OF_WORKER_FOR_NO_KEY_UPDATE, WORKERS_PAGE,
+                      WORKER_BY_CREDENTIAL_DIGEST, WORKER_BY_NAME_FOR_NO_KEY_UPDATE, WORKER_INSERT,
+                      WORKER_SESSION_CLEAR, WORKER_SESSION_SET, WORKER_STATE_SET)
 from .transitions import adopt_leases, authenticate, fence_sessions, now_us, stale_session
 
 # Ended Sessions a hello keeps per Worker (the newest; any a Lease names is kept too), and how
@@ -34,14 +38,12 @@ class PgWorkerRegistry:
         def tx(cur):
             now = now_us(cur)
             found = {r["name"]: r["project_id"] for r in cur.execute(
-                "SELECT name, project_id FROM projects WHERE name = ANY(%s)", (list(projects),)).fetchall()}
+                PROJECTS_BY_NAMES, (list(projects),)).fetchall()}
             for p in projects:
                 if p not in found:
                     raise NotFoundError(f"no Project named {p!r} (a Project exists once a Task is defined in it)",
                                         code="project_not_found")
-            cur.execute("INSERT INTO workers(worker_id, name, credential_digest, labels, executor_types, slots,"
-                        " state, enrolled_at_us, updated_at_us, projects)"
-                        " VALUES (%s, %s, %s, %s, %s, %s, 'active', %s, %s, %s)",
+            cur.execute(WORKER_INSERT,
                         (worker_id, name, credential_digest, Jsonb(labels), list(executor_types), slots, now, now,
                          [found[p] for p in projects]))
             return worker_id
@@ -66,8 +68,7 @@ class PgWorkerRegistry:
     def worker_for_credential(self, credential_digest: str) -> str | None:
         """The live Worker ID holding this credential digest, else None."""
         row = transaction(self._pool, lambda cur: cur.execute(
-            "SELECT worker_id FROM workers WHERE credential_digest = %s AND state <> 'removed'",
-            (credential_digest,)).fetchone())
+            WORKER_BY_CREDENTIAL_DIGEST, (credential_digest,)).fetchone())
         return None if row is None else row["worker_id"]
 
     def open_session(self, worker_id: str, credential_digest: str, labels: dict[str, str],
@@ -85,19 +86,13 @@ class PgWorkerRegistry:
             w = authenticate(cur, worker_id, credential_digest, lock=True)
             now = now_us(cur)
             gen = w["generation"] + 1
-            cur.execute("INSERT INTO worker_sessions(session_id, worker_id, generation, labels, executor_types, slots,"
-                        " state, opened_at_us, last_heartbeat_us, expires_at_us)"
-                        " VALUES (%s, %s, %s, %s, %s, %s, 'open', %s, %s, %s)",
+            cur.execute(SESSION_INSERT,
                         (session_id, worker_id, gen, Jsonb(labels), list(executor_types), slots, now, now,
                          now + ttl_us))
-            cur.execute("UPDATE workers SET generation = %s, current_session_id = %s, updated_at_us = %s "
-                        "WHERE worker_id = %s", (gen, session_id, now, worker_id))
+            cur.execute(WORKER_SESSION_SET, (gen, session_id, now, worker_id))
             adopted, refused = adopt_leases(cur, worker_id, session_id, gen, adopt, now)
             fence_sessions(cur, worker_id, session_id, "session_replaced", now)
-            cur.execute("DELETE FROM worker_sessions WHERE session_id IN (SELECT s.session_id FROM worker_sessions s"
-                        " WHERE s.worker_id = %s AND s.generation <= %s AND s.state <> 'open'"
-                        " AND NOT EXISTS (SELECT 1 FROM run_leases l WHERE l.session_id = s.session_id)"
-                        " ORDER BY s.generation LIMIT %s)", (worker_id, gen - SESSION_HISTORY, PRUNE_PER_HELLO))
+            cur.execute(SESSIONS_PRUNE, (worker_id, gen - SESSION_HISTORY, PRUNE_PER_HELLO))
             return SessionGrant(worker_id, session_id, gen, labels, executor_types, slots, now + ttl_us,
                                 tuple(adopted), tuple(refused))
         return transaction(self._pool, tx)
@@ -113,8 +108,7 @@ class PgWorkerRegistry:
         heartbeat_late past ``renew_until_us`` (database clock µs; the Worker gave up on it)."""
         def tx(cur):
             w = authenticate(cur, worker_id, credential_digest)
-            s = cur.execute("SELECT * FROM worker_sessions WHERE session_id = %s AND worker_id = %s"
-                            " FOR NO KEY UPDATE", (session_id, worker_id)).fetchone()
+            s = cur.execute(SESSION_OF_WORKER_FOR_NO_KEY_UPDATE, (session_id, worker_id)).fetchone()
             if s is None or s["generation"] != generation or w["generation"] != generation:
                 raise stale_session(session_id, generation, w)
             now = now_us(cur)
@@ -123,21 +117,12 @@ class PgWorkerRegistry:
             if renew_until_us is not None and now > renew_until_us:
                 raise ConflictError(f"heartbeat arrived {now - renew_until_us} µs after the Worker stopped waiting "
                                     "for it; nothing renewed", code="heartbeat_late")
-            cur.execute("UPDATE worker_sessions SET last_heartbeat_us = %s, expires_at_us = %s WHERE session_id = %s",
-                        (now, now + session_ttl_us, session_id))
+            cur.execute(SESSION_HEARTBEAT, (now, now + session_ttl_us, session_id))
             # Only the Leases the Worker names: one it let go must run out (issue 11 §6).
-            renewed = cur.execute("UPDATE run_leases l SET expires_at_us = %s FROM attempts a,"
-                                  " unnest(%s::text[], %s::bigint[]) AS h(attempt_id, lease_generation)"
-                                  " WHERE l.attempt_id = h.attempt_id AND l.lease_generation = h.lease_generation"
-                                  " AND l.session_id = %s AND l.state = 'active' AND a.attempt_id = l.attempt_id"
-                                  " AND a.state IN ('starting', 'running') AND l.expires_at_us > %s"
-                                  " RETURNING l.attempt_id, l.expires_at_us",
+            renewed = cur.execute(LEASES_RENEW,
                                   (now + lease_ttl_us, [a for a, _ in held], [g for _, g in held], session_id,
                                    now)).fetchall()
-            cancel = cur.execute("SELECT l.attempt_id FROM run_leases l JOIN runs r ON r.run_id = l.run_id"
-                                 " WHERE l.session_id = %s AND l.state = 'active'"
-                                 " AND r.cancel_requested_at_us IS NOT NULL ORDER BY l.attempt_id",
-                                 (session_id,)).fetchall()
+            cancel = cur.execute(LEASES_CANCEL_REQUESTED, (session_id,)).fetchall()
             return (now + session_ttl_us, [r["attempt_id"] for r in cancel],
                     sorted((r["attempt_id"], r["expires_at_us"]) for r in renewed))
         return transaction(self._pool, tx)
@@ -146,15 +131,13 @@ class PgWorkerRegistry:
         """``draining`` (no new claims; Leases run on), ``active`` (claims again: undoes a drain)
         or ``removed`` (Sessions closed, Leases fenced, name freed). Returns the Worker ID; NotFoundError for no live Worker of that name."""
         def tx(cur):
-            w = cur.execute("SELECT worker_id FROM workers WHERE name = %s AND state <> 'removed' FOR NO KEY UPDATE",
-                            (name,)).fetchone()
+            w = cur.execute(WORKER_BY_NAME_FOR_NO_KEY_UPDATE, (name,)).fetchone()
             if w is None:
                 raise NotFoundError(f"no Worker named {name!r}", code="worker_not_found")
             now = now_us(cur)
-            cur.execute("UPDATE workers SET state = %s, updated_at_us = %s WHERE worker_id = %s",
-                        (state, now, w["worker_id"]))
+            cur.execute(WORKER_STATE_SET, (state, now, w["worker_id"]))
             if state == "removed":
-                cur.execute("UPDATE workers SET current_session_id = NULL WHERE worker_id = %s", (w["worker_id"],))
+                cur.execute(WORKER_SESSION_CLEAR, (w["worker_id"],))
                 fence_sessions(cur, w["worker_id"], None, "worker_removed", now)
             return w["worker_id"]
         return transaction(self._pool, tx)
@@ -163,20 +146,11 @@ class PgWorkerRegistry:
         """Mark up to ``limit`` open Sessions past their expiry ``expired`` (offline); their Leases
         run out on their own expiry (the lease sweeper)."""
         return transaction(self._pool, lambda cur: cur.execute(
-            "UPDATE worker_sessions SET state = 'expired' WHERE session_id IN (SELECT session_id FROM worker_sessions"
-            " WHERE state = 'open' AND expires_at_us <= ql_now_us() ORDER BY expires_at_us LIMIT %s"
-            " FOR UPDATE SKIP LOCKED)", (limit,)).rowcount)
+            SESSIONS_EXPIRE, (limit,)).rowcount)
 
     def workers(self, limit: int, after: str | None = None) -> list[dict]:
         """Up to ``limit`` live Workers in name order: name, Worker ID, state online/draining/offline,
         generation, Session ID, last heartbeat (µs), slots, labels (as enrolled), free slots, the
         names of the Projects it is scoped to (empty: every Project)."""
         return transaction(self._pool, lambda cur: cur.execute(
-            "SELECT w.name, w.worker_id, w.generation, s.session_id, s.last_heartbeat_us, w.slots, w.labels,"
-            " ARRAY(SELECT p.name FROM projects p WHERE p.project_id = ANY(w.projects) ORDER BY p.name) AS projects,"
-            " CASE WHEN s.state = 'open' AND s.expires_at_us > ql_now_us()"
-            "      THEN CASE w.state WHEN 'draining' THEN 'draining' ELSE 'online' END ELSE 'offline' END AS state,"
-            " coalesce(s.slots, w.slots) - (SELECT count(*) FROM run_leases l WHERE l.worker_id = w.worker_id"
-            "      AND l.state = 'active') AS free_slots"
-            " FROM workers w LEFT JOIN worker_sessions s ON s.session_id = w.current_session_id"
-            " WHERE w.state <> 'removed' AND w.name > %s ORDER BY w.name LIMIT %s", (after or "", limit)).fetchall())
+            WORKERS_PAGE, (after or "", limit)).fetchall())

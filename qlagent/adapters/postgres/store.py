@@ -36,6 +36,7 @@ from . import runs as pg_runs
 from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
 from .dialect import POSTGRES
 from .execution import candidate_page
+from .queries import CLOCK_US, IS_STANDBY
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
@@ -215,8 +216,7 @@ def diagnose(url: str) -> list[tuple[str, bool, str]]:
 
 def _clock_check(conn) -> tuple[str, bool, str]:
     """This host's clock against the database's (issue 21 §4): not ok beyond ``SKEW_BOUND_US``."""
-    clock = DatabaseClock(lambda: conn.execute(
-        "SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint").fetchone()[0])
+    clock = DatabaseClock(lambda: conn.execute(CLOCK_US).fetchone()[0])
     if not clock.sync():
         return ("clock", True, "not measured: the database answered too slowly")
     offset = "%+.3f s" % (clock.offset_us / 1e6)
@@ -228,7 +228,7 @@ def _clock_check(conn) -> tuple[str, bool, str]:
 
 def _diagnose(conn, dict_row) -> list[tuple[str, bool, str]]:
     from ...core.errors import QlError
-    standby = conn.execute("SELECT pg_is_in_recovery()").fetchone()[0]
+    standby = conn.execute(IS_STANDBY).fetchone()[0]
     out = [("database", not standby, "a standby (read-only): the authority is the primary" if standby
             else "reachable, primary (read-write)")]
     out.append(_clock_check(conn))

@@ -12,26 +12,28 @@ from ...core.cluster import AdoptedLease, AdoptRefusal, AttemptEnd, LeaseFence, 
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from ...core.models import RetryPolicy
+from .queries import (DB_NOW, LEASES_OF_OTHER_SESSIONS_FOR_UPDATE, LEASE_ADOPT, LEASE_ATTEMPT_RUN_FOR_NO_KEY_UPDATE,
+                      LEASE_END, LEASE_OF_WORKER_FOR_UPDATE, LEASE_TO_ADOPT_FOR_UPDATE,
+                      RUN_CANCEL_TASK_FOR_NO_KEY_UPDATE, RUN_END, RUN_EVENT_INSERT, RUN_NEXT_EVENT_SEQUENCE,
+                      RUN_REQUEUE_DISPATCHING, RUN_REQUEUE_RETRY, RUN_RETRY_DEFINITION, SESSIONS_CLOSE_OTHERS,
+                      WORKER_ATTEMPT_END, WORKER_ATTEMPT_RETRY_INSERT, WORKER_BY_CREDENTIAL,
+                      WORKER_BY_CREDENTIAL_FOR_NO_KEY_UPDATE)
 from .runs import set_holds
 
 
 def now_us(cur) -> int:
-    return cur.execute("SELECT ql_now_us() AS now").fetchone()["now"]
+    return cur.execute(DB_NOW).fetchone()["now"]
 
 
 def event(cur, run_id: str, type_: str, actor: str, payload: dict, now: int) -> None:
     """Append one RunEvent (payload: identities, fences and figures only)."""
     from psycopg.types.json import Jsonb
-    seq = cur.execute("UPDATE runs SET event_sequence = event_sequence + 1 WHERE run_id = %s "
-                      "RETURNING event_sequence", (run_id,)).fetchone()["event_sequence"]
-    cur.execute("INSERT INTO run_events(run_id, sequence, event_id, type, actor, payload_json, created_at_us) "
-                "VALUES (%s, %s, %s, %s, %s, %s, %s)", (run_id, seq, new_id(), type_, actor, Jsonb(payload), now))
+    seq = cur.execute(RUN_NEXT_EVENT_SEQUENCE, (run_id,)).fetchone()["event_sequence"]
+    cur.execute(RUN_EVENT_INSERT, (run_id, seq, new_id(), type_, actor, Jsonb(payload), now))
 
 
 def _retry_policy(cur, run_id: str) -> RetryPolicy | None:
-    row = cur.execute("SELECT tr.definition_json FROM runs r JOIN task_revisions tr "
-                      "ON tr.task_id = r.task_id AND tr.revision = r.task_revision WHERE r.run_id = %s",
-                      (run_id,)).fetchone()
+    row = cur.execute(RUN_RETRY_DEFINITION, (run_id,)).fetchone()
     if row is None:
         return None
     retry = json.loads(row["definition_json"]).get("retry") or {}
@@ -44,31 +46,24 @@ def finish_attempt(cur, run_id: str, attempt_id: str, attempt_state: str, actor:
     Run's new state (``queued`` when a new claimed Attempt follows)."""
     f = figures or {}
     a = cur.execute(
-        "UPDATE attempts SET state = %s, ended_at_us = %s, failure_reason = %s, exit_code = %s, exit_signal = %s,"
-        " bytes_kept = %s, bytes_dropped = %s, peak_rss_bytes = %s, cpu_time_us = %s, version = version + 1"
-        " WHERE attempt_id = %s RETURNING attempt_no, worker_executor",
+        WORKER_ATTEMPT_END,
         (attempt_state, now, failure_reason, f.get("exit_code"), f.get("signal"), f.get("bytes_kept"),
          f.get("bytes_dropped"), f.get("peak_rss_bytes"), f.get("cpu_time_us"), attempt_id)).fetchone()
-    run = cur.execute("SELECT cancel_requested_at_us, task_id FROM runs WHERE run_id = %s FOR NO KEY UPDATE",
-                      (run_id,)).fetchone()
+    run = cur.execute(RUN_CANCEL_TASK_FOR_NO_KEY_UPDATE, (run_id,)).fetchone()
     decision = decide_after_attempt(AttemptEnd(attempt_state, a["attempt_no"], _retry_policy(cur, run_id),
                                                run["cancel_requested_at_us"] is not None))
     event(cur, run_id, f"attempt.{attempt_state}", actor,
           {"attemptId": attempt_id, **({"reason": failure_reason} if failure_reason else {})}, now)
     if decision.retry:
         nxt = new_id()
-        cur.execute("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, worker_executor,"
-                    " not_before_us, created_at_us) VALUES (%s, %s, %s, 'claimed', 'remote_worker', %s, %s, %s)",
+        cur.execute(WORKER_ATTEMPT_RETRY_INSERT,
                     (nxt, run_id, a["attempt_no"] + 1, a["worker_executor"], now + decision.backoff_ms * 1000, now))
-        cur.execute("UPDATE runs SET state = 'queued', latest_attempt_id = %s, latest_attempt_created_at_us = %s,"
-                    " version = version + 1, updated_at_us = %s WHERE run_id = %s", (nxt, now, now, run_id))
+        cur.execute(RUN_REQUEUE_RETRY, (nxt, now, now, run_id))
         event(cur, run_id, "run.retrying", actor, {"attemptId": nxt, "attemptNo": a["attempt_no"] + 1,
                                                    "notBeforeUs": now + decision.backoff_ms * 1000}, now)
         set_holds(cur, run["task_id"])
         return "queued"
-    cur.execute("UPDATE runs SET state = %s, exit_code = %s, exit_signal = %s, ended_at_us = %s,"
-                " version = version + 1, updated_at_us = %s WHERE run_id = %s",
-                (decision.run_state, f.get("exit_code"), f.get("signal"), now, now, run_id))
+    cur.execute(RUN_END, (decision.run_state, f.get("exit_code"), f.get("signal"), now, now, run_id))
     event(cur, run_id, f"run.{decision.run_state}", actor, {"attemptId": attempt_id}, now)
     set_holds(cur, run["task_id"])     # the Task's single instance is free again
     return decision.run_state
@@ -79,18 +74,14 @@ def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
     the Run is queued again for a new offer (or cancelled when asked); ``starting``/``running``
     → the Attempt is ``lost`` (the Worker may have started it: never offered twice) and the
     retry policy decides. Returns the Run's new state."""
-    cur.execute("UPDATE run_leases SET state = %s, ended_at_us = %s WHERE attempt_id = %s AND lease_generation = %s",
-                (lease_state, now, lease["attempt_id"], lease["lease_generation"]))
-    a = cur.execute("SELECT a.state, r.cancel_requested_at_us FROM attempts a JOIN runs r ON r.run_id = a.run_id "
-                    "WHERE a.attempt_id = %s FOR NO KEY UPDATE OF a, r", (lease["attempt_id"],)).fetchone()
+    cur.execute(LEASE_END, (lease_state, now, lease["attempt_id"], lease["lease_generation"]))
+    a = cur.execute(LEASE_ATTEMPT_RUN_FOR_NO_KEY_UPDATE, (lease["attempt_id"],)).fetchone()
     facts = {"attemptId": lease["attempt_id"], "leaseGeneration": lease["lease_generation"], "reason": reason}
     if a["state"] == "claimed":
         if a["cancel_requested_at_us"] is not None:
             return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "cancelled", "control-plane", now,
                                   failure_reason=reason)
-        requeued = cur.execute("UPDATE runs SET state = 'queued', version = version + 1, updated_at_us = %s "
-                               "WHERE run_id = %s AND state = 'dispatching' RETURNING task_id",
-                               (now, lease["run_id"])).fetchone()
+        requeued = cur.execute(RUN_REQUEUE_DISPATCHING, (now, lease["run_id"])).fetchone()
         event(cur, lease["run_id"], "run.requeued", "control-plane", facts, now)
         if requeued is not None:
             set_holds(cur, requeued["task_id"])
@@ -104,12 +95,8 @@ def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
 def fence_sessions(cur, worker_id: str, keep_session: str | None, reason: str, now: int) -> int:
     """Close every other open Session of the Worker and fence its active Leases; return how many
     Leases were fenced."""
-    cur.execute("UPDATE worker_sessions SET state = %s WHERE worker_id = %s AND state = 'open' "
-                "AND session_id IS DISTINCT FROM %s",
-                ("replaced" if keep_session else "closed", worker_id, keep_session))
-    leases = cur.execute("SELECT * FROM run_leases WHERE worker_id = %s AND state = 'active' "
-                         "AND session_id IS DISTINCT FROM %s ORDER BY attempt_id FOR UPDATE",
-                         (worker_id, keep_session)).fetchall()
+    cur.execute(SESSIONS_CLOSE_OTHERS, ("replaced" if keep_session else "closed", worker_id, keep_session))
+    leases = cur.execute(LEASES_OF_OTHER_SESSIONS_FOR_UPDATE, (worker_id, keep_session)).fetchall()
     for lease in leases:
         end_lease(cur, lease, "fenced", reason, now)
     return len(leases)
@@ -125,10 +112,7 @@ def adopt_leases(cur, worker_id: str, session_id: str, generation: int, claims, 
     ``fence_sessions`` then ends the Lease if it is still active)."""
     adopted, refused = [], []
     for attempt_id, lease_generation, digest in claims:
-        row = cur.execute("SELECT l.*, a.state AS attempt_state, r.cancel_requested_at_us FROM run_leases l"
-                          " JOIN attempts a ON a.attempt_id = l.attempt_id JOIN runs r ON r.run_id = l.run_id"
-                          " WHERE l.attempt_id = %s AND l.lease_generation = %s AND l.worker_id = %s"
-                          " FOR UPDATE OF l", (attempt_id, lease_generation, worker_id)).fetchone()
+        row = cur.execute(LEASE_TO_ADOPT_FOR_UPDATE, (attempt_id, lease_generation, worker_id)).fetchone()
         reason = None
         if row is None:
             reason = "lease_not_found"              # also another Worker's Lease: nothing said about it
@@ -145,9 +129,7 @@ def adopt_leases(cur, worker_id: str, session_id: str, generation: int, claims, 
         if reason is not None:
             refused.append(AdoptRefusal(attempt_id, lease_generation, reason))
             continue
-        cur.execute("UPDATE run_leases SET session_id = %s, worker_generation = %s"
-                    " WHERE attempt_id = %s AND lease_generation = %s",
-                    (session_id, generation, attempt_id, lease_generation))
+        cur.execute(LEASE_ADOPT, (session_id, generation, attempt_id, lease_generation))
         event(cur, row["run_id"], "lease.adopted", f"worker:{worker_id}",
               {"attemptId": attempt_id, "leaseGeneration": lease_generation, "sessionId": session_id,
                "generation": generation, "fromGeneration": row["worker_generation"]}, now)
@@ -157,9 +139,8 @@ def adopt_leases(cur, worker_id: str, session_id: str, generation: int, claims, 
 
 def authenticate(cur, worker_id: str, credential_digest: str, *, lock: bool = False) -> dict:
     """The Worker row for this credential; WorkerAuthError unless it names this live Worker."""
-    # NO KEY UPDATE: a concurrent claim's foreign-key check (KEY SHARE) on this row must not wait.
-    row = cur.execute("SELECT * FROM workers WHERE worker_id = %s AND credential_digest = %s AND state <> 'removed'"
-                      + (" FOR NO KEY UPDATE" if lock else ""), (worker_id, credential_digest)).fetchone()
+    row = cur.execute(WORKER_BY_CREDENTIAL_FOR_NO_KEY_UPDATE if lock else WORKER_BY_CREDENTIAL,
+                      (worker_id, credential_digest)).fetchone()
     if row is None:
         raise WorkerAuthError("worker credential does not match this Worker ID")
     return row
@@ -177,8 +158,7 @@ def fenced_lease(cur, f: LeaseFence) -> tuple[dict, dict]:
     worker = authenticate(cur, f.worker_id, f.credential_digest)
     if worker["generation"] != f.generation:
         raise stale_session(f.session_id, f.generation, worker)
-    lease = cur.execute("SELECT * FROM run_leases WHERE attempt_id = %s AND lease_generation = %s AND worker_id = %s "
-                        "FOR UPDATE", (f.attempt_id, f.lease_generation, f.worker_id)).fetchone()
+    lease = cur.execute(LEASE_OF_WORKER_FOR_UPDATE, (f.attempt_id, f.lease_generation, f.worker_id)).fetchone()
     if lease is None:
         raise NotFoundError("no such Lease for this Worker", code="lease_not_found")
     if lease["token_digest"] != f.token_digest:

@@ -41,6 +41,10 @@ from ...core.inbox_states import (InboxState, InboxEntry, InboxFull, InboxOffer,
 from ...core.profiles import Profile
 from ..migration_files import read_migrations
 from . import migrations
+from .inbox_queries import (KEPT_ORPHANS, KEPT_ORPHANS_TRIM, KEPT_ORPHAN_DELETE, KEPT_ORPHAN_PUT,
+                            MIGRATION_HISTORY_EXISTS, OFFER, OFFERS_ACKED, OFFERS_OPEN, OFFERS_OPEN_COUNT,
+                            OFFERS_USAGE, OFFER_CONFLICT, OFFER_DELETE, OFFER_INSERT, OFFER_MOVE,
+                            OFFER_MOVE_WITH_OUTCOME, PENDING_PULL, PENDING_PULL_DELETE, PENDING_PULL_PUT)
 
 FILENAME = "inbox.sqlite3"
 KEPT_ORPHANS_MAX = 256
@@ -49,10 +53,6 @@ WAL_CHECKPOINT_PAGES = 64
 WAL_LIMIT_BYTES = 262_144
 
 _MIGRATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "inbox_migrations")
-
-_COLS = ("offer_id, attempt_id, session_id, generation, lease_generation, lease_expires_at_us, lease_token, "
-         "spec_digest, spec_json, state, outcome_json, received_at_us, updated_at_us, conflicts, pull_id")
-
 
 def _now_us() -> int:
     return time.time_ns() // 1_000
@@ -108,7 +108,7 @@ class SqliteInbox:
         version = self._c.execute("PRAGMA user_version").fetchone()[0]
         if not 0 <= version <= latest:
             raise StoreIntegrityError(f"inbox {self.path}: schema version {version}, this build knows {latest}")
-        if version and not self._c.execute("SELECT 1 FROM sqlite_master WHERE name = 'schema_migrations'").fetchone():
+        if version and not self._c.execute(MIGRATION_HISTORY_EXISTS).fetchone():
             migrations.adopt_history(self._c, [m for m in known if m.version <= version])
         migrations.migrate(self._c, known)
         if version != latest:
@@ -132,49 +132,43 @@ class SqliteInbox:
         check_pull(session_id, generation, pull_id, lease_token)
 
         def tx(c: sqlite3.Connection) -> PendingPull:
-            row = c.execute("SELECT session_id, generation, pull_id, lease_token, body FROM pending_pull").fetchone()
+            row = c.execute(PENDING_PULL).fetchone()
             if row is not None and row[0] == session_id and row[1] == generation:
                 return PendingPull(session_id=row[0], generation=row[1], pull_id=row[2], lease_token=row[3],
                                    body=bytes(row[4]))
             # Another Session's request is dead: its Leases are fenced by the control plane.
             body = pull_body(session_id, generation, pull_id, lease_token)
-            c.execute("INSERT OR REPLACE INTO pending_pull VALUES (1, ?, ?, ?, ?, ?, ?)",
-                      (session_id, generation, pull_id, lease_token, body, self._now()))
+            c.execute(PENDING_PULL_PUT, (session_id, generation, pull_id, lease_token, body, self._now()))
             return PendingPull(session_id=session_id, generation=generation, pull_id=pull_id,
                                lease_token=lease_token, body=body)
         return self._tx(tx)
 
     def end_pull(self, pull_id: str) -> None:
-        self._tx(lambda c: c.execute("DELETE FROM pending_pull WHERE pull_id = ?", (pull_id,)))
+        self._tx(lambda c: c.execute(PENDING_PULL_DELETE, (pull_id,)))
 
     # -- offers
     def receive(self, offer: InboxOffer, pull_id: str | None = None) -> tuple[InboxEntry, bool]:
         data = check_offer(offer, self.max_bytes)
 
         def tx(c: sqlite3.Connection):
-            row = c.execute(f"SELECT {_COLS} FROM offers WHERE offer_id = ?", (offer.offer_id,)).fetchone()
+            row = c.execute(OFFER, (offer.offer_id,)).fetchone()
             if row is not None:
                 kept = _entry(row)
                 reason = same_offer(kept.offer, offer)
                 if reason is not None:
                     # Reported on the kept row (a count and the refused digest, no content).
-                    c.execute("UPDATE offers SET conflicts = conflicts + 1, last_conflict_digest = ?, "
-                              "last_conflict_at_us = ? WHERE offer_id = ?",
-                              (offer.spec_digest, self._now(), offer.offer_id))
+                    c.execute(OFFER_CONFLICT, (offer.spec_digest, self._now(), offer.offer_id))
                     return OfferConflict(offer.offer_id, reason)
                 if pull_id is not None:
-                    c.execute("DELETE FROM pending_pull WHERE pull_id = ?", (pull_id,))
+                    c.execute(PENDING_PULL_DELETE, (pull_id,))
                 return kept, False
             self._make_room(c, len(data))
             now = self._now()
-            c.execute("INSERT INTO offers (offer_id, attempt_id, session_id, generation, lease_generation, "
-                      "lease_expires_at_us, lease_token, spec_digest, spec_json, spec_bytes, state, "
-                      "received_at_us, updated_at_us, pull_id) VALUES (?,?,?,?,?,?,?,?,?,?,'received',?,?,?)",
-                      (offer.offer_id, offer.attempt_id, offer.session_id, offer.generation,
+            c.execute(OFFER_INSERT, (offer.offer_id, offer.attempt_id, offer.session_id, offer.generation,
                        offer.lease_generation, offer.lease_expires_at_us, offer.lease_token, offer.spec_digest,
                        data, len(data), now, now, pull_id))
             if pull_id is not None:
-                c.execute("DELETE FROM pending_pull WHERE pull_id = ?", (pull_id,))
+                c.execute(PENDING_PULL_DELETE, (pull_id,))
             return InboxEntry(offer=offer, state=InboxState.RECEIVED, outcome=None, received_at_us=now,
                               updated_at_us=now, pull_id=pull_id), True
 
@@ -186,8 +180,8 @@ class SqliteInbox:
     def _make_room(self, c: sqlite3.Connection, need: int) -> None:
         """Prune acknowledged rows, oldest first, until one more row of ``need`` spec bytes fits;
         raise InboxFull (the transaction rolls back, so nothing is pruned either) if it cannot."""
-        rows, used = c.execute("SELECT count(*), coalesce(sum(spec_bytes), 0) FROM offers").fetchone()
-        acked = c.execute("SELECT seq, spec_bytes FROM offers WHERE state = 'acked' ORDER BY seq").fetchall()
+        rows, used = c.execute(OFFERS_USAGE).fetchone()
+        acked = c.execute(OFFERS_ACKED).fetchall()
         drop = []
         for seq, size in acked:
             if rows < self.max_rows and used + need <= self.max_bytes:
@@ -200,7 +194,7 @@ class SqliteInbox:
         if used + need > self.max_bytes:
             raise InboxFull(f"the inbox holds {used} bytes of unacknowledged specs; {need} more is over its cap",
                             field="inboxBytes", limit=self.max_bytes)
-        c.executemany("DELETE FROM offers WHERE seq = ?", [(s,) for s in drop])
+        c.executemany(OFFER_DELETE, [(s,) for s in drop])
 
     def advance(self, offer_id: str, state: str, outcome: dict | None = None, *,
                 keep_orphans: bool = False) -> InboxEntry:
@@ -211,46 +205,41 @@ class SqliteInbox:
         data = check_outcome(outcome) if outcome is not None else None
 
         def tx(c: sqlite3.Connection) -> InboxEntry:
-            row = c.execute(f"SELECT {_COLS} FROM offers WHERE offer_id = ?", (offer_id,)).fetchone()
+            row = c.execute(OFFER, (offer_id,)).fetchone()
             if row is None:
                 raise NotFoundError(f"offerId {offer_id}: not in the inbox", field="offerId")
             kept = _entry(row)
             check_transition(kept.state, state)
             now = self._now()
             if data is not None:
-                c.execute("UPDATE offers SET state = ?, outcome_json = ?, updated_at_us = ? WHERE offer_id = ?",
-                          (state, data, now, offer_id))
+                c.execute(OFFER_MOVE_WITH_OUTCOME, (state, data, now, offer_id))
             else:
-                c.execute("UPDATE offers SET state = ?, updated_at_us = ? WHERE offer_id = ?", (state, now, offer_id))
+                c.execute(OFFER_MOVE, (state, now, offer_id))
             if keep_orphans:
                 # In the commit that closes the row: no moment when neither names the Attempt.
-                c.execute("INSERT OR REPLACE INTO kept_orphans VALUES (?, ?)", (kept.offer.attempt_id, now))
-                c.execute("DELETE FROM kept_orphans WHERE attempt_id NOT IN (SELECT attempt_id FROM kept_orphans "
-                          "ORDER BY kept_at_us DESC, rowid DESC LIMIT ?)", (KEPT_ORPHANS_MAX,))
+                c.execute(KEPT_ORPHAN_PUT, (kept.offer.attempt_id, now))
+                c.execute(KEPT_ORPHANS_TRIM, (KEPT_ORPHANS_MAX,))
             return msgspec.structs.replace(kept, state=state, updated_at_us=now,
                                            outcome=outcome if outcome is not None else kept.outcome)
         return self._tx(tx)
 
     def get(self, offer_id: str) -> InboxEntry | None:
-        row = self._c.execute(f"SELECT {_COLS} FROM offers WHERE offer_id = ?", (offer_id,)).fetchone()
+        row = self._c.execute(OFFER, (offer_id,)).fetchone()
         return _entry(row) if row is not None else None
 
     def open_entries(self) -> list[InboxEntry]:
-        marks = ",".join("?" * len(InboxState.OPEN))
-        rows = self._c.execute(f"SELECT {_COLS} FROM offers WHERE state IN ({marks}) ORDER BY seq",
-                               tuple(sorted(InboxState.OPEN))).fetchall()
+        rows = self._c.execute(OFFERS_OPEN, tuple(sorted(InboxState.OPEN))).fetchall()
         return [_entry(r) for r in rows]
 
     def kept_orphans(self) -> set[str]:
-        return {r[0] for r in self._c.execute("SELECT attempt_id FROM kept_orphans")}
+        return {r[0] for r in self._c.execute(KEPT_ORPHANS)}
 
     def forget_orphans(self, attempt_ids) -> None:
         if attempt_ids:
-            self._tx(lambda c: c.executemany("DELETE FROM kept_orphans WHERE attempt_id = ?",
-                                             [(a,) for a in attempt_ids]))
+            self._tx(lambda c: c.executemany(KEPT_ORPHAN_DELETE, [(a,) for a in attempt_ids]))
 
     def usage(self) -> tuple[int, int]:
-        rows, used = self._c.execute("SELECT count(*), coalesce(sum(spec_bytes), 0) FROM offers").fetchone()
+        rows, used = self._c.execute(OFFERS_USAGE).fetchone()
         return rows, used
 
 
@@ -291,10 +280,8 @@ def diagnose(path: str, max_rows: int, max_bytes: int) -> tuple[bool, str]:
         check = [r[0] for r in c.execute("PRAGMA quick_check")]
         if check != ["ok"]:
             return False, f"{path}: quick_check: {'; '.join(check[:3])}"
-        rows, used = c.execute("SELECT count(*), coalesce(sum(spec_bytes), 0) FROM offers").fetchone()
-        marks = ",".join("?" * len(InboxState.OPEN))
-        open_rows = c.execute(f"SELECT count(*) FROM offers WHERE state IN ({marks})",
-                              tuple(sorted(InboxState.OPEN))).fetchone()[0]
+        rows, used = c.execute(OFFERS_USAGE).fetchone()
+        open_rows = c.execute(OFFERS_OPEN_COUNT, tuple(sorted(InboxState.OPEN))).fetchone()[0]
     except sqlite3.Error as e:
         return False, f"{path}: {e}"
     finally:

@@ -16,6 +16,8 @@ import time
 
 from ...core.errors import UnavailableError
 from ..migration_files import Migration, pending, read_migrations
+from .migration_queries import (CAPABILITIES, MIGRATION_APPLY, MIGRATION_RECORD, MIGRATIONS_APPLIED,
+                               MIGRATIONS_TABLE_CREATE)
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
 
@@ -29,10 +31,8 @@ def known_migrations() -> list[Migration]:
 
 
 def _history(conn: sqlite3.Connection) -> list[tuple[int, str, str]]:
-    conn.execute("""CREATE TABLE IF NOT EXISTS schema_migrations (
-        version INTEGER PRIMARY KEY, name TEXT NOT NULL, checksum TEXT NOT NULL,
-        applied_at_us INTEGER NOT NULL)""")
-    return [tuple(r) for r in conn.execute("SELECT version, name, checksum FROM schema_migrations ORDER BY version")]
+    conn.execute(MIGRATIONS_TABLE_CREATE)
+    return [tuple(r) for r in conn.execute(MIGRATIONS_APPLIED)]
 
 
 def verify_history(conn: sqlite3.Connection, known: list[Migration]) -> list[Migration]:
@@ -52,10 +52,8 @@ def migrate(conn: sqlite3.Connection, known: list[Migration] | None = None) -> l
     applied = []
     for m in pending:
         try:
-            conn.executescript(
-                "BEGIN IMMEDIATE;\n" + m.sql +
-                f"\n;INSERT INTO schema_migrations(version, name, checksum, applied_at_us) "
-                f"VALUES ({m.version}, '{m.name}', '{m.checksum}', {time.time_ns() // 1000});\nCOMMIT;")
+            conn.executescript(MIGRATION_APPLY.format(sql=m.sql, version=m.version, name=m.name, checksum=m.checksum,
+                                                      applied_at_us=time.time_ns() // 1000))
         except sqlite3.Error as e:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -70,8 +68,7 @@ def adopt_history(conn: sqlite3.Connection, done: list[Migration]) -> None:
     _history(conn)
     conn.execute("BEGIN IMMEDIATE")
     try:
-        conn.executemany("INSERT INTO schema_migrations(version, name, checksum, applied_at_us) VALUES (?, ?, ?, ?)",
-                         [(m.version, m.name, m.checksum, time.time_ns() // 1000) for m in done])
+        conn.executemany(MIGRATION_RECORD, [(m.version, m.name, m.checksum, time.time_ns() // 1000) for m in done])
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
@@ -81,7 +78,7 @@ def adopt_history(conn: sqlite3.Connection, done: list[Migration]) -> None:
 def check_capabilities(conn: sqlite3.Connection) -> dict[str, int]:
     """Readiness: return the declared capabilities; raise UnavailableError if one is missing."""
     try:
-        caps = {r[0]: r[1] for r in conn.execute("SELECT name, version FROM capabilities")}
+        caps = {r[0]: r[1] for r in conn.execute(CAPABILITIES)}
     except sqlite3.OperationalError:
         caps = {}
     for name, version in REQUIRED_CAPABILITIES.items():
