@@ -12,11 +12,16 @@ import qlagent
 from qlagent.core.states import AttemptState, RunState
 
 ROOT = os.path.dirname(qlagent.__file__)
-PACKAGES = ("http", "cli", "application", "dispatch", "execution", "service", "fleet", "cluster", "worker")
-# The same words that are not a state: a count in `qlagent status`'s JSON, the Worker's start
-# error code for a cancelled start, a journal counter of re-attach, a claim's outcome.
+PACKAGES = ("http", "cli", "application", "dispatch", "execution", "service", "fleet", "cluster", "worker",
+            "adapters", "core")
+# The same words that are not a state: counts in `qlagent status`'s JSON, the Worker's start
+# error code for a cancelled start, a journal counter of re-attach.
 NOT_STATES = {("cli/status.py", "queued"), ("fleet/spawn.py", "cancelled"), ("fleet/recovery.py", "lost"),
-              ("cluster/dispatcher.py", "claimed")}
+              ("adapters/postgres/overview.py", "queued"),
+              # the wire values of ACK kinds, claim outcomes and a completed inbox row's outcome
+              ("core/cluster.py", "starting"), ("core/cluster.py", "running"), ("core/cluster.py", "claimed"),
+              ("core/inbox_states.py", "lost")}
+STATE_MODULE = "core/states.py"
 NAMES = frozenset(RunState.ALL_CLUSTER) | frozenset(AttemptState.ALL)
 
 
@@ -37,7 +42,7 @@ def test_no_state_name_is_a_string_literal_outside_the_state_modules():
         for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
             for f in sorted(files):
                 rel = os.path.relpath(os.path.join(dirpath, f), ROOT)
-                if f.endswith(".py"):
+                if f.endswith(".py") and rel != STATE_MODULE:
                     found += [f"qlagent/{rel}:{line}: {word!r}" for line, word in literals(os.path.join(dirpath, f))
                               if (rel, word) not in NOT_STATES]
     assert found == []

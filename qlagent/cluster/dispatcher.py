@@ -25,7 +25,7 @@ from collections.abc import Callable
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import ClaimOutcome, ClusterCandidate, Lease, Page, PlanSource, PullUnit, WorkerSnapshot
+from ..core.cluster import ClaimOutcome, ClaimStatus, ClusterCandidate, Lease, Page, PlanSource, PullUnit, WorkerSnapshot
 from ..core.errors import ValidationError
 from ..core.leasefit import check_lease_ttl
 from .execspec import ExecutionSpec, sanitize, spec_digest
@@ -180,9 +180,9 @@ class CandidateClaimer:
             n.claim_tries += 1
             token = token_for(c, w)
             out: ClaimOutcome = store.claim(c, w, sha256_hex(token.encode()), self.b.lease_ttl_s * 1_000_000, pull_id)
-            if out.status == "claimed":
+            if out.status == ClaimStatus.CLAIMED:
                 return build_offer(c, out.lease, spec, token, "new_claim", score)
-            if out.status == "attempt_unavailable":
+            if out.status == ClaimStatus.ATTEMPT_UNAVAILABLE:
                 return n.skip("attempt_unavailable")
             # The Worker went away or filled up after the snapshot: not for the rest of the cycle.
             snapshot[:] = [x for x in snapshot if x.worker_id != w.worker_id]

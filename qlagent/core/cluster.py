@@ -96,6 +96,14 @@ class Page(msgspec.Struct, frozen=True):
     next_cursor: tuple | None = None
 
 
+class ClaimStatus:
+    """``ClaimOutcome.status`` values."""
+
+    CLAIMED = "claimed"
+    WORKER_UNAVAILABLE = "worker_unavailable"
+    ATTEMPT_UNAVAILABLE = "attempt_unavailable"
+
+
 class ClaimOutcome(msgspec.Struct, frozen=True):
     """``claimed`` (with ``lease``); ``worker_unavailable`` (Session replaced/expired/draining or
     no free slot: another Worker may be tried); ``attempt_unavailable`` (leased, cancelled or the

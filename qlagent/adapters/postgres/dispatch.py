@@ -19,10 +19,11 @@ import threading
 
 import msgspec
 
-from ...core.cluster import ClaimOutcome, ClusterCandidate, DispatchPlan, Lease, Page, WorkerSnapshot
+from ...core.cluster import ClaimOutcome, ClaimStatus, ClusterCandidate, DispatchPlan, Lease, Page, WorkerSnapshot
 from ...core.errors import ConflictError
 from ...core.ids import new_id
 from ...core.profiles import Profile
+from ...core.states import AttemptState
 from .connection import read, transaction
 from .queries import (DB_NOW, LEASE_ACTIVE_ATTEMPT_FOR_UPDATE, LEASE_CLAIM, LEASE_COMPLETE, OCCUPYING, OFFER_DEFINITION,
                       PULL_CANDIDATE_PAGE, PULL_CANDIDATE_PAGE_AFTER, PULL_CANDIDATE_PAGE_SCOPED,
@@ -91,8 +92,8 @@ def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease
         # Task: the Runs this claimer locked (which that claim could not hold) wait too.
         set_holds(cur, c.task_id)
     if row is None:
-        return ClaimOutcome("attempt_unavailable", "run_changed")
-    return ClaimOutcome("claimed", lease=Lease(c.attempt_id, c.run_id, row["lease_generation"], w.worker_id,
+        return ClaimOutcome(ClaimStatus.ATTEMPT_UNAVAILABLE, "run_changed")
+    return ClaimOutcome(ClaimStatus.CLAIMED, lease=Lease(c.attempt_id, c.run_id, row["lease_generation"], w.worker_id,
                                                w.session_id, w.generation, token_digest, "active", now,
                                                now + lease_ttl_us, pull_id))
 
@@ -135,11 +136,11 @@ class PgDispatchStore:
         ``attempt.start_failed`` (payload ``reason``) then ``run.failed`` or ``run.retrying``."""
         def tx(cur):
             lease = cur.execute(LEASE_ACTIVE_ATTEMPT_FOR_UPDATE, (attempt_id, lease_generation)).fetchone()
-            if lease is None or lease["state"] != "claimed":
+            if lease is None or lease["state"] != AttemptState.CLAIMED:
                 return None
             now = now_us(cur)
             cur.execute(LEASE_COMPLETE, (now, attempt_id, lease_generation))
-            return finish_attempt(cur, lease["run_id"], attempt_id, "start_failed", "control-plane", now,
+            return finish_attempt(cur, lease["run_id"], attempt_id, AttemptState.START_FAILED, "control-plane", now,
                                   failure_reason=reason)
         return transaction(self._pool, tx)
 
@@ -178,7 +179,7 @@ class _PgPullUnit:
               pull_id: str | None = None) -> ClaimOutcome:
         if w != self.worker:
             # Only this unit's Session is locked and counted: any other Worker is not claimable here.
-            return ClaimOutcome("worker_unavailable", "not_this_session")
+            return ClaimOutcome(ClaimStatus.WORKER_UNAVAILABLE, "not_this_session")
         return _lease(self._cur, c, w, token_digest, lease_ttl_us, pull_id, self.now_us)
 
 

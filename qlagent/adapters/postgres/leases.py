@@ -10,6 +10,7 @@ from __future__ import annotations
 from ...core.cluster import Ack, AckResult, LeaseFence
 from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
+from ...core.states import AttemptState
 from .connection import transaction
 from ..rows.execution import record_truncation
 from .dialect import POSTGRES
@@ -18,8 +19,8 @@ from .queries import (ACK_ATTEMPT_FOR_NO_KEY_UPDATE, ACK_ATTEMPT_MOVE, ACK_RUN_M
 from .transitions import end_lease, event, fenced_lease, finish_attempt, now_us
 
 # Attempt progress order: an ACK for a state at or behind the current one is a replay.
-_RANK = {"claimed": 0, "starting": 1, "running": 2}
-_TERMINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed")
+_RANK = {AttemptState.CLAIMED: 0, AttemptState.STARTING: 1, AttemptState.RUNNING: 2}
+_TERMINAL = AttemptState.TERMINAL
 
 
 class PgLeaseStore:
@@ -52,8 +53,9 @@ class PgLeaseStore:
             now = now_us(cur)
             if lease["expires_at_us"] <= now:
                 raise ConflictError("the Lease expired", code="lease_expired")
-            allowed = {"starting": ("claimed",), "running": ("starting",),
-                       "start_failed": ("claimed", "starting")}.get(target, ("starting", "running"))
+            allowed = {AttemptState.STARTING: (AttemptState.CLAIMED,), AttemptState.RUNNING: (AttemptState.STARTING,),
+                       AttemptState.START_FAILED: (AttemptState.CLAIMED, AttemptState.STARTING),
+                       }.get(target, (AttemptState.STARTING, AttemptState.RUNNING))
             if state not in allowed:
                 raise ConflictError(f"{ack.kind} ACK while the Attempt is {state}", code="ack_out_of_order")
             if target in _RANK:

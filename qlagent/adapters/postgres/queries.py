@@ -37,7 +37,7 @@ HEADS_LIVE = shared.TASK_HEADS + ("WHERE (%s::text IS NULL OR t.project_id = %s)
 LIVE = tuple(s for s in states.RunState.ALL_CLUSTER if s in states.RUN_LIVE_CLUSTER)
 ACTIVE = tuple(s for s in states.RunState.ALL if s in states.RUN_ACTIVE)
 # Runs that occupy a single-instance Task: leased to a Worker (``dispatching``) or started.
-OCCUPYING = ("dispatching", *ACTIVE)
+OCCUPYING = (states.RunState.DISPATCHING, *ACTIVE)
 
 RUN_LIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE task_id = %s AND state IN {sql_in(frozenset(LIVE), LIVE)}"
 TASK_OCCUPIED = ("SELECT EXISTS (SELECT 1 FROM runs WHERE task_id = %s "

@@ -12,6 +12,7 @@ from ...core.cluster import AdoptedLease, AdoptRefusal, AttemptEnd, LeaseFence, 
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from ...core.models import RetryPolicy
+from ...core.states import AttemptState, RunState
 from .queries import (DB_NOW, LEASES_OF_OTHER_SESSIONS_FOR_UPDATE, LEASE_ADOPT, LEASE_ATTEMPT_RUN_FOR_NO_KEY_UPDATE,
                       LEASE_END, LEASE_OF_WORKER_FOR_UPDATE, LEASE_TO_ADOPT_FOR_UPDATE,
                       RUN_CANCEL_TASK_FOR_NO_KEY_UPDATE, RUN_END, RUN_EVENT_INSERT, RUN_NEXT_EVENT_SEQUENCE,
@@ -62,7 +63,7 @@ def finish_attempt(cur, run_id: str, attempt_id: str, attempt_state: str, actor:
         event(cur, run_id, "run.retrying", actor, {"attemptId": nxt, "attemptNo": a["attempt_no"] + 1,
                                                    "notBeforeUs": now + decision.backoff_ms * 1000}, now)
         set_holds(cur, run["task_id"])
-        return "queued"
+        return RunState.QUEUED
     cur.execute(RUN_END, (decision.run_state, f.get("exit_code"), f.get("signal"), now, now, run_id))
     event(cur, run_id, f"run.{decision.run_state}", actor, {"attemptId": attempt_id}, now)
     set_holds(cur, run["task_id"])     # the Task's single instance is free again
@@ -77,17 +78,17 @@ def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
     cur.execute(LEASE_END, (lease_state, now, lease["attempt_id"], lease["lease_generation"]))
     a = cur.execute(LEASE_ATTEMPT_RUN_FOR_NO_KEY_UPDATE, (lease["attempt_id"],)).fetchone()
     facts = {"attemptId": lease["attempt_id"], "leaseGeneration": lease["lease_generation"], "reason": reason}
-    if a["state"] == "claimed":
+    if a["state"] == AttemptState.CLAIMED:
         if a["cancel_requested_at_us"] is not None:
-            return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "cancelled", "control-plane", now,
+            return finish_attempt(cur, lease["run_id"], lease["attempt_id"], AttemptState.CANCELLED, "control-plane", now,
                                   failure_reason=reason)
         requeued = cur.execute(RUN_REQUEUE_DISPATCHING, (now, lease["run_id"])).fetchone()
         event(cur, lease["run_id"], "run.requeued", "control-plane", facts, now)
         if requeued is not None:
             set_holds(cur, requeued["task_id"])
-        return "queued"
-    if a["state"] in ("starting", "running"):
-        return finish_attempt(cur, lease["run_id"], lease["attempt_id"], "lost", "control-plane", now,
+        return RunState.QUEUED
+    if a["state"] in (AttemptState.STARTING, AttemptState.RUNNING):
+        return finish_attempt(cur, lease["run_id"], lease["attempt_id"], AttemptState.LOST, "control-plane", now,
                               failure_reason=reason)
     return a["state"]
 
@@ -122,7 +123,7 @@ def adopt_leases(cur, worker_id: str, session_id: str, generation: int, claims, 
             reason = "lease_not_active"
         elif row["state"] == "active" and row["expires_at_us"] <= now:
             reason = "lease_expired"
-        elif row["state"] == "active" and row["attempt_state"] not in ("starting", "running"):
+        elif row["state"] == "active" and row["attempt_state"] not in (AttemptState.STARTING, AttemptState.RUNNING):
             reason = "not_started"                  # claimed: never spawned, ADR-0014 re-offers it
         elif row["state"] == "active" and row["cancel_requested_at_us"] is not None:
             reason = "run_cancelled"
