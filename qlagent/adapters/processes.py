@@ -32,8 +32,8 @@ from qlagent.core.receipt import Receipt, TruncationFact, decode_receipt, decode
 
 from .artifacts import UnsafeDirectoryError
 
-SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
-SHIM_PATH = os.path.join(SHIM_DIR, "main.py")
+SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
+SHIM_DIR = os.path.dirname(SHIM_PATH)
 # The shim reports the exec's outcome within its start-up time (~10 ms; seconds on a loaded
 # router). Past this bound the agent records the Run running and lets the receipt tell.
 START_STATUS_TIMEOUT_S = 30.0
