@@ -304,7 +304,7 @@ def test_a_restarted_worker_renews_an_adopted_lease_at_once_instead_of_killing_t
     # The hello adopts the Lease with the expiry it had (docs/worker-protocol.md): after a
     # restart late in the Lease, less than the fencing margin plus one heartbeat interval is
     # left. The Worker must renew it at once rather than wait a heartbeat and self-fence a run
-    # it could keep (found by hand: lease_ttl_s 10, heartbeat 2 s, restart ~2 s after a beat).
+    # it could keep (here: lease_ttl_s 12, heartbeat 2 s, restart soon after a beat).
     stub = StubControlPlane(str(tmp_path), lease_ttl_s=12, session_ttl_s=12)
     stub.url = stub.start()
     w = Worker(tmp_path, stub, stub.url)
@@ -342,8 +342,8 @@ def test_serve_exit_after_ends_a_worker_with_the_sigterm_drain(tmp_path, cp, wor
 
 
 def test_two_processes_with_one_credential_back_off_and_say_so_instead_of_a_hello_storm(tmp_path, cp, worker):
-    # Found by hand: a second `serve` with the first's credential made both reopen a Session at
-    # once on every stale_generation: ~50 hellos a second, each fencing the other's runs.
+    # A second `serve` with the first's credential must not make both reopen a Session at once
+    # on every stale_generation (a hello storm, each fencing the other's runs).
     (tmp_path / "twin").mkdir()
     twin = Worker(tmp_path / "twin", cp, cp.url)
     twin.worker_id, twin.cred = worker.worker_id, worker.cred
@@ -656,7 +656,7 @@ def test_a_wrong_ca_is_refused_with_one_clear_error_and_nothing_written(tmp_path
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o700])
 def test_a_credential_file_not_0600_is_refused(tmp_path, cp, mode):
-    # `config check` (ExecReload, the OpenWrt converter) said "config ok" for it: the same line now.
+    # `config check` (ExecReload, the OpenWrt converter) refuses it with serve's line.
     w = Worker(tmp_path, cp, cp.url, cred_mode=mode)
     check = run_cli("--config", w.cfg, "config", "check")
     assert w.start().p.wait(30) == 2
@@ -834,8 +834,8 @@ def test_config_check_refuses_the_ca_file_serve_refuses(tmp_path, cp):
     (["https://a.example:1", "http://192.0.2.1:2"], "plain http:// only to a loopback host"),
 ])
 def test_config_check_refuses_the_control_url_serve_refuses(tmp_path, cp, url, says):
-    """One rule for the URL's shape (``core.control_url``): `config check` said "config ok" for
-    a plain http:// to another host and for port 99999, which serve then refused."""
+    """One rule for the URL's shape (``core.control_url``): `config check` refuses a plain
+    http:// to another host and port 99999 as serve does."""
     w = Worker(tmp_path, cp, url)
     p = run_cli("--config", w.cfg, "config", "check")
     lines = p.stderr.decode().strip().splitlines()
@@ -902,8 +902,8 @@ def test_sighup_answers_the_notify_reload_handshake_and_sigterm_says_stopping(tm
 
 def test_a_replica_closing_mid_handshake_at_start_up_is_retried_not_taken_for_a_wrong_ca(tmp_path, cp):
     """A replica that accepts and closes during the TLS handshake (shutting down, a cut link) at
-    the Worker's first connect: before, ``TLS failed (None)`` counted as a wrong ca_file and the
-    Worker exited 2; now it backs off and moves to the next replica, which answers."""
+    the Worker's first connect is not a wrong ca_file (exit 2): the Worker backs off and moves
+    to the next replica, which answers."""
     closer = socket.socket()
     closer.bind(("127.0.0.1", 0))
     closer.listen(16)
@@ -955,9 +955,9 @@ def _plain_http_listener(stop: threading.Event) -> tuple[socket.socket, threadin
 
 
 def test_one_replica_without_tls_among_several_is_passed_over_and_all_of_them_is_bad_config(tmp_path, cp):
-    """Start-up with a control_url list whose first replica does not speak TLS: before, the
-    Worker exited 2 blaming worker.ca_file (WRONG_VERSION_NUMBER) without trying the healthy
-    one. Now it moves on; only when every replica refuses TLS is it bad config, naming the URL."""
+    """Start-up with a control_url list whose first replica does not speak TLS: the Worker
+    moves on to the healthy one instead of blaming worker.ca_file (WRONG_VERSION_NUMBER); only
+    when every replica refuses TLS is it bad config, naming the URL."""
     stop = threading.Event()
     srv, t = _plain_http_listener(stop)
     plain = f"https://localhost:{srv.getsockname()[1]}"
@@ -1186,8 +1186,8 @@ def test_a_server_certificate_given_as_the_ca_is_refused_by_config_check_and_ser
      r"certificate expired \(valid 20\d\d-\d\d-\d\dT[\d:]+Z \.\. 20\d\d-\d\d-\d\dT[\d:]+Z; this host's clock: 20\d\d-"),
 ])
 def test_a_refused_certificate_says_what_is_wrong_with_it(tmp_path, sans, expired, says):
-    """The CA is right: a certificate naming other hosts, or expired, was reported as
-    "worker.ca_file must hold the CA that signed it". Now the one line names the fault."""
+    """The CA is right but the certificate names other hosts or has expired: the one line names
+    that fault, not "worker.ca_file must hold the CA that signed it"."""
     stub = StubControlPlane(str(tmp_path))
     stub.ca_file, stub.cert, stub.key = make_ca(str(tmp_path), "odd", sans=sans, expired=expired)
     url = stub.start().replace("localhost", "127.0.0.1")
