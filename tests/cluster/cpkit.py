@@ -140,13 +140,13 @@ def make_ca(directory: str, name: str) -> tuple[str, str, str]:
     ca_key, ca = os.path.join(directory, f"{name}-ca.key"), os.path.join(directory, f"{name}-ca.pem")
     key, csr, cert = (os.path.join(directory, f"{name}-server.{ext}") for ext in ("key", "csr", "pem"))
     ext = os.path.join(directory, f"{name}.ext")
-    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "365",
         "-subj", f"/CN=qlagent test CA {name}", "-keyout", ca_key, "-out", ca)
     run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", "/CN=localhost",
         "-keyout", key, "-out", csr)
     with open(ext, "w") as f:
         f.write("subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
                 "keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n")
-    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "1",
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "365",
         "-extfile", ext, "-out", cert)
     return ca, cert, key

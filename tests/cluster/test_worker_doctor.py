@@ -59,7 +59,7 @@ def test_doctor_next_to_a_running_worker_is_all_ok_and_leaves_its_session_alone(
     assert rc == 0, text
     assert all(c["ok"] for cs in checks.values() for c in cs), text
     assert set(checks) == {"trust", "state dir", "credential", "ca file", "control", "worker", "inbox", "log store",
-                           "free space"}, text
+                           "certificate", "free space"}, text
     url = f"https://127.0.0.1:{plane['port']}"
     assert checks["control"][0]["detail"].startswith(f"{url}: TLS ok, GET /healthz 200 in "), text
     assert checks["worker"][0]["detail"].startswith(f"{url}: known as doc-run, state active, generation "

@@ -127,14 +127,14 @@ def make_ca(directory: str, name: str, ips: list[str]) -> tuple[str, str, str]:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
     p = {k: os.path.join(directory, f"{name}-{k}") for k in ("ca.key", "ca.pem", "key.pem", "csr", "cert.pem", "ext")}
-    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "365",
         "-subj", f"/CN=qlagent fleet test CA {name}", "-keyout", p["ca.key"], "-out", p["ca.pem"])
     run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", "/CN=localhost",
         "-keyout", p["key.pem"], "-out", p["csr"])
     with open(p["ext"], "w") as f:
         f.write("subjectAltName=" + ",".join(["DNS:localhost", "IP:127.0.0.1"] + [f"IP:{ip}" for ip in ips])
                 + "\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n")
-    run("x509", "-req", "-in", p["csr"], "-CA", p["ca.pem"], "-CAkey", p["ca.key"], "-CAcreateserial", "-days", "1",
+    run("x509", "-req", "-in", p["csr"], "-CA", p["ca.pem"], "-CAkey", p["ca.key"], "-CAcreateserial", "-days", "365",
         "-extfile", p["ext"], "-out", p["cert.pem"])
     for k in ("ca.key", "key.pem"):
         os.chmod(p[k], 0o600)
