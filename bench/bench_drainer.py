@@ -185,19 +185,24 @@ def overhead(base):
         print(f"| {label} | {extra} | {rss / MiB:.1f} | {uss / MiB:.1f} | {dirty / MiB:.1f} |")
 
 
+DATE_ARGV = ["/bin/date", "+%s%N"]
+
+
+def via_posix_spawn() -> int:
+    """ns from a bare posix_spawn of ``date +%s%N`` to the clock it prints (the baseline)."""
+    r, w = os.pipe()
+    t0 = time.time_ns()
+    pid = os.posix_spawn(DATE_ARGV[0], DATE_ARGV, PATH_ENV, file_actions=[(os.POSIX_SPAWN_DUP2, w, 1)])
+    os.close(w)
+    out = os.read(r, 64)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return int(out) - t0
+
+
 def latency(base, rounds):
     """dispatch→exec: from the call to the moment the task prints its clock (date +%s%N)."""
-    argv = ["/bin/date", "+%s%N"]
-
-    def via_posix_spawn():
-        r, w = os.pipe()
-        t0 = time.time_ns()
-        pid = os.posix_spawn(argv[0], argv, PATH_ENV, file_actions=[(os.POSIX_SPAWN_DUP2, w, 1)])
-        os.close(w)
-        out = os.read(r, 64)
-        os.close(r)
-        os.waitpid(pid, 0)
-        return int(out) - t0
+    argv = DATE_ARGV
 
     def via_shim():
         spec = new_run(base, 4096, argv)

@@ -23,7 +23,7 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_drainer import new_run, private_dirty, throughput  # noqa: E402
+from bench_drainer import DATE_ARGV, new_run, private_dirty, throughput, via_posix_spawn  # noqa: E402
 
 from qlagent.adapters import processes  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -56,17 +56,7 @@ def throttle(pct):
 
 
 def latency(base, rounds, fs):
-    argv = ["/bin/date", "+%s%N"]
-
-    def via_posix_spawn():
-        r, w = os.pipe()
-        t0 = time.time_ns()
-        pid = os.posix_spawn(argv[0], argv, PATH_ENV, file_actions=[(os.POSIX_SPAWN_DUP2, w, 1)])
-        os.close(w)
-        out = os.read(r, 64)
-        os.close(r)
-        os.waitpid(pid, 0)
-        return int(out) - t0
+    argv = DATE_ARGV
 
     def finish(spec, h):
         while processes.read_receipt(spec["run_dir"]) is None:
