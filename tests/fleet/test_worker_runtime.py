@@ -559,7 +559,7 @@ def test_unuploaded_logs_are_bounded_oldest_cut_first_with_a_recorded_fact(tmp_p
     try:
         assert cp.wait(lambda: all(completion(cp, x) is not None for x in ids), 60)
         cp.refuse_chunks = False
-        assert cp.wait(lambda: all(cp.log_ends.get(x) == n for x in ids[1:]), 40)
+        assert cp.wait(lambda: all(cp.log_ends.get(x) == n for x in ids[1:]), 90)   # the send back-off is capped at 30 s
         assert all(cp.log_of(x) == c * n for x, c in zip(ids[1:], (b"b", b"c")))
         # Before the third spawn 2 × 1.5 MB not uploaded + 1.5 MB needed (its quota) is over the
         # store: the oldest run's unuploaded tail is cut by exactly that, and said so.
