@@ -64,7 +64,10 @@ def live():
         f.write(TASKS.split("[[task]]")[1].join(["[[task]]", ""]))   # "hello"
     ok(state, "task", "add", "-f", os.path.join(root, "t.toml"))
     toks = {"op": token(state, "alice", "operator"), "viewer": token(state, "vera", "viewer")}
-    agent = Agent(state)
+    config = os.path.join(root, "qlagent.toml")
+    with open(config, "w") as f:
+        f.write("[http]\nmetrics = true\n")      # GET /metrics is an operation of the document too
+    agent = Agent(state, config=config)
     status, head = agent.json("GET", "/api/v3/projects/default/tasks/hello", toks["op"])
     assert status == 200
     status, res = agent.json("POST", "/api/v3/projects/default/tasks/hello/runs", toks["op"],
@@ -159,5 +162,5 @@ def test_the_property_reached_success_and_refusal_of_every_operation(live):
     with a 2xx answer and, where auth applies, a 401 — so its checks covered real bodies."""
     ops = {op["operationId"] for _, _, op in OPS}
     assert {o for o, s in SEEN if 200 <= s < 300} == ops, sorted(SEEN)
-    assert {o for o, s in SEEN if s == 401} == ops - {"healthz", "readyz", "openapi"}, sorted(SEEN)
+    assert {o for o, s in SEEN if s == 401} == ops - {"healthz", "readyz", "openapi", "metrics"}, sorted(SEEN)
     assert uuid.UUID(live[2]["runId"][0])
