@@ -193,7 +193,7 @@ def flash_disks(workdir: Path) -> list[tuple[Path, str]]:
     return [(sq, "raw"), (up, "raw")]
 
 
-def run_modes(image: Path, modes: list[str], timeout: float = 1800) -> tuple[dict, dict, Vm]:
+def run_modes(image: Path, modes: list[str], timeout: float = 2400) -> tuple[dict, dict, Vm]:
     """One boot running `modes`; returns ({mode: result}, boot record, vm)."""
     vm = Vm(image)
     vm.make_ctl(modes)
