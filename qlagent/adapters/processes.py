@@ -70,7 +70,7 @@ def compiled_shim(cache_dir: str, python: str) -> str:
     and its time on every run (bench/results/shim.md). ``python`` itself writes it (``shim/main.py
     --compile``, so its magic number is right and the agent's heap never holds the compiler's
     garbage) into ``cache_dir`` (the agent's private runs root, 0700) as ``.shim-<key>.pyc``,
-    mode 0600: one file holding main.py and its siblings (drainer.py, forkserver.py), which it
+    mode 0600: one file holding main.py and its siblings (main.py SIBLINGS), which it
     loads into sys.modules itself. The key is the SHA-256 of every source in ``shim/`` and of
     the interpreter file's identity (path, inode, mtime, size): a changed source or an upgraded
     interpreter gets a new file and never runs stale bytecode. Cheap once written (a stat and a read of the source per call).
