@@ -177,19 +177,24 @@ def test_probes_are_answered_while_stalled_peers_hold_every_slot(edge):
     assert status_of(port, b"GET /items/1 HTTP/1.1\r\nHost: x\r\n\r\n") == 200
 
 
+def _wait_full(srv, limits):
+    """Within 5 s: the server holds ``limits.max_connections`` connections and has read what
+    each one sent so far (until it has, a socket looks silent to it, and closing it with the
+    unread bytes would reset it)."""
+    deadline = time.monotonic() + 5
+    while srv.connections < limits.max_connections and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert srv.connections == limits.max_connections
+    while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_probes_are_answered_while_silent_sockets_fill_every_connection():
     limits = replace(HttpLimits.edge(), read_timeout_s=30.0)      # silent sockets would hold 30 s
     with running(limits) as (srv, port):
         srv.probe_paths = frozenset({"/hello"})
         silent = [connect(port) for _ in range(limits.max_connections)]
-        deadline = time.monotonic() + 5
-        while srv.connections < limits.max_connections and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert srv.connections == limits.max_connections
-        # Until the server has read a head, that socket looks silent to it (and closing it with
-        # the unread bytes resets it): wait for every partial head to be seen.
-        while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_full(srv, limits)
         t0 = time.monotonic()
         assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         assert time.monotonic() - t0 < 5                      # not after the 30 s first-byte timeout
@@ -211,14 +216,7 @@ def test_probes_are_answered_while_slow_peers_fill_every_connection():
             s = connect(port)
             s.sendall(b"GET /items/1 HTTP/1.1\r\nHost: x\r\n")
             slow.append(s)
-        deadline = time.monotonic() + 5
-        while srv.connections < limits.max_connections and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert srv.connections == limits.max_connections
-        # Until the server has read a head, that socket looks silent to it (and closing it with
-        # the unread bytes resets it): wait for every partial head to be seen.
-        while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_full(srv, limits)
         t0 = time.monotonic()
         assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         assert time.monotonic() - t0 < 5
