@@ -552,7 +552,8 @@ class WorkerRegistryStore(Protocol):
         heartbeat_late (``renew_until_us`` passed)."""
 
     def set_state(self, name: str, state: str) -> str:
-        """``draining``, ``active`` or ``removed``; the Worker ID. NotFoundError for no live Worker."""
+        """``state``: a ``core.states.WorkerState`` (``DRAINING``, ``ACTIVE`` or ``REMOVED``); the
+        Worker ID. NotFoundError for no live Worker."""
 
     def expire_sessions(self, limit: int) -> int:
         """Mark up to ``limit`` open Sessions past their expiry offline; how many."""
