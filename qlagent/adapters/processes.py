@@ -152,7 +152,7 @@ class ForkServer:
     server ignores SIGCHLD: the kernel reaps its shims, and init does once it is gone.
 
     The request carries two pipes, never the spec: the spec (secret plaintext) goes from this
-    process straight into the shim's stdin pipe, as with ``spawn_shim``."""
+    process straight into the shim's stdin pipe."""
 
     def __init__(self, cache_dir: str) -> None:
         self._cache_dir = cache_dir          # where compiled_shim keeps the bytecode
@@ -245,8 +245,8 @@ class ForkServer:
 
     def spawn(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimHandle:
         """Start one shim for ``spec`` (the shim contract's document) from the fork server of
-        ``python -I -S`` and wait (at most ``status_timeout_s`` seconds) for its start status as
-        ``spawn_shim`` does: the shim's PID comes first (a ``pid <n>`` line from the forked
+        ``python -I -S`` and wait (at most ``status_timeout_s`` seconds) for its start status
+        (ARCHITECTURE.md "Start status"): the shim's PID comes first (a ``pid <n>`` line from the forked
         shim), then ``ok`` or ``err <reason>``. With a start_error it returns once the shim has
         exited (it writes its receipt first).
 
@@ -304,7 +304,7 @@ class ForkServer:
             try:
                 line, _ = _read_line(status_r, rest, deadline)
             except TimeoutError:
-                line = "ok"                  # as spawn_shim: the receipt will tell
+                line = "ok"                  # a slow start: the receipt will tell
             if line == "ok":
                 start_error = None
             elif line is not None and line.startswith("err "):
