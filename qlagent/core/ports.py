@@ -571,6 +571,19 @@ class LogChunkStore(Protocol):
         chunk_mismatch."""
 
 
+class JoinTokenStore(Protocol):
+    """Join tokens (``adapters.postgres.join_tokens.PgJoinTokens``); policy and validation are
+    ``cluster.joins.JoinTokens``'. Times in µs of the database clock."""
+
+    def issue(self, token_id: str, worker_id: str, ttl_us: int) -> int:
+        """Record a token for ``worker_id`` valid ``ttl_us`` µs from now; its expiry (µs)."""
+
+    def redeem(self, token_id: str, worker_id: str, credential_digest: str) -> None:
+        """Mark the token used. WorkerAuthError unless the credential is this live Worker's;
+        NotFoundError join_token_not_found; ConflictError join_token_used, join_token_expired
+        (nothing written)."""
+
+
 class ClusterPlans(Protocol):
     """The plans of cluster candidates (``adapters.postgres.dispatch.PgPlanSource``)."""
 

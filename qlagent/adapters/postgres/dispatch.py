@@ -208,15 +208,17 @@ class PgPlanSource:
         self._cache: dict[tuple[str, int], _Revision] = {}
         self._lock = threading.Lock()
 
-    def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
+    def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
+        c = candidate
         rev = self._cache.get((c.task_id, c.task_revision))
         if rev is None:
             rev = read(self._pool, lambda cur: self._load(cur, c.task_id, c.task_revision))
         return None if rev is None else self._plan(rev, c)
 
-    def prepare_with(self, cur, c: ClusterCandidate) -> DispatchPlan | None:
-        """``prepare`` reading a missing revision through the caller's cursor."""
-        rev = self._cache.get((c.task_id, c.task_revision)) or self._load(cur, c.task_id, c.task_revision)
+    def prepare_with(self, tx, candidate: ClusterCandidate) -> DispatchPlan | None:
+        """``prepare`` reading a missing revision through the caller's cursor ``tx``."""
+        c = candidate
+        rev = self._cache.get((c.task_id, c.task_revision)) or self._load(tx, c.task_id, c.task_revision)
         return None if rev is None else self._plan(rev, c)
 
     def _load(self, cur, task_id: str, revision: int) -> _Revision | None:
