@@ -39,13 +39,14 @@ def serve(kind: str) -> None:
     import msgspec
 
     if kind == "qlagent":
+        from qlagent.core.profiles import EDGE
         from qlagent.http.routing import Router
         from qlagent.http.server import HttpServer
         from qlagent.http.wire import HttpLimits, Response
 
         router = Router()
         router.add("GET", "/api/v3/ping", lambda req, p: Response.json(200, PAYLOAD))
-        srv = HttpServer(HttpLimits.edge(), router)
+        srv = HttpServer(HttpLimits.for_profile(EDGE), router)
         _, port = srv.listen_tcp("127.0.0.1", 0)
         print(port, flush=True)
         import selectors

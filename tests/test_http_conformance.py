@@ -20,6 +20,7 @@ from qlcli import ok
 from test_http_api import Agent, token
 from test_http_server import connect, raw, read_response, running
 
+from qlagent.core.profiles import EDGE
 from qlagent.http.wire import HttpLimits, byte_range
 from kit import scratch_dir
 
@@ -27,7 +28,7 @@ from kit import scratch_dir
 # The test server of test_http_server.py plus the two probe paths, as the agent's surface has.
 @pytest.fixture
 def edge():
-    limits = replace(HttpLimits.edge(), read_timeout_s=0.5)
+    limits = replace(HttpLimits.for_profile(EDGE), read_timeout_s=0.5)
     with running(limits) as (srv, port):
         srv.probe_paths = frozenset({"/hello"})       # GET /hello plays /healthz here
         yield srv, port
@@ -93,7 +94,7 @@ def _log(tmp_path):
 def test_unknown_range_unit_and_unmatchable_if_range_give_the_full_body(tmp_path):
     files = _log(tmp_path)
     content = open(files["log"], "rb").read()
-    with running(HttpLimits.edge(), files) as (srv, port):
+    with running(HttpLimits.for_profile(EDGE), files) as (srv, port):
         def get(headers: bytes):
             return raw(port, b"GET /log HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
         r = get(b"Range: items=0-4\r\n")
@@ -177,19 +178,24 @@ def test_probes_are_answered_while_stalled_peers_hold_every_slot(edge):
     assert status_of(port, b"GET /items/1 HTTP/1.1\r\nHost: x\r\n\r\n") == 200
 
 
+def _wait_full(srv, limits):
+    """Within 5 s: the server holds ``limits.max_connections`` connections and has read what
+    each one sent so far (until it has, a socket looks silent to it, and closing it with the
+    unread bytes would reset it)."""
+    deadline = time.monotonic() + 5
+    while srv.connections < limits.max_connections and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert srv.connections == limits.max_connections
+    while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_probes_are_answered_while_silent_sockets_fill_every_connection():
-    limits = replace(HttpLimits.edge(), read_timeout_s=30.0)      # silent sockets would hold 30 s
+    limits = replace(HttpLimits.for_profile(EDGE), read_timeout_s=30.0)      # silent sockets would hold 30 s
     with running(limits) as (srv, port):
         srv.probe_paths = frozenset({"/hello"})
         silent = [connect(port) for _ in range(limits.max_connections)]
-        deadline = time.monotonic() + 5
-        while srv.connections < limits.max_connections and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert srv.connections == limits.max_connections
-        # Until the server has read a head, that socket looks silent to it (and closing it with
-        # the unread bytes resets it): wait for every partial head to be seen.
-        while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_full(srv, limits)
         t0 = time.monotonic()
         assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         assert time.monotonic() - t0 < 5                      # not after the 30 s first-byte timeout
@@ -203,7 +209,7 @@ def test_probes_are_answered_while_slow_peers_fill_every_connection():
     # Slowloris: each socket has sent part of a head and trickles on, so none is "silent"; it
     # would hold its connection until the read timeout (30 s here, 5 s on the edge) and, opened
     # again, keep every probe at 503. The one whose head has been arriving the longest makes room.
-    limits = replace(HttpLimits.edge(), read_timeout_s=30.0)
+    limits = replace(HttpLimits.for_profile(EDGE), read_timeout_s=30.0)
     with running(limits) as (srv, port):
         srv.probe_paths = frozenset({"/hello"})
         slow = []
@@ -211,14 +217,7 @@ def test_probes_are_answered_while_slow_peers_fill_every_connection():
             s = connect(port)
             s.sendall(b"GET /items/1 HTTP/1.1\r\nHost: x\r\n")
             slow.append(s)
-        deadline = time.monotonic() + 5
-        while srv.connections < limits.max_connections and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert srv.connections == limits.max_connections
-        # Until the server has read a head, that socket looks silent to it (and closing it with
-        # the unread bytes resets it): wait for every partial head to be seen.
-        while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_full(srv, limits)
         t0 = time.monotonic()
         assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         assert time.monotonic() - t0 < 5

@@ -12,6 +12,7 @@ from dataclasses import replace
 from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import Deferred, HttpServer
+from qlagent.core.profiles import EDGE
 from qlagent.http.wire import HttpError, HttpLimits, Response
 from kit import wait_until
 
@@ -36,7 +37,7 @@ def _server(release: threading.Event):
     r.add("GET", "/refused", refused)
     r.add("GET", "/never", never)
     r.add("GET", "/fast", lambda req, p: Response.json(200, {"fast": True}))
-    srv = HttpServer(replace(HttpLimits.edge(), read_timeout_s=2.0), r)
+    srv = HttpServer(replace(HttpLimits.for_profile(EDGE), read_timeout_s=2.0), r)
     _, port = srv.listen_tcp("127.0.0.1", 0)
     t = LoopThread(srv, 0.05)
     return srv, port, t

@@ -26,6 +26,7 @@ from qlagent.core.tokens import new_token
 from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import HttpServer
+from qlagent.core.profiles import EDGE, STANDALONE
 from qlagent.http.wire import FileRange, HttpError, HttpLimits, Request, Response, byte_range, content_range
 from qlagent.service.config import parse_listen
 
@@ -88,7 +89,7 @@ def running(limits: HttpLimits, files: dict[str, str] | None = None, unix_path: 
 
 @pytest.fixture
 def edge():
-    limits = replace(HttpLimits.edge(), read_timeout_s=0.5)
+    limits = replace(HttpLimits.for_profile(EDGE), read_timeout_s=0.5)
     with running(limits) as (srv, port):
         yield srv, port
 
@@ -286,7 +287,7 @@ def test_router_404_405_and_path_params(edge):
 
 
 def test_keep_alive_reuses_one_connection_and_is_bounded():
-    limits = replace(HttpLimits.edge(), max_requests_per_connection=3)
+    limits = replace(HttpLimits.for_profile(EDGE), max_requests_per_connection=3)
     with running(limits) as (srv, port):
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         socks, conn_headers = [], []
@@ -312,7 +313,7 @@ def test_keep_alive_reuses_one_connection_and_is_bounded():
 
 
 def test_deep_pipelining_is_answered_in_order_without_growing_the_stack():
-    limits = replace(HttpLimits.standalone(), max_requests_per_connection=2000)
+    limits = replace(HttpLimits.for_profile(STANDALONE), max_requests_per_connection=2000)
     with running(limits) as (srv, port):
         with connect(port) as s:
             n = 1500  # far deeper than the recursion limit if each answer nested the next
@@ -329,7 +330,7 @@ def test_deep_pipelining_is_answered_in_order_without_growing_the_stack():
 
 
 def test_connection_limit_refuses_with_503():
-    limits = replace(HttpLimits.edge(), max_connections=3, read_timeout_s=2.0)
+    limits = replace(HttpLimits.for_profile(EDGE), max_connections=3, read_timeout_s=2.0)
     with running(limits) as (srv, port):
         idle = [connect(port) for _ in range(3)]
         for s in idle:          # each has a request in flight (its body pending): none can be dropped
@@ -350,7 +351,7 @@ def test_connection_limit_refuses_with_503():
 
 
 def test_connection_limit_evicts_the_oldest_connection_that_never_sent_a_request_first():
-    limits = replace(HttpLimits.edge(), max_connections=3, read_timeout_s=2.0)
+    limits = replace(HttpLimits.for_profile(EDGE), max_connections=3, read_timeout_s=2.0)
     with running(limits) as (srv, port):
         served = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         served.request("GET", "/hello")
@@ -375,7 +376,7 @@ def test_connection_limit_evicts_the_oldest_connection_that_never_sent_a_request
 
 def test_unix_socket_is_0660_and_serves(tmp_path):
     path = str(tmp_path / "api.sock")
-    with running(HttpLimits.edge(), unix_path=path) as (srv, port):
+    with running(HttpLimits.for_profile(EDGE), unix_path=path) as (srv, port):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(5)
@@ -389,7 +390,7 @@ def test_unix_socket_is_0660_and_serves(tmp_path):
 def test_unix_socket_refuses_to_replace_a_regular_file(tmp_path):
     path = tmp_path / "not-a-socket"
     path.write_text("keep me")
-    srv = HttpServer(HttpLimits.edge(), Router())
+    srv = HttpServer(HttpLimits.for_profile(EDGE), Router())
     with pytest.raises(FileExistsError, match="not a socket"):
         srv.listen_unix(str(path))
     assert path.read_text() == "keep me"
@@ -407,7 +408,7 @@ def test_file_range_of_an_unspliceable_file_falls_back_to_bounded_copies():
     path = "/proc/self/limits"  # sendfile() answers EINVAL for it; pread() works
     with open(path, "rb") as f:
         content = f.read()
-    limits = replace(HttpLimits.edge(), send_chunk_bytes=100)  # several chunks
+    limits = replace(HttpLimits.for_profile(EDGE), send_chunk_bytes=100)  # several chunks
     with running(limits, files={"proc": path}) as (srv, port):
         r = raw(port, b"GET /file?name=proc&offset=7&length=%d HTTP/1.1\r\nHost: x\r\n\r\n" % (len(content) - 10))
         assert r.status == 200 and r.body == content[7:-3]
@@ -434,7 +435,7 @@ def test_file_range_sends_exact_bytes_without_rss_growing_by_the_file(tmp_path):
     offset, length = 1_000_003, 48_000_000
     expected = _sha256_file(big, offset, length)
     proc = psutil.Process()
-    with running(HttpLimits.edge(), files={"big": big}) as (srv, port):
+    with running(HttpLimits.for_profile(EDGE), files={"big": big}) as (srv, port):
         rss_before = proc.memory_info().rss
         with connect(port) as s:
             s.sendall(b"GET /file?offset=%d&length=%d HTTP/1.1\r\nHost: x\r\n\r\n" % (offset, length))
@@ -506,7 +507,7 @@ def test_bearer_auth_and_permissions_over_http():
     router = Router()
     router.add("POST", "/api/v3/projects/{projectId}/tasks/{taskId}/runs", guarded("run.start"))
     router.add("GET", "/api/v3/projects/{projectId}/tasks/{taskId}", guarded("task.read"))
-    srv = HttpServer(HttpLimits.edge(), router)
+    srv = HttpServer(HttpLimits.for_profile(EDGE), router)
     _, port = srv.listen_tcp("127.0.0.1", 0)
     t = LoopThread(srv, 0.05)
     try:
@@ -544,7 +545,7 @@ def test_bearer_auth_and_permissions_over_http():
 def test_fd_exhaustion_pauses_accept_instead_of_spinning_and_recovers(caplog):
     import resource
 
-    limits = replace(HttpLimits.edge(), read_timeout_s=5.0)
+    limits = replace(HttpLimits.for_profile(EDGE), read_timeout_s=5.0)
     with running(limits) as (srv, port):
         c0 = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         c0.request("GET", "/hello")
@@ -575,7 +576,7 @@ def test_log_style_reads_offset_limit_range_and_raw_bytes(tmp_path):
     log = tmp_path / "run.log"
     content = bytes(range(256)) * 10 + b"\xff\xfe not utf-8"  # 2572 bytes
     log.write_bytes(content)
-    with running(HttpLimits.edge(), files={"log": str(log)}) as (srv, port):
+    with running(HttpLimits.for_profile(EDGE), files={"log": str(log)}) as (srv, port):
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
 
         def get(path, headers=None):
@@ -654,7 +655,7 @@ _request = st.builds(lambda line, headers, body: line + b"\r\n" + b"".join(h + b
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    limits = replace(HttpLimits.edge(), read_timeout_s=0.5)
+    limits = replace(HttpLimits.for_profile(EDGE), read_timeout_s=0.5)
     with running(limits) as (srv, port):
         yield srv, port
 
@@ -685,7 +686,7 @@ def test_driven_by_a_foreign_selectors_loop_next_to_other_fds():
     """The agent's own loop: one selector, an HTTP listener plus unrelated fds (here a pipe)."""
     import selectors
 
-    srv = HttpServer(replace(HttpLimits.edge(), read_timeout_s=0.3), _router({}))
+    srv = HttpServer(replace(HttpLimits.for_profile(EDGE), read_timeout_s=0.3), _router({}))
     _, port = srv.listen_tcp("127.0.0.1", 0)
     sel = selectors.DefaultSelector()
     r_fd, w_fd = os.pipe()
@@ -727,7 +728,7 @@ def test_driven_by_a_foreign_selectors_loop_next_to_other_fds():
 def test_begin_drain_finishes_in_flight_requests_and_refuses_new_ones():
     import selectors
 
-    srv = HttpServer(HttpLimits.edge(), _router({}))
+    srv = HttpServer(HttpLimits.for_profile(EDGE), _router({}))
     _, port = srv.listen_tcp("127.0.0.1", 0)
     sel = selectors.DefaultSelector()
     srv.register(sel)
@@ -805,7 +806,7 @@ def test_task_start_wire_errors_and_replay_over_http():
         router.add(method, template, start if method == "POST" and template.endswith("/runs")
                    else (lambda req, p: Response.json(200, {})))
     assert set(router.routes()) == documented_routes()
-    srv = HttpServer(HttpLimits.edge(), router)
+    srv = HttpServer(HttpLimits.for_profile(EDGE), router)
     _, port = srv.listen_tcp("127.0.0.1", 0)
     t = LoopThread(srv, 0.05)
     mid = str(uuid.uuid4())

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from qlagent.core.profiles import EDGE
 from qlagent.http.wire import HttpError, HttpLimits, Response, body_length, http_date, parse_head, response_head
 
-LIM = HttpLimits.edge()
+LIM = HttpLimits.for_profile(EDGE)
 HEAD = b"POST /api/v3/x?limit=5 HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"
 
 

@@ -144,6 +144,8 @@ def violations(root: str = ROOT) -> list[str]:
 
 def test_discovery_covers_the_package():
     for expected in ("qlagent.core.canonical", "qlagent.core.ports", "qlagent.adapters.sqlite.store",
+                     "qlagent.adapters.rows.runs", "qlagent.adapters.postgres.store", "qlagent.fleet.runtime",
+                     "qlagent.worker.fencing", "qlagent.cluster.pull", "qlagent.http.wire",
                      "qlagent.bootstrap", "qlagent.cli.main", "qlagent.dispatch.admission", SHIM + ".main"):
         assert expected in MODULES
     for m in MODULES:
@@ -152,6 +154,28 @@ def test_discovery_covers_the_package():
 
 def test_every_import_edge_is_in_the_layer_table():
     assert violations() == []
+
+
+# Inside the adapters: the row logic both stores share (adapters.rows, over the Dialect seam)
+# sees no driver and neither store; each store sees neither the other's driver nor the other.
+# package → (drivers it must not import, qlagent packages it must not import)
+DIALECT_WALLS = {
+    "qlagent.adapters.rows": ({"sqlite3", "psycopg", "psycopg_pool"}, {"qlagent.adapters.sqlite", "qlagent.adapters.postgres"}),
+    "qlagent.adapters.sqlite": ({"psycopg", "psycopg_pool"}, {"qlagent.adapters.postgres"}),
+    "qlagent.adapters.postgres": ({"sqlite3"}, {"qlagent.adapters.sqlite"}),
+}
+
+
+def test_the_shared_row_logic_and_each_store_stay_apart():
+    bad = []
+    for package, (drivers, packages) in DIALECT_WALLS.items():
+        inside = {m: p for m, p in MODULES.items() if m == package or m.startswith(package + ".")}
+        assert inside, f"{package} has no module"
+        for module, path in inside.items():
+            for line, target in imports_of(module, path, MODULES):
+                if target.split(".")[0] in drivers or any(target == q or target.startswith(q + ".") for q in packages):
+                    bad.append(f"{os.path.relpath(path, os.path.dirname(ROOT))}:{line}: {package} must not import {target}")
+    assert bad == []
 
 
 def test_the_ast_checker_fails_on_a_planted_forbidden_import(tmp_path):
@@ -224,7 +248,7 @@ def test_import_alone_loads_nothing_it_must_not(loaded, module):
 def test_shim_is_stdlib_only():
     shim = {m: path for m, path in MODULES.items() if m.startswith(SHIM + ".")}
     siblings = {m.rsplit(".", 1)[1] for m in shim}
-    assert {"main", "drainer", "forkserver"} <= siblings
+    assert {"main", "drainer", "leftovers", "oom", "forkserver"} <= siblings
     for module, path in shim.items():
         names = set()
         for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):

@@ -547,7 +547,7 @@ def test_hot_journal_of_a_crashed_writer_is_rolled_back_in_a_private_copy(state,
     assert sorted(t["cronName"] for t in report["tasks"]) == sorted(f"c{i}" for i in range(200))
 
 
-# ---- hostile or odd 2.x data (review) ----------------------------------------------------------
+# ---- hostile or odd 2.x data: skipped or reported, never a crash or a hang ----------------------
 
 def _raw_rows(panel: str, *sql: str) -> None:
     c = sqlite3.connect(os.path.join(panel, "db", "database.sqlite"))

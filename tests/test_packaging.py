@@ -277,7 +277,7 @@ def test_deb_tree(deb_tree):
     for rel in ("usr/lib/python3/dist-packages/qlagent/__init__.py",
                 "usr/lib/python3/dist-packages/qlagent/adapters/sqlite/migrations/0001_core.sql",
                 *(f"usr/lib/python3/dist-packages/qlagent/adapters/shim/{name}.py"   # the shim runs from them
-                  for name in ("main", "drainer", "forkserver")),
+                  for name in ("main", "drainer", "leftovers", "oom", "forkserver")),
                 "usr/lib/systemd/system/qlagent.service", "usr/lib/sysusers.d/qlagent.conf",
                 "usr/lib/tmpfiles.d/qlagent.conf", "usr/share/doc/qlagent/copyright",
                 "usr/share/doc/qlagent/changelog.gz", "usr/share/qlagent/standalone.conf"):
@@ -360,7 +360,7 @@ def test_ipk_layout_and_control(ipk):
                        ("./usr/libexec/qlagent-uci2toml", 0o755), ("./etc/config/qlagent", 0o600),
                        ("./usr/lib/qlagent/python/qlagent/__init__.py", 0o644),
                        *((f"./usr/lib/qlagent/python/qlagent/adapters/shim/{name}.py", 0o644)
-                         for name in ("main", "drainer", "forkserver"))):
+                         for name in ("main", "drainer", "leftovers", "oom", "forkserver"))):
         assert members[path].mode == mode, path
         assert members[path].uid == 0 and members[path].gid == 0, path
     assert not any("__pycache__" in n for n in members)

@@ -229,7 +229,7 @@ def test_a_daemon_that_double_forks_setsids_and_clears_its_environment_is_stoppe
     # the process group nor QL3_ATTEMPT_ID; it must still be found (the wrapper is the task's
     # subreaper, so the orphan is reparented to it) and stopped, as in a control group.
     b = Bench(os.path.join(root, "s"))
-    tag = f"review2-daemon-{os.getpid()}"
+    tag = f"setsid-daemon-{os.getpid()}"
     b.add(task("dd", f"(setsid env -i {sys.executable} -c 'import time; open(\"up\", \"w\").close(); "
                      f"time.sleep(33)' {tag} &)\n"
                      "while [ ! -e up ]; do sleep 0.01; done; echo started\n",

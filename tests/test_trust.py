@@ -119,8 +119,8 @@ def test_a_readable_but_safe_layout_is_accepted(state, workdir):
 
 
 def test_a_planted_foreign_database_is_never_opened(state, workdir):
-    """The issue's reproduction: another user replaces qlagent.db (here: with a file they
-    own). serve refuses before reading it, so its @boot task never runs."""
+    """Another user replaces qlagent.db (here: with a file they own): serve refuses before
+    reading it, so its @boot task never runs."""
     db = os.path.join(state, "qlagent.db")
     os.chmod(state, 0o777)
     p = cli(state, "serve", "--exit-after", "0")

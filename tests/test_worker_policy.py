@@ -41,17 +41,6 @@ def test_backoff_is_full_jitter_monotonic_in_the_draw(failures, a, b):
     assert backoff.reconnect_delay_s(failures, lo) <= backoff.reconnect_delay_s(failures, hi)
 
 
-@pytest.mark.parametrize("base, cap, floor, field", [
-    (1.0, 60.0, 0.0, "reconnect_floor_s"), (1.0, 60.0, 2.0, "reconnect_floor_s"),
-    (10.0, 5.0, 0.1, "reconnect_base_s"), (1.0, 3600.001, 0.1, "reconnect_cap_s"),
-])
-def test_backoff_settings_out_of_range_name_the_field(base, cap, floor, field):
-    with pytest.raises(ValidationError) as e:
-        backoff.check_backoff(base, cap, floor)
-    assert e.value.field == field and e.value.exit_code == EXIT_USAGE
-    backoff.check_backoff(1.0, 3600.0, 0.1)         # the edge itself is accepted
-
-
 # ---------------------------------------------------------------- heartbeat cadence
 
 @given(st.floats(1, 600), draw, st.floats(0, 0.5))
@@ -81,7 +70,7 @@ S = 1_000_000
 def test_stop_begins_a_margin_before_the_expiry_on_the_worker_clock():
     # Worker monotonic clock at 5 s; database clock 1.7e15 µs; Lease 30 s left.
     r = Renewal(sent_local_us=5 * S, server_now_us=1_700_000_000 * S, expires_at_us=1_700_000_030 * S)
-    assert r.local_expiry_us == 35 * S
+    assert r.expires_at_us - r.offset_us == 35 * S       # the expiry on the Worker's clock
     stop = fencing.stop_at_local_us(r, kill_grace_us=5 * S)
     # 29 s of Lease after the 1 s safety, shrunk by 0.1 % drift, minus the 5 s kill grace.
     assert stop == 5 * S + (29 * S * 1_000_000) // 1_001_000 - 5 * S

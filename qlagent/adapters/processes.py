@@ -70,7 +70,7 @@ def compiled_shim(cache_dir: str, python: str) -> str:
     and its time on every run (bench/results/shim.md). ``python`` itself writes it (``shim/main.py
     --compile``, so its magic number is right and the agent's heap never holds the compiler's
     garbage) into ``cache_dir`` (the agent's private runs root, 0700) as ``.shim-<key>.pyc``,
-    mode 0600: one file holding main.py and its siblings (drainer.py, forkserver.py), which it
+    mode 0600: one file holding main.py and its siblings (main.py SIBLINGS), which it
     loads into sys.modules itself. The key is the SHA-256 of every source in ``shim/`` and of
     the interpreter file's identity (path, inode, mtime, size): a changed source or an upgraded
     interpreter gets a new file and never runs stale bytecode. Cheap once written (a stat and a read of the source per call).
@@ -152,7 +152,7 @@ class ForkServer:
     server ignores SIGCHLD: the kernel reaps its shims, and init does once it is gone.
 
     The request carries two pipes, never the spec: the spec (secret plaintext) goes from this
-    process straight into the shim's stdin pipe, as with ``spawn_shim``."""
+    process straight into the shim's stdin pipe."""
 
     def __init__(self, cache_dir: str) -> None:
         self._cache_dir = cache_dir          # where compiled_shim keeps the bytecode
@@ -245,8 +245,8 @@ class ForkServer:
 
     def spawn(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimHandle:
         """Start one shim for ``spec`` (the shim contract's document) from the fork server of
-        ``python -I -S`` and wait (at most ``status_timeout_s`` seconds) for its start status as
-        ``spawn_shim`` does: the shim's PID comes first (a ``pid <n>`` line from the forked
+        ``python -I -S`` and wait (at most ``status_timeout_s`` seconds) for its start status
+        (ARCHITECTURE.md "Start status"): the shim's PID comes first (a ``pid <n>`` line from the forked
         shim), then ``ok`` or ``err <reason>``. With a start_error it returns once the shim has
         exited (it writes its receipt first).
 
@@ -304,7 +304,7 @@ class ForkServer:
             try:
                 line, _ = _read_line(status_r, rest, deadline)
             except TimeoutError:
-                line = "ok"                  # as spawn_shim: the receipt will tell
+                line = "ok"                  # a slow start: the receipt will tell
             if line == "ok":
                 start_error = None
             elif line is not None and line.startswith("err "):

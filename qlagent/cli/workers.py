@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..core import errors as E
+from ..core.states import WorkerState
 from .common import Ctx, command, fmt_us, options, or_dash, print_json, table
 
 
@@ -62,7 +63,7 @@ def cmd_workers_ls(ctx: Ctx) -> int:
     return 0
 
 
-_WORKER_VERBS = {"drain": "draining", "resume": "active", "rm": "removed"}
+_WORKER_VERBS = {"drain": WorkerState.DRAINING, "resume": WorkerState.ACTIVE, "rm": WorkerState.REMOVED}
 
 
 def cmd_workers_state(ctx: Ctx, verb: str) -> int:

@@ -7,13 +7,14 @@ from __future__ import annotations
 from ..core.errors import ValidationError
 from ..core.ids import new_id
 from ..core.jointoken import MAX_TTL_S, MIN_TTL_S
+from ..core.ports import JoinTokenStore
 from .registry import check_uuid, credential_digest
 
 
 class JoinTokens:
-    """Over ``adapters.postgres.join_tokens.PgJoinTokens`` (or a store with its methods)."""
+    """Join-token policy over a ``core.ports.JoinTokenStore``."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store: JoinTokenStore) -> None:
         self._store = store
 
     def issue(self, worker_id: str, ttl_s: int) -> tuple[str, int]:

@@ -43,7 +43,7 @@ from ..core.canonical import sha256_hex
 from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, PullAnswer, PullRequest, PullStore, PullUnit,
                             SecretResolver)
 from ..core.errors import ConflictError, UnavailableError, ValidationError
-from ..core.states import AttemptState
+from ..core.states import AttemptState, LeaseState
 from .registry import check_token
 from .dispatcher import (BudgetExhausted, CandidateClaimer, CycleCounts, DispatcherBudgets, FailClosed, build_offer,
                          check_budgets)
@@ -142,9 +142,9 @@ class WorkerPull:
             lease, c, attempt_state = prior
             if lease.token_digest != token_digest:
                 raise ConflictError("this pullId was answered with another lease token", code="pull_token_mismatch")
-            if lease.state != "active" or attempt_state not in (AttemptState.CLAIMED, AttemptState.STARTING):
+            if lease.state != LeaseState.ACTIVE or attempt_state not in (AttemptState.CLAIMED, AttemptState.STARTING):
                 return PullAnswer(status="lease_ended", reason=f"attempt_{attempt_state}"
-                                  if lease.state == "active" else f"lease_{lease.state}")
+                                  if lease.state == LeaseState.ACTIVE else f"lease_{lease.state}")
             plan = unit.prepare(c)
             if plan is None:
                 return PullAnswer(status="refused", reason="recovery_plan_missing")

@@ -39,6 +39,7 @@ from ..core.executors import WORKER_EXECUTORS
 from ..core.inbox_states import MAX_GENERATION, MAX_LEASE_TOKEN, MIN_LEASE_TOKEN
 from ..core.leasefit import check_lease_ttl
 from ..core.ports import WorkerRegistryStore
+from ..core.states import WorkerState
 from .placement import check_labels
 
 CREDENTIAL_PREFIX = "qlw_"
@@ -265,18 +266,18 @@ class WorkerRegistry:
     def drain(self, name: str) -> str:
         """No new claims for the Worker; its Leases run on. Returns the Worker ID.
         ValidationError for a name no Worker can have, NotFoundError(worker_not_found)."""
-        return self._store.set_state(check_name(name), "draining")
+        return self._store.set_state(check_name(name), WorkerState.DRAINING)
 
     def resume(self, name: str) -> str:
         """Undo ``drain``: the Worker gets offers again (idempotent: an active Worker stays so).
         Returns the Worker ID. ValidationError for a name no Worker can have,
         NotFoundError(worker_not_found)."""
-        return self._store.set_state(check_name(name), "active")
+        return self._store.set_state(check_name(name), WorkerState.ACTIVE)
 
     def remove(self, name: str) -> str:
         """Remove the Worker: Sessions closed, Leases fenced, name freed. Returns the Worker ID.
         ValidationError for a name no Worker can have, NotFoundError(worker_not_found)."""
-        return self._store.set_state(check_name(name), "removed")
+        return self._store.set_state(check_name(name), WorkerState.REMOVED)
 
     def list(self, limit: int = 64, after: str | None = None) -> list[dict]:
         """One page of live Workers in name order after ``after``: name, worker_id, state

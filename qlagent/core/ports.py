@@ -552,7 +552,8 @@ class WorkerRegistryStore(Protocol):
         heartbeat_late (``renew_until_us`` passed)."""
 
     def set_state(self, name: str, state: str) -> str:
-        """``draining``, ``active`` or ``removed``; the Worker ID. NotFoundError for no live Worker."""
+        """``state``: a ``core.states.WorkerState`` (``DRAINING``, ``ACTIVE`` or ``REMOVED``); the
+        Worker ID. NotFoundError for no live Worker."""
 
     def expire_sessions(self, limit: int) -> int:
         """Mark up to ``limit`` open Sessions past their expiry offline; how many."""
@@ -568,6 +569,19 @@ class LogChunkStore(Protocol):
         """``data`` at byte ``offset``; (next expected offset, truncated). Bytes past
         ``quota_bytes`` advance the offset but are not kept. ConflictError also chunk_gap,
         chunk_mismatch."""
+
+
+class JoinTokenStore(Protocol):
+    """Join tokens (``adapters.postgres.join_tokens.PgJoinTokens``); policy and validation are
+    ``cluster.joins.JoinTokens``'. Times in µs of the database clock."""
+
+    def issue(self, token_id: str, worker_id: str, ttl_us: int) -> int:
+        """Record a token for ``worker_id`` valid ``ttl_us`` µs from now; its expiry (µs)."""
+
+    def redeem(self, token_id: str, worker_id: str, credential_digest: str) -> None:
+        """Mark the token used. WorkerAuthError unless the credential is this live Worker's;
+        NotFoundError join_token_not_found; ConflictError join_token_used, join_token_expired
+        (nothing written)."""
 
 
 class ClusterPlans(Protocol):

@@ -5,6 +5,10 @@ Run:     queued → starting → running → succeeded | failed | timed_out | ca
          with a new claimed Attempt).
 Attempt: claimed → starting → running → succeeded | failed | timed_out | cancelled | lost;
          claimed → cancelled | start_failed;  starting|running → start_failed (the shim could not exec the task).
+
+The cluster's own rows name their states here too (their transitions live in the PostgreSQL
+adapter): ``WorkerState``, ``SessionState``, ``LeaseState``. The Worker inbox's states are
+``core.inbox_states.InboxState``, what an ACK reports ``core.cluster.AckKind``.
 """
 
 from __future__ import annotations
@@ -56,14 +60,52 @@ class AttemptState:
     RETRYABLE = frozenset({FAILED, TIMED_OUT, LOST, START_FAILED})
 
 
+class WorkerState:
+    """A cluster Worker's states (PostgreSQL ``workers.state``): ``ACTIVE`` gets offers,
+    ``DRAINING`` gets none while its Leases run on, ``REMOVED`` has its Sessions closed, its
+    Leases fenced and its name freed (``workers drain|resume|rm``)."""
+
+    ACTIVE = "active"
+    DRAINING = "draining"
+    REMOVED = "removed"
+
+    ALL = (ACTIVE, DRAINING, REMOVED)
+
+
+class SessionState:
+    """A Worker Session's states (``worker_sessions.state``): ``OPEN`` until its TTL passes
+    (``EXPIRED``), a new Session of the same Worker replaces it (``REPLACED``) or its Worker is
+    removed (``CLOSED``)."""
+
+    OPEN = "open"
+    REPLACED = "replaced"
+    EXPIRED = "expired"
+    CLOSED = "closed"
+
+    ALL = (OPEN, REPLACED, EXPIRED, CLOSED)
+
+
+class LeaseState:
+    """A Run Lease's states (``run_leases.state``, ADR-0014): ``ACTIVE`` while its Worker holds
+    it, ``COMPLETED`` once the completion ACK arrived (its log may still go up), ended by the
+    sweeper (``EXPIRED``) or by fencing its Session (``FENCED``); ``ENDED``: a Lease that answers
+    nothing more."""
+
+    ACTIVE = "active"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    FENCED = "fenced"
+
+    ALL = (ACTIVE, COMPLETED, EXPIRED, FENCED)
+    ENDED = frozenset({EXPIRED, FENCED})
+
+
 RUN_LIVE = RunState.LIVE
 RUN_LIVE_CLUSTER = RunState.LIVE | {RunState.DISPATCHING}
 RUN_ACTIVE = RunState.ACTIVE
 RUN_TERMINAL = RunState.TERMINAL
-ATTEMPT_LIVE = AttemptState.LIVE
 ATTEMPT_ACTIVE = AttemptState.ACTIVE
 ATTEMPT_TERMINAL = AttemptState.TERMINAL
-RETRYABLE = AttemptState.RETRYABLE
 
 
 _RUN = {
@@ -113,7 +155,7 @@ def outcome(exit_code: int | None, signal: int | None, start_error: str | None, 
 
 def retryable(attempt_state: str) -> bool:
     """Attempts that a retry policy may follow with a new Attempt (not after a cancel or success)."""
-    return attempt_state in RETRYABLE
+    return attempt_state in AttemptState.RETRYABLE
 
 
 def backoff_ms(base_ms: int, attempt_no: int) -> int:

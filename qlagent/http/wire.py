@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from qlagent.core.profiles import EDGE, STANDALONE, Profile
+from qlagent.core.profiles import Profile
 
 _REASONS = {
     100: "Continue", 200: "OK", 201: "Created", 202: "Accepted", 204: "No Content",
@@ -93,16 +93,6 @@ class HttpLimits:
         return cls(max_in_flight=profile.http_in_flight, max_body_bytes=profile.http_body_bytes,
                    max_connections=64, max_header_bytes=16384, max_header_count=64,
                    max_query_params=32)
-
-    @classmethod
-    def edge(cls) -> HttpLimits:
-        """Edge profile (ADR-0376 §4): 4 in flight, 512-byte bodies, 16 connections."""
-        return cls.for_profile(EDGE)
-
-    @classmethod
-    def standalone(cls) -> HttpLimits:
-        """Standalone profile: in flight and body bound from core.profiles, 64 connections."""
-        return cls.for_profile(STANDALONE)
 
 
 @dataclass(slots=True)

@@ -9,23 +9,9 @@ back. The small floor keeps a Worker from spinning when the draw is near zero.
 
 from __future__ import annotations
 
-from ..core.errors import ValidationError
-
 DEFAULT_BASE_S = 1.0
 DEFAULT_CAP_S = 60.0
 DEFAULT_FLOOR_S = 0.1
-MAX_CAP_S = 3_600.0        # a Worker never waits more than an hour to retry
-
-
-def check_backoff(base_s: float, cap_s: float, floor_s: float = DEFAULT_FLOOR_S) -> None:
-    """Raise ValidationError naming ``reconnect_base_s``/``reconnect_cap_s``/``reconnect_floor_s``
-    unless 0 < floor_s ≤ base_s ≤ cap_s ≤ 3600 (seconds)."""
-    if not 0 < floor_s <= base_s:
-        raise ValidationError("reconnect_floor_s", "must be > 0 and at most reconnect_base_s", limit=base_s)
-    if not base_s <= cap_s:
-        raise ValidationError("reconnect_base_s", "must be at most reconnect_cap_s", limit=cap_s)
-    if not cap_s <= MAX_CAP_S:
-        raise ValidationError("reconnect_cap_s", "over the limit", limit=MAX_CAP_S)
 
 
 def ceiling_s(failures: int, base_s: float = DEFAULT_BASE_S, cap_s: float = DEFAULT_CAP_S) -> float:

@@ -62,11 +62,6 @@ class Renewal(msgspec.Struct, frozen=True, kw_only=True):
         """Estimated database clock minus Worker clock (µs), biased so the expiry looks earlier."""
         return self.server_now_us - self.sent_local_us
 
-    @property
-    def local_expiry_us(self) -> int:
-        """The Lease expiry on the Worker's monotonic clock, before any drift allowance."""
-        return self.expires_at_us - self.offset_us
-
 
 class FenceDecision(msgspec.Struct, frozen=True, kw_only=True):
     action: str                 # run | stop | keep

@@ -17,7 +17,7 @@ from qlagent.adapters.postgres.notify import PgCandidateSignal
 from qlagent.cluster.joins import JoinTokens
 from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
 from qlagent.cluster.pull import WorkerPull
-from qlagent.core.profiles import EDGE
+from qlagent.core.profiles import EDGE, STANDALONE
 from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import HttpServer
@@ -40,7 +40,7 @@ class ControlPlane:
         self.routes = WorkerRoutes(services, limits)
         router = Router()
         self.routes.register(router)
-        http_limits = replace(HttpLimits.standalone(), max_in_flight=in_flight, max_connections=in_flight + 16,
+        http_limits = replace(HttpLimits.for_profile(STANDALONE), max_in_flight=in_flight, max_connections=in_flight + 16,
                               max_body_bytes=MAX_CHUNK_BYTES, read_timeout_s=read_timeout_s, idle_timeout_s=60.0,
                               max_requests_per_connection=100_000)
         self.server = HttpServer(http_limits, self.routes.handler(router), error_response=self.routes.error_response)

@@ -14,10 +14,9 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 
-from kit import free_port, wait_until
+from kit import free_port, qlagent_argv, wait_until
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 
@@ -57,7 +56,7 @@ class Host:
                 self.restart()
                 continue
             assert argv[0] == "qlagent", part
-            p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", *argv[1:]], capture_output=True,
+            p = subprocess.run(qlagent_argv(*argv[1:]), capture_output=True,
                                env=self.env, cwd=self.etc, timeout=120)
             assert p.returncode == 0 and b"Traceback" not in p.stderr, (part, p.stdout, p.stderr)
             out = p.stdout.decode()
@@ -66,7 +65,7 @@ class Host:
     def restart(self) -> None:
         self.stop()
         with open(self.log, "ab") as log:
-            self.service = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "serve"],
+            self.service = subprocess.Popen(qlagent_argv("serve"),
                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
                                             env=self.env)
         def ready() -> bool:

@@ -10,16 +10,15 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 
 import pytest
 from test_cluster_serve import Env, Replica
+from kit import run_cli
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    return subprocess.run([sys.executable, "-m", "qlagent.cli.main", *args], capture_output=True, env=env, timeout=120)
+    return run_cli(*args, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -191,10 +190,8 @@ def test_join_on_openwrt_writes_uci_options(cp):
     os.mkdir(uci)
     router = _router(env, "openwrt")
     token = _enroll(env, "owrt", port=replica.port)
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
-    run_env.update(UCI_DIR=uci, PATH=standin + os.pathsep + run_env["PATH"])
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "worker", "join", token, "--uci", "--dir", router,
-                        "--label", "site=roof"], capture_output=True, env=run_env, timeout=120)
+    p = run_cli("worker", "join", token, "--uci", "--dir", router, "--label", "site=roof",
+                env={"UCI_DIR": uci, "PATH": standin + os.pathsep + os.environ["PATH"]}, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "/etc/init.d/qlagent restart" in p.stdout.decode()
 

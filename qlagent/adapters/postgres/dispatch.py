@@ -23,7 +23,7 @@ from ...core.cluster import ClaimOutcome, ClaimStatus, ClusterCandidate, Dispatc
 from ...core.errors import ConflictError
 from ...core.ids import new_id
 from ...core.profiles import Profile
-from ...core.states import AttemptState
+from ...core.states import AttemptState, LeaseState, SessionState, WorkerState
 from .connection import read, transaction
 from .queries import (DB_NOW, LEASE_ACTIVE_ATTEMPT_FOR_UPDATE, LEASE_CLAIM, LEASE_COMPLETE, OCCUPYING, OFFER_DEFINITION,
                       PULL_CANDIDATE_PAGE, PULL_CANDIDATE_PAGE_AFTER, PULL_CANDIDATE_PAGE_SCOPED,
@@ -94,7 +94,7 @@ def _lease(cur, c: ClusterCandidate, w: WorkerSnapshot, token_digest: str, lease
     if row is None:
         return ClaimOutcome(ClaimStatus.ATTEMPT_UNAVAILABLE, "run_changed")
     return ClaimOutcome(ClaimStatus.CLAIMED, lease=Lease(c.attempt_id, c.run_id, row["lease_generation"], w.worker_id,
-                                               w.session_id, w.generation, token_digest, "active", now,
+                                               w.session_id, w.generation, token_digest, LeaseState.ACTIVE, now,
                                                now + lease_ttl_us, pull_id))
 
 
@@ -118,10 +118,10 @@ class PgDispatchStore:
                                             "session": session_id, "pull": pull_id}).fetchone()
             if s is None or s["generation"] != generation or s["worker_generation"] != generation:
                 raise stale_session(session_id, generation, authenticate(cur, worker_id, credential_digest))
-            if s["state"] != "open" or s["expires_at_us"] <= s["now"]:
+            if s["state"] != SessionState.OPEN or s["expires_at_us"] <= s["now"]:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
             w = WorkerSnapshot(worker_id, session_id, generation, s["labels"], tuple(s["executor_types"]), s["slots"],
-                               max(0, s["slots"] - s["used"]), s["worker_state"] == "draining",
+                               max(0, s["slots"] - s["used"]), s["worker_state"] == WorkerState.DRAINING,
                                tuple(s["projects"]))
             return work(_PgPullUnit(cur, self._plans, w, s["now"], pull_id if s["prior"] else None))
 
@@ -208,15 +208,17 @@ class PgPlanSource:
         self._cache: dict[tuple[str, int], _Revision] = {}
         self._lock = threading.Lock()
 
-    def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
+    def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
+        c = candidate
         rev = self._cache.get((c.task_id, c.task_revision))
         if rev is None:
             rev = read(self._pool, lambda cur: self._load(cur, c.task_id, c.task_revision))
         return None if rev is None else self._plan(rev, c)
 
-    def prepare_with(self, cur, c: ClusterCandidate) -> DispatchPlan | None:
-        """``prepare`` reading a missing revision through the caller's cursor."""
-        rev = self._cache.get((c.task_id, c.task_revision)) or self._load(cur, c.task_id, c.task_revision)
+    def prepare_with(self, tx, candidate: ClusterCandidate) -> DispatchPlan | None:
+        """``prepare`` reading a missing revision through the caller's cursor ``tx``."""
+        c = candidate
+        rev = self._cache.get((c.task_id, c.task_revision)) or self._load(tx, c.task_id, c.task_revision)
         return None if rev is None else self._plan(rev, c)
 
     def _load(self, cur, task_id: str, revision: int) -> _Revision | None:

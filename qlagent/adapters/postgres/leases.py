@@ -10,7 +10,7 @@ from __future__ import annotations
 from ...core.cluster import Ack, AckResult, LeaseFence
 from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
-from ...core.states import AttemptState
+from ...core.states import AttemptState, LeaseState
 from .connection import transaction
 from ..rows.execution import record_truncation
 from .dialect import POSTGRES
@@ -41,14 +41,14 @@ class PgLeaseStore:
             lease, _ = fenced_lease(cur, fence)
             a = cur.execute(ACK_ATTEMPT_FOR_NO_KEY_UPDATE, (fence.attempt_id,)).fetchone()
             state = a["state"]
-            if lease["state"] in ("expired", "fenced") or a["lease_generation"] != fence.lease_generation:
+            if lease["state"] in LeaseState.ENDED or a["lease_generation"] != fence.lease_generation:
                 # An ended or superseded Lease answers nothing, not even a replay: its Worker must stop.
                 raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
             if state in _TERMINAL or (target in _RANK and _RANK.get(state, 3) >= _RANK[target]):
                 if target in _TERMINAL and state != target:
                     raise ConflictError(f"the Attempt already ended {state}", code="ack_conflict")
                 return AckResult(state, self._run_state(cur, lease["run_id"]), True)
-            if lease["state"] != "active":
+            if lease["state"] != LeaseState.ACTIVE:
                 raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
             now = now_us(cur)
             if lease["expires_at_us"] <= now:
@@ -101,5 +101,5 @@ class PgLeaseStore:
         def tx(cur):
             now = now_us(cur)
             rows = cur.execute(LEASES_EXPIRED_FOR_UPDATE, (now, limit)).fetchall()
-            return [(r["attempt_id"], end_lease(cur, r, "expired", "lease_expired", now)) for r in rows]
+            return [(r["attempt_id"], end_lease(cur, r, LeaseState.EXPIRED, "lease_expired", now)) for r in rows]
         return transaction(self._pool, tx)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ...core.cluster import ChunkConflict, LeaseFence
 from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
+from ...core.states import LeaseState
 from .connection import transaction
 from .queries import (ATTEMPT_LOG_NEXT_FOR_NO_KEY_UPDATE, ATTEMPT_LOG_NEXT_SET, LOG_CHUNKS_RANGE, LOG_CHUNK_AT,
                       LOG_CHUNK_INSERT, RUN_LOG_LATEST_ATTEMPT, TRUNCATION_FACT_EXISTS, TRUNCATION_FACT_INSERT)
@@ -28,7 +29,7 @@ class PgLogStore:
         """
         def tx(cur):
             lease, _ = fenced_lease(cur, fence)
-            if lease["state"] not in ("active", "completed"):
+            if lease["state"] not in (LeaseState.ACTIVE, LeaseState.COMPLETED):
                 raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
             a = cur.execute(ATTEMPT_LOG_NEXT_FOR_NO_KEY_UPDATE, (fence.attempt_id,)).fetchone()
             end = a["log_next_offset"]

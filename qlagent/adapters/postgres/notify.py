@@ -153,12 +153,6 @@ class PgCandidateSignal:
             self._seq += 1
             self._cond.notify_all()
 
-    @property
-    def listening(self) -> bool:
-        """Whether the LISTEN connection is open right now."""
-        with self._cond:
-            return self._conn is not None and not self._stop
-
     def seq(self) -> int:
         """The current wake-up number."""
         with self._cond:

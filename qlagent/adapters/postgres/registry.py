@@ -7,6 +7,7 @@ from __future__ import annotations
 from ...core.cluster import Enrolment, SessionGrant, WorkerInfo
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
+from ...core.states import SessionState, WorkerState
 from .connection import read, transaction
 from .queries import (LEASES_CANCEL_REQUESTED, LEASES_RENEW, PROJECTS_BY_NAMES, SESSIONS_EXPIRE, SESSIONS_PRUNE,
                       SESSION_HEARTBEAT, SESSION_INSERT, SESSION_OF_WORKER_FOR_NO_KEY_UPDATE, WORKERS_PAGE,
@@ -112,7 +113,7 @@ class PgWorkerRegistry:
             if s is None or s["generation"] != generation or w["generation"] != generation:
                 raise stale_session(session_id, generation, w)
             now = now_us(cur)
-            if s["state"] != "open" or s["expires_at_us"] <= now:
+            if s["state"] != SessionState.OPEN or s["expires_at_us"] <= now:
                 raise ConflictError("the Session expired; open a new one", code="session_expired")
             if renew_until_us is not None and now > renew_until_us:
                 raise ConflictError(f"heartbeat arrived {now - renew_until_us} µs after the Worker stopped waiting "
@@ -136,7 +137,7 @@ class PgWorkerRegistry:
                 raise NotFoundError(f"no Worker named {name!r}", code="worker_not_found")
             now = now_us(cur)
             cur.execute(WORKER_STATE_SET, (state, now, w["worker_id"]))
-            if state == "removed":
+            if state == WorkerState.REMOVED:
                 cur.execute(WORKER_SESSION_CLEAR, (w["worker_id"],))
                 fence_sessions(cur, w["worker_id"], None, "worker_removed", now)
             return w["worker_id"]

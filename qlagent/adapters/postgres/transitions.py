@@ -12,7 +12,7 @@ from ...core.cluster import AdoptedLease, AdoptRefusal, AttemptEnd, LeaseFence, 
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
 from ...core.models import RetryPolicy
-from ...core.states import AttemptState, RunState
+from ...core.states import AttemptState, LeaseState, RunState, SessionState
 from .queries import (DB_NOW, LEASES_OF_OTHER_SESSIONS_FOR_UPDATE, LEASE_ADOPT, LEASE_ATTEMPT_RUN_FOR_NO_KEY_UPDATE,
                       LEASE_END, LEASE_OF_WORKER_FOR_UPDATE, LEASE_TO_ADOPT_FOR_UPDATE,
                       RUN_CANCEL_TASK_FOR_NO_KEY_UPDATE, RUN_END, RUN_EVENT_INSERT, RUN_NEXT_EVENT_SEQUENCE,
@@ -96,10 +96,10 @@ def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
 def fence_sessions(cur, worker_id: str, keep_session: str | None, reason: str, now: int) -> int:
     """Close every other open Session of the Worker and fence its active Leases; return how many
     Leases were fenced."""
-    cur.execute(SESSIONS_CLOSE_OTHERS, ("replaced" if keep_session else "closed", worker_id, keep_session))
+    cur.execute(SESSIONS_CLOSE_OTHERS, (SessionState.REPLACED if keep_session else SessionState.CLOSED, worker_id, keep_session))
     leases = cur.execute(LEASES_OF_OTHER_SESSIONS_FOR_UPDATE, (worker_id, keep_session)).fetchall()
     for lease in leases:
-        end_lease(cur, lease, "fenced", reason, now)
+        end_lease(cur, lease, LeaseState.FENCED, reason, now)
     return len(leases)
 
 
@@ -119,13 +119,13 @@ def adopt_leases(cur, worker_id: str, session_id: str, generation: int, claims, 
             reason = "lease_not_found"              # also another Worker's Lease: nothing said about it
         elif row["token_digest"] != digest:
             reason = "lease_token_mismatch"
-        elif row["state"] in ("expired", "fenced"):
+        elif row["state"] in LeaseState.ENDED:
             reason = "lease_not_active"
-        elif row["state"] == "active" and row["expires_at_us"] <= now:
+        elif row["state"] == LeaseState.ACTIVE and row["expires_at_us"] <= now:
             reason = "lease_expired"
-        elif row["state"] == "active" and row["attempt_state"] not in (AttemptState.STARTING, AttemptState.RUNNING):
+        elif row["state"] == LeaseState.ACTIVE and row["attempt_state"] not in (AttemptState.STARTING, AttemptState.RUNNING):
             reason = "not_started"                  # claimed: never spawned, ADR-0014 re-offers it
-        elif row["state"] == "active" and row["cancel_requested_at_us"] is not None:
+        elif row["state"] == LeaseState.ACTIVE and row["cancel_requested_at_us"] is not None:
             reason = "run_cancelled"
         if reason is not None:
             refused.append(AdoptRefusal(attempt_id, lease_generation, reason))

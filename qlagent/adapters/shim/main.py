@@ -1,5 +1,6 @@
 """The shim: the per-run process (ADR-0071 §5, ARCHITECTURE.md "Shim contract"); its FIFO drainer
-is ``drainer.py`` (``Drainer``), the fork server ``forkserver.py`` (``serve_forks``).
+is ``drainer.py`` (``Drainer``), the stopping of what the task left behind ``leftovers.py``,
+its oom_score_adj and cgroup reads ``oom.py``, the fork server ``forkserver.py`` (``serve_forks``).
 
 Run as ``python3 -I -S shim/main.py`` in its own session, stdin a pipe carrying ONE JSON spec
 (it holds secret plaintext, so it never travels through argv or disk), stdout/stderr /dev/null,
@@ -10,7 +11,7 @@ Fork server: started with stdin a Unix stream socket, this program is the fork s
 (``forkserver.serve_forks``, processes.ForkServer): it forks one shim per request, which then
 runs exactly as above after writing ``pid <n>`` on its stdout; see ARCHITECTURE.md "Fork server".
 
-Siblings: ``drainer`` and ``forkserver`` are imported by their plain names. The agent runs one
+Siblings: ``drainer``, ``leftovers``, ``oom`` and ``forkserver`` are imported by their plain names. The agent runs one
 file, ``processes.compiled_shim`` (``--compile``, ``_compile_self``), whose code puts the
 compiled siblings into ``sys.modules`` before it runs this file's code: nothing is compiled and
 nothing is searched on sys.path. Run from source (``python3 -I -S shim/main.py``, tests and
@@ -54,8 +55,8 @@ and no thread: the shim stays as small as before.
 
 Out of memory (issue 22 §3): with a ``cgroup`` the task tree runs there, under the Run's own
 memory.max (whole tree killed together: memory.oom.group), and this process stays beside the
-agent. Either way the task is exec'd with oom_score_adj TASK_OOM_SCORE_ADJ and this process runs
-at SHIM_OOM_SCORE_ADJ, so when a memory cgroup they share with the agent is full the kernel kills
+agent. Either way the task is exec'd with oom_score_adj oom.TASK_OOM_SCORE_ADJ and this process runs
+at oom.SHIM_OOM_SCORE_ADJ, so when a memory cgroup they share with the agent is full the kernel kills
 the task first and the agent (whose own value is lower: the unit's OOMScoreAdjust=) last. A task
 ended by SIGKILL while the oom_kill count rose — of the Run's cgroup, else of this process's
 memory cgroup (v2 memory.events, v1 memory.oom_control) — ends with "oom_killed": true; with a
@@ -94,25 +95,22 @@ import time
 
 if "drainer" not in sys.modules:   # run from source, not from compiled_shim's file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from drainer import Drainer  # noqa: E402  (needs the line above when run from source)
+import leftovers  # noqa: E402  (the three need the line above when run from source)
+import oom  # noqa: E402
+from drainer import Drainer  # noqa: E402
 
 SPEC_LIMIT_BYTES = 1 << 20
 MAX_LINGER_S = 3600.0
 MAX_GRACE_S = 300.0
 START_ERROR_LIMIT = 512
 _PATH_SHOWN = 200
-PR_SET_CHILD_SUBREAPER = 36
-TASK_OOM_SCORE_ADJ = b"1000"   # the kernel's first choice in an OOM (the maximum)
-SHIM_OOM_SCORE_ADJ = b"500"    # after the task, before the agent: killing a shim loses its run
 PR_SET_PDEATHSIG = 1
 RECEIPT_RETRY_S = 1.0    # a full file system: try the receipt again this often until it fits
-ORPHAN_POLL_S = 0.1   # a /proc scan costs ~5 ms at 135 processes: ≤ 5 % CPU while waiting
 
 _task_pid = 0
 _term_requested = False
 _inherited_umask = 0o022   # replaced in main() by the umask this process was started with
 _status_sent = False
-_prctl = None              # libc prctl, set by _become_subreaper; None where unavailable
 
 
 def _now_us():
@@ -350,10 +348,10 @@ def _exec_child(cfg, path, wfd, err_w, reset, shim_pid):
             _signal.signal(sig, _signal.SIG_DFL)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
         os.setpgid(0, 0)
-        if _prctl is not None:
+        if leftovers.prctl is not None:
             # Tied to this shim: its death (SIGKILL, OOM kill) SIGKILLs the task (kept across
             # execve). The shim may have died before the prctl: then the parent is already another.
-            _prctl(PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
+            leftovers.prctl(PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
             if os.getppid() != shim_pid:
                 os._exit(127)
         os.umask(cfg["umask"])
@@ -361,9 +359,9 @@ def _exec_child(cfg, path, wfd, err_w, reset, shim_pid):
         os.dup2(null, 0)
         os.dup2(wfd, 1)
         os.dup2(wfd, 2)
-        _set_oom_score_adj(TASK_OOM_SCORE_ADJ)
+        oom.set_score_adj(oom.TASK_OOM_SCORE_ADJ)
         if cfg["cgroup"] is not None:
-            _join_cgroup(cfg["cgroup"])
+            oom.join_cgroup(cfg["cgroup"])
         stage = b"cwd"
         os.chdir(cfg["cwd"])
         stage = b"exec"
@@ -373,71 +371,6 @@ def _exec_child(cfg, path, wfd, err_w, reset, shim_pid):
     except BaseException:
         os.write(err_w, b"shim 0")
     os._exit(127)
-
-
-def _set_oom_score_adj(value):
-    """Raise this process's oom_score_adj (raising needs no privilege); ignored without /proc."""
-    try:
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-        try:
-            os.write(fd, value)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _join_cgroup(path):
-    """In the forked child: move into the Run's cgroup; a refusal leaves the task where the shim
-    is (under oom_score_adj only)."""
-    try:
-        fd = os.open(path + "/cgroup.procs", os.O_WRONLY)
-        try:
-            os.write(fd, b"%d" % os.getpid())
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def _cgroup_value(path, key):
-    """``key``'s number in a flat-keyed cgroup file, or the file's one number (key None)."""
-    try:
-        with open(path) as f:
-            for line in f:
-                parts = line.split()
-                if key is None and len(parts) == 1:
-                    return int(parts[0])
-                if len(parts) == 2 and parts[0] == key:
-                    return int(parts[1])
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def _oom_kills(cgroup=None):
-    """The oom_kill count of the Run's cgroup, else of this process's memory cgroup (v1
-    ``memory`` line, else v2 ``0::``), or None where there is none to read."""
-    if cgroup is not None:
-        n = _cgroup_value(cgroup + "/memory.events", "oom_kill")
-        if n is not None:
-            return n
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
-    except OSError:
-        return None
-    paths = [("/sys/fs/cgroup/memory%s/memory.oom_control" % p) for _, c, p in lines if "memory" in c.split(",")]
-    paths += [("/sys/fs/cgroup%s/memory.events" % p) for h, c, p in lines if h == "0" and c == ""]
-    for path in paths:
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.startswith("oom_kill "):
-                        return int(line.split()[1])
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 def _spawn(cfg, wfd):
@@ -500,142 +433,17 @@ def _missing_interpreter(path):
     return "interpreter %r of its #! line not found" % _shown(words.decode("utf-8", "replace"))
 
 
-def _read_all(path):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        chunks = []
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _leftovers(pgid, marker):
-    """Live processes in process group ``pgid``, whose environment holds ``marker``
-    (b"\0QL3_ATTEMPT_ID=<id>\0"), or descending from this process (orphans re-parented to it
-    as the task's subreaper: a double-forked, setsid, ``env -i`` daemon), this process excluded;
-    read from /proc."""
-    found = set()
-    me = os.getpid()
-    children = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        st = _read_all("/proc/%s/stat" % name)
-        if not st:
-            continue
-        fields = st[st.rfind(b")") + 2:].split()   # comm may hold spaces and parentheses
-        if len(fields) < 3 or fields[0] in (b"Z", b"X"):
-            continue
-        children.setdefault(int(fields[1]), []).append(int(name))
-        if int(fields[2]) == pgid:
-            found.add(int(name))
-            continue
-        env = _read_all("/proc/%s/environ" % name)
-        if env and marker in b"\0" + env:
-            found.add(int(name))
-    todo = list(children.get(me, ()))
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo.extend(children.get(pid, ()))
-    return found
-
-
-def _reap_orphans():
-    """Reap every exited child (orphans re-parented to this subreaper) so none keeps its PID;
-    call only once the main task has been reaped."""
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
-
-
-def _load_prctl():
-    """libc's prctl into ``_prctl`` (None where unavailable); ctypes is loaded only here, once
-    per fork server or per directly started shim."""
-    global _prctl
-    if _prctl is None:
-        try:
-            import ctypes
-            _prctl = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError, ImportError):
-            _prctl = None
-
-
-def _become_subreaper():
-    """prctl(PR_SET_CHILD_SUBREAPER): the task's orphans are re-parented to this process, not
-    to init, so a daemonized leftover is still found. ``_prctl`` also serves the task's
-    PR_SET_PDEATHSIG (``_exec_child``). False where prctl is unavailable (the process group and
-    QL3_ATTEMPT_ID still apply)."""
-    _load_prctl()
-    return _prctl is not None and _prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-
-
-def _stop_orphans(pgid, attempt_id, grace_s, drain):
-    """What the main task left behind: SIGTERM, ``grace_s`` seconds (draining the FIFO meanwhile
-    with ``drain(timeout_ms)``), SIGKILL. Returns how many processes were stopped."""
-    marker = ("\0QL3_ATTEMPT_ID=%s\0" % attempt_id).encode("utf-8", "replace")
-    seen = set()
-    deadline = time.monotonic() + grace_s
-    sig = _signal.SIGTERM
-    while True:
-        _reap_orphans()
-        left = _leftovers(pgid, marker)
-        if not left:
-            return len(seen)
-        if sig is not None:
-            # SIGTERM once to each process (one forked meanwhile is found by the next scan, 0.1 s
-            # later); SIGKILL to every one still there.
-            targets = left - seen if sig == _signal.SIGTERM else left
-            for pid in targets:
-                try:
-                    os.kill(pid, sig)
-                except OSError:
-                    pass
-            seen |= left
-            if sig == _signal.SIGKILL:
-                sig = None
-                deadline = time.monotonic() + 1.0
-        if time.monotonic() >= deadline:
-            if sig is None:
-                return len(seen)   # unkillable (D state): counted, nothing more to do
-            sig = _signal.SIGKILL
-            continue
-        drain(int(ORPHAN_POLL_S * 1000))
-
-
 def _mono_us():
     return time.monotonic_ns() // 1000   # CLOCK_MONOTONIC: the Worker's clock too
 
 
 def _lease_deadline(path):
     """The instant (µs, CLOCK_MONOTONIC) in ``path``, or None when it cannot be read."""
-    data = _read_all(path)
+    data = leftovers.read_all(path)
     try:
         return int(data.strip()) if data and len(data) <= 32 else None
     except ValueError:
         return None
-
-
-def _signal_run(pgid, attempt_id, sig):
-    """``sig`` to the task's process group and to every leftover of the run (``_leftovers``)."""
-    marker = ("\0QL3_ATTEMPT_ID=%s\0" % attempt_id).encode("utf-8", "replace")
-    for pid in _leftovers(pgid, marker) | {pgid}:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
 
 
 def new_receipt(attempt_id, start_error=None):
@@ -687,8 +495,8 @@ def run(w, cfg):
     _signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     _signal.signal(_signal.SIGCHLD, lambda s, f: None)  # only to wake poll through wakeup fd
 
-    _set_oom_score_adj(SHIM_OOM_SCORE_ADJ)
-    oom_before = _oom_kills(cfg["cgroup"])
+    oom.set_score_adj(oom.SHIM_OOM_SCORE_ADJ)
+    oom_before = oom.kills(cfg["cgroup"])
     receipt["started_at_us"] = _now_us()
     try:
         if _term_requested:
@@ -737,14 +545,14 @@ def run(w, cfg):
                 if receipt["lease_lost"]:
                     # Nothing of a run past its Lease may go on: what is left gets the rest of the grace.
                     left_s = max(0.0, (kill_at - _mono_us()) / 1e6) if kill_at is not None else 0.0
-                    receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, left_s, d.drain)
+                    receipt["orphans_stopped"] = leftovers.stop(pid, w.attempt_id, left_s, d.drain)
                 elif not cfg["keep_orphans"]:
-                    receipt["orphans_stopped"] = _stop_orphans(pid, w.attempt_id, cfg["grace_s"], d.drain)
+                    receipt["orphans_stopped"] = leftovers.stop(pid, w.attempt_id, cfg["grace_s"], d.drain)
                 linger_deadline = time.monotonic() + cfg["linger_s"]
                 continue
             now = _mono_us()
             if kill_at is not None and now >= kill_at:
-                _signal_run(pid, w.attempt_id, _signal.SIGKILL)
+                leftovers.signal_run(pid, w.attempt_id, _signal.SIGKILL)
                 kill_at = None
             if lease_at is not None and now >= lease_at:
                 renewed = _lease_deadline(cfg["lease_file"])
@@ -755,7 +563,7 @@ def run(w, cfg):
                     receipt["lease_lost"] = True
                     lease_at = None
                     kill_at = now + int(cfg["grace_s"] * 1e6)
-                    _signal_run(pid, w.attempt_id, _signal.SIGTERM)
+                    leftovers.signal_run(pid, w.attempt_id, _signal.SIGTERM)
         timeout_ms = None
         if status is None:
             for at in (lease_at, kill_at):
@@ -775,19 +583,19 @@ def run(w, cfg):
     if os.WIFSIGNALED(status):
         receipt["signal"] = os.WTERMSIG(status)
         if receipt["signal"] == _signal.SIGKILL and oom_before is not None:
-            receipt["oom_killed"] = (_oom_kills(cfg["cgroup"]) or 0) > oom_before
+            receipt["oom_killed"] = (oom.kills(cfg["cgroup"]) or 0) > oom_before
     else:
         receipt["exit_code"] = os.waitstatus_to_exitcode(status)
     if cfg["cgroup"] is not None:
         # The whole task tree's peak, as the kernel counted it (memory.peak: Linux 5.19+).
-        peak = _cgroup_value(cfg["cgroup"] + "/memory.peak", None)
+        peak = oom.cgroup_value(cfg["cgroup"] + "/memory.peak", None)
         if peak is not None:
             receipt["peak_rss_bytes"] = peak
     return receipt
 
 
-# The shim's sibling modules, in the order compiled_shim's file loads them (neither imports main).
-SIBLINGS = ("drainer", "forkserver")
+# The shim's sibling modules, in the order compiled_shim's file loads them (none imports main).
+SIBLINGS = ("drainer", "leftovers", "oom", "forkserver")
 # The code of compiled_shim's file: the siblings into sys.modules, then main.py's code as
 # __main__. "PARTS" stands for a tuple of (name, code object) with main last.
 _LOADER = """
@@ -811,7 +619,7 @@ def _compile_self(dest):
     parts = []
     for name in SIBLINGS + ("main",):
         path = os.path.join(here, name + ".py")
-        source = _read_all(path)
+        source = leftovers.read_all(path)
         if source is None:
             return 1
         parts.append((name, compile(source, path, "exec", dont_inherit=True)))
@@ -838,7 +646,7 @@ def main():
     _signal.signal(_signal.SIGTERM, _on_term)
     # Our own files private whatever the service's umask; the task gets the inherited one back.
     _inherited_umask = os.umask(0o077)
-    _become_subreaper()
+    leftovers.become_subreaper()
     try:
         spec = _read_spec()
         attempt_id = _str_field(spec, "attempt_id")
@@ -893,7 +701,7 @@ def main():
 
 def _serve_forks():
     from forkserver import serve_forks
-    _load_prctl()   # once, before the fork server freezes its heap: every shim it forks has it
+    leftovers.load_prctl()   # once, before the fork server freezes its heap: every shim it forks has it
     return serve_forks(main, _errno_text)
 
 
