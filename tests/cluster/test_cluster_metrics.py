@@ -1,5 +1,6 @@
 """GET /metrics on a control-plane replica (issue 26 §3): a real ``qlagent serve`` with
-``[cluster]`` on PostgreSQL, scraped over loopback and read by prometheus_client's parser."""
+``[cluster]`` on PostgreSQL, scraped over loopback, read by prometheus_client's parser and linted
+by ``promtool check metrics``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kit import promtool_check
 from qlagent.core.metrics import CONTENT_TYPE
 from qlagent.core.states import RunState
 from test_cluster_serve import BASE, TASKS, Env, Replica, _head, body
@@ -45,6 +47,7 @@ def scrape(replica) -> dict:
         assert resp.getheader("Content-Type") == CONTENT_TYPE
     finally:
         conn.close()
+    promtool_check(data.decode())
     return {f.name: f for f in text_string_to_metric_families(data.decode())}
 
 

@@ -1,5 +1,6 @@
 """GET /metrics on a fleet Worker's status surface (issue 26 §3): a real Worker process against
-the Worker-protocol stub, scraped over loopback and read by prometheus_client's parser."""
+the Worker-protocol stub, scraped over loopback, read by prometheus_client's parser and linted by
+``promtool check metrics``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import http.client
 from prometheus_client.parser import text_string_to_metric_families
 
 from qlagent.core.metrics import CONTENT_TYPE
-from kit import free_port, wait_until
+from kit import free_port, promtool_check, wait_until
 from test_worker_runtime import Worker, _http, _wait_http, completion, cp  # noqa: F401 (cp: fixture)
 
 
@@ -22,6 +23,7 @@ def scrape(port: int) -> dict[str, float]:
         assert r.status == 200 and r.getheader("Content-Type") == CONTENT_TYPE, data
     finally:
         c.close()
+    promtool_check(data.decode())
     return {s.name: s.value for f in text_string_to_metric_families(data.decode()) for s in f.samples}
 
 
