@@ -1,7 +1,8 @@
 """The one-line join (issue 26): ``workers enroll NAME --join-token`` on a real replica serving
 HTTPS with a certificate from ``qlagent tls``; ``worker join TOKEN`` writes a configuration
-that ``doctor`` accepts against that replica; a truncated, used, expired, foreign-CA,
-unreachable or removed-Worker token is one line and writes nothing."""
+that ``doctor`` accepts against that replica; a truncated (at any length), damaged, used,
+expired (by the control plane's record or the router's clock), foreign-CA, unreachable,
+removed-Worker or rotated-credential token is one line and writes nothing."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 
+import msgspec
 import pytest
 from test_cluster_serve import Env, Replica
+
+from qlagent.core.jointoken import decode_token, encode_token
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -94,8 +99,20 @@ def test_bad_tokens_are_one_line_and_write_nothing(cp):
     env, replica, tls = cp
     router = _router(env, "bad")
     token = _enroll(env, "r2", port=replica.port)
-    _refused(_join(router, token[:-12]), 2, "TOKEN", "truncated")
-    _refused(_join(router, "qlj2." + token[5:]), 2, "TOKEN", "not a join token")
+    # Cut anywhere: each base64 remainder (1, 2, 3 characters short) and the prefix alone.
+    for cut in (token[:-1], token[:-2], token[:-3], token[:-12], token[:len(token) // 2], "qlj1."):
+        _refused(_join(router, cut), 2, "TOKEN", "truncated")
+    for other in ("qlj2." + token[5:], "", token[5:]):
+        _refused(_join(router, other), 2, "TOKEN", "not a join token")
+    # Decodes, but not as `workers enroll` makes one: the part is named, before the config is judged.
+    t = decode_token(token)
+    for bad, part in ((msgspec.structs.replace(t, worker_id="../etc"), "Worker ID"),
+                      (msgspec.structs.replace(t, urls=["https://cp.example.net/path"]), "URL"),
+                      (msgspec.structs.replace(t, credential="qlw_short"), "credential")):
+        _refused(_join(router, encode_token(bad)), 2, "TOKEN", "damaged", part)
+    # Expired by the router's clock (the token says so): refused before the control plane is asked.
+    past = encode_token(msgspec.structs.replace(t, expires_at_s=int(time.time()) - 5))
+    _refused(_join(router, past), 3, "TOKEN", "expired", "this host's clock")
     # The token's expiry is the control plane's record, not what the token says.
     env.sql("UPDATE join_tokens SET expires_at_us = 0 WHERE worker_id = "
             "(SELECT worker_id FROM workers WHERE name = 'r2' AND state <> 'removed')")
@@ -114,7 +131,19 @@ def test_bad_tokens_are_one_line_and_write_nothing(cp):
     removed = _enroll(env, "r5", port=replica.port)
     env.ok("workers", "rm", "r5")
     _refused(_join(router, removed), 4, "TOKEN", "removed")
+    # The credential rotated since the token was made: the token's credential is refused.
+    rotated = _enroll(env, "r6", port=replica.port)
+    env.ok("workers", "rotate-credential", "r6")
+    _refused(_join(router, rotated), 4, "TOKEN", "rotated")
     assert os.listdir(router) == []
+
+
+@pytest.mark.parametrize("ttl", [60, 604_800])
+def test_token_ttl_limits_themselves_are_accepted(cp, ttl):
+    env, replica, _ = cp
+    before = int(time.time())
+    token = decode_token(_enroll(env, f"ttl{ttl}", "--token-ttl", str(ttl), port=replica.port))
+    assert before + ttl <= token.expires_at_s <= int(time.time()) + ttl
 
 
 @pytest.mark.parametrize("args,field", [
