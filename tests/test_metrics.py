@@ -31,6 +31,13 @@ schedule = "0 3 * * *"
 timeout_s = 30
 shell = "/bin/sh"
 script = 'echo tick'
+
+[[task]]
+name = "wide"
+concurrency = "parallel"
+memory_max = "50M"
+shell = "/bin/sh"
+script = 'sleep 2'
 """
 
 
@@ -73,7 +80,8 @@ def agent_env():
     tok = token(state, "alice", "operator")
     cfg = os.path.join(root, "qlagent.toml")
     with open(cfg, "w") as f:
-        f.write("[http]\nmetrics = true\n")
+        # edge: Runs may hold 80 MiB, so two "wide" Runs (50 MiB each) cannot run at once.
+        f.write('profile = "edge"\n[http]\nmetrics = true\n')
     agent = Agent(state, config=cfg)
     yield agent, state, tok, root
     agent.stop()
@@ -113,6 +121,35 @@ def test_local_agent_metrics_are_present_and_move_with_a_run(agent_env):
     moved = by_label(after["qlagent_runs"], "state")
     assert moved[RunState.SUCCEEDED] == runs[RunState.SUCCEEDED] + 1
     assert after["qlagent_artifact_bytes"][0].value > before["qlagent_artifact_bytes"][0].value
+
+
+def test_admission_refusals_live_runs_and_the_service_tree_move_under_load(agent_env):
+    """Two "wide" Runs at once: the second waits for the first's memory reservation
+    (``run.waiting memory_reserved``), counted by reason while the first's process tree is
+    live in the service's figures."""
+    agent, _, tok, _ = agent_env
+    before = scrape(agent)
+    refusals = by_label(before["qlagent_admission_refusals"], "reason").get("memory_reserved", 0)
+    pids = before["qlagent_service_pids"][0].value
+    h = head(agent, tok, "wide")
+    ids = []
+    for _ in range(2):
+        status, doc = agent.json("POST", f"{BASE}/tasks/wide/runs", tok,
+                                 start_body(h["revision"], h["contentDigest"], str(uuid.uuid4())))
+        assert status == 202, doc
+        ids.append(doc["runId"])
+
+    def busy():
+        m = scrape(agent)
+        waited = by_label(m["qlagent_admission_refusals"], "reason").get("memory_reserved", 0)
+        return m if waited == refusals + 1 and m["qlagent_runs_live"][0].value == 1 else None
+    during = wait_until(busy, 20, "one wide Run live, the other counted waiting for memory_reserved")
+    assert during["qlagent_service_pids"][0].value > pids
+    assert by_label(during["qlagent_runs"], "state")[RunState.QUEUED] >= 1
+    for run_id in ids:
+        await_state(agent, tok, run_id, {RunState.SUCCEEDED})
+    after = scrape(agent)
+    assert after["qlagent_runs_live"][0].value == 0
 
 
 def _query(port: int, promql: str) -> list[dict]:
