@@ -375,8 +375,14 @@ def _doctor(config: str, uid: int, gid: int) -> list[dict]:
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "QLAGENT_CONFIG"}
     kw = {"user": uid, "group": gid} if uid != os.geteuid() else {}
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "doctor", "--config", config, "--json"],
-                       capture_output=True, timeout=120, env=env, **kw)
+    try:
+        p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "doctor", "--config", config, "--json"],
+                           capture_output=True, timeout=120, env=env, **kw)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        # The files are written by now: say why the checks could not run (that user may not
+        # execute this interpreter; doctor hung) rather than end as an internal error.
+        return [{"name": "doctor", "ok": False, "detail": f"could not run `qlagent doctor` as uid {uid}: "
+                                                          f"{type(e).__name__} ({getattr(e, 'strerror', None) or e})"}]
     try:
         return json.loads(p.stdout)["checks"]
     except (ValueError, KeyError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import stat
 import subprocess
@@ -93,6 +94,56 @@ def test_join_writes_config_credential_and_ca_that_doctor_accepts(cp):
     assert os.listdir(again) == []
     # Joining over a config that has a [worker] already needs --force.
     _refused(_join(router, _enroll(env, "r1b", port=replica.port)), 3, "--force")
+
+
+def test_join_and_doctor_on_the_router_load_no_cryptography_nor_psycopg(cp):
+    """``worker join`` and then ``doctor`` over what it wrote, each in a fresh interpreter that
+    lists its modules at exit: the standard library's ssl only, as a router has neither
+    ``cryptography`` nor ``psycopg`` (issue 26 §1)."""
+    env, replica, _ = cp
+    router = _router(env, "imports")
+    out = os.path.join(router, "modules.json")
+    config = os.path.join(router, "qlagent.toml")
+    probe = ("import atexit, json, os, sys\nfrom qlagent.cli.main import main\n"
+             "atexit.register(lambda: open(os.environ['MODULES_OUT'], 'w').write(json.dumps(sorted(sys.modules))))\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    for args in (["worker", "join", _enroll(env, "imp", port=replica.port), "--config", config,
+                  "--state-dir", os.path.join(router, "state")], ["doctor", "--config", config]):
+        p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True,
+                           env={**run_env, "MODULES_OUT": out}, timeout=120)
+        assert p.returncode == 0, (args[0], p.stdout, p.stderr)
+        with open(out) as f:
+            mods = json.load(f)
+        heavy = [m for m in mods if m.split(".")[0] in ("cryptography", "psycopg", "psycopg_pool")]
+        assert "ssl" in mods and heavy == [], (args[0], heavy)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_join_as_root_gives_the_credential_and_state_to_the_service_user_and_checks_as_that_user(cp):
+    env, replica, _ = cp
+    router = _router(env, "user")
+    nobody = pwd.getpwnam("nobody")
+    os.chmod(env.root, 0o755)           # the service's user reaches its files (mkdtemp made 0700)
+    p = _join(router, _enroll(env, "usr", port=replica.port), "--user", "nobody", "--json")
+    # doctor runs as nobody: where nobody may execute this interpreter (a package's
+    # /usr/bin/python3) it reads the 0600 credential it owns and is known to the replica; where
+    # it may not (a venv under root's 0700 home) the join says so in one failed check, exit 5.
+    runs = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", "pass"],
+                          capture_output=True).returncode == 0
+    assert p.returncode == (0 if runs else 5), (p.stdout, p.stderr)
+    out = json.loads(p.stdout)
+    cred = os.stat(os.path.join(router, "worker.cred"))
+    assert (cred.st_uid, stat.S_IMODE(cred.st_mode)) == (nobody.pw_uid, 0o600) and out["user"] == "nobody"
+    assert os.stat(os.path.join(router, "state")).st_uid == nobody.pw_uid
+    if runs:
+        assert all(c["ok"] for c in out["checks"]), out["checks"]
+    else:
+        assert [(c["name"], c["ok"]) for c in out["checks"]] == [("doctor", False)], out["checks"]
+        assert "PermissionError" in out["checks"][0]["detail"] and b"Traceback" not in p.stderr
+    _refused(_join(_router(env, "nouser"), _enroll(env, "usr2", port=replica.port), "--user", "no-such-user"),
+             2, "--user", "no-such-user")
+    assert os.listdir(os.path.join(env.root, "router-nouser")) == []
 
 
 def test_bad_tokens_are_one_line_and_write_nothing(cp):
