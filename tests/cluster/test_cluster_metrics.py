@@ -12,11 +12,14 @@ import shutil
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 
+import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import ADMIN_URL
 from cpkit import Client
 from kit import promtool_check, wait_until
 from qlagent.core.metrics import CONTENT_TYPE
@@ -132,3 +135,40 @@ def test_replica_metrics_move_with_a_worker_pulling_then_going_silent(replica):
         assert value(final, "qlagent_store_errors") == value(before, "qlagent_store_errors")
     finally:
         c.close()
+
+
+def test_store_errors_count_the_duties_failed_while_the_database_was_gone(replica):
+    """PostgreSQL ends every backend of the replica and takes no new one for a while (as a
+    restart does): the loop duties failing meanwhile are counted by error code, seen at the
+    first scrape once the database is back (a scrape needs it: 503 ``store_unavailable`` while
+    it is gone, which Prometheus records as the target down), and the sweeper goes on."""
+    r, _, env = replica
+    before = scrape(r)
+    name = urllib.parse.urlsplit(env.url).path.lstrip("/")
+    seen = len(r.lines)
+    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+        # Refused to every role, superusers too, until allowed again: the pool cannot reconnect.
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        try:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+            wait_until(lambda: any("store.unavailable" in ln for ln in r.lines[seen:]), 20,
+                       "a loop duty failing while the database is gone", detail=lambda: "".join(r.lines[seen:]))
+            conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+            try:
+                conn.request("GET", "/metrics")
+                resp = conn.getresponse()
+                assert (resp.status, json.loads(resp.read())["code"]) == (503, "store_unavailable")
+            finally:
+                conn.close()
+        finally:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+
+    def back() -> dict | None:
+        try:
+            fams = scrape(r)
+        except AssertionError:          # a pooled connection from the outage, not yet replaced
+            return None
+        return fams if value(fams, "qlagent_sweeper_passes") > value(before, "qlagent_sweeper_passes") + 1 else None
+    after = wait_until(back, 30, "the sweeper passing again", detail=lambda: "".join(r.lines[seen:]))
+    assert value(after, "qlagent_store_errors", code="unavailable") > value(before, "qlagent_store_errors",
+                                                                              code="unavailable")
