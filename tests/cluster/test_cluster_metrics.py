@@ -26,10 +26,10 @@ from qlagent.core.metrics import CONTENT_TYPE
 from qlagent.core.states import RunState
 from test_cluster_serve import BASE, TASKS, Env, Replica, _head, body
 
-FAMILIES = ("qlagent_runs", "qlagent_task_starts", "qlagent_offers", "qlagent_queue_depth", "qlagent_queue_oldest_age_seconds",
-            "qlagent_pulls_waiting", "qlagent_sweeper_passes", "qlagent_lease_expiries",
-            "qlagent_session_expiries", "qlagent_pool_connections", "qlagent_pool_in_use", "qlagent_pool_waiting",
-            "qlagent_store_errors")
+FAMILIES = ("qlagent_runs", "qlagent_task_starts", "qlagent_offers", "qlagent_queue_depth",
+            "qlagent_queue_oldest_age_seconds", "qlagent_pulls_waiting", "qlagent_sweeper_passes",
+            "qlagent_lease_expiries", "qlagent_session_expiries", "qlagent_pool_connections", "qlagent_pool_in_use",
+            "qlagent_pool_waiting", "qlagent_store_errors")
 
 
 @pytest.fixture(scope="module")
