@@ -5,9 +5,14 @@ tree's ``qlagent`` copied in). Per interpreter, measured in the same window:
 
 - **plain**: 50 scheduled Tasks that never fire in the window (``0 3 * * *``);
 - **router**: ``serve --profile edge --listen 127.0.0.1:PORT`` with ``examples/router-tasks.toml``
-  (its network-gated ``wan-check``/``ddns-update``) + the 50 Tasks, after one
-  ``run start ddns-update`` (resolves a Secret), one ``chatty`` Run (9.7 MB of output) and one
-  authenticated HTTP request; the set's own ``* * * * *`` Tasks keep firing meanwhile;
+  (its network-gated ``wan-check``/``ddns-update``) + the 50 Tasks and ``[http] metrics = true``
+  (issue 26: the goal holds with metrics on), after one ``run start ddns-update`` (resolves a
+  Secret), one ``chatty`` Run (9.7 MB of output), one authenticated HTTP request and three
+  ``GET /metrics``; the set's own ``* * * * *`` Tasks keep firing meanwhile;
+- **plain + metrics**: the plain agent with ``--listen`` and ``[http] metrics = true``, after
+  three ``GET /metrics`` (what a scraped plain agent costs: the HTTP API is what serves them),
+  and in the pip-installed venv the same with metrics off (three 404s) to tell the HTTP API's
+  share from the metrics';
 - **worker** (issue 11 "Budgets"): ``serve`` with ``[worker]`` against the Worker-protocol stub
   (tests/fleet/stubcp.py, TLS on loopback, CA pinned, 0600 credential): idle with its Session open
   and long-polling, then the peak while 4 ``chatty`` Runs (quota 4 MiB, two with a lease file)
@@ -36,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 import psutil
@@ -143,10 +149,16 @@ def free_port() -> int:
 class Agent:
     """One ``qlagent serve`` with its state in ``inner_dir`` (a path as the interpreter sees it)."""
 
-    def __init__(self, interp: Interpreter, inner_dir: str, name: str, router: bool) -> None:
-        self.interp, self.name, self.router = interp, name, router
+    def __init__(self, interp: Interpreter, inner_dir: str, name: str, router: bool, metrics: bool = False,
+                 listen: bool = False) -> None:
+        self.interp, self.name, self.router, self.metrics = interp, name, router, metrics
+        self.listen = listen or metrics
         self.state = f"{inner_dir}/{name}"
         interp.cli(self.state, "init")
+        self.config = f"{inner_dir}/{name}-config.toml"
+        if metrics:
+            with open(interp.outside(self.config), "w") as f:
+                f.write("[http]\nmetrics = true\n")
         tasks = "".join(f'[[task]]\nname = "t{i:02d}"\nschedule = "0 3 * * *"\ncommand = ["/bin/true"]\n\n'
                         for i in range(50))
         with open(interp.outside(f"{inner_dir}/{name}-50.toml"), "w") as f:
@@ -157,15 +169,18 @@ class Agent:
             interp.cli(self.state, "task", "add", "-f", f"{inner_dir}/router.toml")
             interp.cli(self.state, "secret", "set", "ddns_token", stdin=b"bench-ddns-token-0123456789\n")
             self.token = interp.cli(self.state, "token", "create", "--subject", "bench", "--role", "viewer").decode().strip()
+        if router or self.listen:
             self.port = free_port()
         self.notify_inner = f"{inner_dir}/{name}.notify"
         self.notify = Notify(interp.outside(self.notify_inner))
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        args = [self.interp.entry, "--state-dir", self.state]
+        args = [self.interp.entry, "--state-dir", self.state] + (["--config", self.config] if self.metrics else [])
         if self.router:
             args += ["--profile", "edge", "serve", "--listen", f"127.0.0.1:{self.port}"]
+        elif self.listen:
+            args += ["serve", "--listen", f"127.0.0.1:{self.port}"]
         else:
             args += ["serve"]
         self.proc = self.interp.popen(args, NOTIFY_SOCKET=self.notify_inner, WATCHDOG_USEC=str(WATCHDOG_USEC))
@@ -176,8 +191,21 @@ class Agent:
             time.sleep(0.05)
             self.notify.pump()
 
+    def scrape(self) -> None:
+        """Three ``GET /metrics``, each a Prometheus text document naming the agent's Runs (a
+        404 with metrics off)."""
+        for _ in range(3):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+                    ok = self.metrics and r.status == 200 and b"\nqlagent_runs{" in r.read()
+            except urllib.error.HTTPError as e:
+                ok = not self.metrics and e.code == 404
+            if not ok:
+                raise SystemExit(f"{self.interp.name} {self.name}: GET /metrics answered otherwise")
+
     def exercise(self) -> None:
-        """The router configuration's activity: a Secret Run, a chatty Run, one HTTP request."""
+        """The router configuration's activity: a Secret Run, a chatty Run, one HTTP request and
+        three scrapes of /metrics."""
         for task in ("ddns-update", "chatty"):
             out = self.interp.cli(self.state, "--json", "run", "start", task, "--wait", "--timeout", "120")
             state = json.loads(out)["state"]
@@ -188,6 +216,7 @@ class Agent:
         with urllib.request.urlopen(req, timeout=10) as r:
             if r.status != 200 or not json.loads(r.read())["items"]:
                 raise SystemExit(f"{self.interp.name}: HTTP run list failed")
+        self.scrape()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -326,14 +355,23 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool, c
     """``cp``/``cp_url``: the Worker-protocol stub the Worker pulls from. ``installed``: the same
     interpreter in a venv holding only what ``pip install .`` brings (no editable-install finder,
     no test dependencies: typing_extensions, present in the dev venv for jsonschema, makes msgspec
-    import inspect/ast/dis, +1.25 MiB); it runs one more plain agent."""
+    import inspect/ast/dis, +1.25 MiB); it runs the plain, plain + HTTP (metrics on, off) and router agents once more."""
     os.makedirs(interp.outside(inner_dir), exist_ok=True)
     plain = Agent(interp, inner_dir, "plain", router=False)
-    router = Agent(interp, inner_dir, "router", router=True)
+    router = Agent(interp, inner_dir, "router", router=True, metrics=True)
+    scraped = Agent(interp, inner_dir, "plain-metrics", router=False, metrics=True)
     worker = WorkerAgent(interp, inner_dir, cp, cp_url)
-    agents = [plain, router, worker]
-    if installed is not None:
-        agents.append(Agent(installed, inner_dir, "plain-installed", router=False))
+    agents = [plain, router, scraped, worker]
+    # The goals are judged as packages install: the pip-installed venv runs each local agent too.
+    inst = ({} if installed is None else
+            {"plain": Agent(installed, inner_dir, "plain-installed", router=False),
+             "plain + HTTP + metrics, scraped": Agent(installed, inner_dir, "plain-metrics-installed", router=False,
+                                                      metrics=True),
+             "plain + HTTP, metrics off, asked": Agent(installed, inner_dir, "plain-http-installed", router=False,
+                                                       listen=True),
+             "router, metrics on, after Runs + HTTP + scrapes": Agent(installed, inner_dir, "router-installed",
+                                                                      router=True, metrics=True)})
+    agents += list(inst.values())
     procs = []
     try:
         sup = start_supervisord(interp, inner_dir)
@@ -343,6 +381,11 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool, c
         time.sleep(2.0)
         fig = {"router, right after start": mem_kib(router.proc.pid)}
         router.exercise()
+        scraped.scrape()
+        if inst:
+            inst["router, metrics on, after Runs + HTTP + scrapes"].exercise()
+            inst["plain + HTTP + metrics, scraped"].scrape()
+            inst["plain + HTTP, metrics off, asked"].scrape()
         pid = plain.proc.pid
         before = vol_switches(pid)
         t0 = time.monotonic()
@@ -354,14 +397,15 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool, c
         t1 = time.monotonic()
         switches = vol_switches(pid) - before
         plain.notify.pump()
-        fig["router, after Secret + chatty Runs + HTTP"] = mem_kib(router.proc.pid)
+        fig["router, metrics on, after Runs + HTTP + scrapes"] = mem_kib(router.proc.pid)
         fig["plain, 50 cron tasks"] = mem_kib(plain.proc.pid)
+        fig["plain + HTTP + metrics, scraped"] = mem_kib(scraped.proc.pid)
         fig["worker, idle (Session, TLS, long-poll)"] = mem_kib(worker.proc.pid)
         fig["worker, peak: 4 chatty + 1 Secret Run"] = worker.exercise()
         time.sleep(2.0)
         fig["worker, after those Runs"] = mem_kib(worker.proc.pid)
-        if installed is not None:
-            fig["plain, 50 cron tasks, pip-installed venv"] = mem_kib(agents[-1].proc.pid)
+        for k, a in inst.items():
+            fig[f"{'plain, 50 cron tasks' if k == 'plain' else k}, pip-installed venv"] = mem_kib(a.proc.pid)
         fig["supervisord + 1 program"] = mem_kib(sup.pid)
         fig["python3 -c pass"] = import_kib(interp, "pass")
         result = {"figures": fig, "window": t1 - t0, "threads": psutil.Process(pid).num_threads()}
@@ -417,7 +461,8 @@ def main() -> None:
         extra = {stmt: import_kib(dev, stmt)[0] for stmt in (
             "pass", "import selectors", "import asyncio", "import pyroute2", "import hashlib",
             "from cryptography.hazmat.primitives.ciphers.aead import AESGCM", "import nacl.bindings",
-            "import qlagent.service.main", "import qlagent.service.main, qlagent.http.service")}
+            "import qlagent.service.main", "import qlagent.service.main, qlagent.http.service",
+            "import qlagent.service.main, qlagent.http.service, qlagent.core.metrics")}
     finally:
         cp.stop()
         if trixie is not None:
@@ -440,8 +485,11 @@ def main() -> None:
         print(f"heavy modules in the service + HTTP import closure: {r['heavy modules in the HTTP service closure']}")
         worker, local = fig["worker, idle (Session, TLS, long-poll)"][0], fig["plain, 50 cron tasks"][0]
         print(f"worker idle vs the plain local agent, same run: {worker / local:.2f}x RSS")
-        for k, limit in (("router, after Secret + chatty Runs + HTTP", 28), ("plain, 50 cron tasks", 20),
-                         ("plain, 50 cron tasks, pip-installed venv", 20)):
+        for k, limit in (("router, metrics on, after Runs + HTTP + scrapes", 28), ("plain, 50 cron tasks", 20),
+                         ("plain + HTTP + metrics, scraped", 20),
+                         ("plain, 50 cron tasks, pip-installed venv", 20),
+                         ("plain + HTTP + metrics, scraped, pip-installed venv", 20),
+                         ("router, metrics on, after Runs + HTTP + scrapes, pip-installed venv", 28)):
             if k in fig:
                 print(f"goal {k} RSS <= {limit} MiB: {'met' if fig[k][0] <= limit * 1024 else 'NOT met'}")
     base = extra["pass"]

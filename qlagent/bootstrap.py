@@ -397,6 +397,12 @@ def join_ca_pem(ca_der_b64: str) -> str:
     return ca_pem(ca_der_b64)
 
 
+def is_worker_credential(text: str) -> bool:
+    """Has ``text`` the shape of a Worker credential (``adapters.control_client.CREDENTIAL``)?"""
+    from .adapters.control_client import CREDENTIAL
+    return CREDENTIAL.fullmatch(text) is not None
+
+
 def redeem_join_token(token, ca_pem: str | None, timeout_s: float) -> str:
     """Redeem a ``core.jointoken.JoinToken`` at the first of its URLs that answers (TLS trusting
     only ``ca_pem``); the Worker's name. The refusals of ``adapters.join_client.redeem``; the

@@ -1,6 +1,7 @@
 """The helpers every test shares: a scratch directory, a free loopback port, a bounded wait
 that names what it awaited, the ``qlagent`` CLI in a subprocess (in a clean environment), and a
-real ``qlagent serve`` process whose journal (stderr) is read as it comes.
+real ``qlagent serve`` process whose journal (stderr) is read as it comes, and Prometheus's
+linter over a ``/metrics`` document.
 
 Importable from every test directory (``pythonpath = ["tests"]``); the fixtures built on them
 live in ``tests/conftest.py``.
@@ -75,6 +76,15 @@ def clean_env(**extra) -> dict:
            if not k.startswith(("QLAGENT_", "NOTIFY_SOCKET", "WATCHDOG_", "JOURNAL_STREAM"))}
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def promtool_check(text: str) -> None:
+    """``promtool check metrics`` (Debian's ``prometheus`` package, which tests/run installs):
+    Prometheus's own linter of an exposition — counters end in ``_total``, base units such as
+    ``_seconds``/``_bytes`` are in the name, every family has HELP. It prints each problem
+    naming the metric, and exits non-zero for a document it cannot parse."""
+    p = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=60)
+    assert p.returncode == 0 and not p.stdout.strip() and not p.stderr.strip(), (p.stdout, p.stderr)
 
 
 def qlagent_argv(*args: str) -> list[str]:

@@ -1,11 +1,18 @@
 """GET /metrics (issue 26 §3): our Prometheus text writer read back by prometheus_client's parser,
-and a real ``qlagent serve`` whose figures move when a Run runs."""
+a real ``qlagent serve`` whose figures move when a Run runs, its document passing Prometheus's
+own linter (``promtool check metrics``: names, units, ``_total``) and scraped by a real
+Prometheus server (Debian's ``prometheus``, which tests/run installs)."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
+import urllib.parse
 import uuid
 
 import pytest
@@ -13,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qlagent.core.metrics import CONTENT_TYPE, COUNTER, GAUGE, Family, render
 from qlagent.core.states import RunState
+from kit import free_port, promtool_check, wait_until
 from qlcli import ok
 from test_http_api import BASE, Agent, await_state, head, start_body, token
 
@@ -23,6 +31,13 @@ schedule = "0 3 * * *"
 timeout_s = 30
 shell = "/bin/sh"
 script = 'echo tick'
+
+[[task]]
+name = "wide"
+concurrency = "parallel"
+memory_max = "50M"
+shell = "/bin/sh"
+script = 'sleep 2'
 """
 
 
@@ -65,7 +80,8 @@ def agent_env():
     tok = token(state, "alice", "operator")
     cfg = os.path.join(root, "qlagent.toml")
     with open(cfg, "w") as f:
-        f.write("[http]\nmetrics = true\n")
+        # edge: Runs may hold 80 MiB, so two "wide" Runs (50 MiB each) cannot run at once.
+        f.write('profile = "edge"\n[http]\nmetrics = true\n')
     agent = Agent(state, config=cfg)
     yield agent, state, tok, root
     agent.stop()
@@ -76,6 +92,7 @@ def scrape(agent: Agent) -> dict[str, list]:
     status, headers, data = agent.request("GET", "/metrics")
     assert status == 200, data
     assert headers["content-type"] == CONTENT_TYPE
+    promtool_check(data.decode())
     return parse(data.decode())
 
 
@@ -104,6 +121,91 @@ def test_local_agent_metrics_are_present_and_move_with_a_run(agent_env):
     moved = by_label(after["qlagent_runs"], "state")
     assert moved[RunState.SUCCEEDED] == runs[RunState.SUCCEEDED] + 1
     assert after["qlagent_artifact_bytes"][0].value > before["qlagent_artifact_bytes"][0].value
+
+
+def test_admission_refusals_live_runs_and_the_service_tree_move_under_load(agent_env):
+    """Two "wide" Runs at once: the second waits for the first's memory reservation
+    (``run.waiting memory_reserved``), counted by reason while the first's process tree is
+    live in the service's figures."""
+    agent, _, tok, _ = agent_env
+    before = scrape(agent)
+    refusals = by_label(before["qlagent_admission_refusals"], "reason").get("memory_reserved", 0)
+    pids = before["qlagent_service_pids"][0].value
+    h = head(agent, tok, "wide")
+    ids = []
+    for _ in range(2):
+        status, doc = agent.json("POST", f"{BASE}/tasks/wide/runs", tok,
+                                 start_body(h["revision"], h["contentDigest"], str(uuid.uuid4())))
+        assert status == 202, doc
+        ids.append(doc["runId"])
+
+    def busy():
+        m = scrape(agent)
+        waited = by_label(m["qlagent_admission_refusals"], "reason").get("memory_reserved", 0)
+        return m if waited == refusals + 1 and m["qlagent_runs_live"][0].value == 1 else None
+    during = wait_until(busy, 20, "one wide Run live, the other counted waiting for memory_reserved")
+    assert during["qlagent_service_pids"][0].value > pids
+    assert by_label(during["qlagent_runs"], "state")[RunState.QUEUED] >= 1
+    for run_id in ids:
+        await_state(agent, tok, run_id, {RunState.SUCCEEDED})
+    after = scrape(agent)
+    assert after["qlagent_runs_live"][0].value == 0
+
+
+def _query(port: int, promql: str) -> list[dict]:
+    """The result vector of an instant query to Prometheus's HTTP API on ``port``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+        doc = json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+    assert doc["status"] == "success", doc
+    return doc["data"]["result"]
+
+
+def _ready(port: int) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/-/ready")
+        return conn.getresponse().status == 200
+    except ConnectionRefusedError:      # not listening yet
+        return False
+    finally:
+        conn.close()
+
+
+def test_a_prometheus_server_scrapes_the_local_agent(agent_env):
+    agent, _, _, root = agent_env
+    d = os.path.join(root, "prometheus")
+    os.mkdir(d)
+    port = free_port()
+    with open(os.path.join(d, "prometheus.yml"), "w") as f:
+        f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n  - job_name: qlagent\n"
+                f"    static_configs:\n      - targets: ['127.0.0.1:{agent.port}']\n")
+    log = open(os.path.join(d, "prometheus.log"), "wb")
+    server = subprocess.Popen(["prometheus", f"--config.file={d}/prometheus.yml", f"--storage.tsdb.path={d}/data",
+                               f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=log)
+    try:
+        detail = lambda: open(os.path.join(d, "prometheus.log"), errors="replace").read()[-2000:]  # noqa: E731
+        def running() -> bool:
+            assert server.poll() is None, detail()
+            return True
+        wait_until(lambda: running() and _ready(port), 60, "Prometheus ready", detail=detail)
+        # up == 1: Prometheus fetched /metrics and its own parser took every line of it.
+        up = wait_until(lambda: running() and _query(port, 'up{job="qlagent"}'), 60,
+                        "Prometheus's first scrape of the agent", detail=detail)
+        assert up[0]["value"][1] == "1", up
+        assert up[0]["metric"]["instance"] == f"127.0.0.1:{agent.port}"
+        (pids,) = wait_until(lambda: _query(port, "qlagent_service_pids"), 30, "qlagent_service_pids ingested",
+                             detail=detail)
+        assert float(pids["value"][1]) >= 1
+        states = {r["metric"]["state"] for r in _query(port, "qlagent_runs")}
+        assert states == set(RunState.ALL)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        log.close()
 
 
 def test_metrics_are_off_unless_configured(tmp_path):

@@ -97,6 +97,30 @@ def test_http_service_answers_a_token_request_without_openssl(state, workdir):
     assert loaded(mods, (*HEAVY, "nacl", "secrets", "hashlib", "qlagent.adapters.netgate")) == []
 
 
+def test_scraped_metrics_of_the_router_configuration_load_no_heavy_module(state, workdir):
+    """``[http] metrics = true`` on the edge Profile (issue 26 §3): ``GET /metrics`` answered
+    from figures the agent has, by ``core.metrics`` (stdlib ``re`` only), never prometheus_client."""
+    add_tasks(state, workdir, TASK)
+    config = os.path.join(workdir, "metrics.toml")
+    with open(config, "w") as f:
+        f.write("[http]\nmetrics = true\n")
+    port = free_port()
+    bodies = []
+
+    def scrape() -> None:
+        def get():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    return r.read()
+            except OSError:
+                return None
+        bodies.append(wait_until(get, timeout=20, step=0.05))
+    mods = serve(state, "--config", config, "--profile", "edge", "--listen", f"127.0.0.1:{port}", until=scrape)
+    assert b"\nqlagent_service_pids " in bodies[0]
+    assert "qlagent.core.metrics" in mods
+    assert loaded(mods, (*HEAVY, "nacl", "prometheus_client", "secrets", "hashlib", "qlagent.adapters.netgate")) == []
+
+
 def test_gated_service_watches_the_network_without_pyroute2(state, workdir):
     add_tasks(state, workdir, TASK.replace('command', 'network = "default_route"\ncommand'))
     mods = serve(state, "--exit-after", "0.3")

@@ -68,16 +68,49 @@ def test_ca_and_server_certificate_verify_for_their_names_only(workdir):
         _handshake(os.path.join(other, "qlagent-ca.pem"), srv["certFile"], srv["keyFile"], "localhost")
 
 
+LABEL63 = "a" * 63
+NAME253 = ".".join([LABEL63] * 3 + ["b" * 61])     # the longest DNS name (253 characters)
+
+
+def test_limits_themselves_are_accepted(workdir):
+    d = os.path.join(workdir, "tls")
+    os.mkdir(d)
+    ca = json.loads(ok(workdir, "tls", "ca", "create", "--dir", d, "--days", "3650", "--common-name", "c" * 64,
+                       "--json").stdout)
+    assert ca["notAfter"] > "2036"
+    names = [NAME253, f"{LABEL63}.example", "*.example.net", "::1"] + [f"h{i}" for i in range(28)]
+    srv = json.loads(ok(workdir, "tls", "cert", "create", "--server", "--name", ",".join(names), "--dir", d,
+                        "--days", "825", "--json").stdout)
+    assert len(srv["names"]) == 32 and srv["names"][0] == f"DNS:{NAME253}" and "IP:::1" in srv["names"]
+    one = os.path.join(workdir, "one")
+    os.mkdir(one)
+    ok(workdir, "tls", "ca", "create", "--dir", one, "--days", "1")
+    ok(workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", one, "--days", "1")
+
+
 @pytest.mark.parametrize("args,code,field", [
     (["ca", "create", "--days", "0"], 2, "--days"),
+    (["ca", "create", "--days", "-1"], 2, "--days"),
     (["ca", "create", "--days", "3651"], 2, "--days"),
     (["ca", "create", "--days", "1e3"], 2, "--days"),
+    (["ca", "create", "--common-name", ""], 2, "--common-name"),
+    (["ca", "create", "--common-name", "c" * 65], 2, "--common-name"),
+    (["ca", "create", "--common-name", "a\nb"], 2, "--common-name"),
     (["ca", "create"], 3, "exists"),
     (["cert", "create", "--name", "localhost"], 2, "--server"),
     (["cert", "create", "--server", "--name", "bad name"], 2, "--name"),
     (["cert", "create", "--server", "--name", "a,a"], 2, "--name"),
+    (["cert", "create", "--server", "--name", "A,a"], 2, "--name"),
+    (["cert", "create", "--server", "--name", ""], 2, "--name"),
+    (["cert", "create", "--server", "--name", "a,,b"], 2, "--name"),
+    (["cert", "create", "--server", "--name", "-a.example"], 2, "--name"),
+    (["cert", "create", "--server", "--name", "a" * 64], 2, "--name"),
+    (["cert", "create", "--server", "--name", NAME253 + "b"], 2, "--name"),
+    (["cert", "create", "--server", "--name", "*.*.example"], 2, "--name"),
+    (["cert", "create", "--server", "--name", "fe80::1%eth0"], 2, "--name"),
     (["cert", "create", "--server", "--name", ",".join(f"h{i}" for i in range(33))], 2, "--name"),
     (["cert", "create", "--server", "--name", "localhost", "--days", "826"], 2, "--days"),
+    (["cert", "create", "--server", "--name", "localhost", "--days", "0"], 2, "--days"),
     (["cert", "create", "--server", "--name", "localhost", "--ca", "/nonexistent/ca.pem"], 2, "--ca"),
     (["cert", "create", "--server", "--name", "localhost", "--ca-key", "SELF"], 2, "--ca-key"),
     (["cert", "create", "--server", "--name", "localhost", "--ca", "SRV"], 2, "--ca"),

@@ -26,6 +26,7 @@ SERVER_KEY = "qlagent-server-key.pem"
 MAX_CA_DAYS = 3650          # ten years
 MAX_CERT_DAYS = 825         # what browsers and most TLS stacks still accept for a server certificate
 MAX_NAMES = 32
+MAX_COMMON_NAME = 64        # X.509's upper bound for a commonName (RFC 5280, ub-common-name)
 _DNS = re.compile(r"(?=.{1,253}$)(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*",
                   re.IGNORECASE)
 
@@ -37,6 +38,17 @@ def check_days(days: int, most: int) -> int:
     return days
 
 
+def check_common_name(name: str) -> str:
+    """``name`` when it is 1..64 characters without control characters; ValidationError naming
+    ``--common-name`` otherwise (``cryptography`` would refuse it only while signing)."""
+    if not 1 <= len(name) <= MAX_COMMON_NAME:
+        raise ValidationError("--common-name", f"{len(name)} characters is outside 1..{MAX_COMMON_NAME}",
+                              limit=f"1..{MAX_COMMON_NAME}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise ValidationError("--common-name", "a control character is not allowed")
+    return name
+
+
 def parse_names(text: str) -> list[str]:
     """``HOST[,HOST…]`` → the subjectAltNames as ``DNS:name`` / ``IP:address`` (1..32, no
     repeats; a DNS name of letters, digits and hyphens, one leading ``*.`` allowed). Raises
@@ -45,11 +57,17 @@ def parse_names(text: str) -> list[str]:
     for raw in text.split(","):
         name = raw.strip()
         try:
-            entry = f"IP:{ipaddress.ip_address(name)}"
+            address = ipaddress.ip_address(name)
         except ValueError:
             if not _DNS.fullmatch(name):
                 raise ValidationError("--name", f"{name!r} is neither an IP address nor a DNS name") from None
             entry = f"DNS:{name.lower()}"
+        else:
+            if getattr(address, "scope_id", None):
+                # An IP subjectAltName is the bare 16 bytes: a certificate cannot carry the scope.
+                raise ValidationError("--name", f"{name!r}: a scoped address cannot be a certificate name (give "
+                                                f"{name.partition('%')[0]})")
+            entry = f"IP:{address}"
         if entry in out:
             raise ValidationError("--name", f"{name!r} is given twice")
         out.append(entry)
@@ -112,6 +130,7 @@ def create_ca(directory: str, days: int, common_name: str = "qlagent CA", force:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
     check_days(days, MAX_CA_DAYS)
+    check_common_name(common_name)
     cert_path, key_path = os.path.join(directory, CA_CERT), os.path.join(directory, CA_KEY)
     _refuse_existing([cert_path, key_path], force)
     key = ec.generate_private_key(ec.SECP256R1())
@@ -182,7 +201,9 @@ def create_server_cert(directory: str, names: list[str], ca_cert: str, ca_key: s
     key = ec.generate_private_key(ec.SECP256R1())
     sans = [x509.IPAddress(ipaddress.ip_address(v)) if k == "IP" else x509.DNSName(v)
             for k, _, v in (n.partition(":") for n in names)]
-    cn = names[0].partition(":")[2]
+    # The subject CN is only a label (clients verify the subjectAltNames): the first name that
+    # fits a commonName's 64 characters, else a fixed one, so a 253-character name is accepted.
+    cn = next((v for v in (n.partition(":")[2] for n in names) if len(v) <= MAX_COMMON_NAME), "qlagent replica")
     cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
             .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5))

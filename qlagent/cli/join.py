@@ -257,11 +257,37 @@ def _uci_set(options: list[tuple[str, str | list[str]]]) -> None:
                                      code="uci_failed")
 
 
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _check_fields(token) -> None:
+    """A token that decodes but whose Worker ID, URLs or credential could not have come from
+    ``workers enroll`` (edited by hand, or another program's): ValidationError naming ``TOKEN``
+    and the part, before the configuration it would make is judged by the agent's rules."""
+    from ..bootstrap import is_worker_credential
+    from ..core.control_url import parse_control_url
+    from ..service.config import MAX_CONTROL_URLS
+    if not _UUID.fullmatch(token.worker_id):
+        raise E.ValidationError("TOKEN", "damaged: its Worker ID is not a UUID (copy the whole line)")
+    if not 1 <= len(token.urls) <= MAX_CONTROL_URLS or len(set(token.urls)) != len(token.urls):
+        raise E.ValidationError("TOKEN", f"damaged: it carries {len(token.urls)} control-plane URLs "
+                                         f"(1..{MAX_CONTROL_URLS}, no repeats)")
+    for u in token.urls:
+        try:
+            parse_control_url(u)
+        except E.ValidationError as e:
+            raise E.ValidationError("TOKEN", f"damaged: its control-plane URL {u!r} "
+                                             f"{e.message.partition(': ')[2] or e.message}") from None
+    if not is_worker_credential(token.credential):
+        raise E.ValidationError("TOKEN", "damaged: its credential is not a Worker credential (qlw_ + 43 characters)")
+
+
 def cmd_worker_join(ctx) -> int:
     from ..core.jointoken import decode_token
     from ..service.config import DEFAULT_CONFIG, load_config
     a = ctx.args
     token = decode_token(a.token)
+    _check_fields(token)
     now = int(time.time())
     if token.expires_at_s <= now:
         raise E.ConflictError(f"TOKEN: expired {now - token.expires_at_s} s ago (by this host's clock); issue a new "
@@ -349,8 +375,14 @@ def _doctor(config: str, uid: int, gid: int) -> list[dict]:
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "QLAGENT_CONFIG"}
     kw = {"user": uid, "group": gid} if uid != os.geteuid() else {}
-    p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "doctor", "--config", config, "--json"],
-                       capture_output=True, timeout=120, env=env, **kw)
+    try:
+        p = subprocess.run([sys.executable, "-m", "qlagent.cli.main", "doctor", "--config", config, "--json"],
+                           capture_output=True, timeout=120, env=env, **kw)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        # The files are written by now: say why the checks could not run (that user may not
+        # execute this interpreter; doctor hung) rather than end as an internal error.
+        return [{"name": "doctor", "ok": False, "detail": f"could not run `qlagent doctor` as uid {uid}: "
+                                                          f"{type(e).__name__} ({getattr(e, 'strerror', None) or e})"}]
     try:
         return json.loads(p.stdout)["checks"]
     except (ValueError, KeyError):

@@ -4,8 +4,8 @@ plane's CA and a replica's certificate, made on the control-plane side
 loaded inside the handlers, so no other command loads it).
 
 ``--json`` prints ``{"certFile", "keyFile", "notAfter", "names"}`` (``names``: the
-subjectAltNames, [] for the CA). Refusals: exit 2 naming ``--days``, ``--name``, ``--server``,
-``--ca``, ``--ca-key`` or ``--dir``; exit 3 ``file_exists`` for an output file already there
+subjectAltNames, [] for the CA). Refusals: exit 2 naming ``--days``, ``--common-name``, ``--name``,
+``--server``, ``--ca``, ``--ca-key`` or ``--dir``; exit 3 ``file_exists`` for an output file already there
 without ``--force``. Nothing is written by a refused command."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def register(sub) -> None:
     c.set_defaults(handler=cmd_ca_create)
     c.add_argument("--dir", default=".", help="where to write qlagent-ca.pem and qlagent-ca-key.pem (default .)")
     c.add_argument("--days", type=_ascii_int, default=1825, help="lifetime in days (1..3650, default 1825)")
-    c.add_argument("--common-name", default="qlagent CA", help="the CA's subject CN")
+    c.add_argument("--common-name", default="qlagent CA", help="the CA's subject CN (1..64 characters)")
     c.add_argument("--force", action="store_true", help="replace files already there")
     cert = tls.add_parser("cert", help="replica certificates").add_subparsers(dest="action", required=True,
                                                                               metavar="ACTION")

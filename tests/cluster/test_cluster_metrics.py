@@ -1,36 +1,47 @@
 """GET /metrics on a control-plane replica (issue 26 §3): a real ``qlagent serve`` with
-``[cluster]`` on PostgreSQL, scraped over loopback and read by prometheus_client's parser."""
+``[cluster]`` on PostgreSQL, scraped over loopback, read by prometheus_client's parser and linted
+by ``promtool check metrics``."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import os
+import secrets
 import shutil
 import tempfile
+import threading
 import time
+import urllib.parse
+import uuid
 
+import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import ADMIN_URL
+from cpkit import Client
+from kit import promtool_check, wait_until
 from qlagent.core.metrics import CONTENT_TYPE
 from qlagent.core.states import RunState
 from test_cluster_serve import BASE, TASKS, Env, Replica, _head, body
 
-FAMILIES = ("qlagent_runs", "qlagent_task_starts", "qlagent_offers", "qlagent_queue_depth", "qlagent_queue_oldest_age_seconds",
-            "qlagent_pulls_waiting", "qlagent_sweeper_passes", "qlagent_lease_expiries",
-            "qlagent_session_expiries", "qlagent_pool_connections", "qlagent_pool_in_use", "qlagent_pool_waiting",
-            "qlagent_store_errors")
+FAMILIES = ("qlagent_runs", "qlagent_task_starts", "qlagent_offers", "qlagent_queue_depth",
+            "qlagent_queue_oldest_age_seconds", "qlagent_pulls_waiting", "qlagent_sweeper_passes",
+            "qlagent_lease_expiries", "qlagent_session_expiries", "qlagent_pool_connections", "qlagent_pool_in_use",
+            "qlagent_pool_waiting", "qlagent_store_errors")
 
 
 @pytest.fixture(scope="module")
 def replica(pg_url):
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="qlagent-cpm-", dir=base)
-    env = Env(root, pg_url, "sweep_interval_s = 0.5\n[http]\nmetrics = true\n")
+    # Short Session and Lease lives: a Worker that stops heartbeating is expired within seconds.
+    env = Env(root, pg_url, "sweep_interval_s = 0.5\nsession_ttl_s = 10\nlease_ttl_s = 12\n[http]\nmetrics = true\n")
     env.define(TASKS)
     tok = env.ok("token", "create", "--subject", "alice", "--role", "operator").strip()
     r = Replica(env)
-    yield r, tok
+    yield r, tok, env
     assert r.stop() == 0
     shutil.rmtree(root, ignore_errors=True)
 
@@ -45,6 +56,7 @@ def scrape(replica) -> dict:
         assert resp.getheader("Content-Type") == CONTENT_TYPE
     finally:
         conn.close()
+    promtool_check(data.decode())
     return {f.name: f for f in text_string_to_metric_families(data.decode())}
 
 
@@ -54,7 +66,7 @@ def value(fams, name: str, **labels) -> float:
 
 
 def test_replica_metrics_are_present_and_move_with_a_task_start(replica):
-    r, tok = replica
+    r, tok, _ = replica
     before = scrape(r)
     for name in FAMILIES:
         assert name in before, name
@@ -70,3 +82,93 @@ def test_replica_metrics_are_present_and_move_with_a_task_start(replica):
     assert value(after, "qlagent_queue_depth") == value(before, "qlagent_queue_depth") + 1
     assert value(after, "qlagent_queue_oldest_age_seconds") >= 1.0
     assert value(after, "qlagent_sweeper_passes") > value(before, "qlagent_sweeper_passes")
+
+
+def test_replica_metrics_move_with_a_worker_pulling_then_going_silent(replica):
+    """A Worker over HTTP (enrolled by the CLI): its waiting long-poll is counted, each claim is
+    an offer, and once it stops heartbeating the sweeper expires its Session and its Leases."""
+    r, tok, env = replica
+    # Slots for every claim of the test: a Worker without a free slot is answered at once.
+    enrolled = json.loads(env.ok("workers", "enroll", "metrics-w", "--slots", "8", "--json"))
+    c = Client(r.port, {"worker_id": enrolled["workerId"], "credential": enrolled["credential"]})
+    try:
+        status, _, grant, _ = c.post("sessions", {})
+        assert status == 201, grant
+
+        def pull(wait_s: int) -> dict:
+            """A Pull after a heartbeat: the Session (10 s) lives while the test drives it."""
+            st, _, beat, _ = c.post("heartbeat", {"sessionId": grant["sessionId"], "generation": grant["generation"],
+                                                  "leases": []})
+            assert st == 200, beat
+            req = {"sessionId": grant["sessionId"], "generation": grant["generation"], "pullId": str(uuid.uuid4()),
+                   "leaseToken": secrets.token_urlsafe(32)}
+            st, _, raw = c.call("POST", f"/api/v3/cluster/workers/{enrolled['workerId']}/pull?waitS={wait_s}", req)
+            assert st == 200, raw
+            return json.loads(raw)
+        before = scrape(r)
+        # Two Tasks of their own: a Task's next Run waits while its last one holds a Lease
+        # (concurrency = "single", the default).
+        assert r.request("POST", f"{BASE}/tasks/racer/runs", body(_head(r, tok, "racer")), tok)[0] == 202
+        claimed = 0
+        while pull(0)["status"] == "offered":      # this Run and any an earlier test left queued
+            claimed += 1
+        assert claimed >= 1
+        answer: dict = {}
+        waiter = threading.Thread(target=lambda: answer.update(pull(20)))
+        waiter.start()
+        wait_until(lambda: value(scrape(r), "qlagent_pulls_waiting") == 1, 10, "one Pull long-polling",
+                   detail=lambda: answer)
+        assert r.request("POST", f"{BASE}/tasks/fenced/runs", body(_head(r, tok, "fenced")), tok)[0] == 202
+        waiter.join(20)
+        assert answer.get("status") == "offered", answer      # the thread failed otherwise (its warning)
+        claimed += 1
+        after = scrape(r)
+        assert value(after, "qlagent_offers") == value(before, "qlagent_offers") + claimed
+        assert value(after, "qlagent_pulls_waiting") == 0
+        assert value(after, "qlagent_queue_depth") == 0
+        # No heartbeat from here: the Session (10 s) and then each Lease (12 s, which the Tasks'
+        # 5 s grace must fit in) run out.
+        wait_until(lambda: value(scrape(r), "qlagent_lease_expiries") >= value(before, "qlagent_lease_expiries")
+                   + claimed, 30, "the silent Worker's Leases expired")
+        final = scrape(r)
+        assert value(final, "qlagent_session_expiries") > value(before, "qlagent_session_expiries")
+        assert value(final, "qlagent_store_errors") == value(before, "qlagent_store_errors")
+    finally:
+        c.close()
+
+
+def test_store_errors_count_the_duties_failed_while_the_database_was_gone(replica):
+    """PostgreSQL ends every backend of the replica and takes no new one for a while (as a
+    restart does): the loop duties failing meanwhile are counted by error code, seen at the
+    first scrape once the database is back (a scrape needs it: 503 ``store_unavailable`` while
+    it is gone, which Prometheus records as the target down), and the sweeper goes on."""
+    r, _, env = replica
+    before = scrape(r)
+    name = urllib.parse.urlsplit(env.url).path.lstrip("/")
+    seen = len(r.lines)
+    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+        # Refused to every role, superusers too, until allowed again: the pool cannot reconnect.
+        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+        try:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+            wait_until(lambda: any("store.unavailable" in ln for ln in r.lines[seen:]), 20,
+                       "a loop duty failing while the database is gone", detail=lambda: "".join(r.lines[seen:]))
+            conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+            try:
+                conn.request("GET", "/metrics")
+                resp = conn.getresponse()
+                assert (resp.status, json.loads(resp.read())["code"]) == (503, "store_unavailable")
+            finally:
+                conn.close()
+        finally:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+
+    def back() -> dict | None:
+        try:
+            fams = scrape(r)
+        except AssertionError:          # a pooled connection from the outage, not yet replaced
+            return None
+        return fams if value(fams, "qlagent_sweeper_passes") > value(before, "qlagent_sweeper_passes") + 1 else None
+    after = wait_until(back, 30, "the sweeper passing again", detail=lambda: "".join(r.lines[seen:]))
+    assert value(after, "qlagent_store_errors", code="unavailable") > value(before, "qlagent_store_errors",
+                                                                              code="unavailable")

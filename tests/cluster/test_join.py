@@ -1,20 +1,26 @@
 """The one-line join (issue 26): ``workers enroll NAME --join-token`` on a real replica serving
 HTTPS with a certificate from ``qlagent tls``; ``worker join TOKEN`` writes a configuration
-that ``doctor`` accepts against that replica; a truncated, used, expired, foreign-CA,
-unreachable or removed-Worker token is one line and writes nothing."""
+that ``doctor`` accepts against that replica; a truncated (at any length), damaged, used,
+expired (by the control plane's record or the router's clock), foreign-CA, unreachable,
+removed-Worker or rotated-credential token is one line and writes nothing."""
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import stat
 import subprocess
 import tempfile
+import time
 
+import msgspec
 import pytest
 from test_cluster_serve import Env, Replica
 from kit import run_cli
+
+from qlagent.core.jointoken import decode_token, encode_token
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -89,12 +95,74 @@ def test_join_writes_config_credential_and_ca_that_doctor_accepts(cp):
     _refused(_join(router, _enroll(env, "r1b", port=replica.port)), 3, "--force")
 
 
+def test_join_and_doctor_on_the_router_load_no_cryptography_nor_psycopg(cp):
+    """``worker join`` and then ``doctor`` over what it wrote, each in a fresh interpreter that
+    lists its modules at exit: the standard library's ssl only, as a router has neither
+    ``cryptography`` nor ``psycopg`` (issue 26 §1)."""
+    env, replica, _ = cp
+    router = _router(env, "imports")
+    out = os.path.join(router, "modules.json")
+    config = os.path.join(router, "qlagent.toml")
+    probe = ("import atexit, json, os, sys\nfrom qlagent.cli.main import main\n"
+             "atexit.register(lambda: open(os.environ['MODULES_OUT'], 'w').write(json.dumps(sorted(sys.modules))))\n"
+             "sys.exit(main(sys.argv[1:]))\n")
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+    for args in (["worker", "join", _enroll(env, "imp", port=replica.port), "--config", config,
+                  "--state-dir", os.path.join(router, "state")], ["doctor", "--config", config]):
+        p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True,
+                           env={**run_env, "MODULES_OUT": out}, timeout=120)
+        assert p.returncode == 0, (args[0], p.stdout, p.stderr)
+        with open(out) as f:
+            mods = json.load(f)
+        heavy = [m for m in mods if m.split(".")[0] in ("cryptography", "psycopg", "psycopg_pool")]
+        assert "ssl" in mods and heavy == [], (args[0], heavy)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_join_as_root_gives_the_credential_and_state_to_the_service_user_and_checks_as_that_user(cp):
+    env, replica, _ = cp
+    router = _router(env, "user")
+    nobody = pwd.getpwnam("nobody")
+    os.chmod(env.root, 0o755)           # the service's user reaches its files (mkdtemp made 0700)
+    p = _join(router, _enroll(env, "usr", port=replica.port), "--user", "nobody", "--json")
+    # doctor runs as nobody: where nobody may execute this interpreter (a package's
+    # /usr/bin/python3) it reads the 0600 credential it owns and is known to the replica; where
+    # it may not (a venv under root's 0700 home) the join says so in one failed check, exit 5.
+    runs = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", "pass"],
+                          capture_output=True).returncode == 0
+    assert p.returncode == (0 if runs else 5), (p.stdout, p.stderr)
+    out = json.loads(p.stdout)
+    cred = os.stat(os.path.join(router, "worker.cred"))
+    assert (cred.st_uid, stat.S_IMODE(cred.st_mode)) == (nobody.pw_uid, 0o600) and out["user"] == "nobody"
+    assert os.stat(os.path.join(router, "state")).st_uid == nobody.pw_uid
+    if runs:
+        assert all(c["ok"] for c in out["checks"]), out["checks"]
+    else:
+        assert [(c["name"], c["ok"]) for c in out["checks"]] == [("doctor", False)], out["checks"]
+        assert "PermissionError" in out["checks"][0]["detail"] and b"Traceback" not in p.stderr
+    _refused(_join(_router(env, "nouser"), _enroll(env, "usr2", port=replica.port), "--user", "no-such-user"),
+             2, "--user", "no-such-user")
+    assert os.listdir(os.path.join(env.root, "router-nouser")) == []
+
+
 def test_bad_tokens_are_one_line_and_write_nothing(cp):
     env, replica, tls = cp
     router = _router(env, "bad")
     token = _enroll(env, "r2", port=replica.port)
-    _refused(_join(router, token[:-12]), 2, "TOKEN", "truncated")
-    _refused(_join(router, "qlj2." + token[5:]), 2, "TOKEN", "not a join token")
+    # Cut anywhere: each base64 remainder (1, 2, 3 characters short) and the prefix alone.
+    for cut in (token[:-1], token[:-2], token[:-3], token[:-12], token[:len(token) // 2], "qlj1."):
+        _refused(_join(router, cut), 2, "TOKEN", "truncated")
+    for other in ("qlj2." + token[5:], "", token[5:]):
+        _refused(_join(router, other), 2, "TOKEN", "not a join token")
+    # Decodes, but not as `workers enroll` makes one: the part is named, before the config is judged.
+    t = decode_token(token)
+    for bad, part in ((msgspec.structs.replace(t, worker_id="../etc"), "Worker ID"),
+                      (msgspec.structs.replace(t, urls=["https://cp.example.net/path"]), "URL"),
+                      (msgspec.structs.replace(t, credential="qlw_short"), "credential")):
+        _refused(_join(router, encode_token(bad)), 2, "TOKEN", "damaged", part)
+    # Expired by the router's clock (the token says so): refused before the control plane is asked.
+    past = encode_token(msgspec.structs.replace(t, expires_at_s=int(time.time()) - 5))
+    _refused(_join(router, past), 3, "TOKEN", "expired", "this host's clock")
     # The token's expiry is the control plane's record, not what the token says.
     env.sql("UPDATE join_tokens SET expires_at_us = 0 WHERE worker_id = "
             "(SELECT worker_id FROM workers WHERE name = 'r2' AND state <> 'removed')")
@@ -113,7 +181,19 @@ def test_bad_tokens_are_one_line_and_write_nothing(cp):
     removed = _enroll(env, "r5", port=replica.port)
     env.ok("workers", "rm", "r5")
     _refused(_join(router, removed), 4, "TOKEN", "removed")
+    # The credential rotated since the token was made: the token's credential is refused.
+    rotated = _enroll(env, "r6", port=replica.port)
+    env.ok("workers", "rotate-credential", "r6")
+    _refused(_join(router, rotated), 4, "TOKEN", "rotated")
     assert os.listdir(router) == []
+
+
+@pytest.mark.parametrize("ttl", [60, 604_800])
+def test_token_ttl_limits_themselves_are_accepted(cp, ttl):
+    env, replica, _ = cp
+    before = int(time.time())
+    token = decode_token(_enroll(env, f"ttl{ttl}", "--token-ttl", str(ttl), port=replica.port))
+    assert before + ttl <= token.expires_at_s <= int(time.time()) + ttl
 
 
 @pytest.mark.parametrize("args,field", [

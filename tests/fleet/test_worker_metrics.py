@@ -1,5 +1,6 @@
 """GET /metrics on a fleet Worker's status surface (issue 26 §3): a real Worker process against
-the Worker-protocol stub, scraped over loopback and read by prometheus_client's parser."""
+the Worker-protocol stub, scraped over loopback, read by prometheus_client's parser and linted by
+``promtool check metrics``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import http.client
 from prometheus_client.parser import text_string_to_metric_families
 
 from qlagent.core.metrics import CONTENT_TYPE
-from kit import free_port, wait_until
+from kit import free_port, promtool_check, wait_until
 from test_worker_runtime import Worker, _http, _wait_http, completion, cp  # noqa: F401 (cp: fixture)
 
 
@@ -22,6 +23,7 @@ def scrape(port: int) -> dict[str, float]:
         assert r.status == 200 and r.getheader("Content-Type") == CONTENT_TYPE, data
     finally:
         c.close()
+    promtool_check(data.decode())
     return {s.name: s.value for f in text_string_to_metric_families(data.decode()) for s in f.samples}
 
 
@@ -52,6 +54,36 @@ def test_worker_metrics_are_present_and_move_with_a_run(tmp_path, cp):
         wait_until(lambda: scrape(port)["qlagent_worker_runs_completed_total"] == 1, 10, "one completed run counted")
         done = scrape(port)
         assert done["qlagent_worker_runs_completed_total"] == 1 and done["qlagent_worker_live_runs"] == 0
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def test_worker_metrics_count_a_self_fence_and_the_reconnect_after_a_link_cut(tmp_path, cp):
+    """A cut past the Worker's fencing instant and the Session's TTL (6 s at the stub): the
+    Worker stops its run itself, and once the link is back opens a new Session — both counted
+    on its status surface, which answers throughout (it is local)."""
+    port = free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"\nmetrics = true\n')
+    w.start()
+    try:
+        assert _wait_http(port, "/healthz")[0] == 200
+        aid = cp.add_run(shell="/bin/sh", script="exec sleep 60")
+        assert cp.wait(lambda: "running" in cp.acks_of(aid), 30), w.journal()
+        before = scrape(port)
+        assert before["qlagent_worker_self_fences_total"] == 0
+        cp.partition(True)
+        wait_until(lambda: scrape(port)["qlagent_worker_self_fences_total"] == 1, 20, "the run self-fenced",
+                   detail=w.journal)
+        cp.wait(lambda: False, 7)       # the Session (6 s) runs out at the control plane meanwhile
+        cp.partition(False)
+        wait_until(lambda: scrape(port)["qlagent_worker_reconnects_total"] > before["qlagent_worker_reconnects_total"],
+                   30, "a new Session", detail=w.journal)
+        after = scrape(port)
+        # (the stub offers the fenced Attempt again once its Lease ran out: live_runs may be 1 anew)
+        assert after["qlagent_worker_session_open"] == 1 and after["qlagent_worker_self_fences_total"] == 1
+        assert after["qlagent_worker_sessions_total"] == after["qlagent_worker_reconnects_total"] + 1
         assert w.stop() == 0
     finally:
         if w.p.poll() is None:
