@@ -270,8 +270,11 @@ class Service:
     def _done(self) -> bool:
         if self.inline_run is not None:
             from ..application.runs import RunService    # `run start --wait` only
-            if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us:
-                return True    # the wait timed out; a live shim carries on and a service ingests it
+            if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us \
+                    and not self.engine.starts_in_flight():
+                # The wait timed out; a live shim carries on and a service ingests it. Not in
+                # mid-start: a shim whose spec never came would leave its Run to end lost.
+                return True
             if self.engine.live_count():
                 return False   # a Run this process launched (ours or one queued before it) is still live
             return self.draining or \
@@ -296,7 +299,8 @@ class Service:
         times = [t for t in (
             None if self.draining or down else self.scheduler.next_wake_us, self.store_retry_us,
             self.engine.next_wakeup_us(), self.notify.next_ping_us(now), self.drain_deadline_us,
-            self.kill_deadline_us, self.recheck_us, self.exit_at_us, self.inline_deadline_us,
+            self.kill_deadline_us, self.recheck_us, self.exit_at_us,
+            None if self.inline_deadline_us is None or now >= self.inline_deadline_us else self.inline_deadline_us,
             self.http.next_timeout_us(now) if self.http is not None else None,
             (self._last_extend_us + 5_000_000) if self.draining else None,
         ) if t is not None]
@@ -460,8 +464,14 @@ class Service:
         self._refusal = reason
 
     def _sync_pidfds(self) -> None:
+        """Watch exactly the engine's fds: a start's fd changes as it goes (status pipe, then
+        the shim's pidfd) and may be closed between events, its number then reused."""
+        wanted = self.engine.pidfds()
+        for key in list(self.sel.get_map().values()):
+            if key.data[0] == "pidfd" and wanted.get(key.fd) != key.data[1]:
+                self.sel.unregister(key.fileobj)
         registered = {k.fileobj for k in self.sel.get_map().values() if k.data[0] == "pidfd"}
-        for fd, aid in self.engine.pidfds().items():
+        for fd, aid in wanted.items():
             if fd not in registered:
                 self.sel.register(fd, selectors.EVENT_READ, ("pidfd", aid))
 
