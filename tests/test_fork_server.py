@@ -15,12 +15,13 @@ import textwrap
 
 import psutil
 import pytest
-from execkit import Bench, task
+from execkit import Bench, procs_with_env, task
 from kit import wait_until
 from shimkit import PATH_ENV, make_spec
 
 from qlagent.adapters import processes
-from qlagent.core.profiles import EDGE
+from qlagent.application.cancel import request_cancel
+from qlagent.core.profiles import EDGE, STANDALONE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,4 +150,41 @@ def test_a_fork_server_that_cannot_start_fails_runs_with_its_reason_and_is_not_r
         "shim: fork server: exited with status 3 before forking the shim (next try in ")
     assert tries.read_text() == "x\n"                  # one start of the broken fork server, not two
     assert b.run(first).state == b.run(second).state == "failed"
+    b.close()
+
+
+def test_fifty_runs_start_at_once_and_each_is_running_only_once_its_task_was_execd(tmp_path):
+    """The dispatcher activates 50 Runs without waiting for one shim: all 50 are asked for
+    (Attempts ``starting``) before any start is taken in, then each becomes ``running`` as its
+    exec is reported, all 50 tasks live at once, each with its own output."""
+    b = Bench(str(tmp_path / "s"), profile=STANDALONE, max_concurrent=50)
+    go = tmp_path / "go"
+    b.add(task("t", f'while [ ! -e {go} ]; do sleep 0.05; done; echo "$QL3_RUN_ID"\n', concurrency="parallel",
+               timeout_s=120, memory_max="4M"))
+    ids = [b.start("t") for _ in range(50)]
+    results = [b.engine.dispatcher.dispatch_once() for _ in ids]
+    assert [r.status for r in results] == ["activated"] * 50
+    assert sorted(r.run_id for r in results) == sorted(ids)
+    assert {b.attempts(r)[0].state for r in ids} == {"starting"}     # nothing recorded running yet
+    b.drive(lambda: all(b.run(r).state == "running" for r in ids), 120, dispatch=False)
+    assert len(set(b.engine.live_pids())) == 50
+    go.touch()
+    b.drive(lambda: all(b.run(r).state == "succeeded" for r in ids), 120, dispatch=False)
+    for r in ids:
+        with open(b.runs.log_source(r)[0]) as f:
+            assert f.read() == r + "\n"
+    assert len(b.engine._coordinator._procs._forks.pids()) == 1     # one fork server served them all
+    b.close()
+
+
+def test_a_cancel_that_comes_while_the_shim_starts_stops_the_task_once_it_runs(tmp_path):
+    b = Bench(str(tmp_path / "s"))
+    b.add(task("t", "sleep 30\n"))
+    rid = b.start("t")
+    assert b.engine.dispatcher.dispatch_once().status == "activated"
+    request_cancel(b.store, rid, "test")
+    assert b.engine.sweep_cancels() == 1              # before the start was taken in
+    assert b.wait_run(rid).state == "cancelled"
+    aid = b.attempts(rid)[0].attempt_id
+    assert procs_with_env("QL3_ATTEMPT_ID", aid) == []
     b.close()

@@ -441,7 +441,7 @@ class ForkServer:
             python, spec_r, status_w = st.request
             if st.fd is not None:
                 os.close(st.fd)
-            st.fd, st.request = st._status_r, None
+            st.phase, st.fd, st.request = "fork", st._status_r, None
             try:
                 self._send(python, spec_r, status_w)
             except ShimSpawnError:
@@ -450,7 +450,6 @@ class ForkServer:
             finally:
                 os.close(spec_r)
                 os.close(status_w)
-            st.phase = "fork"
         if st.phase == "fork":
             lines, eof = st._lines()
             if not lines:

@@ -433,9 +433,15 @@ class Service:
         self.recheck_us = None
         for _ in range(MAX_PASSES_PER_WAKE):
             r = self.engine.dispatcher.dispatch_once()
-            if r.status in ("activated", "more", "launch_failed"):
-                # launch_failed: that Run has ended with its reason (run.start_failed, logged by
-                # the coordinator); the Runs behind it must not wait for an unrelated wake-up.
+            if r.status in ("activated", "launch_failed"):
+                # One start per iteration: a pass that activates commits its claim and asks for
+                # a shim (tens of ms on a loaded router); HTTP, the watchdog and the other
+                # events are served between two, and the next pass follows at once. After
+                # launch_failed (that Run has ended with its reason, run.start_failed) too: the
+                # Runs behind it must not wait for an unrelated wake-up.
+                self.poked = True
+                return
+            if r.status == "more":
                 continue
             if r.status == "unavailable" and r.reason not in CAPACITY_REASONS:
                 self.log("warning", "run.unavailable", run=r.run_id, reason=r.reason)
