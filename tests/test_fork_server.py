@@ -188,3 +188,44 @@ def test_a_cancel_that_comes_while_the_shim_starts_stops_the_task_once_it_runs(t
     aid = b.attempts(rid)[0].attempt_id
     assert procs_with_env("QL3_ATTEMPT_ID", aid) == []
     b.close()
+
+
+ENGINE_AGENT = textwrap.dedent("""
+    import os, select, sys
+    sys.path.insert(0, sys.argv[2])
+    from execkit import Bench
+    b = Bench(sys.argv[1])
+    assert b.engine.dispatcher.dispatch_once().status == "activated"
+    (fd,) = b.engine.pidfds()              # the start's status pipe; nothing taken in from it yet
+    select.select([fd], [], [], 30)
+    print(os.read(fd, 64).decode().split()[1], flush=True)     # the forked shim's "pid <n>"
+    select.select([], [], [], 60)
+""")
+
+
+def test_an_agent_killed_between_the_shims_fork_and_the_exec_runs_nothing_and_the_next_one_ends_the_run(tmp_path):
+    """The claim is committed and the shim forked, the agent is SIGKILLed before it took in the
+    shim's PID (so before the spec went out): the shim execs nothing and leaves; the next
+    agent's recovery ends the Attempt lost (agent_restart) instead of leaving it starting."""
+    marker = tmp_path / "ran"
+    b = Bench(str(tmp_path / "s"))
+    b.add(task("t", f"touch {marker}\n"))
+    rid = b.start("t")
+    os.makedirs(b.runs_dir, mode=0o700, exist_ok=True)
+    processes.compiled_shim(b.runs_dir, sys.executable)     # compiled already: the request goes out at once
+    agent = subprocess.Popen([sys.executable, "-c", ENGINE_AGENT, b.root, os.path.join(REPO, "tests")],
+                             stdout=subprocess.PIPE, cwd=REPO)
+    shim = int(agent.stdout.readline())
+    assert b.attempts(rid)[0].state == "starting"
+    agent.kill()
+    agent.wait()
+    wait_until(lambda: not psutil.pid_exists(shim) or psutil.Process(shim).status() == psutil.STATUS_ZOMBIE,
+               timeout=20, what="the shim to end")
+    aid = b.attempts(rid)[0].attempt_id
+    assert not marker.exists() and processes.read_receipt(os.path.join(b.runs_dir, aid)) is None
+    assert b.engine.recover()["lost"] == 1
+    (att,) = b.attempts(rid)
+    assert (att.state, att.failure_reason) == ("lost", "agent_restart")
+    assert b.run(rid).state == "lost"
+    assert not marker.exists()
+    b.close()
