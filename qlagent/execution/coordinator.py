@@ -97,9 +97,9 @@ class LocalExecutionCoordinator:
                                                       cmd.grace_ms * 1000, cmd.retry, cmd.memory_reserve)
         return "activated", None
 
-    def _start_failed(self, run_id: str, attempt_id: str, e: StartError, retry) -> str | None:
-        """Record a start that failed; returns the Run state, None when the store cannot say
-        so yet (``tick`` records it then)."""
+    def _start_failed(self, run_id: str, attempt_id: str, e: StartError, retry) -> str:
+        """Record a start that failed; returns the Run state. Raises UnavailableError when the
+        store cannot record it yet (``tick`` records it then)."""
         text = bounded(str(e))
         f = Finish(AttemptState.START_FAILED, failure_reason=e.code, start_error=text)
         try:
