@@ -372,6 +372,7 @@ def test_recovery_ingests_a_receipt_of_an_attempt_left_starting(root):
     b.add(recording_task(root, "t"))
     rid = b.start("t")
     assert b.engine.dispatcher.dispatch_once().status == "activated"
+    b.drive(lambda: b.run(rid).state == "running", dispatch=False)     # the shim has its spec
     aid = b.attempts(rid)[0].attempt_id
     receipt = os.path.join(b.runs_dir, aid, "receipt.json")
     end = time.monotonic() + 10

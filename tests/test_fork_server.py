@@ -15,12 +15,13 @@ import textwrap
 
 import psutil
 import pytest
-from execkit import Bench, task
+from execkit import Bench, procs_with_env, task
 from kit import wait_until
 from shimkit import PATH_ENV, make_spec
 
 from qlagent.adapters import processes
-from qlagent.core.profiles import EDGE
+from qlagent.application.cancel import request_cancel
+from qlagent.core.profiles import EDGE, STANDALONE
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,7 +139,10 @@ def test_a_fork_server_that_cannot_start_fails_runs_with_its_reason_and_is_not_r
     b.engine._coordinator._procs._python = str(broken)
     first, second = b.start("t"), b.start("t")
     r = b.engine.dispatcher.dispatch_once()
-    assert (r.status, r.reason, r.run_id) == ("launch_failed", "shim_failed", first)
+    # Failed at once when the server was gone before the request, else when the loop learns it.
+    assert r.run_id == first and r.status in ("launch_failed", "activated")
+    b.drive(lambda: b.run(first).state == "failed", dispatch=False)
+    assert b.attempts(first)[0].failure_reason == "shim_failed"
     assert b.attempts(first)[0].start_error == "shim: fork server: exited with status 3 before forking the shim"
     r = b.engine.dispatcher.dispatch_once()
     assert (r.status, r.run_id) == ("launch_failed", second)
@@ -146,4 +150,82 @@ def test_a_fork_server_that_cannot_start_fails_runs_with_its_reason_and_is_not_r
         "shim: fork server: exited with status 3 before forking the shim (next try in ")
     assert tries.read_text() == "x\n"                  # one start of the broken fork server, not two
     assert b.run(first).state == b.run(second).state == "failed"
+    b.close()
+
+
+def test_fifty_runs_start_at_once_and_each_is_running_only_once_its_task_was_execd(tmp_path):
+    """The dispatcher activates 50 Runs without waiting for one shim: all 50 are asked for
+    (Attempts ``starting``) before any start is taken in, then each becomes ``running`` as its
+    exec is reported, all 50 tasks live at once, each with its own output."""
+    b = Bench(str(tmp_path / "s"), profile=STANDALONE, max_concurrent=50)
+    go = tmp_path / "go"
+    b.add(task("t", f'while [ ! -e {go} ]; do sleep 0.05; done; echo "$QL3_RUN_ID"\n', concurrency="parallel",
+               timeout_s=120, memory_max="4M"))
+    ids = [b.start("t") for _ in range(50)]
+    results = [b.engine.dispatcher.dispatch_once() for _ in ids]
+    assert [r.status for r in results] == ["activated"] * 50
+    assert sorted(r.run_id for r in results) == sorted(ids)
+    assert {b.attempts(r)[0].state for r in ids} == {"starting"}     # nothing recorded running yet
+    b.drive(lambda: all(b.run(r).state == "running" for r in ids), 120, dispatch=False)
+    assert len(set(b.engine.live_pids())) == 50
+    go.touch()
+    b.drive(lambda: all(b.run(r).state == "succeeded" for r in ids), 120, dispatch=False)
+    for r in ids:
+        with open(b.runs.log_source(r)[0]) as f:
+            assert f.read() == r + "\n"
+    assert len(b.engine._coordinator._procs._forks.pids()) == 1     # one fork server served them all
+    b.close()
+
+
+def test_a_cancel_that_comes_while_the_shim_starts_stops_the_task_once_it_runs(tmp_path):
+    b = Bench(str(tmp_path / "s"))
+    b.add(task("t", "sleep 30\n"))
+    rid = b.start("t")
+    assert b.engine.dispatcher.dispatch_once().status == "activated"
+    request_cancel(b.store, rid, "test")
+    assert b.engine.sweep_cancels() == 1              # before the start was taken in
+    assert b.wait_run(rid).state == "cancelled"
+    aid = b.attempts(rid)[0].attempt_id
+    assert procs_with_env("QL3_ATTEMPT_ID", aid) == []
+    b.close()
+
+
+ENGINE_AGENT = textwrap.dedent("""
+    import os, select, sys
+    sys.path.insert(0, sys.argv[2])
+    from execkit import Bench
+    b = Bench(sys.argv[1])
+    assert b.engine.dispatcher.dispatch_once().status == "activated"
+    (fd,) = b.engine.pidfds()              # the start's status pipe; nothing taken in from it yet
+    select.select([fd], [], [], 30)
+    print(os.read(fd, 64).decode().split()[1], flush=True)     # the forked shim's "pid <n>"
+    select.select([], [], [], 60)
+""")
+
+
+def test_an_agent_killed_between_the_shims_fork_and_the_exec_runs_nothing_and_the_next_one_ends_the_run(tmp_path):
+    """The claim is committed and the shim forked, the agent is SIGKILLed before it took in the
+    shim's PID (so before the spec went out): the shim execs nothing and leaves; the next
+    agent's recovery ends the Attempt lost (agent_restart) instead of leaving it starting."""
+    marker = tmp_path / "ran"
+    b = Bench(str(tmp_path / "s"))
+    b.add(task("t", f"touch {marker}\n"))
+    rid = b.start("t")
+    os.makedirs(b.runs_dir, mode=0o700, exist_ok=True)
+    processes.compiled_shim(b.runs_dir, sys.executable)     # compiled already: the request goes out at once
+    agent = subprocess.Popen([sys.executable, "-c", ENGINE_AGENT, b.root, os.path.join(REPO, "tests")],
+                             stdout=subprocess.PIPE, cwd=REPO)
+    shim = int(agent.stdout.readline())
+    assert b.attempts(rid)[0].state == "starting"
+    agent.kill()
+    agent.wait()
+    wait_until(lambda: not psutil.pid_exists(shim) or psutil.Process(shim).status() == psutil.STATUS_ZOMBIE,
+               timeout=20, what="the shim to end")
+    aid = b.attempts(rid)[0].attempt_id
+    assert not marker.exists() and processes.read_receipt(os.path.join(b.runs_dir, aid)) is None
+    assert b.engine.recover()["lost"] == 1
+    (att,) = b.attempts(rid)
+    assert (att.state, att.failure_reason) == ("lost", "agent_restart")
+    assert b.run(rid).state == "lost"
+    assert not marker.exists()
     b.close()

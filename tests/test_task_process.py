@@ -398,6 +398,7 @@ def test_the_shim_runs_precompiled_from_the_private_runs_root(root):
     b.add(task("t", "sleep 0.5; echo done\n"))
     rid = b.start("t")
     assert b.engine.dispatcher.dispatch_once().status == "activated"
+    b.drive(lambda: b.run(rid).state == "running", dispatch=False)
     (pid,) = b.engine.live_pids()
     program = psutil.Process(pid).cmdline()[-1]
     assert os.path.dirname(program) == b.runs_dir and program.endswith(".pyc")

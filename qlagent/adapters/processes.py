@@ -64,6 +64,54 @@ class ShimHandle(msgspec.Struct):
     start_error: str | None = None
 
 
+def _compiled_path(cache_dir: str, python: str) -> str | None:
+    """Where ``compiled_shim`` keeps the shim for ``python``, None when the sources or the
+    interpreter cannot be read (see there)."""
+    try:
+        real = os.path.realpath(python)
+        st = os.stat(real)
+        source = b""
+        for name in sorted(n for n in os.listdir(SHIM_DIR) if n.endswith(".py")):
+            with open(os.path.join(SHIM_DIR, name), "rb") as f:
+                source += name.encode() + b"\0" + f.read()
+    except OSError:
+        return None
+    key = sha256_hex(source + f"\0{real}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_size}".encode())[:32]
+    return os.path.join(cache_dir, f".shim-{key}.pyc")
+
+
+def _compiled_state(path: str) -> str:
+    """``ours`` (a regular file of this euid, mode without group/other bits: run it),
+    ``foreign`` (anything else: never run it, never replace it) or ``missing``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+        return "ours"
+    return "foreign"
+
+
+def _start_compile(python: str, tmp: str) -> subprocess.Popen:
+    return subprocess.Popen([python, "-I", "-S", SHIM_PATH, "--compile", tmp], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/")
+
+
+def _end_compile(popen: subprocess.Popen, tmp: str, path: str) -> bool:
+    """Put a finished compile's file in place; False (nothing left behind) when it failed."""
+    try:
+        if popen.returncode != 0:
+            raise OSError
+        os.rename(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+
 def compiled_shim(cache_dir: str, python: str) -> str:
     """The shim precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc
     script without compiling it, which saves the compiler's memory (USS 4.5 → 2.9 MiB per run)
@@ -73,39 +121,27 @@ def compiled_shim(cache_dir: str, python: str) -> str:
     mode 0600: one file holding main.py and its siblings (main.py SIBLINGS), which it
     loads into sys.modules itself. The key is the SHA-256 of every source in ``shim/`` and of
     the interpreter file's identity (path, inode, mtime, size): a changed source or an upgraded
-    interpreter gets a new file and never runs stale bytecode. Cheap once written (a stat and a read of the source per call).
+    interpreter gets a new file and never runs stale bytecode. Cheap once written (a stat and a
+    read of the source per call); writing it waits for that interpreter (at most 30 s): the
+    fork server does it without waiting (``ForkServer.begin``).
     Returns SHIM_PATH when it cannot be used (not ours, cannot be written)."""
-    try:
-        real = os.path.realpath(python)
-        st = os.stat(real)
-        source = b""
-        for name in sorted(n for n in os.listdir(SHIM_DIR) if n.endswith(".py")):
-            with open(os.path.join(SHIM_DIR, name), "rb") as f:
-                source += name.encode() + b"\0" + f.read()
-    except OSError:
+    path = _compiled_path(cache_dir, python)
+    if path is None:
         return SHIM_PATH
-    key = sha256_hex(source + f"\0{real}\0{st.st_ino}\0{st.st_mtime_ns}\0{st.st_size}".encode())[:32]
-    path = os.path.join(cache_dir, f".shim-{key}.pyc")
-    try:
-        st = os.lstat(path)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
-            return path
-        return SHIM_PATH            # not ours alone: never run it, never replace it
-    except FileNotFoundError:
-        pass
+    state = _compiled_state(path)
+    if state != "missing":
+        return path if state == "ours" else SHIM_PATH
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        subprocess.run([python, "-I", "-S", SHIM_PATH, "--compile", tmp], stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/", timeout=30,
-                       check=True)
-        os.rename(tmp, path)
-    except (OSError, subprocess.SubprocessError):
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        popen = _start_compile(python, tmp)
+    except OSError:
         return SHIM_PATH
-    return path
+    try:
+        popen.wait(30)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+    return path if _end_compile(popen, tmp, path) else SHIM_PATH
 
 
 # The fork server exits after this long without a request (shim/forkserver.py FORK_SERVER_IDLE_S);
@@ -119,27 +155,79 @@ BACKOFF_MAX_S = 30.0
 _PIPE_BUF_BYTES = 65536
 
 
-def _read_line(fd: int, data: bytes, deadline: float) -> tuple[str | None, bytes]:
-    """One line from the status pipe ``fd`` after what ``data`` already holds: (line, rest);
-    line None on EOF before a line (rest: what came), raises TimeoutError past ``deadline``."""
-    while b"\n" not in data:
-        if len(data) >= _STATUS_LIMIT_BYTES:
-            break
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError
-        chunk = os.read(fd, _STATUS_LIMIT_BYTES)
-        if not chunk:
-            return None, data
-        data += chunk
-    line, _, rest = data.partition(b"\n")
-    return line.decode("utf-8", "replace"), rest
-
-
-def _wait_exit(pidfd: int | None, timeout_s: float) -> None:
-    """Until the process behind ``pidfd`` has exited, at most ``timeout_s`` seconds."""
+def _exited(pid: int, create_time: float, pidfd: int | None) -> bool:
+    """Has this exact process ended? Its pidfd is readable then; without one, psutil looks."""
     if pidfd is not None:
-        select.select([pidfd], [], [], timeout_s)
+        return bool(select.select([pidfd], [], [], 0)[0])
+    return not process_matches(pid, create_time)
+
+
+class ShimStart:
+    """One shim start in flight (``ForkServer.begin``), driven by ``ForkServer.advance``
+    whenever ``fd`` is readable (the caller's selector watches it; None: nothing to watch, call
+    ``advance`` once in a while). Phases: ``queued`` (the shim is being compiled for a new fork
+    server; ``fd`` is the compile's pidfd), ``fork`` (the request is out; the forked shim's
+    ``pid <n>`` line is awaited on the status pipe), ``exec`` (the spec went to the shim;
+    ``ok`` or ``err <reason>`` is awaited), ``exit`` (the exec failed; ``fd`` is the shim's
+    pidfd, readable once it wrote its receipt and exited). ``pid``/``create_time``/``pidfd``
+    are set from ``exec`` on; ``deadline`` (time.monotonic() seconds) bounds the whole start
+    for callers that wait (``ForkServer.spawn``)."""
+
+    __slots__ = ("fd", "phase", "pid", "create_time", "pidfd", "start_error", "deadline", "request", "_status_r",
+                 "_spec_w", "_payload", "_buf")
+
+    def __init__(self, status_r: int, spec_w: int, payload: bytes, deadline: float) -> None:
+        self.fd: int | None = status_r
+        self.phase = "fork"
+        self.pid = 0
+        self.create_time = 0.0
+        self.pidfd: int | None = None
+        self.start_error: str | None = None
+        self.deadline = deadline
+        self.request: tuple[str, int, int] | None = None   # queued: (python, spec_r, status_w) to send
+        self._status_r, self._spec_w = status_r, spec_w
+        self._payload: bytes | None = payload     # the spec, held until the shim exists to read it
+        self._buf = b""
+
+    def _lines(self) -> tuple[list[str], bool]:
+        """The complete lines that came in (without blocking) and whether the pipe is at EOF;
+        a line over _STATUS_LIMIT_BYTES counts as one line."""
+        eof = False
+        while True:
+            try:
+                chunk = os.read(self._status_r, _STATUS_LIMIT_BYTES)
+            except BlockingIOError:
+                break
+            if not chunk:
+                eof = True
+                break
+            self._buf += chunk
+            if len(self._buf) >= _STATUS_LIMIT_BYTES:
+                break
+        *lines, self._buf = self._buf.split(b"\n")
+        if len(self._buf) >= _STATUS_LIMIT_BYTES:
+            lines.append(self._buf)
+            self._buf = b""
+        return [line.decode("utf-8", "replace") for line in lines], eof
+
+    def close(self) -> None:
+        """Release the pipes and the pidfd (a start given up: the shim carries on alone)."""
+        fds = [self._status_r, self._spec_w, self.pidfd, *(self.request[1:] if self.request else ())]
+        if self.phase == "queued" and self.fd is not None:
+            fds.append(self.fd)                     # the compile's pidfd
+        for fd in fds:
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self._status_r = self._spec_w = -1
+        self.pidfd = self.fd = self.request = None
+        self._payload = None
+
+    def _close_pipes(self) -> None:
+        for fd in (self._status_r, self._spec_w):
+            if fd >= 0:
+                os.close(fd)
+        self._status_r = self._spec_w = -1
+        self._payload = None
 
 
 class ForkServer:
@@ -164,10 +252,49 @@ class ForkServer:
         self._failure: str | None = None
         self._retry_at = 0.0
         self._backoff_s = 0.0
+        self._compiling: tuple[subprocess.Popen, str, str] | None = None   # (process, temp file, path)
+        self._uncompilable: set[str] = set()        # compiled_shim paths whose compile failed here
 
     def pids(self) -> set[int]:
-        """The fork server processes this object has started and not reaped (its own children)."""
-        return {p.pid for p in [*self._leaving, *([self._popen] if self._popen else [])]}
+        """The processes this object has started and not reaped (its own children): fork
+        servers, and the shim's compile while it runs."""
+        procs = [*self._leaving, *([self._popen] if self._popen else [])]
+        if self._compiling is not None:
+            procs.append(self._compiling[0])
+        return {p.pid for p in procs}
+
+    def _program(self, python: str) -> str | None:
+        """What a new fork server of ``python`` runs: the ``compiled_shim`` file once it
+        exists, SHIM_PATH when it cannot be had; None while it is being compiled, by a process
+        of its own that nobody waits for (an interpreter start and a compile: 0.4 s here,
+        seconds on a router; once per shim source and interpreter)."""
+        if self._compiling is not None:
+            popen, tmp, path = self._compiling
+            if popen.poll() is None:
+                return None
+            self._compiling = None
+            if not _end_compile(popen, tmp, path):
+                self._uncompilable.add(path)       # not tried again by this process
+        path = _compiled_path(self._cache_dir, python)
+        if path is None or path in self._uncompilable:
+            return SHIM_PATH
+        state = _compiled_state(path)
+        if state != "missing":
+            return path if state == "ours" else SHIM_PATH
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            self._compiling = (_start_compile(python, tmp), tmp, path)
+        except OSError:
+            return SHIM_PATH                       # no such interpreter: the fork server's start says so
+        return None
+
+    def _takes_requests(self, python: str) -> bool:
+        """Can a request for ``python`` go out now: a fork server of it runs and stays, or the
+        program for a new one is there (else ``_program`` has its compile under way)."""
+        if self._sock is not None and self._python == python and \
+                time.monotonic() - self._last_request < FORK_SERVER_IDLE_S - _RETIRE_MARGIN_S:
+            return True
+        return self._program(python) is not None
 
     def reap(self) -> None:
         """Reap the fork servers that have exited (idle, killed or retired)."""
@@ -196,7 +323,9 @@ class ForkServer:
         return ShimSpawnError(reason)
 
     def _start(self, python: str) -> None:
-        program = compiled_shim(self._cache_dir, python)
+        # The source when the compiled file is not there yet (a server that died between a
+        # _takes_requests and its request): it works the same, at the compiler's memory.
+        program = self._program(python) or SHIM_PATH
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen([python, "-I", "-S", program], stdin=theirs,
@@ -243,15 +372,16 @@ class ForkServer:
             return "fork server: forked no shim"
         return f"fork server: exited with status {status} before forking the shim"
 
-    def spawn(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimHandle:
-        """Start one shim for ``spec`` (the shim contract's document) from the fork server of
-        ``python -I -S`` and wait (at most ``status_timeout_s`` seconds) for its start status
-        (ARCHITECTURE.md "Start status"): the shim's PID comes first (a ``pid <n>`` line from the forked
-        shim), then ``ok`` or ``err <reason>``. With a start_error it returns once the shim has
-        exited (it writes its receipt first).
+    def begin(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimStart:
+        """Ask the fork server of ``python -I -S`` for one shim for ``spec`` (the shim
+        contract's document) and return at once: the start goes on in ``advance`` each time
+        the returned ShimStart's ``fd`` is readable, so nothing here waits for a child (only
+        the fork server's own exec when there is none yet, and once per shim source and
+        interpreter its bytecode: ``compiled_shim``). ``status_timeout_s`` (seconds) sets the
+        ShimStart's ``deadline``.
 
         Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything
-        starts; ShimSpawnError when the fork server cannot be started or forks no shim (the
+        starts; ShimSpawnError when the fork server cannot be started or takes no request (the
         reason; until the back-off has passed every call fails at once with it)."""
         payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
         if len(payload) > SPEC_LIMIT_BYTES:
@@ -268,56 +398,135 @@ class ForkServer:
                 try:
                     fcntl.fcntl(spec_w, fcntl.F_SETPIPE_SZ, len(payload))
                 except OSError:
-                    pass                     # then the write below waits for the shim to read
+                    pass                     # then advance writes the rest once the shim reads
+            queued = not self._takes_requests(python)
+            if not queued:
+                self._send(python, spec_r, status_w)
+        except BaseException:
+            for fd in (spec_r, status_w, spec_w, status_r):
+                os.close(fd)
+            raise
+        if not queued:
+            os.close(spec_r)
+            os.close(status_w)
+        os.set_blocking(status_r, False)
+        os.set_blocking(spec_w, False)
+        st = ShimStart(status_r, spec_w, payload, time.monotonic() + status_timeout_s)
+        if queued:
+            st.phase, st.request = "queued", (python, spec_r, status_w)
+            try:
+                st.fd = os.pidfd_open(self._compiling[0].pid)
+            except (AttributeError, OSError):
+                st.fd = None
+        return st
+
+    def advance(self, st: ShimStart, expired: bool = False) -> ShimHandle | None:
+        """Take in what ``st``'s shim reported (never waits for it): None while the start
+        goes on (``st.fd`` may have changed), else its ShimHandle (``st`` is then spent; the
+        handle owns the pidfd): ``start_error`` None once the task was exec'd, else the shim's
+        reason, returned once the shim has exited (its receipt is written by then).
+        ``expired`` (the caller's bound passed) ends the start whatever came: a shim that was
+        forked counts as started (its receipt will tell), one that never was fails.
+
+        The shim's PID comes first (a ``pid <n>`` line from the forked shim); only then does
+        the spec (secrets included) go into its stdin pipe, so a shim whose agent died before
+        knowing its PID reads no spec and runs nothing. Raises ShimSpawnError (``st`` closed)
+        when the fork server forked no shim: its reason, the back-off as in ``begin``."""
+        if st.phase == "queued":
+            if expired:
+                st.close()
+                raise self._fail("fork server: the shim was not compiled within %.0f s" % START_STATUS_TIMEOUT_S)
+            if self._program(st.request[0]) is None:
+                return None
+            python, spec_r, status_w = st.request
+            if st.fd is not None:
+                os.close(st.fd)
+            st.phase, st.fd, st.request = "fork", st._status_r, None
             try:
                 self._send(python, spec_r, status_w)
+            except ShimSpawnError:
+                st.close()
+                raise
             finally:
                 os.close(spec_r)
                 os.close(status_w)
-            deadline = time.monotonic() + status_timeout_s
-            try:
-                first, rest = _read_line(status_r, b"", deadline)
-            except TimeoutError:
-                raise self._fail("fork server: no shim forked within %.0f s" % status_timeout_s) from None
-            if first is None or not first.startswith("pid "):
-                if first is not None and first.startswith("err "):
-                    raise self._fail(f"fork server: {first[4:]}")
-                raise self._fail(self._exit_reason())
+        if st.phase == "fork":
+            lines, eof = st._lines()
+            if not lines:
+                if eof or expired:
+                    st.close()
+                    raise self._fail(self._exit_reason() if eof else
+                                     "fork server: no shim forked within %.0f s" % START_STATUS_TIMEOUT_S)
+                return None
+            first = lines.pop(0)
+            if not first.startswith("pid "):
+                st.close()
+                raise self._fail(f"fork server: {first[4:]}" if first.startswith("err ") else self._exit_reason())
             self._failure, self._backoff_s = None, 0.0
-            pid = int(first[4:])
+            st.pid = int(first[4:])
             try:
-                pidfd = os.pidfd_open(pid)
+                st.pidfd = os.pidfd_open(st.pid)
             except (AttributeError, OSError):
-                pidfd = None
+                st.pidfd = None
             try:
-                create_time = psutil.Process(pid).create_time()
+                st.create_time = psutil.Process(st.pid).create_time()
             except psutil.NoSuchProcess:
-                create_time = 0.0
-            try:
-                view = memoryview(payload)
-                while view:
-                    view = view[os.write(spec_w, view):]
-            except BrokenPipeError:
-                pass                         # the shim is gone: the status says so
-            os.close(spec_w)
-            spec_w = -1
-            try:
-                line, _ = _read_line(status_r, rest, deadline)
-            except TimeoutError:
-                line = "ok"                  # a slow start: the receipt will tell
-            if line == "ok":
-                start_error = None
-            elif line is not None and line.startswith("err "):
-                start_error = line[4:]
+                st.create_time = 0.0
+            self._give_spec(st)
+            st.phase = "exec"
+            st._buf = "\n".join(lines).encode() + (b"\n" if lines else b"") + st._buf
+        if st.phase == "exec":
+            lines, eof = st._lines()
+            if lines or eof or expired:
+                line = lines[0] if lines else ("ok" if expired and not eof else None)   # late: the receipt will tell
+                st._close_pipes()
+                if line == "ok":
+                    return self._handle(st, None)
+                st.start_error = line[4:] if line is not None and line.startswith("err ") else \
+                    "shim: exited before starting the task"
+                st.phase, st.fd = "exit", st.pidfd
             else:
-                start_error = "shim: exited before starting the task"
-            if start_error is not None:
-                _wait_exit(pidfd, status_timeout_s)
-            return ShimHandle(pid, create_time, pidfd, None, start_error)
-        finally:
-            if spec_w >= 0:
-                os.close(spec_w)
-            os.close(status_r)
+                return None
+        if expired or _exited(st.pid, st.create_time, st.pidfd):
+            return self._handle(st, st.start_error)
+        return None
+
+    @staticmethod
+    def _give_spec(st: ShimStart) -> None:
+        """The spec into the forked shim's stdin: at once when it fits the pipe (begin sized
+        it), else the rest as the shim reads it (it reads nothing else first)."""
+        view = memoryview(st._payload)
+        try:
+            while view:
+                try:
+                    view = view[os.write(st._spec_w, view):]
+                except BlockingIOError:
+                    os.set_blocking(st._spec_w, True)
+        except BrokenPipeError:
+            pass                             # the shim is gone: its status says so
+        os.close(st._spec_w)
+        st._spec_w = -1
+        st._payload = None
+
+    @staticmethod
+    def _handle(st: ShimStart, start_error: str | None) -> ShimHandle:
+        h = ShimHandle(st.pid, st.create_time, st.pidfd, None, start_error)
+        st.pidfd = None
+        st.close()
+        return h
+
+    def spawn(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimHandle:
+        """``begin`` and ``advance`` until the start is over, waiting on the status pipe (at
+        most ``status_timeout_s`` seconds): for callers with no loop of their own (tests,
+        benches). Returns and raises as those two do; with a start_error it returns once the
+        shim has exited."""
+        st = self.begin(spec, python, status_timeout_s)
+        while True:
+            left = st.deadline - time.monotonic()
+            h = self.advance(st, expired=left <= 0)
+            if h is not None:
+                return h
+            select.select([st.fd] if st.fd is not None else [], [], [], min(max(left, 0), 0.05 if st.fd is None else left))
 
 
 def errno_text(exc: OSError) -> str:
@@ -578,6 +787,7 @@ class ShimProcesses:
         self._python = python or default_python()
         self._handles: dict[int, ShimHandle] = {}
         self._forks = ForkServer(allocator.runs_root)
+        self._starts: dict[str, ShimStart] = {}   # attempt → its start in flight (begin → advance)
         self._known: dict[str, dict] = {}         # attempt → processes seen when first signalled
         self._started: dict[str, float] = {}
         self._key = agent_key(allocator.runs_root)
@@ -585,7 +795,7 @@ class ShimProcesses:
     def _run_dir(self, attempt_id: str) -> str:
         return os.path.join(self._alloc.runs_root, attempt_id)
 
-    def spawn(self, cmd: LaunchCommand) -> tuple[int, float]:
+    def begin(self, cmd: LaunchCommand) -> None:
         attempt_id = cmd.candidate.attempt_id
         try:
             run_dir = self._alloc.run_dir(attempt_id)
@@ -598,9 +808,24 @@ class ShimProcesses:
                 "keep_orphans": cmd.keep_orphans,
                 "cgroup": self._cgroups.create(attempt_id, cmd.memory_max) if self._cgroups else None}
         try:
-            h = self._forks.spawn(spec, self._python)
+            self._starts[attempt_id] = self._forks.begin(spec, self._python)
         except QlError as e:              # spec over its bound, no interpreter, no fork server
             raise StartError(f"shim: {e.message}", code="shim_failed") from None
+
+    def start_fd(self, attempt_id: str) -> int | None:
+        st = self._starts.get(attempt_id)
+        return None if st is None else st.fd
+
+    def advance(self, attempt_id: str, expired: bool = False) -> tuple[int, float] | None:
+        st = self._starts[attempt_id]
+        try:
+            h = self._forks.advance(st, expired)
+        except QlError as e:
+            del self._starts[attempt_id]
+            raise StartError(f"shim: {e.message}", code="shim_failed") from None
+        if h is None:
+            return None
+        del self._starts[attempt_id]
         if h.start_error is not None:
             if h.pidfd is not None:
                 os.close(h.pidfd)
@@ -608,6 +833,11 @@ class ShimProcesses:
         self._handles[h.pid] = h
         self._started[attempt_id] = h.create_time
         return h.pid, h.create_time
+
+    def abandon_start(self, attempt_id: str) -> None:
+        st = self._starts.pop(attempt_id, None)
+        if st is not None:
+            st.close()
 
     def watch(self, pid: int) -> int | None:
         h = self._handles.get(pid)

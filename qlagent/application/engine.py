@@ -9,7 +9,6 @@ the shim, the coordinator or candidate reads) plus the lifecycle hooks the servi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -56,6 +55,7 @@ class Engine:
         return self._coordinator.recover()
 
     def pidfds(self) -> dict[int, str]:
+        """fd → attempt ID to watch (shims' pidfds, starts in flight); events go to ``on_exit``."""
         return self._coordinator.pidfds()
 
     def on_exit(self, attempt_id: str) -> str | None:
@@ -76,14 +76,20 @@ class Engine:
         return self._procs.reap_orphans()
 
     def live_count(self) -> int:
-        return len(self._coordinator.live)
+        """Runs this process follows: running, or their shim still starting."""
+        return len(self._coordinator.live) + len(self._coordinator.starting)
 
     def live_pids(self) -> list[int]:
         return [lr.shim_pid for lr in self._coordinator.live.values()]
 
     def live_reserves(self) -> list[int | None]:
-        """Memory admission holds for each live Run (bytes; None: re-attached after a restart)."""
-        return [lr.memory_reserve for lr in self._coordinator.live.values()]
+        """Memory admission holds for each live Run, a starting one included (bytes; None:
+        re-attached after a restart)."""
+        return [r.memory_reserve for r in (*self._coordinator.live.values(), *self._coordinator.starting.values())]
+
+    def starts_in_flight(self) -> int:
+        """Runs whose shim is starting (the claim is committed, the exec not reported yet)."""
+        return len(self._coordinator.starting)
 
     def stop_all(self, reason: str, grace_s: float) -> None:
         self._coordinator.stop_all(reason, int(grace_s * 1_000_000))
@@ -91,10 +97,7 @@ class Engine:
     def abandon_all(self) -> None:
         """Stop tracking live Runs at shutdown (their shims still write receipts, which the
         next start ingests)."""
-        for lr in list(self._coordinator.live.values()):
-            if lr.pidfd is not None:
-                os.close(lr.pidfd)
-        self._coordinator.live.clear()
+        self._coordinator.abandon()
 
     def prune(self, keep_per_task: int, max_total_bytes: int) -> int:
         """Retention: delete the oldest ended logs beyond the rule; returns how many."""

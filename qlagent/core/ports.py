@@ -359,10 +359,25 @@ class ArtifactPort(Protocol):
 class ProcessPort(Protocol):
     """Shim processes (``adapters.processes``): one shim per Attempt, in its own session."""
 
-    def spawn(self, cmd: LaunchCommand) -> tuple[int, float]:
-        """Start the shim in its own session and wait for its start status; returns
-        (pid, create_time) once the task was exec'd. Raises errors.StartError with the reason
-        when it was not (nothing of the Run is left running; the run directory remains)."""
+    def begin(self, cmd: LaunchCommand) -> None:
+        """Start the shim of ``cmd``'s Attempt in its own session without waiting for it: the
+        start goes on in ``advance``. Raises errors.StartError with the reason when nothing
+        could be started (the run directory remains)."""
+
+    def start_fd(self, attempt_id: str) -> int | None:
+        """The fd that becomes readable when the Attempt's start in flight has news for
+        ``advance`` (the loop's selector watches it; it may change after each ``advance``);
+        None: nothing to watch, call ``advance`` about every second."""
+
+    def advance(self, attempt_id: str, expired: bool = False) -> tuple[int, float] | None:
+        """Take in the start's news without waiting: None while it goes on, (pid, create_time)
+        once the task was exec'd. Raises errors.StartError with the reason when it was not;
+        by then nothing of the Run is left running (the run directory remains). ``expired``
+        (the start's bound passed) ends it: a shim that exists counts as started."""
+
+    def abandon_start(self, attempt_id: str) -> None:
+        """Stop following a start in flight (shutdown): its shim carries on, restart recovery
+        finds its receipt."""
 
     def watch(self, pid: int) -> int | None:
         """A pidfd that becomes readable when ``pid`` exits, or None where pidfds are missing."""

@@ -26,6 +26,10 @@ if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.receipt import Receipt
 
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
+# A shim reports its exec within its start-up time (milliseconds; seconds on a loaded router);
+# past this bound one that exists counts as started (its receipt will tell) and one that was
+# never forked fails (adapters.processes.START_STATUS_TIMEOUT_S).
+START_BOUND_US = 30_000_000
 
 
 class TrackedAttempt:
@@ -46,6 +50,20 @@ class TrackedAttempt:
         self.stopped_at_us: int | None = None     # when kill_reason was set (store clock, µs)
 
 
+class StartingAttempt:
+    """A claimed Attempt whose shim is starting (``LocalExecutionCoordinator.start``): what
+    recording it running needs, never its environment (secrets stay in the spec pipe).
+    ``deadline_us`` (store clock, µs) bounds the start; ``stop`` is (reason, grace µs or None:
+    the task's own) once a cancel or the drain came first."""
+
+    __slots__ = ("candidate", "deadline_us", "timeout_us", "grace_us", "retry", "memory_reserve", "stop")
+
+    def __init__(self, candidate, deadline_us, timeout_us, grace_us, retry, memory_reserve) -> None:
+        self.candidate, self.deadline_us, self.timeout_us = candidate, deadline_us, timeout_us
+        self.grace_us, self.retry, self.memory_reserve = grace_us, retry, memory_reserve
+        self.stop: tuple[str, int | None] | None = None
+
+
 class LocalExecutionCoordinator:
     def __init__(self, store: ExecutionStore, procs: ProcessPort, clock_us: Callable[[], int],
                  log: Callable[..., None] = lambda *a, **k: None) -> None:
@@ -54,6 +72,7 @@ class LocalExecutionCoordinator:
         self._now = clock_us
         self._log = log
         self.live: dict[str, TrackedAttempt] = {}
+        self.starting: dict[str, StartingAttempt] = {}
         # Start failures the store could not record (run ID, attempt ID, Finish, retry policy).
         self.unrecorded: list[tuple] = []
 
@@ -61,43 +80,75 @@ class LocalExecutionCoordinator:
     def start(self, cmd: LaunchCommand) -> tuple[str, str | None]:
         """ADR-0071 §4 step 8. Returns ("activated", None), ("race_lost", None) or
         ("launch_failed", reason code). Spawns at most once per Attempt: the CAS comes first.
-        The Run is recorded running only once the launcher reported the exec; a start failure
-        ends the Attempt ``start_failed`` with its reason (a ``run.start_failed`` RunEvent and a
-        warning), and there is no ``run.running`` event."""
+        "activated": the claim is committed and the shim asked for; the start goes on from the
+        loop (``pidfds``/``on_exit``), which records the Run running only once the shim
+        reported the exec. A start failure, now or then, ends the Attempt ``start_failed``
+        with its reason (a ``run.start_failed`` RunEvent and a warning), and there is no
+        ``run.running`` event."""
         c = cmd.candidate
         if not self._store.claim_starting(c, cmd.artifact_path):
             return "race_lost", None
         try:
-            pid, ctime = self._procs.spawn(cmd)
+            self._procs.begin(cmd)
         except StartError as e:
-            text = bounded(str(e))
-            f = Finish(AttemptState.START_FAILED, failure_reason=e.code, start_error=text)
-            try:
-                self._store.finish(c.run_id, c.attempt_id, f, None, cmd.retry)
-            except UnavailableError:
-                # Nothing runs; the store cannot say so yet: tick() records it once it can.
-                self.unrecorded.append((c.run_id, c.attempt_id, f, cmd.retry))
-                raise
-            if e.code != "run_dir_unsafe":     # never remove a directory we refused to use
-                self._procs.cleanup(c.attempt_id)
-            self._log("warning", "run.start_failed", run=c.run_id, attempt=c.attempt_id, reason=e.code, error=text)
+            self._start_failed(c.run_id, c.attempt_id, e, cmd.retry)
             return "launch_failed", e.code
+        self.starting[c.attempt_id] = StartingAttempt(c, self._now() + START_BOUND_US, cmd.timeout_ms * 1000,
+                                                      cmd.grace_ms * 1000, cmd.retry, cmd.memory_reserve)
+        return "activated", None
+
+    def _start_failed(self, run_id: str, attempt_id: str, e: StartError, retry) -> str:
+        """Record a start that failed; returns the Run state. Raises UnavailableError when the
+        store cannot record it yet (``tick`` records it then)."""
+        text = bounded(str(e))
+        f = Finish(AttemptState.START_FAILED, failure_reason=e.code, start_error=text)
+        try:
+            state = self._store.finish(run_id, attempt_id, f, None, retry)
+        except UnavailableError:
+            # Nothing runs; the store cannot say so yet: tick() records it once it can.
+            self.unrecorded.append((run_id, attempt_id, f, retry))
+            raise
+        if e.code != "run_dir_unsafe":     # never remove a directory we refused to use
+            self._procs.cleanup(attempt_id)
+        self._log("warning", "run.start_failed", run=run_id, attempt=attempt_id, reason=e.code, error=text)
+        return state
+
+    def _advance(self, attempt_id: str, expired: bool = False) -> str | None:
+        """Take in the news of a start in flight; returns the Run state when it failed (its
+        slot is free again), else None."""
+        sa = self.starting[attempt_id]
+        c = sa.candidate
+        try:
+            started = self._procs.advance(attempt_id, expired)
+        except StartError as e:
+            del self.starting[attempt_id]
+            return self._start_failed(c.run_id, attempt_id, e, sa.retry)
+        if started is None:
+            return None
+        del self.starting[attempt_id]
+        pid, ctime = started
         now = self._now()
-        deadline = now + cmd.timeout_ms * 1000
+        deadline = now + sa.timeout_us
         # Tracked before the write: if the store cannot record it running, the shim's end is
         # still collected (on_exit) and recorded once the store takes writes.
-        self.live[c.attempt_id] = TrackedAttempt(c.run_id, c.attempt_id, c.task_id, c.task_revision, pid, ctime,
-                                          self._procs.watch(pid), deadline, cmd.grace_ms * 1000, cmd.retry,
-                                          cmd.memory_reserve)
+        lr = self.live[attempt_id] = TrackedAttempt(c.run_id, attempt_id, c.task_id, c.task_revision, pid, ctime,
+                                                    self._procs.watch(pid), deadline, sa.grace_us, sa.retry,
+                                                    sa.memory_reserve)
         self._store.mark_running(c, pid, ctime, deadline)
-        self._log("info", "run.started", run=c.run_id, attempt=c.attempt_id, pid=pid)
-        return "activated", None
+        self._log("info", "run.started", run=c.run_id, attempt=attempt_id, pid=pid)
+        if sa.stop is not None:            # cancelled or drained while it started
+            self._stop(lr, sa.stop[0], now, sa.stop[1])
+        return None
 
     # ---- completion ----------------------------------------------------------------------
     def on_exit(self, attempt_id: str) -> str | None:
-        """The shim ended: ingest its receipt and truncation fact; returns the Run state.
-        Raises UnavailableError when the store cannot record it; the Attempt then stays live
-        and its receipt is ingested by a later ``tick``."""
+        """A fd of ``pidfds`` is readable. For a start in flight: its news (see ``start``);
+        returns the Run state if the start failed. Otherwise the shim ended: ingest its
+        receipt and truncation fact; returns the Run state. Raises UnavailableError when the
+        store cannot record it; the Attempt then stays live and its receipt is ingested by a
+        later ``tick``."""
+        if attempt_id in self.starting:
+            return self._advance(attempt_id)
         lr = self.live.pop(attempt_id, None)
         if lr is None:
             return None
@@ -168,6 +219,9 @@ class LocalExecutionCoordinator:
             self._log("warning", "run.start_failed", run=run_id, attempt=attempt_id, reason=f.failure_reason,
                       error=f.start_error)
         now = self._now()
+        for aid, sa in list(self.starting.items()):
+            if now >= sa.deadline_us or self._procs.start_fd(aid) is None:
+                self._advance(aid, expired=now >= sa.deadline_us)
         for lr in list(self.live.values()):
             if lr.kill_at_us is not None and now >= lr.kill_at_us:
                 self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGKILL)
@@ -179,7 +233,9 @@ class LocalExecutionCoordinator:
 
     def next_wakeup_us(self) -> int | None:
         """The earliest instant ``tick`` has work (deadline, escalation or a pidfd-less poll)."""
-        times = []
+        times = [sa.deadline_us for sa in self.starting.values()]
+        if any(self._procs.start_fd(aid) is None for aid in self.starting):
+            times.append(self._now() + POLL_WITHOUT_PIDFD_US)
         for lr in self.live.values():
             if lr.kill_at_us is not None:
                 times.append(lr.kill_at_us)
@@ -190,10 +246,16 @@ class LocalExecutionCoordinator:
         return min(times) if times else None
 
     def sweep_cancels(self) -> int:
-        """Start stopping every live Run whose cancellation was requested; returns how many."""
+        """Start stopping every live Run whose cancellation was requested (one still starting
+        once its task runs); returns how many."""
         wanted = self._store.cancel_requested()
         now = self._now()
         n = 0
+        for aid in wanted:
+            sa = self.starting.get(aid)
+            if sa is not None and sa.stop is None:
+                sa.stop = ("cancel", None)
+                n += 1
         for aid in wanted:
             lr = self.live.get(aid)
             if lr is not None and lr.kill_reason is None:
@@ -204,12 +266,32 @@ class LocalExecutionCoordinator:
     def stop_all(self, reason: str, grace_us: int) -> None:
         """Shutdown drain's last step: stop every live Run (SIGTERM now, SIGKILL after grace)."""
         now = self._now()
+        for sa in self.starting.values():
+            if sa.stop is None:
+                sa.stop = (reason, grace_us)
         for lr in list(self.live.values()):
             self._stop(lr, reason, now, grace_us)
 
     def pidfds(self) -> dict[int, str]:
-        """pidfd → attempt ID, for the service loop's selector."""
-        return {lr.pidfd: aid for aid, lr in self.live.items() if lr.pidfd is not None}
+        """fd → attempt ID, for the service loop's selector: each live shim's pidfd and each
+        start's fd (``ProcessPort.start_fd``); ``on_exit`` takes the events of both."""
+        fds = {lr.pidfd: aid for aid, lr in self.live.items() if lr.pidfd is not None}
+        for aid in self.starting:
+            fd = self._procs.start_fd(aid)
+            if fd is not None:
+                fds[fd] = aid
+        return fds
+
+    def abandon(self) -> None:
+        """Stop following every Run (shutdown): the shims carry on and write their receipts,
+        which the next start ingests."""
+        for aid in self.starting:
+            self._procs.abandon_start(aid)
+        self.starting.clear()
+        for lr in self.live.values():
+            if lr.pidfd is not None:
+                os.close(lr.pidfd)
+        self.live.clear()
 
     # ---- restart recovery ----------------------------------------------------------------
     def recover(self) -> dict[str, int]:
@@ -221,7 +303,7 @@ class LocalExecutionCoordinator:
         counts = {"ingested": 0, "reattached": 0, AttemptState.LOST: 0}
         cancels = self._store.cancel_requested()
         for la in self._store.live_attempts():
-            if la.attempt_id in self.live:
+            if la.attempt_id in self.live or la.attempt_id in self.starting:
                 continue
             receipt, trunc = self._procs.collect(la.attempt_id)
             alive = la.shim_pid is not None and self._procs.alive(la.shim_pid, la.shim_start_time or 0.0)
@@ -251,15 +333,15 @@ class LocalExecutionCoordinator:
                 counts[AttemptState.LOST] += 1
         # A task no live Attempt accounts for (the state directory was wiped, or its shim died
         # while no agent watched) would run beside the Run's next Attempt: stopped now.
-        strays = self._procs.stop_strays(_Accounted(set(self.live) | {la.attempt_id for la in
-                                                                      self._store.live_attempts()}, self._store))
+        accounted = set(self.live) | set(self.starting) | {la.attempt_id for la in self._store.live_attempts()}
+        strays = self._procs.stop_strays(_Accounted(accounted, self._store))
         for aid, n in sorted(strays.items()):
             self._log("warning", "run.stray_stopped", attempt=aid, processes=n)
         counts["strays"] = sum(strays.values())
         return counts
 
     def __repr__(self) -> str:
-        return f"LocalExecutionCoordinator(live={len(self.live)})"
+        return f"LocalExecutionCoordinator(live={len(self.live)}, starting={len(self.starting)})"
 
 
 class _Accounted:

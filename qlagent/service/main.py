@@ -270,8 +270,11 @@ class Service:
     def _done(self) -> bool:
         if self.inline_run is not None:
             from ..application.runs import RunService    # `run start --wait` only
-            if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us:
-                return True    # the wait timed out; a live shim carries on and a service ingests it
+            if self.inline_deadline_us is not None and self._now() >= self.inline_deadline_us \
+                    and not self.engine.starts_in_flight():
+                # The wait timed out; a live shim carries on and a service ingests it. Not in
+                # mid-start: a shim whose spec never came would leave its Run to end lost.
+                return True
             if self.engine.live_count():
                 return False   # a Run this process launched (ours or one queued before it) is still live
             return self.draining or \
@@ -296,7 +299,8 @@ class Service:
         times = [t for t in (
             None if self.draining or down else self.scheduler.next_wake_us, self.store_retry_us,
             self.engine.next_wakeup_us(), self.notify.next_ping_us(now), self.drain_deadline_us,
-            self.kill_deadline_us, self.recheck_us, self.exit_at_us, self.inline_deadline_us,
+            self.kill_deadline_us, self.recheck_us, self.exit_at_us,
+            None if self.inline_deadline_us is None or now >= self.inline_deadline_us else self.inline_deadline_us,
             self.http.next_timeout_us(now) if self.http is not None else None,
             (self._last_extend_us + 5_000_000) if self.draining else None,
         ) if t is not None]
@@ -429,9 +433,15 @@ class Service:
         self.recheck_us = None
         for _ in range(MAX_PASSES_PER_WAKE):
             r = self.engine.dispatcher.dispatch_once()
-            if r.status in ("activated", "more", "launch_failed"):
-                # launch_failed: that Run has ended with its reason (run.start_failed, logged by
-                # the coordinator); the Runs behind it must not wait for an unrelated wake-up.
+            if r.status in ("activated", "launch_failed"):
+                # One start per iteration: a pass that activates commits its claim and asks for
+                # a shim (tens of ms on a loaded router); HTTP, the watchdog and the other
+                # events are served between two, and the next pass follows at once. After
+                # launch_failed (that Run has ended with its reason, run.start_failed) too: the
+                # Runs behind it must not wait for an unrelated wake-up.
+                self.poked = True
+                return
+            if r.status == "more":
                 continue
             if r.status == "unavailable" and r.reason not in CAPACITY_REASONS:
                 self.log("warning", "run.unavailable", run=r.run_id, reason=r.reason)
@@ -460,8 +470,14 @@ class Service:
         self._refusal = reason
 
     def _sync_pidfds(self) -> None:
+        """Watch exactly the engine's fds: a start's fd changes as it goes (status pipe, then
+        the shim's pidfd) and may be closed between events, its number then reused."""
+        wanted = self.engine.pidfds()
+        for key in list(self.sel.get_map().values()):
+            if key.data[0] == "pidfd" and wanted.get(key.fd) != key.data[1]:
+                self.sel.unregister(key.fileobj)
         registered = {k.fileobj for k in self.sel.get_map().values() if k.data[0] == "pidfd"}
-        for fd, aid in self.engine.pidfds().items():
+        for fd, aid in wanted.items():
             if fd not in registered:
                 self.sel.register(fd, selectors.EVENT_READ, ("pidfd", aid))
 
