@@ -12,6 +12,14 @@ from ...core import states
 from ..rows import queries as shared
 from ..rows.queries import format_marks, sql_in
 
+# How ``PgStore`` opens its transactions (one round trip each). A write that creates Runs is
+# planned without sequential scans (their predicate lock covers the whole table, so any other
+# Task's Run insert would fail it), and waits at most 5 s for a row lock (its Task's head row)
+# before UnavailableError.
+READ_BEGIN = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
+WRITE_BEGIN = "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE"
+WRITE_CREATING_RUNS_BEGIN = WRITE_BEGIN + "; SET LOCAL enable_seqscan = off; SET LOCAL lock_timeout = 5000"
+
 # The database clock (µs since the epoch): the time of the cluster's store writes.
 DB_NOW = "SELECT ql_now_us() AS now"
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = "SELECT * FROM projects WHERE name = %s OR project_id = %s FOR SHARE"

@@ -13,7 +13,7 @@ otherwise). A server that cannot be reached → UnavailableError ``store_unavail
 Time: the database clock (``ql_now_us()``) unless the caller injects ``clock_us`` (tests).
 The methods the SQLite store has alike live in ``adapters.row_store.RowStore`` over the row
 functions of ``adapters/rows/`` (handed the cursor as a ``rows.dialect.Db`` of ``POSTGRES``);
-this class adds opening, the retried transactions, Task Start's lock and candidate pages.
+this class adds opening, the retried transactions and candidate pages.
 """
 
 from __future__ import annotations
@@ -36,15 +36,12 @@ from . import runs as pg_runs
 from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
 from .dialect import POSTGRES
 from .execution import candidate_page
-from .queries import CLOCK_US, IS_STANDBY
+from .queries import CLOCK_US, IS_STANDBY, READ_BEGIN, WRITE_BEGIN, WRITE_CREATING_RUNS_BEGIN
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
 RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
-QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
 READY_WAIT_S = 2.0                 # a readiness check waits this long for a pooled connection (s)
-# The table whose lock the Run-creating writes queue on (migration 0009; it holds no rows).
-RUN_CREATE_LOCK = "run_create_lock"
 
 
 class PgStore(RowStore):
@@ -90,29 +87,24 @@ class PgStore(RowStore):
             raise
 
     # ---- transactions --------------------------------------------------------------------------
-    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", queue: bool = False):
-        """``fn(cursor)`` in one transaction (see the module docstring). ``queue``: the writes that
-        create Runs (Task Start, schedule fires) first lock the table ``RUN_CREATE_LOCK`` (at most
-        ``QUEUE_WAIT_MS``, then UnavailableError): they touch the same index pages (idempotency
-        key, Runs by Task), which SSI tracks per page, and would otherwise keep failing each
-        other's commit. The lock is the transaction's own (a transaction-mode pooler keeps it on
-        one server backend and it ends with the transaction), and taken before the first query,
-        so the SERIALIZABLE snapshot starts after the wait; its lock_timeout also bounds this
-        transaction's row locks."""
+    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", creates_runs: bool = False):
+        """``fn(cursor)`` in one transaction (see the module docstring). ``creates_runs``: a write
+        that creates Runs (Task Start, schedule fires) is planned without sequential scans and
+        waits at most 5 s for a row lock (``queries.WRITE_CREATING_RUNS_BEGIN``). No lock orders
+        such writes across Tasks; under SERIALIZABLE a sequential scan would put a predicate lock
+        on the whole table, so that every Run insert of another Task would fail this
+        transaction's commit, while an index scan locks only the pages it reads."""
         import psycopg
         from psycopg import errors
         from psycopg.rows import dict_row
         if write:
             fn = self._with_pending_project(fn)
+        begin = (WRITE_CREATING_RUNS_BEGIN if creates_runs else WRITE_BEGIN) if write else READ_BEGIN
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
                 with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn), conn.transaction(), \
                         conn.cursor(row_factory=dict_row) as cur:
-                    cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
-                                "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                    if queue:   # neither statement takes a snapshot: it starts after the wait
-                        cur.execute(f"SET LOCAL lock_timeout = {QUEUE_WAIT_MS}")
-                        cur.execute(f"LOCK TABLE {RUN_CREATE_LOCK} IN SHARE ROW EXCLUSIVE MODE")
+                    cur.execute(begin)
                     result = fn(Db(cur, POSTGRES))
                 return self._committed(result) if write else result
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
@@ -182,7 +174,7 @@ class PgStore(RowStore):
             expected_revision=expected_revision, expected_digest=expected_digest,
             admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
             now_us=self._tx_now(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
-            queue=True)
+            creates_runs=True)
 
     # ---- ScheduleStore hooks (``RowStore.fire_schedule``) ----------------------------------------
     def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
@@ -191,7 +183,7 @@ class PgStore(RowStore):
         pg_runs.record_fire(c, task_id, scheduled_for_us, run_id, now_us)
 
     def _write_creating_runs(self, fn: Callable[..., T]) -> T:
-        return self._run(fn, write=True, queue=True)
+        return self._run(fn, write=True, creates_runs=True)
 
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
