@@ -12,13 +12,12 @@ from ...core import states
 from ..rows import queries as shared
 from ..rows.queries import format_marks, sql_in
 
-# How ``PgStore`` opens its transactions (one round trip each). A write that creates Runs is
-# planned without sequential scans (their predicate lock covers the whole table, so any other
-# Task's Run insert would fail it), and waits at most 5 s for a row lock (its Task's head row)
-# before UnavailableError.
-READ_BEGIN = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
-WRITE_BEGIN = "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE"
-WRITE_CREATING_RUNS_BEGIN = WRITE_BEGIN + "; SET LOCAL enable_seqscan = off; SET LOCAL lock_timeout = 5000"
+# A ``PgStore`` write that creates Runs, in one round trip after its BEGIN: planned without
+# sequential scans (their predicate lock covers the whole table, so any other Task's Run insert
+# would fail it), waiting at most 5 s for a row lock (its Task's head row) before
+# UnavailableError, and leaving the Pulls' NOTIFY to the store after its commit (migration 0015).
+CREATING_RUNS_SETTINGS = ("SET LOCAL enable_seqscan = off; SET LOCAL lock_timeout = 5000; "
+                          "SET LOCAL qlagent.notify_after_commit = on")
 
 # The database clock (µs since the epoch): the time of the cluster's store writes.
 DB_NOW = "SELECT ql_now_us() AS now"

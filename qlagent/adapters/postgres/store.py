@@ -36,7 +36,7 @@ from . import runs as pg_runs
 from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
 from .dialect import POSTGRES
 from .execution import candidate_page
-from .queries import CLOCK_US, IS_STANDBY, READ_BEGIN, WRITE_BEGIN, WRITE_CREATING_RUNS_BEGIN
+from .queries import CLOCK_US, CREATING_RUNS_SETTINGS, IS_STANDBY, NOTIFY
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
@@ -89,8 +89,9 @@ class PgStore(RowStore):
     # ---- transactions --------------------------------------------------------------------------
     def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", creates_runs: bool = False):
         """``fn(cursor)`` in one transaction (see the module docstring). ``creates_runs``: a write
-        that creates Runs (Task Start, schedule fires) is planned without sequential scans and
-        waits at most 5 s for a row lock (``queries.WRITE_CREATING_RUNS_BEGIN``). No lock orders
+        that creates Runs (Task Start, schedule fires) is planned without sequential scans,
+        waits at most 5 s for a row lock and NOTIFYs no Pull from inside
+        (``queries.CREATING_RUNS_SETTINGS``; its caller calls ``_wake_pulls`` after the commit). No lock orders
         such writes across Tasks; under SERIALIZABLE a sequential scan would put a predicate lock
         on the whole table, so that every Run insert of another Task would fail this
         transaction's commit, while an index scan locks only the pages it reads."""
@@ -99,13 +100,19 @@ class PgStore(RowStore):
         from psycopg.rows import dict_row
         if write:
             fn = self._with_pending_project(fn)
-        begin = (WRITE_CREATING_RUNS_BEGIN if creates_runs else WRITE_BEGIN) if write else READ_BEGIN
+        isolation = psycopg.IsolationLevel.SERIALIZABLE if write else psycopg.IsolationLevel.REPEATABLE_READ
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
-                with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn), conn.transaction(), \
-                        conn.cursor(row_factory=dict_row) as cur:
-                    cur.execute(begin)
-                    result = fn(Db(cur, POSTGRES))
+                with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn):
+                    # BEGIN itself names the isolation level: no SET TRANSACTION round trip
+                    conn.isolation_level, conn.read_only = isolation, not write
+                    try:
+                        with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                            if creates_runs:
+                                cur.execute(CREATING_RUNS_SETTINGS)
+                            result = fn(Db(cur, POSTGRES))
+                    finally:    # the pool's other users (dispatch, transitions) begin at its default
+                        conn.isolation_level = conn.read_only = None
                 return self._committed(result) if write else result
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
@@ -118,6 +125,24 @@ class PgStore(RowStore):
                                        code="store_unavailable") from None
         raise UnavailableError(f"cluster database: the transaction kept conflicting after {WRITE_RETRIES} tries; "
                                "retry later", code=busy_code)
+
+    def _wake_pulls(self) -> None:
+        """NOTIFY the long-polling Pulls of every replica (``notify.CHANNEL``) after a commit
+        that created a Run, on its own autocommit statement: the notify lock it takes is held
+        for that statement only, not through a Task Start's commit. A database gone meanwhile
+        is no error: the Run is committed, and a Pull finds it at its next poll."""
+        import psycopg
+
+        from .notify import CHANNEL
+        try:
+            with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn):
+                conn.autocommit = True
+                try:
+                    conn.execute(NOTIFY, (CHANNEL,))
+                finally:
+                    conn.autocommit = False     # the pool's next user expects a transaction per unit
+        except psycopg.OperationalError:
+            pass
 
     def read(self, fn: Callable[..., T]) -> T:
         """``fn(cursor)`` in one read-only snapshot."""
@@ -168,13 +193,16 @@ class PgStore(RowStore):
                    admitted_binding_version: int | None = None) -> CreatedRun:
         """ADR-0376 §2 in one SERIALIZABLE transaction (``runs.task_start``); a serialization
         failure re-runs it (at most ``WRITE_RETRIES`` times), then UnavailableError
-        ``task_start_unavailable`` (HTTP 503)."""
-        return self._run(lambda c: runs_repo.task_start(
+        ``task_start_unavailable`` (HTTP 503). A new Run wakes the Pulls after the commit."""
+        created = self._run(lambda c: runs_repo.task_start(
             c, project=project, task=task, subject=subject, mutation_id=mutation_id,
             expected_revision=expected_revision, expected_digest=expected_digest,
             admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
             now_us=self._tx_now(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
             creates_runs=True)
+        if not created.existing:
+            self._wake_pulls()
+        return created
 
     # ---- ScheduleStore hooks (``RowStore.fire_schedule``) ----------------------------------------
     def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
@@ -183,7 +211,11 @@ class PgStore(RowStore):
         pg_runs.record_fire(c, task_id, scheduled_for_us, run_id, now_us)
 
     def _write_creating_runs(self, fn: Callable[..., T]) -> T:
-        return self._run(fn, write=True, creates_runs=True)
+        """A fire's unit; its outcome "created" wakes the Pulls after the commit."""
+        outcome = self._run(fn, write=True, creates_runs=True)
+        if outcome == "created":
+            self._wake_pulls()
+        return outcome
 
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:

@@ -64,6 +64,8 @@ HEAD_LIVE = TASK_HEADS + "WHERE t.project_id = ? AND (t.name = ? OR t.task_id = 
 # ---- runs: creation, cancels of queued Runs, reads, schedule cursors ---------------------------
 EVENT_INSERT = ("INSERT INTO run_events(run_id, sequence, event_id, type, actor, payload_json, created_at_us) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)")
+# A new Run's first two events in one statement: EVENT_INSERT's values twice.
+EVENTS_FIRST_TWO_INSERT = EVENT_INSERT + ", (?, ?, ?, ?, ?, ?, ?)"
 # A Run whose (project, idempotency key) exists is not inserted (rowcount 0): the key is claimed
 # by the write itself, not by a read before it (a read's predicate lock on the key index would
 # make every concurrent creation a SERIALIZABLE conflict).

@@ -76,9 +76,11 @@ def create_run(db: Db, *, head: TaskHead, origin: str, trigger_type: str, idempo
     if scheduled_for_us is not None:
         created["scheduledForUs"] = scheduled_for_us
     created.update(fences or {})
-    e1 = append_event(db, run_id, 1, "run.created", requested_by, created, now_us)
-    e2 = append_event(db, run_id, 2, "run.queued", requested_by,
-                      {"attemptId": attempt_id, "executorType": executor_type}, now_us)
+    e1, e2 = new_id(), new_id()
+    encode = db.dialect.encode_json
+    db.run("EVENTS_FIRST_TWO_INSERT", (run_id, 1, e1, "run.created", requested_by, encode(created), now_us,
+                                       run_id, 2, e2, "run.queued", requested_by,
+                                       encode({"attemptId": attempt_id, "executorType": executor_type}), now_us))
     return CreatedRun(run_id=run_id, attempt_id=attempt_id, event_ids=(e1, e2), task_revision=head.revision,
                       task_snapshot_ref=ref, state=RunState.QUEUED, created_at_us=now_us)
 
