@@ -112,7 +112,7 @@ class PgStore(RowStore):
                                 cur.execute(CREATING_RUNS_SETTINGS)
                             result = fn(Db(cur, POSTGRES))
                     finally:    # the pool's other users (dispatch, transitions) begin at its default
-                        conn.isolation_level = conn.read_only = None
+                        _restore(conn, isolation_level=None, read_only=None)
                 return self._committed(result) if write else result
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
@@ -139,8 +139,8 @@ class PgStore(RowStore):
                 conn.autocommit = True
                 try:
                     conn.execute(NOTIFY, (CHANNEL,))
-                finally:
-                    conn.autocommit = False     # the pool's next user expects a transaction per unit
+                finally:    # the pool's next user expects a transaction per unit
+                    _restore(conn, autocommit=False)
         except psycopg.OperationalError:
             pass
 
@@ -221,6 +221,18 @@ class PgStore(RowStore):
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
         return self.read(lambda c: candidate_page(c, limit, after, self._tx_now(c), self.executor_type))
 
+
+
+def _restore(conn, **settings) -> None:
+    """Set the pooled ``conn``'s session ``settings`` (attributes of psycopg's Connection) back
+    after a unit; a connection cut mid-unit (its setters would raise over the unit's own error)
+    is closed instead, so the pool never hands it out with the unit's settings."""
+    from psycopg.pq import TransactionStatus
+    if conn.pgconn.transaction_status != TransactionStatus.IDLE:
+        conn.close()
+        return
+    for name, value in settings.items():
+        setattr(conn, name, value)
 
 
 def diagnose(url: str) -> list[tuple[str, bool, str]]:
