@@ -15,10 +15,15 @@ Then pull-to-offer latency with the LISTEN/NOTIFY wake-up (a Pull waiting with `
 a Run committed, time until the offer arrives) against the latency of a Pull that finds the Run
 already queued, and the replica's RSS and threads. First (``--start-clients``, 0 skips it): Task
 Start on PostgreSQL through ``qlagent serve`` with ``[cluster]`` against bare inserts of the
-same rows (``task_start``).
+same rows (``task_start``), with the share of its transactions' time spent waiting on locks
+(``WaitSampler``), once per ``--code`` tree (main's and a branch's in the same run); then, with
+``--procrastinate-python``, procrastinate's defer and fetch+finish on the same server
+(``bench_procrastinate.py``, in its own venv).
 
 Usage: python3 bench/bench_cluster.py [--seconds 3] [--pullers 1,4,16] [--threads 4] [--replicas 1]
-       [--start-clients 4]
+       [--start-clients 4] [--start-tasks 4] [--code /path/to/qlagent ...]
+       [--procrastinate-python .bench-venv/bin/python]
+The bench venv: python3 -m venv .bench-venv && .bench-venv/bin/pip install procrastinate==3.10.0
 Needs PostgreSQL at $QLAGENT_TEST_PG (default postgresql://postgres@127.0.0.1:5432/postgres).
 """
 
@@ -36,7 +41,7 @@ import time
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "cluster")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "cluster"), os.path.join(ROOT, "tests")]
 
 import msgspec  # noqa: E402
 import psutil  # noqa: E402
@@ -208,15 +213,62 @@ def wake_latency(kit, port: int, rounds: int) -> tuple[list[float], list[float]]
     return woken, direct
 
 
-START_TASK = '[[task]]\nname = "bench"\nshell = "/bin/sh"\nscript = "true"\n'
-START_PATH = "/api/v3/projects/default/tasks/bench/runs"
+START_TASK = '[[task]]\nname = "bench-{i}"\nshell = "/bin/sh"\nscript = "true"\n\n'
+START_PATH = "/api/v3/projects/default/tasks/bench-{i}/runs"
+# One sample of the database's transactions under way (the sampler's own excluded): their state
+# and wait event, and the lock types of the ungranted pg_locks entries.
+WAIT_SAMPLE = ("SELECT a.state, a.wait_event_type, a.wait_event, (SELECT string_agg(DISTINCT l.locktype, ',') "
+               "FROM pg_locks l WHERE l.pid = a.pid AND NOT l.granted) AS waiting_for FROM pg_stat_activity a "
+               "WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() "
+               "AND a.backend_type = 'client backend' AND a.state IN ('active', 'idle in transaction')")
 
 
-def task_start(seconds: float, clients: int) -> None:
+class WaitSampler:
+    """Every ``interval_s`` a sample of ``WAIT_SAMPLE`` on its own connection: of the samples
+    of a backend inside a transaction (running a statement, or idle in it while the replica
+    works), the share spent waiting on a heavyweight lock (``wait_event_type = 'Lock'``) is the
+    share of Task Start time waiting on locks; the wait events are counted by name."""
+
+    def __init__(self, url: str, interval_s: float = 0.005) -> None:
+        import psycopg
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.interval_s, self.busy, self.lock = interval_s, 0, 0
+        self.events: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for state, kind, event, waiting_for in self.conn.execute(WAIT_SAMPLE).fetchall():
+                self.busy += 1
+                if kind is not None:
+                    name = f"{kind}:{event}" + (f" ({waiting_for})" if waiting_for else "")
+                    self.events[name] = self.events.get(name, 0) + 1
+                self.lock += kind == "Lock"
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "WaitSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.conn.close()
+
+    def report(self) -> str:
+        top = sorted(self.events.items(), key=lambda kv: -kv[1])[:4]
+        return (f"lock-wait share {self.lock / max(self.busy, 1):.1%} of {self.busy} in-transaction samples"
+                f" (top waits: {', '.join(f'{k} {v / max(self.busy, 1):.0%}' for k, v in top) or 'none'})")
+
+
+def task_start(seconds: float, clients: int, tasks: int, code: str) -> float:
     """Task Start on PostgreSQL: ``qlagent serve`` with ``[cluster]`` (a real control-plane
-    replica on a fresh database), ``clients`` threads each POSTing Task Start with a new
-    mutationId (each a full ADR-0376 transaction: a queued Run, its Attempt, two RunEvents)
-    against the same rows inserted bare (one transaction each, no check) on as many connections."""
+    replica of the qlagent tree ``code`` on a fresh database), ``clients`` threads each POSTing
+    Task Start with a new mutationId to Task ``bench-{client % tasks}`` (each a full ADR-0376
+    transaction: a queued Run, its Attempt, two RunEvents) against the same rows inserted bare
+    (one transaction each, no check) on as many connections. Meanwhile ``WaitSampler`` samples
+    what the replica's transactions wait on. Returns the Task Starts answered 202 per second."""
     import http.client
     import shutil
     import socket
@@ -227,15 +279,16 @@ def task_start(seconds: float, clients: int) -> None:
     state, config = os.path.join(root, "state"), os.path.join(root, "qlagent.toml")
     env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
     proc = None
+    rate = 0.0
 
     def cli(*args: str) -> str:
         return subprocess.run([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "--config", config,
-                               *args], check=True, capture_output=True, env=env, cwd=ROOT).stdout.decode().strip()
+                               *args], check=True, capture_output=True, env=env, cwd=code).stdout.decode().strip()
     try:
         with open(config, "w") as f:
             f.write(f'[cluster]\ndatabase = "{url}"\npool_size = 6\n')
         with open(os.path.join(root, "tasks.toml"), "w") as f:
-            f.write(START_TASK)
+            f.write("".join(START_TASK.format(i=i) for i in range(tasks)))
         cli("init")
         cli("task", "add", "-f", os.path.join(root, "tasks.toml"))
         token = cli("token", "create", "--subject", "bench", "--role", "operator")
@@ -244,12 +297,12 @@ def task_start(seconds: float, clients: int) -> None:
             port = sock.getsockname()[1]
         proc = subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "--config", config,
                                  "serve", "--listen", f"127.0.0.1:{port}"], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=code)
         head = None
         for _ in range(300):
             try:
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/api/v3/projects/default/tasks/bench", headers={"Authorization": f"Bearer {token}"})
+                c.request("GET", "/api/v3/projects/default/tasks/bench-0", headers={"Authorization": f"Bearer {token}"})
                 r = c.getresponse()
                 head = json.loads(r.read()) if r.status == 200 else None
                 c.close()
@@ -262,7 +315,9 @@ def task_start(seconds: float, clients: int) -> None:
         kit = pgkit.Kit(pool)
         (project_id, task_id, digest), = kit.sql(
             "SELECT t.project_id, t.task_id, tr.content_digest FROM tasks t JOIN task_revisions tr"
-            " ON tr.task_id = t.task_id AND tr.revision = t.head_revision WHERE t.name = 'bench'")
+            " ON tr.task_id = t.task_id AND tr.revision = t.head_revision WHERE t.name = 'bench-0'")
+        digests = dict(kit.sql("SELECT t.name, tr.content_digest FROM tasks t JOIN task_revisions tr"
+                               " ON tr.task_id = t.task_id AND tr.revision = t.head_revision"))
         counts, cpu = [0] * clients, [0.0] * clients
         stop = time.monotonic() + seconds
 
@@ -305,8 +360,9 @@ def task_start(seconds: float, clients: int) -> None:
             while time.monotonic() < stop:
                 body = json.dumps({"schema": "qinglong/task-start@v1", "mutationId": str(uuid.uuid4()),
                                    "expectedRevision": head["revision"],
-                                   "expectedContentDigest": head["contentDigest"]}).encode()
-                status, _ = https[i].post(START_PATH, f"Authorization: Bearer {token}\r\n", body)
+                                   "expectedContentDigest": digests[f"bench-{i % tasks}"]}).encode()
+                status, _ = https[i].post(START_PATH.format(i=i % tasks), f"Authorization: Bearer {token}\r\n",
+                                          body)
                 answers[status] = answers.get(status, 0) + 1
         probes: list[float] = []
 
@@ -322,17 +378,18 @@ def task_start(seconds: float, clients: int) -> None:
             c.close()
         prober = threading.Thread(target=probe)
         prober.start()
-        _threads(start, clients)
+        with WaitSampler(url) as waits:
+            _threads(start, clients)
         prober.join()
         done = answers.get(202, 0)
         cpu = sum(replica.cpu_times()[:2]) - cpu0
         pg = sum(v - pg0.get(pid, 0.0) for pid, v in backend_cpu(kit, name).items())
         rate = done / seconds
-        print(f"Task Start on PostgreSQL, {clients} clients: {rate:,.0f} req/s (202) vs bare inserts of the same rows "
+        print(f"Task Start on PostgreSQL ({code}), {clients} clients, {tasks} Task(s): {rate:,.0f} req/s (202) vs bare inserts of the same rows "
               f"{base:,.0f}/s ({rate / base:.2f}); replica CPU {cpu * 1e6 / max(done, 1):,.0f} µs/start, PostgreSQL "
               f"CPU {pg * 1e6 / max(done, 1):,.0f} / {base_pg:,.0f} µs; answers {answers}; "
               f"replica RSS {replica.memory_info().rss / 2**20:.1f} MiB; /healthz meanwhile p50 "
-              f"{pct(probes, .5):,.0f} µs, p99 {pct(probes, .99):,.0f} µs ({len(probes)} probes)")
+              f"{pct(probes, .5):,.0f} µs, p99 {pct(probes, .99):,.0f} µs ({len(probes)} probes); {waits.report()}")
         for h in https:
             h.close()
         pool.close()
@@ -341,6 +398,24 @@ def task_start(seconds: float, clients: int) -> None:
             proc.terminate()
             proc.wait(30)
         shutil.rmtree(root, ignore_errors=True)
+        drop_database(name)
+    return rate
+
+
+def procrastinate(python: str, seconds: float, clients: int, workers: int, start_rates: dict[str, float]) -> None:
+    """``bench_procrastinate.py`` in ``python`` (a venv with procrastinate) on a fresh database
+    of the same server: its defer rate next to the Task Start rates (the last run of each
+    ``--code`` tree), its fetch+finish rate."""
+    name = create_database(f"bench_procrastinate_{os.getpid()}")
+    try:
+        out = subprocess.run([python, os.path.join(ROOT, "bench", "bench_procrastinate.py"), db_url(name),
+                              "--seconds", str(seconds), "--clients", str(clients), "--workers", str(workers)],
+                             check=True, capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        print(f"procrastinate {r['version']}, same server: defer {r['defer_per_s']:,.0f} jobs/s ({clients} threads; "
+              + ", ".join(f"Task Start of {code} {rate / r['defer_per_s']:.2f}x" for code, rate in start_rates.items())
+              + f"); fetch+finish {r['done_per_s']:,.0f} jobs/s ({workers} worker processes, {r['done']} jobs)")
+    finally:
         drop_database(name)
 
 
@@ -366,12 +441,22 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1, help="control-plane replicas; pullers spread over them")
     ap.add_argument("--serve")
     ap.add_argument("--start-clients", type=int, default=4, help="Task Start clients (0: skip that phase)")
+    ap.add_argument("--start-tasks", type=int, default=4, help="Tasks the Task Start clients start, round robin")
+    ap.add_argument("--code", action="append", help="qlagent tree whose replica serves Task Start (repeatable: "
+                    "each in turn, e.g. main's and a branch's; default this one)")
+    ap.add_argument("--procrastinate-python", help="python of a venv with procrastinate: its defer and "
+                    "fetch+finish on the same server (needs --start-clients)")
+    ap.add_argument("--procrastinate-workers", type=int, default=4)
     args = ap.parse_args()
     if args.serve:
         serve(args.serve, args.threads)
         return
     if args.start_clients:
-        task_start(args.seconds, args.start_clients)
+        rates = {code: task_start(args.seconds, args.start_clients, args.start_tasks, code)
+                 for code in (args.code or [ROOT])}
+        if args.procrastinate_python:
+            procrastinate(args.procrastinate_python, args.seconds, args.start_clients, args.procrastinate_workers,
+                          rates)
     name = create_database(f"bench_cluster_{os.getpid()}")
     url = db_url(name)
     children = []

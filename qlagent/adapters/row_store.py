@@ -271,21 +271,25 @@ class RowStore:
                 runs.put_schedule_cursor(c, task_id, new)
             if idempotency_key is None:
                 return "cursor"
-            if runs.run_id_for_key(c, project_id, idempotency_key) is not None:
-                return "exists"
+            # The key is read only on the way to "gone"/"skipped" (it comes first); a Run's insert
+            # decides it otherwise, so a fire reads no shared index page before it writes.
             try:     # the head as it is now: a Task edited or disabled since the caller read it wins
                 head = defs.get_head(c, project_id, task_id)
             except NotFoundError:
-                return "gone"
-            if not head.enabled:
-                return "gone"
+                head = None
+            if head is None or not head.enabled:
+                return "exists" if runs.run_id_for_key(c, project_id, idempotency_key) is not None else "gone"
             if head.definition.concurrency == "single" and runs.live_run_count(c, task_id):
+                if runs.run_id_for_key(c, project_id, idempotency_key) is not None:
+                    return "exists"
                 defs.count_skipped_fire(c, task_id)
                 return "skipped"
             created = runs.create_run(c, head=head, origin="schedule", trigger_type=trigger,
-                                            idempotency_key=idempotency_key, requested_by=actor, now_us=now,
-                                            executor_type=self.executor_type, scheduled_for_us=scheduled_for_us,
-                                            fences={"missed": missed} if missed else None)
+                                      idempotency_key=idempotency_key, requested_by=actor, now_us=now,
+                                      executor_type=self.executor_type, scheduled_for_us=scheduled_for_us,
+                                      fences={"missed": missed} if missed else None)
+            if created is None:
+                return "exists"
             if trigger == "cron":
                 self._record_fire(c, task_id, scheduled_for_us, created.run_id, now)
             return "created"
@@ -296,7 +300,7 @@ class RowStore:
         Run's idempotency key; replicas on PostgreSQL record it (``PgStore``)."""
 
     def _write_creating_runs(self, fn: Callable[..., T]) -> T:
-        """Hook: ``write(fn)`` for a unit that creates Runs (``PgStore`` serialises those)."""
+        """Hook: ``write(fn)`` for a unit that creates Runs (``PgStore`` keeps those on index scans)."""
         return self.write(fn)
 
     def schedule_cursors(self) -> dict[str, ScheduleCursor]:

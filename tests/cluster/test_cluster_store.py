@@ -153,6 +153,29 @@ def test_serialization_failures_are_retried_a_bounded_number_of_times_then_unava
     assert _runs(pool, s.project.project_id) == []
 
 
+def test_a_connection_cut_inside_a_unit_is_unavailable_and_the_store_goes_on(open_store, pool):
+    # The watchdog or the network cuts a unit's connection mid-transaction: the caller gets
+    # UnavailableError (a route's 503), not a driver error about the dead connection, and the
+    # store's next units run on sound connections.
+    import socket
+    s = open_store()
+    (head,) = s.add_tasks(s.project.project_id, [prepared("t")])
+
+    def cut_then(name):
+        def unit(db):
+            sock = socket.socket(fileno=db.raw.connection.fileno())
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.detach()                       # the driver still owns the descriptor
+            return db.one(name)
+        return unit
+    for unit in (s.write, s.read):
+        with pytest.raises(UnavailableError) as e:
+            unit(cut_then("DB_NOW"))
+        assert e.value.code == "store_unavailable"
+    assert _start(s, head).existing is False
+    assert len(_runs(pool, s.project.project_id)) == 1
+
+
 def test_missing_or_corrupt_execution_revision_fails_closed(open_store, pool):
     s = open_store()
     pid = s.project.project_id

@@ -12,6 +12,13 @@ from ...core import states
 from ..rows import queries as shared
 from ..rows.queries import format_marks, sql_in
 
+# A ``PgStore`` write that creates Runs, in one round trip after its BEGIN: planned without
+# sequential scans (their predicate lock covers the whole table, so any other Task's Run insert
+# would fail it), waiting at most 5 s for a row lock (its Task's head row) before
+# UnavailableError, and leaving the Pulls' NOTIFY to the store after its commit (migration 0015).
+CREATING_RUNS_SETTINGS = ("SET LOCAL enable_seqscan = off; SET LOCAL lock_timeout = 5000; "
+                          "SET LOCAL qlagent.notify_after_commit = on")
+
 # The database clock (µs since the epoch): the time of the cluster's store writes.
 DB_NOW = "SELECT ql_now_us() AS now"
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = "SELECT * FROM projects WHERE name = %s OR project_id = %s FOR SHARE"

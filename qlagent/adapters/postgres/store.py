@@ -13,7 +13,7 @@ otherwise). A server that cannot be reached → UnavailableError ``store_unavail
 Time: the database clock (``ql_now_us()``) unless the caller injects ``clock_us`` (tests).
 The methods the SQLite store has alike live in ``adapters.row_store.RowStore`` over the row
 functions of ``adapters/rows/`` (handed the cursor as a ``rows.dialect.Db`` of ``POSTGRES``);
-this class adds opening, the retried transactions, Task Start's lock and candidate pages.
+this class adds opening, the retried transactions and candidate pages.
 """
 
 from __future__ import annotations
@@ -36,15 +36,12 @@ from . import runs as pg_runs
 from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
 from .dialect import POSTGRES
 from .execution import candidate_page
-from .queries import CLOCK_US, IS_STANDBY
+from .queries import CLOCK_US, CREATING_RUNS_SETTINGS, IS_STANDBY, NOTIFY
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
 RETRY_PAUSE_S = 0.002              # pause before re-run n: n × 1..10 × this (s), jittered so racers part
-QUEUE_WAIT_MS = 5_000              # longest wait for RUN_CREATE_LOCK before UnavailableError (ms)
 READY_WAIT_S = 2.0                 # a readiness check waits this long for a pooled connection (s)
-# The table whose lock the Run-creating writes queue on (migration 0009; it holds no rows).
-RUN_CREATE_LOCK = "run_create_lock"
 
 
 class PgStore(RowStore):
@@ -90,30 +87,32 @@ class PgStore(RowStore):
             raise
 
     # ---- transactions --------------------------------------------------------------------------
-    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", queue: bool = False):
-        """``fn(cursor)`` in one transaction (see the module docstring). ``queue``: the writes that
-        create Runs (Task Start, schedule fires) first lock the table ``RUN_CREATE_LOCK`` (at most
-        ``QUEUE_WAIT_MS``, then UnavailableError): they touch the same index pages (idempotency
-        key, Runs by Task), which SSI tracks per page, and would otherwise keep failing each
-        other's commit. The lock is the transaction's own (a transaction-mode pooler keeps it on
-        one server backend and it ends with the transaction), and taken before the first query,
-        so the SERIALIZABLE snapshot starts after the wait; its lock_timeout also bounds this
-        transaction's row locks."""
+    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", creates_runs: bool = False):
+        """``fn(cursor)`` in one transaction (see the module docstring). ``creates_runs``: a write
+        that creates Runs (Task Start, schedule fires) is planned without sequential scans,
+        waits at most 5 s for a row lock and NOTIFYs no Pull from inside
+        (``queries.CREATING_RUNS_SETTINGS``; its caller calls ``_wake_pulls`` after the commit). No lock orders
+        such writes across Tasks; under SERIALIZABLE a sequential scan would put a predicate lock
+        on the whole table, so that every Run insert of another Task would fail this
+        transaction's commit, while an index scan locks only the pages it reads."""
         import psycopg
         from psycopg import errors
         from psycopg.rows import dict_row
         if write:
             fn = self._with_pending_project(fn)
+        isolation = psycopg.IsolationLevel.SERIALIZABLE if write else psycopg.IsolationLevel.REPEATABLE_READ
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
-                with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn), conn.transaction(), \
-                        conn.cursor(row_factory=dict_row) as cur:
-                    cur.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE" if write else
-                                "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-                    if queue:   # neither statement takes a snapshot: it starts after the wait
-                        cur.execute(f"SET LOCAL lock_timeout = {QUEUE_WAIT_MS}")
-                        cur.execute(f"LOCK TABLE {RUN_CREATE_LOCK} IN SHARE ROW EXCLUSIVE MODE")
-                    result = fn(Db(cur, POSTGRES))
+                with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn):
+                    # BEGIN itself names the isolation level: no SET TRANSACTION round trip
+                    conn.isolation_level, conn.read_only = isolation, not write
+                    try:
+                        with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                            if creates_runs:
+                                cur.execute(CREATING_RUNS_SETTINGS)
+                            result = fn(Db(cur, POSTGRES))
+                    finally:    # the pool's other users (dispatch, transitions) begin at its default
+                        _restore(conn, isolation_level=None, read_only=None)
                 return self._committed(result) if write else result
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
@@ -126,6 +125,24 @@ class PgStore(RowStore):
                                        code="store_unavailable") from None
         raise UnavailableError(f"cluster database: the transaction kept conflicting after {WRITE_RETRIES} tries; "
                                "retry later", code=busy_code)
+
+    def _wake_pulls(self) -> None:
+        """NOTIFY the long-polling Pulls of every replica (``notify.CHANNEL``) after a commit
+        that created a Run, on its own autocommit statement: the notify lock it takes is held
+        for that statement only, not through a Task Start's commit. A database gone meanwhile
+        is no error: the Run is committed, and a Pull finds it at its next poll."""
+        import psycopg
+
+        from .notify import CHANNEL
+        try:
+            with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn):
+                conn.autocommit = True
+                try:
+                    conn.execute(NOTIFY, (CHANNEL,))
+                finally:    # the pool's next user expects a transaction per unit
+                    _restore(conn, autocommit=False)
+        except psycopg.OperationalError:
+            pass
 
     def read(self, fn: Callable[..., T]) -> T:
         """``fn(cursor)`` in one read-only snapshot."""
@@ -176,13 +193,16 @@ class PgStore(RowStore):
                    admitted_binding_version: int | None = None) -> CreatedRun:
         """ADR-0376 §2 in one SERIALIZABLE transaction (``runs.task_start``); a serialization
         failure re-runs it (at most ``WRITE_RETRIES`` times), then UnavailableError
-        ``task_start_unavailable`` (HTTP 503)."""
-        return self._run(lambda c: runs_repo.task_start(
+        ``task_start_unavailable`` (HTTP 503). A new Run wakes the Pulls after the commit."""
+        created = self._run(lambda c: runs_repo.task_start(
             c, project=project, task=task, subject=subject, mutation_id=mutation_id,
             expected_revision=expected_revision, expected_digest=expected_digest,
             admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
             now_us=self._tx_now(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
-            queue=True)
+            creates_runs=True)
+        if not created.existing:
+            self._wake_pulls()
+        return created
 
     # ---- ScheduleStore hooks (``RowStore.fire_schedule``) ----------------------------------------
     def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
@@ -191,12 +211,28 @@ class PgStore(RowStore):
         pg_runs.record_fire(c, task_id, scheduled_for_us, run_id, now_us)
 
     def _write_creating_runs(self, fn: Callable[..., T]) -> T:
-        return self._run(fn, write=True, queue=True)
+        """A fire's unit; its outcome "created" wakes the Pulls after the commit."""
+        outcome = self._run(fn, write=True, creates_runs=True)
+        if outcome == "created":
+            self._wake_pulls()
+        return outcome
 
     # ---- DispatchStore -------------------------------------------------------------------------
     def candidate_page(self, limit: int, after: tuple | None) -> list[Candidate]:
         return self.read(lambda c: candidate_page(c, limit, after, self._tx_now(c), self.executor_type))
 
+
+
+def _restore(conn, **settings) -> None:
+    """Set the pooled ``conn``'s session ``settings`` (attributes of psycopg's Connection) back
+    after a unit; a connection cut mid-unit (its setters would raise over the unit's own error)
+    is closed instead, so the pool never hands it out with the unit's settings."""
+    from psycopg.pq import TransactionStatus
+    if conn.pgconn.transaction_status != TransactionStatus.IDLE:
+        conn.close()
+        return
+    for name, value in settings.items():
+        setattr(conn, name, value)
 
 
 def diagnose(url: str) -> list[tuple[str, bool, str]]:

@@ -64,11 +64,17 @@ HEAD_LIVE = TASK_HEADS + "WHERE t.project_id = ? AND (t.name = ? OR t.task_id = 
 # ---- runs: creation, cancels of queued Runs, reads, schedule cursors ---------------------------
 EVENT_INSERT = ("INSERT INTO run_events(run_id, sequence, event_id, type, actor, payload_json, created_at_us) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)")
+# A new Run's first two events in one statement: EVENT_INSERT's values twice.
+EVENTS_FIRST_TWO_INSERT = EVENT_INSERT + ", (?, ?, ?, ?, ?, ?, ?)"
+# A Run whose (project, idempotency key) exists is not inserted (rowcount 0): the key is claimed
+# by the write itself, not by a read before it (a read's predicate lock on the key index would
+# make every concurrent creation a SERIALIZABLE conflict).
 RUN_INSERT = (
     "INSERT INTO runs(run_id, project_id, task_id, task_revision, task_snapshot_ref, state, priority, "
     "execution_origin, execution_owner, trigger_type, idempotency_key, requested_by, scheduled_for_us, "
     "version, event_sequence, latest_attempt_id, latest_attempt_created_at_us, created_at_us, updated_at_us, "
-    "single_instance) VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, 'runtime', ?, ?, ?, ?, 2, 2, ?, ?, ?, ?, ?)")
+    "single_instance, held) VALUES (?, ?, ?, ?, ?, 'queued', ?, ?, 'runtime', ?, ?, ?, ?, 2, 2, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (project_id, idempotency_key) DO NOTHING")
 ATTEMPT_FIRST_INSERT = ("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, created_at_us) "
                         "VALUES (?, ?, 1, 'claimed', ?, ?)")
 EXECUTION_REVISION = ("SELECT kind, execution_digest, spec_json FROM execution_revisions "

@@ -46,33 +46,41 @@ def set_holds(db: Db, task_id: str) -> None:
 
 def create_run(db: Db, *, head: TaskHead, origin: str, trigger_type: str, idempotency_key: str, requested_by: str,
                now_us: int, executor_type: str = "local_process", scheduled_for_us: int | None = None,
-               fences: dict | None = None) -> CreatedRun:
+               fences: dict | None = None, execution_digest: str | None = None) -> CreatedRun | None:
     """Insert a queued Run, its claimed Attempt (``executor_type``: the local agent runs
     ``local_process``; a remote Worker runs the Task's ``local_process`` spec) and
-    ``run.created`` + ``run.queued``.
+    ``run.created`` + ``run.queued``; None, with nothing written, when the Project already has a
+    Run under ``idempotency_key`` (the unique key decides, so racing creators need no read first).
 
     Run fields follow ADR-0376 §2: execution_owner=runtime, priority from the definition
     (0 for task_start), version=2, event_sequence=2, task_snapshot_ref ``qltd:v1:{rev}:{digest}``.
-    Event payloads carry digests and fences only. An idempotency key that exists is the
-    driver's unique violation (callers look it up first inside the same transaction).
+    Event payloads carry digests and fences only (``execution_digest``: the revision's, when the
+    caller has read it already). A single-instance Run is created held while its Task is
+    occupied; the Task's other queued Runs keep the holds the moves that occupied or freed it set.
     """
     run_id, attempt_id = new_id(), new_id()
     ref = snapshot_ref(head.revision, head.content_digest)
     priority = 0 if trigger_type == "task_start" else head.definition.priority
-    db.run("RUN_INSERT", (run_id, head.project_id, head.task_id, head.revision, ref, priority, origin, trigger_type,
-                          idempotency_key, requested_by, scheduled_for_us, attempt_id, now_us, now_us, now_us,
-                          head.definition.concurrency == "single"))
+    single = head.definition.concurrency == "single"
+    held = single and bool(db.one("TASK_OCCUPIED", (head.task_id,))["live"])
+    if not db.run("RUN_INSERT", (run_id, head.project_id, head.task_id, head.revision, ref, priority, origin,
+                                 trigger_type, idempotency_key, requested_by, scheduled_for_us, attempt_id, now_us,
+                                 now_us, now_us, single, held)).rowcount:
+        return None
     db.run("ATTEMPT_FIRST_INSERT", (attempt_id, run_id, executor_type, now_us))
-    ex = db.one("EXECUTION_REVISION_DIGEST", (head.task_id, head.revision))
+    if execution_digest is None:
+        ex = db.one("EXECUTION_REVISION_DIGEST", (head.task_id, head.revision))
+        execution_digest = ex["execution_digest"] if ex else None
     created = {"taskSnapshotRef": ref, "contentDigest": head.content_digest,
-               "executionDigest": ex["execution_digest"] if ex else None, "trigger": trigger_type}
+               "executionDigest": execution_digest, "trigger": trigger_type}
     if scheduled_for_us is not None:
         created["scheduledForUs"] = scheduled_for_us
     created.update(fences or {})
-    e1 = append_event(db, run_id, 1, "run.created", requested_by, created, now_us)
-    e2 = append_event(db, run_id, 2, "run.queued", requested_by,
-                      {"attemptId": attempt_id, "executorType": executor_type}, now_us)
-    set_holds(db, head.task_id)
+    e1, e2 = new_id(), new_id()
+    encode = db.dialect.encode_json
+    db.run("EVENTS_FIRST_TWO_INSERT", (run_id, 1, e1, "run.created", requested_by, encode(created), now_us,
+                                       run_id, 2, e2, "run.queued", requested_by,
+                                       encode({"attemptId": attempt_id, "executorType": executor_type}), now_us))
     return CreatedRun(run_id=run_id, attempt_id=attempt_id, event_ids=(e1, e2), task_revision=head.revision,
                       task_snapshot_ref=ref, state=RunState.QUEUED, created_at_us=now_us)
 
@@ -86,10 +94,45 @@ def persisted_identity(db: Db, run_row) -> CreatedRun:
                       state=run_row["state"], created_at_us=run_row["created_at_us"], existing=True)
 
 
+def _replay(db: Db, project_id: str, key: str, *, task: str, subject: str, expected_revision: int,
+            expected_digest: str) -> CreatedRun | None:
+    """ADR-0376 §2 step 3 for a key that may exist: the persisted identity on an exact replay,
+    FenceRejected(mutation_conflict) on any drift, None when the Project has no Run under it."""
+    prior = db.one("RUN_BY_KEY", (project_id, key))
+    if prior is None:
+        return None
+    if (task in (prior["task_id"], prior["task_name"])
+            and prior["task_snapshot_ref"] == snapshot_ref(expected_revision, expected_digest)
+            and prior["requested_by"] == subject and prior["trigger_type"] == "task_start"):
+        return persisted_identity(db, prior)
+    raise FenceRejected("mutation_conflict", "this mutationId was used for a different request")
+
+
+def _creatable(db: Db, project_id: str, task: str, expected_revision: int, expected_digest: str):
+    """Steps 4–5 of ADR-0376 §2: (head, execution digest), or the error they end in, returned
+    rather than raised so that step 3 (the key) can be decided first."""
+    try:
+        head = defs.get_head(db, project_id, task, lock=True)
+    except NotFoundError as e:
+        return e
+    if (head.revision, head.content_digest) != (expected_revision, expected_digest):
+        return FenceRejected("definition_changed",
+                             f"task is at revision {head.revision} with digest {head.content_digest}")
+    if not head.enabled:
+        return FenceRejected("task_disabled", "the task is disabled")
+    ex = db.one("EXECUTION_REVISION", (head.task_id, head.revision))
+    if ex is None:
+        return FenceRejected("task_not_executable", "the task revision has no published execution revision")
+    # ADR-0376 §2 "digest 正确": the stored spec must hash to its execution digest (fail closed).
+    if ex["kind"] not in ("local_process", "shell") or sha256_hex(ex["spec_json"].encode()) != ex["execution_digest"]:
+        return UnavailableError("execution revision is corrupt", code="task_start_unavailable")
+    return head, ex["execution_digest"]
+
+
 def task_start(db: Db, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
                expected_digest: str, admitted_project_version: int | None, admitted_binding_version: int | None,
                now_us: int, executor_type: str) -> CreatedRun:
-    """ADR-0376 §2 in the record's order, inside the caller's write transaction:
+    """ADR-0376 §2 in the record's order of decisions, inside the caller's write transaction:
 
     1. active Project and projectVersion (re-verified against admission when given; locked);
     2. subject's latest active RoleBinding, bindingVersion and a start role;
@@ -100,6 +143,10 @@ def task_start(db: Db, *, project: str, task: str, subject: str, mutation_id: st
     5. published execution revision → task_not_executable if missing, UnavailableError
        (task_start_unavailable) if corrupt;
     6. server-generated Run, Attempt (``executor_type``), two RunEvents and time.
+
+    Step 3 is decided by the Run's insert (the unique key): the key is read only when the insert
+    finds it taken or when step 4 or 5 fails, so a new start reads no shared index page before
+    it writes. The Task's head row lock orders starts of one Task; other Tasks' never wait on it.
     """
     try:
         proj = policy.get_project(db, project, lock=True)
@@ -112,29 +159,25 @@ def task_start(db: Db, *, project: str, task: str, subject: str, mutation_id: st
             admitted_binding_version is not None and binding.binding_version != admitted_binding_version):
         raise FenceRejected("authorization_changed", "the subject's role binding no longer allows run.start")
     key = idempotency_key(mutation_id)
-    prior = db.one("RUN_BY_KEY", (proj.project_id, key))
-    if prior is not None:
-        if (task in (prior["task_id"], prior["task_name"])
-                and prior["task_snapshot_ref"] == snapshot_ref(expected_revision, expected_digest)
-                and prior["requested_by"] == subject and prior["trigger_type"] == "task_start"):
-            return persisted_identity(db, prior)
-        raise FenceRejected("mutation_conflict", "this mutationId was used for a different request")
-    head = defs.get_head(db, proj.project_id, task, lock=True)
-    if (head.revision, head.content_digest) != (expected_revision, expected_digest):
-        raise FenceRejected("definition_changed",
-                            f"task is at revision {head.revision} with digest {head.content_digest}")
-    if not head.enabled:
-        raise FenceRejected("task_disabled", "the task is disabled")
-    ex = db.one("EXECUTION_REVISION", (head.task_id, head.revision))
-    if ex is None:
-        raise FenceRejected("task_not_executable", "the task revision has no published execution revision")
-    # ADR-0376 §2 "digest 正确": the stored spec must hash to its execution digest (fail closed).
-    if ex["kind"] not in ("local_process", "shell") or sha256_hex(ex["spec_json"].encode()) != ex["execution_digest"]:
-        raise UnavailableError("execution revision is corrupt", code="task_start_unavailable")
-    return create_run(db, head=head, origin="manual", trigger_type="task_start", idempotency_key=key,
-                      requested_by=subject, now_us=now_us, executor_type=executor_type,
-                      fences={"mutationId": mutation_id, "projectVersion": proj.project_version,
-                              "bindingVersion": binding.binding_version})
+    replay = dict(task=task, subject=subject, expected_revision=expected_revision, expected_digest=expected_digest)
+    found = _creatable(db, proj.project_id, task, expected_revision, expected_digest)
+    if isinstance(found, Exception):
+        prior = _replay(db, proj.project_id, key, **replay)
+        if prior is not None:
+            return prior
+        raise found
+    head, execution_digest = found
+    created = create_run(db, head=head, origin="manual", trigger_type="task_start", idempotency_key=key,
+                         requested_by=subject, now_us=now_us, executor_type=executor_type,
+                         execution_digest=execution_digest,
+                         fences={"mutationId": mutation_id, "projectVersion": proj.project_version,
+                                 "bindingVersion": binding.binding_version})
+    if created is not None:
+        return created
+    prior = _replay(db, proj.project_id, key, **replay)
+    if prior is None:       # the insert met a key this snapshot cannot read: no serial order holds
+        raise UnavailableError("the idempotency key changed during the transaction", code="task_start_unavailable")
+    return prior
 
 
 def cancel_queued(db: Db, run_id: str, seq: int, version: int, actor: str, reason: str, now_us: int) -> bool:
