@@ -172,3 +172,25 @@ def test_store_errors_count_the_duties_failed_while_the_database_was_gone(replic
     after = wait_until(back, 30, "the sweeper passing again", detail=lambda: "".join(r.lines[seen:]))
     assert value(after, "qlagent_store_errors", code="unavailable") > value(before, "qlagent_store_errors",
                                                                               code="unavailable")
+
+
+def test_pool_in_use_counts_a_task_start_parked_on_its_tasks_row(replica):
+    """A Task Start waiting in PostgreSQL (its Task's row held by this test) holds a pooled
+    connection: a scrape meanwhile shows one more in use, and one fewer once it is answered."""
+    r, tok, env = replica
+    req = body(_head(r, tok, "hello"))
+    idle = value(scrape(r), "qlagent_pool_in_use")
+    with psycopg.connect(env.url) as holder:
+        holder.execute("SELECT 1 FROM tasks WHERE name = 'hello' FOR UPDATE")
+        answer: dict = {}
+        t = threading.Thread(target=lambda: answer.update(
+            start=r.request("POST", f"{BASE}/tasks/hello/runs", req, tok)))
+        t.start()
+        parked = ("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                  " AND pid <> pg_backend_pid()")
+        wait_until(lambda: env.sql(parked), 10, "the Task Start parked on the Task's row")
+        assert value(scrape(r), "qlagent_pool_in_use") >= idle + 1
+        holder.commit()
+    t.join(30)
+    assert answer["start"][0] == 202, answer
+    wait_until(lambda: value(scrape(r), "qlagent_pool_in_use") <= idle, 10, "the parked connection back in the pool")
