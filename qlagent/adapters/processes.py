@@ -162,10 +162,20 @@ def _exited(pid: int, create_time: float, pidfd: int | None) -> bool:
     return not process_matches(pid, create_time)
 
 
+class StartPhase:
+    """The phases of one fork-served shim start (:class:`ShimStart`), in order; ``EXIT`` only
+    after a failed exec."""
+
+    COMPILING = "compiling"   # the shim is being compiled for a new fork server
+    FORK = "fork"             # the request is out; the shim's ``pid <n>`` line is awaited
+    EXEC = "exec"             # the spec went to the shim; ``ok`` or ``err <reason>`` is awaited
+    EXIT = "exit"             # the exec failed; the shim's exit (after its receipt) is awaited
+
+
 class ShimStart:
     """One shim start in flight (``ForkServer.begin``), driven by ``ForkServer.advance``
     whenever ``fd`` is readable (the caller's selector watches it; None: nothing to watch, call
-    ``advance`` once in a while). Phases: ``queued`` (the shim is being compiled for a new fork
+    ``advance`` once in a while). Phases (:class:`StartPhase`): ``compiling`` (the shim is being compiled for a new fork
     server; ``fd`` is the compile's pidfd), ``fork`` (the request is out; the forked shim's
     ``pid <n>`` line is awaited on the status pipe), ``exec`` (the spec went to the shim;
     ``ok`` or ``err <reason>`` is awaited), ``exit`` (the exec failed; ``fd`` is the shim's
@@ -178,13 +188,13 @@ class ShimStart:
 
     def __init__(self, status_r: int, spec_w: int, payload: bytes, deadline: float) -> None:
         self.fd: int | None = status_r
-        self.phase = "fork"
+        self.phase = StartPhase.FORK
         self.pid = 0
         self.create_time = 0.0
         self.pidfd: int | None = None
         self.start_error: str | None = None
         self.deadline = deadline
-        self.request: tuple[str, int, int] | None = None   # queued: (python, spec_r, status_w) to send
+        self.request: tuple[str, int, int] | None = None   # compiling: (python, spec_r, status_w) to send
         self._status_r, self._spec_w = status_r, spec_w
         self._payload: bytes | None = payload     # the spec, held until the shim exists to read it
         self._buf = b""
@@ -213,7 +223,7 @@ class ShimStart:
     def close(self) -> None:
         """Release the pipes and the pidfd (a start given up: the shim carries on alone)."""
         fds = [self._status_r, self._spec_w, self.pidfd, *(self.request[1:] if self.request else ())]
-        if self.phase == "queued" and self.fd is not None:
+        if self.phase == StartPhase.COMPILING and self.fd is not None:
             fds.append(self.fd)                     # the compile's pidfd
         for fd in fds:
             if fd is not None and fd >= 0:
@@ -413,7 +423,7 @@ class ForkServer:
         os.set_blocking(spec_w, False)
         st = ShimStart(status_r, spec_w, payload, time.monotonic() + status_timeout_s)
         if queued:
-            st.phase, st.request = "queued", (python, spec_r, status_w)
+            st.phase, st.request = StartPhase.COMPILING, (python, spec_r, status_w)
             try:
                 st.fd = os.pidfd_open(self._compiling[0].pid)
             except (AttributeError, OSError):
@@ -432,7 +442,7 @@ class ForkServer:
         the spec (secrets included) go into its stdin pipe, so a shim whose agent died before
         knowing its PID reads no spec and runs nothing. Raises ShimSpawnError (``st`` closed)
         when the fork server forked no shim: its reason, the back-off as in ``begin``."""
-        if st.phase == "queued":
+        if st.phase == StartPhase.COMPILING:
             if expired:
                 st.close()
                 raise self._fail("fork server: the shim was not compiled within %.0f s" % START_STATUS_TIMEOUT_S)
@@ -441,7 +451,7 @@ class ForkServer:
             python, spec_r, status_w = st.request
             if st.fd is not None:
                 os.close(st.fd)
-            st.phase, st.fd, st.request = "fork", st._status_r, None
+            st.phase, st.fd, st.request = StartPhase.FORK, st._status_r, None
             try:
                 self._send(python, spec_r, status_w)
             except ShimSpawnError:
@@ -450,7 +460,7 @@ class ForkServer:
             finally:
                 os.close(spec_r)
                 os.close(status_w)
-        if st.phase == "fork":
+        if st.phase == StartPhase.FORK:
             lines, eof = st._lines()
             if not lines:
                 if eof or expired:
@@ -473,9 +483,9 @@ class ForkServer:
             except psutil.NoSuchProcess:
                 st.create_time = 0.0
             self._give_spec(st)
-            st.phase = "exec"
+            st.phase = StartPhase.EXEC
             st._buf = "\n".join(lines).encode() + (b"\n" if lines else b"") + st._buf
-        if st.phase == "exec":
+        if st.phase == StartPhase.EXEC:
             lines, eof = st._lines()
             if lines or eof or expired:
                 line = lines[0] if lines else ("ok" if expired and not eof else None)   # late: the receipt will tell
@@ -484,7 +494,7 @@ class ForkServer:
                     return self._handle(st, None)
                 st.start_error = line[4:] if line is not None and line.startswith("err ") else \
                     "shim: exited before starting the task"
-                st.phase, st.fd = "exit", st.pidfd
+                st.phase, st.fd = StartPhase.EXIT, st.pidfd
             else:
                 return None
         if expired or _exited(st.pid, st.create_time, st.pidfd):
