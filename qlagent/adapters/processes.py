@@ -112,6 +112,17 @@ def _end_compile(popen: subprocess.Popen, tmp: str, path: str) -> bool:
         return False
 
 
+def _ready_program(path: str | None) -> str | None:
+    """What runs the shim without a compile: SHIM_PATH for no usable ``path`` (None) or a file
+    there that is not ours, ``path`` once compiled; None when it still has to be compiled."""
+    if path is None:
+        return SHIM_PATH
+    state = _compiled_state(path)
+    if state == "missing":
+        return None
+    return path if state == "ours" else SHIM_PATH
+
+
 def compiled_shim(cache_dir: str, python: str) -> str:
     """The shim precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc
     script without compiling it, which saves the compiler's memory (USS 4.5 → 2.9 MiB per run)
@@ -126,11 +137,9 @@ def compiled_shim(cache_dir: str, python: str) -> str:
     fork server does it without waiting (``ForkServer.begin``).
     Returns SHIM_PATH when it cannot be used (not ours, cannot be written)."""
     path = _compiled_path(cache_dir, python)
-    if path is None:
-        return SHIM_PATH
-    state = _compiled_state(path)
-    if state != "missing":
-        return path if state == "ours" else SHIM_PATH
+    ready = _ready_program(path)
+    if ready is not None:
+        return ready
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         popen = _start_compile(python, tmp)
@@ -286,11 +295,9 @@ class ForkServer:
             if not _end_compile(popen, tmp, path):
                 self._uncompilable.add(path)       # not tried again by this process
         path = _compiled_path(self._cache_dir, python)
-        if path is None or path in self._uncompilable:
-            return SHIM_PATH
-        state = _compiled_state(path)
-        if state != "missing":
-            return path if state == "ours" else SHIM_PATH
+        ready = _ready_program(None if path in self._uncompilable else path)
+        if ready is not None:
+            return ready
         tmp = f"{path}.tmp.{os.getpid()}"
         try:
             self._compiling = (_start_compile(python, tmp), tmp, path)
