@@ -179,7 +179,8 @@ def test_pool_in_use_counts_a_task_start_parked_on_its_tasks_row(replica):
     connection: a scrape meanwhile shows one more in use, and one fewer once it is answered."""
     r, tok, env = replica
     req = body(_head(r, tok, "hello"))
-    idle = value(scrape(r), "qlagent_pool_in_use")
+    # A sweeper pass or a Pull may hold a connection for a moment: the baseline is the least seen.
+    idle = min(value(scrape(r), "qlagent_pool_in_use") for _ in range(5))
     with psycopg.connect(env.url) as holder:
         holder.execute("SELECT 1 FROM tasks WHERE name = 'hello' FOR UPDATE")
         answer: dict = {}

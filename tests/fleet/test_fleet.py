@@ -539,7 +539,9 @@ def test_a_replayed_ack_with_an_old_generation_is_refused_and_nothing_is_written
     sid, gen = _session(fleet, w)
     run_id = fleet.ok("run", "start", "probe").strip()
     token = "T" * 43
-    status, answer = _worker_call(fleet, w["worker_id"], w["credential"], "pull?waitS=0",
+    # A long-poll, as a Worker pulls: the fleet's Workers' own Pulls may hold the new Run for the
+    # instant they look at it (it is not theirs), and a Pull with no wait skips what is held.
+    status, answer = _worker_call(fleet, w["worker_id"], w["credential"], "pull?waitS=5",
                                   {"sessionId": sid, "generation": gen, "pullId": str(uuid.uuid4()),
                                    "leaseToken": token})
     assert status == 200 and answer["status"] == "offered" and answer["offer"]["runId"] == run_id, answer
