@@ -195,18 +195,19 @@ def make_tls_ca(directory: str, days: int, common_name: str, force: bool) -> tup
 
 
 def make_server_certificate(directory: str, names: str, ca: str | None, ca_key: str | None, days: int,
-                            force: bool) -> tuple[str, str, list[str], int]:
+                            force: bool, key_owner: tuple[int, int] | None = None) -> tuple[str, str, list[str], int]:
     """``qlagent tls cert create --server``: (certificate file, key file, subjectAltNames,
     notAfter in Unix seconds) of a replica certificate for ``names`` (``HOST[,HOST…]``) in
     ``directory``, signed by ``ca`` (default ``directory/qlagent-ca.pem``) with ``ca_key``
-    (default ``qlagent-ca-key.pem`` beside it); ``adapters.tls_ca``'s refusals, nothing written."""
+    (default ``qlagent-ca-key.pem`` beside it), the key owned by ``key_owner`` (uid, gid) when
+    given; ``adapters.tls_ca``'s refusals, nothing written."""
     import os
 
     from .adapters import tls_ca
     sans = tls_ca.parse_names(names)
     ca = ca or os.path.join(directory, tls_ca.CA_CERT)
     ca_key = ca_key or os.path.join(os.path.dirname(ca), tls_ca.CA_KEY)
-    cert, key = tls_ca.create_server_cert(directory, sans, ca, ca_key, days, force)
+    cert, key = tls_ca.create_server_cert(directory, sans, ca, ca_key, days, force, key_owner)
     return cert, key, sans, tls_ca.not_after(cert)
 
 

@@ -153,17 +153,17 @@ def _write_config(path: str, text: str) -> str:
 
 
 def test_config_check_and_doctor_warn_thirty_days_before_expiry(workdir):
-    short, long_ = os.path.join(workdir, "short"), os.path.join(workdir, "long")
-    for d, days in ((short, "20"), (long_, "400")):
-        os.mkdir(d)
-        ok(workdir, "tls", "ca", "create", "--dir", d, "--days", days)
-        ok(workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", d)
     cred = os.path.join(workdir, "worker.cred")
     with open(cred, "w") as f:
         f.write("qlw_" + "A" * 43 + "\n")
     os.chmod(cred, 0o600)
     state = os.path.join(workdir, "state")
-    for d, warned in ((short, True), (long_, False)):
+    # 30 days from now is within the warning by the time it is read; 31 days is not.
+    for days, warned in (("20", True), ("30", True), ("31", False), ("400", False)):
+        d = os.path.join(workdir, f"days{days}")
+        os.mkdir(d)
+        ok(workdir, "tls", "ca", "create", "--dir", d, "--days", days)
+        ok(workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", d)
         worker = _write_config(os.path.join(d, "worker.toml"), f"""
 [worker]
 worker_id = "00000000-0000-4000-8000-000000000000"
@@ -183,8 +183,63 @@ tls_key = "{d}/qlagent-server-key.pem"
             (cert,) = json.loads(p.stdout)["certificates"]
             assert (cert["field"], cert["ok"]) == (field, not warned)
             assert (f"qlagent: warning: {field}" in p.stderr.decode()) == warned
-        p = cli(state, "doctor", "--config", worker, "--json")
-        (line,) = [c for c in json.loads(p.stdout)["checks"] if c["name"] == "certificate"]
-        assert line["ok"] == (not warned) and "worker.ca_file" in line["detail"]
-        # 20 days from its creation: 20 within the second it was made, 19 after (whole days).
-        assert bool(re.search(r"expires in (19|20) days", line["detail"])) == warned
+        for config, field in ((worker, "worker.ca_file"), (cluster, "cluster.tls_cert")):
+            # (the cluster's database does not exist: doctor fails that line, and still reads the certificate)
+            p = cli(state, "doctor", "--config", config, "--json")
+            (line,) = [c for c in json.loads(p.stdout)["checks"] if c["name"] == "certificate"]
+            assert line["ok"] == (not warned) and field in line["detail"], line
+            # N days from its creation: N within the second it was made, N - 1 after (whole days);
+            # the server certificate's own default lifetime is 365 days.
+            n = int(days) if field == "worker.ca_file" else min(int(days), 365)
+            assert re.search(rf"expires in ({n - 1}|{n}) days", line["detail"]), line
+
+
+def test_tls_reads_neither_the_configuration_nor_the_state_directory(workdir):
+    """On a packaged control plane root runs ``tls``, and the state directory belongs to the
+    service's user, which root's trust rules refuse: ``tls`` must not read it, nor the
+    configuration (here one that does not even parse, beside a world-writable state dir)."""
+    state = os.path.join(workdir, "state")
+    os.mkdir(state)
+    os.chmod(state, 0o777)
+    config = _write_config(os.path.join(workdir, "broken.toml"), "[[[")
+    assert cli(state, "--config", config, "config", "check").returncode in (2, 5)
+    d = os.path.join(workdir, "tls")
+    os.mkdir(d)
+    for args in (["ca", "create"], ["cert", "create", "--server", "--name", "localhost"]):
+        p = cli(state, "--config", config, "tls", *args, "--dir", d)
+        assert p.returncode == 0 and not p.stderr, p.stderr
+    assert sorted(os.listdir(d)) == ["qlagent-ca-key.pem", "qlagent-ca.pem", "qlagent-server-key.pem",
+                                     "qlagent-server.pem"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_as_root_the_server_key_goes_to_the_service_user_and_the_ca_key_stays_roots(workdir):
+    import pwd
+    d = os.path.join(workdir, "tls")
+    os.mkdir(d)
+    ok(workdir, "tls", "ca", "create", "--dir", d)
+    nobody = pwd.getpwnam("nobody")
+    out = json.loads(ok(workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", d,
+                        "--user", "nobody", "--json").stdout)
+    assert out["user"] == "nobody"
+    owners = {n: (os.stat(os.path.join(d, n)).st_uid, _mode(os.path.join(d, n))) for n in os.listdir(d)}
+    assert owners == {"qlagent-ca-key.pem": (0, 0o600), "qlagent-ca.pem": (0, 0o644),
+                      "qlagent-server-key.pem": (nobody.pw_uid, 0o600), "qlagent-server.pem": (0, 0o644)}
+    assert "(0600, user nobody: keep it on this host)" in ok(
+        workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", d, "--user", "nobody",
+        "--force").stdout.decode()
+    # Without --user: the packaged service's user `qlagent` when it exists, else root itself.
+    try:
+        service = pwd.getpwnam("qlagent").pw_uid
+    except KeyError:
+        service = 0
+    ok(workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", d, "--force")
+    assert os.stat(os.path.join(d, "qlagent-server-key.pem")).st_uid == service
+    other = os.path.join(workdir, "other")
+    os.mkdir(other)
+    ok(workdir, "tls", "ca", "create", "--dir", other)
+    before = sorted(os.listdir(other))
+    p = cli(workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", other,
+            "--user", "no-such-user")
+    assert p.returncode == 2 and p.stderr.decode().count("\n") == 1 and "--user" in p.stderr.decode(), p.stderr
+    assert sorted(os.listdir(other)) == before

@@ -84,17 +84,19 @@ def _refuse_existing(paths: list[str], force: bool) -> None:
             raise ConflictError(f"{p} exists; --force replaces it", field="--dir", code="file_exists")
 
 
-def _write_all(files: list[tuple[str, bytes, int]]) -> None:
+def _write_all(files: list[tuple[str, bytes, int]], key_owner: tuple[int, int] | None = None) -> None:
     """Each (path, data, mode) to a temporary file beside it, then every rename: a failure
-    before the renames leaves no file."""
+    before the renames leaves no file. ``key_owner`` (uid, gid) gets the first file (the key)."""
     temps: list[tuple[str, str]] = []
     try:
-        for path, data, mode in files:
+        for i, (path, data, mode) in enumerate(files):
             tmp = f"{path}.tmp{os.getpid()}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
             temps.append((tmp, path))
             try:
                 os.fchmod(fd, mode)         # the umask does not decide a key's mode
+                if i == 0 and key_owner is not None and key_owner[0] != os.geteuid():
+                    os.fchown(fd, *key_owner)
                 os.write(fd, data)
                 os.fsync(fd)
             finally:
@@ -180,10 +182,11 @@ def _load_ca(ca_cert: str, ca_key: str):
 
 
 def create_server_cert(directory: str, names: list[str], ca_cert: str, ca_key: str, days: int,
-                       force: bool = False) -> tuple[str, str]:
+                       force: bool = False, key_owner: tuple[int, int] | None = None) -> tuple[str, str]:
     """A replica's key and certificate in ``directory``: (``qlagent-server.pem`` 0644,
-    ``qlagent-server-key.pem`` 0600) with ``names`` (``parse_names``) as subjectAltNames, signed
-    by the CA (``ca_cert``, ``ca_key``), valid for ``days`` (1..825) but never past the CA.
+    ``qlagent-server-key.pem`` 0600, owned by ``key_owner`` (uid, gid) when given: the service's
+    user reads it) with ``names`` (``parse_names``) as subjectAltNames, signed by the CA
+    (``ca_cert``, ``ca_key``), valid for ``days`` (1..825) but never past the CA.
     Raises ValidationError naming ``--days``, ``--ca``, ``--ca-key`` or ``--dir``, ConflictError
     ``file_exists``; nothing is written then."""
     from cryptography import x509
@@ -217,7 +220,8 @@ def create_server_cert(directory: str, names: list[str], ca_cert: str, ca_key: s
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(signer.public_key()), critical=False)
             .sign(signer, hashes.SHA256()))
-    _write_all([(key_path, _key_pem(key), 0o600), (cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)])
+    _write_all([(key_path, _key_pem(key), 0o600), (cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)],
+               key_owner)
     return cert_path, key_path
 
 

@@ -77,7 +77,9 @@ class Ctx:
     def __init__(self, args) -> None:
         self.args = args
         self._store = None
-        if getattr(args, "writes_config", False):   # `worker join` makes the config the others read
+        # `worker join` makes the config the others read; `tls` makes files and reads none (on a
+        # packaged control plane root runs it, whose trust rules refuse the service's state dir).
+        if not getattr(args, "reads_config", True):
             self.settings = None
             return
         from ..service.config import resolve

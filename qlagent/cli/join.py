@@ -148,9 +148,11 @@ def register_rotate(wk) -> None:
 
 # ---- on the router ----------------------------------------------------------------------------
 
-def _service_user(name: str | None) -> tuple[int, int, str]:
-    """(uid, gid, name) owning the credential: ``--user``, else ``qlagent`` when running as root
-    and that user exists, else this process's user."""
+def service_user(name: str | None) -> tuple[int, int, str]:
+    """(uid, gid, name) of the service's user, who must own what it reads as a secret (a
+    Worker's credential, a replica's TLS key): ``--user`` (``name``), else ``qlagent`` when
+    running as root and that user exists, else this process's user. ValidationError naming
+    ``--user`` for an unknown user, or another user's when not root."""
     import pwd
     if name is None and os.geteuid() == 0:
         try:
@@ -297,7 +299,7 @@ def cmd_worker_join(ctx) -> int:
     ca = bootstrap.join_ca_pem(token.ca_der) if token.ca_der is not None else None
     if any(u.startswith("https://") for u in token.urls) and ca is None:
         raise E.ValidationError("TOKEN", "it names an https:// control plane but carries no CA")
-    uid, gid, user = _service_user(a.user)
+    uid, gid, user = service_user(a.user)
     uci = a.uci or (not a.toml and _on_openwrt())
     config = a.target_config or os.environ.get("QLAGENT_CONFIG") or DEFAULT_CONFIG
     directory = a.dir or ("/etc/qlagent" if uci else os.path.dirname(os.path.abspath(config)))
@@ -395,7 +397,7 @@ def register(sub) -> None:
     w = sub.add_parser("worker", help="this host as a fleet Worker").add_subparsers(dest="sub", required=True,
                                                                                   metavar="SUB")
     j = w.add_parser("join", help="join the fleet with a token from `qlagent workers enroll --join-token`")
-    j.set_defaults(handler=cmd_worker_join, writes_config=True)
+    j.set_defaults(handler=cmd_worker_join, reads_config=False)
     j.add_argument("token", metavar="TOKEN")
     j.add_argument("--config", dest="target_config", default=None,
                    help="the config file to write (default $QLAGENT_CONFIG, else /etc/qlagent/qlagent.toml; "

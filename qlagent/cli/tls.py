@@ -3,10 +3,16 @@ plane's CA and a replica's certificate, made on the control-plane side
 (``bootstrap.make_tls_ca``/``make_server_certificate`` over ``adapters.tls_ca``, ``cryptography``,
 loaded inside the handlers, so no other command loads it).
 
+Neither reads the configuration or the state directory: root runs them on a packaged control
+plane, where the state belongs to the service's user. The replica's key goes to that user
+(``--user``, default ``qlagent`` when run as root and it exists, as ``worker join`` gives a
+Worker its credential); the CA key stays with whoever made it.
+
 ``--json`` prints ``{"certFile", "keyFile", "notAfter", "names"}`` (``names``: the
-subjectAltNames, [] for the CA). Refusals: exit 2 naming ``--days``, ``--common-name``, ``--name``,
-``--server``, ``--ca``, ``--ca-key`` or ``--dir``; exit 3 ``file_exists`` for an output file already there
-without ``--force``. Nothing is written by a refused command."""
+subjectAltNames, [] for the CA; with ``cert create`` also ``"user"``, the key's owner). Refusals:
+exit 2 naming ``--days``, ``--common-name``, ``--name``, ``--server``, ``--ca``, ``--ca-key``,
+``--user`` or ``--dir``; exit 3 ``file_exists`` for an output file already there without
+``--force``. Nothing is written by a refused command."""
 
 from __future__ import annotations
 
@@ -15,17 +21,20 @@ import os
 from ..core import errors as E
 
 
-def _report(ctx, cert: str, key: str, names: list[str], end_s: int, role: str) -> int:
+def _report(ctx, cert: str, key: str, names: list[str], end_s: int, role: str, user: str | None = None) -> int:
     from .common import fmt_us as _fmt_us, print_json as _print_json
     end = end_s * 1_000_000
     if ctx.args.json:
-        _print_json({"certFile": os.path.abspath(cert), "keyFile": os.path.abspath(key),
-                     "notAfter": _fmt_us(end), "names": names})
+        out = {"certFile": os.path.abspath(cert), "keyFile": os.path.abspath(key), "notAfter": _fmt_us(end),
+               "names": names}
+        _print_json(out if user is None else {**out, "user": user})
     else:
-        print(f"{role} certificate  {cert} (0644, valid until {_fmt_us(end)})")
-        print(f"{role} key          {key} (0600: keep it on this host)")
+        width = len(role) + 13
+        print(f"{role + ' certificate':<{width}}{cert} (0644, valid until {_fmt_us(end)})")
+        owner = f", user {user}" if user is not None else ""
+        print(f"{role + ' key':<{width}}{key} (0600{owner}: keep it on this host)")
         if names:
-            print(f"names           {', '.join(names)}")
+            print(f"{'names':<{width}}{', '.join(names)}")
     return 0
 
 
@@ -42,8 +51,10 @@ def cmd_cert_create(ctx) -> int:
         raise E.ValidationError("--server", "required: only a replica's server certificate is made (a Worker "
                                             "proves itself with its credential, not a certificate)")
     from ..bootstrap import make_server_certificate
-    cert, key, names, end = make_server_certificate(a.dir, a.name, a.ca, a.ca_key, a.days, a.force)
-    return _report(ctx, cert, key, names, end, "server")
+    from .join import service_user
+    uid, gid, user = service_user(a.user)
+    cert, key, names, end = make_server_certificate(a.dir, a.name, a.ca, a.ca_key, a.days, a.force, (uid, gid))
+    return _report(ctx, cert, key, names, end, "server", user)
 
 
 def register(sub) -> None:
@@ -56,7 +67,7 @@ def register(sub) -> None:
         dest="sub", required=True, metavar="SUB")
     ca = tls.add_parser("ca", help="the CA").add_subparsers(dest="action", required=True, metavar="ACTION")
     c = ca.add_parser("create", parents=[common], help="make a CA key (0600) and certificate (0644)")
-    c.set_defaults(handler=cmd_ca_create)
+    c.set_defaults(handler=cmd_ca_create, reads_config=False)
     c.add_argument("--dir", default=".", help="where to write qlagent-ca.pem and qlagent-ca-key.pem (default .)")
     c.add_argument("--days", type=_ascii_int, default=1825, help="lifetime in days (1..3650, default 1825)")
     c.add_argument("--common-name", default="qlagent CA", help="the CA's subject CN (1..64 characters)")
@@ -64,7 +75,7 @@ def register(sub) -> None:
     cert = tls.add_parser("cert", help="replica certificates").add_subparsers(dest="action", required=True,
                                                                               metavar="ACTION")
     s = cert.add_parser("create", parents=[common], help="make a replica's key and certificate signed by the CA")
-    s.set_defaults(handler=cmd_cert_create)
+    s.set_defaults(handler=cmd_cert_create, reads_config=False)
     s.add_argument("--server", action="store_true", help="a server (replica) certificate (required)")
     s.add_argument("--name", required=True, metavar="HOST[,HOST…]",
                    help="the DNS names and IP addresses Workers dial (subjectAltNames, ≤ 32)")
@@ -72,4 +83,6 @@ def register(sub) -> None:
     s.add_argument("--ca", default=None, help="the CA certificate (default DIR/qlagent-ca.pem)")
     s.add_argument("--ca-key", default=None, help="the CA key (default: qlagent-ca-key.pem beside --ca)")
     s.add_argument("--days", type=_ascii_int, default=365, help="lifetime in days (1..825, default 365)")
+    s.add_argument("--user", default=None, help="the service's user, owner of the key (default qlagent when run "
+                                                "as root and it exists, else you)")
     s.add_argument("--force", action="store_true", help="replace files already there")
