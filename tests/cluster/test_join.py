@@ -10,16 +10,18 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import msgspec
 import pytest
 from test_cluster_serve import Env, Replica
-from kit import run_cli
+from kit import free_port, run_cli, wait_until
 
 from qlagent.core.jointoken import decode_token, encode_token
 
@@ -96,10 +98,11 @@ def test_join_writes_config_credential_and_ca_that_doctor_accepts(cp):
     _refused(_join(router, _enroll(env, "r1b", port=replica.port)), 3, "--force")
 
 
-def test_join_and_doctor_on_the_router_load_no_cryptography_nor_psycopg(cp):
-    """``worker join`` and then ``doctor`` over what it wrote, each in a fresh interpreter that
-    lists its modules at exit: the standard library's ssl only, as a router has neither
-    ``cryptography`` nor ``psycopg`` (issue 26 §1)."""
+def test_join_doctor_and_the_joined_worker_on_the_router_load_no_cryptography_nor_psycopg(cp):
+    """``worker join``, ``doctor`` over what it wrote and then the Worker itself (``serve``,
+    its Session open and its ``/metrics`` scraped), each in a fresh interpreter that lists its
+    modules at exit: the standard library's ssl only, as a router has neither ``cryptography``
+    nor ``psycopg`` (issue 26 §1)."""
     env, replica, _ = cp
     router = _router(env, "imports")
     out = os.path.join(router, "modules.json")
@@ -108,15 +111,43 @@ def test_join_and_doctor_on_the_router_load_no_cryptography_nor_psycopg(cp):
              "atexit.register(lambda: open(os.environ['MODULES_OUT'], 'w').write(json.dumps(sorted(sys.modules))))\n"
              "sys.exit(main(sys.argv[1:]))\n")
     run_env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
+
+    def modules(what: str) -> list[str]:
+        with open(out) as f:
+            mods = json.load(f)
+        os.unlink(out)
+        heavy = [m for m in mods if m.split(".")[0] in ("cryptography", "psycopg", "psycopg_pool")]
+        assert "ssl" in mods and heavy == [], (what, heavy)
+        return mods
     for args in (["worker", "join", _enroll(env, "imp", port=replica.port), "--config", config,
                   "--state-dir", os.path.join(router, "state")], ["doctor", "--config", config]):
         p = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True,
                            env={**run_env, "MODULES_OUT": out}, timeout=120)
         assert p.returncode == 0, (args[0], p.stdout, p.stderr)
-        with open(out) as f:
-            mods = json.load(f)
-        heavy = [m for m in mods if m.split(".")[0] in ("cryptography", "psycopg", "psycopg_pool")]
-        assert "ssl" in mods and heavy == [], (args[0], heavy)
+        modules(args[0])
+    port = free_port()
+    with open(config, "a") as f:
+        f.write(f'\n[http]\nlisten = "127.0.0.1:{port}"\nmetrics = true\n')
+    journal = os.path.join(router, "worker.log")
+    with open(journal, "wb") as log:
+        worker = subprocess.Popen([sys.executable, "-c", probe, "--config", config, "serve"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=log, env={**run_env, "MODULES_OUT": out})
+    try:
+        def scraped() -> bool:
+            assert worker.poll() is None, open(journal).read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    return b"qlagent_worker_session_open 1" in r.read()
+            except OSError:
+                return False
+        wait_until(scraped, 30, "the joined Worker's Session open on its /metrics", detail=lambda: open(journal).read())
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 0, open(journal).read()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    assert "qlagent.fleet.runtime" in modules("serve")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
