@@ -26,10 +26,11 @@ SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits
 
 
 def open_store(settings: Settings, project: str | None = None, *, migrate: bool = True, create_project: bool | str = True,
-               clock_us: Callable[[], int] = now_us) -> Store:
+               clock_us: Callable[[], int] = now_us, replica: str | None = None) -> Store:
     """The authority acting in ``project`` (default: the config's): the local SQLite file at
     ``settings.db_path``, or with ``[cluster]`` the PostgreSQL database (whose own clock decides
-    time; ``clock_us`` applies to the local store only).
+    time; ``clock_us`` applies to the local store only). ``replica`` (``HOST/PID``): this process
+    is a control-plane replica, and its database sessions say so (``qlagent status``).
 
     ``migrate=False`` refuses a schema behind this build (UnavailableError ``store_not_migrated``);
     ``create_project=False`` makes an unknown Project NotFoundError; ``"on_write"`` creates it
@@ -39,6 +40,9 @@ def open_store(settings: Settings, project: str | None = None, *, migrate: bool 
     if cluster is not None:
         require_cluster_driver()
         from .adapters.postgres.store import PgStore
+        if replica is not None:
+            from .adapters.postgres.connection import name_sessions
+            name_sessions(replica)
         return PgStore(cluster.database, project or settings.config.project, migrate=migrate,
                        create_project=create_project, pool_size=cluster.pool_size)
     from .adapters.sqlite.store import SqliteStore

@@ -1,11 +1,12 @@
 """``qlagent status`` (issue 26): the fleet at a glance on the control plane — the database
-(primary or standby, the standbys' replay lag), the clients connected to it (replicas, CLIs)
-by host, Workers by state with their free slots, queued and unplaceable Runs with the oldest
-queued age, and credential clashes (a Worker whose Sessions keep replacing each other: two
-processes with one credential). Needs ``[cluster]`` (exit 2); the database unreachable is exit 5.
+(primary or standby, the standbys' replay lag), the replicas connected to it (``HOST/PID``,
+address, sessions) and its other clients (CLIs, tools) by host, Workers by state with their
+free slots, queued and unplaceable Runs with the oldest queued age, and credential clashes (a
+Worker whose Sessions keep replacing each other: two processes with one credential). Needs
+``[cluster]`` (exit 2); the database unreachable is exit 5.
 
-``--json``: {database: {role, version, standbys}, clients, workers: {STATE: {count, freeSlots}},
-runs: {queued, unplaceable, oldestQueuedAgeS}, clashes}."""
+``--json``: {database: {role, version, standbys}, replicas, clients, workers: {STATE: {count,
+freeSlots}}, runs: {queued, unplaceable, oldestQueuedAgeS}, clashes}."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def cmd_status(ctx) -> int:
     age = None if o["oldestQueuedUs"] is None else round((o["nowUs"] - o["oldestQueuedUs"]) / 1e6, 1)
     out = {"database": {"role": "standby" if o["standby"] else "primary", "version": o["version"],
                         "standbys": o["standbys"]},
-           "clients": o["clients"], "workers": workers,
+           "replicas": o["replicas"], "clients": o["clients"], "workers": workers,
            "runs": {"queued": o["queued"], "unplaceable": o["unplaceable"], "oldestQueuedAgeS": age},
            "clashes": o["clashes"]}
     if ctx.args.json:
@@ -38,7 +39,10 @@ def cmd_status(ctx) -> int:
         return 0
     lag = ", ".join(f"{s['name'] or s['addr']} {s['state']} lag {s['replayLagS'] or 0:.1f} s" for s in o["standbys"])
     print(f"database   {out['database']['role']} (PostgreSQL {o['version']}); standbys: {lag or 'none'}")
-    print("clients    " + (", ".join(f"{c['addr']} ×{c['connections']}" for c in o["clients"]) or "none"))
+    print("replicas   " + (", ".join(f"{r['name']} ({r['addr']}) ×{r['connections']}" for r in o["replicas"])
+                             or "none connected"))
+    print("clients    " + (", ".join(f"{c['application'] or '-'} ({c['addr']}) ×{c['connections']}"
+                                     for c in o["clients"]) or "none"))
     print("workers    " + (", ".join(f"{n} {s['count']}" + (f" ({s['freeSlots']} free slots)" if n == "online" else "")
                                      for n, s in sorted(workers.items())) or "none enrolled"))
     print(f"runs       {o['queued']} queued ({o['unplaceable']} unplaceable)"

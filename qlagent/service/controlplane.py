@@ -97,7 +97,7 @@ class ControlPlane:
         # psycopg_pool logs every failed reconnect unformatted on stderr (the journal); the
         # store.unavailable / store.available lines below say the same once per outage.
         logging.getLogger("psycopg.pool").setLevel(logging.CRITICAL)
-        self.store = bootstrap.open_store(self.settings)        # migrates under the advisory lock
+        self.store = bootstrap.open_store(self.settings, replica=self._name)   # migrates under the advisory lock
         if self.store.applied:
             self.log("info", "store.migrated", applied=",".join(self.store.applied))
         self.services = bootstrap.ClusterServices(self.settings, self.store, self.log)

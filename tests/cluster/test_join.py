@@ -38,7 +38,9 @@ def cp(pg_url):
     os.mkdir(tls)
     assert _cli("tls", "ca", "create", "--dir", tls).returncode == 0
     assert _cli("tls", "cert", "create", "--server", "--name", "localhost,127.0.0.1", "--dir", tls).returncode == 0
-    env = Env(root, pg_url, f'tls_cert = "{tls}/qlagent-server.pem"\ntls_key = "{tls}/qlagent-server-key.pem"\n')
+    # (sweep_interval_s: the unplaceable-Run check of the status test comes within a second)
+    env = Env(root, pg_url, f'tls_cert = "{tls}/qlagent-server.pem"\ntls_key = "{tls}/qlagent-server-key.pem"\n'
+                            'sweep_interval_s = 0.5\n')
     env.ok("init")
     replica = Replica(env)
     yield env, replica, tls
@@ -268,11 +270,21 @@ def test_rotate_credential_keeps_the_worker_id_and_refuses_the_old_one_at_once(c
     _refused(env.cli("workers", "rotate-credential", "nobody"), 4, "nobody")
 
 
-def test_status_shows_the_database_workers_queue_and_a_credential_clash(cp):
+NOWHERE = """
+[[task]]
+name = "nowhere"
+executor = "remote_worker"
+placement = { required = { site = "nowhere" } }
+shell = "/bin/sh"
+script = "true"
+"""
+
+
+def test_status_shows_the_database_replicas_workers_queue_and_a_credential_clash(cp):
     from qlagent.adapters.postgres.connection import open_pool
     from qlagent.adapters.postgres.registry import PgWorkerRegistry
     from qlagent.cluster.registry import WorkerRegistry
-    env, _, _ = cp
+    env, replica, _ = cp
     clash = json.loads(env.ok("workers", "enroll", "twice", "--json"))
     pool = open_pool(env.url, 1)
     try:            # two processes with one credential: each hello replaces the other's Session
@@ -282,13 +294,30 @@ def test_status_shows_the_database_workers_queue_and_a_credential_clash(cp):
     finally:
         pool.close()
     out = json.loads(env.ok("status", "--json"))
-    assert out["database"]["role"] == "primary"
+    assert out["database"]["role"] == "primary" and out["database"]["standbys"] == []
     assert out["workers"]["online"]["count"] >= 1 and out["workers"]["online"]["freeSlots"] >= 1
     assert out["clashes"] == [{"name": "twice", "replaced": 3}]
     assert out["runs"]["queued"] == 0 and out["runs"]["oldestQueuedAgeS"] is None
-    assert any(c["connections"] >= 1 for c in out["clients"])        # the replica's pool
+    # The replica, by host and pid, with its pool and LISTEN sessions; the CLI's own is left out.
+    (seen,) = out["replicas"]
+    assert seen["name"].endswith(f"/{replica.proc.pid}") and seen["connections"] >= 2, out
+    assert all(c["application"] is None or not c["application"].startswith("qlagent replica") for c in out["clients"])
+    # A Run no Worker could take: queued, then unplaceable, its age growing.
+    tasks = os.path.join(env.root, "nowhere.toml")
+    with open(tasks, "w") as f:
+        f.write(NOWHERE)
+    env.ok("task", "add", "-f", tasks)
+    run_id = env.ok("run", "start", "nowhere").split()[0]
+
+    def aged() -> dict | None:
+        runs = json.loads(env.ok("status", "--json"))["runs"]
+        return runs if runs["unplaceable"] == 1 and runs["oldestQueuedAgeS"] >= 1 else None
+    assert wait_until(aged, 20, "the Run found unplaceable, queued a second")["queued"] == 1
     text = env.ok("status")
     assert "primary" in text and "twice (3 Sessions replaced" in text
+    assert f"/{replica.proc.pid} (" in next(ln for ln in text.splitlines() if ln.startswith("replicas "))
+    assert "1 queued (1 unplaceable), oldest queued " in text
+    env.ok("run", "cancel", run_id)
     plain = os.path.join(env.root, "plain.toml")
     with open(plain, "w") as f:
         f.write('profile = "edge"\n')

@@ -652,6 +652,20 @@ def _log(fleet: Fleet, attempt_id: str) -> bytes:
     return out
 
 
+def test_status_names_both_replicas_and_the_synchronous_standby(fleet):
+    """``qlagent status`` on the fleet's primary (issue 26 §4): the two replicas by host/pid, the
+    standby streaming with its replay lag."""
+    out = json.loads(fleet.ok("status", "--json"))
+    assert out["database"]["role"] == "primary"
+    (standby,) = out["database"]["standbys"]
+    assert standby["state"] == "streaming", standby
+    assert standby["replayLagS"] is None or 0 <= standby["replayLagS"] < 60, standby
+    assert sorted(int(r["name"].rsplit("/", 1)[1]) for r in out["replicas"]) == sorted(
+        r.proc.pid for r in fleet.replicas), out["replicas"]
+    text = fleet.ok("status")
+    assert "; standbys: " in text and " streaming lag " in text, text
+
+
 def test_a_fleet_of_three_workers_survives_crashes_partitions_and_a_failover(fleet):
     t_begin = time.monotonic()
     workers = fleet.start_workers()

@@ -55,6 +55,16 @@ SESSION_TIMEOUTS_MS = {"statement_timeout": 10_000, "lock_timeout": 10_000,
 TCP_KWARGS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3,
               "tcp_user_timeout": 10_000}
 _WAIT: ContextVar[float] = ContextVar("qlagent_pool_wait", default=POOL_WAIT_S)
+# libpq's fallback_application_name of this process's sessions (an application_name in the URL
+# wins): pg_stat_activity, and so ``qlagent status``, tells a replica from a CLI.
+_APPLICATION = {"fallback_application_name": "qlagent"}
+REPLICA_APPLICATION = "qlagent replica "
+
+
+def name_sessions(replica: str) -> None:
+    """Sessions opened from now on by this process show as ``qlagent replica REPLICA`` (e.g.
+    ``HOST/PID``, ≤ 63 bytes kept by PostgreSQL) in ``pg_stat_activity.application_name``."""
+    _APPLICATION["fallback_application_name"] = REPLICA_APPLICATION + replica
 
 
 @contextmanager
@@ -106,7 +116,7 @@ def connect(url: str, *, autocommit: bool = False):
     import psycopg
     try:
         return psycopg.connect(check_url(url), autocommit=autocommit, connect_timeout=10, prepare_threshold=None,
-                               **TCP_KWARGS)
+                               **TCP_KWARGS, **_APPLICATION)
     except psycopg.OperationalError as e:
         raise UnavailableError(f"cluster database unreachable: {str(e).splitlines()[0]}") from None
 
@@ -118,7 +128,7 @@ def open_pool(url: str, size: int = 4):
     from psycopg_pool import ConnectionPool
     pool = ConnectionPool(check_url(url), min_size=1, max_size=size, open=False, timeout=POOL_WAIT_S,
                           reconnect_timeout=RECONNECT_S, configure=_configure,
-                          kwargs={"connect_timeout": 10, "prepare_threshold": None, **TCP_KWARGS})
+                          kwargs={"connect_timeout": 10, "prepare_threshold": None, **TCP_KWARGS, **_APPLICATION})
     try:
         pool.open(wait=True, timeout=10)
     except Exception as e:

@@ -4,7 +4,7 @@ queue, and Workers whose Sessions keep replacing each other."""
 
 from __future__ import annotations
 
-from .connection import read
+from .connection import REPLICA_APPLICATION, read
 from .queries import OVERVIEW_CLIENTS, OVERVIEW_QUEUE, OVERVIEW_REPLICATION, OVERVIEW_SERVER, OVERVIEW_SESSION_CHURN
 
 # A Worker whose Sessions were replaced this often within the window: more than one process
@@ -15,8 +15,9 @@ CLASH_REPLACED = 3
 
 def fleet_overview(pool) -> dict:
     """{``standby`` (bool: this server is in recovery), ``version``, ``standbys`` [{name, addr,
-    state, replayLagS}], ``clients`` [{addr, connections}] (other sessions on this database, by
-    host: the replicas and CLIs), ``queued``, ``oldestQueuedUs`` (created_at of the oldest queued
+    state, replayLagS}], ``replicas`` [{name (``HOST/PID``), addr, connections}] (the sessions of
+    control-plane replicas: ``connection.name_sessions``), ``clients`` [{addr, application,
+    connections}] (the other sessions on this database: CLIs, tools), ``queued``, ``oldestQueuedUs`` (created_at of the oldest queued
     Run, µs, or None), ``unplaceable`` (queued Runs with a ``run.unplaceable`` event), ``nowUs``,
     ``clashes`` [{name, replaced}]}. UnavailableError when the database does not answer."""
     def fn(cur):
@@ -28,7 +29,10 @@ def fleet_overview(pool) -> dict:
         return {"standby": db["standby"], "version": db["version"], "nowUs": db["now"],
                 "standbys": [{"name": s["name"], "addr": s["addr"], "state": s["state"], "replayLagS": s["lag"]}
                              for s in standbys],
-                "clients": [{"addr": c["addr"], "connections": c["n"]} for c in clients],
+                "replicas": [{"name": c["app"][len(REPLICA_APPLICATION):], "addr": c["addr"], "connections": c["n"]}
+                             for c in clients if (c["app"] or "").startswith(REPLICA_APPLICATION)],
+                "clients": [{"addr": c["addr"], "application": c["app"], "connections": c["n"]}
+                            for c in clients if not (c["app"] or "").startswith(REPLICA_APPLICATION)],
                 "queued": runs["queued"], "oldestQueuedUs": runs["oldest"], "unplaceable": runs["unplaceable"],
                 "clashes": [{"name": c["name"], "replaced": c["replaced"]} for c in clashes]}
     return read(pool, fn)

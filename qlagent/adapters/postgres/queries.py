@@ -352,9 +352,9 @@ OVERVIEW_REPLICATION = (
     " extract(epoch FROM replay_lag)::float8 AS lag FROM pg_stat_replication"
     " ORDER BY 1")
 OVERVIEW_CLIENTS = (
-    "SELECT coalesce(client_addr::text, 'local') AS addr, count(*) AS n FROM pg_stat_activity"
-    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
-    " AND backend_type = 'client backend' GROUP BY 1 ORDER BY 1")
+    "SELECT coalesce(client_addr::text, 'local') AS addr, application_name AS app, count(*) AS n"
+    " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    " AND backend_type = 'client backend' GROUP BY 1, 2 ORDER BY 2, 1")
 OVERVIEW_QUEUE = (
     "SELECT count(*) AS queued, min(created_at_us) AS oldest,"
     " count(*) FILTER (WHERE EXISTS (SELECT 1 FROM run_events e WHERE e.run_id = r.run_id"
