@@ -91,7 +91,8 @@ def cmd_run_show(ctx: Ctx) -> int:
             f" peak_rss={or_dash(a.peak_rss_bytes)} cpu_us={or_dash(a.cpu_time_us)}"
             + (f" orphans_stopped={a.orphans_stopped}" if a.orphans_stopped else ""))
         print(f"attempt   #{a.attempt_no} {a.state}{figures or ' (figures when it ends)'}"
-              + (f" reason={a.failure_reason}" if a.failure_reason else ""))
+              + (f" reason={a.failure_reason}" if a.failure_reason else "")
+              + (f" worker={a.worker_name or a.worker_id}" if a.worker_id else ""))
         if a.start_error:
             print(f"          could not start: {a.start_error}")
     for e in events:

@@ -171,6 +171,7 @@ def test_a_real_worker_runs_a_task_started_from_the_cli_and_its_log_is_read_from
         time.sleep(0.1)
     shown = cp.ok("run", "show", run_id)
     assert "state     succeeded exit=0" in shown, (shown, worker.lines, plane["replica"].lines)
+    assert next(ln for ln in shown.splitlines() if ln.startswith("attempt ")).endswith(" worker=edge-1"), shown
     assert cp.ok("run", "logs", run_id) == output.decode()
     assert sql(plane["url"], "SELECT w.name FROM attempts a JOIN workers w ON w.worker_id = a.worker_id "
                              "WHERE a.run_id = %s", (run_id,)) == [("edge-1",)]
