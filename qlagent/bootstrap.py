@@ -181,13 +181,18 @@ def worker_ca(w: WorkerConfig):
 def tls_names_warning(cert_file: str, host: str) -> dict | None:
     """A replica's start-up check (issue 20): when the certificate in ``cert_file`` names none of
     the names a Worker may use for ``host`` (its listen address; every local address for an
-    unspecified one), what to journal ({address, names}); None when one is named."""
+    unspecified one), what to journal ({address, names, hint}); None when one is named."""
     from .adapters.tls_names import certificate_names, covers, listen_names
     names = certificate_names(cert_file)
     candidates = listen_names(host)
     if any(covers(names, c) for c in candidates):
         return None
-    return {"address": host or "*", "names": ",".join(names) or "none"}
+    if candidates == [host]:
+        hint = "cluster.tls_cert names none of this replica's listen addresses; Workers will refuse it"
+    else:       # Workers may dial a DNS name of this host that it does not know itself by
+        hint = ("cluster.tls_cert names neither this host's name nor its addresses; Workers refuse it unless "
+                "they dial a name it carries")
+    return {"address": host or "*", "names": ",".join(names) or "none", "hint": hint}
 
 
 def make_tls_ca(directory: str, days: int, common_name: str, force: bool) -> tuple[str, str, int]:

@@ -278,8 +278,7 @@ class ControlPlane:
             unnamed = bootstrap.tls_names_warning(self.settings.config.cluster.tls_cert, host)
             if unnamed is not None:
                 # Workers check the host name: none of them could use this address.
-                self.log("warning", "http.tls_names", **unnamed,
-                         hint="cluster.tls_cert names none of this replica's listen addresses; Workers will refuse it")
+                self.log("warning", "http.tls_names", **unnamed)
 
     def _drain_http(self) -> None:
         """Stop accepting; finish requests in progress for at most ``drain_grace_s``."""
