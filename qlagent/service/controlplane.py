@@ -243,7 +243,8 @@ class ControlPlane:
             Family("qlagent_pulls_waiting", GAUGE, "Pulls long-polling on this replica")
             .add(self.http.worker_routes.polls_waiting()),
             Family("qlagent_sweeper_passes_total", COUNTER, "Lease sweeper passes").add(self._sweeps),
-            Family("qlagent_lease_expiries_total", COUNTER, "Run Leases expired by the sweeper").add(self._leases_expired),
+            Family("qlagent_lease_expiries_total", COUNTER, "Run Leases expired by the sweeper: their Worker went "
+                   "silent or stopped naming them (self-fenced)").add(self._leases_expired),
             Family("qlagent_session_expiries_total", COUNTER, "Worker Sessions expired by the sweeper")
             .add(self._sessions_expired),
             Family("qlagent_pool_connections", GAUGE, "Database connections open").add(size),

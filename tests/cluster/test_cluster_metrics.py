@@ -195,3 +195,43 @@ def test_pool_in_use_counts_a_task_start_parked_on_its_tasks_row(replica):
     t.join(30)
     assert answer["start"][0] == 202, answer
     wait_until(lambda: value(scrape(r), "qlagent_pool_in_use") <= idle, 10, "the parked connection back in the pool")
+
+
+def test_a_lease_its_worker_stops_naming_expires_and_is_counted_while_the_session_lives(replica):
+    """A Worker that self-fences its run stops naming the Lease in its heartbeats and goes on
+    heartbeating: the sweeper expires the Lease (``qlagent_lease_expiries_total``), not the
+    Session — the replica's view of a self-fence."""
+    r, tok, env = replica
+    enrolled = json.loads(env.ok("workers", "enroll", "fencer", "--slots", "8", "--json"))
+    c = Client(r.port, {"worker_id": enrolled["workerId"], "credential": enrolled["credential"]})
+    try:
+        status, _, grant, _ = c.post("sessions", {})
+        assert status == 201, grant
+        fence = {"sessionId": grant["sessionId"], "generation": grant["generation"]}
+
+        def beat() -> None:         # names no Lease: every run of this Worker self-fenced
+            st, _, answer, _ = c.post("heartbeat", {**fence, "leases": []})
+            assert st == 200, answer
+
+        def pull() -> dict:
+            st, _, raw = c.call("POST", f"/api/v3/cluster/workers/{enrolled['workerId']}/pull?waitS=0",
+                                {**fence, "pullId": str(uuid.uuid4()), "leaseToken": secrets.token_urlsafe(32)})
+            assert st == 200, raw
+            return json.loads(raw)
+        assert r.request("POST", f"{BASE}/tasks/fenced/runs", body(_head(r, tok, "fenced")), tok)[0] == 202
+        before = scrape(r)
+        claimed = 0
+        while pull()["status"] == "offered":        # this Run and any an earlier test left queued
+            claimed += 1
+        assert claimed >= 1
+
+        def expired() -> dict | None:
+            beat()
+            fams = scrape(r)
+            return fams if value(fams, "qlagent_lease_expiries") >= value(before, "qlagent_lease_expiries") \
+                + claimed else None
+        after = wait_until(expired, 40, "the unnamed Leases expired (12 s)", step=1)
+        assert value(after, "qlagent_session_expiries") == value(before, "qlagent_session_expiries")
+        beat()                                      # the Session is still open
+    finally:
+        c.close()
