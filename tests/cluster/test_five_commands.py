@@ -1,10 +1,12 @@
 """README "A fleet in five commands" (issue 26), run as written: the configuration file and
 the commands are read from the README section, with only the host-specific values replaced
 (``/etc/qlagent`` and ``/var/lib/qlagent`` → this test's directories, ``cp.example.net`` →
-localhost, port 7380 → a free one, the database URL → this module's), and ``systemctl restart
-qlagent`` → starting ``qlagent serve`` for that host. Real PostgreSQL, a real replica serving
-HTTPS with the certificate ``qlagent tls`` made, a real Worker joined with the token, a Run
-whose log reads back through the control plane."""
+localhost, port 7380 → a free one, the database URL → this module's), ``systemctl restart
+qlagent`` → starting ``qlagent serve`` for that host, and ``sudo -u qlagent`` → this test's own
+user (it has no service user to switch to; ``tests/test_tls_cli.py`` and
+``tests/cluster/test_join.py`` check, as root, what each command gives that user). Real
+PostgreSQL, a real replica serving HTTPS with the certificate ``qlagent tls`` made, a real Worker
+joined with the token, a Run whose log reads back through the control plane."""
 
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class Host:
             for old, new in subst.items():
                 part = part.replace(old, new)
             argv = shlex.split(part)
+            if argv[:3] == ["sudo", "-u", "qlagent"]:
+                argv = argv[3:]
             if argv == ["systemctl", "restart", "qlagent"]:
                 self.restart()
                 continue
@@ -83,7 +87,7 @@ def test_the_readme_walkthrough_runs_a_task_on_a_joined_worker_over_https(pg_url
     tomls, shs = _section()
     config, hello = tomls
     control, router_lines, run_lines = shs
-    assert [ln.split()[:3] for ln in control + router_lines] == [
+    assert [ln.replace("sudo -u qlagent ", "").split()[:3] for ln in control + router_lines] == [
         ["qlagent", "tls", "ca"], ["qlagent", "tls", "cert"], ["qlagent", "init", "&&"],
         ["qlagent", "workers", "enroll"], ["qlagent", "worker", "join"]]
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
@@ -105,9 +109,10 @@ def test_the_readme_walkthrough_runs_a_task_on_a_joined_worker_over_https(pg_url
         (join,) = router_lines
         router.run(join.replace("qlj1.…", token), {})
         assert router.service is not None and router.service.poll() is None
-        with open(os.path.join(cp.etc, "hello.toml"), "w") as f:
-            f.write(hello)
         add, start, logs = run_lines
+        argv = shlex.split(add)
+        with open(argv[argv.index("-f") + 1].replace("/etc/qlagent", cp.etc), "w") as f:
+            f.write(hello)
         cp.run(add, subst)
         started = cp.run(start, subst)
         run_id = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", started).group(0)
