@@ -84,37 +84,50 @@ def test_replica_metrics_are_present_and_move_with_a_task_start(replica):
     assert value(after, "qlagent_sweeper_passes") > value(before, "qlagent_sweeper_passes")
 
 
+class HandWorker:
+    """A Worker driven by hand over HTTP: enrolled by the CLI as ``name`` with 8 slots (a Worker
+    without a free slot is answered at once), its Session open. ``beat()`` heartbeats naming no
+    Lease; ``pull(wait_s)`` beats, then Pulls (the Session, 10 s, lives while a test drives it)."""
+
+    def __init__(self, r, env, name: str) -> None:
+        enrolled = json.loads(env.ok("workers", "enroll", name, "--slots", "8", "--json"))
+        self.worker_id = enrolled["workerId"]
+        self.c = Client(r.port, {"worker_id": self.worker_id, "credential": enrolled["credential"]})
+        status, _, grant, _ = self.c.post("sessions", {})
+        assert status == 201, grant
+        self.fence = {"sessionId": grant["sessionId"], "generation": grant["generation"]}
+
+    def beat(self) -> None:
+        st, _, answer, _ = self.c.post("heartbeat", {**self.fence, "leases": []})
+        assert st == 200, answer
+
+    def pull(self, wait_s: int) -> dict:
+        self.beat()
+        st, _, raw = self.c.call("POST", f"/api/v3/cluster/workers/{self.worker_id}/pull?waitS={wait_s}",
+                                 {**self.fence, "pullId": str(uuid.uuid4()), "leaseToken": secrets.token_urlsafe(32)})
+        assert st == 200, raw
+        return json.loads(raw)
+
+    def close(self) -> None:
+        self.c.close()
+
+
 def test_replica_metrics_move_with_a_worker_pulling_then_going_silent(replica):
     """A Worker over HTTP (enrolled by the CLI): its waiting long-poll is counted, each claim is
     an offer, and once it stops heartbeating the sweeper expires its Session and its Leases."""
     r, tok, env = replica
-    # Slots for every claim of the test: a Worker without a free slot is answered at once.
-    enrolled = json.loads(env.ok("workers", "enroll", "metrics-w", "--slots", "8", "--json"))
-    c = Client(r.port, {"worker_id": enrolled["workerId"], "credential": enrolled["credential"]})
+    w = HandWorker(r, env, "metrics-w")
     try:
-        status, _, grant, _ = c.post("sessions", {})
-        assert status == 201, grant
-
-        def pull(wait_s: int) -> dict:
-            """A Pull after a heartbeat: the Session (10 s) lives while the test drives it."""
-            st, _, beat, _ = c.post("heartbeat", {"sessionId": grant["sessionId"], "generation": grant["generation"],
-                                                  "leases": []})
-            assert st == 200, beat
-            req = {"sessionId": grant["sessionId"], "generation": grant["generation"], "pullId": str(uuid.uuid4()),
-                   "leaseToken": secrets.token_urlsafe(32)}
-            st, _, raw = c.call("POST", f"/api/v3/cluster/workers/{enrolled['workerId']}/pull?waitS={wait_s}", req)
-            assert st == 200, raw
-            return json.loads(raw)
         before = scrape(r)
         # Two Tasks of their own: a Task's next Run waits while its last one holds a Lease
         # (concurrency = "single", the default).
         assert r.request("POST", f"{BASE}/tasks/racer/runs", body(_head(r, tok, "racer")), tok)[0] == 202
         claimed = 0
-        while pull(0)["status"] == "offered":      # this Run and any an earlier test left queued
+        while w.pull(0)["status"] == "offered":    # this Run and any an earlier test left queued
             claimed += 1
         assert claimed >= 1
         answer: dict = {}
-        waiter = threading.Thread(target=lambda: answer.update(pull(20)))
+        waiter = threading.Thread(target=lambda: answer.update(w.pull(20)))
         waiter.start()
         wait_until(lambda: value(scrape(r), "qlagent_pulls_waiting") == 1, 10, "one Pull long-polling",
                    detail=lambda: answer)
@@ -134,7 +147,7 @@ def test_replica_metrics_move_with_a_worker_pulling_then_going_silent(replica):
         assert value(final, "qlagent_session_expiries") > value(before, "qlagent_session_expiries")
         assert value(final, "qlagent_store_errors") == value(before, "qlagent_store_errors")
     finally:
-        c.close()
+        w.close()
 
 
 def test_store_errors_count_the_duties_failed_while_the_database_was_gone(replica):
@@ -202,36 +215,22 @@ def test_a_lease_its_worker_stops_naming_expires_and_is_counted_while_the_sessio
     heartbeating: the sweeper expires the Lease (``qlagent_lease_expiries_total``), not the
     Session — the replica's view of a self-fence."""
     r, tok, env = replica
-    enrolled = json.loads(env.ok("workers", "enroll", "fencer", "--slots", "8", "--json"))
-    c = Client(r.port, {"worker_id": enrolled["workerId"], "credential": enrolled["credential"]})
+    w = HandWorker(r, env, "fencer")
     try:
-        status, _, grant, _ = c.post("sessions", {})
-        assert status == 201, grant
-        fence = {"sessionId": grant["sessionId"], "generation": grant["generation"]}
-
-        def beat() -> None:         # names no Lease: every run of this Worker self-fenced
-            st, _, answer, _ = c.post("heartbeat", {**fence, "leases": []})
-            assert st == 200, answer
-
-        def pull() -> dict:
-            st, _, raw = c.call("POST", f"/api/v3/cluster/workers/{enrolled['workerId']}/pull?waitS=0",
-                                {**fence, "pullId": str(uuid.uuid4()), "leaseToken": secrets.token_urlsafe(32)})
-            assert st == 200, raw
-            return json.loads(raw)
         assert r.request("POST", f"{BASE}/tasks/fenced/runs", body(_head(r, tok, "fenced")), tok)[0] == 202
         before = scrape(r)
         claimed = 0
-        while pull()["status"] == "offered":        # this Run and any an earlier test left queued
+        while w.pull(0)["status"] == "offered":     # this Run and any an earlier test left queued
             claimed += 1
         assert claimed >= 1
 
         def expired() -> dict | None:
-            beat()
+            w.beat()                                # names no Lease: every run of this Worker self-fenced
             fams = scrape(r)
             return fams if value(fams, "qlagent_lease_expiries") >= value(before, "qlagent_lease_expiries") \
                 + claimed else None
         after = wait_until(expired, 40, "the unnamed Leases expired (12 s)", step=1)
         assert value(after, "qlagent_session_expiries") == value(before, "qlagent_session_expiries")
-        beat()                                      # the Session is still open
+        w.beat()                                    # the Session is still open
     finally:
-        c.close()
+        w.close()
