@@ -88,6 +88,9 @@ def test_join_writes_config_credential_and_ca_that_doctor_accepts(cp):
     checks = {c["name"]: c for c in out["checks"] if c["name"] in ("credential", "ca file", "control", "worker")}
     assert all(c["ok"] for c in out["checks"]), out["checks"]
     assert "known as r1" in checks["worker"]["detail"]
+    # Shown once: neither the credential nor the token is kept where the control plane could show it again.
+    kept = env.sql("SELECT row_to_json(w)::text FROM workers w UNION ALL SELECT row_to_json(j)::text FROM join_tokens j")
+    assert kept and not any(decode_token(token).credential in row or token in row for (row,) in kept)
     # config check takes what was written, and the same token is refused now: it was used.
     ok = _cli("config", "check", "--config", os.path.join(router, "qlagent.toml"), "--json")
     assert ok.returncode == 0, ok.stderr
