@@ -79,9 +79,12 @@ def _fixture(name: str) -> str:
 
 # ---------------------------------------------------------------- the Task set
 
-MARK = 'm="$MARKS/$QL3_ATTEMPT_ID"; echo "start $(date +%s%N)" >> "$m"\n'
-END = 'echo "end $(date +%s%N)" >> "$m"\n'
-TERM = 'echo "term $(date +%s%N)" >> "$m"; exit 143'
+# Marks carry the time since boot in ns, read by shell builtins: a `date` child would be
+# signalled with the rest of the tree and leave a mark without its time.
+NOW = 'read -r up _ < /proc/uptime; now="${up%.*}${up#*.}0000000"; '
+MARK = 'm="$MARKS/$QL3_ATTEMPT_ID"; ' + NOW + 'echo "start $now" >> "$m"\n'
+END = NOW + 'echo "end $now" >> "$m"\n'
+TERM = NOW + 'echo "term $now" >> "$m"; exit 143'
 TRAP = f"trap '{TERM}' TERM\n"
 
 
