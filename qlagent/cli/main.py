@@ -3,8 +3,8 @@ mapping of errors to exit codes. Each top-level command is added by a module of 
 (``COMMANDS``: ``agent``, ``task``, ``secret``, ``run``, ``access``, ``workers``, ``tls``,
 ``join``, ``status``, ``imports``, ``serve``) through ``register(subparsers, name, help)``.
 A command line pays for its own command only (issue 24 §3): ``--version`` is answered before
-anything is imported, the parsers of the other commands are their name and help line, and a
-handler imports its use cases when it runs, so ``--help``, ``run ls`` and ``task ls`` load no
+anything is imported, the parser holds the named command's grammar alone (``--help`` lists the
+others by name and help line), and a handler imports its use cases when it runs, so ``--help``, ``run ls`` and ``task ls`` load no
 HTTP server, dispatcher, cluster or Worker module (``tests/test_cli_imports.py``).
 
 Exit codes (stable, documented in README): 0 ok, 1 internal error, 2 usage or bad input,
@@ -38,11 +38,11 @@ COMMANDS = {
 }
 
 
-def build_parser(commands=None):
+def build_parser(commands=None, *, listed: bool = True):
     """The ``qlagent`` grammar (an ``argparse.ArgumentParser``): the common options, ``--version``
-    and every top-level command, those named in ``commands`` (default: all, the reference) with
-    their arguments and subcommands, the others by name and help line alone (all that
-    ``qlagent --help`` shows of them)."""
+    and the top-level commands, those named in ``commands`` (default: all, the reference) with
+    their arguments and subcommands; with ``listed`` the others too, by name and help line
+    alone (all that ``qlagent --help`` and a refused command word show of them)."""
     import importlib
     from .common import options, parser_class
     p = parser_class()(prog="qlagent", parents=[options()],
@@ -52,7 +52,7 @@ def build_parser(commands=None):
     for name, (module, help_) in COMMANDS.items():
         if commands is None or name in commands:
             importlib.import_module(f"{__package__}.{module}").register(sub, name, help_)
-        else:
+        elif listed:
             sub.add_parser(name, help=help_, add_help=False)    # its --help is the full parser's
     return p
 
@@ -62,26 +62,25 @@ _VALUE_OPTIONS = ("--state-dir", "--config", "--profile", "--project")
 
 
 def _command_word(argv: list[str]) -> str | None:
-    """The top-level command of ``argv``: its first word that is neither an option nor the value
-    of one, if that is a command; else None (no word, an unknown one, or an option argparse
-    would expand from an abbreviation: ``parse_args`` finds it)."""
+    """The top-level command of ``argv`` when only the common options, spelt in full, come
+    before it; else None (no command word, an unknown one, ``--help``, ``--version``, an
+    abbreviated option: argparse reads those against every command's name)."""
     tokens = iter(argv)
     for tok in tokens:
         if tok in _VALUE_OPTIONS:
             next(tokens, None)
-        elif not tok.startswith("-"):
+        elif tok != "--json" and tok.partition("=")[0] not in _VALUE_OPTIONS:
             return tok if tok in COMMANDS else None
     return None
 
 
 def parse(argv: list[str]):
-    """The namespace of ``argv`` (``handler``: the command's), from a parser that holds the
-    named command's arguments only. Raises UsageError; SystemExit for ``--help``/``--version``."""
+    """(parser, namespace) of ``argv``; the namespace's ``handler`` is the command's. The parser
+    holds that command's grammar alone. Raises UsageError; SystemExit for ``--help``/``--version``."""
     command = _command_word(argv)
-    if command is None:         # --help, a usage error, or the command behind an abbreviation
-        parser = build_parser(())
-        command = parser.parse_known_args(argv)[0].command
-    parser = build_parser((command,))
+    if command is None:
+        command = build_parser(()).parse_known_args(argv)[0].command
+    parser = build_parser((command,), listed=False)
     return parser, parser.parse_args(argv)
 
 
