@@ -55,6 +55,7 @@ RUNS = 1000
 TIME = "/usr/bin/time"      # GNU time: the child's own peak RSS
 COMMANDS = {"--version": ["--version"], "--help": ["--help"], f"run ls ({RUNS} Runs)": ["run", "ls"],
             f"task ls ({TASKS} Tasks)": ["task", "ls"]}
+HELP_ARGPARSE = "--help, argparse"     # its own work done with argparse (the library that formats it)
 PASS, SITE, LIBS, SERVE_LIBS = "python3 -I -S -c pass", "python3 -c pass", "CLI libraries", "serve libraries"
 TASK_FILE = "".join(f'[[task]]\nname = "t{i:02d}"\nschedule = "{i} 3 * * *"\ncommand = ["/bin/true"]\n'
                     'concurrency = "parallel"\n\n' for i in range(TASKS))
@@ -63,6 +64,33 @@ SEED = ("import sys\nfrom qlagent import bootstrap\nfrom qlagent.application.run
         "s = resolve(None, state_dir=sys.argv[1])\nstore = bootstrap.open_store(s, None)\n"
         f"svc = RunService(store)\nfor i in range({RUNS}):\n    svc.start(f't{{i % {TASKS}:02d}}')\n"
         "store.close()\n")
+
+
+
+def argparse_help_script() -> str:
+    """A script printing ``qlagent --help`` with argparse alone: the common options and the
+    command list read from this tree's grammar, nothing of qlagent imported when it runs."""
+    import argparse
+    from qlagent.cli.main import COMMANDS
+    from qlagent.cli.common import options
+    opts = []
+    for a in options()._actions:
+        if a.option_strings and not isinstance(a, argparse._HelpAction):
+            kw = {"help": a.help, "default": argparse.SUPPRESS}
+            if a.nargs == 0:
+                kw["action"] = "store_true"
+            if a.choices:
+                kw["choices"] = list(a.choices)
+            opts.append((a.option_strings, kw))
+    from qlagent import __version__
+    return ("import argparse\n"
+            "p = argparse.ArgumentParser(prog='qlagent', description='Schedule and run tasks on routers and edge boxes.')\n"
+            f"for o, kw in {opts!r}:\n    kw['default'] = argparse.SUPPRESS\n    p.add_argument(*o, **kw)\n"
+            f"p.add_argument('--version', action='version', version='qlagent {__version__}')\n"
+            "sub = p.add_subparsers(dest='command', required=True, metavar='COMMAND')\n"
+            f"for name, (_, h) in {COMMANDS!r}.items():\n    sub.add_parser(name, help=h)\n"
+            "p.parse_args(['--help'])\n")
+
 
 # What serve imports before READY=1 that is not qlagent's: the models' msgspec, the store's sqlite3
 # and thread, the loop's selectors and signals, and what adapters.processes loads at its import
@@ -247,12 +275,16 @@ def seed(form: Form, tree: str) -> dict[str, list[str]]:
         with open(form.outside(path), "w") as f:
             f.write(BARE[key])
         bare[label] = [*form.python, "-I", "-S", path, *args[key]]
+    path = f"{form.scratch}/bare-help-argparse.py"
+    with open(form.outside(path), "w") as f:
+        f.write(argparse_help_script())
+    bare[HELP_ARGPARSE] = [*form.python, "-I", "-S", path]
     return bare
 
 
 def check_same_output(form: Form, trees: list[str], bare: dict[str, list[str]]) -> None:
     """Each bare script prints exactly what every tree's qlagent prints (same job, same bytes)."""
-    for label, args in COMMANDS.items():
+    for label, args in [*COMMANDS.items(), (HELP_ARGPARSE, ["--help"])]:
         want = subprocess.run(bare[label], env=clean_env(), capture_output=True, check=True, cwd="/").stdout
         for tree in trees if not label.startswith("--") else trees[:1]:    # texts may differ between trees
             got = form.run(tree, *args)
@@ -320,6 +352,7 @@ def measure(form: Form, trees: list[str], n: int, serve: bool) -> dict:
         ("-", LIBS): ([*form.python, "-c", f"import {form.libraries}"], clean_env())}
     if serve:
         arms[("-", SERVE_LIBS)] = ([*form.python, "-c", f"import {form.serve_libraries}"], clean_env())
+    arms[("bare", HELP_ARGPARSE)] = (bare[HELP_ARGPARSE], clean_env())
     for label, args in COMMANDS.items():
         arms[("bare", label)] = (bare[label], clean_env())
         for tree in trees:
@@ -356,6 +389,11 @@ def report(form: Form, trees: list[str], res: dict) -> None:
             over = "" if arm == "bare" else f"{(m - own) / ref:.2f}×"
             print(f"{label:<22} {arm:<10} {m * 1e3:>9.1f} {m / ref:>6.2f}× {own * 1e3:>7.1f}ms {over:>9} "
                   f"{statistics.median(rss[(arm, label)]):>8.0f}")
+        if label == "--help":       # the same, taking argparse's formatting as the command's own work
+            own = med[("bare", HELP_ARGPARSE)] - ref
+            print(f"{'  own work = argparse':<22} {'bare':<10} {med[('bare', HELP_ARGPARSE)] * 1e3:>9.1f} "
+                  f"{med[('bare', HELP_ARGPARSE)] / ref:>6.2f}× {own * 1e3:>7.1f}ms "
+                  + " ".join(f"{t}: {(med[(t, label)] - own) / ref:.2f}×" for t in trees))
     if ("-", SERVE_LIBS) in med:
         print(f"`python3 -c 'import {form.serve_libraries}'`: {med[('-', SERVE_LIBS)] / ref:.2f}× pass")
     for tree in trees:
