@@ -4,8 +4,9 @@ mapping of errors to exit codes. Each top-level command is added by a module of 
 ``join``, ``status``, ``imports``, ``serve``) through ``register(subparsers, name, help)``.
 A command line pays for its own command only (issue 24 §3): ``--version`` is answered before
 anything is imported, the parser holds the named command's grammar alone (``--help`` lists the
-others by name and help line), and a handler imports its use cases when it runs, so ``--help``, ``run ls`` and ``task ls`` load no
-HTTP server, dispatcher, cluster or Worker module (``tests/test_cli_imports.py``).
+others by name and help line), and a handler imports its use cases when it runs, so
+``--help``, ``run ls`` and ``task ls`` load no HTTP server, dispatcher, cluster or Worker module
+(``tests/test_cli_imports.py``; times in bench/bench_cli.py).
 
 Exit codes (stable, documented in README): 0 ok, 1 internal error, 2 usage or bad input,
 3 conflict, 4 not found, 5 unavailable, 6 ``run start --wait``: the Run did not succeed.
@@ -89,8 +90,8 @@ def parse(argv: list[str]):
 # (bench/README.md). Only this exact grammar is taken here; anything else (help, an unknown or
 # abbreviated option, a bad value) goes to build_parser(), which is the reference and reports
 # it. tests/test_cli_serve_args.py checks that both agree.
-_SERVE_VALUE_OPTIONS = {"--state-dir": "state_dir", "--config": "config", "--profile": "profile",
-                        "--project": "project", "--listen": "listen", "--exit-after": "exit_after"}
+_SERVE_VALUE_OPTIONS = {**{o: o[2:].replace("-", "_") for o in _VALUE_OPTIONS}, "--listen": "listen",
+                        "--exit-after": "exit_after"}
 _SERVE_ONLY = ("listen", "exit_after")         # options of the subcommand, not of `qlagent` itself
 
 
