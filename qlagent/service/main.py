@@ -251,7 +251,9 @@ class Service:
         self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
                  recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get(AttemptState.LOST),
                  strays=counts.get("strays"))
-        self.notify.ready(self._status())
+        # Its STATUS leaves the budget figures to the first iteration's, a moment later: without
+        # a cgroup of the service they are a walk of every process on the host.
+        self.notify.ready(self._status(budget=False))
         if self.inline_run is None:
             self._start_schedules(started)
         try:
@@ -571,12 +573,12 @@ class Service:
     def _next_fire_us(self) -> int | None:
         return self.scheduler.next_wake_us if self.scheduler is not None else None
 
-    def _status(self) -> str:
+    def _status(self, budget: bool = True) -> str:
         queued = self.store.queued_count()
         nw = self._next_fire_us()
         parts = [f"running={self.engine.live_count()}", f"queued={queued}",
                  "next=" + (time.strftime("%H:%M:%S", time.gmtime(nw / 1e6)) + "Z" if nw else "-")]
-        if self.budget is not None:
+        if self.budget is not None and budget:
             u = self.budget.recent(0.5, self.engine.live_pids())
             mem, pids = self.budget.limits(u)
             parts.append(f"mem={u.rss_bytes // 1048576}/{mem // 1048576}MiB pids={u.pids}/{pids}")
