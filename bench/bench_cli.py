@@ -20,9 +20,11 @@ same rows of the same SQLite file with ``sqlite3`` and print the same lines (``r
 tree's RUNS_PAGE statement over 1,000 Runs, the newest 50; ``task ls``: the 50 heads, their
 documents with ``json``, each next fire with ``cronsim`` in its ``zoneinfo`` zone). The bench
 checks that a bare script prints exactly what qlagent printed. Own work = bare − pass;
-**overhead = (qlagent − own work) / pass**, the figure the goal (≤ 1.5) is about. Times are
-medians of N, each child under GNU time (its peak RSS, ``%M``; the wrapper's fork is in every
-arm alike).
+**overhead = (qlagent − own work) / pass**, the figure the goal (≤ 1.5) is about. ``--help`` is
+also set beside an argparse script of the same grammar (argparse's formatting as the own work),
+and every round times the libraries qlagent builds on, imported alone (the CLI's; serve's).
+Each figure is the median and the least of N, every ratio by the same statistic; each child runs
+under GNU time (its peak RSS, ``%M``; the wrapper's fork is in every arm alike).
 
 ``serve`` to READY: ``qlagent serve`` on the edge Profile over 50 cron Tasks, from the spawn to
 the ``READY=1`` datagram on a NOTIFY_SOCKET the bench owns (``WATCHDOG_USEC`` set as systemd
