@@ -307,9 +307,10 @@ def import_kib(interp: Interpreter, stmt: str) -> tuple[int, int]:
 
 
 class TrixieRoot:
-    """The e2e rootfs, extracted, with proc/sys/dev mounted and this tree's qlagent in /opt."""
+    """The e2e rootfs, extracted, with proc/sys/dev mounted and each tree's qlagent in
+    ``/opt/NAME`` (``trees``: NAME → a source tree; default this one as ``/opt/qlagent``)."""
 
-    def __init__(self, tmp: str, supervisor_src: str) -> None:
+    def __init__(self, tmp: str, supervisor_src: str | None, trees: dict[str, str] | None = None) -> None:
         out = subprocess.run([os.path.join(REPO, "packaging", "e2e-systemd")], capture_output=True, text=True,
                              env=dict(os.environ, QLAGENT_E2E_BUILD_ONLY="1"))
         tarball = next((ln for ln in out.stdout.splitlines() if ln.endswith(".tar.gz")), "")
@@ -318,9 +319,12 @@ class TrixieRoot:
         self.root = os.path.join(tmp, "rootfs")
         os.makedirs(self.root)
         subprocess.run(["tar", "-C", self.root, "--numeric-owner", "-xzf", tarball], check=True)
-        shutil.copytree(os.path.join(REPO, "qlagent"), os.path.join(self.root, "opt/qlagent/qlagent"),
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(supervisor_src, os.path.join(self.root, "opt/supervisor"))
+        self.trees = trees or {"qlagent": REPO}
+        for name, path in self.trees.items():
+            shutil.copytree(os.path.join(path, "qlagent"), os.path.join(self.root, f"opt/{name}/qlagent"),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        if supervisor_src is not None:
+            shutil.copytree(supervisor_src, os.path.join(self.root, "opt/supervisor"))
         # /usr/bin/qlagent exactly as packaging/build-deb writes it; bytecode compiled as the
         # postinst does (a service compiling its modules at every start would not be measured).
         with open(os.path.join(REPO, "packaging", "build-deb")) as f:
@@ -328,8 +332,10 @@ class TrixieRoot:
         script = build_deb.split("cat > \"$R/usr/bin/qlagent\" <<'PY'\n", 1)[1].split("\nPY\n", 1)[0] + "\n"
         with open(os.path.join(self.root, "usr/bin/qlagent"), "w") as f:
             f.write(script)
-        subprocess.run(["chroot", self.root, "/usr/bin/python3", "-m", "compileall", "-q", "/opt/qlagent/qlagent"],
-                       check=True)
+        os.chmod(os.path.join(self.root, "usr/bin/qlagent"), 0o755)
+        for name in self.trees:
+            subprocess.run(["chroot", self.root, "/usr/bin/python3", "-m", "compileall", "-q", f"/opt/{name}/qlagent"],
+                           check=True)
         if not os.path.exists(os.path.join(self.root, "etc/hosts")):
             with open(os.path.join(self.root, "etc/hosts"), "w") as f:     # the stub's URL names localhost
                 f.write("127.0.0.1 localhost\n")

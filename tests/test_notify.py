@@ -90,6 +90,20 @@ def test_watchdog_cadence_status_line_and_sigterm(state, listener):
     assert b"Traceback" not in p.stderr.read()
 
 
+def test_the_next_fire_is_in_status_right_after_ready(state, workdir, listener):
+    # The Scheduler is built after READY=1 but before the loop's first wait: the next fire is
+    # planned (and shown by `systemctl status`) at once, not at some later wake-up.
+    add_tasks(state, workdir, '[[task]]\nname = "nightly"\nschedule = "0 3 * * *"\ntimezone = "UTC"\n'
+                              'command = ["/bin/true"]\n')
+    p = start_serve(state, env=_env(listener, WATCHDOG_USEC=120_000_000))
+    try:
+        t_ready, _ = listener.wait_for(_is("READY=1"))
+        t_status, _ = listener.wait_for(_is("STATUS=running=0 queued=0 next=03:00:00Z"))
+        assert t_status - t_ready < 5
+    finally:
+        assert stop(p) == 0
+
+
 def test_no_watchdog_while_the_store_is_wedged(state, workdir, listener):
     # An every-second single-instance Task whose Run stays live: each second the loop writes
     # (skipped fire + schedule cursor), so a held write lock wedges the loop's store operation.

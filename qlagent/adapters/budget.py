@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import os
 import time
-
-import psutil
+from typing import TYPE_CHECKING
 
 from ..core.profiles import MiB, Profile
+
+if TYPE_CHECKING:   # annotations only: psutil is imported where a process is walked
+    import psutil
 
 PIDS_PER_RUN = 4           # shim + task + a little headroom for what the task forks
 MEMORY_HIGH_WATER = 0.85   # refuse activations above this share of the memory budget
@@ -218,6 +220,7 @@ def _pss(p: psutil.Process) -> int:
     """Proportional set size: the agent and every shim map the same interpreter, and RSS
     would count those shared pages once per process (4 runs looked like 80 MiB more than they
     are). PSS shares them out, so the tree's sum is what the box really spends."""
+    import psutil
     try:
         return p.memory_full_info().pss
     except (psutil.AccessDenied, AttributeError):
@@ -235,7 +238,6 @@ class BudgetMeter:
 
     def __init__(self, profile: Profile, cgroup=_FIND) -> None:
         self.profile = profile
-        self._me = psutil.Process()
         self.cgroup: CgroupFiles | None = find_service_cgroup() if cgroup is _FIND else cgroup
         self._last: tuple[float, Usage] | None = None
 
@@ -255,9 +257,10 @@ class BudgetMeter:
         k = self.cgroup.read() if self.cgroup is not None else {}
         pids, rss = k.get("pids"), k.get("rss")
         if pids is None or rss is None:
-            procs = [self._me]
+            import psutil       # the walk of the tree, only where no cgroup of the service counts it
+            procs = [psutil.Process()]
             try:
-                procs += self._me.children(recursive=True)
+                procs += procs[0].children(recursive=True)
             except psutil.Error:
                 pass
             for pid in extra_roots:

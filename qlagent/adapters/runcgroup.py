@@ -18,10 +18,12 @@ in the store. Where no subtree can be had (cgroup v1, no delegation, read-only
 from __future__ import annotations
 
 import os
-
-import psutil
+from typing import TYPE_CHECKING
 
 from .budget import cgroup2_mount, find_service_cgroup
+
+if TYPE_CHECKING:   # annotations only: psutil is imported where a process is walked
+    import psutil
 
 AGENT_LEAF = "agent"
 RUN_PREFIX = "run-"
@@ -105,6 +107,7 @@ class RunCgroups:
                 pids = [int(p) for p in f.read().split()]
         except OSError:
             return {}
+        import psutil           # only for a Run's members: a service start does not load it here
         found = {}
         for pid in pids:
             try:

@@ -14,9 +14,7 @@ import msgspec
 
 from ..core.canonical import snapshot_ref
 from ..core.models import Attempt, CreatedRun, Run, RunEvent, TaskDefinition, TaskHead, TokenInfo
-from ..core.schedule import next_fire, parse_schedule
 from ..core.taskstart import rfc3339_from_us
-from .schedules import system_timezone, upcoming
 
 NEXT_FIRES = 5              # merged upcoming fire instants on a Task head
 
@@ -127,6 +125,9 @@ def worker(w: dict) -> dict:
 def task_head(h: TaskHead, now_us: int) -> dict:
     """The head with each schedule's next fire and the merged ``nextFires`` after ``now_us``
     (none while disabled)."""
+    # Here, not at the top: a Run's shape (``run ls --json``) needs no cron grammar nor zones.
+    from ..core.schedule import next_fire, parse_schedule
+    from .schedules import system_timezone, upcoming
     d = h.definition
     tz = d.timezone or system_timezone()
     schedules = []

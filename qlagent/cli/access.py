@@ -46,15 +46,17 @@ def cmd_role_set(ctx: Ctx) -> int:
 ROLES = ["owner", "admin", "operator", "viewer"]
 
 
-def register(subparsers) -> None:
-    """Add ``token create|revoke|ls`` and ``role set``."""
-    tok = group(subparsers, "token", "API bearer tokens")
+def register(subparsers, name: str, help_: str) -> None:
+    """Add ``token create|revoke|ls`` or ``role set`` (``name``: token, role)."""
+    if name == "role":
+        rs = command(group(subparsers, name, help_), "set", cmd_role_set,
+                     "bind a subject's role in the project ('none' revokes)")
+        rs.add_argument("subject")
+        rs.add_argument("role", choices=[*ROLES, "none"])
+        return
+    tok = group(subparsers, name, help_)
     tc = command(tok, "create", cmd_token_create, "create a token (printed once) and bind the subject's role")
     tc.add_argument("--subject", required=True)
     tc.add_argument("--role", required=True, choices=ROLES)
     command(tok, "revoke", cmd_token_revoke, "revoke a token (by its ID, or the token itself)").add_argument("token_id")
     command(tok, "ls", cmd_token_ls, "list tokens of the project (IDs and subjects, never the tokens)")
-    rs = command(group(subparsers, "role", "role bindings"), "set", cmd_role_set,
-                 "bind a subject's role in the project ('none' revokes)")
-    rs.add_argument("subject")
-    rs.add_argument("role", choices=[*ROLES, "none"])

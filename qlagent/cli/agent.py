@@ -119,11 +119,12 @@ def _certificate_expiries(s) -> list[dict]:
     return out
 
 
-def register(subparsers) -> None:
-    """Add ``init``, ``doctor`` and ``config check``."""
-    command(subparsers, "init", cmd_init, "create the state directory, database and secret key file")
-    command(subparsers, "doctor", cmd_doctor, "check schema, capability, integrity, key file and free space")
-    c = command(group(subparsers, "config", "configuration"), "check", cmd_config_check,
+def register(subparsers, name: str, help_: str) -> None:
+    """Add ``init``, ``doctor`` or ``config check`` (``name``: init, doctor, config)."""
+    if name != "config":
+        command(subparsers, name, {"init": cmd_init, "doctor": cmd_doctor}[name], help_)
+        return
+    c = command(group(subparsers, name, help_), "check", cmd_config_check,
                 "validate the config file and print the resolved settings")
     c.add_argument("--as-user", metavar="USER",
                    help="judge the paths the agent trusts as the agent running as USER would")

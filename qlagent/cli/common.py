@@ -190,13 +190,37 @@ def options(project: bool = True):
 _PARSER: list[type] = []
 
 
+def help_width() -> int:
+    """Columns of help text: ``$COLUMNS``, else the terminal's on stdout, else 80, less 2 — what
+    argparse asks ``shutil.get_terminal_size`` for, without importing shutil (with its bz2, lzma
+    and zlib for archives) at every parser a command line builds."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80
+        except (AttributeError, ValueError, OSError):
+            columns = 80
+    return columns - 2
+
+
 def parser_class() -> type:
     """argparse.ArgumentParser with the CLI's one-line refusal (no usage block): ``error`` raises
-    UsageError (exit 2 naming the argument)."""
+    UsageError (exit 2 naming the argument); help text ``help_width()`` wide."""
     if not _PARSER:
         import argparse
 
+        class Formatter(argparse.HelpFormatter):
+            def __init__(self, prog, indent_increment=2, max_help_position=24, width=None):
+                super().__init__(prog, indent_increment, max_help_position, help_width() if width is None else width)
+
         class Parser(argparse.ArgumentParser):
+            def __init__(self, *args, **kw):
+                kw.setdefault("formatter_class", Formatter)
+                super().__init__(*args, **kw)
+
             def error(self, message: str):
                 raise UsageError(f"{message} (see `{self.prog} --help`)")
         _PARSER.append(Parser)

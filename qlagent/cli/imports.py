@@ -42,9 +42,9 @@ def cmd_import_qinglong(ctx: Ctx) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help_: str) -> None:
     """Add ``import qinglong``."""
-    q = command(group(subparsers, "import", "import from another scheduler"), "qinglong", cmd_import_qinglong,
+    q = command(group(subparsers, name, help_), "qinglong", cmd_import_qinglong,
                 "import the crons and variables of a qinglong 2.x panel")
     q.add_argument("path", help="the 2.x data directory (holding db/database.sqlite) or the database file")
     q.add_argument("--dry-run", action="store_true", help="print the report, write nothing")

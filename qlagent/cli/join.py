@@ -391,11 +391,10 @@ def _doctor(config: str, uid: int, gid: int) -> list[dict]:
         return [{"name": "doctor", "ok": False, "detail": p.stderr.decode(errors="replace").strip()[:400]}]
 
 
-def register(sub) -> None:
+def register(sub, name: str, help_: str) -> None:
     """Add ``worker join`` to ``sub`` (the top-level subparsers). Its ``--config`` and
     ``--state-dir`` are what it writes, not what the command reads."""
-    w = sub.add_parser("worker", help="this host as a fleet Worker").add_subparsers(dest="sub", required=True,
-                                                                                  metavar="SUB")
+    w = sub.add_parser(name, help=help_).add_subparsers(dest="sub", required=True, metavar="SUB")
     j = w.add_parser("join", help="join the fleet with a token from `qlagent workers enroll --join-token`")
     j.set_defaults(handler=cmd_worker_join, reads_config=False)
     j.add_argument("token", metavar="TOKEN")

@@ -176,9 +176,9 @@ def cmd_run_cancel(ctx: Ctx) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help_: str) -> None:
     """Add ``run start|ls|show|logs|cancel``."""
-    run = group(subparsers, "run", "runs")
+    run = group(subparsers, name, help_)
     st = command(run, "start", cmd_run_start, "start a task now (Task Start semantics)")
     st.add_argument("task")
     st.add_argument("--wait", action="store_true", help="wait for the end; exit 6 unless it succeeded")

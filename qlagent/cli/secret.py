@@ -62,10 +62,10 @@ def cmd_secret_rm(ctx: Ctx) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help_: str) -> None:
     """Add ``secret set|ls|rm``."""
     import argparse
-    sec = group(subparsers, "secret", "encrypted secrets")
+    sec = group(subparsers, name, help_)
     ss = command(sec, "set", cmd_secret_set, "store a secret; the value is read from stdin, never argv")
     ss.add_argument("name")
     # Swallow stray words so argparse never echoes a value typed on the command line.

@@ -21,8 +21,8 @@ def cmd_serve(ctx: Ctx) -> int:
     return serve(ctx.settings, ctx.args)
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help_: str) -> None:
     """Add ``serve`` (the reference grammar of ``cli.main``'s fast path)."""
-    sv = command(subparsers, "serve", cmd_serve, "run the agent (systemd Type=notify service)")
+    sv = command(subparsers, name, cmd_serve, help_)
     sv.add_argument("--listen", default=None, help="HTTP HOST:PORT (overrides http.listen)")
     sv.add_argument("--exit-after", type=ascii_seconds, default=None, help="drain and exit after this many seconds")

@@ -52,9 +52,7 @@ def cmd_status(ctx) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub, name: str, help_: str) -> None:
     """Add ``status`` to ``sub`` (the top-level subparsers)."""
-    from .common import options
-    common = options()
-    s = sub.add_parser("status", parents=[common], help="the fleet at a glance ([cluster] only)")
-    s.set_defaults(handler=cmd_status)
+    from .common import command
+    command(sub, name, cmd_status, help_)

@@ -158,9 +158,9 @@ def cmd_task_rm(ctx: Ctx) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help_: str) -> None:
     """Add ``task add|ls|show|edit|enable|disable|rm``."""
-    task = group(subparsers, "task", "task definitions")
+    task = group(subparsers, name, help_)
     command(task, "add", cmd_task_add, "add every [[task]] of a TOML file").add_argument("-f", "--file", required=True)
     command(task, "ls", cmd_task_ls, "list tasks")
     command(task, "show", cmd_task_show, "show a task's head, digest and next fire times").add_argument("name")

@@ -57,13 +57,13 @@ def cmd_cert_create(ctx) -> int:
     return _report(ctx, cert, key, names, end, "server", user)
 
 
-def register(sub) -> None:
+def register(sub, name: str, help_: str) -> None:
     """Add ``tls ca create`` and ``tls cert create`` to ``sub`` (the top-level subparsers);
     ``common`` is the parent parser of the common options."""
     from .common import options
     common = options()
     from .common import ascii_int as _ascii_int
-    tls = sub.add_parser("tls", help="the control plane's CA and replica certificates").add_subparsers(
+    tls = sub.add_parser(name, help=help_).add_subparsers(
         dest="sub", required=True, metavar="SUB")
     ca = tls.add_parser("ca", help="the CA").add_subparsers(dest="action", required=True, metavar="ACTION")
     c = ca.add_parser("create", parents=[common], help="make a CA key (0600) and certificate (0644)")

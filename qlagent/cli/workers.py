@@ -78,9 +78,9 @@ def cmd_workers_state(ctx: Ctx, verb: str) -> int:
     return 0
 
 
-def register(subparsers) -> None:
+def register(subparsers, name: str, help_: str) -> None:
     """Add ``workers enroll|rotate-credential|ls|drain|resume|rm``."""
-    wk = subparsers.add_parser("workers", help="cluster Workers ([cluster] only)").add_subparsers(
+    wk = subparsers.add_parser(name, help=help_).add_subparsers(
         dest="sub", required=True, metavar="SUB")
     # Here --project scopes the Worker (repeatable), not the command: the common options but that one.
     we = wk.add_parser("enroll", parents=[options(project=False)], help="enroll a Worker; prints its credential once")

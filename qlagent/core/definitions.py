@@ -20,7 +20,6 @@ from .executors import EXECUTOR_LABEL, WORKER_EXECUTORS
 from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, PlacementSpec, RetryPolicy,
                      TaskDefinition)
 from .profiles import AGENT_MEMORY_SHARE, PROFILES, MiB, Profile, run_memory_share
-from .schedule import ScheduleError, parse_schedules, validate_timezone
 
 POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*\Z")
@@ -370,6 +369,9 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
     if not (1 <= len(t.name) <= L.MAX_TASK_NAME) or not TASK_NAME.match(t.name):
         raise ValidationError(f"{p}name", f"must be 1..{L.MAX_TASK_NAME} of [a-z0-9._-], starting alphanumeric",
                               limit=L.MAX_TASK_NAME)
+    # Only a Task being defined needs the cron grammar and the zones (cronsim, zoneinfo): not
+    # every reader of a definition (``run ls``, the HTTP API).
+    from .schedule import ScheduleError, parse_schedules, validate_timezone
     lines = [t.schedule] if isinstance(t.schedule, str) else list(t.schedule)
     try:
         schedules = [" ".join(s.source.split()) for s in parse_schedules(lines)]

@@ -19,7 +19,6 @@ from ..core.definitions import check_project_name
 from ..core.errors import ValidationError, from_msgspec
 from ..core.profiles import Profile, get_profile
 from ..core.settings import ClusterConfig, Config, Settings, WorkerConfig
-from .tomlfile import read_toml
 from .trust import TrustedPath, require_trusted, trusted_paths
 
 DEFAULT_CONFIG = "/etc/qlagent/qlagent.toml"
@@ -80,6 +79,7 @@ def load_config(path: str | None, *, trust: bool = True) -> tuple[Config, str | 
         return Config(), None
     if trust:
         require_trusted([TrustedPath("config file", path)])
+    from .tomlfile import read_toml         # tomllib only where there is a file to read
     data = read_toml(path, "config", MAX_CONFIG_BYTES)
     _drop_retired(data, path)
     try:

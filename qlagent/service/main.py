@@ -4,8 +4,11 @@ It sleeps until the next of: a cron due time, a run deadline or kill escalation,
 backoff, the watchdog ping, a shim exit (pidfd), a control-socket poke, an HTTP request, a
 netlink event or a signal — no fixed-interval polling. After each wake-up it fires due
 schedules, sweeps cancellations, enforces deadlines and calls the dispatcher until it reports
-no candidate or a limit. systemd: READY=1 after migrations, capability check and recovery;
-WATCHDOG=1 only after a healthy iteration; STOPPING=1 then a bounded drain on SIGTERM.
+no candidate or a limit. systemd: READY=1 after migrations, capability check and recovery, with
+the control socket, the signals and the HTTP surface listening; the schedules (the cron grammar,
+the zones, every Task's next fire, the ``@boot`` Runs) are planned right after it, before the
+first wait of the loop; WATCHDOG=1 only after a healthy iteration; STOPPING=1 then a bounded
+drain on SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import signal
 import time
 
 from .. import bootstrap
-from ..application.schedules import system_timezone
 from ..core.clock import now_us
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
 from ..core.states import RUN_LIVE, AttemptState, RunState
@@ -26,7 +28,6 @@ from .config import Settings, parse_listen, resolve, state_space_problem
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
-from .scheduler import Scheduler
 from .signals import SignalWakeup
 
 MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each activates ≤ 1 Run)
@@ -75,6 +76,7 @@ class Service:
         self.exit_at_us: int | None = None
         self.http = None
         self.netgate = None
+        self.scheduler = None       # the service's, made right after READY=1 (_start_schedules)
         self._signals: list[int] = []
         self._last_extend_us = 0
         self._refusal: str | None = None
@@ -92,7 +94,6 @@ class Service:
         max_conc = s.config.max_concurrent_runs or s.profile.max_concurrent_runs
         self.engine = bootstrap.build_engine(s, self.store, max_concurrent=max_conc, budget=self.budget,
                                              clock_us=self._now, log=self.log)
-        self.scheduler = Scheduler(self.store, system_timezone(), self._now, self.log)
         # `init` (run by the package's postinst) normally did this already; the service does it
         # too so that no resident agent keeps `cryptography` loaded for the old format.
         migrated, problems = bootstrap.migrate_legacy_secrets(s, self.store)
@@ -100,6 +101,16 @@ class Service:
             self.log("notice", "secrets.migrated", count=migrated)
         for problem in problems:
             self.log("warning", "secrets.migration_failed", error=problem)
+
+    def _start_schedules(self, started_us: int) -> None:
+        """The Scheduler over every enabled Task and this start's ``@boot`` Runs: after READY=1,
+        since nothing before it needs them (a CLI poke, a signal or an HTTP request waits in the
+        selector meanwhile) and they cost the cron grammar, the zones and a next fire per Task."""
+        from ..application.schedules import system_timezone
+        from .scheduler import Scheduler
+        self.scheduler = Scheduler(self.store, system_timezone(), self._now, self.log)
+        self.scheduler.reload()
+        self.scheduler.fire_boot(started_us)
 
     def _open_when_room(self) -> dict:
         """Open the store and recover the live Runs (inline too, as it holds the service lock:
@@ -230,8 +241,6 @@ class Service:
         self.sel.register(self.ctl, selectors.EVENT_READ, ("control", None))
         self._install_signals()
         if self.inline_run is None:
-            self.scheduler.reload()
-            self.scheduler.fire_boot(started)
             self._start_http()
         # Inline too: without the gate a network-gated Run could never start (nor end the wait).
         self._ensure_netgate()
@@ -242,7 +251,11 @@ class Service:
         self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
                  recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get(AttemptState.LOST),
                  strays=counts.get("strays"))
-        self.notify.ready(self._status())
+        # Its STATUS leaves the budget figures to the first iteration's, a moment later: without
+        # a cgroup of the service they are a walk of every process on the host.
+        self.notify.ready(self._status(budget=False))
+        if self.inline_run is None:
+            self._start_schedules(started)
         try:
             while True:
                 try:
@@ -297,7 +310,7 @@ class Service:
         now = self._now()
         down = self.store_down is not None
         times = [t for t in (
-            None if self.draining or down else self.scheduler.next_wake_us, self.store_retry_us,
+            None if self.draining or down else self._next_fire_us(), self.store_retry_us,
             self.engine.next_wakeup_us(), self.notify.next_ping_us(now), self.drain_deadline_us,
             self.kill_deadline_us, self.recheck_us, self.exit_at_us,
             None if self.inline_deadline_us is None or now >= self.inline_deadline_us else self.inline_deadline_us,
@@ -367,7 +380,8 @@ class Service:
             # A Task added, edited or re-enabled by the CLI must be scheduled (and gated) now,
             # not only after a SIGHUP.
             self.defs_changed = False
-            self.scheduler.reload()
+            if self.scheduler is not None:
+                self.scheduler.reload()
             self._ensure_netgate()
         if not self.draining and self.inline_run is None:
             nw = self.scheduler.next_wake_us
@@ -423,7 +437,7 @@ class Service:
             self.log("info", "config.reloaded", file=new.config_path)
         except QlError as e:
             self.log("err", "config.reload_failed", error=str(e))
-        n = self.scheduler.reload()
+        n = self.scheduler.reload() if self.scheduler is not None else 0
         self._ensure_netgate()
         self.notify.ready(self._status())    # ends the reload either way; a refusal is in the journal
         self.log("info", "schedule.reloaded", tasks=n)
@@ -556,12 +570,15 @@ class Service:
                                    "OOM kills in the service cgroup").add(u.oom_kills))
         return render(fams)
 
-    def _status(self) -> str:
+    def _next_fire_us(self) -> int | None:
+        return self.scheduler.next_wake_us if self.scheduler is not None else None
+
+    def _status(self, budget: bool = True) -> str:
         queued = self.store.queued_count()
-        nw = self.scheduler.next_wake_us
+        nw = self._next_fire_us()
         parts = [f"running={self.engine.live_count()}", f"queued={queued}",
                  "next=" + (time.strftime("%H:%M:%S", time.gmtime(nw / 1e6)) + "Z" if nw else "-")]
-        if self.budget is not None:
+        if self.budget is not None and budget:
             u = self.budget.recent(0.5, self.engine.live_pids())
             mem, pids = self.budget.limits(u)
             parts.append(f"mem={u.rss_bytes // 1048576}/{mem // 1048576}MiB pids={u.pids}/{pids}")
