@@ -257,14 +257,14 @@ def build_worker(settings: Settings, log, notify):
     """The fleet Worker of ``settings.config.worker`` (issue 11): its control client (credential
     and CA checked now: ValidationError naming ``worker.credential_file``/``worker.ca_file``),
     its inbox (``<state dir>/inbox.sqlite3``) and its run directories
-    (``<state dir>/worker-runs``), in an ``fleet.runtime.WorkerRuntime``. Nothing of
+    (``<state dir>/worker-runs``), in an ``worker.runtime.WorkerRuntime``. Nothing of
     the local store or of the control plane (``qlagent.cluster``, psycopg) is loaded."""
     import os
 
     from .adapters.control_client import ControlClient
     from .adapters.sqlite.inbox import SqliteInbox
     from .adapters.worker_runs import WorkerRuns
-    from .fleet.runtime import WorkerRuntime
+    from .worker.runtime import WorkerRuntime
     from .core.cluster import Hello
     w = settings.config.worker
     client = ControlClient(w.control_url, w.worker_id, w.credential_file, w.ca_file)

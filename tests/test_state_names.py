@@ -29,16 +29,16 @@ KNOWN_NAMESPACES = {"RunState", "AttemptState", "WorkerState", "SessionState", "
 NOT_STATES = {
     # counts and counters: `qlagent status`'s JSON, the Worker's and the overview's figures
     ("cli/status.py", "queued"), ("cli/status.py", "replaced"), ("adapters/postgres/overview.py", "queued"),
-    ("adapters/postgres/overview.py", "replaced"), ("fleet/runtime.py", "completed"), ("fleet/runtime.py", "fenced"),
-    ("fleet/spawn.py", "completed"), ("fleet/spawn.py", "fenced"), ("fleet/stops.py", "fenced"),
+    ("adapters/postgres/overview.py", "replaced"), ("worker/runtime.py", "completed"), ("worker/runtime.py", "fenced"),
+    ("worker/spawn.py", "completed"), ("worker/spawn.py", "fenced"), ("worker/stops.py", "fenced"),
     ("http/worker_status.py", "completed"), ("http/worker_status.py", "fenced"),
     # the agent's or a Worker's own draining (readiness, admission, the Pull's reason code)
     ("http/api.py", "draining"), ("http/worker_status.py", "draining"), ("dispatch/admission.py", "draining"),
-    ("service/main.py", "draining"), ("cluster/pull.py", "draining"), ("fleet/runtime.py", "draining"),
+    ("service/main.py", "draining"), ("cluster/pull.py", "draining"), ("worker/runtime.py", "draining"),
     # the Worker's status document: how many inbox rows are open; a journal counter of re-attach
-    ("fleet/runtime.py", "open"), ("fleet/recovery.py", "lost"),
+    ("worker/runtime.py", "open"), ("worker/recovery.py", "lost"),
     # the Worker's start error code for a cancelled start
-    ("fleet/spawn.py", "cancelled"),
+    ("worker/spawn.py", "cancelled"),
     # a certificate's validity in an error message; a Project's or binding's `active` column
     ("adapters/control_client.py", "expired"), ("adapters/rows/policy.py", "active"),
     # a connection's flag in the HTTP loop's __slots__; a Run's `held` column; a fire's outcome

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qlagent.core.errors import EXIT_USAGE, ValidationError
-from qlagent.worker import backoff, fencing, heartbeat, pacing
-from qlagent.worker.fencing import KEEP, RUN, STOP, Renewal
+from qlagent.worker.policy import backoff, fencing, heartbeat, pacing
+from qlagent.worker.policy.fencing import KEEP, RUN, STOP, Renewal
 
 draw = st.floats(min_value=0.0, max_value=1.0, exclude_max=True)
 

@@ -746,7 +746,7 @@ def test_worker_log_store_bytes_grows_with_the_slots(tmp_path):
 def test_worker_mode_never_loads_the_control_plane_and_a_local_agent_never_loads_the_client():
     # Everything Worker mode loads (bootstrap.build_worker's lazy imports included).
     worker_mods = ("qlagent.service.worker_mode", "qlagent.adapters.control_client", "qlagent.adapters.worker_runs",
-                   "qlagent.adapters.sqlite.inbox", "qlagent.fleet.runtime")
+                   "qlagent.adapters.sqlite.inbox", "qlagent.worker.runtime")
     probe = ("import sys, importlib; [importlib.import_module(m) for m in sys.argv[1:]]; "
              "print(' '.join(m for m in sys.modules if m.startswith(('qlagent.cluster', 'psycopg', "
              "'qlagent.adapters.control_client', 'qlagent.http', 'qlagent.application.engine'))))")
