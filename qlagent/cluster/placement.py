@@ -101,8 +101,8 @@ class LeaseFitPlans:
     def _fit(self, plan: DispatchPlan | None) -> DispatchPlan | None:
         return None if plan is None or (plan.spec.get("graceMs") or 0) > self.max_grace_ms else plan
 
-    def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
-        return self._fit(self._plans.prepare(c))
+    def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
+        return self._fit(self._plans.prepare(candidate))
 
-    def prepare_with(self, tx, c: ClusterCandidate) -> DispatchPlan | None:
-        return self._fit(self._plans.prepare_with(tx, c))
+    def prepare_with(self, tx, candidate: ClusterCandidate) -> DispatchPlan | None:
+        return self._fit(self._plans.prepare_with(tx, candidate))
