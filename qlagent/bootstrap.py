@@ -451,8 +451,9 @@ class ClusterServices:
     ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``joins`` (JoinTokens), ``placement_report``
     (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
     (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
-    ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``),
-    ``clock`` (``core.dbclock.DatabaseClock`` over it: the replica's loop plans in it), the
+    ``now_us()`` (the database clock, µs: one query each), ``clock`` (``core.dbclock.
+    DatabaseClock`` over it, synced by the replica's loop: the loop plans in it and the Worker
+    routes stamp ``X-Qlagent-Server-Now-Us`` from it), the
     ``[cluster]`` table as ``config``, ``stop_waiting()`` (SIGTERM: long-polling Pulls answer at
     once) and ``close()`` for the LISTEN connection (supervised: ``log`` hears when it is lost and
     restored). ``qlagent.http.service`` mounts the Worker routes over it."""
