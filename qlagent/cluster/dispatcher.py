@@ -158,7 +158,9 @@ class CandidateClaimer:
             after = page.next_cursor
         raise BudgetExhausted("candidate_budget")
 
-    def _one(self, store, plans, c, n: CycleCounts, snapshot: list[WorkerSnapshot], token_for, pull_id):
+    def _one(self, store: PullUnit, plans: PlanSource, c: ClusterCandidate, n: CycleCounts,
+             snapshot: list[WorkerSnapshot], token_for: Callable[[ClusterCandidate, WorkerSnapshot], str],
+             pull_id: str | None) -> ClaimedExecutionOffer | None:
         plan = plans.prepare(c)
         if plan is None:
             return n.skip("plan_missing")
