@@ -47,7 +47,8 @@ import urllib.request
 import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests", "fleet"))
+# This tree, its test helpers (tests/kit.py) and the Worker-protocol stub, in that order.
+sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "fleet")]
 KiB = 1024
 MiB = 1024 * KiB
 CHATTY = os.path.join(REPO, "examples", "router-tasks", "chatty.sh")

@@ -56,7 +56,8 @@ import time
 import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests", "fleet"))
+# This tree, its test helpers (tests/kit.py) and the Worker-protocol stub, in that order.
+sys.path[:0] = [REPO, os.path.join(REPO, "tests"), os.path.join(REPO, "tests", "fleet")]
 from harness import Cgroup, cgroup_v1_available, free_port, spawn_in  # noqa: E402
 from stubcp import StubControlPlane, worker_config, write_credential  # noqa: E402
 

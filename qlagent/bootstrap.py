@@ -18,8 +18,9 @@ from .core.clock import now_us
 from .core.profiles import Profile
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from .adapters.postgres.store import PgStore
     from .core.ports import BudgetPort, CipherFactory, NetworkPort, PanelSource, SecretCipher, Store
-    from .core.settings import Settings, WorkerConfig
+    from .core.settings import ClusterConfig, Settings, WorkerConfig
 
 WORKER_RUNS_DIR = "worker-runs"   # a fleet Worker's run directories, under its state directory
 SHIM_LINGER_S = 2.0      # the shim drains output this long after its task exits (ARCHITECTURE.md)
@@ -51,7 +52,7 @@ def open_store(settings: Settings, project: str | None = None, *, migrate: bool 
                        busy_timeout_ms=int(settings.config.busy_timeout_s * 1000))
 
 
-def open_cluster_store(settings: Settings):
+def open_cluster_store(settings: Settings) -> PgStore:
     """The ``[cluster]`` PostgreSQL store acting in no Project (``store.project`` is None), for
     what belongs to the cluster rather than to a Project (``qlagent workers``): it neither creates
     nor requires a Project. Not migrated here (UnavailableError ``store_not_migrated``); raises
@@ -257,14 +258,14 @@ def build_worker(settings: Settings, log, notify):
     """The fleet Worker of ``settings.config.worker`` (issue 11): its control client (credential
     and CA checked now: ValidationError naming ``worker.credential_file``/``worker.ca_file``),
     its inbox (``<state dir>/inbox.sqlite3``) and its run directories
-    (``<state dir>/worker-runs``), in an ``fleet.runtime.WorkerRuntime``. Nothing of
+    (``<state dir>/worker-runs``), in an ``worker.runtime.WorkerRuntime``. Nothing of
     the local store or of the control plane (``qlagent.cluster``, psycopg) is loaded."""
     import os
 
     from .adapters.control_client import ControlClient
     from .adapters.sqlite.inbox import SqliteInbox
     from .adapters.worker_runs import WorkerRuns
-    from .fleet.runtime import WorkerRuntime
+    from .worker.runtime import WorkerRuntime
     from .core.cluster import Hello
     w = settings.config.worker
     client = ControlClient(w.control_url, w.worker_id, w.credential_file, w.ca_file)
@@ -362,7 +363,7 @@ def worker_checks(settings: Settings) -> list[tuple[str, bool, str]]:
 
 # ---- the cluster control plane ([cluster]) -------------------------------------------------
 
-def check_cluster(cluster) -> None:
+def check_cluster(cluster: ClusterConfig) -> None:
     """Start-up checks of a ``core.settings.ClusterConfig`` beyond its msgspec bounds: the libpq
     URLs (``database``, ``listen_database``) and ADR-0014's dispatcher ceilings. Raises ValidationError naming the ``cluster.*`` field."""
     from .adapters.postgres.connection import check_url
@@ -373,21 +374,21 @@ def check_cluster(cluster) -> None:
     check_budgets(_budgets(cluster))
 
 
-def _budgets(cluster):
+def _budgets(cluster: ClusterConfig):
     from .cluster.dispatcher import DispatcherBudgets
     d = cluster.dispatcher
     return DispatcherBudgets(candidate_page_size=d.candidate_page_size, candidate_pages=d.candidate_pages,
                              claim_tries=d.claim_tries, lease_ttl_s=cluster.lease_ttl_s)
 
 
-def join_tokens(store):
+def join_tokens(store: PgStore):
     """``cluster.joins.JoinTokens`` on the PostgreSQL ``store``'s pool (issue 26)."""
     from .adapters.postgres.join_tokens import PgJoinTokens
     from .cluster.joins import JoinTokens
     return JoinTokens(PgJoinTokens(store.pool))
 
 
-def rotate_worker_credential(store, name: str) -> tuple[str, str]:
+def rotate_worker_credential(store: PgStore, name: str) -> tuple[str, str]:
     """``workers rotate-credential``: (Worker ID, new credential) of the Worker ``name`` on the
     PostgreSQL ``store``'s pool (``cluster.credentials.rotate_credential``)."""
     from .adapters.postgres.credentials import PgCredentials
@@ -395,7 +396,7 @@ def rotate_worker_credential(store, name: str) -> tuple[str, str]:
     return rotate_credential(PgCredentials(store.pool), name)
 
 
-def fleet_overview(store) -> dict:
+def fleet_overview(store: PgStore) -> dict:
     """``qlagent status``: ``adapters.postgres.overview.fleet_overview`` on the cluster store's pool."""
     from .adapters.postgres.overview import fleet_overview as overview
     return overview(store.pool)
@@ -428,7 +429,7 @@ def redeem_join_token(token, ca_pem: str | None, timeout_s: float) -> str:
     raise err
 
 
-def worker_registry(settings: Settings, store):
+def worker_registry(settings: Settings, store: PgStore):
     """``cluster.registry.WorkerRegistry`` on the PostgreSQL ``store``'s pool, with the Session and
     Lease lifetimes of ``[cluster]``."""
     from .adapters.postgres.registry import PgWorkerRegistry
@@ -438,7 +439,7 @@ def worker_registry(settings: Settings, store):
                                                                 lease_ttl_s=c.lease_ttl_s))
 
 
-def log_chunks(store):
+def log_chunks(store: PgStore):
     """Reader of the Worker-uploaded log chunks: ``read(attempt_id, offset, limit) -> bytes``."""
     from .adapters.postgres.logs import PgLogStore
     return PgLogStore(store.pool)
@@ -450,13 +451,14 @@ class ClusterServices:
     ``acks`` (AckService), ``logs`` (LogUpload), ``sweeper`` (LeaseSweeper), ``joins`` (JoinTokens), ``placement_report``
     (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
     (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
-    ``now_us()`` (the database clock, µs; the Worker routes' ``X-Qlagent-Server-Now-Us``),
-    ``clock`` (``core.dbclock.DatabaseClock`` over it: the replica's loop plans in it), the
+    ``now_us()`` (the database clock, µs: one query each), ``clock`` (``core.dbclock.
+    DatabaseClock`` over it, synced by the replica's loop: the loop plans in it and the Worker
+    routes stamp ``X-Qlagent-Server-Now-Us`` from it), the
     ``[cluster]`` table as ``config``, ``stop_waiting()`` (SIGTERM: long-polling Pulls answer at
     once) and ``close()`` for the LISTEN connection (supervised: ``log`` hears when it is lost and
     restored). ``qlagent.http.service`` mounts the Worker routes over it."""
 
-    def __init__(self, settings: Settings, store, log=None) -> None:
+    def __init__(self, settings: Settings, store: PgStore, log=None) -> None:
         from .adapters.postgres.dispatch import PgDispatchStore, PgPlanSource
         from .adapters.postgres.leases import PgLeaseStore
         from .adapters.postgres.notify import PgCandidateSignal
@@ -499,7 +501,7 @@ class ClusterServices:
         self.signal.close()
 
 
-def check_replica_pool(cluster) -> int:
+def check_replica_pool(cluster: ClusterConfig) -> int:
     """The Worker routes' database threads of a replica (``[cluster] threads``, default
     ``pool_size`` − 2 capped at 4). One connection serves the loop thread (HTTP API routes,
     scheduler, sweeper) and one the long-polls re-reading after a wake-up (they hold none while

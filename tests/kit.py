@@ -1,7 +1,7 @@
 """The helpers every test shares: a scratch directory, a free loopback port, a bounded wait
 that names what it awaited, the ``qlagent`` CLI in a subprocess (in a clean environment), and a
-real ``qlagent serve`` process whose journal (stderr) is read as it comes, and Prometheus's
-linter over a ``/metrics`` document.
+real ``qlagent serve`` process whose journal (stderr) goes to a file read as it grows, and
+Prometheus's linter over a ``/metrics`` document.
 
 Importable from every test directory (``pythonpath = ["tests"]``); the fixtures built on them
 live in ``tests/conftest.py``.
@@ -16,17 +16,20 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import weakref
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# tmpfs when it is writable, else the system temp dir: the files are real, only a slow disk's
+# fsync cost is avoided.
+SCRATCH_ROOT = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
 def scratch_dir(prefix: str) -> str:
-    """A fresh directory named ``PREFIX…`` on tmpfs (``/dev/shm``) when it is writable, else in
-    the system temp dir: the files are real, only a slow disk's fsync cost is avoided. The
-    caller removes it."""
-    return tempfile.mkdtemp(prefix=prefix, dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    """A fresh directory named ``PREFIX…`` under ``SCRATCH_ROOT``. The caller removes it."""
+    return tempfile.mkdtemp(prefix=prefix, dir=SCRATCH_ROOT)
 
 
 class WaitTimeout(AssertionError, TimeoutError):
@@ -101,50 +104,84 @@ def run_cli(*args: str, stdin: bytes | None = None, env: dict | None = None, tim
 
 
 class Serve:
-    """``qlagent GLOBAL_ARGS serve SERVE_ARGS`` in a subprocess; its journal (stderr) is read by
-    a thread into ``lines`` so the pipe never fills. With ``ready`` set, the constructor returns
-    once a journal line contains it (default ``service.ready``) and fails, naming the journal,
-    if the process ends first.
+    """``qlagent GLOBAL_ARGS serve SERVE_ARGS`` in a subprocess (under ``prefix``, e.g. ``ip netns
+    exec NS``); its journal (stderr) goes straight to a file, so nothing can fill a pipe and a
+    line is readable as soon as the process wrote it. With ``ready`` set, the constructor
+    returns once a journal line contains it (default ``service.ready``) and fails, naming the
+    journal, if the process ends first. ``pid``, ``poll``, ``send_signal``, ``returncode`` are
+    the process's.
     """
 
-    EOF = "<eof>"
-
     def __init__(self, *global_args: str, serve_args: tuple = (), env: dict | None = None,
-                 ready: str | None = "service.ready", timeout: float = 30) -> None:
-        self.proc = subprocess.Popen(qlagent_argv(*global_args, "serve", *serve_args), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env=env if env is not None else clean_env())
-        self.lines: list[str] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+                 ready: str | None = "service.ready", timeout: float = 30, prefix: tuple | list = (),
+                 cwd: str | None = None) -> None:
+        fd, self.journal_path = tempfile.mkstemp(prefix="qlagent-serve-", suffix=".journal", dir=SCRATCH_ROOT)
+        weakref.finalize(self, os.unlink, self.journal_path)
+        try:
+            self.proc = subprocess.Popen([*prefix, *qlagent_argv(*global_args, "serve", *serve_args)],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=fd,
+                                         env=env if env is not None else clean_env(), cwd=cwd)
+        finally:
+            os.close(fd)
         if ready:
             self.wait_line(ready, timeout)
 
-    def _read(self) -> None:
-        for raw in self.proc.stderr:
-            with self.cond:
-                self.lines.append(raw.decode(errors="replace"))
-                self.cond.notify_all()
-        with self.cond:
-            self.lines.append(self.EOF)
-            self.cond.notify_all()
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def journal(self) -> str:
+        """Every journal line written so far."""
+        with open(self.journal_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    @property
+    def lines(self) -> list[str]:
+        """The journal's lines so far, each with its newline."""
+        return self.journal().splitlines(keepends=True)
 
     def wait_line(self, text: str, timeout: float = 20) -> str:
         """The first journal line containing ``text``, waiting up to ``timeout`` seconds for it;
         ``AssertionError`` carrying the journal when it does not come (or the process ended)."""
-        with self.cond:
-            self.cond.wait_for(lambda: any(text in ln or ln == self.EOF for ln in self.lines), timeout)
-            found = [ln for ln in self.lines if text in ln]
-        assert found, f"no journal line with {text!r} within {timeout} s:\n" + self.journal()
-        return found[0]
+        def found() -> tuple[str | None] | None:
+            ended = self.proc.poll() is not None        # read after: an ended process wrote its last line
+            line = next((ln for ln in self.lines if text in ln), None)
+            return (line,) if line is not None or ended else None
+        try:
+            (line,) = wait_until(found, timeout, text)
+        except WaitTimeout:
+            line = None
+        assert line is not None, f"no journal line with {text!r} within {timeout} s:\n" + self.journal()
+        return line
 
-    def journal(self) -> str:
-        """Every journal line read so far."""
-        with self.cond:
-            return "".join(self.lines)
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait up to ``timeout`` seconds for the process to end (``TimeoutExpired`` otherwise);
+        the exit status."""
+        return self.proc.wait(timeout)
 
     def stop(self, timeout: float = 30) -> int:
-        """SIGTERM (drain) and wait up to ``timeout`` seconds; the exit status."""
+        """SIGTERM (drain) and wait up to ``timeout`` seconds; the exit status. A process still
+        there then is killed and ``TimeoutExpired`` raised."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> int:
+        """SIGKILL, then the exit status."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()

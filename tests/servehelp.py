@@ -1,5 +1,5 @@
-"""Helpers for tests that run the real ``qlagent serve`` process: a real unix datagram
-NOTIFY_SOCKET listener, a serve shim, task files and run queries on the real store.
+"""Helpers for tests that run the real ``qlagent serve`` process (``kit.Serve``): a real unix
+datagram NOTIFY_SOCKET listener, task files and run queries on the real store.
 """
 
 from __future__ import annotations
@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import socket
 import sqlite3
-import subprocess
 import threading
 import time
 
-from kit import REPO, clean_env, qlagent_argv
+from kit import REPO, Serve
 from qlcli import ok
 
 
@@ -74,23 +73,10 @@ class NotifyListener:
         self.sock.close()
 
 
-def start_serve(state: str, *args: str, env: dict | None = None, prefix: list[str] | None = None,
-                stderr=subprocess.PIPE) -> subprocess.Popen:
-    """Start ``qlagent --state-dir STATE serve ARGS`` (optionally under ``prefix``, e.g. ip netns exec)."""
-    cmd = [*(prefix or []), *qlagent_argv("--state-dir", state, "serve", *args)]
-    return subprocess.Popen(cmd, env=env if env is not None else clean_env(), stderr=stderr,
-                            stdout=subprocess.DEVNULL, cwd=REPO)
-
-
-def stop(p: subprocess.Popen, timeout: float = 30) -> int:
-    if p.poll() is None:
-        p.terminate()
-    try:
-        return p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        raise
+def start_serve(state: str, *args: str, env: dict | None = None, prefix: tuple = ()) -> Serve:
+    """``qlagent --state-dir STATE serve ARGS`` (optionally under ``prefix``, e.g. ip netns exec)
+    as a :class:`kit.Serve`, returned at once (not waited for ``service.ready``)."""
+    return Serve("--state-dir", state, serve_args=args, env=env, ready=None, prefix=prefix, cwd=REPO)
 
 
 def add_tasks(state: str, workdir: str, toml: str, name: str = "tasks.toml") -> None:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from qlcli import js, ok
-from servehelp import NotifyListener, add_tasks, runs_of, start_serve, stop
+from servehelp import NotifyListener, add_tasks, runs_of, start_serve
 from kit import clean_env, wait_until
 
 MiB = 1_048_576
@@ -115,7 +115,7 @@ script = "head -c 209715200 /dev/zero | tr '\\\\0' x"
             assert grew < 8 * MiB, f"pid {pid} grew {grew / MiB:.1f} MiB while 200 MB passed"
         assert p.poll() is None
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
     oom = dict(line.split() for line in _read(mem, "memory.oom_control").splitlines())
     assert oom.get("oom_kill", "0") == "0" and oom["under_oom"] == "0"
     assert int(_read(mem, "memory.max_usage_in_bytes")) < 128 * MiB
@@ -162,9 +162,9 @@ command = ["/bin/true"]
         for f in fillers:
             f.kill()
             f.wait()
-        assert stop(p) == 0
+        assert p.stop() == 0
         listener.close()
-    assert b"dispatch.refused reason=pids" in p.stderr.read()
+    assert "dispatch.refused reason=pids" in p.journal()
 
 
 def test_block_reason_on_a_small_profile():
@@ -358,11 +358,11 @@ command = ["/bin/sh", "-c", "cat /proc/self/oom_score_adj /proc/$PPID/oom_score_
         # STATUS reads the kernel's figures of the agent's cgroup: the limit is the cgroup's 64 MiB.
         listener.wait_for(lambda m: m.startswith("STATUS=") and "/64MiB" in m and "oom_kills=1" in m)
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
         listener.close()
     oom = dict(line.split() for line in _read(mem, "memory.oom_control").splitlines())
     assert int(oom["oom_kill"]) >= 1
-    journal = p.stderr.read().decode()
+    journal = p.journal()
     assert f"run.failed run={run_id}" in journal and "reason=oom_killed" in journal
 
 
@@ -441,8 +441,8 @@ command = ["/bin/sleep", "4"]
         wait_until(lambda: not os.path.exists(f"{s}/run-{nap_attempt}"))
         assert _cgroup_of(p.pid) == f"{name}/agent"
     finally:
-        assert stop(p) == 0
-    assert b"service.run_cgroups detail=\"run cgroups under " in p.stderr.read()
+        assert p.stop() == 0
+    assert "service.run_cgroups detail=\"run cgroups under " in p.journal()
 
 
 def test_run_cgroup_gets_the_runs_limit_and_oom_group_where_memory_is_delegated(tmp_path):

@@ -22,7 +22,7 @@ from qlcli import ok
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = ("qlagent.http", "qlagent.dispatch", "qlagent.execution", "qlagent.application.engine",
              "qlagent.service.main", "qlagent.service.controlplane", "qlagent.service.worker_mode",
-             "qlagent.cluster", "qlagent.core.cluster", "qlagent.worker", "qlagent.fleet",
+             "qlagent.cluster", "qlagent.core.cluster", "qlagent.worker",
              "qlagent.adapters.postgres", "qlagent.adapters.control_client", "qlagent.adapters.processes",
              "psycopg", "http.server", "socketserver", "selectors", "ssl",
              # what argparse would load to size its help (cli.common.help_width) and the budget's meter

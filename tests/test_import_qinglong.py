@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from qlcli import cli, js, ok
-from servehelp import runs_of, start_serve, stop
+from servehelp import runs_of, start_serve
 
 from qlagent.core.qinglong import (QlConfig, QlCron, QlEnv, QlPanel, Toolset, assign_names, base_name,
                                    parse_config_sh, plan_import)
@@ -292,7 +292,7 @@ def test_serve_runs_imported_sh_and_py_crons_with_the_byte_exact_2x_value(state,
                    and open(os.path.join(scripts, "order.txt")).read().count("\n") >= 3
                    if os.path.exists(os.path.join(scripts, "order.txt")) else False, timeout=30)
     finally:
-        stop(p)
+        p.stop()
     with open(os.path.join(scripts, "sh.out"), "rb") as f:
         assert f.read() == JOINED
     with open(os.path.join(scripts, "py.out"), "rb") as f:       # cwd is the scripts dir, not sub/
@@ -676,7 +676,7 @@ def test_a_2x_path_env_does_not_replace_every_tasks_path(state, workdir):
     try:
         ok(state, "run", "start", "probe", "--wait", "--timeout", "30")
     finally:
-        stop(p)
+        p.stop()
     assert os.path.exists(os.path.join(panel, "scripts", "id.out"))
 
 
@@ -736,6 +736,6 @@ def test_same_name_envs_at_one_position_join_oldest_first_as_2x_lists_them(state
     try:
         ok(state, "run", "start", "probe", "--wait", "--timeout", "30")
     finally:
-        stop(p)
+        p.stop()
     with open(os.path.join(panel, "scripts", "k.out"), "rb") as f:
         assert f.read() == b"top&older&newer"

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from qlcli import ok
-from servehelp import NotifyListener, add_tasks, runs_of, start_serve, stop
+from servehelp import NotifyListener, add_tasks, runs_of, start_serve
 from kit import clean_env, qlagent_argv, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2")
@@ -89,7 +89,7 @@ command = ["/bin/sleep", "0.2"]
         time.sleep(0.7)
         assert dict(runs_of(state, "online"))[second] == "queued"
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
         listener.close()
 
 
@@ -115,7 +115,7 @@ command = ["/bin/true"]
         assert took < 1.0, took
         wait_until(lambda: dict(runs_of(state, "online6"))[run_id] == "succeeded")
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
         listener.close()
 
 
@@ -141,7 +141,7 @@ command = ["/bin/true"]
         time.sleep(0.7)
         assert dict(runs_of(state, "on-v1"))[second] == "queued"
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
         listener.close()
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from qlcli import ok
-from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve, stop
+from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve
 from kit import clean_env, wait_until
 
 
@@ -68,7 +68,7 @@ command = ["/bin/sleep", "30"]
         ok(state, "run", "cancel", runs_of(state, "long")[0][0])
         wait_until(lambda: runs_of(state, "long")[0][1] == "cancelled")
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
 
 
 def test_watchdog_cadence_status_line_and_sigterm(state, listener):
@@ -86,8 +86,8 @@ def test_watchdog_cadence_status_line_and_sigterm(state, listener):
         listener.wait_for(_is("STOPPING=1"))
         assert p.wait(10) == 0
     finally:
-        stop(p)
-    assert b"Traceback" not in p.stderr.read()
+        p.stop()
+    assert "Traceback" not in p.journal()
 
 
 def test_the_next_fire_is_in_status_right_after_ready(state, workdir, listener):
@@ -138,9 +138,9 @@ command = ["/bin/sleep", "60"]
         assert [t for t, m in listener.messages if m == "WATCHDOG=1" and t > released_at]
         assert p.poll() is None
     finally:
-        assert stop(p) == 0
-    err = p.stderr.read()
-    assert b"store.busy" in err and b"Traceback" not in err
+        assert p.stop() == 0
+    err = p.journal()
+    assert "store.busy" in err and "Traceback" not in err
 
 
 def test_drain_gives_live_runs_their_grace_then_cancels(state, workdir, listener):
@@ -174,7 +174,7 @@ command = ["/bin/sleep", "1"]
         elapsed = time.monotonic() - t0
         assert elapsed >= 1.9, elapsed                        # it did wait out the grace
     finally:
-        stop(p)
+        p.stop()
     assert runs_of(state, "stubborn")[0][1] == "cancelled"
     with db(state) as c:
         assert c.execute("SELECT count(*) FROM runs WHERE state IN ('queued','starting','running')").fetchone()[0] == 0
@@ -201,7 +201,7 @@ def test_watchdog_pid_of_another_process_disables_pings(state, listener):
         listener.collect(1.5)
         assert "WATCHDOG=1" not in listener.lines()
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
 
 
 def test_sighup_reload_protocol_good_and_refused_file(state, workdir, listener):
@@ -233,7 +233,7 @@ def test_sighup_reload_protocol_good_and_refused_file(state, workdir, listener):
         reload_with("drain_grace_s = 9999\n")
         assert p.poll() is None
     finally:
-        assert stop(p) == 0
-    err = p.stderr.read().decode()
+        assert p.stop() == 0
+    err = p.journal()
     assert "config.reloaded" in err
     assert re.search(r"config.reload_failed .*drain_grace_s: 9999.0 outside 0..600", err), err

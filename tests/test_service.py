@@ -9,12 +9,13 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 
 
 from qlcli import cli, js, ok, rows
-from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve, stop
-from kit import clean_env, wait_until
+from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve
+from kit import clean_env, qlagent_argv, wait_until
 
 QUICK_STOP = "drain_grace_s = 0\nkill_grace_s = 1\n"
 
@@ -36,12 +37,15 @@ def _live(state, task=None):
 # ---- logging (§4) --------------------------------------------------------------------------
 
 def _serve_stderr_to_file(state, workdir, env_extra, name):
+    """The journal of a short ``serve`` whose stderr is the file ``name`` itself (not a pipe):
+    ``JOURNAL_STREAM`` may name that file's device and inode."""
     path = os.path.join(workdir, name)
     with open(path, "wb") as err:
         st = os.fstat(err.fileno())
         env = clean_env(**{k: (v.format(dev=st.st_dev, ino=st.st_ino)) for k, v in env_extra.items()})
-        p = start_serve(state, "--exit-after", "0.3", env=env, stderr=err)
-        assert p.wait(15) == 0
+        p = subprocess.run(qlagent_argv("--state-dir", state, "serve", "--exit-after", "0.3"), env=env,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, timeout=15)
+        assert p.returncode == 0
     with open(path) as f:
         return f.read().splitlines()
 
@@ -69,8 +73,8 @@ shell = "/bin/sh"
 script = 'echo "TASKOUT-$TOK"; echo "TASKERR-MARK" >&2; exit 4'
 ''')
     p = start_serve(state, "--exit-after", "1", env=clean_env())
-    err = p.communicate(timeout=20)[1].decode()
-    assert p.returncode == 0
+    assert p.wait(20) == 0
+    err = p.journal()
     run_id, st = runs_of(state, "leaky")[0]
     assert st == "failed"
     log = ok(state, "run", "logs", run_id).stdout.decode()
@@ -151,10 +155,10 @@ command = ["/bin/true"]
         time.sleep(0.5)
         assert p.poll() is None and runs_of(state, "c")[0][1] == "queued"     # still limited to 2
     finally:
-        assert stop(p) == 0
-    err = p.stderr.read()
-    assert b"config.reloaded" in err
-    assert re.search(rb"config.reload_failed .*max_concurent_runs", err)
+        assert p.stop() == 0
+    err = p.journal()
+    assert "config.reloaded" in err
+    assert re.search(r"config.reload_failed .*max_concurent_runs", err)
 
 
 # ---- CLI and the running service (§1, §2) ------------------------------------------------------
@@ -181,7 +185,7 @@ command = ["/bin/sleep", "0.2"]
         # a poll or the next cron minute would take up to 60 s; the poke makes it ~ one CLI call
         assert elapsed < 3, elapsed
     finally:
-        assert stop(s) == 0
+        assert s.stop() == 0
         listener.close()
 
 
@@ -214,7 +218,7 @@ command = ["/bin/true"]
         assert [s for _, s in runs_of(state, "c")] == ["cancelled"]
         assert _live(state, "blocker") == 1             # other Tasks' Runs untouched
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
 
 
 # ---- exactly once (§2) -------------------------------------------------------------------------
@@ -226,10 +230,10 @@ def test_second_service_on_the_same_state_is_refused(state):
         listener.wait_for(lambda m: m == "READY=1")
         second = start_serve(state, env=clean_env())
         assert second.wait(15) == 5          # unavailable: the state dir is in use
-        assert b"service.already_running" in second.stderr.read()
+        assert "service.already_running" in second.journal()
         assert first.poll() is None
     finally:
-        assert stop(first) == 0
+        assert first.stop() == 0
         listener.close()
 
 
@@ -246,7 +250,6 @@ command = ["/bin/true"]
         n = len(runs_of(state, "every"))
         wait_until(lambda: len(runs_of(state, "every")) >= n + 2, timeout=10)
         p.kill()
-        p.wait()
     with db(state) as c:
         dup = c.execute("SELECT scheduled_for_us, count(*) FROM runs WHERE trigger_type = 'cron' "
                         "GROUP BY scheduled_for_us HAVING count(*) > 1").fetchall()
@@ -313,7 +316,7 @@ command = ["/bin/sleep", "30"]
         with db(state) as c:
             assert c.execute("SELECT count(*) FROM runs WHERE trigger_type = 'boot'").fetchone()[0] == 3
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
         listener.close()
 
 
@@ -347,7 +350,7 @@ command = ["/bin/true"]
     try:
         wait_until(lambda: runs_of(state, "good1"), timeout=12)           # every 10 s, observed
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
     with db(state) as c:
         fired = c.execute("SELECT scheduled_for_us FROM runs r JOIN tasks t USING (task_id) "
                           "WHERE t.name = 'good1'").fetchall()
@@ -384,13 +387,13 @@ command = ["/bin/sleep", "5"]
         # one Run finished (after 5 s), the next started; nothing else
         assert 1 <= len(runs_of(state, "f4")) <= 2
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
 
 
 def test_run_show_says_why_a_run_waits_behind_the_live_one(state, workdir):
-    # A queued Run of a single-instance Task showed only "queued / attempt #1 claimed" while it
-    # waited: `run show` names the reason, and the line goes once it can start.
-    add_tasks(state, workdir, '[[task]]\nname = "solo"\ncommand = ["/bin/sleep", "2"]\n')
+    # A queued Run of a single-instance Task: `run show` names why it waits, and the line goes
+    # once it can start (the live one cancelled).
+    add_tasks(state, workdir, '[[task]]\nname = "solo"\ncommand = ["/bin/sleep", "60"]\n')
     p = start_serve(state, env=clean_env(QLAGENT_CONFIG=_config(workdir, QUICK_STOP)))
     try:
         first = ok(state, "run", "start", "solo").stdout.decode().strip()
@@ -399,10 +402,11 @@ def test_run_show_says_why_a_run_waits_behind_the_live_one(state, workdir):
         shown = ok(state, "run", "show", second).stdout.decode()
         assert 'waiting   for the live Run of this Task to end (concurrency = "single")' in shown, shown
         assert "waiting" not in ok(state, "run", "show", first).stdout.decode()
+        ok(state, "run", "cancel", first)
         wait_until(lambda: js(state, "run", "show", second)["state"] != "queued", timeout=15)
         assert "waiting" not in ok(state, "run", "show", second).stdout.decode()
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
 
 
 def test_a_task_added_while_serving_is_scheduled_without_sighup(state, workdir):
@@ -419,7 +423,7 @@ command = ["/bin/true"]
 ''')
         wait_until(lambda: len(runs_of(state, "late")) >= 2, timeout=5)
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
         listener.close()
 
 

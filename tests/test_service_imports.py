@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # … and nothing of the cluster without a [cluster] table (issue 10): its policy, its adapter, its role.
 HEAVY = ("pyroute2", "asyncio", "cryptography", "_hashlib", "_ssl", "psycopg", "qlagent.cluster",
          "qlagent.core.cluster", "qlagent.adapters.postgres", "qlagent.service.controlplane",
-         "qlagent.worker", "qlagent.fleet.runtime", "qlagent.adapters.control_client")
+         "qlagent.worker", "qlagent.adapters.control_client")
 PROBE = r'''
 import json, sys
 from qlagent.cli.main import main

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from qlagent.core.errors import EXIT_USAGE, ValidationError
-from qlagent.worker import backoff, fencing, heartbeat, pacing
-from qlagent.worker.fencing import KEEP, RUN, STOP, Renewal
+from qlagent.worker.policy import backoff, fencing, heartbeat, pacing
+from qlagent.worker.policy.fencing import KEEP, RUN, STOP, Renewal
 
 draw = st.floats(min_value=0.0, max_value=1.0, exclude_max=True)
 
@@ -170,7 +170,8 @@ def test_grace_zero_first_fits_a_six_second_lease_and_a_shorter_one_is_refused_a
 
 
 def test_the_grace_limit_shown_is_exact_never_rounded_above_the_real_one():
-    # A 1007 s Lease holds 1000.995 s; "%g" showed "at most 1001 s", which is itself refused.
+    # A 1007 s Lease holds 1000.995 s: the message says so, not a rounded "at most 1001 s" that
+    # would itself be refused.
     from qlagent.core import leasefit
     assert leasefit.max_grace_ms(1007) == 1_000_995
     leasefit.check_grace("grace_s", 1_000_995, 1007)

@@ -15,7 +15,7 @@ one control plane: both connections use one at a time, and a request that gets n
 Worker's loop paces the retries (its backoff), and every Worker request is idempotent, so the
 retry on another replica is safe. A Pull refused ``long_polls_full`` (that replica has no
 long-poll slot for this Worker) moves them too. Every answer's ``X-Qlagent-Server-Now-Us``
-(database clock, µs) is returned with it for lease anchoring (``qlagent.worker.fencing``).
+(database clock, µs) is returned with it for lease anchoring (``qlagent.worker.policy.fencing``).
 
 Errors: the documented codes become the typed errors of ``core.control`` carrying
 ``code``, ``field``, ``status``, ``retry_after_s`` and ``next_offset`` (409 chunk answers);

@@ -4,13 +4,13 @@ and the old credential is refused from the next request on."""
 
 from __future__ import annotations
 
+from ..core.ports import CredentialStore
 from .registry import check_name, credential_digest, new_credential
 
 
-def rotate_credential(store, name: str) -> tuple[str, str]:
-    """(Worker ID, new credential) of the live Worker ``name`` over
-    ``adapters.postgres.credentials.PgCredentials``; the credential is shown once (only its
-    SHA-256 is stored). ValidationError for a name no Worker can have, NotFoundError
+def rotate_credential(store: CredentialStore, name: str) -> tuple[str, str]:
+    """(Worker ID, new credential) of the live Worker ``name``; the credential is shown once
+    (only its SHA-256 is stored). ValidationError for a name no Worker can have, NotFoundError
     ``worker_not_found``."""
     credential = new_credential()
     return store.replace(check_name(name), credential_digest(credential)), credential

@@ -25,11 +25,11 @@ from collections.abc import Callable
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import ClaimOutcome, ClaimStatus, ClusterCandidate, Lease, Page, PlanSource, PullUnit, WorkerSnapshot
+from ..core.cluster import (ClaimedExecutionOffer, ClaimOutcome, ClaimStatus, ClusterCandidate, Lease, Page, PlanSource,
+                            PullUnit, WorkerSnapshot)
 from ..core.errors import ValidationError
 from ..core.leasefit import check_lease_ttl
 from .execspec import ExecutionSpec, sanitize, spec_digest
-from ..core.cluster import ClaimedExecutionOffer
 from .offer import offer_id
 from .placement import rank, with_executor
 
@@ -81,12 +81,13 @@ class BudgetExhausted(Exception):
 
 
 class CycleCounts:
-    """What one walk read, prepared and tried, and why it last skipped a candidate."""
+    """What one walk tried (claims, against ``claim_tries``) and skipped, and why it last
+    skipped a candidate."""
 
-    __slots__ = ("candidates_read", "plans", "claim_tries", "skipped", "skip_reason")
+    __slots__ = ("claim_tries", "skipped", "skip_reason")
 
     def __init__(self) -> None:
-        self.candidates_read = self.plans = self.claim_tries = self.skipped = 0
+        self.claim_tries = self.skipped = 0
         self.skip_reason: str | None = None
 
     def skip(self, reason: str) -> None:
@@ -144,7 +145,6 @@ class CandidateClaimer:
         for _ in range(b.candidate_pages):
             page = store.candidate_page(observed_at_us, b.candidate_page_size, after)
             items = checked_page(page, b.candidate_page_size, after, seen, "candidate")
-            n.candidates_read += len(items)
             if not items:
                 return None
             if snapshot is None:
@@ -158,9 +158,10 @@ class CandidateClaimer:
             after = page.next_cursor
         raise BudgetExhausted("candidate_budget")
 
-    def _one(self, store, plans, c, n: CycleCounts, snapshot: list[WorkerSnapshot], token_for, pull_id):
+    def _one(self, store: PullUnit, plans: PlanSource, c: ClusterCandidate, n: CycleCounts,
+             snapshot: list[WorkerSnapshot], token_for: Callable[[ClusterCandidate, WorkerSnapshot], str],
+             pull_id: str | None) -> ClaimedExecutionOffer | None:
         plan = plans.prepare(c)
-        n.plans += 1
         if plan is None:
             return n.skip("plan_missing")
         try:
@@ -183,7 +184,7 @@ class CandidateClaimer:
             if out.status == ClaimStatus.CLAIMED:
                 return build_offer(c, out.lease, spec, token, "new_claim", score)
             if out.status == ClaimStatus.ATTEMPT_UNAVAILABLE:
-                return n.skip("attempt_unavailable")
+                return n.skip(ClaimStatus.ATTEMPT_UNAVAILABLE)
             # The Worker went away or filled up after the snapshot: not for the rest of the cycle.
             snapshot[:] = [x for x in snapshot if x.worker_id != w.worker_id]
-        return n.skip("worker_unavailable")
+        return n.skip(ClaimStatus.WORKER_UNAVAILABLE)

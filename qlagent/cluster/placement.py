@@ -92,8 +92,9 @@ class LeaseFitPlans:
     """A plan source (over ``core.ports.ClusterPlans``) that yields no plan for an
     Attempt whose ``graceMs`` a Lease of ``lease_ttl_s`` cannot hold (core.leasefit): its Worker
     would stop it right after it starts, so it is never offered (the dispatcher and Pull skip it
-    as ``plan_missing``; it stays queued and ``PgPlacementReport`` reports it
-    ``run.unplaceable``, reason ``grace_exceeds_lease``)."""
+    as ``plan_missing``; it stays queued and the replica's placement report
+    (``bootstrap.ClusterServices.placement_report``) records ``run.unplaceable``, reason
+    ``grace_exceeds_lease``)."""
 
     def __init__(self, plans: ClusterPlans, lease_ttl_s: int) -> None:
         self._plans, self.max_grace_ms = plans, max_grace_ms(lease_ttl_s)
@@ -101,8 +102,8 @@ class LeaseFitPlans:
     def _fit(self, plan: DispatchPlan | None) -> DispatchPlan | None:
         return None if plan is None or (plan.spec.get("graceMs") or 0) > self.max_grace_ms else plan
 
-    def prepare(self, c: ClusterCandidate) -> DispatchPlan | None:
-        return self._fit(self._plans.prepare(c))
+    def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
+        return self._fit(self._plans.prepare(candidate))
 
-    def prepare_with(self, tx, c: ClusterCandidate) -> DispatchPlan | None:
-        return self._fit(self._plans.prepare_with(tx, c))
+    def prepare_with(self, tx, candidate: ClusterCandidate) -> DispatchPlan | None:
+        return self._fit(self._plans.prepare_with(tx, candidate))

@@ -1,7 +1,7 @@
 """A fleet Worker's view of its control plane (docs/worker-protocol.md "Errors"): the answer of
 one request, the typed errors the documented codes map to and the ports the Worker's loop
 uses (its client, its local runs), so the Worker's loop
-(``fleet.runtime``) decides by type without importing the HTTP client
+(``worker.runtime``) decides by type without importing the HTTP client
 (``adapters.control_client``, which raises them). Pure: no I/O.
 """
 

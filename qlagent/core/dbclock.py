@@ -34,7 +34,6 @@ class DatabaseClock:
         self._mono = mono_ns
         self._anchor: tuple[int, int] | None = None     # (database µs, monotonic ns) of one instant
         self.offset_us: int | None = None                # local wall clock − database (µs), last good sync
-        self.rtt_us: int | None = None
 
     def sync(self) -> bool:
         """Read the database clock once; True when the reading was used (round trip ≤
@@ -46,7 +45,7 @@ class DatabaseClock:
         if rtt > MAX_RTT_US:
             return False
         self._anchor = (db, (m0 + m1) // 2)
-        self.offset_us, self.rtt_us = (w0 + w1) // 2 - db, rtt
+        self.offset_us = (w0 + w1) // 2 - db
         return True
 
     def now_us(self) -> int:

@@ -1,9 +1,9 @@
 """Can a run of a given kill grace live under a Run Lease? (issue 11 §6, ADR-0014 §5.)
 
-A fleet Worker starts stopping a run ``fencing margin`` before its Lease runs out (qlagent/worker/
+A fleet Worker starts stopping a run ``fencing margin`` before its Lease runs out (qlagent/worker/policy/
 fencing.py): the spec's grace + the reap allowance + the safety slack + the clock drift over the
 Lease. Between two renewals it must still fit ``MIN_BEATS_PER_TTL`` heartbeats of at least
-``MIN_HEARTBEAT_S`` (qlagent/worker/heartbeat.py ``check_cadence``). So a Lease of ``ttl`` seconds
+``MIN_HEARTBEAT_S`` (qlagent/worker/policy/heartbeat.py ``check_cadence``). So a Lease of ``ttl`` seconds
 holds a grace of at most ``floor((ttl - SAFETY) / (1 + DRIFT)) - MIN_BEATS · MIN_HEARTBEAT - REAP``;
 a longer grace is killed by its own Worker right after it starts and ends ``lost``. The control
 plane does not offer such an Attempt (reported ``run.unplaceable``, reason ``grace_exceeds_lease``)

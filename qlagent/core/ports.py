@@ -599,6 +599,15 @@ class JoinTokenStore(Protocol):
         (nothing written)."""
 
 
+class CredentialStore(Protocol):
+    """Worker credentials re-issued (``adapters.postgres.credentials.PgCredentials``); policy is
+    ``cluster.credentials.rotate_credential``'s."""
+
+    def replace(self, name: str, credential_digest: str) -> str:
+        """Store ``credential_digest`` (SHA-256 hex) for the live Worker ``name``: its Worker ID;
+        its old credential fails from the next request on. NotFoundError ``worker_not_found``."""
+
+
 class ClusterPlans(Protocol):
     """The plans of cluster candidates (``adapters.postgres.dispatch.PgPlanSource``)."""
 

@@ -108,17 +108,18 @@ ATTEMPT_ACTIVE = AttemptState.ACTIVE
 ATTEMPT_TERMINAL = AttemptState.TERMINAL
 
 
+_R, _A = RunState, AttemptState
 _RUN = {
-    "queued": {"starting", "cancelled", "failed"},
+    _R.QUEUED: {_R.STARTING, _R.CANCELLED, _R.FAILED},
     # starting → a terminal state: the agent died between the claim and recording the shim,
     # and recovery finds the shim's receipt.
-    "starting": {"running", "succeeded", "failed", "timed_out", "queued", "cancelled", "lost"},
-    "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "queued"},
+    _R.STARTING: {_R.RUNNING, _R.SUCCEEDED, _R.FAILED, _R.TIMED_OUT, _R.QUEUED, _R.CANCELLED, _R.LOST},
+    _R.RUNNING: {_R.SUCCEEDED, _R.FAILED, _R.TIMED_OUT, _R.CANCELLED, _R.LOST, _R.QUEUED},
 }
 _ATTEMPT = {
-    "claimed": {"starting", "cancelled", "start_failed"},
-    "starting": {"running", "succeeded", "failed", "timed_out", "start_failed", "lost", "cancelled"},
-    "running": {"succeeded", "failed", "timed_out", "cancelled", "lost", "start_failed"},
+    _A.CLAIMED: {_A.STARTING, _A.CANCELLED, _A.START_FAILED},
+    _A.STARTING: {_A.RUNNING, _A.SUCCEEDED, _A.FAILED, _A.TIMED_OUT, _A.START_FAILED, _A.LOST, _A.CANCELLED},
+    _A.RUNNING: {_A.SUCCEEDED, _A.FAILED, _A.TIMED_OUT, _A.CANCELLED, _A.LOST, _A.START_FAILED},
 }
 
 
@@ -145,12 +146,12 @@ def outcome(exit_code: int | None, signal: int | None, start_error: str | None, 
     ``timed_out``/``cancelled`` whatever its exit status; otherwise exit 0 → succeeded.
     """
     if start_error is not None:
-        return "start_failed"
+        return AttemptState.START_FAILED
     if kill_reason == "timeout":
-        return "timed_out"
+        return AttemptState.TIMED_OUT
     if kill_reason in ("cancel", "shutdown"):
-        return "cancelled"
-    return "succeeded" if exit_code == 0 and signal is None else "failed"
+        return AttemptState.CANCELLED
+    return AttemptState.SUCCEEDED if exit_code == 0 and signal is None else AttemptState.FAILED
 
 
 def retryable(attempt_state: str) -> bool:

@@ -154,7 +154,7 @@ class HttpSurface(LoopSurface):
         if cluster is None:
             self.server = HttpServer(limits, self.router, probe_paths=PROBE_PATHS, on_answer=audit)
         else:   # a control plane: the cluster is loaded only here (never on a local agent)
-            from qlagent.cluster.logs import MAX_CHUNK_BYTES
+            from qlagent.core.cluster import MAX_CHUNK_BYTES
             self.tally = audit = AnswerTally(audit)
             self.worker_routes, handler, error_response = mount_worker_routes(
                 self.router, cluster, threads, limits.max_body_bytes)
@@ -206,12 +206,12 @@ def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int):
     The handler stamps ``X-Qlagent-Server-Now-Us`` (the database clock) on every answer, runs
     the API routes (all but the probes) on the same database threads, and keeps their body
     bound at ``api_body_bytes`` (413) although the server admits a log chunk
-    (``cluster.logs.MAX_CHUNK_BYTES``). The server's own refusals carry both error shapes: the
+    (``core.cluster.MAX_CHUNK_BYTES``). The server's own refusals carry both error shapes: the
     Worker protocol's ``error``/``field`` and the API's ``code``."""
-    from qlagent.http.worker_routes import DbClock, WorkerRouteLimits, WorkerRoutes, WorkerServices
+    from qlagent.http.worker_routes import WorkerRouteLimits, WorkerRoutes, WorkerServices
     c = cluster.config
     routes = WorkerRoutes(WorkerServices(registry=cluster.registry, pull=cluster.pull, acks=cluster.acks,
-                                         logs=cluster.logs, clock=DbClock(cluster.now_us), joins=cluster.joins),
+                                         logs=cluster.logs, clock=cluster.clock, joins=cluster.joins),
                           WorkerRouteLimits(threads=threads, max_long_polls=c.max_long_polls,
                                             answer_timeout_s=c.answer_timeout_s))
     routes.register(router)

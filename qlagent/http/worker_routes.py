@@ -19,8 +19,9 @@ Errors are ``{"error", "field", "message"}`` with the documented status; a crede
 database does not know for this ``workerId`` is 401, one issued to another Worker is 403
 ``worker_mismatch`` (the services authenticate before any write, so nothing is written).
 Every answer carries ``X-Qlagent-Server-Now-Us``: the database clock (µs since the epoch),
-read from PostgreSQL and carried forward on the monotonic clock between reads
-(:class:`DbClock`). Control plane only: nothing here is imported on a router.
+the replica's ``core.dbclock.DatabaseClock`` (read from PostgreSQL by the replica's loop and
+carried forward on the monotonic clock between reads). Control plane only: nothing here is
+imported on a router.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,10 +37,11 @@ import msgspec
 
 from qlagent.cluster.acks import AckService
 from qlagent.cluster.joins import JoinTokens
-from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
+from qlagent.cluster.logs import LogUpload
 from qlagent.cluster.pull import MAX_WAIT_S, WorkerPull
 from qlagent.cluster.registry import WorkerRegistry, check_uuid
-from qlagent.core.cluster import Ack, ChunkConflict, HeartbeatRequest, Hello, PullRequest, WorkerAuthError
+from qlagent.core.cluster import MAX_CHUNK_BYTES, Ack, ChunkConflict, HeartbeatRequest, Hello, PullRequest, WorkerAuthError
+from qlagent.core.dbclock import DatabaseClock
 from qlagent.core.errors import ConflictError, NotFoundError, QlError, UnavailableError, ValidationError
 from qlagent.http.routing import Router
 from qlagent.http.server import Deferred
@@ -83,30 +84,6 @@ class WorkerRouteLimits:
             raise ValidationError("cluster.answer_timeout_s", f"{self.answer_timeout_s} outside 1..300", limit=300)
 
 
-class DbClock:
-    """The authority's clock without a query per answer: ``read()`` (µs, e.g.
-    ``PgDispatchStore.now_us``) is called at construction and again by :meth:`refresh` once the
-    anchor is older than ``max_age_s``; :meth:`now_us` adds the monotonic time elapsed since."""
-
-    def __init__(self, read: Callable[[], int], max_age_s: float = 30.0) -> None:
-        self._read, self._max_age = read, max_age_s
-        self._lock = threading.Lock()
-        self._anchor = (read(), time.monotonic())
-
-    def now_us(self) -> int:
-        db, mono = self._anchor
-        return db + int((time.monotonic() - mono) * 1_000_000)
-
-    def refresh(self) -> None:
-        """Re-read the database clock if the anchor is stale (call off the loop thread)."""
-        if time.monotonic() - self._anchor[1] < self._max_age or not self._lock.acquire(blocking=False):
-            return
-        try:
-            self._anchor = (self._read(), time.monotonic())
-        finally:
-            self._lock.release()
-
-
 @dataclass(frozen=True, slots=True)
 class WorkerServices:
     """The cluster services the routes call (wired over the PostgreSQL adapters)."""
@@ -115,7 +92,7 @@ class WorkerServices:
     pull: WorkerPull
     acks: AckService
     logs: LogUpload
-    clock: DbClock
+    clock: DatabaseClock
     joins: JoinTokens
 
 
@@ -375,7 +352,6 @@ class WorkerRoutes:
 
         def run() -> None:
             try:
-                self._s.clock.refresh()
                 resp = work()
                 resp.headers.append((SERVER_NOW, str(self._s.clock.now_us())))
                 d.resolve(resp)
@@ -398,7 +374,6 @@ class WorkerRoutes:
 
         def run() -> None:
             try:
-                self._s.clock.refresh()
                 d.resolve(work())
             except BaseException as e:  # noqa: BLE001 - every outcome must reach the client
                 d.resolve(e)

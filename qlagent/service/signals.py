@@ -1,6 +1,6 @@
 """POSIX signals into a selectors loop (the self-pipe of ``signal.set_wakeup_fd``), for the
 three loops of ``qlagent serve``: the local agent (``service.main``), the control-plane replica
-(``service.controlplane``) and the fleet Worker (``fleet.runtime``, installed by
+(``service.controlplane``) and the fleet Worker (``worker.runtime``, installed by
 ``service.worker_mode``)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Only wiring: the service lock of the state directory, the CA file check ``config check`` makes
 too (``service.preflight``), then the Worker built by the composition root
 (``bootstrap.build_worker``: control client, inbox, run directories; a bad credential or CA file
-is one line naming the field, exit 2) and its loop (``fleet.runtime``).
+is one line naming the field, exit 2) and its loop (``worker.runtime``).
 Local tasks and schedules are off in this mode: the local store is not opened at all. The
 local HTTP API cannot be served without it; with ``[http] listen`` / ``unix_socket`` (or ``serve
 --listen``) a read-only status surface is served instead (``http.worker_status``: ``/healthz``,

@@ -15,14 +15,16 @@ from dataclasses import replace
 from qlagent.adapters.postgres.join_tokens import PgJoinTokens
 from qlagent.adapters.postgres.notify import PgCandidateSignal
 from qlagent.cluster.joins import JoinTokens
-from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
+from qlagent.cluster.logs import LogUpload
 from qlagent.cluster.pull import WorkerPull
+from qlagent.core.cluster import MAX_CHUNK_BYTES
+from qlagent.core.dbclock import DatabaseClock
 from qlagent.core.profiles import EDGE, STANDALONE
 from httploop import LoopThread
 from qlagent.http.routing import Router
 from qlagent.http.server import HttpServer
 from qlagent.http.wire import HttpLimits
-from qlagent.http.worker_routes import DbClock, WorkerRouteLimits, WorkerRoutes, WorkerServices
+from qlagent.http.worker_routes import WorkerRouteLimits, WorkerRoutes, WorkerServices
 
 BASE = "/api/v3/cluster/workers"
 
@@ -34,9 +36,11 @@ class ControlPlane:
                  limits: WorkerRouteLimits = WorkerRouteLimits(), in_flight: int = 64,
                  read_timeout_s: float = 5.0) -> None:
         self.signal = PgCandidateSignal(pg_url)
+        clock = DatabaseClock(kit.store.now_us)        # no replica loop here: anchored once
+        assert clock.sync()
         services = WorkerServices(registry=kit.registry, acks=kit.acks, logs=LogUpload(kit.logs, EDGE),
                                   pull=WorkerPull(kit.store, kit.secrets, signal=self.signal),
-                                  clock=DbClock(kit.store.now_us), joins=JoinTokens(PgJoinTokens(kit.pool)))
+                                  clock=clock, joins=JoinTokens(PgJoinTokens(kit.pool)))
         self.routes = WorkerRoutes(services, limits)
         router = Router()
         self.routes.register(router)

@@ -11,9 +11,9 @@ import pytest
 
 from pgkit import token
 from qlagent.cluster.leases import LeaseSweeper
-from qlagent.cluster.logs import MAX_CHUNK_BYTES, LogUpload
+from qlagent.cluster.logs import LogUpload
 from qlagent.cluster.offer import offer_id
-from qlagent.core.cluster import PullRequest
+from qlagent.core.cluster import MAX_CHUNK_BYTES, PullRequest
 from qlagent.core.errors import ConflictError, ValidationError
 from qlagent.core.ids import new_id
 from qlagent.core.profiles import EDGE

@@ -743,8 +743,8 @@ def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_
 
 
 def test_a_grace_the_lease_cannot_hold_is_refused_at_task_add_and_never_offered(tmp_path):
-    # Found on the fleet: grace_s = 30 under lease_ttl_s = 30 was offered, its Worker stopped it
-    # right after it started (lease_lost action=kill) and the run ended lost with no hint.
+    # grace_s = 30 under lease_ttl_s = 30: were it offered, its Worker would stop it right after it
+    # started (lease_lost action=kill) and the run would end lost with no hint.
     import time
     name = create_database("ops_grace")
     env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")       # lease_ttl_s = 30: grace ≤ 24.971 s

@@ -152,7 +152,7 @@ def test_join_doctor_and_the_joined_worker_on_the_router_load_no_cryptography_no
         if worker.poll() is None:
             worker.kill()
             worker.wait()
-    assert "qlagent.fleet.runtime" in modules("serve")
+    assert "qlagent.worker.runtime" in modules("serve")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

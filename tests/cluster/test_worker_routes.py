@@ -16,7 +16,7 @@ import pytest
 
 from cpkit import BASE, Client, ControlPlane, make_ca
 from pgkit import COMMAND_MARK, token
-from qlagent.cluster.logs import MAX_CHUNK_BYTES
+from qlagent.core.cluster import MAX_CHUNK_BYTES
 from qlagent.cluster.registry import credential_digest, new_credential
 from qlagent.core.ids import new_id
 from qlagent.http.auth import AuthError, authorize

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from stubcp import StubControlPlane, make_ca, worker_config, write_credential
-from kit import clean_env, free_port, qlagent_argv, run_cli, wait_until
+from kit import Serve, clean_env, free_port, run_cli, wait_until
 
 QUOTA = 4_194_304
 SECRET = "s3cr3t-value-never-at-rest-9f2c"
@@ -38,30 +38,28 @@ class Worker:
         self.cred = write_credential(str(tmp / "credential"), cred, cred_mode)
         self.cfg = worker_config(str(tmp / "qlagent.toml"), state_dir=self.state, worker_id=self.worker_id, url=url,
                                  credential_file=self.cred, ca_file=ca_file or cp.ca_file, slots=slots, extra=extra)
-        self.err = str(tmp / "worker.err")
-        self.p: subprocess.Popen | None = None
+        self.p: Serve | None = None
+        self.serves: list[Serve] = []
 
-    def start(self, *serve_args: str) -> "Worker":
-        self.p = subprocess.Popen(qlagent_argv("--config", self.cfg, "serve", *serve_args),
-                                  stdout=subprocess.DEVNULL, stderr=open(self.err, "a"), env=clean_env())
+    def start(self, *serve_args: str, env: dict | None = None) -> "Worker":
+        """``qlagent --config CFG serve SERVE_ARGS`` (environment ``env``, default a clean one);
+        returns at once."""
+        self.p = Serve("--config", self.cfg, serve_args=serve_args, env=env, ready=None)
+        self.serves.append(self.p)
         return self
 
     def kill(self) -> None:
-        self.p.send_signal(signal.SIGKILL)
-        self.p.wait()
+        self.p.kill()
 
     def stop(self) -> int:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                return self.p.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.p.returncode
+        try:
+            return self.p.stop(30)
+        except subprocess.TimeoutExpired:
+            return self.p.returncode
 
     def journal(self) -> str:
-        with open(self.err) as f:
-            return f.read()
+        """What every start of this Worker journalled."""
+        return "".join(p.journal() for p in self.serves)
 
 
 @pytest.fixture
@@ -330,7 +328,7 @@ def test_a_restarted_worker_renews_an_adopted_lease_at_once_instead_of_killing_t
 
 @pytest.mark.parametrize("reachable", [True, False])
 def test_serve_exit_after_ends_a_worker_with_the_sigterm_drain(tmp_path, cp, worker, reachable):
-    # `serve --exit-after S` was ignored in Worker mode: the Worker ran until killed.
+    # `serve --exit-after S` ends a Worker too, through its SIGTERM drain, reachable or not.
     if not reachable:
         worker.cfg = worker_config(worker.cfg, state_dir=worker.state, worker_id=worker.worker_id,
                                    url=f"https://127.0.0.1:{free_port()}", credential_file=worker.cred,
@@ -367,9 +365,7 @@ def test_a_run_that_ended_while_the_worker_was_down_is_adopted_and_its_completio
     worker.start()
     assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
     worker.kill()
-    end = time.monotonic() + 20
-    while time.monotonic() < end and not done.exists():
-        time.sleep(0.05)
+    wait_until(done.exists, 20, "the run to end while its Worker is down", step=0.05)
     worker.start()
     assert cp.wait(lambda: completion(cp, aid) is not None and cp.log_of(aid) == b"ended-alone\n", 30), \
         worker.journal()
@@ -386,10 +382,7 @@ def test_a_restart_whose_adoption_is_refused_kills_the_reattached_run(tmp_path, 
     worker.kill()
     cp.expire_lease(aid)                        # down longer than the Lease: the new Session may not adopt it
     worker.start()
-    end = time.monotonic() + 15
-    while time.monotonic() < end and not gone(pid):
-        time.sleep(0.05)
-    assert gone(pid), worker.journal()
+    wait_until(lambda: gone(pid), 15, f"the task {pid} gone", step=0.05, detail=worker.journal)
     assert [c.attempt_id for c in cp.hellos[-1].adopt] == [aid]
     # Refused as expired — or as not found when the dead Worker's long-poll, still waiting in the
     # control plane, claimed the re-queued Run under the old Session first (a newer Lease).
@@ -462,9 +455,7 @@ def test_a_dead_workers_shim_stops_the_run_before_its_lease_can_expire(tmp_path,
     if policy == "kill":
         # Dead before the control plane could see the Lease expire and offer the Attempt again.
         assert gone(pid) and time.time_ns() // 1000 < expires_us
-        end = time.monotonic() + 10
-        while time.monotonic() < end and not os.path.exists(receipt):
-            time.sleep(0.05)
+        wait_until(lambda: os.path.exists(receipt), 10, receipt, step=0.05)
         with open(receipt) as f:
             doc = json.load(f)
         assert doc["lease_lost"] is True and doc["signal"] == signal.SIGTERM
@@ -524,10 +515,8 @@ def test_a_self_fenced_run_is_not_renewed_after_the_link_returns_and_is_offered_
             w.journal()
         assert not _lock_free(lock)
         cp.partition(True)
-        end = time.monotonic() + 10
-        while time.monotonic() < end and not _lock_free(lock):
-            time.sleep(0.05)
-        assert _lock_free(lock), w.journal()                # the whole tree is dead (the Worker killed it)
+        # the whole tree is dead (the Worker killed it)
+        wait_until(lambda: _lock_free(lock), 10, f"{lock} free", step=0.05, detail=w.journal)
         lease = cp.lease(aid)
         # Still the first Lease, active and unexpired at the control plane: only a heartbeat's
         # renewal could keep it alive from here.
@@ -576,9 +565,8 @@ def test_cancel_from_a_heartbeat_stops_the_whole_process_tree(tmp_path, cp, work
     aid = cp.add_run(shell="/bin/sh", script=f"sleep 60 & echo $! >> {pids}; sh -c 'echo $$ >> {pids}; sleep 60'")
     worker.start()
     assert cp.wait(lambda: "running" in cp.acks_of(aid), 30)
-    end = time.monotonic() + 10
-    while time.monotonic() < end and len(pids.read_text().split() if pids.exists() else []) < 2:
-        time.sleep(0.05)
+    wait_until(lambda: len(pids.read_text().split() if pids.exists() else []) >= 2, 10, f"two PIDs in {pids}",
+               step=0.05)
     tree = [int(x) for x in pids.read_text().split()]
     cp.cancel(aid)
     assert cp.wait(lambda: completion(cp, aid) is not None, 20)
@@ -746,7 +734,7 @@ def test_worker_log_store_bytes_grows_with_the_slots(tmp_path):
 def test_worker_mode_never_loads_the_control_plane_and_a_local_agent_never_loads_the_client():
     # Everything Worker mode loads (bootstrap.build_worker's lazy imports included).
     worker_mods = ("qlagent.service.worker_mode", "qlagent.adapters.control_client", "qlagent.adapters.worker_runs",
-                   "qlagent.adapters.sqlite.inbox", "qlagent.fleet.runtime")
+                   "qlagent.adapters.sqlite.inbox", "qlagent.worker.runtime")
     probe = ("import sys, importlib; [importlib.import_module(m) for m in sys.argv[1:]]; "
              "print(' '.join(m for m in sys.modules if m.startswith(('qlagent.cluster', 'psycopg', "
              "'qlagent.adapters.control_client', 'qlagent.http', 'qlagent.application.engine'))))")
@@ -769,9 +757,7 @@ def test_a_control_plane_that_never_answers_does_not_starve_the_watchdog(tmp_pat
     notify.bind(str(tmp_path / "notify.sock"))
     notify.settimeout(0.2)
     w = Worker(tmp_path, cp, f"https://localhost:{silent.getsockname()[1]}")
-    env = clean_env(NOTIFY_SOCKET=tmp_path / "notify.sock", WATCHDOG_USEC=2000000)
-    w.p = subprocess.Popen(qlagent_argv("--config", w.cfg, "serve"),
-                           stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
+    w.start(env=clean_env(NOTIFY_SOCKET=tmp_path / "notify.sock", WATCHDOG_USEC=2000000))
     pings = []
     try:
         end = time.monotonic() + 9
@@ -868,9 +854,7 @@ def test_sighup_answers_the_notify_reload_handshake_and_sigterm_says_stopping(tm
         raise AssertionError(f"no {line_start} in {got}")
 
     w = Worker(tmp_path, cp, cp.url)
-    env = clean_env(NOTIFY_SOCKET=tmp_path / "notify.sock")
-    w.p = subprocess.Popen(qlagent_argv("--config", w.cfg, "serve"),
-                           stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
+    w.start(env=clean_env(NOTIFY_SOCKET=tmp_path / "notify.sock"))
     try:
         expect("READY=1")
         assert cp.wait(lambda: len(cp.sessions) == 1, 30)
@@ -1069,10 +1053,8 @@ def test_a_run_fenced_for_its_lease_keeps_its_log_until_cut_with_a_recorded_fact
         pid = read_pid(pidfile)
         assert stub.wait(lambda: len(stub.log_of(aid)) == 262_144, 20)      # one whole chunk went up
         stub.partition(True)
-        end = time.monotonic() + 20
-        while time.monotonic() < end and not gone(pid):
-            time.sleep(0.05)
-        assert gone(pid) and "action=kill" in w.journal()
+        wait_until(lambda: gone(pid), 20, f"the task {pid} gone", step=0.05, detail=w.journal)
+        assert "action=kill" in w.journal()
         log = os.path.join(w.state, "worker-runs", aid, "output.log")
         size = os.path.getsize(log)
         assert size > 262_144                               # kept after the stop, not deleted
@@ -1104,9 +1086,8 @@ def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_on
     w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
     offset = tmp_path / "faketime"
     offset.write_text("-20000d\n")                              # 1972
-    env = clean_env(LD_PRELOAD=FAKETIME_LIB, FAKETIME_TIMESTAMP_FILE=offset, FAKETIME_NO_CACHE=1, NO_FAKE_STAT=1)
-    w.p = subprocess.Popen(qlagent_argv("--config", w.cfg, "serve"),
-                           stdout=subprocess.DEVNULL, stderr=open(w.err, "a"), env=env)
+    w.start(env=clean_env(LD_PRELOAD=FAKETIME_LIB, FAKETIME_TIMESTAMP_FILE=offset, FAKETIME_NO_CACHE=1,
+                          NO_FAKE_STAT=1))
     try:
         assert _wait_http(port, "/healthz") == (200, {"status": "ok"}), w.journal()
         assert cp.wait(lambda: "clock_not_set" in w.journal(), 20), w.journal()
@@ -1119,10 +1100,7 @@ def test_a_worker_booted_with_its_clock_at_1970_waits_for_the_clock_and_joins_on
         assert "worker.ca_file" not in line and cp.sessions == {}
         offset.write_text("+0\n")                               # NTP sets the clock
         assert cp.wait(lambda: len(cp.sessions) == 1, 20), w.journal()
-        end = time.monotonic() + 10
-        while _http(port, "/readyz")[0] != 200 and time.monotonic() < end:
-            time.sleep(0.1)
-        assert _http(port, "/readyz")[0] == 200, w.journal()
+        wait_until(lambda: _http(port, "/readyz")[0] == 200, 10, "/readyz 200", step=0.1, detail=w.journal)
         assert w.stop() == 0
     finally:
         if w.p.poll() is None:

@@ -45,7 +45,7 @@ unless keep_orphans; the receipt's orphans_stopped counts them.
 
 Lease self-fencing (issue 11 §6, a fleet Worker that died): lease_file holds one decimal
 integer, the CLOCK_MONOTONIC instant (µs) at which stopping the run must begin so that it is dead
-before its Run Lease can expire (qlagent.worker.fencing.stop_at_local_us); the Worker writes it
+before its Run Lease can expire (qlagent.worker.policy.fencing.stop_at_local_us); the Worker writes it
 before the spawn and rewrites it (rename) at every renewal. This process sleeps until that
 instant and reads the file again: a later instant means the Worker renewed, so it sleeps on.
 Otherwise (the Worker is gone or cannot renew; an unreadable file counts the same) the task's

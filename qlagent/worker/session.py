@@ -12,7 +12,7 @@ from ..core.control import (ControlAuthError, ControlError, ControlTlsError, Con
                             SessionGone)
 from ..core.errors import ValidationError
 from ..core.leasefit import KILL_REAP_US          # after SIGKILL: reaping the tree (fencing's kill grace adds it)
-from ..worker import backoff, fencing, heartbeat
+from .policy import backoff, fencing, heartbeat
 from ..core.inbox_states import InboxState
 from .job import Job, LeaseHold, Owed
 
@@ -34,7 +34,7 @@ def _config_field(wire_field: str | None) -> str | None:
 
 
 class SessionDuty:
-    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    """One duty of ``worker.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
     ``inbox``, ``runs``, ``client``, ``session``): the Session."""
 
     def _fail(self, e: ControlError, what: str, delay: float | None = None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..core.cluster import ExecutionSpec
 from ..core.leasefit import KILL_REAP_US          # after SIGKILL: reaping the tree (fencing's kill grace adds it)
 from ..core.inbox_states import InboxEntry
-from ..worker import fencing
+from .policy import fencing
 
 
 class LeaseHold:

@@ -12,7 +12,7 @@ from ..core.cluster import PullAnswer
 from ..core.control import ControlError, PullTokenMismatch, RequestRefused, SessionGone
 from ..core.errors import QlError
 from ..core.inbox_states import InboxState, InboxOffer
-from ..worker import fencing, pacing
+from .policy import fencing, pacing
 from .job import Job
 
 
@@ -20,7 +20,7 @@ DEFAULT_PULL_WAIT_S = 20
 
 
 class PullDuty:
-    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    """One duty of ``worker.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
     ``inbox``, ``runs``, ``client``, ``session``): the Pull."""
 
     def _can_pull(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 
-from ..worker import fencing
+from .policy import fencing
 from ..core.inbox_states import InboxState, OutcomeKind
 from .job import Job, LeaseHold
 
@@ -18,7 +18,7 @@ STOP_KILL_US = 2_000_000
 
 
 class StopDuty:
-    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    """One duty of ``worker.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
     ``inbox``, ``runs``, ``client``, ``session``): fencing, timeouts, kills."""
 
     def _fence_and_time(self, now: int) -> None:

@@ -9,12 +9,12 @@ from ..core.cluster import AckKind, MAX_CHUNK_BYTES, Ack, AckResult
 from ..core.control import (AttemptNotFound, ControlError, ControlUnreachable, LeaseGone, PullTokenMismatch,
                             RequestRefused, SessionGone)
 from ..core.inbox_states import InboxState, OutcomeKind, pull_body
-from ..worker import fencing
+from .policy import fencing
 from .job import Job, Owed
 
 
 class SendDuty:
-    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    """One duty of ``worker.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
     ``inbox``, ``runs``, ``client``, ``session``): owed sends."""
 
     def _owes(self, j: Job) -> bool:

@@ -14,7 +14,7 @@ from .job import Job, Owed
 
 
 class SpawnDuty:
-    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    """One duty of ``worker.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
     ``inbox``, ``runs``, ``client``, ``session``): the shims."""
 
     def _spawn(self, j: Job) -> None:

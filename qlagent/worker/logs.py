@@ -10,7 +10,7 @@ from .job import Job, Owed
 
 
 class LogDuty:
-    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    """One duty of ``worker.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
     ``inbox``, ``runs``, ``client``, ``session``): log upload."""
 
     def log_store_used(self) -> int:

@@ -13,7 +13,7 @@ from .job import Job, Owed
 
 
 class RecoveryDuty:
-    """One duty of ``fleet.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
+    """One duty of ``worker.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
     ``inbox``, ``runs``, ``client``, ``session``): restart recovery."""
 
     def recover(self) -> dict[str, int]:

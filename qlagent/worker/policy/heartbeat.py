@@ -11,7 +11,7 @@ self-fencing margin is taken off: two consecutive lost heartbeats must not cost 
 
 from __future__ import annotations
 
-from ..core.errors import ValidationError
+from ...core.errors import ValidationError
 
 MAX_JITTER = 0.5
 DEFAULT_JITTER = 0.2

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..core.errors import ValidationError
+from ...core.errors import ValidationError
 
 ON_LEASE_LOSS = ("kill", "keep")
 DEFAULT_DRIFT_PPM = 1_000
