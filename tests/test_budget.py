@@ -193,6 +193,35 @@ def test_block_reason_on_a_small_profile():
             c.wait()
 
 
+def test_the_tree_from_the_children_files_is_the_one_psutil_finds_by_every_process_parent():
+    """The budget walks the service tree through /proc/<pid>/task/<tid>/children; a kernel
+    without them (CONFIG_PROC_CHILDREN off, OpenWrt) gets psutil's scan of every process's
+    parent instead: both name the same processes, grandchildren and a second thread's child
+    included."""
+    import threading
+
+    from qlagent.adapters.budget import _psutil_tree, _tree
+    tree = subprocess.Popen(["/bin/sh", "-c", "sleep 30 & sleep 30 & wait"])
+    from_thread = []
+    t = threading.Thread(target=lambda: from_thread.append(subprocess.Popen(["/bin/sleep", "30"])))
+    t.start()
+    t.join()
+    grandchildren = []
+    try:
+        wait_until(lambda: len(psutil.Process(tree.pid).children()) == 2)
+        grandchildren = psutil.Process(tree.pid).children()
+        walked = _tree(os.getpid())
+        assert walked is not None, "this kernel has no children files"
+        assert sorted(walked) == sorted(_psutil_tree(os.getpid()))
+        assert {tree.pid, from_thread[0].pid} | {c.pid for c in grandchildren} <= set(walked)
+    finally:
+        for c in grandchildren:
+            c.kill()
+        for p in (tree, *from_thread):
+            p.kill()
+            p.wait()
+
+
 # --- the service cgroup's own figures (issue 22 §2) -------------------------------------------
 
 def _spawn_in(dirs, argv):
