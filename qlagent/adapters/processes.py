@@ -446,7 +446,7 @@ class ForkServer:
         ``expired`` (the caller's bound passed) ends the start whatever came: a shim that was
         forked counts as started (its receipt will tell), one that never was fails.
 
-        The shim's PID comes first (a ``pid <n>`` line from the forked shim); only then does
+        The shim's PID comes first (the fork server's ``pid <n>`` line); only then does
         the spec (secrets included) go into its stdin pipe, so a shim whose agent died before
         knowing its PID reads no spec and runs nothing. Raises ShimSpawnError (``st`` closed)
         when the fork server forked no shim: its reason, the back-off as in ``begin``."""

@@ -5,7 +5,7 @@ Part of the shim (``shim/main.py``): standard library only, no qlagent import, i
 plain name (``import drainer``) because the shim runs as a script under ``python3 -I -S``.
 """
 
-import os
+import posix
 import select
 
 READ_CHUNK_BYTES = 65536
@@ -50,14 +50,14 @@ class Drainer:
         for fd, _ in self.poller.poll(timeout_ms):
             if fd == self.wake_r:
                 try:
-                    while os.read(self.wake_r, 512):
+                    while posix.read(self.wake_r, 512):
                         pass
                 except BlockingIOError:
                     pass
             elif not self.eof:
                 for _ in range(16):   # bounded: the wakeup pipe and the clock are looked at again
                     try:
-                        n = os.readv(self.rfd, [self.buf])
+                        n = posix.readv(self.rfd, [self.buf])
                     except BlockingIOError:
                         break
                     if not n:
@@ -74,7 +74,7 @@ class Drainer:
             view = data[:self.room]
             try:
                 while view:
-                    n = os.write(self.art_fd, view)
+                    n = posix.write(self.art_fd, view)
                     view = view[n:]
                     self.bytes_kept += n
                     self.room -= n

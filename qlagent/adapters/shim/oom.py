@@ -7,7 +7,7 @@ plain name (``import oom``) because the shim runs as a script under ``python3 -I
 never imports main.py.
 """
 
-import os
+import posix
 
 TASK_OOM_SCORE_ADJ = b"1000"   # the kernel's first choice in an OOM (the maximum)
 SHIM_OOM_SCORE_ADJ = b"500"    # after the task, before the agent: killing a shim loses its run
@@ -17,11 +17,11 @@ def set_score_adj(value):
     """Raise this process's oom_score_adj to ``value`` (ASCII bytes; raising needs no
     privilege); ignored without /proc."""
     try:
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        fd = posix.open("/proc/self/oom_score_adj", posix.O_WRONLY)
         try:
-            os.write(fd, value)
+            posix.write(fd, value)
         finally:
-            os.close(fd)
+            posix.close(fd)
     except OSError:
         pass
 
@@ -30,11 +30,11 @@ def join_cgroup(path):
     """In the forked child: move into the Run's cgroup (absolute directory ``path``); a refusal
     leaves the task where the shim is (under oom_score_adj only)."""
     try:
-        fd = os.open(path + "/cgroup.procs", os.O_WRONLY)
+        fd = posix.open(path + "/cgroup.procs", posix.O_WRONLY)
         try:
-            os.write(fd, b"%d" % os.getpid())
+            posix.write(fd, b"%d" % posix.getpid())
         finally:
-            os.close(fd)
+            posix.close(fd)
     except OSError:
         pass
 
@@ -55,26 +55,29 @@ def cgroup_value(path, key):
     return None
 
 
-def kills(cgroup=None):
-    """The oom_kill count (int) of the Run's cgroup, else of this process's memory cgroup (v1
-    ``memory`` line, else v2 ``0::``), or None where there is none to read."""
-    if cgroup is not None:
-        n = cgroup_value(cgroup + "/memory.events", "oom_kill")
-        if n is not None:
-            return n
+def counter():
+    """Where this process's memory cgroup counts its OOM kills: the v1 ``memory`` line's
+    memory.oom_control, else the v2 ``0::`` line's memory.events (a list of paths, the first
+    readable one counts), from /proc/self/cgroup; [] without it."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = [ln.rstrip("\n").split(":", 2) for ln in f]
     except OSError:
-        return None
+        return []
     paths = [("/sys/fs/cgroup/memory%s/memory.oom_control" % p) for _, c, p in lines if "memory" in c.split(",")]
     paths += [("/sys/fs/cgroup%s/memory.events" % p) for h, c, p in lines if h == "0" and c == ""]
-    for path in paths:
-        try:
-            with open(path) as f:
-                for line in f:
-                    if line.startswith("oom_kill "):
-                        return int(line.split()[1])
-        except (OSError, ValueError):
-            continue
+    return paths
+
+
+def kills(cgroup, own):
+    """The oom_kill count (int) of the Run's cgroup, else of this process's memory cgroup (the
+    paths of ``counter()``), or None where there is none to read."""
+    if cgroup is not None:
+        n = cgroup_value(cgroup + "/memory.events", "oom_kill")
+        if n is not None:
+            return n
+    for path in own:
+        n = cgroup_value(path, "oom_kill")
+        if n is not None:
+            return n
     return None
