@@ -497,7 +497,9 @@ def run(w, cfg, wake_r, own_oom):
     global _task_pid
     receipt = new_receipt(w.attempt_id)
     try:
-        art_fd = posix.open(cfg["artifact_path"], posix.O_WRONLY | posix.O_APPEND | posix.O_NOFOLLOW | posix.O_CLOEXEC)
+        # Not O_APPEND, which splice(2) refuses: the shim is the file's only writer while it runs,
+        # and it starts at the end.
+        art_fd = posix.open(cfg["artifact_path"], posix.O_WRONLY | posix.O_NOFOLLOW | posix.O_CLOEXEC)
     except OSError as exc:
         receipt["start_error"] = "artifact_path %s: %s" % (_shown(cfg["artifact_path"]), _errno_text(exc.errno))
         receipt["ended_at_us"] = _now_us()
@@ -515,6 +517,7 @@ def run(w, cfg, wake_r, own_oom):
         return receipt
     # The agent creates the file empty; anything already there counts against the quota.
     d.room = max(0, d.quota - st.st_size)
+    posix.lseek(art_fd, 0, 2)   # SEEK_END (os defines it, posix does not)
     try:
         posix.mkfifo(w.fifo_path, 0o600)
         # Read end first and non-blocking, so opening the write end never blocks and EOF only
