@@ -28,6 +28,7 @@ import psutil
 from qlagent.core.canonical import sha256_hex
 from qlagent.core.dispatch import LaunchCommand
 from qlagent.core.errors import QlError, RunFileError, StartError, UnavailableError, ValidationError
+from qlagent.core.limits import SHIM_START_BOUND_US
 from qlagent.core.receipt import Receipt, TruncationFact, start_code
 
 from .artifacts import UnsafeDirectoryError
@@ -36,9 +37,7 @@ from .rundir import read_receipt, read_task_pid, read_truncation, remove_run_dir
 
 SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
 SHIM_DIR = os.path.dirname(SHIM_PATH)
-# The shim reports the exec's outcome within its start-up time (~10 ms; seconds on a loaded
-# router). Past this bound the agent records the Run running and lets the receipt tell.
-START_STATUS_TIMEOUT_S = 30.0
+START_STATUS_TIMEOUT_S = SHIM_START_BOUND_US / 1e6
 _STATUS_LIMIT_BYTES = 1024
 # The shim refuses a larger spec (shim/main.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
