@@ -17,7 +17,8 @@ Slow CPU: ``--cpu-quota 10`` runs the whole bench (this process and everything i
 new cgroup limited to 10 % of one core (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``; needs
 root), so the ratios are measured under throttling as well.
 
-Usage: python3 bench/bench_forkserver.py [--rounds 15] [--mib 128] [--cpu-quota PCT] [--against DIR]
+Usage: python3 bench/bench_forkserver.py [--rounds 15] [--mib 128] [--drain-repeats 3] [--cpu-quota PCT]
+       [--against DIR]
 """
 
 import argparse
@@ -80,13 +81,18 @@ def shim_of(tree):
 
 
 def wait_receipt(spec, h):
-    while (r := processes.read_receipt(spec["run_dir"])) is None:
-        time.sleep(0.001)
+    """The receipt once the shim has exited (it writes it first): a wait on its pidfd, not a
+    polling loop, which would spend the CPU quota of a ``--cpu-quota`` run beside the paths."""
     if h.popen is not None:
         h.popen.wait()
+    elif h.pidfd is not None:
+        select.select([h.pidfd], [], [])
+    else:
+        while processes.process_matches(h.pid, h.create_time):
+            time.sleep(0.01)
     if h.pidfd is not None:
         os.close(h.pidfd)
-    return r
+    return processes.read_receipt(spec["run_dir"])
 
 
 def forked(fs):
@@ -203,6 +209,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15, help="latency samples per path")
     ap.add_argument("--mib", type=int, default=128, help="MiB pushed through the drainer (0: skip)")
+    ap.add_argument("--drain-repeats", type=int, default=3, help="drainer samples per path")
     ap.add_argument("--cpu-quota", type=int, default=0, help="run under this %% of one CPU (cgroup; root)")
     ap.add_argument("--against", help="another checkout whose shim is measured beside this tree's")
     args = ap.parse_args()
@@ -221,7 +228,7 @@ def main():
     latency(base, args.rounds, arms)
     overhead(base, arms)
     if args.mib:
-        throughput(base, args.mib, shims=[(f"{label}: fork-served shim", forked(fs)) for label, fs in arms.items()])
+        throughput(base, args.mib, args.drain_repeats, shims=[(f"{label}: fork-served shim", forked(fs)) for label, fs in arms.items()])
     print(f"\nload at the end {os.getloadavg()[0]:.1f}")
 
 
