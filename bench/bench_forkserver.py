@@ -17,8 +17,11 @@ Slow CPU: ``--cpu-quota 10`` runs the whole bench (this process and everything i
 new cgroup limited to 10 % of one core (v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``; needs
 root), so the ratios are measured under throttling as well.
 
+``--python PATH`` runs the shims (fork servers, and the interpreter per run) under another
+interpreter, e.g. a 3.12+ one, whose immortal objects leave a forked shim fewer pages to copy.
+
 Usage: python3 bench/bench_forkserver.py [--rounds 15] [--mib 128] [--drain-repeats 3] [--cpu-quota PCT]
-       [--against DIR]
+       [--against DIR] [--python PATH]
 """
 
 import argparse
@@ -43,6 +46,7 @@ from shimkit import spawn_shim  # noqa: E402  (the shim alone, by its own interp
 
 MiB = 1024 * 1024
 PATH_ENV = {"PATH": "/usr/bin:/bin"}
+PYTHON = sys.executable          # the shims' interpreter (--python)
 
 
 def throttle(pct):
@@ -97,12 +101,12 @@ def wait_receipt(spec, h):
 
 def forked(fs):
     """``run(spec)`` for bench_drainer.throughput: a start through ``fs``, then its receipt."""
-    return lambda spec: wait_receipt(spec, fs.spawn(spec, sys.executable))
+    return lambda spec: wait_receipt(spec, fs.spawn(spec, PYTHON))
 
 
 def latency(base, rounds, arms):
     argv = DATE_ARGV
-    program = processes.compiled_shim(base, sys.executable)
+    program = processes.compiled_shim(base, PYTHON)
 
     def exec_at(spawn):
         def go():
@@ -129,7 +133,7 @@ def latency(base, rounds, arms):
         def go():
             spec = new_run(base, 4096, ["/bin/true"])
             t0 = time.perf_counter_ns()
-            st = fs.begin(spec, sys.executable)
+            st = fs.begin(spec, PYTHON)
             took = time.perf_counter_ns() - t0
             while True:
                 select.select([st.fd] if st.fd is not None else [], [], [], 1)
@@ -143,12 +147,12 @@ def latency(base, rounds, arms):
 
     paths = {"posix_spawn": via_posix_spawn}
     for label, fs in arms.items():
-        spawn = (lambda f: lambda s: f.spawn(s, sys.executable))(fs)
+        spawn = (lambda f: lambda s: f.spawn(s, PYTHON))(fs)
         paths[f"{label}: fork server → shim → task exec"] = exec_at(spawn)
         paths[f"{label}: call until `ok`"] = until_running(spawn)
         paths[f"{label}: the loop's own work per start (begin + advances, no waiting)"] = loop_share(fs)
     paths["interpreter per run (spawn_shim, before the fork server) → task exec"] = \
-        exec_at(lambda s: spawn_shim(s, program=program))
+        exec_at(lambda s: spawn_shim(s, PYTHON, program=program))
     samples = {name: [] for name in paths}
     for fn in paths.values():
         fn()
@@ -175,9 +179,10 @@ def shim_cost(pid, task):
 
 def overhead(base, arms):
     rows = []
-    spawns = [(f"{label}: fork-served shim", (lambda f: lambda s: f.spawn(s, sys.executable))(fs))
+    spawns = [(f"{label}: fork-served shim", (lambda f: lambda s: f.spawn(s, PYTHON))(fs))
               for label, fs in arms.items()]
-    for label, spawn in spawns + [("shim with its own interpreter (before the fork server)", spawn_shim)]:
+    for label, spawn in spawns + [("shim with its own interpreter (before the fork server)",
+                                   lambda s: spawn_shim(s, PYTHON))]:
         uss, dirty, pids = [], [], []
         for _ in range(5):
             spec = new_run(base, 4 * MiB, ["/usr/bin/yes", "0123456789abcdef"])
@@ -212,10 +217,13 @@ def main():
     ap.add_argument("--drain-repeats", type=int, default=3, help="drainer samples per path")
     ap.add_argument("--cpu-quota", type=int, default=0, help="run under this %% of one CPU (cgroup; root)")
     ap.add_argument("--against", help="another checkout whose shim is measured beside this tree's")
+    ap.add_argument("--python", default=sys.executable, help="the shims' interpreter (default: this one)")
     args = ap.parse_args()
+    global PYTHON
+    PYTHON = args.python
     cg = throttle(args.cpu_quota) if args.cpu_quota else None
     base = tempfile.mkdtemp(prefix="qlagent-bench-")
-    print(f"python {sys.version.split()[0]}, {os.uname().release}, {os.cpu_count()} CPUs, load "
+    print(f"python {sys.version.split()[0]} (shims: {PYTHON}), {os.uname().release}, {os.cpu_count()} CPUs, load "
           f"{os.getloadavg()[0]:.1f}" + (f", cgroup {cg} at {args.cpu_quota} % of one CPU" if cg else ""))
     arms = {}
     for label, tree in (("this tree", None), (args.against, args.against)):
@@ -224,7 +232,7 @@ def main():
         with shim_of(tree):
             d = tempfile.mkdtemp(dir=base)
             arms[label] = fs = processes.ForkServer(d)
-            wait_receipt(spec := new_run(d, 4096, ["/bin/true"]), fs.spawn(spec, sys.executable))
+            wait_receipt(spec := new_run(d, 4096, ["/bin/true"]), fs.spawn(spec, PYTHON))
     latency(base, args.rounds, arms)
     overhead(base, arms)
     if args.mib:
