@@ -150,41 +150,62 @@ def test_replica_metrics_move_with_a_worker_pulling_then_going_silent(replica):
         w.close()
 
 
-def test_store_errors_count_the_duties_failed_while_the_database_was_gone(replica):
+LOOP_DUTIES = ("scheduler", "sweeper", "placement_report", "task_reload")
+
+
+def test_store_errors_count_the_duties_and_requests_failed_while_the_database_was_gone(replica):
     """PostgreSQL ends every backend of the replica and takes no new one for a while (as a
-    restart does): the loop duties failing meanwhile are counted by error code, seen at the
-    first scrape once the database is back (a scrape needs it: 503 ``store_unavailable`` while
-    it is gone, which Prometheus records as the target down), and the sweeper goes on."""
-    r, _, env = replica
+    restart does): the loop duties failing meanwhile, and a Worker's heartbeat, a Task Start
+    and a scrape answered 503 for want of the database, are counted by source and error code,
+    seen at the first scrape once the database is back (a scrape needs it: 503
+    ``store_unavailable`` while it is gone, which Prometheus records as the target down), and
+    the sweeper goes on."""
+    r, tok, env = replica
+    w = HandWorker(r, env, "outage-w")
+    start = body(_head(r, tok, "hello"))
     before = scrape(r)
     name = urllib.parse.urlsplit(env.url).path.lstrip("/")
     seen = len(r.lines)
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        # Refused to every role, superusers too, until allowed again: the pool cannot reconnect.
-        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
-        try:
-            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-            wait_until(lambda: any("store.unavailable" in ln for ln in r.lines[seen:]), 20,
-                       "a loop duty failing while the database is gone", detail=lambda: "".join(r.lines[seen:]))
-            conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+    try:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            # Refused to every role, superusers too, until allowed again: the pool cannot reconnect.
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
             try:
-                conn.request("GET", "/metrics")
-                resp = conn.getresponse()
-                assert (resp.status, json.loads(resp.read())["code"]) == (503, "store_unavailable")
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+                wait_until(lambda: any("store.unavailable" in ln for ln in r.lines[seen:]), 20,
+                           "a loop duty failing while the database is gone", detail=lambda: "".join(r.lines[seen:]))
+                conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+                try:
+                    conn.request("GET", "/metrics")
+                    resp = conn.getresponse()
+                    assert (resp.status, json.loads(resp.read())["code"]) == (503, "store_unavailable")
+                finally:
+                    conn.close()
+                st, _, answer, _ = w.c.post("heartbeat", {**w.fence, "leases": []})
+                assert (st, answer["error"]) == (503, "cluster_unavailable"), answer
+                st, answer = r.request("POST", f"{BASE}/tasks/hello/runs", start, tok)
+                assert (st, answer["code"]) == (503, "task_start_unavailable"), answer
             finally:
-                conn.close()
-        finally:
-            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
 
-    def back() -> dict | None:
-        try:
-            fams = scrape(r)
-        except AssertionError:          # a pooled connection from the outage, not yet replaced
-            return None
-        return fams if value(fams, "qlagent_sweeper_passes") > value(before, "qlagent_sweeper_passes") + 1 else None
-    after = wait_until(back, 30, "the sweeper passing again", detail=lambda: "".join(r.lines[seen:]))
-    assert value(after, "qlagent_store_errors", code="unavailable") > value(before, "qlagent_store_errors",
-                                                                              code="unavailable")
+        def back() -> dict | None:
+            try:
+                fams = scrape(r)
+            except AssertionError:          # a pooled connection from the outage, not yet replaced
+                return None
+            return fams if value(fams, "qlagent_sweeper_passes") > value(before, "qlagent_sweeper_passes") + 1 \
+                else None
+        after = wait_until(back, 30, "the sweeper passing again", detail=lambda: "".join(r.lines[seen:]))
+    finally:
+        w.close()
+
+    def failed(fams, *sources: str) -> float:
+        return sum(value(fams, "qlagent_store_errors", source=s) for s in sources)
+    assert failed(after, *LOOP_DUTIES) > failed(before, *LOOP_DUTIES)
+    for source in ("heartbeat", "task_start", "metrics"):
+        assert failed(after, source) == failed(before, source) + 1, source
+    codes = {s.labels["code"] for s in after["qlagent_store_errors"].samples if s.labels["source"] == "heartbeat"}
+    assert codes <= {"unavailable", "store_unavailable"}, codes
 
 
 def test_pool_in_use_counts_a_task_start_parked_on_its_tasks_row(replica):
