@@ -229,9 +229,12 @@ class ControlPlane:
         and the queue (every Project, from the database), the oldest queued Run's age (s, by
         the database's clock), Task Start answers by HTTP status, Pulls answered with an offer,
         Pulls long-polling, sweeper passes and the Run Leases and Sessions they expired, the
-        pool, database failures by loop duty or route and error code — the counters since this
-        replica started."""
+        pool (as the scrape arrives, before it takes a connection), database failures by loop
+        duty or route and error code — the counters since this replica started."""
         from ..core.metrics import COUNTER, GAUGE, Family, render
+        # The pool as the scrape finds it: read after the scrape's own queries, it would show
+        # only what outlived the wait of a scrape that came while requests were queueing.
+        size, in_use, waiting = self.store.pool_use()
         counts = self.store.run_state_counts()
         oldest = self.store.oldest_queued_us()
         runs = Family("qlagent_runs", GAUGE, "Runs by state, every Project")
@@ -246,7 +249,6 @@ class ControlPlane:
             failed = sorted(self._store_errors.items())
         for (source, code), n in failed:
             errors.add(n, source=source, code=code)
-        size, in_use, waiting = self.store.pool_use()
         age = 0.0 if oldest is None else max(0, self.services.now_us() - oldest) / 1e6
         return render([
             runs, starts,
