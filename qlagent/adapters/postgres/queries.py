@@ -19,9 +19,19 @@ from ..rows.queries import format_marks, sql_in
 CREATING_RUNS_SETTINGS = ("SET LOCAL enable_seqscan = off; SET LOCAL lock_timeout = 5000; "
                           "SET LOCAL qlagent.notify_after_commit = on")
 
+# ADR-0376 §2 Task Start in one call (migration 0016): project, task, subject, mutationId, expected
+# revision and digest, admitted project and binding versions (NULL: not re-verified), the start
+# roles, the Attempt's executor, the time (NULL: the database clock). One row: its outcome and
+# the Run's identities (``postgres.runs.task_start`` maps it).
+TASK_START = ("SELECT * FROM ql_task_start(%s, %s, %s, %s, %s, %s, %s::integer, %s::integer, %s::text[], %s, "
+              "%s::bigint)")
+
 # The database clock (µs since the epoch): the time of the cluster's store writes.
 DB_NOW = "SELECT ql_now_us() AS now"
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = "SELECT * FROM projects WHERE name = %s OR project_id = %s FOR SHARE"
+# An API request's authentication in one call (migration 0017; params: Project name, Project ID,
+# token digest): one row, NULLs where the Project, the live token or its binding is absent.
+ADMISSION = "SELECT * FROM ql_admission(%s, %s, %s)"
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = %s "
                      "ORDER BY created_at_us, seq")
 

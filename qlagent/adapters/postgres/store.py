@@ -28,7 +28,6 @@ from ...core.dispatch import Candidate
 from ...core.errors import UnavailableError
 from ...core.models import CreatedRun, Project
 from ..row_store import RowStore
-from ..rows import runs as runs_repo
 from ..rows import secrets as secret_rows
 from ..rows.dialect import Db
 from . import migrations
@@ -87,8 +86,10 @@ class PgStore(RowStore):
             raise
 
     # ---- transactions --------------------------------------------------------------------------
-    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", creates_runs: bool = False):
-        """``fn(cursor)`` in one transaction (see the module docstring). ``creates_runs``: a write
+    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", creates_runs: bool = False,
+             single: bool = False):
+        """``fn(cursor)`` in one transaction (see the module docstring); ``single``: a read of one
+        statement, run outside a transaction (autocommit: one round trip). ``creates_runs``: a write
         that creates Runs (Task Start, schedule fires) is planned without sequential scans,
         waits at most 5 s for a row lock and NOTIFYs no Pull from inside
         (``queries.CREATING_RUNS_SETTINGS``; its caller calls ``_wake_pulls`` after the commit). No lock orders
@@ -104,6 +105,13 @@ class PgStore(RowStore):
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
                 with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn):
+                    if single:
+                        conn.autocommit = True
+                        try:
+                            with conn.cursor(row_factory=dict_row) as cur:
+                                return fn(Db(cur, POSTGRES))
+                        finally:    # the pool's next user expects a transaction per unit
+                            _restore(conn, autocommit=False)
                     # BEGIN itself names the isolation level: no SET TRANSACTION round trip
                     conn.isolation_level, conn.read_only = isolation, not write
                     try:
@@ -148,6 +156,10 @@ class PgStore(RowStore):
         """``fn(cursor)`` in one read-only snapshot."""
         return self._run(fn, write=False)
 
+    def read_single(self, fn: Callable[..., T]) -> T:
+        """``fn(cursor)`` running one statement, outside a transaction (one round trip)."""
+        return self._run(fn, write=False, single=True)
+
     def write(self, fn: Callable[..., T]) -> T:
         """``fn(cursor)`` in one SERIALIZABLE transaction, re-run on serialization failures."""
         return self._run(fn, write=True)
@@ -191,15 +203,17 @@ class PgStore(RowStore):
     def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
                    expected_digest: str, admitted_project_version: int | None = None,
                    admitted_binding_version: int | None = None) -> CreatedRun:
-        """ADR-0376 §2 in one SERIALIZABLE transaction (``runs.task_start``); a serialization
-        failure re-runs it (at most ``WRITE_RETRIES`` times), then UnavailableError
-        ``task_start_unavailable`` (HTTP 503). A new Run wakes the Pulls after the commit."""
-        created = self._run(lambda c: runs_repo.task_start(
+        """ADR-0376 §2 in one SERIALIZABLE transaction of one call (``postgres.runs.task_start``:
+        the database function plans without sequential scans, waits at most 5 s for its Task's
+        row and leaves the NOTIFY to this method); a serialization failure re-runs it (at most
+        ``WRITE_RETRIES`` times), then UnavailableError ``task_start_unavailable`` (HTTP 503). A
+        new Run wakes the Pulls after the commit."""
+        created = self._run(lambda c: pg_runs.task_start(
             c, project=project, task=task, subject=subject, mutation_id=mutation_id,
             expected_revision=expected_revision, expected_digest=expected_digest,
             admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
-            now_us=self._tx_now(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
-            creates_runs=True)
+            now_us=self._clock() if self._clock is not None else None, executor_type=self.executor_type),
+            write=True, busy_code="task_start_unavailable")
         if not created.existing:
             self._wake_pulls()
         return created
