@@ -245,7 +245,27 @@ def read(pool, fn: Callable):
     transaction block, so a read gains nothing from one but two round trips. ``fn`` must not
     write or lock rows. OperationalError → UnavailableError; a QlError propagates unchanged.
     """
+    return _outside_transaction(pool, fn)
+
+
+def statement(pool, fn: Callable):
+    """Run ``fn(cursor)`` (a dict-row cursor), which executes ONE statement that may write (a
+    database function's call), without BEGIN/COMMIT: outside a transaction block it is a
+    transaction of its own, at READ COMMITTED, in one round trip. Serialization failures and
+    deadlocks re-run it as ``transaction`` does; otherwise errors as ``read`` (a unique-key
+    violation propagates as psycopg's)."""
+    from psycopg import errors
+    for _ in range(TX_RETRIES):
+        try:
+            return _outside_transaction(pool, fn)
+        except (errors.SerializationFailure, errors.DeadlockDetected):
+            continue
+    raise UnavailableError("cluster database: transaction kept conflicting; retry later")
+
+
+def _outside_transaction(pool, fn: Callable):
     import psycopg
+    from psycopg import errors
     from psycopg.rows import dict_row
     try:
         with pool.connection(timeout=_WAIT.get()) as conn, deadline(conn):
@@ -255,6 +275,8 @@ def read(pool, fn: Callable):
                     return fn(cur)
             finally:
                 conn.autocommit = False     # the pool's next user expects a transaction per unit
+    except (errors.SerializationFailure, errors.DeadlockDetected):
+        raise                               # ``statement`` re-runs these
     except psycopg.OperationalError as e:
         raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}") from None
 

@@ -221,6 +221,9 @@ PULL_CANDIDATE_PAGE_SCOPED_AFTER = PULL_CANDIDATES + _PULL_SCOPED + _PULL_AFTER 
 PULL_HELD_ELSEWHERE = f"SELECT EXISTS ({PULL_CANDIDATES} AND a.attempt_id <> ALL(%s)) AS held"
 PULL_HELD_ELSEWHERE_SCOPED = f"SELECT EXISTS ({PULL_CANDIDATES} AND a.attempt_id <> ALL(%s){_PULL_SCOPED}) AS held"
 TASK_FOR_NO_KEY_UPDATE = "SELECT 1 FROM tasks WHERE task_id = %s FOR NO KEY UPDATE"
+# A Pull's usual case in one call (migration 0018; params: worker, credential digest, Session,
+# generation, pullId, token digest, Lease TTL µs, claimable keys, waiting): one row.
+PULL_QUICK = "SELECT * FROM ql_pull(%s, %s, %s, %s::bigint, %s, %s, %s::bigint, %s::text[], %s)"
 LEASE_ACTIVE_ATTEMPT_FOR_UPDATE = (
     "SELECT l.run_id, a.state FROM run_leases l JOIN attempts a USING (attempt_id)"
     " WHERE l.attempt_id = %s AND l.lease_generation = %s AND l.state = 'active'"
