@@ -25,6 +25,11 @@ CREATING_RUNS_SETTINGS = ("SET LOCAL enable_seqscan = off; SET LOCAL lock_timeou
 # the Run's identities (``postgres.runs.task_start`` maps it).
 TASK_START = ("SELECT * FROM ql_task_start(%s, %s, %s, %s, %s, %s, %s::integer, %s::integer, %s::text[], %s, "
               "%s::bigint)")
+# ... as ONE simple query (client-side binding): its SERIALIZABLE transaction, then after the
+# commit the Pulls' wake-up if a queued unheld Run is under the key (params: TASK_START's, then
+# the Project and the idempotency key).
+TASK_START_ROUND_TRIP = ("BEGIN ISOLATION LEVEL SERIALIZABLE; " + TASK_START + "; COMMIT; "
+                         "SELECT ql_wake_for_key(%s, %s)")
 
 # The database clock (µs since the epoch): the time of the cluster's store writes.
 DB_NOW = "SELECT ql_now_us() AS now"

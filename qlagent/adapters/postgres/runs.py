@@ -1,8 +1,8 @@
 """The cluster authority's own Run rows; the rows both stores share are ``adapters.rows.runs``.
 
 ``set_holds`` serves the modules that hold a bare psycopg cursor (dispatch, transitions);
-``record_fire`` marks a cron fire's (Task, instant) for ``PgStore``; ``task_start`` is ADR-0376
-§2 as one call of the database function ``ql_task_start`` (migration 0016).
+``record_fire`` marks a cron fire's (Task, instant) for ``PgStore``; ``start_args``/``started``
+are ADR-0376 §2 as one call of the database function ``ql_task_start`` (migration 0016).
 """
 
 from __future__ import annotations
@@ -26,16 +26,28 @@ def record_fire(db, task_id: str, instant_us: int | None, run_id: str | None, no
         db.run("SCHEDULE_FIRE_INSERT", (task_id, instant_us, run_id, now_us))
 
 
-def task_start(db, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
+def start_args(*, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
                expected_digest: str, admitted_project_version: int | None, admitted_binding_version: int | None,
-               now_us: int | None, executor_type: str) -> CreatedRun:
-    """``rows.runs.task_start`` on the cluster authority, in the caller's SERIALIZABLE transaction
-    and one round trip: ``ql_task_start`` takes the same steps in the same order and returns its
-    outcome; a refusal raises what ``rows.runs.refusal`` names for it (nothing was written).
-    ``now_us`` None: the database clock."""
-    row = db.one("TASK_START", (project, task, subject, mutation_id, expected_revision, expected_digest,
-                                admitted_project_version, admitted_binding_version, _START_ROLES, executor_type,
-                                now_us))
+               now_us: int | None, executor_type: str) -> tuple:
+    """The parameters of ``queries.TASK_START`` (``rows.runs.task_start``'s; ``now_us`` None:
+    the database clock)."""
+    return (project, task, subject, mutation_id, expected_revision, expected_digest, admitted_project_version,
+            admitted_binding_version, _START_ROLES, executor_type, now_us)
+
+
+def start_in_one_message(db, args: tuple, project: str, key: str, task: str) -> CreatedRun:
+    """``queries.TASK_START_ROUND_TRIP`` on a client-side binding cursor in autocommit: BEGIN,
+    the call, COMMIT and the Pulls' wake-up for a queued Run under ``key`` in ONE simple query;
+    ``started`` of the call's row."""
+    db.run("TASK_START_ROUND_TRIP", (*args, project, key))
+    db.nextset()                # past BEGIN: the function's row
+    return started(db.fetchone(), task)
+
+
+def started(row: dict, task: str) -> CreatedRun:
+    """The Run of ``ql_task_start``'s row (ADR-0376 §2 on the cluster: the same steps in the same
+    order as ``rows.runs.task_start``, in the caller's SERIALIZABLE transaction); a refusal
+    raises what ``rows.runs.refusal`` names for it (nothing was written)."""
     if row["outcome"] not in ("accepted", "existing"):
         raise shared.refusal(row["outcome"], task, row["head_revision"], row["head_digest"])
     return CreatedRun(run_id=row["run_id"], attempt_id=row["attempt_id"], event_ids=tuple(row["event_ids"]),

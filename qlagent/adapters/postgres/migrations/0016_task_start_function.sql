@@ -160,3 +160,15 @@ BEGIN
     state := 'queued';
     created_at_us := now_us;
 END $$;
+
+-- After a Task Start's commit, in the same round trip: wake the long-polling Pulls (the channel
+-- of ql_notify_candidate) when the Project has a queued Run under the key that is not held, as
+-- the trigger would have for it (0015 moved that NOTIFY out of the transaction).
+CREATE FUNCTION ql_wake_for_key(p_project text, p_key text) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM runs r JOIN projects p ON p.project_id = r.project_id
+               WHERE (p.name = p_project OR p.project_id = p_project) AND r.idempotency_key = p_key
+               AND r.state = 'queued' AND NOT r.held) THEN
+        PERFORM pg_notify('qlagent_candidates', '');
+    END IF;
+END $$;
