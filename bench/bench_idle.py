@@ -25,7 +25,12 @@ the supervisord anchor of the same interpreter. Wake-ups (dev interpreter, plain
 context switches over every thread (``/proc/PID/task/*/status``) between two reads a window
 apart, and the WATCHDOG=1 datagrams received on a real NOTIFY_SOCKET.
 
-Run as root from the repository root: ``python3 bench/bench_idle.py [--seconds 60] [--no-trixie]``.
+``--against DIR`` runs the plain and router agents of another checkout (e.g. /work/main) beside
+this tree's, in the same window on each interpreter (its ``qlagent`` first on PYTHONPATH; in the
+trixie rootfs under /opt/against): a before/after measured in the same run.
+
+Run as root from the repository root: ``python3 bench/bench_idle.py [--seconds 60] [--no-trixie]
+[--against DIR]``.
 supervisord is pip-installed into a temporary directory; the rootfs tarball is built (or found
 cached) with ``QLAGENT_E2E_BUILD_ONLY=1 packaging/e2e-systemd``.
 """
@@ -97,6 +102,11 @@ class Interpreter:
 
     def outside(self, inner: str) -> str:
         return self.root + inner
+
+    def against(self, tree: str) -> Interpreter:
+        """The same interpreter running another checkout's ``qlagent`` (``--against``)."""
+        return Interpreter(f"{self.name}, against", self.argv, self.entry, self.root,
+                           "/opt/against" if self.root else tree, self.site_dir)
 
     def env(self, **extra) -> dict:
         env = clean_env(**extra)
@@ -174,6 +184,7 @@ class Agent:
             self.port = free_port()
         self.notify_inner = f"{inner_dir}/{name}.notify"
         self.notify = Notify(interp.outside(self.notify_inner))
+        self.journal = interp.outside(f"{inner_dir}/{name}.journal")   # the agent's stderr
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -184,11 +195,12 @@ class Agent:
             args += ["serve", "--listen", f"127.0.0.1:{self.port}"]
         else:
             args += ["serve"]
-        self.proc = self.interp.popen(args, NOTIFY_SOCKET=self.notify_inner, WATCHDOG_USEC=str(WATCHDOG_USEC))
+        self.proc = self.interp.popen(args, self.journal, NOTIFY_SOCKET=self.notify_inner,
+                                      WATCHDOG_USEC=str(WATCHDOG_USEC))
         deadline = time.monotonic() + 30
         while not any(ln == "READY=1" for _, ln in self.notify.lines):
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise SystemExit(f"{self.interp.name} {self.name}: agent did not become ready")
+                self.fail("agent did not become ready")
             time.sleep(0.05)
             self.notify.pump()
 
@@ -202,22 +214,31 @@ class Agent:
             except urllib.error.HTTPError as e:
                 ok = not self.metrics and e.code == 404
             if not ok:
-                raise SystemExit(f"{self.interp.name} {self.name}: GET /metrics answered otherwise")
+                self.fail("GET /metrics answered otherwise")
 
     def exercise(self) -> None:
         """The router configuration's activity: a Secret Run, a chatty Run, one HTTP request and
         three scrapes of /metrics."""
         for task in ("ddns-update", "chatty"):
-            out = self.interp.cli(self.state, "--json", "run", "start", task, "--wait", "--timeout", "120")
-            state = json.loads(out)["state"]
+            p = self.interp.python(self.interp.entry, "--state-dir", self.state, "--json", "run", "start", task,
+                                   "--wait", "--timeout", "120")
+            state = json.loads(p.stdout)["state"] if p.returncode in (0, 6) else p.stderr.decode().strip()
             if state != "succeeded":
-                raise SystemExit(f"{self.interp.name}: {task} ended {state}")
+                self.fail(f"{task} ended {state}")
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/v3/projects/default/runs?limit=5",
                                      headers={"Authorization": f"Bearer {self.token}"})
         with urllib.request.urlopen(req, timeout=10) as r:
             if r.status != 200 or not json.loads(r.read())["items"]:
-                raise SystemExit(f"{self.interp.name}: HTTP run list failed")
+                self.fail("HTTP run list failed")
         self.scrape()
+
+    def fail(self, what: str) -> None:
+        """Stop the bench with what went wrong, whether the agent still runs and its journal's end."""
+        alive = "running" if self.proc is not None and self.proc.poll() is None else \
+            f"exited {self.proc.returncode if self.proc else None}"
+        with open(self.journal, "rb") as f:
+            tail = f.read()[-4000:].decode("utf-8", "replace")
+        raise SystemExit(f"{self.interp.name} {self.name}: {what}; the agent {alive}; its journal ends:\n{tail}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -358,11 +379,13 @@ class TrixieRoot:
 
 
 def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool, cp, cp_url: str,
-            installed: Interpreter | None = None) -> dict:
+            installed: Interpreter | None = None, against: Interpreter | None = None) -> dict:
     """``cp``/``cp_url``: the Worker-protocol stub the Worker pulls from. ``installed``: the same
     interpreter in a venv holding only what ``pip install .`` brings (no editable-install finder,
     no test dependencies: typing_extensions, present in the dev venv for jsonschema, makes msgspec
-    import inspect/ast/dis, +1.25 MiB); it runs the plain, plain + HTTP (metrics on, off) and router agents once more."""
+    import inspect/ast/dis, +1.25 MiB); it runs the plain, plain + HTTP (metrics on, off) and router agents once more.
+    ``against``: the interpreter with another checkout's qlagent, whose plain and router agents
+    run in the same window (figures named ``…, against``)."""
     os.makedirs(interp.outside(inner_dir), exist_ok=True)
     plain = Agent(interp, inner_dir, "plain", router=False)
     router = Agent(interp, inner_dir, "router", router=True, metrics=True)
@@ -379,6 +402,11 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool, c
              "router, metrics on, after Runs + HTTP + scrapes": Agent(installed, inner_dir, "router-installed",
                                                                       router=True, metrics=True)})
     agents += list(inst.values())
+    other = ({} if against is None else
+             {"plain, 50 cron tasks, against": Agent(against, inner_dir, "plain-against", router=False),
+              "router, metrics on, after Runs + HTTP + scrapes, against": Agent(against, inner_dir, "router-against",
+                                                                                router=True, metrics=True)})
+    agents += list(other.values())
     procs = []
     try:
         sup = start_supervisord(interp, inner_dir)
@@ -393,6 +421,8 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool, c
             inst["router, metrics on, after Runs + HTTP + scrapes"].exercise()
             inst["plain + HTTP + metrics, scraped"].scrape()
             inst["plain + HTTP, metrics off, asked"].scrape()
+        if other:
+            other["router, metrics on, after Runs + HTTP + scrapes, against"].exercise()
         pid = plain.proc.pid
         before = vol_switches(pid)
         t0 = time.monotonic()
@@ -407,6 +437,8 @@ def measure(interp: Interpreter, inner_dir: str, window: float, wakeups: bool, c
         fig["router, metrics on, after Runs + HTTP + scrapes"] = mem_kib(router.proc.pid)
         fig["plain, 50 cron tasks"] = mem_kib(plain.proc.pid)
         fig["plain + HTTP + metrics, scraped"] = mem_kib(scraped.proc.pid)
+        for k, a in other.items():
+            fig[k] = mem_kib(a.proc.pid)
         fig["worker, idle (Session, TLS, long-poll)"] = mem_kib(worker.proc.pid)
         fig["worker, peak: 4 chatty + 1 Secret Run"] = worker.exercise()
         time.sleep(2.0)
@@ -436,6 +468,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--no-trixie", action="store_true", help="only the dev interpreter")
+    ap.add_argument("--against", help="another checkout whose plain and router agents run beside this tree's")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="qlbench-idle-", dir="/var/tmp")
     trixie = None
@@ -449,7 +482,7 @@ def main() -> None:
         interps = [Interpreter("dev venv", [sys.executable], os.path.join(os.path.dirname(sys.executable), "qlagent"),
                                site_dir=sup_dir)]
         if not args.no_trixie:
-            trixie = TrixieRoot(tmp, sup_dir)
+            trixie = TrixieRoot(tmp, sup_dir, {"qlagent": REPO, **({"against": args.against} if args.against else {})})
             interps.append(trixie.interpreter())
         results = {}
         for i, interp in enumerate(interps):
@@ -463,7 +496,8 @@ def main() -> None:
                 installed = Interpreter("dev, pip-installed", [os.path.join(venv, "bin", "python")],
                                         os.path.join(venv, "bin", "qlagent"))
             results[interp.name] = measure(interp, inner, args.seconds, wakeups=(i == 0), cp=cp, cp_url=cp_url,
-                                           installed=installed)
+                                           installed=installed,
+                                           against=interp.against(args.against) if args.against else None)
         dev = interps[0]
         extra = {stmt: import_kib(dev, stmt)[0] for stmt in (
             "pass", "import selectors", "import asyncio", "import pyroute2", "import hashlib",
@@ -492,8 +526,11 @@ def main() -> None:
         print(f"heavy modules in the service + HTTP import closure: {r['heavy modules in the HTTP service closure']}")
         worker, local = fig["worker, idle (Session, TLS, long-poll)"][0], fig["plain, 50 cron tasks"][0]
         print(f"worker idle vs the plain local agent, same run: {worker / local:.2f}x RSS")
+        if args.against:
+            print(f"against: {args.against}")
         for k, limit in (("router, metrics on, after Runs + HTTP + scrapes", 28), ("plain, 50 cron tasks", 20),
-                         ("plain + HTTP + metrics, scraped", 20),
+                         ("router, metrics on, after Runs + HTTP + scrapes, against", 28),
+                         ("plain, 50 cron tasks, against", 20), ("plain + HTTP + metrics, scraped", 20),
                          ("plain, 50 cron tasks, pip-installed venv", 20),
                          ("plain + HTTP + metrics, scraped, pip-installed venv", 20),
                          ("router, metrics on, after Runs + HTTP + scrapes, pip-installed venv", 28)):
