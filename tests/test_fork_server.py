@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -21,7 +22,9 @@ from shimkit import PATH_ENV, make_spec
 
 from qlagent.adapters import processes
 from qlagent.application.cancel import request_cancel
+from qlagent.core.clock import now_us
 from qlagent.core.profiles import EDGE, STANDALONE
+from qlagent.execution import coordinator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -253,3 +256,152 @@ def test_a_killed_fork_server_leaves_the_agents_live_runs_to_finish_and_the_next
     assert b.wait_run(nxt).state == "succeeded"
     assert forks.pids() and server not in forks.pids()
     b.close()
+
+
+# ---- the start bound (core.limits.SHIM_START_BOUND_US): a start that cannot finish ends, with its reason ----
+
+BOUND_S = 2
+
+
+@pytest.fixture
+def short_bound(monkeypatch):
+    """The start bound cut to BOUND_S seconds, for the coordinator and for the fork server's reasons."""
+    monkeypatch.setattr(coordinator, "SHIM_START_BOUND_US", BOUND_S * 1_000_000)
+    monkeypatch.setattr(processes, "START_STATUS_TIMEOUT_S", float(BOUND_S))
+
+
+def stopped(pid: int) -> psutil.Process:
+    p = psutil.Process(pid)
+    p.suspend()
+    wait_until(lambda: p.status() == psutil.STATUS_STOPPED, 10, "the fork server to stop")
+    return p
+
+
+def test_a_stalled_fork_server_fails_the_start_at_the_bound_and_the_next_run_gets_a_new_one(tmp_path, short_bound):
+    """A fork server that forks nothing (SIGSTOPped) leaves no Run ``starting``: at the bound the
+    start fails with the reason, and once the back-off has passed the next Run is forked by a new
+    fork server."""
+    b = Bench(str(tmp_path / "s"))
+    b.add(task("t", "echo ran\n", concurrency="parallel"))
+    assert b.wait_run(b.start("t")).state == "succeeded"
+    forks = b.engine._coordinator._procs._forks
+    (server,) = forks.pids()
+    frozen = stopped(server)
+    try:
+        rid = b.start("t")
+        assert b.wait_run(rid).state == "failed"
+        (att,) = b.attempts(rid)
+        assert (att.failure_reason, att.start_error) == \
+            ("shim_failed", f"shim: fork server: no shim forked within {BOUND_S} s")
+        wait_until(lambda: time.monotonic() >= forks._retry_at, 10, "the back-off to pass")
+        nxt = b.start("t")
+        assert b.wait_run(nxt).state == "succeeded"
+        assert forks._popen.pid != server
+    finally:
+        frozen.kill()
+    b.close()
+
+
+def test_a_clock_set_back_does_not_extend_the_start_bound(tmp_path, short_bound):
+    """The bound is on the monotonic clock: the store clock set back an hour while a start waits
+    on a stalled fork server still ends the start at the bound, not an hour later."""
+    b = Bench(str(tmp_path / "s"))
+    b.add(task("t", "echo ran\n"))
+    assert b.wait_run(b.start("t")).state == "succeeded"
+    (server,) = b.engine._coordinator._procs._forks.pids()
+    frozen = stopped(server)
+    try:
+        rid = b.start("t")
+        assert b.engine.dispatcher.dispatch_once().status == "activated"
+        b.engine._coordinator._now = lambda: now_us() - 3_600_000_000
+        assert b.wait_run(rid).state == "failed"
+        assert b.attempts(rid)[0].start_error == f"shim: fork server: no shim forked within {BOUND_S} s"
+    finally:
+        frozen.kill()
+    b.close()
+
+
+def test_a_clock_set_forward_does_not_end_a_start_in_flight(tmp_path, short_bound):
+    """A router's clock steps forward by years at its first NTP answer, often while its first Runs
+    start: a start then in flight goes on (the bound is on the monotonic clock)."""
+    b = Bench(str(tmp_path / "s"))
+    b.add(task("t", "echo ran\n"))
+    assert b.wait_run(b.start("t")).state == "succeeded"
+    (server,) = b.engine._coordinator._procs._forks.pids()
+    frozen = stopped(server)
+    rid = b.start("t")
+    assert b.engine.dispatcher.dispatch_once().status == "activated"
+    b.engine._coordinator._now = lambda: now_us() + 10 * 365 * 86_400_000_000
+    b.engine.tick()                      # what the loop does at its next wake-up
+    frozen.resume()
+    assert b.wait_run(rid).state == "succeeded"
+    b.close()
+
+
+def test_a_shim_that_has_not_started_its_task_at_the_bound_is_killed_and_the_start_fails(tmp_path):
+    """The shim was forked and got its spec but does not report the exec (here it blocks opening
+    its Artifact, a FIFO nobody reads): at the bound it is killed and the start fails with the
+    reason, instead of counting as started with no task to stop. The task never runs."""
+    fs = processes.ForkServer(str(tmp_path))
+    marker = tmp_path / "ran"
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", f"touch {marker}"])
+    os.unlink(spec["artifact_path"])
+    os.mkfifo(spec["artifact_path"], 0o600)
+    h = fs.spawn(spec, sys.executable, status_timeout_s=BOUND_S)
+    assert h.start_error == f"shim: the task was not started within {BOUND_S} s; the shim was killed"
+    wait_until(lambda: not processes.process_matches(h.pid, h.create_time), 10, "the shim to be gone")
+    assert not marker.exists()
+    if h.pidfd is not None:
+        os.close(h.pidfd)
+
+
+def test_a_start_left_on_a_retired_fork_server_does_not_retire_its_successor(tmp_path):
+    """Two starts wait on a stalled fork server; the first's bound retires it and a new one
+    serves the next Run; the second's bound then fails only that start: the new server stays,
+    no back-off is charged, and the Run after it starts at once."""
+    fs = processes.ForkServer(str(tmp_path))
+    first = fs.spawn(make_spec(tmp_path, ["/bin/true"]), sys.executable)
+    (server,) = fs.pids()
+    frozen = stopped(server)
+    try:
+        early = fs.begin(make_spec(tmp_path, ["/bin/true"]), sys.executable, status_timeout_s=1)
+        late = fs.begin(make_spec(tmp_path, ["/bin/true"]), sys.executable, status_timeout_s=BOUND_S + 2)
+        wait_until(lambda: time.monotonic() >= early.deadline, 10)
+        with pytest.raises(processes.ShimSpawnError, match="no shim forked within 1 s"):
+            fs.advance(early, expired=True)
+        wait_until(lambda: time.monotonic() >= fs._retry_at, 10, "the back-off to pass")
+        assert fs.spawn(make_spec(tmp_path, ["/bin/true"]), sys.executable).start_error is None
+        successor = fs._popen.pid
+        wait_until(lambda: time.monotonic() >= late.deadline, 10)
+        with pytest.raises(processes.ShimSpawnError, match="no shim forked within"):
+            fs.advance(late, expired=True)
+        h = fs.spawn(make_spec(tmp_path, ["/bin/true"]), sys.executable)
+        assert h.start_error is None and fs._popen.pid == successor
+    finally:
+        frozen.kill()
+    for x in (first, h):
+        os.close(x.pidfd)
+
+
+def test_a_compile_that_hangs_is_killed_at_the_bound_and_the_next_start_runs_the_shim_from_source(tmp_path):
+    """The shim's compile for a new fork server never ends: the start waiting for it fails at
+    the bound with the reason, the compile is killed, and the next start runs the shim from
+    its source instead of waiting for a compile again."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\n[ "$4" = --compile ] && exec sleep 600\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    fs = processes.ForkServer(str(tmp_path))
+    st = fs.begin(make_spec(tmp_path, ["/bin/true"]), str(python), status_timeout_s=BOUND_S)
+    assert st.phase == processes.StartPhase.COMPILING
+    (compile_pid,) = fs.pids()
+    wait_until(lambda: time.monotonic() >= st.deadline, 10)
+    with pytest.raises(processes.ShimSpawnError, match=f"the shim was not compiled within {BOUND_S} s"):
+        fs.advance(st, expired=True)
+    wait_until(lambda: not psutil.pid_exists(compile_pid) or
+               psutil.Process(compile_pid).status() == psutil.STATUS_ZOMBIE, 10, "the compile to be killed")
+    wait_until(lambda: time.monotonic() >= fs._retry_at, 10, "the back-off to pass")
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo from source"])
+    h = fs.spawn(spec, str(python))
+    assert h.start_error is None and receipt_of(spec).exit_code == 0 and output_of(spec) == b"from source\n"
+    assert psutil.Process(fs._popen.pid).cmdline()[-1] == processes.SHIM_PATH
+    os.close(h.pidfd)

@@ -15,6 +15,7 @@ import json
 import os
 import pwd
 import select
+import signal
 import socket
 import stat
 import subprocess
@@ -54,8 +55,8 @@ class ShimHandle(msgspec.Struct):
     it identifies the process across PID reuse), ``pidfd`` (an fd readable when the shim
     exits, or None where os.pidfd_open is unavailable), the Popen used to reap it (None when
     the ForkServer started it) and
-    ``start_error``: None once the task was exec'd (or the status did not come in
-    START_STATUS_TIMEOUT_S), else the shim's reason."""
+    ``start_error``: None once the task was exec'd, else the shim's reason (or that it did not
+    report within its start's bound and was killed)."""
 
     pid: int
     create_time: float
@@ -154,9 +155,10 @@ def compiled_shim(cache_dir: str, python: str) -> str:
 
 
 # The fork server exits after this long without a request (shim/forkserver.py FORK_SERVER_IDLE_S);
-# the agent stops using it a margin earlier, so no request is ever sent to one that is leaving.
+# the agent stops using it a margin earlier, so no request is ever sent to one that is leaving
+# (the margin covers a loop that stalls between its look at the clock and the request).
 FORK_SERVER_IDLE_S = 3600.0
-_RETIRE_MARGIN_S = 1.0
+_RETIRE_MARGIN_S = 60.0
 # After a fork server failed, starts fail at once with its reason until the next try: the first
 # try after BACKOFF_MIN_S, each later one twice as late, at most BACKOFF_MAX_S (no restart storm).
 BACKOFF_MIN_S = 0.5
@@ -169,6 +171,18 @@ def _exited(pid: int, create_time: float, pidfd: int | None) -> bool:
     if pidfd is not None:
         return bool(select.select([pidfd], [], [], 0)[0])
     return not process_matches(pid, create_time)
+
+
+def _kill(pid: int, create_time: float, pidfd: int | None) -> None:
+    """SIGKILL this exact process (through its pidfd; without one, psutil checks its start
+    time first, so a reused PID is never hit); nothing when it is gone already."""
+    try:
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        elif process_matches(pid, create_time):
+            psutil.Process(pid).send_signal(signal.SIGKILL)
+    except (OSError, psutil.Error):
+        pass
 
 
 class StartPhase:
@@ -189,21 +203,24 @@ class ShimStart:
     ``pid <n>`` line is awaited on the status pipe), ``exec`` (the spec went to the shim;
     ``ok`` or ``err <reason>`` is awaited), ``exit`` (the exec failed; ``fd`` is the shim's
     pidfd, readable once it wrote its receipt and exited). ``pid``/``create_time``/``pidfd``
-    are set from ``exec`` on; ``deadline`` (time.monotonic() seconds) bounds the whole start
-    for callers that wait (``ForkServer.spawn``)."""
+    are set from ``exec`` on; ``bound_s`` (seconds) is the start's bound, ``deadline``
+    (time.monotonic() seconds) its end, for callers that wait (``ForkServer.spawn``); ``server``
+    is the fork server the request went to (None while compiling)."""
 
-    __slots__ = ("fd", "phase", "pid", "create_time", "pidfd", "start_error", "deadline", "request", "_status_r",
-                 "_spec_w", "_payload", "_buf")
+    __slots__ = ("fd", "phase", "pid", "create_time", "pidfd", "start_error", "bound_s", "deadline", "request",
+                 "server", "_status_r", "_spec_w", "_payload", "_buf")
 
-    def __init__(self, status_r: int, spec_w: int, payload: bytes, deadline: float) -> None:
+    def __init__(self, status_r: int, spec_w: int, payload: bytes, bound_s: float) -> None:
         self.fd: int | None = status_r
         self.phase = StartPhase.FORK
         self.pid = 0
         self.create_time = 0.0
         self.pidfd: int | None = None
         self.start_error: str | None = None
-        self.deadline = deadline
+        self.bound_s = bound_s
+        self.deadline = time.monotonic() + bound_s
         self.request: tuple[str, int, int] | None = None   # compiling: (python, spec_r, status_w) to send
+        self.server: subprocess.Popen | None = None
         self._status_r, self._spec_w = status_r, spec_w
         self._payload: bytes | None = payload     # the spec, held until the shim exists to read it
         self._buf = b""
@@ -267,7 +284,7 @@ class ForkServer:
         self._popen: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._last_request = 0.0             # time.monotonic() of the last request sent
-        self._leaving: list[subprocess.Popen] = []   # retired, not reaped yet
+        self._leaving: list[subprocess.Popen] = []   # retired fork servers, a killed compile: not reaped yet
         self._failure: str | None = None
         self._retry_at = 0.0
         self._backoff_s = 0.0
@@ -332,12 +349,29 @@ class ForkServer:
             self._popen = None
         self.reap()
 
-    def _fail(self, reason: str) -> ShimSpawnError:
-        self._retire()
-        self._backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff_s * 2))
-        self._failure = reason
-        self._retry_at = time.monotonic() + self._backoff_s
+    def _fail(self, reason: str, server: subprocess.Popen | None = None) -> ShimSpawnError:
+        """A start fails with ``reason``. When the failure is the running fork server's (or there
+        is none: ``server`` None) it is retired and the back-off grows; a start left on a fork
+        server retired already fails alone (its successor stays, nothing more is charged)."""
+        if server is None or server is self._popen:
+            self._retire()
+            self._backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff_s * 2))
+            self._failure = reason
+            self._retry_at = time.monotonic() + self._backoff_s
         return ShimSpawnError(reason)
+
+    def _give_up_compile(self) -> None:
+        """A compile that outlived a start's bound is killed (reaped with the retired fork
+        servers); this process runs the shim from its source from now on."""
+        popen, tmp, path = self._compiling
+        self._compiling = None
+        self._uncompilable.add(path)
+        popen.kill()
+        self._leaving.append(popen)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
     def _start(self, python: str) -> None:
         # The source when the compiled file is not there yet (a server that died between a
@@ -357,9 +391,9 @@ class ForkServer:
         self._python = python
         self._last_request = time.monotonic()
 
-    def _send(self, python: str, spec_r: int, status_w: int) -> None:
+    def _send(self, python: str, spec_r: int, status_w: int) -> subprocess.Popen:
         """The request; a new fork server when this one is gone, about to leave or runs
-        another interpreter than ``python``."""
+        another interpreter than ``python``. Returns the fork server it went to."""
         now = time.monotonic()
         if self._sock is not None and (now - self._last_request >= FORK_SERVER_IDLE_S - _RETIRE_MARGIN_S
                                        or self._python != python):
@@ -372,30 +406,31 @@ class ForkServer:
                 self._sock.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                              spec_r.to_bytes(4, sys.byteorder) + status_w.to_bytes(4, sys.byteorder))])
                 self._last_request = now
-                return
+                return self._popen
             except OSError:
                 if fresh:                 # one start per request: a server that cannot start is not retried
-                    raise self._fail(self._exit_reason()) from None
+                    raise self._fail(self._exit_reason(self._popen)) from None
                 self._retire()            # it died since the last request: one new one
         raise self._fail("fork server: does not take requests")
 
-    def _exit_reason(self) -> str:
-        """Why the fork server just started or asked took no request / forked no shim."""
+    @staticmethod
+    def _exit_reason(server: subprocess.Popen | None) -> str:
+        """Why ``server`` (just started, or asked) took no request / forked no shim."""
         try:
-            status = self._popen.wait(1) if self._popen is not None else None
+            status = server.wait(1) if server is not None else None
         except subprocess.TimeoutExpired:
             status = None
         if status is None:
             return "fork server: forked no shim"
         return f"fork server: exited with status {status} before forking the shim"
 
-    def begin(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimStart:
+    def begin(self, spec: dict, python: str, status_timeout_s: float | None = None) -> ShimStart:
         """Ask the fork server of ``python -I -S`` for one shim for ``spec`` (the shim
         contract's document) and return at once: the start goes on in ``advance`` each time
         the returned ShimStart's ``fd`` is readable, so nothing here waits for a child (only
         the fork server's own exec when there is none yet, and once per shim source and
-        interpreter its bytecode: ``compiled_shim``). ``status_timeout_s`` (seconds) sets the
-        ShimStart's ``deadline``.
+        interpreter its bytecode: ``compiled_shim``). ``status_timeout_s`` (seconds; None:
+        START_STATUS_TIMEOUT_S) is the ShimStart's ``bound_s``.
 
         Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything
         starts; ShimSpawnError when the fork server cannot be started or takes no request (the
@@ -417,8 +452,7 @@ class ForkServer:
                 except OSError:
                     pass                     # then advance writes the rest once the shim reads
             queued = not self._takes_requests(python)
-            if not queued:
-                self._send(python, spec_r, status_w)
+            server = None if queued else self._send(python, spec_r, status_w)
         except BaseException:
             for fd in (spec_r, status_w, spec_w, status_r):
                 os.close(fd)
@@ -428,7 +462,9 @@ class ForkServer:
             os.close(status_w)
         os.set_blocking(status_r, False)
         os.set_blocking(spec_w, False)
-        st = ShimStart(status_r, spec_w, payload, time.monotonic() + status_timeout_s)
+        st = ShimStart(status_r, spec_w, payload,
+                       START_STATUS_TIMEOUT_S if status_timeout_s is None else status_timeout_s)
+        st.server = server
         if queued:
             st.phase, st.request = StartPhase.COMPILING, (python, spec_r, status_w)
             try:
@@ -442,17 +478,21 @@ class ForkServer:
         goes on (``st.fd`` may have changed), else its ShimHandle (``st`` is then spent; the
         handle owns the pidfd): ``start_error`` None once the task was exec'd, else the shim's
         reason, returned once the shim has exited (its receipt is written by then).
-        ``expired`` (the caller's bound passed) ends the start whatever came: a shim that was
-        forked counts as started (its receipt will tell), one that never was fails.
+        ``expired`` (the caller's bound passed) ends the start whatever came: a shim that has
+        not reported its task's exec is SIGKILLed (its task, if the exec was that late, dies
+        with it: PR_SET_PDEATHSIG) and the handle says so; a compile still running is killed.
 
         The shim's PID comes first (the fork server's ``pid <n>`` line); only then does
         the spec (secrets included) go into its stdin pipe, so a shim whose agent died before
         knowing its PID reads no spec and runs nothing. Raises ShimSpawnError (``st`` closed)
-        when the fork server forked no shim: its reason, the back-off as in ``begin``."""
+        when the fork server forked no shim or the shim was not compiled in time: its reason,
+        the back-off as in ``begin``."""
         if st.phase == StartPhase.COMPILING:
             if expired:
                 st.close()
-                raise self._fail("fork server: the shim was not compiled within %.0f s" % START_STATUS_TIMEOUT_S)
+                if self._compiling is not None:
+                    self._give_up_compile()
+                raise ShimSpawnError("fork server: the shim was not compiled within %.0f s" % st.bound_s)
             if self._program(st.request[0]) is None:
                 return None
             python, spec_r, status_w = st.request
@@ -460,7 +500,7 @@ class ForkServer:
                 os.close(st.fd)
             st.phase, st.fd, st.request = StartPhase.FORK, st._status_r, None
             try:
-                self._send(python, spec_r, status_w)
+                st.server = self._send(python, spec_r, status_w)
             except ShimSpawnError:
                 st.close()
                 raise
@@ -471,14 +511,17 @@ class ForkServer:
             lines, eof = st._lines()
             if not lines:
                 if eof or expired:
+                    server = st.server
                     st.close()
-                    raise self._fail(self._exit_reason() if eof else
-                                     "fork server: no shim forked within %.0f s" % START_STATUS_TIMEOUT_S)
+                    raise self._fail(self._exit_reason(server) if eof else
+                                     "fork server: no shim forked within %.0f s" % st.bound_s, server)
                 return None
             first = lines.pop(0)
             if not first.startswith("pid "):
+                server = st.server
                 st.close()
-                raise self._fail(f"fork server: {first[4:]}" if first.startswith("err ") else self._exit_reason())
+                raise self._fail(f"fork server: {first[4:]}" if first.startswith("err ") else
+                                 self._exit_reason(server), server)
             self._failure, self._backoff_s = None, 0.0
             st.pid = int(first[4:])
             try:
@@ -494,16 +537,21 @@ class ForkServer:
             st._buf = "\n".join(lines).encode() + (b"\n" if lines else b"") + st._buf
         if st.phase == StartPhase.EXEC:
             lines, eof = st._lines()
-            if lines or eof or expired:
-                line = lines[0] if lines else ("ok" if expired and not eof else None)   # late: the receipt will tell
-                st._close_pipes()
-                if line == "ok":
-                    return self._handle(st, None)
-                st.start_error = line[4:] if line is not None and line.startswith("err ") else \
-                    "shim: exited before starting the task"
-                st.phase, st.fd = StartPhase.EXIT, st.pidfd
-            else:
+            if not (lines or eof or expired):
                 return None
+            st._close_pipes()
+            if lines and lines[0] == "ok":
+                return self._handle(st, None)
+            if not lines and not eof:
+                # The bound passed and the shim has not said whether its task runs: counted as
+                # started, a shim stuck before the exec would leave a Run running with nothing
+                # to stop (the shim itself is never signalled), so it ends here.
+                _kill(st.pid, st.create_time, st.pidfd)
+                return self._handle(st, "shim: the task was not started within %.0f s; the shim was killed"
+                                    % st.bound_s)
+            st.start_error = lines[0][4:] if lines and lines[0].startswith("err ") else \
+                "shim: exited before starting the task"
+            st.phase, st.fd = StartPhase.EXIT, st.pidfd
         if expired or _exited(st.pid, st.create_time, st.pidfd):
             return self._handle(st, st.start_error)
         return None
@@ -532,11 +580,11 @@ class ForkServer:
         st.close()
         return h
 
-    def spawn(self, spec: dict, python: str, status_timeout_s: float = START_STATUS_TIMEOUT_S) -> ShimHandle:
+    def spawn(self, spec: dict, python: str, status_timeout_s: float | None = None) -> ShimHandle:
         """``begin`` and ``advance`` until the start is over, waiting on the status pipe (at
         most ``status_timeout_s`` seconds): for callers with no loop of their own (tests,
         benches). Returns and raises as those two do; with a start_error it returns once the
-        shim has exited."""
+        shim has exited or was killed."""
         st = self.begin(spec, python, status_timeout_s)
         while True:
             left = st.deadline - time.monotonic()

@@ -18,8 +18,9 @@ MAX_ENV_TOTAL = 1_048_576               # the whole frozen environment, NULs inc
 MAX_PATH_BYTES = 4_096                  # cwd and other paths
 MAX_START_ERROR = 512                   # characters of a start-failure reason (launcher START_ERROR_LIMIT)
 # A shim reports its task's exec within its start-up time (milliseconds; seconds on a loaded
-# router). Past this bound one that was forked counts as started (its receipt will tell) and one
-# that never was fails (adapters.processes.START_STATUS_TIMEOUT_S).
+# router). Past this bound (monotonic clock: a clock step neither ends a start nor extends it)
+# the start fails with its reason: a shim that did not report is killed, a fork server that
+# forked none is retired, a compile still running is killed (adapters.processes.ForkServer.advance).
 SHIM_START_BOUND_US = 30_000_000
 
 MAX_TASK_NAME = 64

@@ -378,7 +378,8 @@ class ProcessPort(Protocol):
         """Take in the start's news without waiting: None while it goes on, (pid, create_time)
         once the task was exec'd. Raises errors.StartError with the reason when it was not;
         by then nothing of the Run is left running (the run directory remains). ``expired``
-        (the start's bound passed) ends it: a shim that exists counts as started."""
+        (the start's bound, ``core.limits.SHIM_START_BOUND_US``, passed) ends it: a shim that has
+        not reported its task's exec by then is killed and the start fails."""
 
     def abandon_start(self, attempt_id: str) -> None:
         """Stop following a start in flight (shutdown): its shim carries on, restart recovery

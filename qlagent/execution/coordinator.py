@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,12 @@ if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.receipt import Receipt
 
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
+
+
+def _mono_us() -> int:
+    """The start bound's clock (µs): monotonic, so that a step of the store clock (a router's
+    first NTP answer moves it by years) neither ends a start in flight nor extends one."""
+    return time.monotonic_ns() // 1000
 
 
 class TrackedAttempt:
@@ -50,13 +57,13 @@ class TrackedAttempt:
 class StartingAttempt:
     """A claimed Attempt whose shim is starting (``LocalExecutionCoordinator.start``): what
     recording it running needs, never its environment (secrets stay in the spec pipe).
-    ``deadline_us`` (store clock, µs) bounds the start; ``stop`` is (reason, grace µs or None:
+    ``bound_at_us`` (monotonic µs, ``_mono_us``) bounds the start; ``stop`` is (reason, grace µs or None:
     the task's own) once a cancel or the drain came first."""
 
-    __slots__ = ("candidate", "deadline_us", "timeout_us", "grace_us", "retry", "memory_reserve", "stop")
+    __slots__ = ("candidate", "bound_at_us", "timeout_us", "grace_us", "retry", "memory_reserve", "stop")
 
-    def __init__(self, candidate, deadline_us, timeout_us, grace_us, retry, memory_reserve) -> None:
-        self.candidate, self.deadline_us, self.timeout_us = candidate, deadline_us, timeout_us
+    def __init__(self, candidate, bound_at_us, timeout_us, grace_us, retry, memory_reserve) -> None:
+        self.candidate, self.bound_at_us, self.timeout_us = candidate, bound_at_us, timeout_us
         self.grace_us, self.retry, self.memory_reserve = grace_us, retry, memory_reserve
         self.stop: tuple[str, int | None] | None = None
 
@@ -90,7 +97,7 @@ class LocalExecutionCoordinator:
         except StartError as e:
             self._start_failed(c.run_id, c.attempt_id, e, cmd.retry)
             return "launch_failed", e.code
-        self.starting[c.attempt_id] = StartingAttempt(c, self._now() + SHIM_START_BOUND_US, cmd.timeout_ms * 1000,
+        self.starting[c.attempt_id] = StartingAttempt(c, _mono_us() + SHIM_START_BOUND_US, cmd.timeout_ms * 1000,
                                                       cmd.grace_ms * 1000, cmd.retry, cmd.memory_reserve)
         return "activated", None
 
@@ -215,10 +222,11 @@ class LocalExecutionCoordinator:
                 self._procs.cleanup(attempt_id)
             self._log("warning", "run.start_failed", run=run_id, attempt=attempt_id, reason=f.failure_reason,
                       error=f.start_error)
-        now = self._now()
+        mono = _mono_us()
         for aid, sa in list(self.starting.items()):
-            if now >= sa.deadline_us or self._procs.start_fd(aid) is None:
-                self._advance(aid, expired=now >= sa.deadline_us)
+            if mono >= sa.bound_at_us or self._procs.start_fd(aid) is None:
+                self._advance(aid, expired=mono >= sa.bound_at_us)
+        now = self._now()
         for lr in list(self.live.values()):
             if lr.kill_at_us is not None and now >= lr.kill_at_us:
                 self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGKILL)
@@ -230,7 +238,8 @@ class LocalExecutionCoordinator:
 
     def next_wakeup_us(self) -> int | None:
         """The earliest instant ``tick`` has work (deadline, escalation or a pidfd-less poll)."""
-        times = [sa.deadline_us for sa in self.starting.values()]
+        mono = _mono_us()
+        times = [self._now() + max(0, sa.bound_at_us - mono) for sa in self.starting.values()]
         if any(self._procs.start_fd(aid) is None for aid in self.starting):
             times.append(self._now() + POLL_WITHOUT_PIDFD_US)
         for lr in self.live.values():
