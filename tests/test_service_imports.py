@@ -72,8 +72,10 @@ def test_plain_service_loads_none_of_the_heavy_modules(state, workdir):
     assert "qlagent.service.scheduler" in mods                    # the probe saw a real start
     assert loaded(mods, (*HEAVY, "nacl", "qlagent.http", "qlagent.adapters.netgate")) == []
     # nor what the plain idle figure was trimmed of (bench/results/service.md): argparse (serve
-    # is parsed without it), importlib.resources, dataclasses/inspect, shutil with bz2/lzma
-    assert loaded(mods, ("argparse", "importlib.resources", "dataclasses", "shutil", "bz2", "lzma")) == []
+    # is parsed without it), importlib.resources, dataclasses/inspect, shutil with bz2/lzma, and
+    # until its first Run (or a stray found at its start) psutil and subprocess
+    assert loaded(mods, ("argparse", "importlib.resources", "dataclasses", "shutil", "bz2", "lzma", "psutil",
+                         "subprocess")) == []
 
 def test_http_service_answers_a_token_request_without_openssl(state, workdir):
     add_tasks(state, workdir, TASK)

@@ -18,13 +18,12 @@ import select
 import signal
 import socket
 import stat
-import subprocess
 import sys
 import time
 from collections.abc import Container
+from typing import TYPE_CHECKING
 
 import msgspec
-import psutil
 
 from qlagent.core.canonical import sha256_hex
 from qlagent.core.dispatch import LaunchCommand
@@ -35,6 +34,11 @@ from qlagent.core.receipt import Receipt, TruncationFact, start_code
 from .artifacts import UnsafeDirectoryError
 from .proctree import AGENT_KEY_ENV, agent_key, find_by_attempt, process_matches, signal_tree, stop_strays
 from .rundir import read_receipt, read_task_pid, read_truncation, remove_run_dir
+
+if TYPE_CHECKING:
+    # Imported where a process is started or looked at: an idle agent (no Run since its start,
+    # no stray found) loads neither (~2 MiB, bench/results/service.md).
+    import subprocess
 
 SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
 SHIM_DIR = os.path.dirname(SHIM_PATH)
@@ -94,6 +98,7 @@ def _compiled_state(path: str) -> str:
 
 
 def _start_compile(python: str, tmp: str) -> subprocess.Popen:
+    import subprocess
     return subprocess.Popen([python, "-I", "-S", SHIM_PATH, "--compile", tmp], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, cwd="/")
 
@@ -146,6 +151,7 @@ def compiled_shim(cache_dir: str, python: str) -> str:
         popen = _start_compile(python, tmp)
     except OSError:
         return SHIM_PATH
+    import subprocess
     try:
         popen.wait(30)
     except subprocess.TimeoutExpired:
@@ -176,6 +182,7 @@ def _exited(pid: int, create_time: float, pidfd: int | None) -> bool:
 def _kill(pid: int, create_time: float, pidfd: int | None) -> None:
     """SIGKILL this exact process (through its pidfd; without one, psutil checks its start
     time first, so a reused PID is never hit); nothing when it is gone already."""
+    import psutil
     try:
         if pidfd is not None:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
@@ -377,6 +384,7 @@ class ForkServer:
         # The source when the compiled file is not there yet (a server that died between a
         # _takes_requests and its request): it works the same, at the compiler's memory.
         program = self._program(python) or SHIM_PATH
+        import subprocess
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._popen = subprocess.Popen([python, "-I", "-S", program], stdin=theirs,
@@ -416,6 +424,7 @@ class ForkServer:
     @staticmethod
     def _exit_reason(server: subprocess.Popen | None) -> str:
         """Why ``server`` (just started, or asked) took no request / forked no shim."""
+        import subprocess
         try:
             status = server.wait(1) if server is not None else None
         except subprocess.TimeoutExpired:
@@ -528,6 +537,7 @@ class ForkServer:
                 st.pidfd = os.pidfd_open(st.pid)
             except (AttributeError, OSError):
                 st.pidfd = None
+            import psutil
             try:
                 st.create_time = psutil.Process(st.pid).create_time()
             except psutil.NoSuchProcess:
@@ -718,6 +728,7 @@ class ShimProcesses:
         return len(signal_tree(pgid, shim_pid, sig, self._started.get(attempt_id), known))
 
     def reap_orphans(self) -> int:
+        import psutil
         reaped = 0
         self._forks.reap()
         forks = self._forks.pids()

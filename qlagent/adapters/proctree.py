@@ -2,7 +2,8 @@
 contract"): whether a PID is still the process started at a given time, the signalling of a
 run's whole process tree (its group, the shim's descendants, processes seen before), and the
 processes found by the tags every task carries in its environment (``QL3_ATTEMPT_ID``,
-``QL3_AGENT_KEY``). Read from /proc through psutil; nothing here starts a process.
+``QL3_AGENT_KEY``). Read from /proc through psutil, imported where a process is looked at (an
+idle agent that found no stray at its start never loads it); nothing here starts a process.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Container
-
-import psutil
+from typing import TYPE_CHECKING
 
 from qlagent.core.canonical import sha256_hex
+
+if TYPE_CHECKING:
+    import psutil
 
 _CREATE_TIME_TOLERANCE_S = 0.01
 
@@ -24,6 +27,7 @@ def process_matches(pid: int, create_time: float) -> bool:
     A PID reused by another process has another start time, so recovery never re-attaches to
     a stranger (issue 3 item 5: "PID and start time match").
     """
+    import psutil
     try:
         proc = psutil.Process(pid)
         return (abs(proc.create_time() - create_time) < _CREATE_TIME_TOLERANCE_S
@@ -33,6 +37,7 @@ def process_matches(pid: int, create_time: float) -> bool:
 
 
 def _alive(proc: psutil.Process) -> bool:
+    import psutil
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -40,6 +45,7 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 def _descendants(shim_pid: int) -> dict[int, psutil.Process]:
+    import psutil
     try:
         kids = psutil.Process(shim_pid).children(recursive=True)
     except psutil.NoSuchProcess:
@@ -48,6 +54,7 @@ def _descendants(shim_pid: int) -> dict[int, psutil.Process]:
 
 
 def _group_members(pgid: int) -> dict[int, psutil.Process]:
+    import psutil
     members = {}
     for proc in psutil.process_iter():
         try:
@@ -76,6 +83,7 @@ def _targets(task_pgid: int | None, shim_pid: int | None, started_after: float |
 
 
 def _created(proc: psutil.Process) -> float:
+    import psutil
     try:
         return proc.create_time()
     except psutil.NoSuchProcess:
@@ -83,6 +91,7 @@ def _created(proc: psutil.Process) -> float:
 
 
 def _signal_all(task_pgid: int, owned: bool, procs: dict[int, psutil.Process], sig: int) -> list[int]:
+    import psutil
     in_group = set()
     if owned:
         for pid in procs:  # before killpg: a member may die and be reaped at once
@@ -133,6 +142,7 @@ def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
     started and that kept the environment it was given, even one that escaped the process
     group with setsid and lost its parent (the shim died). Reads /proc/<pid>/environ of this
     user's processes; used only on the rare paths where the shim's tree is gone."""
+    import psutil
     marker = f"\0QL3_ATTEMPT_ID={attempt_id}\0".encode()
     found = {}
     for entry in os.scandir("/proc"):
@@ -194,6 +204,7 @@ def stop_strays(key: str, known: Container[str], seen: set[str] | None = None) -
             seen.add(attempt_id)
         if attempt_id in known or int(entry.name) == os.getpid():
             continue
+        import psutil
         try:
             psutil.Process(int(entry.name)).send_signal(signal.SIGKILL)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
