@@ -9,6 +9,7 @@ single authority either way.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from .. import bootstrap
 from ..application.runs import RunService
@@ -17,10 +18,14 @@ from ..core.models import Run
 from ..core.states import RunState
 from ..service.main import Service, service_running
 
+if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.ports import Store
+    from ..core.settings import Settings
+
 POLL_S = 0.2   # the CLI's own wait; the agent itself never polls
 
 
-def wait_for_run(settings, store, run_id: str, timeout_s: float | None) -> Run:
+def wait_for_run(settings: Settings, store: Store, run_id: str, timeout_s: float | None) -> Run:
     """Block until ``run_id`` is terminal; returns it. UnavailableError (exit 5, ``wait_timeout``)
     when ``timeout_s`` (s) passes first: the Run is not cancelled — without a service its shim
     carries on alone and the next agent start ingests its receipt (README "Exit codes")."""
