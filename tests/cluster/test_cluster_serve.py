@@ -712,11 +712,9 @@ def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_
         status, retry, doc = _probe(replica.port, f"{BASE}/tasks/hello", 8, tok)
         assert (status, retry) == (503, "1"), doc
         admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
-        for _ in range(40):            # a couple of seconds: the pool does not sit in a long back-off
-            if _probe(replica.port, "/readyz", 4)[0] == 200:
-                break
-            time.sleep(0.1)
-        assert _probe(replica.port, "/readyz", 4)[0] == 200
+        # a couple of seconds: the pool does not sit in a long back-off
+        wait_until(lambda: _probe(replica.port, "/readyz", 4)[0] == 200, 6, "/readyz 200 once access returned",
+                   step=0.1)
         replica.wait_line("store.available", 15)   # the loop's duties resume within their back-off cap (8 s)
         assert replica.stop() == 0
         journal = "".join(replica.lines)
