@@ -7,7 +7,12 @@ schedule for as long as a shim takes to start.
 ``--tree DIR`` runs the serve of another checkout (e.g. ``git archive <commit>`` unpacked) for a
 before/after in one session; ``--cpu-quota PCT`` as in bench_forkserver.py.
 
-Usage: python3 bench/bench_loop_stall.py [--rounds 5] [--tree DIR] [--cpu-quota PCT]
+``--queue cli`` (the default) queues the 4 Runs with 4 ``qlagent run start`` processes at once:
+their 4 interpreter starts compete with the agent and the probe for the CPUs during the window.
+``--queue store`` queues them from this process (4 Task Start transactions on the same SQLite
+file, then one poke of the control socket), so the window holds the agent's own work only.
+
+Usage: python3 bench/bench_loop_stall.py [--rounds 5] [--tree DIR] [--cpu-quota PCT] [--queue cli|store]
 """
 
 import argparse
@@ -24,6 +29,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_forkserver import throttle  # noqa: E402
+from qlagent.adapters.sqlite.store import SqliteStore  # noqa: E402  (bench_forkserver put the tree on sys.path)
+from qlagent.application.runs import RunService  # noqa: E402
+from qlagent.service import control  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = "".join(f'[[task]]\nname = "t{i}"\ncommand = ["/bin/sleep", "0.5"]\n\n' for i in range(4))
@@ -75,6 +83,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tree", default=REPO, help="the checkout whose serve is measured")
     ap.add_argument("--cpu-quota", type=int, default=0)
+    ap.add_argument("--queue", choices=("cli", "store"), default="cli", help="how the 4 Runs are queued")
     args = ap.parse_args()
     if args.cpu_quota:
         throttle(args.cpu_quota)
@@ -98,6 +107,9 @@ def main():
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+        store = SqliteStore(os.path.join(state, "qlagent.db"), migrate=False, create_project=False) \
+            if args.queue == "store" else None
+        runs = RunService(store) if store is not None else None
         probe = Probe(port)
         probe.start()
         quiet, busy = [], []
@@ -108,24 +120,31 @@ def main():
             time.sleep(1.0)
             quiet += probe.window(q0, time.monotonic())
             b0 = time.monotonic()
-            with open(os.path.join(root, "runs.txt"), "w") as f:   # 4 Runs queued at once, one poke each
-                starts = [subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "run",
-                                            "start", f"t{i}"], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": args.tree},
-                                           cwd=args.tree, stdout=f, stderr=subprocess.DEVNULL) for i in range(4)]
-                for s in starts:
-                    s.wait()
+            if args.queue == "store":
+                for i in range(4):
+                    runs.start(f"t{i}")
+                control.poke(os.path.join(state, "control.sock"))
+            else:
+                with open(os.path.join(root, "runs.txt"), "w") as f:   # 4 Runs queued at once, one poke each
+                    starts = [subprocess.Popen([sys.executable, "-m", "qlagent.cli.main", "--state-dir", state, "run",
+                                                "start", f"t{i}"], env={"PATH": "/usr/bin:/bin", "PYTHONPATH": args.tree},
+                                               cwd=args.tree, stdout=f, stderr=subprocess.DEVNULL) for i in range(4)]
+                    for s in starts:
+                        s.wait()
             done += 4
             while running(state) < done:
                 time.sleep(0.01)
             busy += probe.window(b0, time.monotonic())
         probe.stop = True
         probe.join()
+        if store is not None:
+            store.close()
     finally:
         serve.terminate()
         serve.wait()
     ms = 1000
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, tree {args.tree}"
-          + (f", {args.cpu_quota} % of one CPU" if args.cpu_quota else ""))
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}, tree {args.tree}, "
+          f"queued by {args.queue}" + (f", {args.cpu_quota} % of one CPU" if args.cpu_quota else ""))
     print(f"\n## /healthz while 4 Runs start at once ({args.rounds} rounds; ms)")
     print("| window | probes | median | p99 | max |")
     print("|---|---:|---:|---:|---:|")

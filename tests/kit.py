@@ -1,7 +1,7 @@
 """The helpers every test shares: a scratch directory, a free loopback port, a bounded wait
 that names what it awaited, the ``qlagent`` CLI in a subprocess (in a clean environment), and a
-real ``qlagent serve`` process whose journal (stderr) goes to a file read as it grows, and
-Prometheus's linter over a ``/metrics`` document.
+real ``qlagent serve`` process whose journal (stderr) goes to a file read as it grows,
+Prometheus's linter over a ``/metrics`` document, and a TCP proxy to bend a link.
 
 Importable from every test directory (``pythonpath = ["tests"]``); the fixtures built on them
 live in ``tests/conftest.py``.
@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 
@@ -185,3 +186,42 @@ class Serve:
         if self.proc.poll() is None:
             self.proc.kill()
         return self.proc.wait()
+
+
+class TcpProxy:
+    """A TCP proxy on 127.0.0.1 (``port``) to the server (a replica, a control-plane stub) at
+    127.0.0.1:``upstream_port``: every connection it admits (``_admit``) is piped both ways by
+    two threads running the subclass's ``_pipe(src, dst, outbound)`` (``outbound``: from the
+    client to the server); ``_shut`` ends sockets both ways."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self._admit(c):
+                continue
+            u = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
+
+    def _admit(self, conn: socket.socket) -> bool:
+        return True
+
+    @staticmethod
+    def _shut(*socks: socket.socket) -> None:
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()

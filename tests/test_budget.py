@@ -5,6 +5,7 @@ new activations near the PID budget and says so in STATUS.
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -13,10 +14,11 @@ import time
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from qlcli import js, ok
 from servehelp import NotifyListener, add_tasks, runs_of, start_serve
-from kit import clean_env, wait_until
+from kit import clean_env, free_port, promtool_check, wait_until
 
 MiB = 1_048_576
 CG = "/sys/fs/cgroup"
@@ -193,6 +195,35 @@ def test_block_reason_on_a_small_profile():
             c.wait()
 
 
+def test_the_tree_from_the_children_files_is_the_one_psutil_finds_by_every_process_parent():
+    """The budget walks the service tree through /proc/<pid>/task/<tid>/children; a kernel
+    without them (CONFIG_PROC_CHILDREN off, OpenWrt) gets psutil's scan of every process's
+    parent instead: both name the same processes, grandchildren and a second thread's child
+    included."""
+    import threading
+
+    from qlagent.adapters.budget import _psutil_tree, _tree
+    tree = subprocess.Popen(["/bin/sh", "-c", "sleep 30 & sleep 30 & wait"])
+    from_thread = []
+    t = threading.Thread(target=lambda: from_thread.append(subprocess.Popen(["/bin/sleep", "30"])))
+    t.start()
+    t.join()
+    grandchildren = []
+    try:
+        wait_until(lambda: len(psutil.Process(tree.pid).children()) == 2)
+        grandchildren = psutil.Process(tree.pid).children()
+        walked = _tree(os.getpid())
+        assert walked is not None, "this kernel has no children files"
+        assert sorted(walked) == sorted(_psutil_tree(os.getpid()))
+        assert {tree.pid, from_thread[0].pid} | {c.pid for c in grandchildren} <= set(walked)
+    finally:
+        for c in grandchildren:
+            c.kill()
+        for p in (tree, *from_thread):
+            p.kill()
+            p.wait()
+
+
 # --- the service cgroup's own figures (issue 22 §2) -------------------------------------------
 
 def _spawn_in(dirs, argv):
@@ -319,15 +350,36 @@ def test_doctor_budget_line_on_v2(tmp_path):
 
 # --- a runaway task never takes the agent down (issue 22 §3) ----------------------------------
 
+def _oom_kills(port: int) -> float | None:
+    """``qlagent_service_oom_kills_total`` of the agent's ``GET /metrics`` on ``port`` (None:
+    not in the document), the document checked by Prometheus's parser and linter."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        assert resp.status == 200, text
+    finally:
+        conn.close()
+    promtool_check(text)
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "qlagent_service_oom_kills_total"), None)
+
+
 def test_a_hog_in_the_agents_64mib_v1_cgroup_is_killed_not_the_agent_and_the_run_says_oom_killed(
         state, workdir, budget_cgroup):
     """No cgroup of its own for the Run (cgroup v1 host): the agent, its shim and a task that
     allocates 200 MiB share one 64 MiB memory cgroup. The kernel kills the task (oom_score_adj
     1000; the shim 500), the agent lives on and runs the next Task, and the Run ends failed with
-    reason oom_killed in `run show`, its JSON and the journal."""
+    reason oom_killed in `run show`, its JSON and the journal; the agent's /metrics counts the
+    kill (``qlagent_service_oom_kills_total`` 0 → 1)."""
     mem, pids = budget_cgroup
     with open(f"{mem}/memory.limit_in_bytes", "w") as f:
         f.write(str(64 * MiB))
+    cfg = os.path.join(workdir, "qlagent.toml")
+    with open(cfg, "w") as f:
+        f.write("[http]\nmetrics = true\n")
+    port = free_port()
     add_tasks(state, workdir, f'''
 [[task]]
 name = "hog"
@@ -339,9 +391,11 @@ name = "peek"
 command = ["/bin/sh", "-c", "cat /proc/self/oom_score_adj /proc/$PPID/oom_score_adj"]
 ''')
     listener = NotifyListener(workdir)
-    p = start_serve(state, env=clean_env(NOTIFY_SOCKET=listener.path), prefix=_shim(mem, pids))
+    p = start_serve(state, "--listen", f"127.0.0.1:{port}", env=clean_env(NOTIFY_SOCKET=listener.path,
+                                                                          QLAGENT_CONFIG=cfg), prefix=_shim(mem, pids))
     try:
         listener.wait_for(lambda m: m == "READY=1")
+        assert _oom_kills(port) == 0
         peek = ok(state, "run", "start", "peek").stdout.decode().strip()
         wait_until(lambda: dict(runs_of(state, "peek"))[peek] == "succeeded", timeout=20)
         # sh execs its one command: `cat` is the task, its parent the shim.
@@ -357,6 +411,7 @@ command = ["/bin/sh", "-c", "cat /proc/self/oom_score_adj /proc/$PPID/oom_score_
         wait_until(lambda: dict(runs_of(state, "peek"))[again] == "succeeded", timeout=20)
         # STATUS reads the kernel's figures of the agent's cgroup: the limit is the cgroup's 64 MiB.
         listener.wait_for(lambda m: m.startswith("STATUS=") and "/64MiB" in m and "oom_kills=1" in m)
+        wait_until(lambda: _oom_kills(port) == 1, 10, "the kill counted on /metrics")
     finally:
         assert p.stop() == 0
         listener.close()

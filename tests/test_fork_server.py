@@ -229,3 +229,27 @@ def test_an_agent_killed_between_the_shims_fork_and_the_exec_runs_nothing_and_th
     assert b.run(rid).state == "lost"
     assert not marker.exists()
     b.close()
+
+
+def test_a_killed_fork_server_leaves_the_agents_live_runs_to_finish_and_the_next_run_gets_a_new_one(tmp_path):
+    """Through the agent: SIGKILL of the fork server while two Runs run; both end succeeded with
+    their whole output (their shims and receipts never depended on it), and the next Run is
+    forked by a new fork server."""
+    b = Bench(str(tmp_path / "s"), profile=STANDALONE)
+    go = tmp_path / "go"
+    b.add(task("t", f'while [ ! -e {go} ]; do sleep 0.05; done; echo "$QL3_RUN_ID"\n', concurrency="parallel"))
+    ids = [b.start("t") for _ in range(2)]
+    b.drive(lambda: all(b.run(r).state == "running" for r in ids))
+    forks = b.engine._coordinator._procs._forks
+    (server,) = forks.pids()
+    os.kill(server, signal.SIGKILL)
+    wait_until(lambda: not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE, 20)
+    go.touch()
+    for r in ids:
+        assert b.wait_run(r).state == "succeeded"
+        with open(b.runs.log_source(r)[0]) as f:
+            assert f.read() == r + "\n"
+    nxt = b.start("t")
+    assert b.wait_run(nxt).state == "succeeded"
+    assert forks.pids() and server not in forks.pids()
+    b.close()

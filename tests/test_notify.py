@@ -101,7 +101,7 @@ def test_the_next_fire_is_in_status_right_after_ready(state, workdir, listener):
         t_status, _ = listener.wait_for(_is("STATUS=running=0 queued=0 next=03:00:00Z"))
         assert t_status - t_ready < 5
     finally:
-        assert stop(p) == 0
+        assert p.stop() == 0
 
 
 def test_no_watchdog_while_the_store_is_wedged(state, workdir, listener):

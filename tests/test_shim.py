@@ -467,3 +467,53 @@ def test_an_unreadable_lease_file_fails_closed(tmp_path):
     assert handle.popen.wait(20) == 0
     receipt = processes.read_receipt(spec["run_dir"])
     assert receipt.lease_lost is True and receipt.signal == signal.SIGTERM
+
+
+@pytest.mark.parametrize("splicing", [True, False], ids=["splice", "copy"])
+def test_the_drainer_keeps_exactly_the_room_left_by_splice_and_by_copy(tmp_path, splicing):
+    """The drainer moves the FIFO by splice(2); where splice is refused it copies through a
+    buffer. Both keep exactly the room left (what the file held counts), count every byte, and
+    write the truncation fact once, at the first byte past the quota."""
+    import threading
+    sys.path.insert(0, processes.SHIM_DIR)       # the shim's modules go by their plain names
+    try:
+        import drainer
+    finally:
+        sys.path.remove(processes.SHIM_DIR)
+    facts = []
+
+    class Run:                                  # what the drainer uses of its shim (main.Shim)
+        def log_error(self, message):
+            facts.append(("shim.err", message))
+
+        def write_file_atomic(self, name, doc, exclusive):
+            facts.append((name, doc))
+
+    art = tmp_path / "a.log"
+    art.write_bytes(b"old")
+    fd = os.open(art, os.O_WRONLY)
+    os.lseek(fd, 0, os.SEEK_END)
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    wake_r, wake_w = os.pipe()
+    os.close(wake_w)
+    d = drainer.Drainer(Run(), fd, 100_003, 100_000)
+    d.splicing = splicing
+    d.watch(r, wake_r)
+    payload = bytes(range(256)) * 1000
+
+    def write():
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(w, view[:7000]):]
+        os.close(w)
+    writer = threading.Thread(target=write)
+    writer.start()
+    while not d.eof:
+        d.drain(1000)
+    writer.join()
+    for x in (fd, r, wake_r):
+        os.close(x)
+    assert art.read_bytes() == b"old" + payload[:100_000]
+    assert (d.bytes_total, d.bytes_kept, d.truncated) == (256_000, 100_000, True)
+    assert facts == [("truncated.json", {"quota_bytes": 100_003, "bytes_kept": 100_000})]

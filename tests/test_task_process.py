@@ -174,6 +174,24 @@ def test_signal_dispositions_default_and_mask_empty_sigxfsz_exits_153(root):
     b.close()
 
 
+def test_signals_the_service_was_started_with_ignored_are_default_for_the_task(root):
+    """A service started under nohup (SIGHUP ignored) or by a supervisor that ignores others
+    hands those dispositions to its fork server (exec keeps an ignored signal): the task still
+    gets every signal at its default, as from a plain shell."""
+    import signal
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGHUP, signal.SIGUSR1, signal.SIGRTMIN + 3)}
+    try:
+        b = Bench(os.path.join(root, "s"))
+        b.add(task("sig", "grep -E '^SigIgn' /proc/self/status\n", shell="/bin/bash", cwd=workdir(root, "w")))
+        run, out = run_log(b, "sig")
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert run.state == "succeeded"
+    assert out.decode().splitlines() == ["SigIgn:\t0000000000000000"]
+    b.close()
+
+
 def test_home_user_logname_shell_from_passwd_and_cwd_home(root):
     pw = pwd.getpwuid(os.geteuid())
     b = Bench(os.path.join(root, "s"))

@@ -1,6 +1,7 @@
-"""Spawn the per-run shim, recognise it after a restart, signal a run's process tree (ADR-0071
-§5, issue 3 items 4-6, ARCHITECTURE.md "Shim contract"); ``ShimProcesses`` is the
-``core.ports.ProcessPort`` over them.
+"""Start the per-run shim through the fork server and follow it (ADR-0071 §5, issue 3 items
+4-6, issue 24, ARCHITECTURE.md "Shim contract", "Fork server"); ``ShimProcesses`` is the
+``core.ports.ProcessPort`` over it, over the run directory's files (``rundir``) and over the
+run's process tree (``proctree``).
 
 The shim runs in its own session so that it and the task survive an agent crash; the task
 runs in its own process group (pgid = task PID, written to run_dir/task.pid) so the agent can
@@ -14,7 +15,6 @@ import json
 import os
 import pwd
 import select
-import signal
 import socket
 import stat
 import subprocess
@@ -27,20 +27,20 @@ import psutil
 
 from qlagent.core.canonical import sha256_hex
 from qlagent.core.dispatch import LaunchCommand
-from qlagent.core.errors import FACT_LIMIT_BYTES, QlError, RunFileError, StartError, UnavailableError, ValidationError
-from qlagent.core.receipt import Receipt, TruncationFact, decode_receipt, decode_truncation, start_code
+from qlagent.core.errors import QlError, RunFileError, StartError, UnavailableError, ValidationError
+from qlagent.core.limits import SHIM_START_BOUND_US
+from qlagent.core.receipt import Receipt, TruncationFact, start_code
 
 from .artifacts import UnsafeDirectoryError
+from .proctree import AGENT_KEY_ENV, agent_key, find_by_attempt, process_matches, signal_tree, stop_strays
+from .rundir import read_receipt, read_task_pid, read_truncation, remove_run_dir
 
 SHIM_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim", "main.py")
 SHIM_DIR = os.path.dirname(SHIM_PATH)
-# The shim reports the exec's outcome within its start-up time (~10 ms; seconds on a loaded
-# router). Past this bound the agent records the Run running and lets the receipt tell.
-START_STATUS_TIMEOUT_S = 30.0
+START_STATUS_TIMEOUT_S = SHIM_START_BOUND_US / 1e6
 _STATUS_LIMIT_BYTES = 1024
 # The shim refuses a larger spec (shim/main.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
-_CREATE_TIME_TOLERANCE_S = 0.01
 
 
 class ShimSpawnError(UnavailableError):
@@ -445,7 +445,7 @@ class ForkServer:
         ``expired`` (the caller's bound passed) ends the start whatever came: a shim that was
         forked counts as started (its receipt will tell), one that never was fails.
 
-        The shim's PID comes first (a ``pid <n>`` line from the forked shim); only then does
+        The shim's PID comes first (the fork server's ``pid <n>`` line); only then does
         the spec (secrets included) go into its stdin pipe, so a shim whose agent died before
         knowing its PID reads no spec and runs nothing. Raises ShimSpawnError (``st`` closed)
         when the fork server forked no shim: its reason, the back-off as in ``begin``."""
@@ -552,234 +552,9 @@ def errno_text(exc: OSError) -> str:
     return f"{name} ({exc.strerror or os.strerror(exc.errno or 0)})"
 
 
-def process_matches(pid: int, create_time: float) -> bool:
-    """True if ``pid`` is a live (not zombie) process started at ``create_time`` (psutil seconds).
-
-    A PID reused by another process has another start time, so recovery never re-attaches to
-    a stranger (issue 3 item 5: "PID and start time match").
-    """
-    try:
-        proc = psutil.Process(pid)
-        return (abs(proc.create_time() - create_time) < _CREATE_TIME_TOLERANCE_S
-                and proc.status() != psutil.STATUS_ZOMBIE)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):  # ValueError: pid < 0
-        return False
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _descendants(shim_pid: int) -> dict[int, psutil.Process]:
-    try:
-        kids = psutil.Process(shim_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return {}
-    return {p.pid: p for p in kids}
-
-
-def _group_members(pgid: int) -> dict[int, psutil.Process]:
-    members = {}
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid:
-                members[proc.pid] = proc
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    return members
-
-
-def _targets(task_pgid: int | None, shim_pid: int | None, started_after: float | None,
-             known: dict[int, psutil.Process]) -> tuple[dict[int, psutil.Process], bool]:
-    """Live processes of the run and whether the group is proven ours (a member is in the tree).
-    A missing (None) shim or group contributes nothing; PIDs ≤ 1 are never looked at."""
-    tree = _descendants(shim_pid) if shim_pid and shim_pid > 1 else {}
-    group = _group_members(task_pgid) if task_pgid and task_pgid > 1 else {}
-    owned = any(pid in tree for pid in group)
-    if started_after is not None:
-        group = {pid: p for pid, p in group.items() if _created(p) >= started_after}
-    found = dict(known)
-    found.update(tree)
-    found.update(group)
-    for pid in (shim_pid, os.getpid()):
-        found.pop(pid, None)
-    return {pid: p for pid, p in found.items() if _alive(p)}, owned
-
-
-def _created(proc: psutil.Process) -> float:
-    try:
-        return proc.create_time()
-    except psutil.NoSuchProcess:
-        return 0.0
-
-
-def _signal_all(task_pgid: int, owned: bool, procs: dict[int, psutil.Process], sig: int) -> list[int]:
-    in_group = set()
-    if owned:
-        for pid in procs:  # before killpg: a member may die and be reaped at once
-            try:
-                if os.getpgid(pid) == task_pgid:
-                    in_group.add(pid)
-            except ProcessLookupError:
-                continue
-        try:
-            os.killpg(task_pgid, sig)  # atomic for the group, including children forked meanwhile
-        except (ProcessLookupError, PermissionError):
-            in_group = set()
-    sent = sorted(in_group)
-    for pid, proc in procs.items():
-        if pid in in_group:
-            continue  # already reached by killpg; a second signal would be a new event
-        try:
-            proc.send_signal(sig)  # psutil checks the start time: a reused PID is not signalled
-            sent.append(pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return sent
-
-
-def signal_tree(task_pgid: int | None, shim_pid: int | None, sig: int, started_after: float | None,
-                known: dict[int, psutil.Process]) -> list[int]:
-    """One non-blocking step of stopping a run (the coordinator sends SIGTERM, then SIGKILL after
-    the grace): send ``sig`` to the task's process group, every descendant of the shim and
-    every process in ``known``
-    (processes seen by an earlier step, which a dead parent may have re-parented out of the
-    tree). ``known`` is updated with what this step found, so a later SIGKILL still reaches an
-    escaped grandchild. ``shim_pid`` None (the shim is gone) signals the group's members
-    started after ``started_after`` one by one. Never signals the shim or this process.
-    Returns the PIDs signalled.
-    """
-    if task_pgid is None and shim_pid and shim_pid > 1:
-        kids = _descendants(shim_pid)
-        task_pgid = min(kids) if kids else None   # the shim's first child is the task
-    live, owned = _targets(task_pgid, shim_pid, started_after, known)
-    known.update(live)
-    if not live:
-        return []
-    return _signal_all(task_pgid or 0, owned and bool(task_pgid), live, sig)
-
-
-def find_by_attempt(attempt_id: str) -> dict[int, psutil.Process]:
-    """Processes whose environment carries ``QL3_ATTEMPT_ID=<attempt_id>``: every process a run
-    started and that kept the environment it was given, even one that escaped the process
-    group with setsid and lost its parent (the shim died). Reads /proc/<pid>/environ of this
-    user's processes; used only on the rare paths where the shim's tree is gone."""
-    marker = f"\0QL3_ATTEMPT_ID={attempt_id}\0".encode()
-    found = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                env = b"\0" + f.read()
-        except OSError:
-            continue
-        if marker in env:
-            try:
-                found[int(entry.name)] = psutil.Process(int(entry.name))
-            except psutil.NoSuchProcess:
-                continue
-    found.pop(os.getpid(), None)
-    return found
-
-
-AGENT_KEY_ENV = "QL3_AGENT_KEY"
-
-
-def agent_key(runs_root: str) -> str:
-    """The tag (16 lowercase hex) every task of the agent whose runs live under ``runs_root``
-    carries as ``QL3_AGENT_KEY``: derived from the root's path, not from anything stored in
-    it, so an agent started on a wiped state directory still recognises the tasks of the one
-    before, and agents of other state directories (same uid) are told apart."""
-    return sha256_hex(os.path.realpath(runs_root).encode("utf-8", "surrogateescape"))[:16]
-
-
-def stop_strays(key: str, known: Container[str], seen: set[str] | None = None) -> dict[str, int]:
-    """SIGKILL every process of this uid whose environment carries ``QL3_AGENT_KEY=<key>`` and a
-    ``QL3_ATTEMPT_ID`` not in ``known`` (the Attempts the caller re-attaches or has ended
-    itself): a task left by an agent whose state was lost or whose shim died unseen, which would
-    otherwise run beside the Attempt's next copy. Returns {attempt ID: processes killed}; a
-    ``seen`` set gets the attempt ID of every tagged process found, known or not (so a caller
-    can forget the kept Attempts nothing carries any more).
-    Reads /proc/<pid>/environ (this user's processes only); signals through psutil, which
-    checks the start time, so a PID reused since the scan is never hit."""
-    tag = f"\0{AGENT_KEY_ENV}={key}\0".encode()
-    prefix = b"\0QL3_ATTEMPT_ID="
-    uid = os.geteuid()
-    stopped: dict[str, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            if entry.stat().st_uid != uid:
-                continue
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                env = b"\0" + f.read()
-        except OSError:
-            continue
-        at = env.find(prefix)
-        if tag not in env or at < 0:
-            continue
-        attempt_id = env[at + len(prefix):env.find(b"\0", at + 1)].decode("utf-8", "replace")
-        if seen is not None:
-            seen.add(attempt_id)
-        if attempt_id in known or int(entry.name) == os.getpid():
-            continue
-        try:
-            psutil.Process(int(entry.name)).send_signal(signal.SIGKILL)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        stopped[attempt_id] = stopped.get(attempt_id, 0) + 1
-    return stopped
-
-
 def default_python() -> str:
     """The interpreter for the shim: this one, or the system python3 when embedded."""
     return sys.executable or "/usr/bin/python3"
-
-
-def _read_fact(path: str) -> bytes | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
-    try:
-        return os.read(fd, FACT_LIMIT_BYTES + 1)
-    finally:
-        os.close(fd)
-
-
-def read_receipt(run_dir: str) -> Receipt | None:
-    """The completion receipt (run_dir/receipt.json) decoded as core.receipt.Receipt, or None
-    if it is not written yet. Raises RunFileError naming the missing or mistyped field."""
-    raw = _read_fact(os.path.join(run_dir, "receipt.json"))
-    return None if raw is None else decode_receipt(raw)
-
-
-def read_truncation(run_dir: str) -> TruncationFact | None:
-    """The truncation fact (run_dir/truncated.json), or None if the quota was never exceeded.
-    Raises RunFileError on a malformed fact."""
-    raw = _read_fact(os.path.join(run_dir, "truncated.json"))
-    return None if raw is None else decode_truncation(raw)
-
-
-def read_task_pid(run_dir: str) -> int | None:
-    """The task PID (= its process group ID) from run_dir/task.pid, or None before the spawn."""
-    try:
-        with open(os.path.join(run_dir, "task.pid"), "rb") as f:
-            raw = f.read(32)
-    except FileNotFoundError:
-        return None
-    try:
-        pid = int(raw)
-    except ValueError:
-        raise RunFileError("task.pid", "not an integer") from None
-    if pid <= 1:
-        raise RunFileError("task.pid", "must be a process ID > 1")
-    return pid
 
 
 def baseline_env(uid: int | None = None) -> dict[str, str]:
@@ -926,29 +701,3 @@ class ShimProcesses:
         remove_run_dir(self._run_dir(attempt_id))
         if self._cgroups is not None:
             self._cgroups.remove(attempt_id)
-
-
-def remove_run_dir(run_dir: str) -> None:
-    """Delete a finished Attempt's run directory; errors are ignored (it may be gone already).
-
-    The shim writes only files there (FIFO, receipt, facts, task.pid), so a flat removal
-    does it; ``shutil`` (whose bz2/lzma imports cost the resident agent ~0.2 MiB) is loaded
-    only if something made a subdirectory.
-    """
-    try:
-        entries = list(os.scandir(run_dir))
-    except OSError:
-        return
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                import shutil
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                os.unlink(entry.path)
-        except OSError:
-            pass
-    try:
-        os.rmdir(run_dir)
-    except OSError:
-        pass

@@ -23,7 +23,7 @@ import os
 import signal
 
 from ..core.cluster import ExecutionSpec
-from ..core.errors import RunFileError, StartError
+from ..core.errors import QlError, RunFileError, StartError
 from ..core.receipt import Receipt, TruncationFact, bounded
 from . import processes
 
@@ -31,6 +31,10 @@ ARTIFACT = "output.log"
 SHIM_FILE = "shim.json"
 LEASE_FILE = "lease"
 LINGER_S = 2.0
+
+
+def _shim_failed(e: Exception) -> StartError:
+    return StartError(bounded(f"shim: {getattr(e, 'message', type(e).__name__)}"), code="shim_failed")
 
 
 class RunHandle:
@@ -113,13 +117,13 @@ class WorkerRuns:
         except (OSError, ValueError):
             return None
 
-    def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes], lease_stop_at_us: int | None = None) -> RunHandle:
-        """Materialise the environment (baseline, spec env, secrets, QL3_* identity) and start
-        the shim; returns once the task was exec'd. With ``lease_stop_at_us`` (µs, CLOCK_MONOTONIC)
-        the lease file is written first and the shim self-fences by it. Otherwise raises
-        StartError: code ``secret_unusable``, ``run_dir_unsafe`` (lease file) or ``shim_failed``,
-        or (the task could not be exec'd) code ``start`` with the shim's start error as the
-        message (paths and errno names only)."""
+    def begin(self, spec: ExecutionSpec, secrets: dict[str, bytes], lease_stop_at_us: int | None = None):
+        """Materialise the environment (baseline, spec env, secrets, QL3_* identity) and ask the
+        fork server for the shim; returns at once the start in flight (``processes.ShimStart``),
+        which ``advance`` takes on each time its ``fd`` is readable (None: in a second). With
+        ``lease_stop_at_us`` (µs, CLOCK_MONOTONIC) the lease file is written first and the shim
+        self-fences by it. Raises StartError: code ``secret_unusable``, ``run_dir_unsafe`` (lease
+        file) or ``shim_failed`` (the spec over its bound, no interpreter, no fork server)."""
         aid = spec.attempt_id
         lease_file = None
         if lease_stop_at_us is not None:
@@ -140,18 +144,32 @@ class WorkerRuns:
                "linger_s": LINGER_S, "umask": int(spec.umask, 8) if spec.umask else None,
                "grace_s": spec.grace_ms / 1000, "keep_orphans": spec.keep_orphans, "lease_file": lease_file}
         try:
-            h = self._forks.spawn(doc, self._python)
+            return self._forks.begin(doc, self._python)
         except Exception as e:       # spec over its bound, no interpreter: never the spec in the text
-            raise StartError(bounded(f"shim: {getattr(e, 'message', type(e).__name__)}"), code="shim_failed") from None
+            raise _shim_failed(e) from None
         finally:
             doc = env = plain = None                                   # noqa: F841  (one materialisation)
+
+    def advance(self, attempt_id: str, start, expired: bool = False) -> RunHandle | None:
+        """Take in what the shim of ``begin`` reported (never waits): None while the start goes
+        on, else the live shim's handle once its task was exec'd (its identity is then in
+        ``shim.json`` for a re-attach). ``expired`` (the caller's bound passed) ends it as
+        ``processes.ForkServer.advance`` does. Raises StartError: ``shim_failed`` (no shim was
+        forked), or code ``start`` with the shim's start error as the message (paths and errno
+        names only), once that shim has exited."""
+        try:
+            h = self._forks.advance(start, expired)
+        except QlError as e:         # the fork server forked no shim
+            raise _shim_failed(e) from None
+        if h is None:
+            return None
         if h.start_error is not None:
             if h.pidfd is not None:
                 os.close(h.pidfd)
             raise StartError(bounded(h.start_error), code="start")
-        with open(os.path.join(self.run_dir(aid), SHIM_FILE), "w") as f:
+        with open(os.path.join(self.run_dir(attempt_id), SHIM_FILE), "w") as f:
             json.dump({"pid": h.pid, "create_time": h.create_time}, f)
-        return RunHandle(aid, h.pid, h.create_time, h.pidfd)
+        return RunHandle(attempt_id, h.pid, h.create_time, h.pidfd)
 
     def reattach(self, attempt_id: str) -> RunHandle | None:
         """The shim of a previous Worker process, if it is still the same live process."""

@@ -43,13 +43,17 @@ def cmd_status(ctx) -> int:
                              or "none connected"))
     print("clients    " + (", ".join(f"{c['application'] or '-'} ({c['addr']}) ×{c['connections']}"
                                      for c in o["clients"]) or "none"))
-    print("workers    " + (", ".join(f"{n} {s['count']}" + (f" ({s['freeSlots']} free slots)" if n == "online" else "")
+    print("workers    " + (", ".join(f"{n} {s['count']}" + (_free_slots(s["freeSlots"]) if n == "online" else "")
                                      for n, s in sorted(workers.items())) or "none enrolled"))
     print(f"runs       {o['queued']} queued ({o['unplaceable']} unplaceable)"
           + (f", oldest queued {age} s" if age is not None else ""))
     print("clashes    " + (", ".join(f"{c['name']} ({c['replaced']} Sessions replaced in 10 min: two processes "
                                      "with one credential?)" for c in o["clashes"]) or "none"))
     return 0
+
+
+def _free_slots(n: int) -> str:
+    return f" ({n} free slot{'' if n == 1 else 's'})"
 
 
 def register(sub, name: str, help_: str) -> None:

@@ -178,9 +178,15 @@ class WorkerRunsPort(Protocol):
     def make_run_dir(self, attempt_id: str) -> None:
         """Create and fsync it (StartError ``run_dir_unsafe``)."""
 
-    def spawn(self, spec: ExecutionSpec, secrets: dict[str, bytes], lease_stop_at_us: int | None = None):
-        """Start the shim (self-fencing at ``lease_stop_at_us``, CLOCK_MONOTONIC µs, unless
-        renewed); StartError whose message is the shim's start error."""
+    def begin(self, spec: ExecutionSpec, secrets: dict[str, bytes], lease_stop_at_us: int | None = None):
+        """Ask for the shim (self-fencing at ``lease_stop_at_us``, CLOCK_MONOTONIC µs, unless
+        renewed) and return at once the start in flight: its ``fd`` (None: look again within a
+        second) is watched by the loop; StartError when it cannot even be asked for."""
+
+    def advance(self, attempt_id: str, start, expired: bool = False):
+        """What the start reported, never waiting: None while it goes on, else the live shim's
+        handle; ``expired`` (past ``SHIM_START_BOUND_US``) ends it. StartError whose message is
+        the shim's start error."""
 
     def set_lease_deadline(self, attempt_id: str, stop_at_us: int) -> bool:
         """Renew the shim's self-fencing instant (µs); False if the lease file is not writable."""

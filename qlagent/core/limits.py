@@ -17,6 +17,10 @@ MAX_ENV_ENTRIES = 256                   # context recipe public values + SecretR
 MAX_ENV_TOTAL = 1_048_576               # the whole frozen environment, NULs included
 MAX_PATH_BYTES = 4_096                  # cwd and other paths
 MAX_START_ERROR = 512                   # characters of a start-failure reason (launcher START_ERROR_LIMIT)
+# A shim reports its task's exec within its start-up time (milliseconds; seconds on a loaded
+# router). Past this bound one that was forked counts as started (its receipt will tell) and one
+# that never was fails (adapters.processes.START_STATUS_TIMEOUT_S).
+SHIM_START_BOUND_US = 30_000_000
 
 MAX_TASK_NAME = 64
 MAX_LABELS = 32

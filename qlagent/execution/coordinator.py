@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..core.dispatch import Finish, LaunchCommand
 from ..core.errors import StartError, UnavailableError
+from ..core.limits import SHIM_START_BOUND_US
 from ..core.receipt import bounded, start_code
 from ..core.states import AttemptState, KillReason, RunState, outcome
 
@@ -26,10 +27,6 @@ if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.receipt import Receipt
 
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
-# A shim reports its exec within its start-up time (milliseconds; seconds on a loaded router);
-# past this bound one that exists counts as started (its receipt will tell) and one that was
-# never forked fails (adapters.processes.START_STATUS_TIMEOUT_S).
-START_BOUND_US = 30_000_000
 
 
 class TrackedAttempt:
@@ -93,7 +90,7 @@ class LocalExecutionCoordinator:
         except StartError as e:
             self._start_failed(c.run_id, c.attempt_id, e, cmd.retry)
             return "launch_failed", e.code
-        self.starting[c.attempt_id] = StartingAttempt(c, self._now() + START_BOUND_US, cmd.timeout_ms * 1000,
+        self.starting[c.attempt_id] = StartingAttempt(c, self._now() + SHIM_START_BOUND_US, cmd.timeout_ms * 1000,
                                                       cmd.grace_ms * 1000, cmd.retry, cmd.memory_reserve)
         return "activated", None
 

@@ -103,15 +103,16 @@ class Api:
     def task_start(self, req: Request, p: dict[str, str]) -> Response:
         """POST .../tasks/{taskId}/runs → 202 accepted / 200 existing (TaskStartResult);
         400 invalid_task_start_request, 404 task_not_found, 409 task_start_fence_rejected
-        (reason), 503 task_start_unavailable with Retry-After (ADR-0376 §3)."""
+        (reason), 503 task_start_unavailable with Retry-After (ADR-0376 §3), raised from the
+        store's UnavailableError (its ``__cause__``: a replica counts it by code)."""
         try:
             principal, proj = self._principal(req, p["projectId"], "run.start")
         except AuthError as e:
             if e.status == 404:
                 raise ts.TaskStartError.not_found() from None
             raise
-        except UnavailableError:    # the store did not answer the principal's reads in time
-            raise ts.TaskStartError.unavailable() from None
+        except UnavailableError as e:    # the store did not answer the principal's reads in time
+            raise ts.TaskStartError.unavailable() from e
         body = ts.decode_task_start(req.body)   # read only after authentication (ADR-0376 §4)
         try:
             created = self.runs.start(
@@ -123,8 +124,8 @@ class Api:
             raise ts.TaskStartError.fence_rejected(e.reason, e.message) from None
         except NotFoundError:
             raise ts.TaskStartError.not_found() from None
-        except UnavailableError:
-            raise ts.TaskStartError.unavailable() from None
+        except UnavailableError as e:
+            raise ts.TaskStartError.unavailable() from e
         result = ts.TaskStartResult.build(
             outcome="existing" if created.existing else "accepted", run_id=created.run_id,
             attempt_id=created.attempt_id, event_ids=tuple(created.event_ids),
@@ -279,9 +280,10 @@ class Api:
         return Response(200, [("Content-Type", "application/json")], openapi_document())
 
 
-def build_router(api: Api) -> Router:
-    """The Router serving exactly the documented routes (see ``routing.documented_routes``)."""
-    r = Router()
+def build_router(api: Api, on_error: Callable[[str, QlError], None] | None = None) -> Router:
+    """The Router serving exactly the documented routes (see ``routing.documented_routes``);
+    ``on_error`` as :class:`Router`'s."""
+    r = Router(on_error)
     # Task Start answers every malformed request with its own code (ADR-0376 §3).
     r.add("POST", PREFIX + "/tasks/{taskId}/runs", api.task_start,
           bad_param=lambda where, field, message: ts.TaskStartError.invalid(field, message))

@@ -100,10 +100,13 @@ def _split_template(template: str) -> list[tuple[bool, str]]:
 
 
 class Router:
-    """Route table; an instance is the ``handler`` given to :class:`HttpServer`."""
+    """Route table; an instance is the ``handler`` given to :class:`HttpServer`.
+    ``on_error(name, err)`` hears every QlError a route raised before it is answered (``name``:
+    the route function's ``__name__``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_error: Callable[[str, QlError], None] | None = None) -> None:
         self._routes: list[_Route] = []
+        self._on_error = on_error
 
     def add(self, method: str, template: str, fn: RouteFn, bad_param: BadParamFn = bad_parameter) -> None:
         """Register ``fn`` for ``method`` on ``template``; ``bad_param`` builds the route's
@@ -144,6 +147,8 @@ class Router:
             try:
                 return fn(request, _check_params(raw, request.query, bad_param))
             except QlError as err:
+                if self._on_error is not None:
+                    self._on_error(fn.__name__, err)
                 return error_response(err)
         return json_error(404, "not_found", f"no route for {request.path[:200]}")
 

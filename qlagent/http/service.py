@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from qlagent.core.errors import ValidationError
+from qlagent.core.errors import QlError, UnavailableError, ValidationError
 from qlagent.http.api import Api, build_router
 from qlagent.http.server import Deferred, HttpServer, LoopSurface
 from qlagent.http.wire import HttpError, HttpLimits, Request, Response
@@ -55,6 +55,17 @@ class AnswerTally:
             self.task_starts[code] = self.task_starts.get(code, 0) + 1
         if self._then is not None:
             self._then(req, resp)
+
+
+def store_error_hook(count: Callable[[str, str], None]) -> Callable[[str, QlError], None]:
+    """A Router ``on_error`` calling ``count(route, code)`` for an error a route answers because
+    the store failed: an UnavailableError, or an error raised from one (Task Start's 503
+    ``task_start_unavailable``); ``code`` is the UnavailableError's."""
+    def on_error(route: str, err: QlError) -> None:
+        cause = err if isinstance(err, UnavailableError) else err.__cause__
+        if isinstance(cause, UnavailableError):
+            count(route, cause.code)
+    return on_error
 
 
 class RefusalAudit:
@@ -133,20 +144,23 @@ class HttpSurface(LoopSurface):
     ``begin_drain()`` on SIGTERM and ``close()`` at exit. ``journal`` (``service.journal.
     Journal``): every 401/403 answer is audited there (:class:`RefusalAudit`). ``metrics()``
     (``[http] metrics = true``): the ``GET /metrics`` body; None answers that path 404. On a
-    replica ``tally`` (:class:`AnswerTally`) counts the Task Start answers by status. Raises ValidationError for an
-    ``[http]`` override out of bounds (see :func:`limits_for`).
+    replica ``tally`` (:class:`AnswerTally`) counts the Task Start answers by status and
+    ``store_error(route, code)`` hears each request answered 503 because the database failed
+    (an API route by its function's name, a Worker route as ``WorkerRoutes`` names it). Raises
+    ValidationError for an ``[http]`` override out of bounds (see :func:`limits_for`).
     """
 
     def __init__(self, settings: Settings, store: Store, on_change: Callable[[], None], cluster=None,
                  threads: int = 4, store_problem: Callable[[], str | None] = lambda: None,
                  journal: Callable[..., None] | None = None,
-                 metrics: Callable[[], bytes] | None = None) -> None:
+                 metrics: Callable[[], bytes] | None = None,
+                 store_error: Callable[[str, str], None] = lambda route, code: None) -> None:
         self.draining = False
         self.api = Api(store, on_change, ready=lambda: not self.draining,
                        log_chunks=cluster.log_reader if cluster is not None else None,
                        clock=cluster.clock if cluster is not None else None, store_problem=store_problem,
                        metrics=metrics)
-        self.router = build_router(self.api)
+        self.router = build_router(self.api, store_error_hook(store_error) if cluster is not None else None)
         limits = limits_for(settings)
         self.worker_routes = None
         self.tally = None
@@ -157,7 +171,7 @@ class HttpSurface(LoopSurface):
             from qlagent.core.cluster import MAX_CHUNK_BYTES
             self.tally = audit = AnswerTally(audit)
             self.worker_routes, handler, error_response = mount_worker_routes(
-                self.router, cluster, threads, limits.max_body_bytes)
+                self.router, cluster, threads, limits.max_body_bytes, store_error)
             # Every Worker route request is in flight while its database work (or long-poll)
             # runs; a Worker keeps its connection between heartbeats (≤ 60 s).
             in_flight = limits.max_in_flight + threads + cluster.config.max_long_polls
@@ -197,11 +211,12 @@ class HttpSurface(LoopSurface):
             self.worker_routes.close()
 
 
-def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int):
+def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int,
+                        store_error: Callable[[str, str], None]):
     """Add the Worker routes (docs/worker-protocol.md) over ``cluster`` (``bootstrap.
     ClusterServices``) to ``router``, with ``threads`` database threads and ``[cluster]``
-    ``max_long_polls``/``answer_timeout_s``. Returns (WorkerRoutes, the server handler, the
-    server's ``error_response``).
+    ``max_long_polls``/``answer_timeout_s``; ``store_error`` as ``WorkerRoutes``'. Returns
+    (WorkerRoutes, the server handler, the server's ``error_response``).
 
     The handler stamps ``X-Qlagent-Server-Now-Us`` (the database clock) on every answer, runs
     the API routes (all but the probes) on the same database threads, and keeps their body
@@ -213,7 +228,7 @@ def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int):
     routes = WorkerRoutes(WorkerServices(registry=cluster.registry, pull=cluster.pull, acks=cluster.acks,
                                          logs=cluster.logs, clock=cluster.clock, joins=cluster.joins),
                           WorkerRouteLimits(threads=threads, max_long_polls=c.max_long_polls,
-                                            answer_timeout_s=c.answer_timeout_s))
+                                            answer_timeout_s=c.answer_timeout_s), store_error)
     routes.register(router)
     inner = routes.handler(router)
 

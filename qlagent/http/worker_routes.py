@@ -151,10 +151,15 @@ def _decimal_header(req: Request, name: str) -> int:
 class WorkerRoutes:
     """The six Worker routes over ``services``; :meth:`register` adds them to a Router,
     :meth:`handler` wraps a Router so that every answer (a 404 too) carries the server clock,
-    :meth:`error_response` is the HttpServer's own error shape. :meth:`close` stops the pools."""
+    :meth:`error_response` is the HttpServer's own error shape. :meth:`close` stops the pools.
+    ``store_error(route, code)`` hears each request answered 503 because the database failed
+    (route: ``describe``, ``join``, ``sessions``, ``heartbeat``, ``pull``, ``acks``,
+    ``log_chunk``; code: the UnavailableError's), from the route threads."""
 
-    def __init__(self, services: WorkerServices, limits: WorkerRouteLimits = WorkerRouteLimits()) -> None:
+    def __init__(self, services: WorkerServices, limits: WorkerRouteLimits = WorkerRouteLimits(),
+                 store_error: Callable[[str, str], None] = lambda route, code: None) -> None:
         self._s, self._limits = services, limits
+        self._store_error = store_error
         self._pool = ThreadPoolExecutor(limits.threads, thread_name_prefix="qlagent-cp")
         self._polls = ThreadPoolExecutor(limits.max_long_polls, thread_name_prefix="qlagent-cp-poll")
         self._poll_slots = threading.BoundedSemaphore(limits.max_long_polls)
@@ -204,7 +209,7 @@ class WorkerRoutes:
         if req.query:
             raise WorkerError(400, "invalid_request", "unknown query parameter", sorted(req.query)[0][:64])
         return self._submit(lambda: Response.json(200, self._s.registry.describe(worker_id, credential)),
-                            worker_id, credential)
+                            worker_id, credential, "describe")
 
     def _join(self, req: Request, params: dict[str, str]) -> Deferred:
         """``POST …/workers/{workerId}/join`` ``{"tokenId"}`` (issue 26, ``qlagent worker join``):
@@ -217,20 +222,20 @@ class WorkerRoutes:
             self._s.joins.redeem(worker_id, credential, body.tokenId)
             info = self._s.registry.describe(worker_id, credential)
             return Response.json(200, {"workerId": info.worker_id, "name": info.name})
-        return self._submit(work, worker_id, credential)
+        return self._submit(work, worker_id, credential, "join")
 
     def _sessions(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)
         hello = self._json(req, Hello, MAX_HELLO_BYTES)
         return self._submit(lambda: Response.json(201, self._s.registry.open_session(worker_id, credential, hello)),
-                            worker_id, credential)
+                            worker_id, credential, "sessions")
 
     def _heartbeat(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)
         hb = self._json(req, HeartbeatRequest)
         return self._submit(lambda: Response.json(200, self._s.registry.heartbeat(
             worker_id, credential, hb.session_id, hb.generation, hb.leases, hb.renew_until_us)),
-            worker_id, credential)
+            worker_id, credential, "heartbeat")
 
     def _pull(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)
@@ -244,10 +249,11 @@ class WorkerRoutes:
         body = self._json(req, PullRequest)
         work = lambda: Response.json(200, self._s.pull.pull(worker_id, credential, body, wait_s))  # noqa: E731
         if not wait_s:
-            return self._submit(work, worker_id, credential)
+            return self._submit(work, worker_id, credential, "pull")
         release = self._take_poll_slot(worker_id)
         try:
-            return self._submit(work, worker_id, credential, pool=self._polls, wait_s=wait_s, release=release)
+            return self._submit(work, worker_id, credential, "pull", pool=self._polls, wait_s=wait_s,
+                                release=release)
         except BaseException:
             release()
             raise
@@ -283,7 +289,7 @@ class WorkerRoutes:
         worker_id, credential = self._who(req, params)
         ack = self._json(req, Ack)
         return self._submit(lambda: Response.json(200, self._s.acks.ack(worker_id, credential, ack)),
-                            worker_id, credential)
+                            worker_id, credential, "acks")
 
     def _log(self, req: Request, params: dict[str, str]) -> Deferred:
         worker_id, credential = self._who(req, params)
@@ -304,7 +310,7 @@ class WorkerRoutes:
         offset, data = int(raw), req.body
         return self._submit(lambda: Response.json(200, self._s.logs.append(
             worker_id, credential, attempt_id=attempt_id, offset=offset, data=data, **fence)),
-            worker_id, credential)
+            worker_id, credential, "log_chunk")
 
     # -- checks -----------------------------------------------------------------------------
     @staticmethod
@@ -345,7 +351,7 @@ class WorkerRoutes:
             raise WorkerError(400, "invalid_request", "body is not a JSON document", "body") from None
 
     # -- pool side --------------------------------------------------------------------------
-    def _submit(self, work: Callable[[], Response], worker_id: str, credential: str, *,
+    def _submit(self, work: Callable[[], Response], worker_id: str, credential: str, route: str, *,
                 pool: ThreadPoolExecutor | None = None, wait_s: int = 0,
                 release: Callable[[], None] | None = None) -> Deferred:
         d = Deferred(self._limits.answer_timeout_s + wait_s)
@@ -356,7 +362,7 @@ class WorkerRoutes:
                 resp.headers.append((SERVER_NOW, str(self._s.clock.now_us())))
                 d.resolve(resp)
             except BaseException as e:  # noqa: BLE001 - every outcome must reach the client
-                d.resolve(self._refusal(e, worker_id, credential))
+                d.resolve(self._refusal(e, worker_id, credential, route))
             finally:
                 if release is not None:
                     release()
@@ -383,18 +389,19 @@ class WorkerRoutes:
             raise HttpError(503, "unavailable", "the control plane is stopping", [("Retry-After", "1")]) from None
         return d
 
-    def _refusal(self, err: BaseException, worker_id: str, credential: str) -> HttpError:
-        e = self._map(err, worker_id, credential)
+    def _refusal(self, err: BaseException, worker_id: str, credential: str, route: str) -> HttpError:
+        e = self._map(err, worker_id, credential, route)
         e.now_us = self._s.clock.now_us
         return e
 
-    def _map(self, err: BaseException, worker_id: str, credential: str) -> WorkerError:
+    def _map(self, err: BaseException, worker_id: str, credential: str, route: str) -> WorkerError:
         if isinstance(err, WorkerError):
             return err
         if isinstance(err, WorkerAuthError):
             try:
                 owner = self._s.registry.credential_owner(credential)
-            except QlError:
+            except QlError as e:
+                self._store_error(route, e.code)
                 return _unavailable("cluster database unavailable; retry later")
             if owner is not None and owner != worker_id:
                 return WorkerError(403, "worker_mismatch", "this credential belongs to another Worker")
@@ -409,6 +416,7 @@ class WorkerRoutes:
         if isinstance(err, ConflictError):
             return WorkerError(409, _CONFLICT_CODES.get(err.code, err.code), err.message)
         if isinstance(err, UnavailableError):
+            self._store_error(route, err.code)
             return _unavailable(err.message)
         log.error("worker route failed: %s", err.__class__.__name__, exc_info=err)
         return WorkerError(500, "internal_error", "internal error")

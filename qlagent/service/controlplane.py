@@ -34,6 +34,7 @@ import os
 import selectors
 import signal
 import socket
+import threading
 import time
 
 from .. import bootstrap
@@ -79,9 +80,11 @@ class ControlPlane:
         self._now = now_us                 # the loop's clock: the database's once measured (_check_clock)
         self._skew_logged_at = None        # monotonic s of the last clock.skewed line, None: clock agrees
         self._name = f"{socket.gethostname()}/{os.getpid()}"
-        # Since start, for GET /metrics: sweeper passes, what they expired, failed duties by code.
+        # Since start, for GET /metrics: sweeper passes, what they expired, database failures
+        # by (loop duty or route, code) — counted by the loop and the route threads.
         self._sweeps = self._leases_expired = self._sessions_expired = 0
-        self._store_errors: dict[str, int] = {}
+        self._store_errors: dict[tuple[str, str], int] = {}
+        self._store_errors_lock = threading.Lock()
 
     def run(self) -> int:
         try:
@@ -121,14 +124,14 @@ class ControlPlane:
             if self._hup:                  # SIGHUP: re-read the Task heads now
                 self._hup, next_reload = False, now
             if now >= next_reload and not self._backing_off():
-                if self._guarded(self._reload) is not None:
+                if self._guarded("task_reload", self._reload) is not None:
                     due = now              # a Task may have been added: plan from the new heads
                 next_reload = now + RELOAD_INTERVAL_US
             if due is not None and now >= due and not self._backing_off():
-                self._guarded(self.scheduler.fire_due)
+                self._guarded("scheduler", self.scheduler.fire_due)
             if now >= next_sweep and not self._backing_off():
                 for _ in range(MAX_SWEEPS_PER_WAKE):
-                    result = self._guarded(self.services.sweeper.sweep_once)
+                    result = self._guarded("sweeper", self.services.sweeper.sweep_once)
                     if result is not None:
                         self._sweeps += 1
                         self._leases_expired += result.leases_expired
@@ -138,7 +141,8 @@ class ControlPlane:
                     if result is None or not result.truncated:
                         break
                 for _ in range(MAX_SWEEPS_PER_WAKE if not self._backing_off() else 0):
-                    checked = self._guarded(lambda: self.services.placement_report.report(self.cluster.sweep_batch))
+                    checked = self._guarded("placement_report",
+                                            lambda: self.services.placement_report.report(self.cluster.sweep_batch))
                     if checked is None or checked[0] < self.cluster.sweep_batch:
                         break
                 next_sweep = now + int(self.cluster.sweep_interval_s * 1e6)
@@ -190,18 +194,24 @@ class ControlPlane:
         """True while the loop's database duties pause after a failure (only HTTP and signals)."""
         return self._now() < self._resume_at
 
-    def _guarded(self, fn):
-        """One pass of a loop duty, waiting at most ``DUTY_WAIT_S`` for a connection; None when
-        the authority is busy or unreachable (no pass is half-done: each write is one
-        transaction). A failure pauses every duty for the back-off (doubling 0.5 s → 8 s) and
-        logs ``store.unavailable`` once per outage; the first success after it logs
+    def _store_error(self, source: str, code: str) -> None:
+        """Count one database failure of a loop duty or a request (``source``) by error code."""
+        with self._store_errors_lock:
+            self._store_errors[source, code] = self._store_errors.get((source, code), 0) + 1
+
+    def _guarded(self, duty: str, fn):
+        """One pass of the loop duty ``duty`` (its name in ``qlagent_store_errors_total``),
+        waiting at most ``DUTY_WAIT_S`` for a connection; None when the authority is busy or
+        unreachable (no pass is half-done: each write is one transaction). A failure pauses
+        every duty for the back-off (doubling 0.5 s → 8 s) and logs ``store.unavailable`` once
+        per outage; the first success after it logs
         ``store.available`` with the outage's length."""
         try:
             with self.store.waiting_at_most(DUTY_WAIT_S):
                 result = fn()
         except UnavailableError as e:
             now = self._now()
-            self._store_errors[e.code] = self._store_errors.get(e.code, 0) + 1
+            self._store_error(duty, e.code)
             if self._outage_since is None:
                 self._outage_since = now
                 self.log("warning", "store.unavailable", code=e.code, error=str(e))
@@ -219,8 +229,12 @@ class ControlPlane:
         and the queue (every Project, from the database), the oldest queued Run's age (s, by
         the database's clock), Task Start answers by HTTP status, Pulls answered with an offer,
         Pulls long-polling, sweeper passes and the Run Leases and Sessions they expired, the
-        pool, failed loop duties by error code — the counters since this replica started."""
+        pool (as the scrape arrives, before it takes a connection), database failures by loop
+        duty or route and error code — the counters since this replica started."""
         from ..core.metrics import COUNTER, GAUGE, Family, render
+        # The pool as the scrape finds it: read after the scrape's own queries, it would show
+        # only what outlived the wait of a scrape that came while requests were queueing.
+        size, in_use, waiting = self.store.pool_use()
         counts = self.store.run_state_counts()
         oldest = self.store.oldest_queued_us()
         runs = Family("qlagent_runs", GAUGE, "Runs by state, every Project")
@@ -229,10 +243,12 @@ class ControlPlane:
         starts = Family("qlagent_task_starts_total", COUNTER, "Task Start answers of this replica by HTTP status")
         for code, n in sorted(self.http.tally.task_starts.items()):
             starts.add(n, code=code)
-        errors = Family("qlagent_store_errors_total", COUNTER, "Loop duties failed on the database by error code")
-        for code, n in sorted(self._store_errors.items()):
-            errors.add(n, code=code)
-        size, in_use, waiting = self.store.pool_use()
+        errors = Family("qlagent_store_errors_total", COUNTER,
+                        "Database failures of a loop duty or a request answered 503, by source and error code")
+        with self._store_errors_lock:
+            failed = sorted(self._store_errors.items())
+        for (source, code), n in failed:
+            errors.add(n, source=source, code=code)
         age = 0.0 if oldest is None else max(0, self.services.now_us() - oldest) / 1e6
         return render([
             runs, starts,
@@ -265,7 +281,8 @@ class ControlPlane:
         from ..http.service import HttpSurface
         self.http = HttpSurface(self.settings, self.store, on_change=lambda: None, cluster=self.services,
                                 threads=threads, journal=self.log,
-                                metrics=self._metrics if cfg is not None and cfg.metrics else None)
+                                metrics=self._metrics if cfg is not None and cfg.metrics else None,
+                                store_error=self._store_error)
         host, port = parse_listen(listen, "--listen" if self._listen else "http.listen")
         try:
             bound = self.http.listen_tcp(host, port, tls=tls)

@@ -41,14 +41,18 @@ class Owed:
 class Job:
     """The loop's view of one open inbox row (the inbox stays the authority)."""
 
-    __slots__ = ("entry", "spec", "secrets", "session", "handle", "renewal", "ttl_us", "deadline_us", "kill_reason",
-                 "kill_at_us", "lease", "owed", "cancel", "uploaded", "refetched", "stop_at_us")
+    __slots__ = ("entry", "spec", "secrets", "session", "handle", "shim_start", "start_fd", "start_deadline_us",
+                 "renewal", "ttl_us", "deadline_us", "kill_reason", "kill_at_us", "lease", "owed", "cancel", "uploaded",
+                 "refetched", "stop_at_us")
 
     def __init__(self, entry: InboxEntry, spec: ExecutionSpec, secrets: dict[str, bytes] | None = None) -> None:
         self.entry, self.spec, self.secrets = entry, spec, secrets
         # (Session ID, generation) the Lease is fenced by: the offer's, or the Session that adopted it.
         self.session = (entry.offer.session_id, entry.offer.generation)
         self.handle = None                        # WorkerRunsPort handle of the live shim
+        self.shim_start = None                    # its start in flight (WorkerRunsPort.begin), until exec'd
+        self.start_fd: int | None = None          # the start's fd registered with the loop's selector
+        self.start_deadline_us = 0                # the start's bound (core.limits.SHIM_START_BOUND_US)
         self.renewal: fencing.Renewal | None = None
         # A re-attached run's stop instant read back from its shim's lease file (the Worker's
         # monotonic µs, kept across a restart), until a renewal of this process replaces it.
@@ -80,6 +84,11 @@ class Job:
     def gone(self) -> bool:
         """The control plane no longer knows the Lease: nothing more is sent."""
         return self.lease in LeaseHold.DROPPED
+
+    @property
+    def live(self) -> bool:
+        """Its shim is starting or running."""
+        return self.handle is not None or self.shim_start is not None
 
     @property
     def log_done(self) -> bool:

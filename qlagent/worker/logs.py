@@ -15,7 +15,7 @@ class LogDuty:
 
     def log_store_used(self) -> int:
         """Bytes of the logs not yet uploaded, a live run counted at its quota."""
-        return sum(j.spec.log_quota_bytes if j.handle is not None else self.runs.log_size(j.attempt_id)
+        return sum(j.spec.log_quota_bytes if j.live else self.runs.log_size(j.attempt_id)
                    for j in self.jobs.values() if not j.log_done)
 
     def _bound_log_store(self, need: int) -> None:

@@ -1,8 +1,8 @@
 """The fleet Worker's loop (issue 11 §1–6; docs/worker-protocol.md "Ordering on the Worker").
 
 One selectors loop, no thread and no busy polling: it sleeps until the next duty (heartbeat,
-reconnect, a fencing instant, a timeout, a kill grace) or an event (a shim's pidfd, the Pull's
-socket, a signal). Duties, in order, on every pass:
+reconnect, a fencing instant, a timeout, a kill grace) or an event (a shim's start or pidfd, the
+Pull's socket, a signal). Duties, in order, on every pass:
 
 1. **Session**: with none (every process start, or the Session was lost), open a new one when
    the backoff (``worker.backoff``, full jitter, capped) allows: ``Hello`` → ``SessionGrant``.
@@ -20,8 +20,9 @@ socket, a signal). Duties, in order, on every pass:
    each renewed Lease its expiry (``worker.fencing.Renewal`` anchored at the send time) and names
    the Attempts whose cancel was requested: their whole process tree is stopped.
 3. **Offers** (inbox rows in receipt order): ACK ``starting`` → crash barrier (inbox, fsync'd) →
-   run directory (fsync'd) → spawn the shim → ACK ``running`` (``start_failure`` with the reason
-   code when it could not start). Secret values live only in memory from the Pull answer to the
+   run directory (fsync'd) → the shim asked for, its start followed from the selector (no wait
+   on a child) → ACK ``running`` once its task was exec'd (``start_failure`` with the reason code
+   when it could not start). Secret values live only in memory from the Pull answer to the
    spawn. A restart loses them: before spawning a row it holds under an adopted Lease, the
    Worker sends the Pull that brought it again (pullId and lease token from the row, the
    adopting Session's fence) and the control plane rebuilds the same offer, secret values
@@ -207,6 +208,10 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
                 job = self.jobs.get(ref)
                 if job is not None and job.handle is not None:
                     self._on_exit(job)
+            elif kind == "start":
+                job = self.jobs.get(ref)
+                if job is not None and job.shim_start is not None:
+                    self._on_start(job)
             elif kind == "pull":
                 self._finish_pull()
         self._handle_signals()
@@ -233,7 +238,9 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
             self._handle_signals()
         self._fence_and_time(self.now())
         for job in list(self.jobs.values()):
-            if job.handle is not None and job.handle.pidfd is None and not self.runs.alive(job.handle):
+            if job.shim_start is not None and (job.start_fd is None or self.now() >= job.start_deadline_us):
+                self._on_start(job, expired=self.now() >= job.start_deadline_us)
+            elif job.handle is not None and job.handle.pidfd is None and not self.runs.alive(job.handle):
                 self._on_exit(job)
         if self.session is not None and self.now() >= self.next_send_us:
             self._send_owed()
@@ -245,7 +252,7 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
     def _finished(self) -> bool:
         if not self.stopping:
             return False
-        live = any(j.handle is not None for j in self.jobs.values())
+        live = any(j.live for j in self.jobs.values())
         owed = self.session is not None and any(self._owes(j) for j in self.jobs.values())
         return (not live and not owed) or (self.stop_deadline_us is not None and self.now() >= self.stop_deadline_us
                                           and not live)
@@ -262,6 +269,8 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
         if self.pull is None and self._can_pull():
             times.append(self.next_pull_us)
         for j in self.jobs.values():
+            if j.shim_start is not None:
+                times.append(j.start_deadline_us if j.start_fd is not None else now + NO_PIDFD_LOOK_US)
             if j.handle is None:
                 continue
             times += [j.deadline_us if j.kill_reason is None else None, j.kill_at_us]

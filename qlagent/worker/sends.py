@@ -72,10 +72,11 @@ class SendDuty:
         self.log("warning", "worker.lease_gone", attempt=j.attempt_id, code=code)
         j.drop()
         j.owed -= {Owed.RUNNING_ACK, Owed.COMPLETION_ACK}
-        if j.handle is not None:
+        if j.live:
             if j.spec.on_lease_loss == "kill" and j.kill_reason is None and not j.fenced:
                 j.fence()
-                self._stop(j, None)
+                if j.handle is not None:
+                    self._stop(j, None)     # else once its task runs (``_on_start``)
             return                      # its exit closes the row
         if j.entry.state in (InboxState.RECEIVED, InboxState.BARRIER):
             self._close_row(j, {"kind": OutcomeKind.FENCED})

@@ -8,16 +8,22 @@ import msgspec
 
 from ..core.cluster import ExecutionSpec
 from ..core.errors import StartError
+from ..core.limits import SHIM_START_BOUND_US
 from ..core.receipt import start_code
 from ..core.inbox_states import InboxState, OutcomeKind
 from .job import Job, Owed
+from .stops import STOP_TAIL_US
 
 
 class SpawnDuty:
     """One duty of ``worker.runtime.WorkerRuntime`` (a mixin over the runtime's state: ``jobs``,
-    ``inbox``, ``runs``, ``client``, ``session``): the shims."""
+    ``inbox``, ``runs``, ``client``, ``session``): the shims, started from the loop's selector
+    like the local agent's (``j.shim_start`` until the task was exec'd, then ``j.handle``)."""
 
     def _spawn(self, j: Job) -> None:
+        """Ask for the run's shim; the start goes on from the loop (``_on_start``), which never
+        waits for it: the shim's PID, its exec and the ``running`` ACK come as their fds become
+        readable."""
         if self.stopping or j.cancel:
             self._start_failed(j, "cancelled" if j.cancel else "worker_stopping")
             return
@@ -28,21 +34,59 @@ class SpawnDuty:
         self._bound_log_store(j.spec.log_quota_bytes)
         try:
             self.runs.make_run_dir(j.attempt_id)
-            h = self.runs.spawn(j.spec, j.secrets or {}, self._lease_stop_at(j))
+            j.shim_start = self.runs.begin(j.spec, j.secrets or {}, self._lease_stop_at(j))
         except StartError as e:
-            j.secrets = None
-            code = start_code(e.message) if e.code == "start" else e.code
-            self.log("warning", "worker.start_failed", attempt=j.attempt_id, reason=code, error=e.message)
-            self._start_failed(j, code)
+            self._start_error(j, e)
             return
-        j.secrets = None
+        finally:
+            j.secrets = None
+        j.start_deadline_us = self.now() + SHIM_START_BOUND_US
+        self._watch_start(j)
+
+    def _watch_start(self, j: Job) -> None:
+        j.start_fd = j.shim_start.fd
+        if j.start_fd is not None:
+            self.sel.register(j.start_fd, selectors.EVENT_READ, ("start", j.offer_id))
+
+    def _on_start(self, j: Job, expired: bool = False) -> None:
+        """The start's fd is readable, it has none (looked at once a second) or its bound passed
+        (``expired``): take in what the shim reported."""
+        if j.start_fd is not None:
+            self.sel.unregister(j.start_fd)       # before advance, which may close it
+            j.start_fd = None
+        try:
+            h = self.runs.advance(j.attempt_id, j.shim_start, expired)
+        except StartError as e:
+            j.shim_start = None
+            self._start_error(j, e)
+            self._send_owed()
+            return
+        if h is None:
+            self._watch_start(j)
+            return
+        j.shim_start = None
         j.handle = h
         j.deadline_us = self.now() + j.spec.timeout_ms * 1000
+        if self.stop_deadline_us is not None:     # the drain began while it started
+            j.deadline_us = min(j.deadline_us, self.stop_deadline_us - STOP_TAIL_US)
         j.entry = self.inbox.advance(j.offer_id, InboxState.STARTED)
-        j.owed.add(Owed.RUNNING_ACK)
+        if not j.gone:
+            j.owed.add(Owed.RUNNING_ACK)
         self.counts["spawned"] += 1
         self._watch(j)
         self.log("info", "worker.run_started", attempt=j.attempt_id, pid=h.pid)
+        # What came while it started: a renewal (the shim's lease file), a lost Lease, a cancel.
+        self._tell_shim(j)
+        if j.fenced and j.kill_reason is None:
+            self._stop(j, None)
+        elif j.cancel:
+            self._stop(j, "cancel")
+        self._send_owed()
+
+    def _start_error(self, j: Job, e: StartError) -> None:
+        code = start_code(e.message) if e.code == "start" else e.code
+        self.log("warning", "worker.start_failed", attempt=j.attempt_id, reason=code, error=e.message)
+        self._start_failed(j, code)
 
     def _within_profile(self, spec: ExecutionSpec) -> ExecutionSpec:
         """The spec as this Worker runs it: a log quota above its Profile's ``log_max_bytes`` is

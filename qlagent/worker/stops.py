@@ -24,6 +24,8 @@ class StopDuty:
 
     def _fence_and_time(self, now: int) -> None:
         for j in list(self.jobs.values()):
+            if j.shim_start is not None:
+                continue                 # decided once it runs (milliseconds; SHIM_START_BOUND_US at most)
             if j.handle is not None:
                 if j.kill_at_us is not None and now >= j.kill_at_us:
                     self.runs.signal(j.handle, signal.SIGKILL)

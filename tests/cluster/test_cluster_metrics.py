@@ -87,12 +87,16 @@ def test_replica_metrics_are_present_and_move_with_a_task_start(replica):
 class HandWorker:
     """A Worker driven by hand over HTTP: enrolled by the CLI as ``name`` with 8 slots (a Worker
     without a free slot is answered at once), its Session open. ``beat()`` heartbeats naming no
-    Lease; ``pull(wait_s)`` beats, then Pulls (the Session, 10 s, lives while a test drives it)."""
+    Lease; ``pull(wait_s)`` beats, then Pulls (the Session, 10 s, lives while a test drives it);
+    ``pull_on(link, wait_s)`` Pulls on another connection (``link()``) without the beat;
+    ``remove()`` closes the Session at once (``workers rm``) rather than leaving it to expire
+    during a later test."""
 
     def __init__(self, r, env, name: str) -> None:
         enrolled = json.loads(env.ok("workers", "enroll", name, "--slots", "8", "--json"))
-        self.worker_id = enrolled["workerId"]
-        self.c = Client(r.port, {"worker_id": self.worker_id, "credential": enrolled["credential"]})
+        self.worker_id, self.name, self.env, self.port = enrolled["workerId"], name, env, r.port
+        self.creds = {"worker_id": self.worker_id, "credential": enrolled["credential"]}
+        self.c = self.link()
         status, _, grant, _ = self.c.post("sessions", {})
         assert status == 201, grant
         self.fence = {"sessionId": grant["sessionId"], "generation": grant["generation"]}
@@ -101,12 +105,21 @@ class HandWorker:
         st, _, answer, _ = self.c.post("heartbeat", {**self.fence, "leases": []})
         assert st == 200, answer
 
+    def link(self) -> Client:
+        return Client(self.port, self.creds)
+
     def pull(self, wait_s: int) -> dict:
         self.beat()
-        st, _, raw = self.c.call("POST", f"/api/v3/cluster/workers/{self.worker_id}/pull?waitS={wait_s}",
-                                 {**self.fence, "pullId": str(uuid.uuid4()), "leaseToken": secrets.token_urlsafe(32)})
+        return self.pull_on(self.c, wait_s)
+
+    def pull_on(self, link: Client, wait_s: int) -> dict:
+        st, _, raw = link.call("POST", f"/api/v3/cluster/workers/{self.worker_id}/pull?waitS={wait_s}",
+                               {**self.fence, "pullId": str(uuid.uuid4()), "leaseToken": secrets.token_urlsafe(32)})
         assert st == 200, raw
         return json.loads(raw)
+
+    def remove(self) -> None:
+        self.env.ok("workers", "rm", self.name)
 
     def close(self) -> None:
         self.c.close()
@@ -150,41 +163,63 @@ def test_replica_metrics_move_with_a_worker_pulling_then_going_silent(replica):
         w.close()
 
 
-def test_store_errors_count_the_duties_failed_while_the_database_was_gone(replica):
+LOOP_DUTIES = ("scheduler", "sweeper", "placement_report", "task_reload")
+
+
+def test_store_errors_count_the_duties_and_requests_failed_while_the_database_was_gone(replica):
     """PostgreSQL ends every backend of the replica and takes no new one for a while (as a
-    restart does): the loop duties failing meanwhile are counted by error code, seen at the
-    first scrape once the database is back (a scrape needs it: 503 ``store_unavailable`` while
-    it is gone, which Prometheus records as the target down), and the sweeper goes on."""
-    r, _, env = replica
+    restart does): the loop duties failing meanwhile, and a Worker's heartbeat, a Task Start
+    and a scrape answered 503 for want of the database, are counted by source and error code,
+    seen at the first scrape once the database is back (a scrape needs it: 503
+    ``store_unavailable`` while it is gone, which Prometheus records as the target down), and
+    the sweeper goes on."""
+    r, tok, env = replica
+    w = HandWorker(r, env, "outage-w")
+    start = body(_head(r, tok, "hello"))
     before = scrape(r)
     name = urllib.parse.urlsplit(env.url).path.lstrip("/")
     seen = len(r.lines)
-    with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
-        # Refused to every role, superusers too, until allowed again: the pool cannot reconnect.
-        admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
-        try:
-            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
-            wait_until(lambda: any("store.unavailable" in ln for ln in r.lines[seen:]), 20,
-                       "a loop duty failing while the database is gone", detail=lambda: "".join(r.lines[seen:]))
-            conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+    try:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            # Refused to every role, superusers too, until allowed again: the pool cannot reconnect.
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
             try:
-                conn.request("GET", "/metrics")
-                resp = conn.getresponse()
-                assert (resp.status, json.loads(resp.read())["code"]) == (503, "store_unavailable")
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+                wait_until(lambda: any("store.unavailable" in ln for ln in r.lines[seen:]), 20,
+                           "a loop duty failing while the database is gone", detail=lambda: "".join(r.lines[seen:]))
+                conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+                try:
+                    conn.request("GET", "/metrics")
+                    resp = conn.getresponse()
+                    assert (resp.status, json.loads(resp.read())["code"]) == (503, "store_unavailable")
+                finally:
+                    conn.close()
+                st, _, answer, _ = w.c.post("heartbeat", {**w.fence, "leases": []})
+                assert (st, answer["error"]) == (503, "cluster_unavailable"), answer
+                st, answer = r.request("POST", f"{BASE}/tasks/hello/runs", start, tok)
+                assert (st, answer["code"]) == (503, "task_start_unavailable"), answer
             finally:
-                conn.close()
-        finally:
-            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
 
-    def back() -> dict | None:
-        try:
-            fams = scrape(r)
-        except AssertionError:          # a pooled connection from the outage, not yet replaced
-            return None
-        return fams if value(fams, "qlagent_sweeper_passes") > value(before, "qlagent_sweeper_passes") + 1 else None
-    after = wait_until(back, 30, "the sweeper passing again", detail=lambda: "".join(r.lines[seen:]))
-    assert value(after, "qlagent_store_errors", code="unavailable") > value(before, "qlagent_store_errors",
-                                                                              code="unavailable")
+        def back() -> dict | None:
+            try:
+                fams = scrape(r)
+            except AssertionError:          # a pooled connection from the outage, not yet replaced
+                return None
+            return fams if value(fams, "qlagent_sweeper_passes") > value(before, "qlagent_sweeper_passes") + 1 \
+                else None
+        after = wait_until(back, 30, "the sweeper passing again", detail=lambda: "".join(r.lines[seen:]))
+    finally:
+        w.close()
+        w.remove()
+
+    def failed(fams, *sources: str) -> float:
+        return sum(value(fams, "qlagent_store_errors", source=s) for s in sources)
+    assert failed(after, *LOOP_DUTIES) > failed(before, *LOOP_DUTIES)
+    for source in ("heartbeat", "task_start", "metrics"):
+        assert failed(after, source) == failed(before, source) + 1, source
+    codes = {s.labels["code"] for s in after["qlagent_store_errors"].samples if s.labels["source"] == "heartbeat"}
+    assert codes <= {"unavailable", "store_unavailable"}, codes
 
 
 def test_pool_in_use_counts_a_task_start_parked_on_its_tasks_row(replica):
@@ -208,6 +243,57 @@ def test_pool_in_use_counts_a_task_start_parked_on_its_tasks_row(replica):
     t.join(30)
     assert answer["start"][0] == 202, answer
     wait_until(lambda: value(scrape(r), "qlagent_pool_in_use") <= idle, 10, "the parked connection back in the pool")
+
+
+def test_pool_waiting_counts_requests_queued_for_a_connection_while_long_polls_hold_the_pool(replica):
+    """Four long-polling Pulls (two Workers, two each) parked on their Sessions' rows, which this
+    test holds, take the whole pool (pool_size = 4); a fifth Pull, of a third Worker, then waits
+    for a connection. Two scrapes meanwhile (the route threads' other two) report it waiting:
+    the pool figures are read as a scrape arrives, before it waits for a connection itself (and
+    whichever scrape re-reads the database clock first waits there, the other reads on). Once
+    the rows are let go every request is answered and nothing waits."""
+    r, _, env = replica
+    workers = [HandWorker(r, env, f"pool-w{i}") for i in range(3)]
+    parked_links = [(w, w.link()) for w in workers[:2] for _ in range(2)]
+    waiter_link = workers[2].link()
+    answers: dict = {}
+    seen: list[dict] = []
+    threads = [threading.Thread(target=lambda i=i, w=w, link=link: answers.update({i: w.pull_on(link, 1)}))
+               for i, (w, link) in enumerate(parked_links)]
+    threads.append(threading.Thread(target=lambda: answers.update(waiter=workers[2].pull_on(waiter_link, 1))))
+    scrapes = [threading.Thread(target=lambda: seen.append(scrape(r))) for _ in range(2)]
+    try:
+        wait_until(lambda: value(scrape(r), "qlagent_pool_waiting") == 0, 10, "no request waiting for a connection")
+        parked = ("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                  " AND pid <> pg_backend_pid()")
+        with psycopg.connect(env.url) as holder:
+            holder.execute("SELECT 1 FROM worker_sessions WHERE session_id = ANY(%s) FOR UPDATE",
+                           ([w.fence["sessionId"] for w in workers[:2]],))
+            for t in threads[:4]:
+                t.start()
+            wait_until(lambda: env.sql(parked)[0][0] == 4, 20, "the pool's four connections parked on the Sessions")
+            threads[4].start()
+            # The loop hands each request to a thread; a sweeper pass may hold the loop meanwhile
+            # for DUTY_WAIT_S (1 s) waiting for a connection too. Every wait ends at 5 s: the rows
+            # are let go well before.
+            time.sleep(1.5)
+            for t in scrapes:
+                t.start()
+            time.sleep(1.5)
+        for t in threads + scrapes:
+            t.join(30)
+        assert sorted(answers, key=str) == [0, 1, 2, 3, "waiter"], answers
+        assert len(seen) == 2, "a scrape failed (its warning)"
+        assert max(value(fams, "qlagent_pool_waiting") for fams in seen) >= 1
+        assert max(value(fams, "qlagent_pool_in_use") for fams in seen) == 4
+        wait_until(lambda: value(scrape(r), "qlagent_pool_waiting") == 0, 10, "nothing waiting once the rows are free")
+    finally:
+        for w in workers:
+            w.close()
+            w.remove()
+        for _, link in parked_links:
+            link.close()
+        waiter_link.close()
 
 
 def test_a_lease_its_worker_stops_naming_expires_and_is_counted_while_the_session_lives(replica):

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from test_cluster_e2e import Node, Proc, enroll, sql, start_replica
-from kit import free_port, scratch_dir, wait_until
+from kit import TcpProxy, free_port, scratch_dir, wait_until
 
 TTL_S = 10
 LOOP = "i=0; while [ $i -lt {n} ]; do echo tick $i; i=$((i+1)); sleep 1; done"
@@ -220,45 +220,6 @@ def test_a_worker_down_past_the_lease_with_one_run_fenced_and_one_finished_resta
     assert again.proc.poll() is None and "internal error" not in journal and "Traceback" not in journal, journal
     assert again.stop() == 0, "".join(again.lines)
     assert [inbox_state(node, a) for a in aids.values()] == [["acked"], ["acked"]], "".join(again.lines)
-
-
-
-class TcpProxy:
-    """A TCP proxy on 127.0.0.1 (``port``) to the replica at ``upstream_port``: every connection
-    it admits (``_admit``) is piped both ways by two threads running the subclass's
-    ``_pipe(src, dst, outbound)``."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.listener.accept()
-            except OSError:
-                return
-            if not self._admit(c):
-                continue
-            u = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
-
-    def _admit(self, conn: socket.socket) -> bool:
-        return True
-
-    @staticmethod
-    def _shut(*socks: socket.socket) -> None:
-        for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 class HoldingProxy(TcpProxy):

@@ -20,6 +20,7 @@ import urllib.request
 
 import msgspec
 import pytest
+from conftest import create_database, db_url, drop_database
 from test_cluster_serve import Env, Replica
 from kit import free_port, run_cli, wait_until
 
@@ -325,6 +326,30 @@ def test_status_shows_the_database_replicas_workers_queue_and_a_credential_clash
     with open(plain, "w") as f:
         f.write('profile = "edge"\n')
     _refused(_cli("status", "--config", plain, "--state-dir", os.path.join(env.root, "plain")), 2, "cluster")
+
+
+def test_status_counts_free_slots_in_words_on_a_fleet_of_its_own(tmp_path):
+    """A database of its own (the module's has Workers of the other tests): one online Worker
+    with one slot reads "1 free slot", another with two makes it "3 free slots"."""
+    from qlagent.adapters.postgres.connection import open_pool
+    from qlagent.adapters.postgres.registry import PgWorkerRegistry
+    from qlagent.cluster.registry import WorkerRegistry
+    name = create_database("status_words")
+    try:
+        env = Env(str(tmp_path), db_url(name))
+        env.ok("init")
+        lines = []
+        for worker, slots in (("one", "1"), ("two", "2")):
+            enrolled = json.loads(env.ok("workers", "enroll", worker, "--slots", slots, "--json"))
+            pool = open_pool(env.url, 1)
+            try:
+                WorkerRegistry(PgWorkerRegistry(pool)).open_session(enrolled["workerId"], enrolled["credential"])
+            finally:
+                pool.close()
+            lines += [ln for ln in env.ok("status").splitlines() if ln.startswith("workers ")]
+        assert lines == ["workers    online 1 (1 free slot)", "workers    online 2 (3 free slots)"]
+    finally:
+        drop_database(name)
 
 
 def test_join_on_openwrt_writes_uci_options(cp):

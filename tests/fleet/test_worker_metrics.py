@@ -5,11 +5,13 @@ the Worker-protocol stub, scraped over loopback, read by prometheus_client's par
 from __future__ import annotations
 
 import http.client
+import socket
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from qlagent.core.metrics import CONTENT_TYPE
-from kit import free_port, promtool_check, wait_until
+from kit import TcpProxy, free_port, promtool_check, wait_until
 from stubcp import now_us
 from test_worker_runtime import Worker, _http, _wait_http, completion, cp  # noqa: F401 (cp: fixture)
 
@@ -92,6 +94,51 @@ def test_worker_metrics_count_a_self_fence_and_the_reconnect_after_a_link_cut(tm
     finally:
         if w.p.poll() is None:
             w.kill()
+
+
+class SlowLink(TcpProxy):
+    """A TCP proxy to the control plane holding each piece of what the Worker sends for
+    ``delay_s`` seconds before passing it on (0: at once), as a long or congested link does."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.delay_s = 0.0
+        super().__init__(upstream_port)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if outbound and self.delay_s:
+                    time.sleep(self.delay_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._shut(src, dst)
+
+
+def test_worker_heartbeat_rtt_follows_a_slow_link(tmp_path, cp):
+    """A link that holds what the Worker sends for 0.5 s: the heartbeat round trip on the
+    status surface rises to at least that; back to a plain link, it falls below it again."""
+    delay_s = 0.5
+    link = SlowLink(int(cp.url.rsplit(":", 1)[1]))
+    port = free_port()
+    w = Worker(tmp_path, cp, f"https://localhost:{link.port}",
+               extra=f'\n[http]\nlisten = "127.0.0.1:{port}"\nmetrics = true\n')
+    w.start()
+    rtt = "qlagent_worker_heartbeat_rtt_seconds"
+    try:
+        assert _wait_http(port, "/healthz")[0] == 200
+        wait_until(lambda: scrape(port).get(rtt, delay_s) < delay_s, 20, "a heartbeat answered over the plain link",
+                   detail=w.journal)
+        link.delay_s = delay_s
+        wait_until(lambda: scrape(port)[rtt] >= delay_s, 20, "the round trip of a heartbeat over the slow link",
+                   detail=w.journal)
+        link.delay_s = 0.0
+        wait_until(lambda: scrape(port)[rtt] < delay_s, 20, "the round trip back under the delay", detail=w.journal)
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+        link.close()
 
 
 def test_worker_metrics_are_off_unless_configured(tmp_path, cp):

@@ -1185,3 +1185,33 @@ def test_a_refused_certificate_says_what_is_wrong_with_it(tmp_path, sans, expire
         assert re.search(says, line) and "worker.ca_file" not in line, line
     finally:
         stub.stop()
+
+
+def test_the_worker_loop_answers_while_a_shim_start_is_held_up(tmp_path, cp):
+    """Issue 24 §2: the Worker asks its fork server for a shim and follows the start from its
+    selector. With the fork server stopped (SIGSTOP) the start cannot go on, yet the Worker
+    answers its status surface and sends no ``running`` ACK; once the fork server goes on the
+    run starts, runs and completes."""
+    port = free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"\n')
+    w.start()
+    try:
+        first = cp.add_run(argv=["/bin/true"])
+        assert cp.wait(lambda: completion(cp, first) is not None, 30), w.journal()
+        (server,) = [c for c in psutil.Process(w.p.pid).children() if c.cmdline()[1:3] == ["-I", "-S"]]
+        server.suspend()
+        try:
+            held = cp.add_run(argv=["/bin/echo", "went on"])
+            assert cp.wait(lambda: "starting" in cp.acks_of(held), 30), w.journal()
+            status, body = _http(port, "/api/v3/worker")      # the loop is not waiting on the start
+            assert status == 200 and body["liveRuns"] == 0
+            assert cp.acks_of(held) == ["starting"]
+        finally:
+            server.resume()
+        assert cp.wait(lambda: completion(cp, held) is not None, 30), w.journal()
+        assert cp.acks_of(held) == ["starting", "running", "completion"]
+        assert cp.wait(lambda: cp.log_of(held) == b"went on\n", 20)
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()

@@ -1,6 +1,7 @@
 """The fork server (ARCHITECTURE.md "Fork server", processes.ForkServer): one ``python3 -I -S``
-that loaded the shim once and forks one shim per request, which then runs exactly as a shim the
-agent starts itself (``shim/main.py``) after writing ``pid <n>`` on its stdout.
+that loaded the shim once and forks one shim per request, writing its ``pid <n>`` on the
+request's status pipe; the shim then runs exactly as a shim the agent starts itself
+(``shim/main.py``).
 
 Part of the shim: standard library only, no qlagent import, imported by its plain name by
 ``shim/main.py`` when its stdin is a Unix stream socket; it never imports main.py (which runs
@@ -8,7 +9,7 @@ as ``__main__``), so the shim's entry and errno formatting are handed in.
 """
 
 import _signal
-import os
+import posix
 import select
 import sys
 
@@ -30,25 +31,30 @@ def _fork_shim(spec_r, status_w, run_shim, errno_text):
     """In the fork server: one shim per request, in its own session like a shim the agent
     starts; no death signal ties it here, so it outlives this process (then init, or the
     nearest subreaper, is its parent). The child runs ``run_shim()`` (main.py ``main``) and
-    exits with its status. A failed fork's reason (``errno_text(errno)``) goes to status_w."""
+    exits with its status. Its ``pid <n>`` line is written here, right after the fork, so the
+    agent's round trip for the spec overlaps the child's own set-up; a failed fork's reason
+    (``errno_text(errno)``) goes there instead."""
     try:
-        pid = os.fork()
+        pid = posix.fork()
     except OSError as exc:
-        os.write(status_w, ("err fork: %s\n" % errno_text(exc.errno)).encode())
+        posix.write(status_w, ("err fork: %s\n" % errno_text(exc.errno)).encode())
         return
     if pid == 0:
         code = 1
         try:
             _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-            os.setsid()
-            os.dup2(spec_r, 0)   # replaces the fork server's socket
-            os.dup2(status_w, 1)
-            os.close(spec_r)
-            os.close(status_w)
-            os.write(1, b"pid %d\n" % os.getpid())
+            posix.setsid()
+            posix.dup2(spec_r, 0)   # replaces the fork server's socket
+            posix.dup2(status_w, 1)
+            posix.close(spec_r)
+            posix.close(status_w)
             code = run_shim()
         finally:
-            os._exit(code)
+            posix._exit(code)
+    try:
+        posix.write(status_w, b"pid %d\n" % pid)
+    except OSError:
+        pass                 # the agent is gone: the shim reads no spec and exits
 
 
 def serve_forks(run_shim, errno_text):
@@ -77,5 +83,5 @@ def serve_forks(run_shim, errno_text):
         if len(fds) == 2:
             _fork_shim(fds[0], fds[1], run_shim, errno_text)
         for fd in fds:
-            os.close(fd)
+            posix.close(fd)
     return 0

@@ -12,7 +12,7 @@ daemon is still found).
 """
 
 import _signal
-import os
+import posix
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -24,20 +24,20 @@ prctl = None   # libc prctl, set by load_prctl; None where unavailable
 def read_all(path):
     """The whole content (bytes) of the file at ``path``, or None when it cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = posix.open(path, posix.O_RDONLY)
     except OSError:
         return None
     try:
         chunks = []
         while True:
-            chunk = os.read(fd, 65536)
+            chunk = posix.read(fd, 65536)
             if not chunk:
                 return b"".join(chunks)
             chunks.append(chunk)
     except OSError:
         return None
     finally:
-        os.close(fd)
+        posix.close(fd)
 
 
 def _marker(attempt_id):
@@ -49,9 +49,9 @@ def find(pgid, marker):
     holds ``marker`` (b"\\0QL3_ATTEMPT_ID=<id>\\0"), or descending from this process; this
     process excluded; read from /proc."""
     found = set()
-    me = os.getpid()
+    me = posix.getpid()
     children = {}
-    for name in os.listdir("/proc"):
+    for name in posix.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
         st = read_all("/proc/%s/stat" % name)
@@ -80,7 +80,7 @@ def reap_orphans():
     call only once the main task has been reaped."""
     while True:
         try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+            if posix.waitpid(-1, posix.WNOHANG)[0] == 0:
                 return
         except ChildProcessError:
             return
@@ -98,7 +98,7 @@ def load_prctl():
             import _ctypes
 
             class _Self:   # what a foreign function's (name, library) reads: its dlopen handle
-                _handle = _ctypes.dlopen(None, os.RTLD_NOW)
+                _handle = _ctypes.dlopen(None, posix.RTLD_NOW)
 
             class _Function(_ctypes.CFuncPtr):
                 _flags_ = _ctypes.FUNCFLAG_CDECL    # no restype: the result is a C int
@@ -135,7 +135,7 @@ def stop(pgid, attempt_id, grace_s, drain):
             targets = left - seen if sig == _signal.SIGTERM else left
             for pid in targets:
                 try:
-                    os.kill(pid, sig)
+                    posix.kill(pid, sig)
                 except OSError:
                     pass
             seen |= left
@@ -154,6 +154,6 @@ def signal_run(pgid, attempt_id, sig):
     """``sig`` to the task's process group and to every leftover of the run (``find``)."""
     for pid in find(pgid, _marker(attempt_id)) | {pgid}:
         try:
-            os.kill(pid, sig)
+            posix.kill(pid, sig)
         except OSError:
             pass

@@ -9,7 +9,7 @@ an empty environment. Stdlib only and no qlagent import: it must start fast, sta
 
 Fork server: started with stdin a Unix stream socket, this program is the fork server instead
 (``forkserver.serve_forks``, processes.ForkServer): it forks one shim per request, which then
-runs exactly as above after writing ``pid <n>`` on its stdout; see ARCHITECTURE.md "Fork server".
+runs exactly as above (the fork server writes its ``pid <n>`` on the status pipe first); see ARCHITECTURE.md "Fork server".
 
 Siblings: ``drainer``, ``leftovers``, ``oom`` and ``forkserver`` are imported by their plain names. The agent runs one
 file, ``processes.compiled_shim`` (``--compile``, ``_compile_self``), whose code puts the
@@ -63,7 +63,7 @@ memory cgroup (v2 memory.events, v1 memory.oom_control) — ends with "oom_kille
 ``cgroup`` peak_rss_bytes is its memory.peak (the whole tree) instead of the task's max RSS.
 
 Files in run_dir:
-  output.fifo    0600 FIFO carrying the task's stdout+stderr; removed at the end.
+  output.fifo    0600 FIFO (FIFO_BYTES) carrying the task's stdout+stderr; removed at the end.
   task.pid       the task PID (= its process group ID), written right after the spawn.
   truncated.json write-once truncation fact {"quota_bytes","bytes_kept"}, created when the first
                  byte beyond the quota arrives (hard link of a fsynced temp file, so it is
@@ -80,21 +80,24 @@ Exit status: 0 once a receipt is written, 2 when the spec is unusable and no rec
 waited out: the receipt is tried again every RECEIPT_RETRY_S seconds until it fits, so the run's
 end is never lost.
 
-It imports the C modules behind json and signal (_json, _signal) directly: the pure-Python
-json and signal modules pull in re and enum, which cost +1.2 MiB private memory and +6 ms per run
-(bench/results/shim.md).
+It imports the C modules behind json, signal, os and stat (_json, _signal, posix, _stat) directly:
+the pure-Python json and signal modules pull in re and enum, which cost +1.2 MiB private memory
+and +6 ms per run (bench/results/shim.md); os pulls in posixpath and _collections_abc, 0.16 MiB
+of every fork server (bench/results/forkserver.md). The shim's own modules do the same.
 """
 
 import _json
 import _signal
+import _stat
 import errno
-import os
-import stat
+import fcntl
+import posix
 import sys
 import time
 
 if "drainer" not in sys.modules:   # run from source, not from compiled_shim's file
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import posixpath
+    sys.path.insert(0, posixpath.dirname(posixpath.abspath(__file__)))
 import leftovers  # noqa: E402  (the three need the line above when run from source)
 import oom  # noqa: E402
 from drainer import Drainer  # noqa: E402
@@ -105,7 +108,12 @@ MAX_GRACE_S = 300.0
 START_ERROR_LIMIT = 512
 _PATH_SHOWN = 200
 PR_SET_PDEATHSIG = 1
+_DEFPATH = "/bin:/usr/bin"   # posixpath.defpath: the search path of a task environment without PATH
 RECEIPT_RETRY_S = 1.0    # a full file system: try the receipt again this often until it fits
+# The FIFO's capacity (the kernel's default is 64 KiB): a task blocks less often on a full pipe
+# and each wake-up of the drainer moves more (bench/results/forkserver.md). Its pages exist only
+# while they hold output; where it is refused (pipe-max-size, the user's pipe pages) 64 KiB stays.
+FIFO_BYTES = 262144
 
 _task_pid = 0
 _term_requested = False
@@ -115,6 +123,21 @@ _status_sent = False
 
 def _now_us():
     return time.time_ns() // 1000
+
+
+def _join(directory, name):
+    """posixpath.join of two parts (os and os.path are not loaded: see the module docstring)."""
+    if name.startswith("/"):
+        return name
+    return directory + name if not directory or directory.endswith("/") else directory + "/" + name
+
+
+def _is_file(path):
+    """genericpath.isfile: a regular file there (symlinks followed)."""
+    try:
+        return _stat.S_ISREG(posix.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 class SpecError(Exception):
@@ -171,7 +194,7 @@ def _read_spec():
     chunks = []
     size = 0
     while True:
-        chunk = os.read(0, 65536)
+        chunk = posix.read(0, 65536)
         if not chunk:
             break
         size += len(chunk)
@@ -247,44 +270,44 @@ class Shim:
     def __init__(self, attempt_id, run_dir):
         self.attempt_id = attempt_id
         self.run_dir = run_dir
-        self.fifo_path = os.path.join(run_dir, "output.fifo")
+        self.fifo_path = _join(run_dir, "output.fifo")
         self.drainer = None
 
     def log_error(self, message):
         # Own errors go to a file in run_dir; if even that fails there is nowhere left to write.
         try:
-            fd = os.open(os.path.join(self.run_dir, "shim.err"),
-                         os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            fd = posix.open(_join(self.run_dir, "shim.err"),
+                         posix.O_WRONLY | posix.O_CREAT | posix.O_APPEND | posix.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, ("%d %s\n" % (_now_us(), message)).encode("utf-8", "replace"))
+                posix.write(fd, ("%d %s\n" % (_now_us(), message)).encode("utf-8", "replace"))
             finally:
-                os.close(fd)
+                posix.close(fd)
         except OSError:
             pass
 
     def write_file_atomic(self, name, doc, exclusive):
-        path = os.path.join(self.run_dir, name)
-        tmp = "%s.tmp.%d" % (path, os.getpid())
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        path = _join(self.run_dir, name)
+        tmp = "%s.tmp.%d" % (path, posix.getpid())
+        fd = posix.open(tmp, posix.O_WRONLY | posix.O_CREAT | posix.O_TRUNC | posix.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, _dumps(doc) if isinstance(doc, dict) else str(doc).encode("ascii"))
-            os.fsync(fd)
+            posix.write(fd, _dumps(doc) if isinstance(doc, dict) else str(doc).encode("ascii"))
+            posix.fsync(fd)
         finally:
-            os.close(fd)
+            posix.close(fd)
         try:
             if exclusive:
-                os.link(tmp, path)  # fails with EEXIST: write-once
-                os.unlink(tmp)
+                posix.link(tmp, path)  # fails with EEXIST: write-once
+                posix.unlink(tmp)
             else:
-                os.rename(tmp, path)
+                posix.rename(tmp, path)
         except OSError:
-            os.unlink(tmp)
+            posix.unlink(tmp)
             raise
-        dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        dfd = posix.open(self.run_dir, posix.O_RDONLY | posix.O_DIRECTORY)
         try:
-            os.fsync(dfd)
+            posix.fsync(dfd)
         finally:
-            os.close(dfd)
+            posix.close(dfd)
 
 
 def _on_term(signum, frame):
@@ -292,7 +315,7 @@ def _on_term(signum, frame):
     _term_requested = True
     if _task_pid:
         try:
-            os.killpg(_task_pid, _signal.SIGTERM)
+            posix.killpg(_task_pid, _signal.SIGTERM)
         except OSError:
             pass
 
@@ -310,7 +333,7 @@ def _shown(path):
 
 def _errno_text(number, detail=None):
     name = errno.errorcode.get(number, "errno %d" % number)
-    return "%s (%s)" % (name, detail or os.strerror(number))
+    return "%s (%s)" % (name, detail or posix.strerror(number))
 
 
 def _report(start_error):
@@ -321,10 +344,10 @@ def _report(start_error):
     _status_sent = True
     line = "ok\n" if start_error is None else "err %s\n" % start_error
     try:
-        os.write(1, line.encode("utf-8", "replace"))
-        null = os.open("/dev/null", os.O_WRONLY)
-        os.dup2(null, 1)   # closes the pipe: the agent reads EOF after the line
-        os.close(null)
+        posix.write(1, line.encode("utf-8", "replace"))
+        null = posix.open("/dev/null", posix.O_WRONLY)
+        posix.dup2(null, 1)   # closes the pipe: the agent reads EOF after the line
+        posix.close(null)
     except OSError:
         pass  # stdout already /dev/null or closed: nobody waits for the status
 
@@ -332,9 +355,9 @@ def _report(start_error):
 def _resolve(argv0, env):
     if "/" in argv0:
         return argv0
-    for d in env.get("PATH", os.defpath).split(os.pathsep):
-        candidate = os.path.join(d or ".", argv0)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+    for d in env.get("PATH", _DEFPATH).split(":"):
+        candidate = _join(d or ".", argv0)
+        if _is_file(candidate) and posix.access(candidate, posix.X_OK):
             return candidate
     raise StartFailure("exec %s: %s" % (_shown(argv0), _errno_text(
         errno.ENOENT, "not found in the task's PATH")))
@@ -347,68 +370,73 @@ def _exec_child(cfg, path, wfd, err_w, reset, shim_pid):
         for sig in reset:
             _signal.signal(sig, _signal.SIG_DFL)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
-        os.setpgid(0, 0)
+        posix.setpgid(0, 0)
         if leftovers.prctl is not None:
             # Tied to this shim: its death (SIGKILL, OOM kill) SIGKILLs the task (kept across
             # execve). The shim may have died before the prctl: then the parent is already another.
             leftovers.prctl(PR_SET_PDEATHSIG, _signal.SIGKILL, 0, 0, 0)
-            if os.getppid() != shim_pid:
-                os._exit(127)
-        os.umask(cfg["umask"])
-        null = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(wfd, 1)
-        os.dup2(wfd, 2)
+            if posix.getppid() != shim_pid:
+                posix._exit(127)
+        posix.umask(cfg["umask"])
+        null = posix.open("/dev/null", posix.O_RDONLY)
+        posix.dup2(null, 0)
+        posix.dup2(wfd, 1)
+        posix.dup2(wfd, 2)
         oom.set_score_adj(oom.TASK_OOM_SCORE_ADJ)
         if cfg["cgroup"] is not None:
             oom.join_cgroup(cfg["cgroup"])
         stage = b"cwd"
-        os.chdir(cfg["cwd"])
+        posix.chdir(cfg["cwd"])
         stage = b"exec"
-        os.execve(path, cfg["argv"], cfg["env"])
+        posix.execve(path, cfg["argv"], cfg["env"])
     except OSError as exc:
-        os.write(err_w, b"%s %d" % (stage, exc.errno or 0))
+        posix.write(err_w, b"%s %d" % (stage, exc.errno or 0))
     except BaseException:
-        os.write(err_w, b"shim 0")
-    os._exit(127)
+        posix.write(err_w, b"shim 0")
+    posix._exit(127)
 
 
 def _spawn(cfg, wfd):
     """Fork and exec the task in its own process group (see the module docstring); returns its
     PID once the exec has succeeded, raises StartFailure with the exact reason otherwise."""
     path = _resolve(cfg["argv"][0], cfg["env"])
-    reset = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)]
-    err_r, err_w = os.pipe()   # O_CLOEXEC: EOF as soon as the exec succeeds
-    shim_pid = os.getpid()
+    # What this process changed (ignored, or a handler of its own) is set back in the child; a
+    # signal at its default stays so without a call. _signal's table holds every signal's
+    # disposition since the interpreter's start (ignored ones it inherited included; None: a
+    # handler it did not install), and nothing in the shim changes one but through it.
+    reset = [s for s in _signal.valid_signals() if s not in (_signal.SIGKILL, _signal.SIGSTOP)
+             and _signal.getsignal(s) != _signal.SIG_DFL]
+    err_r, err_w = posix.pipe()   # O_CLOEXEC: EOF as soon as the exec succeeds
+    shim_pid = posix.getpid()
     try:
-        pid = os.fork()
+        pid = posix.fork()
     except OSError as exc:
-        os.close(err_r)
-        os.close(err_w)
+        posix.close(err_r)
+        posix.close(err_w)
         raise StartFailure("fork: %s" % _errno_text(exc.errno)) from None
     if pid == 0:
         _exec_child(cfg, path, wfd, err_w, reset, shim_pid)
-    os.close(err_w)
+    posix.close(err_w)
     try:
-        os.setpgid(pid, pid)   # also here: the agent may signal the group before the child runs
+        posix.setpgid(pid, pid)   # also here: the agent may signal the group before the child runs
     except OSError:
         pass                   # EACCES once the child has exec'd: it already did it itself
     data = b""
     while True:
-        chunk = os.read(err_r, 64)
+        chunk = posix.read(err_r, 64)
         if not chunk:
             break
         data += chunk
-    os.close(err_r)
+    posix.close(err_r)
     if not data:
         return pid
-    os.waitpid(pid, 0)
+    posix.waitpid(pid, 0)
     stage, _, number = data.partition(b" ")
     number = int(number or 0)
     if stage == b"cwd":
         raise StartFailure("cwd %s: %s" % (_shown(cfg["cwd"]), _errno_text(number)))
     if stage == b"exec":
-        detail = _missing_interpreter(os.path.join(cfg["cwd"], path)) if number == errno.ENOENT else None
+        detail = _missing_interpreter(_join(cfg["cwd"], path)) if number == errno.ENOENT else None
         raise StartFailure("exec %s: %s" % (_shown(cfg["argv"][0]), _errno_text(number, detail)))
     raise StartFailure("shim: the child failed before exec")
 
@@ -418,15 +446,15 @@ def _missing_interpreter(path):
     interpreter (often ``/bin/sh\\r`` of a CRLF file): the detail naming it (repr, so a \\r
     shows, bounded like a path), else None. Reads the first line only."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = posix.open(path, posix.O_RDONLY | posix.O_NONBLOCK | posix.O_CLOEXEC)
     except OSError:
         return None
     try:
-        head = os.read(fd, 256)
+        head = posix.read(fd, 256)
     except OSError:
         return None
     finally:
-        os.close(fd)
+        posix.close(fd)
     if not head.startswith(b"#!"):
         return None
     words = head[2:].split(b"\n", 1)[0].lstrip(b" \t").split(b" ", 1)[0].split(b"\t", 1)[0]
@@ -456,59 +484,73 @@ def new_receipt(attempt_id, start_error=None):
             "orphans_stopped": None, "lease_lost": False, "oom_killed": False}
 
 
-def run(w, cfg):
+def _prepare():
+    """The run's set-up that needs no spec, done before reading it (a fork-served shim gets its
+    spec only once the agent took in its PID, so this overlaps that round trip): the signal
+    wakeup pipe and SIGCHLD (only to wake the drainer's poll), this process's oom_score_adj,
+    where its own oom_kill count is read. Returns (wakeup pipe's read end, ``oom.counter()``)."""
+    wake_r, wake_w = posix.pipe()
+    posix.set_blocking(wake_r, False)
+    posix.set_blocking(wake_w, False)
+    _signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    _signal.signal(_signal.SIGCHLD, lambda s, f: None)  # only to wake poll through wakeup fd
+    oom.set_score_adj(oom.SHIM_OOM_SCORE_ADJ)
+    return wake_r, oom.counter()
+
+
+def run(w, cfg, wake_r, own_oom):
     global _task_pid
     receipt = new_receipt(w.attempt_id)
     try:
-        art_fd = os.open(cfg["artifact_path"], os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # Not O_APPEND, which splice(2) refuses: the shim is the file's only writer while it runs,
+        # and it starts at the end.
+        art_fd = posix.open(cfg["artifact_path"], posix.O_WRONLY | posix.O_NOFOLLOW | posix.O_CLOEXEC)
     except OSError as exc:
         receipt["start_error"] = "artifact_path %s: %s" % (_shown(cfg["artifact_path"]), _errno_text(exc.errno))
         receipt["ended_at_us"] = _now_us()
         return receipt
     w.drainer = d = Drainer(w, art_fd, cfg["quota_bytes"], 0)
     try:
-        st = os.fstat(art_fd)
+        st = posix.fstat(art_fd)
     except OSError as exc:
         receipt["start_error"] = "artifact_path %s: %s" % (_shown(cfg["artifact_path"]), _errno_text(exc.errno))
         receipt["ended_at_us"] = _now_us()
         return receipt
-    if not stat.S_ISREG(st.st_mode):
+    if not _stat.S_ISREG(st.st_mode):
         receipt["start_error"] = "artifact_path %s: not a regular file" % _shown(cfg["artifact_path"])
         receipt["ended_at_us"] = _now_us()
         return receipt
     # The agent creates the file empty; anything already there counts against the quota.
     d.room = max(0, d.quota - st.st_size)
+    posix.lseek(art_fd, 0, 2)   # SEEK_END (os defines it, posix does not)
     try:
-        os.mkfifo(w.fifo_path, 0o600)
+        posix.mkfifo(w.fifo_path, 0o600)
         # Read end first and non-blocking, so opening the write end never blocks and EOF only
         # arrives once every writer (the task and its descendants) has closed it.
-        rfd = os.open(w.fifo_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        wfd = os.open(w.fifo_path, os.O_WRONLY | os.O_CLOEXEC)
+        rfd = posix.open(w.fifo_path, posix.O_RDONLY | posix.O_NONBLOCK | posix.O_CLOEXEC)
+        wfd = posix.open(w.fifo_path, posix.O_WRONLY | posix.O_CLOEXEC)
+        try:
+            fcntl.fcntl(rfd, fcntl.F_SETPIPE_SZ, FIFO_BYTES)
+        except OSError:
+            pass
     except OSError as exc:
         receipt["start_error"] = "output.fifo %s: %s" % (_shown(w.fifo_path), _errno_text(exc.errno))
         receipt["ended_at_us"] = _now_us()
         return receipt
 
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    _signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-    _signal.signal(_signal.SIGCHLD, lambda s, f: None)  # only to wake poll through wakeup fd
-
-    oom.set_score_adj(oom.SHIM_OOM_SCORE_ADJ)
-    oom_before = oom.kills(cfg["cgroup"])
+    oom_before = oom.kills(cfg["cgroup"], own_oom)
     receipt["started_at_us"] = _now_us()
     try:
         if _term_requested:
             raise StartFailure("shim: terminated before the task was started")
         pid = _spawn(cfg, wfd)
     except StartFailure as exc:
-        os.close(wfd)
-        os.close(rfd)
+        posix.close(wfd)
+        posix.close(rfd)
         receipt["start_error"] = str(exc)
         receipt["ended_at_us"] = _now_us()
         return receipt
-    os.close(wfd)
+    posix.close(wfd)
     _task_pid = pid
     if _term_requested:
         _on_term(_signal.SIGTERM, None)
@@ -532,7 +574,7 @@ def run(w, cfg):
                 # As subreaper this process also gets the task's orphans: reap them as they
                 # exit (freeing their PIDs) until the main task or nothing is left to reap.
                 try:
-                    reaped, wstatus, rusage = os.wait4(-1, os.WNOHANG)
+                    reaped, wstatus, rusage = posix.wait4(-1, posix.WNOHANG)
                 except ChildProcessError:
                     reaped = 0
                 if reaped in (0, pid):
@@ -579,13 +621,13 @@ def run(w, cfg):
             timeout_ms = int(left * 1000) + 1
         d.drain(timeout_ms)
 
-    os.close(rfd)
-    if os.WIFSIGNALED(status):
-        receipt["signal"] = os.WTERMSIG(status)
+    posix.close(rfd)
+    if posix.WIFSIGNALED(status):
+        receipt["signal"] = posix.WTERMSIG(status)
         if receipt["signal"] == _signal.SIGKILL and oom_before is not None:
-            receipt["oom_killed"] = (oom.kills(cfg["cgroup"]) or 0) > oom_before
+            receipt["oom_killed"] = (oom.kills(cfg["cgroup"], own_oom) or 0) > oom_before
     else:
-        receipt["exit_code"] = os.waitstatus_to_exitcode(status)
+        receipt["exit_code"] = posix.waitstatus_to_exitcode(status)
     if cfg["cgroup"] is not None:
         # The whole task tree's peak, as the kernel counted it (memory.peak: Linux 5.19+).
         peak = oom.cgroup_value(cfg["cgroup"] + "/memory.peak", None)
@@ -613,27 +655,29 @@ for _name, _code in "PARTS":
 def _compile_self(dest):
     """``shim/main.py --compile DEST``: write the shim (this file and SIBLINGS) compiled for this
     interpreter to DEST (new, 0600) as one .pyc script (_LOADER) that runs with no compile and
-    no import search, so that the agent pays neither per run."""
+    no import search, so that the agent pays neither per run. At optimize level 2: no docstring
+    is kept (nothing here reads one, and the shim has no assert)."""
     import marshal
-    here = os.path.dirname(os.path.abspath(__file__))
+    import posixpath
+    here = posixpath.dirname(posixpath.abspath(__file__))
     parts = []
     for name in SIBLINGS + ("main",):
-        path = os.path.join(here, name + ".py")
+        path = _join(here, name + ".py")
         source = leftovers.read_all(path)
         if source is None:
             return 1
-        parts.append((name, compile(source, path, "exec", dont_inherit=True)))
-    loader = compile(_LOADER, __file__, "exec", dont_inherit=True)
+        parts.append((name, compile(source, path, "exec", dont_inherit=True, optimize=2)))
+    loader = compile(_LOADER, __file__, "exec", dont_inherit=True, optimize=2)
     # The code objects themselves as a constant: marshal keeps them as code, so the process
     # holds no second, serialised copy of them.
     code = loader.replace(co_consts=tuple(tuple(parts) if c == "PARTS" else c for c in loader.co_consts))
     # PEP 552 header: magic, flags 0, then mtime and size (never checked for a script).
     data = sys.modules["_frozen_importlib_external"].MAGIC_NUMBER + bytes(12) + marshal.dumps(code)
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = posix.open(dest, posix.O_WRONLY | posix.O_CREAT | posix.O_EXCL | posix.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, data)
+        posix.write(fd, data)
     finally:
-        os.close(fd)
+        posix.close(fd)
     return 0
 
 
@@ -645,8 +689,9 @@ def main():
         _signal.signal(sig, _signal.SIG_IGN)
     _signal.signal(_signal.SIGTERM, _on_term)
     # Our own files private whatever the service's umask; the task gets the inherited one back.
-    _inherited_umask = os.umask(0o077)
+    _inherited_umask = posix.umask(0o077)
     leftovers.become_subreaper()
+    wake_r, own_oom = _prepare()
     try:
         spec = _read_spec()
         attempt_id = _str_field(spec, "attempt_id")
@@ -663,7 +708,7 @@ def main():
     else:
         del spec
         try:
-            receipt = run(w, cfg)
+            receipt = run(w, cfg, wake_r, own_oom)
         except Exception as exc:  # the receipt must still appear; the cause goes to shim.err
             w.log_error("shim failure: %r" % (exc,))
             receipt = new_receipt(attempt_id, "shim failure: %s" % type(exc).__name__)
@@ -671,16 +716,16 @@ def main():
     d = w.drainer
     if d is not None:
         try:
-            os.fsync(d.art_fd)
+            posix.fsync(d.art_fd)
         except OSError as exc:
             w.log_error("artifact fsync failed: %s" % exc)
-        os.close(d.art_fd)
+        posix.close(d.art_fd)
         receipt["bytes_total"] = d.bytes_total
         receipt["bytes_kept"] = d.bytes_kept
         receipt["bytes_dropped"] = d.bytes_total - d.bytes_kept
     # FIFO first: once the receipt exists the run directory is final.
     try:
-        os.unlink(w.fifo_path)
+        posix.unlink(w.fifo_path)
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -706,4 +751,4 @@ def _serve_forks():
 
 
 if __name__ == "__main__":
-    sys.exit(_serve_forks() if stat.S_ISSOCK(os.fstat(0).st_mode) else main())
+    sys.exit(_serve_forks() if _stat.S_ISSOCK(posix.fstat(0).st_mode) else main())
