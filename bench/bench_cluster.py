@@ -1,4 +1,5 @@
-"""Cluster control plane benchmark (issue 10 "Bench"): Worker Pull claims through HTTP.
+"""Cluster control plane benchmark (issues 10 and 25): Task Start, Worker Pull and the whole Run
+cycle through HTTP, against bare SQL and procrastinate in the same run.
 
 Same run, same PostgreSQL server, same number of connections:
 * baseline: N threads, each with its own connection, loop on one transaction
@@ -13,10 +14,13 @@ The queue is refilled (fresh tables) before every phase; each puller owns enough
 Workers that a full Session (slots) is replaced by the next one outside the measured window.
 Then pull-to-offer latency with the LISTEN/NOTIFY wake-up (a Pull waiting with ``waitS=10``,
 a Run committed, time until the offer arrives) against the latency of a Pull that finds the Run
-already queued, and the replica's RSS and threads. First (``--start-clients``, 0 skips it): Task
-Start on PostgreSQL through ``qlagent serve`` with ``[cluster]`` against bare inserts of the
-same rows (``task_start``), with the share of its transactions' time spent waiting on locks
-(``WaitSampler``), once per ``--code`` tree (main's and a branch's in the same run); then, with
+already queued, and the replica's RSS and threads. Each ``--code`` tree (main's and a branch's)
+runs its own replicas on its own database migrated by that tree, the trees in turn at each
+puller count. First (``--start-clients``, 0 skips it): Task Start on PostgreSQL through
+``qlagent serve`` with ``[cluster]`` against bare inserts of the same rows (``task_start``),
+with the share of its transactions' time spent waiting on locks (``WaitSampler``), then the
+whole Run cycle on the same replica (``run_cycle``: Task Start → Pull → ACK starting → ACK
+running → ACK completion, each over HTTP), once per ``--code`` tree; then, with
 ``--procrastinate-python``, procrastinate's defer and fetch+finish on the same server
 (``bench_procrastinate.py``, in its own venv).
 
@@ -49,8 +53,7 @@ import psutil  # noqa: E402
 import pgkit  # noqa: E402  (seeding helpers of the cluster tests)
 from cpkit import RawHttp  # noqa: E402  (a lean client: the pullers share the box's 2 cores)
 from conftest import create_database, db_url, drop_database  # noqa: E402
-from qlagent.adapters.postgres.connection import autocommit, open_pool  # noqa: E402
-from qlagent.adapters.postgres.migrations import migrate  # noqa: E402
+from qlagent.adapters.postgres.connection import open_pool  # noqa: E402
 
 BASE = "/api/v3/cluster/workers"
 SLOTS = 256
@@ -392,6 +395,12 @@ def task_start(seconds: float, clients: int, tasks: int, code: str) -> float:
               f"{pct(probes, .5):,.0f} µs, p99 {pct(probes, .99):,.0f} µs ({len(probes)} probes); {waits.report()}")
         for h in https:
             h.close()
+        kit.sql("TRUNCATE run_leases, run_events, attempts, runs CASCADE")
+        cycles = run_cycle(kit, name, replica, port, token, head["revision"], digests, seconds, clients, tasks)
+        print(f"Run cycle ({code}), {clients} clients: {cycles['rate']:,.0f} Runs/s (Task Start → Pull → ACK "
+              f"starting → ACK running → ACK completion, each over HTTP); replica CPU {cycles['replica_us']:,.0f} "
+              f"µs/Run, PostgreSQL CPU {cycles['pg_us']:,.0f} µs/Run, bench clients {cycles['client_us']:,.0f} "
+              f"µs/Run; other answers {cycles['other'] or '-'}")
         pool.close()
     finally:
         if proc is not None:
@@ -400,6 +409,62 @@ def task_start(seconds: float, clients: int, tasks: int, code: str) -> float:
         shutil.rmtree(root, ignore_errors=True)
         drop_database(name)
     return rate
+
+
+def run_cycle(kit, name: str, replica, port: int, token: str, revision: int, digests: dict, seconds: float,
+              clients: int, tasks: int) -> dict:
+    """The whole Run cycle on the replica, ``clients`` threads each looping: Task Start of Task
+    ``bench-{i % tasks}`` (202), a Pull (waitS=0) of its own enrolled Worker (offered: any queued
+    Run), then the ACKs starting, running and completion (exitCode 0) of that offer, every one an
+    HTTP request of the Worker protocol. Returns the Runs completed per second, the CPU per Run
+    of the replica, of its PostgreSQL backends and of these clients, and any other answers."""
+    workers = [kit.worker(f"cycle-{i}", slots=4) for i in range(clients)]
+    https = [(RawHttp(port), RawHttp(port)) for _ in range(clients)]
+    done, other = [0] * clients, {}
+    stop = time.monotonic() + seconds
+
+    def loop(i: int) -> None:
+        api, wire = https[i]
+        w = workers[i]
+        auth = f"Authorization: Worker {w['credential']}\r\n"
+        base = f"{BASE}/{w['worker_id']}"
+        while time.monotonic() < stop:
+            body = json.dumps({"schema": "qinglong/task-start@v1", "mutationId": str(uuid.uuid4()),
+                               "expectedRevision": revision,
+                               "expectedContentDigest": digests[f"bench-{i % tasks}"]}).encode()
+            status, _ = api.post(START_PATH.format(i=i % tasks), f"Authorization: Bearer {token}\r\n", body)
+            if status != 202:
+                other[f"start:{status}"] = other.get(f"start:{status}", 0) + 1
+                continue
+            lease = secrets.token_urlsafe(32)
+            status, data = wire.post(f"{base}/pull?waitS=0", auth, json.dumps(
+                {"sessionId": w["session_id"], "generation": w["generation"], "pullId": str(uuid.uuid4()),
+                 "leaseToken": lease}).encode())
+            answer = msgspec.json.decode(data)
+            if status != 200 or answer["status"] != "offered":
+                key = f"pull:{status}:{answer.get('status')}:{answer.get('reason')}"
+                other[key] = other.get(key, 0) + 1
+                continue
+            offer = answer["offer"]
+            fence = {"sessionId": w["session_id"], "generation": w["generation"], "attemptId": offer["attemptId"],
+                     "leaseGeneration": offer["leaseGeneration"], "leaseToken": lease}
+            for kind, facts in (("starting", {}), ("running", {}), ("completion", {"exitCode": 0})):
+                status, data = wire.post(f"{base}/acks", auth, json.dumps({**fence, "kind": kind, **facts}).encode())
+                if status != 200:
+                    other[f"ack {kind}:{status}"] = other.get(f"ack {kind}:{status}", 0) + 1
+                    break
+            else:
+                done[i] += 1
+    cpu0, pg0, me0 = sum(replica.cpu_times()[:2]), backend_cpu(kit, name), time.process_time()
+    _threads(loop, clients)
+    n = max(sum(done), 1)
+    out = {"rate": sum(done) / seconds, "replica_us": (sum(replica.cpu_times()[:2]) - cpu0) * 1e6 / n,
+           "pg_us": sum(v - pg0.get(pid, 0.0) for pid, v in backend_cpu(kit, name).items()) * 1e6 / n,
+           "client_us": (time.process_time() - me0) * 1e6 / n, "other": other}
+    for pair in https:
+        for h in pair:
+            h.close()
+    return out
 
 
 def procrastinate(python: str, seconds: float, clients: int, workers: int, start_rates: dict[str, float]) -> None:
@@ -442,7 +507,7 @@ def main() -> None:
     ap.add_argument("--serve")
     ap.add_argument("--start-clients", type=int, default=4, help="Task Start clients (0: skip that phase)")
     ap.add_argument("--start-tasks", type=int, default=4, help="Tasks the Task Start clients start, round robin")
-    ap.add_argument("--code", action="append", help="qlagent tree whose replica serves Task Start (repeatable: "
+    ap.add_argument("--code", action="append", help="qlagent tree whose replicas serve every phase (repeatable: "
                     "each in turn, e.g. main's and a branch's; default this one)")
     ap.add_argument("--procrastinate-python", help="python of a venv with procrastinate: its defer and "
                     "fetch+finish on the same server (needs --start-clients)")
@@ -457,63 +522,95 @@ def main() -> None:
         if args.procrastinate_python:
             procrastinate(args.procrastinate_python, args.seconds, args.start_clients, args.procrastinate_workers,
                           rates)
-    name = create_database(f"bench_cluster_{os.getpid()}")
-    url = db_url(name)
-    children = []
+    trees = args.code or [ROOT]
+    planes: list[Plane] = []
     try:
-        with autocommit(url) as conn:
-            migrate(conn)
-        pool = open_pool(url, 8)
-        kit = pgkit.Kit(pool)
-        for _ in range(args.replicas):
-            children.append(subprocess.Popen([sys.executable, __file__, "--serve", url, "--threads",
-                                              str(args.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                             text=True))
-        ports = [int(child.stdout.readline()) for child in children]
-        procs = [psutil.Process(child.pid) for child in children]
-        proc, port = procs[0], ports[0]
-        rss_idle = proc.memory_info().rss
-        print(f"{args.replicas} replica(s), {args.threads} route threads each; idle RSS {rss_idle / 2**20:.1f} MiB")
-        print(f"{'pullers':>7} | {'baseline claims/s':>17} | {'HTTP Pull claims/s':>18} | {'ratio':>5} | "
+        for i, code in enumerate(trees):
+            planes.append(Plane(code, i, args.replicas, args.threads))
+            print(f"{code}: {args.replicas} replica(s), {args.threads} route threads each; idle RSS "
+                  f"{planes[-1].rss_idle / 2**20:.1f} MiB")
+        print(f"{'tree':>16} | {'pullers':>7} | {'baseline claims/s':>17} | {'HTTP Pull claims/s':>18} | {'ratio':>5} | "
               f"{'replica CPU µs/claim':>11} | PostgreSQL CPU µs/claim, Pull / baseline | "
               f"bench client CPU µs/claim | other answers")
-        rss_peak = rss_idle
         for n in (int(x) for x in args.pullers.split(",") if x):
-            reset(kit, 20_000)
-            base_claims, base_pg = baseline(url, n, args.seconds)
-            base = base_claims / args.seconds
-            reset(kit, max(2_000, base_claims))
-            pullers = pullers_for(kit, ports, n, base_claims)
-            cpu0, pg0, me0 = sum(sum(p.cpu_times()[:2]) for p in procs), backend_cpu(kit, name), time.process_time()
-            claims, other = http_claims(pullers, args.seconds)
-            cpu = sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0
-            me = time.process_time() - me0
-            pg = sum(v - pg0.get(pid, 0.0) for pid, v in backend_cpu(kit, name).items())
-            rate = claims / args.seconds
-            rss_peak = max(rss_peak, proc.memory_info().rss)
-            per = 1e6 / max(claims, 1)
-            print(f"{n:>7} | {base:>17,.0f} | {rate:>18,.0f} | {rate / base:>5.2f} | {cpu * per:>11,.0f} | "
-                  f"{pg * per:>5,.0f} / {base_pg * 1e6 / max(base_claims, 1):<5,.0f} | {me * per:>6,.0f} | "
-                  f"{other or '-'}")
-            sys.stdout.flush()
+            for plane in planes:        # every tree in turn at each concurrency: the same minutes
+                plane.claims(n, args.seconds)
+        for plane in planes:
+            plane.finish(args.wake_rounds)
+    finally:
+        for plane in planes:
+            plane.close()
+
+
+# A tree's own migrations, run with that tree on the path (``cwd``).
+MIGRATE = ("import sys\nfrom qlagent.adapters.postgres.connection import autocommit\n"
+           "from qlagent.adapters.postgres.migrations import migrate\n"
+           "with autocommit(sys.argv[1]) as conn:\n    migrate(conn)\n")
+
+
+class Plane:
+    """The replicas of one qlagent tree (``code``: its own ``bench_cluster.py --serve``) on a
+    fresh database migrated by that tree, with this bench's kit seeding it."""
+
+    def __init__(self, code: str, i: int, replicas: int, threads: int) -> None:
+        self.code, self.children = code, []
+        self.name = create_database(f"bench_cluster_{os.getpid()}_{i}")
+        self.url = db_url(self.name)
+        subprocess.run([sys.executable, "-c", MIGRATE, self.url], check=True, cwd=code)
+        self.pool = open_pool(self.url, 8)
+        self.kit = pgkit.Kit(self.pool)
+        for _ in range(replicas):
+            self.children.append(subprocess.Popen([sys.executable, os.path.join(code, "bench", "bench_cluster.py"),
+                                                   "--serve", self.url, "--threads", str(threads)],
+                                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=code))
+        self.ports = [int(child.stdout.readline()) for child in self.children]
+        self.procs = [psutil.Process(child.pid) for child in self.children]
+        self.rss_idle = self.rss_peak = self.procs[0].memory_info().rss
+
+    def claims(self, n: int, seconds: float) -> None:
+        """The bare SKIP LOCKED loop, then the HTTP Pulls, on ``n`` connections / pullers."""
+        kit = self.kit
+        reset(kit, 20_000)
+        base_claims, base_pg = baseline(self.url, n, seconds)
+        base = base_claims / seconds
+        reset(kit, max(2_000, base_claims))
+        pullers = pullers_for(kit, self.ports, n, base_claims)
+        cpu0, pg0, me0 = self._cpu(), backend_cpu(kit, self.name), time.process_time()
+        claims, other = http_claims(pullers, seconds)
+        cpu, me = self._cpu() - cpu0, time.process_time() - me0
+        pg = sum(v - pg0.get(pid, 0.0) for pid, v in backend_cpu(kit, self.name).items())
+        rate = claims / seconds
+        self.rss_peak = max(self.rss_peak, self.procs[0].memory_info().rss)
+        per = 1e6 / max(claims, 1)
+        print(f"{self.code[-16:]:>16} | {n:>7} | {base:>17,.0f} | {rate:>18,.0f} | {rate / base:>5.2f} | "
+              f"{cpu * per:>11,.0f} | {pg * per:>5,.0f} / {base_pg * 1e6 / max(base_claims, 1):<5,.0f} | "
+              f"{me * per:>6,.0f} | {other or '-'}")
+        sys.stdout.flush()
+
+    def _cpu(self) -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in self.procs)
+
+    def finish(self, wake_rounds: int) -> None:
+        """Double claims of the last phase, the NOTIFY wake-up latency, RSS and threads."""
+        kit, proc = self.kit, self.procs[0]
         double = kit.one("SELECT count(*) FROM (SELECT attempt_id FROM run_leases GROUP BY attempt_id"
                          " HAVING count(*) > 1) d")
-        if args.wake_rounds > 0:      # 0: only the claim phases (or only Task Start)
-            woken, direct = wake_latency(kit, port, args.wake_rounds)
-            print(f"pull-to-offer, waiting Pull woken by NOTIFY: p50 {pct(woken, .5):,.0f} µs, "
-                  f"p99 {pct(woken, .99):,.0f} µs ({len(woken)} rounds)")
-            print(f"baseline, Pull finding a queued Run:         p50 {pct(direct, .5):,.0f} µs, "
-                  f"p99 {pct(direct, .99):,.0f} µs")
-            print(f"median woken/direct: {statistics.median(woken) / statistics.median(direct):.2f}x")
-        rss_peak = max(rss_peak, proc.memory_info().rss)
-        print(f"replica RSS: idle {rss_idle / 2**20:.1f} MiB, peak {rss_peak / 2**20:.1f} MiB, "
+        if wake_rounds > 0:      # 0: only the claim phases (or only Task Start)
+            woken, direct = wake_latency(kit, self.ports[0], wake_rounds)
+            print(f"{self.code}: pull-to-offer, waiting Pull woken by NOTIFY: p50 {pct(woken, .5):,.0f} µs, "
+                  f"p99 {pct(woken, .99):,.0f} µs ({len(woken)} rounds); a Pull finding a queued Run: p50 "
+                  f"{pct(direct, .5):,.0f} µs, p99 {pct(direct, .99):,.0f} µs; median woken/direct "
+                  f"{statistics.median(woken) / statistics.median(direct):.2f}x")
+        self.rss_peak = max(self.rss_peak, proc.memory_info().rss)
+        print(f"{self.code}: replica RSS idle {self.rss_idle / 2**20:.1f} MiB, peak {self.rss_peak / 2**20:.1f} MiB, "
               f"threads {proc.num_threads()}; double claims in the last phase: {double}")
-        pool.close()
-    finally:
-        for child in children:
+
+    def close(self) -> None:
+        for child in self.children:
             child.stdin.close()
             child.wait(20)
-        drop_database(name)
+        self.pool.close()
+        drop_database(self.name)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from ..core.dispatch import Candidate, Finish, LiveAttempt, Plan
 from ..core.errors import NotFoundError
 from ..core.ids import new_id
 from ..core.models import (
+    Admission,
     Attempt,
     ContextRecipe,
     Project,
@@ -87,7 +88,8 @@ class RowBatch:
 class RowStore:
     """Base of ``SqliteStore`` and ``PgStore``: a subclass provides ``read(fn)``/``write(fn)``
     (``fn(db)`` in one read-only / write transaction, ``db`` a ``rows.dialect.Db``),
-    ``_tx_now(db)``, ``executor_type`` and ``task_start``/``candidate_page``. Errors are those of the row functions
+    ``_tx_now(db)``, ``executor_type`` and ``task_start``/``candidate_page`` (and may run single-statement
+    reads outside a transaction: ``read_single``). Errors are those of the row functions
     (NotFoundError, ConflictError, ValidationError …) and of the subclass's transactions
     (UnavailableError)."""
 
@@ -128,18 +130,26 @@ class RowStore:
         self._pending_project = None
         return result
 
+    def read_single(self, fn: Callable[..., T]) -> T:
+        """``read(fn)`` for an ``fn`` that runs ONE statement: a statement reads one snapshot of
+        its own, so a store may run it outside any transaction (``PgStore``: one round trip)."""
+        return self.read(fn)
+
     # ---- PolicyStore ---------------------------------------------------------------------------
     def ensure_project(self, name: str) -> Project:
         return self.write(lambda c: policy.ensure_project(c, name, self._tx_now(c)))
 
     def get_project(self, name_or_id: str) -> Project:
-        return self.read(lambda c: policy.get_project(c, name_or_id))
+        return self.read_single(lambda c: policy.get_project(c, name_or_id))
+
+    def admission(self, project: str, digest: str) -> Admission:
+        return self.read_single(lambda c: policy.admission(c, project, digest))
 
     def lookup_token(self, digest: str) -> tuple[str, str] | None:
-        return self.read(lambda c: policy.lookup_token(c, digest))
+        return self.read_single(lambda c: policy.lookup_token(c, digest))
 
     def latest_binding(self, project_id: str, subject: str) -> RoleBinding | None:
-        return self.read(lambda c: policy.latest_binding(c, project_id, subject))
+        return self.read_single(lambda c: policy.latest_binding(c, project_id, subject))
 
     def bind_role(self, project_id: str, subject: str, role: str | None) -> int:
         return self.write(lambda c: policy.bind_role(c, project_id, subject, role, self._tx_now(c)))

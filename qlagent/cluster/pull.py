@@ -22,6 +22,15 @@ it expires. The rebuild answers while the Lease is active and its Attempt ``clai
 then replaces the first one in the request): a Worker restarted between its ``starting`` ACK and
 the spawn gets the secret values again, the one thing it never kept (issue 11 §7).
 
+A Pull of a Session whose earlier Pulls claimed through that walk first tries the usual case
+in ONE call (``PullStore.quick_pull``): the Session checked as above and its first candidate
+claimed when this replica has prepared that candidate's (Task, revision, Project, executor) for
+this Session before (``PreparedClaims``: the sanitised spec and the Placement score of that
+claim; a revision's rows are append-only and a Session's labels, executors and Projects fixed,
+so the walk would decide the same again), the spec then copied with the new Run's identities.
+Anything else (a candidate not prepared yet, a Session not current, a retried pullId, a claim
+refused) runs the whole unit.
+
 With ``wait_s`` > 0 (at most 30 s) a Pull that found nothing long-polls: it waits on the
 CandidateSignal (LISTEN/NOTIFY, no polling loop) and tries again when woken, until the wait is
 spent; the answer is then ``idle``/``unmatched`` as usual. Candidates another Pull held when this
@@ -40,8 +49,8 @@ import time
 import msgspec
 
 from ..core.canonical import sha256_hex
-from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, PullAnswer, PullRequest, PullStore, PullUnit,
-                            SecretResolver)
+from ..core.cluster import (CandidateSignal, ClaimedExecutionOffer, ExecutionSpec, PullAnswer, PullRequest, PullStore,
+                            PullUnit, QuickPull, QuickStatus, SecretResolver)
 from ..core.errors import ConflictError, UnavailableError, ValidationError
 from ..core.states import AttemptState, LeaseState
 from .registry import check_token
@@ -57,6 +66,45 @@ SECRET_FAILURES = ("secret_missing", "secret_unreadable")    # a claimed offer t
 HELD_PAUSE_S = 0.02        # mean first pause (s) before looking again at held candidates: a Pull's
                            # transaction lasts milliseconds; each further pause doubles
 HELD_PAUSE_MAX_S = 0.25    # longest such pause: at most ~125 looks in a 30 s long-poll
+PREPARED_SESSIONS = 256    # Sessions whose prepared claims a replica keeps
+PREPARED_KEYS = 16         # prepared (Task, revision, Project, executor) keys kept per Session
+
+
+def claim_key(task_id: str, task_revision: int, project_id: str, executor_type: str) -> str:
+    """``task:revision:project:executor``: what a prepared claim is kept under (``ql_pull``
+    builds the same from the candidate)."""
+    return f"{task_id}:{task_revision}:{project_id}:{executor_type}"
+
+
+class PreparedClaims:
+    """Per Session, the claims the ADR-0014 walk made: key (``claim_key``) → (sanitised spec of
+    that claim, its Placement score). Bounded: at most ``PREPARED_SESSIONS`` Sessions (the one
+    least recently stored dropped first) of ``PREPARED_KEYS`` keys each (the oldest dropped
+    first). Route threads share it."""
+
+    def __init__(self) -> None:
+        self._by_session: dict[str, dict[str, tuple[ExecutionSpec, int | None]]] = {}
+        self._lock = threading.Lock()
+
+    def of(self, session_id: str) -> dict[str, tuple[ExecutionSpec, int | None]]:
+        """A copy of the Session's prepared claims (empty when none)."""
+        with self._lock:
+            return dict(self._by_session.get(session_id, ()))
+
+    def put(self, session_id: str, offer: ClaimedExecutionOffer) -> None:
+        """Keep the spec and score of a claim the walk made for ``session_id``."""
+        key = claim_key(offer.task_id, offer.task_revision, offer.project_id, offer.spec.executor_type)
+        with self._lock:
+            keys = self._by_session.pop(session_id, None)
+            if keys is None:
+                keys = {}
+                while len(self._by_session) >= PREPARED_SESSIONS:
+                    del self._by_session[next(iter(self._by_session))]
+            keys.pop(key, None)
+            while len(keys) >= PREPARED_KEYS:
+                del keys[next(iter(keys))]
+            keys[key] = (offer.spec, offer.placement_score)
+            self._by_session[session_id] = keys
 
 
 class WorkerPull:
@@ -70,6 +118,7 @@ class WorkerPull:
         self._store, self._secrets = store, secrets
         self._signal = signal
         self._claimer = CandidateClaimer(self._b)
+        self._prepared = PreparedClaims()
         self._count_lock = threading.Lock()
         self.offers = 0        # Pulls answered with an offer since start (GET /metrics); route threads add
 
@@ -115,10 +164,18 @@ class WorkerPull:
         digest = credential_digest(credential)
         check_uuid("pullId", req.pull_id)
         token_digest = sha256_hex(check_token("leaseToken", req.lease_token).encode())
+        worker_id, session_id = check_uuid("workerId", worker_id), check_uuid("sessionId", req.session_id)
+        generation = check_generation("generation", req.generation)
         try:
-            answer, held = self._store.pull_unit(check_uuid("workerId", worker_id), digest,
-                                                 check_uuid("sessionId", req.session_id),
-                                                 check_generation("generation", req.generation), req.pull_id,
+            prepared = self._prepared.of(session_id)
+            if prepared:
+                quick = self._store.quick_pull(worker_id, digest, session_id, generation, req.pull_id, token_digest,
+                                               self._b.lease_ttl_s * 1_000_000, list(prepared), waiting)
+                if quick.status == QuickStatus.NO_OFFER:
+                    return PullAnswer(status="idle", reason=quick.reason), quick.held
+                if quick.status == QuickStatus.LEASED:
+                    return self._offered(self._quick_offer(quick, prepared, req.lease_token)), False
+            answer, held = self._store.pull_unit(worker_id, digest, session_id, generation, req.pull_id,
                                                  lambda unit: self._decide(unit, req, token_digest, waiting))
         except ConflictError as e:
             if e.code != "lease_exists":
@@ -127,6 +184,16 @@ class WorkerPull:
         if answer.offer is None:
             return answer, held
         return self._offered(answer.offer), False
+
+    @staticmethod
+    def _quick_offer(quick: QuickPull, prepared: dict, token: str) -> ClaimedExecutionOffer:
+        """The offer of a quick claim: the prepared spec of its key with the claimed Run's and
+        Attempt's identities (its environment tables copied: no offer shares one)."""
+        c = quick.candidate
+        spec, score = prepared[claim_key(c.task_id, c.task_revision, c.project_id, c.executor_type)]
+        spec = msgspec.structs.replace(spec, run_id=c.run_id, attempt_id=c.attempt_id, env=dict(spec.env),
+                                       secret_refs=dict(spec.secret_refs))
+        return build_offer(c, quick.lease, spec, token, "new_claim", score)
 
     def _decide(self, unit: PullUnit, req: PullRequest, token_digest: str, waiting: bool) -> tuple[PullAnswer, bool]:
         """The answer of one Pull inside its unit (ADR-0014 §2 order; see the module docstring)."""
@@ -169,6 +236,8 @@ class WorkerPull:
             return PullAnswer(status="truncated", reason=e.reason)
         if offer is None:
             return PullAnswer(status="unmatched" if n.skipped else "idle", reason=n.skip_reason)
+        # The walk prepared this key's plan and matched this Session: its next Pulls claim quick.
+        self._prepared.put(w.session_id, offer)
         return PullAnswer(status="offered", reason="new_claim", offer=offer)
 
     def _offered(self, offer: ClaimedExecutionOffer) -> PullAnswer:

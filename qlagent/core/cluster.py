@@ -153,6 +153,27 @@ def decide_after_attempt(end: AttemptEnd) -> RunDecision:
     return RunDecision(False, RunState.FAILED if end.attempt_state == AttemptState.START_FAILED else end.attempt_state)
 
 
+class QuickStatus:
+    """``QuickPull.status`` values."""
+
+    LEASED = "leased"
+    NO_OFFER = "no_offer"
+    WALK = "walk"
+
+
+class QuickPull(msgspec.Struct, frozen=True):
+    """What ``PullStore.quick_pull`` did: ``leased`` (``candidate`` leased by ``lease``),
+    ``no_offer`` (the Pull's answer is idle: ``reason`` draining | no_free_slot, or None: no
+    candidate; ``held``: candidates other Pulls hold, asked of a waiting Pull), or ``walk``
+    (nothing decided: run the Pull unit, the ADR-0014 walk)."""
+
+    status: str
+    reason: str | None = None
+    held: bool = False
+    candidate: ClusterCandidate | None = None
+    lease: Lease | None = None
+
+
 class PlanSource(Protocol):
     def prepare(self, candidate: ClusterCandidate) -> DispatchPlan | None:
         """The plan of the Run's pinned revision, or None when it cannot be rebuilt."""
@@ -199,6 +220,15 @@ class PullStore(Protocol):
         result; committed when ``work`` returns, rolled back when it raises. WorkerAuthError,
         ConflictError ``stale_generation`` / ``session_expired`` / ``lease_exists`` (the
         database refused a second active Lease), UnavailableError."""
+
+    def quick_pull(self, worker_id: str, credential_digest: str, session_id: str, generation: int, pull_id: str,
+                   token_digest: str, lease_ttl_us: int, claimable: list[str], waiting: bool) -> QuickPull:
+        """A Pull's usual case in one call, outside ``pull_unit``: the current open Session,
+        free and not draining, and its first candidate claimed when that candidate's key
+        ``task:revision:project:executor`` is in ``claimable`` (this Session's Placement and the
+        revision's plan were decided before for that key); ``walk`` for anything else (another
+        Session or generation, a pullId seen before, another candidate, a claim refused).
+        ConflictError ``lease_exists``, UnavailableError."""
 
     def fail_claimed(self, attempt_id: str, lease_generation: int, reason: str) -> str | None:
         """In its own transaction, after the Pull's unit committed: end an active Lease whose

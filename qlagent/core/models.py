@@ -35,6 +35,17 @@ class RoleBinding(Base):
     binding_version: int
 
 
+class Admission(Base):
+    """What authenticating one API request reads (ADR-0376 §2 Policy fence, at admission): the
+    Project named by the path (None: unknown), the live token's Project ID and subject (None:
+    unknown or revoked) and that subject's latest RoleBinding in the token's Project if it is
+    active (else None)."""
+
+    project: Project | None
+    token: tuple[str, str] | None
+    binding: RoleBinding | None
+
+
 class RetryPolicy(Base):
     max_attempts: int = 1          # 1 = no retry
     backoff_ms: int = 10_000       # before attempt n+1: backoff_ms * 2**(n-1)

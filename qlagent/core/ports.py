@@ -25,6 +25,7 @@ from .definitions import PreparedTask
 from .dispatch import Candidate, Finish, LaunchCommand, LiveAttempt, Plan
 from .inbox_states import InboxEntry, InboxOffer, PendingPull
 from .models import (
+    Admission,
     Attempt,
     ContextRecipe,
     CreatedRun,
@@ -68,6 +69,10 @@ class PolicyStore(TokenPort, Protocol):
 
     def get_project(self, name_or_id: str) -> Project:
         """NotFoundError(``project_not_found``) if unknown."""
+
+    def admission(self, project: str, digest: str) -> Admission:
+        """The Project ``project`` (name or ID), the live token with SHA-256 hex ``digest`` and
+        its subject's binding, read together (one statement: the HTTP API's authentication)."""
 
     def bind_role(self, project_id: str, subject: str, role: str | None) -> int:
         """Append bindingVersion+1 (``role=None`` revokes); returns it. ValidationError for an

@@ -25,7 +25,7 @@ from qlagent.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from qlagent.core.errors import FenceRejected, NotFoundError, QlError, UnavailableError, ValidationError
 from qlagent.core.models import Run
 from qlagent.core.states import RunState
-from qlagent.http.auth import AuthError, Principal, authorize
+from qlagent.http.auth import AuthError, Principal, bearer_digest, judge
 from qlagent.http.routing import Router, openapi_document
 from qlagent.http.wire import FileRange, HttpError, Request, Response, byte_range, content_range, query_int
 
@@ -86,14 +86,13 @@ class Api:
     # ---- helpers -----------------------------------------------------------------------------
     def _principal(self, req: Request, project: str, permission: str):
         """Authenticate and authorize ``permission`` in the Project named (or identified) by
-        ``project``. Returns (Principal, Project). AuthError 401/403/404."""
-        try:
-            proj = self.store.get_project(project)
-        except NotFoundError:
-            proj = None
+        ``project``: the Project, the token and its binding read in one statement
+        (``PolicyStore.admission``). Returns (Principal, Project). AuthError 401/403/404."""
+        seen = self.store.admission(project, bearer_digest(req.headers, permission))
+        proj = seen.project
         # An unknown Project still authenticates first: 401 beats 404 (nothing revealed).
-        principal: Principal = authorize(req.headers, self.store,
-                                         proj.project_id if proj else "\0" + project, permission)
+        principal: Principal = judge(seen.token, seen.binding, proj.project_id if proj else "\0" + project,
+                                     permission)
         return principal, proj
 
     def _run(self, project_id: str, run_id: str) -> Run:

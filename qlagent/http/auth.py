@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
-from qlagent.core.models import ROLES, START_ROLES
+from qlagent.core.models import ROLES, START_ROLES, RoleBinding
 from qlagent.core.tokens import token_digest
 from qlagent.http.wire import HttpError
 
@@ -69,25 +69,37 @@ def allowed(role: str, permission: str) -> bool:
     return role in PERMISSIONS[permission]
 
 
-def authorize(headers: Mapping[str, str], port: TokenPort, project_id: str, permission: str) -> Principal:
-    """Authenticate the request headers and check ``permission`` in ``project_id``.
-
-    Raises AuthError: 401 (no/bad/unknown/revoked token), 404 (token of another Project, so a
-    foreign Project's existence is not confirmed), 403 (no active RoleBinding or its role lacks
-    ``permission``).
-    """
+def bearer_digest(headers: Mapping[str, str], permission: str) -> str:
+    """SHA-256 hex of the request's bearer token (``parse_bearer``: AuthError 401). KeyError for
+    an unknown ``permission``."""
     if permission not in PERMISSIONS:
         raise KeyError(permission)
-    token = parse_bearer(headers.get("authorization"))
-    found = port.lookup_token(token_digest(token))
+    return token_digest(parse_bearer(headers.get("authorization")))
+
+
+def judge(found: tuple[str, str] | None, binding: RoleBinding | None, project_id: str,
+          permission: str) -> Principal:
+    """The Principal of a live token ``found`` ((project_id, subject), None: unknown or revoked)
+    whose subject has ``binding`` (its latest active one in ``project_id``, else None), acting in
+    ``project_id``. Raises AuthError: 401 (no such token), 404 (token of another Project, so a
+    foreign Project's existence is not confirmed), 403 (no active RoleBinding or its role lacks
+    ``permission``), in that order."""
     if found is None:
         raise AuthError(401, "unauthorized", "unknown or revoked token")
     token_project, subject = found
     if token_project != project_id:
         raise AuthError(404, "not_found", "not found in this project")
-    binding = port.latest_binding(project_id, subject)
     if binding is None:
         raise AuthError(403, "permission_denied", f"no active role binding grants {permission}")
     if not allowed(binding.role, permission):
         raise AuthError(403, "permission_denied", f"role {binding.role!r} does not grant {permission}")
     return Principal(project_id, subject, binding.role, binding.binding_version)
+
+
+def authorize(headers: Mapping[str, str], port: TokenPort, project_id: str, permission: str) -> Principal:
+    """Authenticate the request headers and check ``permission`` in ``project_id`` over the
+    port's two lookups (the binding read only for a token of ``project_id``). Raises AuthError
+    as ``judge``."""
+    found = port.lookup_token(bearer_digest(headers, permission))
+    binding = port.latest_binding(project_id, found[1]) if found is not None and found[0] == project_id else None
+    return judge(found, binding, project_id, permission)

@@ -54,6 +54,7 @@ SESSION_TIMEOUTS_MS = {"statement_timeout": 10_000, "lock_timeout": 10_000,
 # libpq: a peer that stops answering (a cut link, a dead host) is noticed within ~10 s.
 TCP_KWARGS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3,
               "tcp_user_timeout": 10_000}
+_NEVER = float("inf")      # a deadline thread with nothing armed looks again only when woken
 _WAIT: ContextVar[float] = ContextVar("qlagent_pool_wait", default=POOL_WAIT_S)
 # libpq's fallback_application_name of this process's sessions (an application_name in the URL
 # wins): pg_stat_activity, and so ``qlagent status``, tells a replica from a CLI.
@@ -155,15 +156,20 @@ class _Watchdog:
         self._armed: dict[int, tuple[float, object]] = {}
         self._next = 0
         self._thread: threading.Thread | None = None
+        self._wake_at = _NEVER        # when the thread looks next (monotonic s)
 
     def arm(self, conn, seconds: float) -> int:
         with self._cond:
             self._next += 1
-            self._armed[self._next] = (time.monotonic() + seconds, conn)
+            due = time.monotonic() + seconds
+            self._armed[self._next] = (due, conn)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="qlagent-db-deadline", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif due < self._wake_at:
+                # Only a deadline before the thread's next look wakes it: units arm one each,
+                # nearly always later than an earlier unit's, so most arms switch to no thread.
+                self._cond.notify()
             return self._next
 
     def disarm(self, token: int) -> None:
@@ -179,7 +185,9 @@ class _Watchdog:
                         del self._armed[token]
                         _cut(conn)       # under the lock: the unit cannot end and hand it on meanwhile
                 soonest = min((due for due, _ in self._armed.values()), default=None)
-                self._cond.wait(None if soonest is None else max(0.01, soonest - now))
+                wait = None if soonest is None else max(0.01, soonest - now)
+                self._wake_at = _NEVER if wait is None else now + wait
+                self._cond.wait(wait)
 
 
 def _cut(conn) -> None:
@@ -237,7 +245,27 @@ def read(pool, fn: Callable):
     transaction block, so a read gains nothing from one but two round trips. ``fn`` must not
     write or lock rows. OperationalError → UnavailableError; a QlError propagates unchanged.
     """
+    return _outside_transaction(pool, fn)
+
+
+def statement(pool, fn: Callable):
+    """Run ``fn(cursor)`` (a dict-row cursor), which executes ONE statement that may write (a
+    database function's call), without BEGIN/COMMIT: outside a transaction block it is a
+    transaction of its own, at READ COMMITTED, in one round trip. Serialization failures and
+    deadlocks re-run it as ``transaction`` does; otherwise errors as ``read`` (a unique-key
+    violation propagates as psycopg's)."""
+    from psycopg import errors
+    for _ in range(TX_RETRIES):
+        try:
+            return _outside_transaction(pool, fn)
+        except (errors.SerializationFailure, errors.DeadlockDetected):
+            continue
+    raise UnavailableError("cluster database: transaction kept conflicting; retry later")
+
+
+def _outside_transaction(pool, fn: Callable):
     import psycopg
+    from psycopg import errors
     from psycopg.rows import dict_row
     try:
         with pool.connection(timeout=_WAIT.get()) as conn, deadline(conn):
@@ -247,6 +275,8 @@ def read(pool, fn: Callable):
                     return fn(cur)
             finally:
                 conn.autocommit = False     # the pool's next user expects a transaction per unit
+    except (errors.SerializationFailure, errors.DeadlockDetected):
+        raise                               # ``statement`` re-runs these
     except psycopg.OperationalError as e:
         raise UnavailableError(f"cluster database unavailable: {str(e).splitlines()[0]}") from None
 

@@ -19,16 +19,17 @@ import threading
 
 import msgspec
 
-from ...core.cluster import ClaimOutcome, ClaimStatus, ClusterCandidate, DispatchPlan, Lease, Page, WorkerSnapshot
+from ...core.cluster import (ClaimOutcome, ClaimStatus, ClusterCandidate, DispatchPlan, Lease, Page, QuickPull,
+                             QuickStatus, WorkerSnapshot)
 from ...core.errors import ConflictError
 from ...core.ids import new_id
 from ...core.profiles import Profile
 from ...core.states import AttemptState, LeaseState, SessionState, WorkerState
-from .connection import read, transaction
+from .connection import read, statement, transaction
 from .queries import (DB_NOW, LEASE_ACTIVE_ATTEMPT_FOR_UPDATE, LEASE_CLAIM, LEASE_COMPLETE, OCCUPYING, OFFER_DEFINITION,
                       PULL_CANDIDATE_PAGE, PULL_CANDIDATE_PAGE_AFTER, PULL_CANDIDATE_PAGE_SCOPED,
                       PULL_CANDIDATE_PAGE_SCOPED_AFTER, PULL_HELD_ELSEWHERE, PULL_HELD_ELSEWHERE_SCOPED, PULL_PRIOR,
-                      PULL_SESSION, TASK_FOR_NO_KEY_UPDATE)
+                      PULL_QUICK, PULL_SESSION, TASK_FOR_NO_KEY_UPDATE)
 from .runs import set_holds
 from .transitions import authenticate, finish_attempt, now_us, stale_session
 
@@ -130,6 +131,28 @@ class PgDispatchStore:
         except errors.UniqueViolation:
             raise ConflictError("the database refused a second active Lease for an Attempt",
                                 code="lease_exists") from None
+
+    def quick_pull(self, worker_id: str, credential_digest: str, session_id: str, generation: int, pull_id: str,
+                   token_digest: str, lease_ttl_us: int, claimable: list[str], waiting: bool) -> QuickPull:
+        """``core.cluster.PullStore.quick_pull``: one call of ``ql_pull`` (migration 0018), its
+        own transaction at READ COMMITTED like a Pull unit's."""
+        from psycopg import errors
+        args = (worker_id, credential_digest, session_id, generation, pull_id, token_digest, lease_ttl_us, claimable,
+                waiting)
+        try:
+            row = statement(self._pool, lambda cur: cur.execute(PULL_QUICK, args).fetchone())
+        except errors.UniqueViolation:
+            raise ConflictError("the database refused a second active Lease for an Attempt",
+                                code="lease_exists") from None
+        if row["outcome"] != QuickStatus.LEASED:
+            return QuickPull(row["outcome"], row["reason"], bool(row["held"]))
+        now = row["now_us"]
+        c = ClusterCandidate(row["run_id"], row["attempt_id"], row["project_id"], row["task_id"], row["task_revision"],
+                             row["worker_executor"], row["version"], row["priority"], row["created_at_us"],
+                             row["attempt_created_at_us"], row["lease_generation"], row["single_instance"])
+        lease = Lease(c.attempt_id, c.run_id, row["new_lease_generation"], worker_id, session_id, generation,
+                      token_digest, LeaseState.ACTIVE, now, row["expires_at_us"], pull_id)
+        return QuickPull(QuickStatus.LEASED, candidate=c, lease=lease)
 
     def fail_claimed(self, attempt_id: str, lease_generation: int, reason: str) -> str | None:
         """``core.cluster.PullStore.fail_claimed`` in one transaction; the events are

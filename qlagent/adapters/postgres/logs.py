@@ -28,7 +28,7 @@ class PgLogStore:
         fence's own codes.
         """
         def tx(cur):
-            lease, _ = fenced_lease(cur, fence)
+            lease = fenced_lease(cur, fence)
             if lease["state"] not in (LeaseState.ACTIVE, LeaseState.COMPLETED):
                 raise ConflictError(f"the Lease is {lease['state']}", code="lease_not_active")
             a = cur.execute(ATTEMPT_LOG_NEXT_FOR_NO_KEY_UPDATE, (fence.attempt_id,)).fetchone()

@@ -19,9 +19,24 @@ from ..rows.queries import format_marks, sql_in
 CREATING_RUNS_SETTINGS = ("SET LOCAL enable_seqscan = off; SET LOCAL lock_timeout = 5000; "
                           "SET LOCAL qlagent.notify_after_commit = on")
 
+# ADR-0376 §2 Task Start in one call (migration 0016): project, task, subject, mutationId, expected
+# revision and digest, admitted project and binding versions (NULL: not re-verified), the start
+# roles, the Attempt's executor, the time (NULL: the database clock). One row: its outcome and
+# the Run's identities (``postgres.runs.task_start`` maps it).
+TASK_START = ("SELECT * FROM ql_task_start(%s, %s, %s, %s, %s, %s, %s::integer, %s::integer, %s::text[], %s, "
+              "%s::bigint)")
+# ... as ONE simple query (client-side binding): its SERIALIZABLE transaction, then after the
+# commit the Pulls' wake-up if a queued unheld Run is under the key (params: TASK_START's, then
+# the Project and the idempotency key).
+TASK_START_ROUND_TRIP = ("BEGIN ISOLATION LEVEL SERIALIZABLE; " + TASK_START + "; COMMIT; "
+                         "SELECT ql_wake_for_key(%s, %s)")
+
 # The database clock (µs since the epoch): the time of the cluster's store writes.
 DB_NOW = "SELECT ql_now_us() AS now"
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = "SELECT * FROM projects WHERE name = %s OR project_id = %s FOR SHARE"
+# An API request's authentication in one call (migration 0017; params: Project name, Project ID,
+# token digest): one row, NULLs where the Project, the live token or its binding is absent.
+ADMISSION = "SELECT * FROM ql_admission(%s, %s, %s)"
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = %s "
                      "ORDER BY created_at_us, seq")
 
@@ -106,30 +121,19 @@ ATTEMPTS_OF_RUN = ("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated, w.name 
                    "LEFT JOIN workers w ON w.worker_id = a.worker_id WHERE a.run_id = %s ORDER BY a.attempt_no")
 
 # ``transitions``: RunEvents, an Attempt's end and retry, a Lease's end, adoption and fence.
-RUN_NEXT_EVENT_SEQUENCE = (
-    "UPDATE runs SET event_sequence = event_sequence + 1 WHERE run_id = %s "
-    "RETURNING event_sequence")
-RUN_EVENT_INSERT = (
-    "INSERT INTO run_events(run_id, sequence, event_id, type, actor, payload_json, created_at_us) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s)")
-RUN_RETRY_DEFINITION = (
-    "SELECT tr.definition_json FROM runs r JOIN task_revisions tr "
-    "ON tr.task_id = r.task_id AND tr.revision = r.task_revision WHERE r.run_id = %s")
-WORKER_ATTEMPT_END = (
-    "UPDATE attempts SET state = %s, ended_at_us = %s, failure_reason = %s, exit_code = %s, exit_signal = %s,"
-    " bytes_kept = %s, bytes_dropped = %s, peak_rss_bytes = %s, cpu_time_us = %s, version = version + 1"
-    " WHERE attempt_id = %s RETURNING attempt_no, worker_executor")
-RUN_CANCEL_TASK_FOR_NO_KEY_UPDATE = (
-    "SELECT cancel_requested_at_us, task_id FROM runs WHERE run_id = %s FOR NO KEY UPDATE")
-WORKER_ATTEMPT_RETRY_INSERT = (
-    "INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, worker_executor,"
-    " not_before_us, created_at_us) VALUES (%s, %s, %s, 'claimed', 'remote_worker', %s, %s, %s)")
-RUN_REQUEUE_RETRY = (
-    "UPDATE runs SET state = 'queued', latest_attempt_id = %s, latest_attempt_created_at_us = %s,"
-    " version = version + 1, updated_at_us = %s WHERE run_id = %s")
-RUN_END = (
-    "UPDATE runs SET state = %s, exit_code = %s, exit_signal = %s, ended_at_us = %s,"
-    " version = version + 1, updated_at_us = %s WHERE run_id = %s")
+# The database functions of migration 0019 (one round trip each): a RunEvent with the Run's next
+# sequence (run, type, actor, payload, now); the Lease fence (worker, credential digest, Session,
+# generation, Attempt, lease generation, token digest: its code, the Worker's current Session
+# and generation, the Lease's columns); an Attempt's end (run, Attempt, state, now, reason,
+# exit code, signal, bytes kept, bytes dropped, peak RSS, CPU µs: the retry decision's facts);
+# the Run's next step as decided (run, Attempt, its state, actor, now, reason, retry?, the Run's
+# state, Attempt number, Worker executor, not-before µs, exit code, signal, Task: the new state).
+EVENT_APPEND = "SELECT ql_event(%s, %s, %s, %s, %s)"
+LEASE_FENCE = "SELECT * FROM ql_lease_fence(%s, %s, %s, %s::bigint, %s, %s::bigint, %s)"
+WORKER_ATTEMPT_END = ("SELECT * FROM ql_attempt_end(%s, %s, %s, %s, %s, %s::integer, %s::integer, %s::bigint, %s::bigint, "
+                      "%s::bigint, %s::bigint)")
+RUN_AFTER_ATTEMPT = ("SELECT ql_after_attempt(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s::bigint, %s::integer, "
+                     "%s::integer, %s) AS state")
 LEASE_END = "UPDATE run_leases SET state = %s, ended_at_us = %s WHERE attempt_id = %s AND lease_generation = %s"
 LEASE_ATTEMPT_RUN_FOR_NO_KEY_UPDATE = (
     "SELECT a.state, r.cancel_requested_at_us FROM attempts a JOIN runs r ON r.run_id = a.run_id "
@@ -154,9 +158,6 @@ LEASE_ADOPT = (
 WORKER_BY_CREDENTIAL = "SELECT * FROM workers WHERE worker_id = %s AND credential_digest = %s AND state <> 'removed'"
 # NO KEY UPDATE: a concurrent claim's foreign-key check (KEY SHARE) on this row must not wait.
 WORKER_BY_CREDENTIAL_FOR_NO_KEY_UPDATE = WORKER_BY_CREDENTIAL + " FOR NO KEY UPDATE"
-LEASE_OF_WORKER_FOR_UPDATE = (
-    "SELECT * FROM run_leases WHERE attempt_id = %s AND lease_generation = %s AND worker_id = %s "
-    "FOR UPDATE")
 
 # ``dispatch``: a Worker Pull and its claim, an offer's definition.
 _PULL_CANDIDATE_COLS = """r.run_id, a.attempt_id, r.project_id, r.task_id, r.task_revision, a.worker_executor,
@@ -211,6 +212,9 @@ PULL_CANDIDATE_PAGE_SCOPED_AFTER = PULL_CANDIDATES + _PULL_SCOPED + _PULL_AFTER 
 PULL_HELD_ELSEWHERE = f"SELECT EXISTS ({PULL_CANDIDATES} AND a.attempt_id <> ALL(%s)) AS held"
 PULL_HELD_ELSEWHERE_SCOPED = f"SELECT EXISTS ({PULL_CANDIDATES} AND a.attempt_id <> ALL(%s){_PULL_SCOPED}) AS held"
 TASK_FOR_NO_KEY_UPDATE = "SELECT 1 FROM tasks WHERE task_id = %s FOR NO KEY UPDATE"
+# A Pull's usual case in one call (migration 0018; params: worker, credential digest, Session,
+# generation, pullId, token digest, Lease TTL µs, claimable keys, waiting): one row.
+PULL_QUICK = "SELECT * FROM ql_pull(%s, %s, %s, %s::bigint, %s, %s, %s::bigint, %s::text[], %s)"
 LEASE_ACTIVE_ATTEMPT_FOR_UPDATE = (
     "SELECT l.run_id, a.state FROM run_leases l JOIN attempts a USING (attempt_id)"
     " WHERE l.attempt_id = %s AND l.lease_generation = %s AND l.state = 'active'"
@@ -238,17 +242,11 @@ PLACEMENT_WORKER_FITS = (
     " AND (projects = '{}' OR %s = ANY(projects))) AS ok")
 
 # ``leases``: ACKs, the expired-Lease sweep, held Runs released.
-ACK_ATTEMPT_FOR_NO_KEY_UPDATE = (
-    "SELECT a.*, r.state AS run_state FROM attempts a JOIN runs r ON r.run_id = a.run_id"
-    " WHERE a.attempt_id = %s FOR NO KEY UPDATE OF a")
-ACK_ATTEMPT_MOVE = (
-    "UPDATE attempts SET state = %s, started_at_us = coalesce(started_at_us, %s),"
-    " version = version + 1 WHERE attempt_id = %s")
-ACK_RUN_MOVE = "UPDATE runs SET state = %s, version = version + 1, updated_at_us = %s WHERE run_id = %s"
-LEASE_EXTEND = (
-    "UPDATE run_leases SET expires_at_us = greatest(expires_at_us, %s)"
-    " WHERE attempt_id = %s AND lease_generation = %s")
-RUN_STATE = "SELECT state FROM runs WHERE run_id = %s"
+# One ACK (migration 0019; worker, credential digest, Session, generation, Attempt, lease
+# generation, token digest, target state, Lease TTL µs, reason, exit code, signal, bytes kept,
+# bytes dropped, peak RSS, CPU µs): one row, its code and facts.
+ACK = ("SELECT * FROM ql_ack(%s, %s, %s, %s::bigint, %s, %s::bigint, %s, %s, %s::bigint, %s, %s::integer, "
+       "%s::integer, %s::bigint, %s::bigint, %s::bigint, %s::bigint)")
 RUNS_RELEASE_HOLDS = (
     "UPDATE runs SET held = false WHERE run_id IN ("
     " SELECT r.run_id FROM runs r WHERE r.held AND r.state = 'queued' AND NOT EXISTS ("

@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from ...core.canonical import idempotency_key
 from ...core.dbclock import SKEW_BOUND_US, DatabaseClock
 from ...core.dispatch import Candidate
 from ...core.errors import UnavailableError
 from ...core.models import CreatedRun, Project
 from ..row_store import RowStore
-from ..rows import runs as runs_repo
 from ..rows import secrets as secret_rows
 from ..rows.dialect import Db
 from . import migrations
@@ -87,8 +87,13 @@ class PgStore(RowStore):
             raise
 
     # ---- transactions --------------------------------------------------------------------------
-    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", creates_runs: bool = False):
-        """``fn(cursor)`` in one transaction (see the module docstring). ``creates_runs``: a write
+    def _run(self, fn: Callable, *, write: bool, busy_code: str = "store_busy", creates_runs: bool = False,
+             single: bool = False, one_message: bool = False):
+        """``fn(cursor)`` in one transaction (see the module docstring); ``single``: a read of one
+        statement, run outside a transaction (autocommit: one round trip); ``one_message``: ``fn``
+        sends its whole transaction, BEGIN and COMMIT included, as one simple query (a client-side
+        binding cursor in autocommit; a query stopped inside its transaction is rolled back
+        before the re-run). ``creates_runs``: a write
         that creates Runs (Task Start, schedule fires) is planned without sequential scans,
         waits at most 5 s for a row lock and NOTIFYs no Pull from inside
         (``queries.CREATING_RUNS_SETTINGS``; its caller calls ``_wake_pulls`` after the commit). No lock orders
@@ -96,24 +101,51 @@ class PgStore(RowStore):
         on the whole table, so that every Run insert of another Task would fail this
         transaction's commit, while an index scan locks only the pages it reads."""
         import psycopg
-        from psycopg import errors
         from psycopg.rows import dict_row
         if write:
             fn = self._with_pending_project(fn)
         isolation = psycopg.IsolationLevel.SERIALIZABLE if write else psycopg.IsolationLevel.REPEATABLE_READ
+
+        def once(conn):
+            if single or one_message:
+                from psycopg import ClientCursor
+                from psycopg.pq import TransactionStatus
+                conn.autocommit = True
+                try:
+                    with (ClientCursor(conn, row_factory=dict_row) if one_message
+                          else conn.cursor(row_factory=dict_row)) as cur:
+                        try:
+                            return fn(Db(cur, POSTGRES))
+                        except BaseException:
+                            if conn.pgconn.transaction_status == TransactionStatus.INERROR:
+                                conn.execute("ROLLBACK")
+                            raise
+                finally:    # the pool's next user expects a transaction per unit
+                    _restore(conn, autocommit=False)
+            # BEGIN itself names the isolation level: no SET TRANSACTION round trip
+            conn.isolation_level, conn.read_only = isolation, not write
+            try:
+                with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+                    if creates_runs:
+                        cur.execute(CREATING_RUNS_SETTINGS)
+                    return fn(Db(cur, POSTGRES))
+            finally:    # the pool's other users (dispatch, transitions) begin at its default
+                _restore(conn, isolation_level=None, read_only=None)
+        result = self._tries(once, write=write, busy_code=busy_code)
+        return self._committed(result) if write else result
+
+    def _tries(self, once: Callable, *, write: bool, busy_code: str):
+        """``once(connection)`` on a pooled connection within the unit deadline; a write re-run
+        on a serialization failure, deadlock or unique-key race (at most ``WRITE_RETRIES``
+        times, paused a little longer each time), then UnavailableError ``busy_code``; a lock or
+        statement timeout is UnavailableError ``busy_code``, an unreachable server
+        ``store_unavailable``."""
+        import psycopg
+        from psycopg import errors
         for attempt in range(WRITE_RETRIES if write else 1):
             try:
                 with self.pool.connection(timeout=pool_wait()) as conn, deadline(conn):
-                    # BEGIN itself names the isolation level: no SET TRANSACTION round trip
-                    conn.isolation_level, conn.read_only = isolation, not write
-                    try:
-                        with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-                            if creates_runs:
-                                cur.execute(CREATING_RUNS_SETTINGS)
-                            result = fn(Db(cur, POSTGRES))
-                    finally:    # the pool's other users (dispatch, transitions) begin at its default
-                        _restore(conn, isolation_level=None, read_only=None)
-                return self._committed(result) if write else result
+                    return once(conn)
             except (errors.SerializationFailure, errors.DeadlockDetected, errors.UniqueViolation):
                 if not write:
                     raise
@@ -147,6 +179,10 @@ class PgStore(RowStore):
     def read(self, fn: Callable[..., T]) -> T:
         """``fn(cursor)`` in one read-only snapshot."""
         return self._run(fn, write=False)
+
+    def read_single(self, fn: Callable[..., T]) -> T:
+        """``fn(cursor)`` running one statement, outside a transaction (one round trip)."""
+        return self._run(fn, write=False, single=True)
 
     def write(self, fn: Callable[..., T]) -> T:
         """``fn(cursor)`` in one SERIALIZABLE transaction, re-run on serialization failures."""
@@ -191,18 +227,27 @@ class PgStore(RowStore):
     def task_start(self, *, project: str, task: str, subject: str, mutation_id: str, expected_revision: int,
                    expected_digest: str, admitted_project_version: int | None = None,
                    admitted_binding_version: int | None = None) -> CreatedRun:
-        """ADR-0376 §2 in one SERIALIZABLE transaction (``runs.task_start``); a serialization
-        failure re-runs it (at most ``WRITE_RETRIES`` times), then UnavailableError
-        ``task_start_unavailable`` (HTTP 503). A new Run wakes the Pulls after the commit."""
-        created = self._run(lambda c: runs_repo.task_start(
-            c, project=project, task=task, subject=subject, mutation_id=mutation_id,
-            expected_revision=expected_revision, expected_digest=expected_digest,
-            admitted_project_version=admitted_project_version, admitted_binding_version=admitted_binding_version,
-            now_us=self._tx_now(c), executor_type=self.executor_type), write=True, busy_code="task_start_unavailable",
-            creates_runs=True)
-        if not created.existing:
-            self._wake_pulls()
-        return created
+        """ADR-0376 §2 in one SERIALIZABLE transaction of one call (``postgres.runs``: the
+        database function plans without sequential scans and waits at most 5 s for its Task's
+        row), sent with its BEGIN, its COMMIT and the Pulls' wake-up after the commit as ONE
+        simple query (client-side binding): one round trip. A serialization failure re-runs it (at
+        most ``WRITE_RETRIES`` times), then UnavailableError ``task_start_unavailable`` (HTTP
+        503). A store whose Project is still to be created (``create_project="on_write"``)
+        creates it in the same transaction: the usual unit, then the wake-up."""
+        args = pg_runs.start_args(project=project, task=task, subject=subject, mutation_id=mutation_id,
+                                  expected_revision=expected_revision, expected_digest=expected_digest,
+                                  admitted_project_version=admitted_project_version,
+                                  admitted_binding_version=admitted_binding_version,
+                                  now_us=self._clock() if self._clock is not None else None,
+                                  executor_type=self.executor_type)
+        if self._pending_project is not None:
+            created = self._run(lambda c: pg_runs.started(c.one("TASK_START", args), task), write=True,
+                                busy_code="task_start_unavailable")
+            if not created.existing:
+                self._wake_pulls()
+            return created
+        return self._run(lambda c: pg_runs.start_in_one_message(c, args, project, idempotency_key(mutation_id), task),
+                         write=True, busy_code="task_start_unavailable", one_message=True)
 
     # ---- ScheduleStore hooks (``RowStore.fire_schedule``) ----------------------------------------
     def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:

@@ -2,22 +2,18 @@
 transaction: RunEvents with the next per-Run sequence, the Run's retry decision after an
 Attempt ended (``core.cluster.decide_after_attempt``), the end of a Lease (expiry or fencing),
 its adoption by a new Session of the same Worker, and the Lease fence every Worker fact passes
-through."""
+through. The row writes of an event, a fence, an Attempt's end and the Run's next step are
+database functions (migration 0019: one round trip each); the decisions stay here."""
 
 from __future__ import annotations
 
-import json
-
 from ...core.cluster import AdoptedLease, AdoptRefusal, AttemptEnd, LeaseFence, WorkerAuthError, decide_after_attempt
-from ...core.errors import ConflictError, NotFoundError
-from ...core.ids import new_id
+from ...core.errors import ConflictError, NotFoundError, QlError
 from ...core.models import RetryPolicy
 from ...core.states import AttemptState, LeaseState, RunState, SessionState
-from .queries import (DB_NOW, LEASES_OF_OTHER_SESSIONS_FOR_UPDATE, LEASE_ADOPT, LEASE_ATTEMPT_RUN_FOR_NO_KEY_UPDATE,
-                      LEASE_END, LEASE_OF_WORKER_FOR_UPDATE, LEASE_TO_ADOPT_FOR_UPDATE,
-                      RUN_CANCEL_TASK_FOR_NO_KEY_UPDATE, RUN_END, RUN_EVENT_INSERT, RUN_NEXT_EVENT_SEQUENCE,
-                      RUN_REQUEUE_DISPATCHING, RUN_REQUEUE_RETRY, RUN_RETRY_DEFINITION, SESSIONS_CLOSE_OTHERS,
-                      WORKER_ATTEMPT_END, WORKER_ATTEMPT_RETRY_INSERT, WORKER_BY_CREDENTIAL,
+from .queries import (DB_NOW, EVENT_APPEND, LEASE_FENCE, LEASES_OF_OTHER_SESSIONS_FOR_UPDATE, LEASE_ADOPT,
+                      LEASE_ATTEMPT_RUN_FOR_NO_KEY_UPDATE, LEASE_END, LEASE_TO_ADOPT_FOR_UPDATE, RUN_AFTER_ATTEMPT,
+                      RUN_REQUEUE_DISPATCHING, SESSIONS_CLOSE_OTHERS, WORKER_ATTEMPT_END, WORKER_BY_CREDENTIAL,
                       WORKER_BY_CREDENTIAL_FOR_NO_KEY_UPDATE)
 from .runs import set_holds
 
@@ -29,16 +25,7 @@ def now_us(cur) -> int:
 def event(cur, run_id: str, type_: str, actor: str, payload: dict, now: int) -> None:
     """Append one RunEvent (payload: identities, fences and figures only)."""
     from psycopg.types.json import Jsonb
-    seq = cur.execute(RUN_NEXT_EVENT_SEQUENCE, (run_id,)).fetchone()["event_sequence"]
-    cur.execute(RUN_EVENT_INSERT, (run_id, seq, new_id(), type_, actor, Jsonb(payload), now))
-
-
-def _retry_policy(cur, run_id: str) -> RetryPolicy | None:
-    row = cur.execute(RUN_RETRY_DEFINITION, (run_id,)).fetchone()
-    if row is None:
-        return None
-    retry = json.loads(row["definition_json"]).get("retry") or {}
-    return RetryPolicy(max_attempts=int(retry.get("maxAttempts", 1)), backoff_ms=int(retry.get("backoffMs", 0)))
+    cur.execute(EVENT_APPEND, (run_id, type_, actor, Jsonb(payload), now))
 
 
 def finish_attempt(cur, run_id: str, attempt_id: str, attempt_state: str, actor: str, now: int, *,
@@ -46,28 +33,27 @@ def finish_attempt(cur, run_id: str, attempt_id: str, attempt_state: str, actor:
     """End the Attempt in ``attempt_state`` and let the retry policy decide the Run; return the
     Run's new state (``queued`` when a new claimed Attempt follows)."""
     f = figures or {}
-    a = cur.execute(
-        WORKER_ATTEMPT_END,
-        (attempt_state, now, failure_reason, f.get("exit_code"), f.get("signal"), f.get("bytes_kept"),
-         f.get("bytes_dropped"), f.get("peak_rss_bytes"), f.get("cpu_time_us"), attempt_id)).fetchone()
-    run = cur.execute(RUN_CANCEL_TASK_FOR_NO_KEY_UPDATE, (run_id,)).fetchone()
-    decision = decide_after_attempt(AttemptEnd(attempt_state, a["attempt_no"], _retry_policy(cur, run_id),
-                                               run["cancel_requested_at_us"] is not None))
-    event(cur, run_id, f"attempt.{attempt_state}", actor,
-          {"attemptId": attempt_id, **({"reason": failure_reason} if failure_reason else {})}, now)
-    if decision.retry:
-        nxt = new_id()
-        cur.execute(WORKER_ATTEMPT_RETRY_INSERT,
-                    (nxt, run_id, a["attempt_no"] + 1, a["worker_executor"], now + decision.backoff_ms * 1000, now))
-        cur.execute(RUN_REQUEUE_RETRY, (nxt, now, now, run_id))
-        event(cur, run_id, "run.retrying", actor, {"attemptId": nxt, "attemptNo": a["attempt_no"] + 1,
-                                                   "notBeforeUs": now + decision.backoff_ms * 1000}, now)
-        set_holds(cur, run["task_id"])
-        return RunState.QUEUED
-    cur.execute(RUN_END, (decision.run_state, f.get("exit_code"), f.get("signal"), now, now, run_id))
-    event(cur, run_id, f"run.{decision.run_state}", actor, {"attemptId": attempt_id}, now)
-    set_holds(cur, run["task_id"])     # the Task's single instance is free again
-    return decision.run_state
+    ended = cur.execute(WORKER_ATTEMPT_END, (
+        run_id, attempt_id, attempt_state, now, failure_reason, f.get("exit_code"), f.get("signal"),
+        f.get("bytes_kept"), f.get("bytes_dropped"), f.get("peak_rss_bytes"), f.get("cpu_time_us"))).fetchone()
+    return after_attempt(cur, ended, run_id, attempt_id, attempt_state, actor, now, failure_reason,
+                         f.get("exit_code"), f.get("signal"))
+
+
+def after_attempt(cur, ended: dict, run_id: str, attempt_id: str, attempt_state: str, actor: str, now: int,
+                  failure_reason: str | None, exit_code: int | None, signal: int | None) -> str:
+    """The retry policy's decision (``core.cluster.decide_after_attempt``) on the facts of an
+    Attempt that just ended (``ended``: ``ql_attempt_end``'s row: its number and executor,
+    whether the Run was asked to cancel, its Task, the retry policy of its revision), applied
+    by ``ql_after_attempt``: the attempt event, then a new claimed Attempt (``run.retrying``)
+    or the Run's end, then the Task's holds. Returns the Run's new state."""
+    retry = None if ended["max_attempts"] is None else RetryPolicy(max_attempts=ended["max_attempts"],
+                                                                   backoff_ms=ended["backoff_ms"])
+    decision = decide_after_attempt(AttemptEnd(attempt_state, ended["attempt_no"], retry, ended["cancel_requested"]))
+    return cur.execute(RUN_AFTER_ATTEMPT, (
+        run_id, attempt_id, attempt_state, actor, now, failure_reason, decision.retry, decision.run_state,
+        ended["attempt_no"], ended["worker_executor"], now + decision.backoff_ms * 1000, exit_code, signal,
+        ended["task_id"])).fetchone()["state"]
 
 
 def end_lease(cur, lease: dict, lease_state: str, reason: str, now: int) -> str:
@@ -147,28 +133,43 @@ def authenticate(cur, worker_id: str, credential_digest: str, *, lock: bool = Fa
     return row
 
 
-def fenced_lease(cur, f: LeaseFence) -> tuple[dict, dict]:
-    """(lease row locked FOR UPDATE, worker row) after the ADR-0109 fence, else:
-    WorkerAuthError; NotFoundError ``lease_not_found``; ConflictError ``lease_token_mismatch``
-    or ``stale_generation`` (an older Session/generation than the Worker's current one).
+def fenced_lease(cur, f: LeaseFence) -> dict:
+    """The lease row, locked FOR UPDATE, after the ADR-0109 fence (``ql_lease_fence``), else
+    the error ``fence_refusal`` names.
 
     The generation is checked right after the credential and before the Lease is looked up
     (issue 10 §7): a replay from an older generation answers ``stale_generation`` whatever its
     Attempt, lease generation or token, so the answer depends on nothing but the Worker's own
     row and reveals neither whether the Lease exists nor whether the token matches."""
-    worker = authenticate(cur, f.worker_id, f.credential_digest)
-    if worker["generation"] != f.generation:
-        raise stale_session(f.session_id, f.generation, worker)
-    lease = cur.execute(LEASE_OF_WORKER_FOR_UPDATE, (f.attempt_id, f.lease_generation, f.worker_id)).fetchone()
-    if lease is None:
-        raise NotFoundError("no such Lease for this Worker", code="lease_not_found")
-    if lease["token_digest"] != f.token_digest:
-        raise ConflictError("lease token does not match the Lease", code="lease_token_mismatch")
-    if lease["session_id"] != f.session_id or lease["worker_generation"] != f.generation:
-        raise ConflictError(f"the Lease is bound to Session {lease['session_id']} (generation "
-                            f"{lease['worker_generation']}), not to Session {f.session_id} (generation "
-                            f"{f.generation}) the request names", code="stale_generation")
-    return lease, worker
+    row = cur.execute(LEASE_FENCE, (f.worker_id, f.credential_digest, f.session_id, f.generation, f.attempt_id,
+                                    f.lease_generation, f.token_digest)).fetchone()
+    refused = fence_refusal(row, f)
+    if refused is not None:
+        raise refused
+    return row
+
+
+def fence_refusal(row: dict, f: LeaseFence) -> QlError | None:
+    """The error of a Lease fence that refused (``row["code"]`` of ``ql_lease_fence`` or
+    ``ql_ack``), None when it passed: WorkerAuthError; ConflictError ``stale_generation`` (an
+    older generation than the Worker's current one, or a Lease bound to another Session or
+    generation than the request names); NotFoundError ``lease_not_found``; ConflictError
+    ``lease_token_mismatch``."""
+    code = row["code"]
+    if code == "worker_unauthorized":
+        return WorkerAuthError("worker credential does not match this Worker ID")
+    if code == "stale_generation":
+        return stale_session(f.session_id, f.generation, {"current_session_id": row["current_session_id"],
+                                                          "generation": row["current_generation"]})
+    if code == "lease_not_found":
+        return NotFoundError("no such Lease for this Worker", code="lease_not_found")
+    if code == "lease_token_mismatch":
+        return ConflictError("lease token does not match the Lease", code="lease_token_mismatch")
+    if code == "lease_elsewhere":
+        return ConflictError(f"the Lease is bound to Session {row['session_id']} (generation "
+                             f"{row['worker_generation']}), not to Session {f.session_id} (generation "
+                             f"{f.generation}) the request names", code="stale_generation")
+    return None
 
 
 def stale_session(session_id: str, generation: int, worker: dict) -> ConflictError:

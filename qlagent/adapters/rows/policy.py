@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...core.definitions import check_project_name
 from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
-from ...core.models import LOCAL_SUBJECT, ROLES, Project, RoleBinding, TokenInfo
+from ...core.models import LOCAL_SUBJECT, ROLES, Admission, Project, RoleBinding, TokenInfo
 from .dialect import Db
 
 
@@ -39,6 +39,20 @@ def get_project(db: Db, name_or_id: str, *, lock: bool = False) -> Project:
     if row is None:
         raise NotFoundError(f"project {name_or_id!r} does not exist", code="project_not_found")
     return _project(row)
+
+
+def admission(db: Db, project: str, digest: str) -> Admission:
+    """``core.ports.PolicyStore.admission`` in one statement (``ADMISSION``, each dialect's own):
+    the Project by name or ID, the live token with this digest, its subject's latest binding in
+    the token's Project when that binding is active."""
+    row = db.one("ADMISSION", (project, project, digest))
+    proj = _project(row) if row["project_id"] is not None else None
+    token = (row["token_project"], row["subject"]) if row["token_project"] is not None else None
+    binding = None
+    if token is not None and row["role"] is not None and row["binding_active"]:
+        binding = RoleBinding(project_id=token[0], subject=token[1], role=row["role"],
+                              binding_version=row["binding_version"])
+    return Admission(project=proj, token=token, binding=binding)
 
 
 def latest_binding(db: Db, project_id: str, subject: str) -> RoleBinding | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ...core.canonical import idempotency_key, sha256_hex, snapshot_ref
 from ...core.cursor import format_run_cursor, parse_run_cursor
-from ...core.errors import FenceRejected, NotFoundError, UnavailableError, ValidationError
+from ...core.errors import FenceRejected, NotFoundError, QlError, UnavailableError, ValidationError
 from ...core.ids import new_id
 from ...core.models import START_ROLES, Attempt, CreatedRun, Run, RunEvent, ScheduleCursor, TaskHead
 from ...core.receipt import TruncationFact
@@ -94,6 +94,32 @@ def persisted_identity(db: Db, run_row) -> CreatedRun:
                       state=run_row["state"], created_at_us=run_row["created_at_us"], existing=True)
 
 
+def refusal(outcome: str, task: str, head_revision: int | None = None, head_digest: str | None = None) -> QlError:
+    """The error a Task Start of ``task`` ends in when refused with ``outcome`` (ADR-0376 §3),
+    one vocabulary for both stores' paths (the cluster's ``ql_task_start`` returns it):
+    ``task_not_found`` → NotFoundError; ``project_changed``/``binding_changed`` →
+    FenceRejected(authorization_changed); ``definition_changed`` (naming the head's revision and
+    digest), ``task_disabled``, ``task_not_executable``, ``mutation_conflict`` → FenceRejected of
+    that reason; ``execution_corrupt``/``key_unreadable`` → UnavailableError(task_start_unavailable)."""
+    if outcome == "task_not_found":
+        return NotFoundError(f"task {task!r} does not exist", code="task_not_found")
+    if outcome == "definition_changed":
+        return FenceRejected(outcome, f"task is at revision {head_revision} with digest {head_digest}")
+    if outcome in _UNAVAILABLE:
+        return UnavailableError(_UNAVAILABLE[outcome], code="task_start_unavailable")
+    reason = "authorization_changed" if outcome in _AUTHORIZATION else outcome
+    return FenceRejected(reason, _AUTHORIZATION.get(outcome) or _FENCES[outcome])
+
+
+_AUTHORIZATION = {"project_changed": "the project changed since the request was admitted",
+                  "binding_changed": "the subject's role binding no longer allows run.start"}
+_FENCES = {"task_disabled": "the task is disabled",
+           "task_not_executable": "the task revision has no published execution revision",
+           "mutation_conflict": "this mutationId was used for a different request"}
+_UNAVAILABLE = {"execution_corrupt": "execution revision is corrupt",
+                "key_unreadable": "the idempotency key changed during the transaction"}
+
+
 def _replay(db: Db, project_id: str, key: str, *, task: str, subject: str, expected_revision: int,
             expected_digest: str) -> CreatedRun | None:
     """ADR-0376 §2 step 3 for a key that may exist: the persisted identity on an exact replay,
@@ -105,7 +131,7 @@ def _replay(db: Db, project_id: str, key: str, *, task: str, subject: str, expec
             and prior["task_snapshot_ref"] == snapshot_ref(expected_revision, expected_digest)
             and prior["requested_by"] == subject and prior["trigger_type"] == "task_start"):
         return persisted_identity(db, prior)
-    raise FenceRejected("mutation_conflict", "this mutationId was used for a different request")
+    raise refusal("mutation_conflict", task)
 
 
 def _creatable(db: Db, project_id: str, task: str, expected_revision: int, expected_digest: str):
@@ -113,19 +139,18 @@ def _creatable(db: Db, project_id: str, task: str, expected_revision: int, expec
     rather than raised so that step 3 (the key) can be decided first."""
     try:
         head = defs.get_head(db, project_id, task, lock=True)
-    except NotFoundError as e:
-        return e
+    except NotFoundError:
+        return refusal("task_not_found", task)
     if (head.revision, head.content_digest) != (expected_revision, expected_digest):
-        return FenceRejected("definition_changed",
-                             f"task is at revision {head.revision} with digest {head.content_digest}")
+        return refusal("definition_changed", task, head.revision, head.content_digest)
     if not head.enabled:
-        return FenceRejected("task_disabled", "the task is disabled")
+        return refusal("task_disabled", task)
     ex = db.one("EXECUTION_REVISION", (head.task_id, head.revision))
     if ex is None:
-        return FenceRejected("task_not_executable", "the task revision has no published execution revision")
+        return refusal("task_not_executable", task)
     # ADR-0376 §2 "digest 正确": the stored spec must hash to its execution digest (fail closed).
     if ex["kind"] not in ("local_process", "shell") or sha256_hex(ex["spec_json"].encode()) != ex["execution_digest"]:
-        return UnavailableError("execution revision is corrupt", code="task_start_unavailable")
+        return refusal("execution_corrupt", task)
     return head, ex["execution_digest"]
 
 
@@ -151,13 +176,13 @@ def task_start(db: Db, *, project: str, task: str, subject: str, mutation_id: st
     try:
         proj = policy.get_project(db, project, lock=True)
     except NotFoundError:
-        raise NotFoundError(f"task {task!r} does not exist", code="task_not_found") from None
+        raise refusal("task_not_found", task) from None
     if not proj.active or (admitted_project_version is not None and proj.project_version != admitted_project_version):
-        raise FenceRejected("authorization_changed", "the project changed since the request was admitted")
+        raise refusal("project_changed", task)
     binding = policy.latest_binding(db, proj.project_id, subject)
     if binding is None or binding.role not in START_ROLES or (
             admitted_binding_version is not None and binding.binding_version != admitted_binding_version):
-        raise FenceRejected("authorization_changed", "the subject's role binding no longer allows run.start")
+        raise refusal("binding_changed", task)
     key = idempotency_key(mutation_id)
     replay = dict(task=task, subject=subject, expected_revision=expected_revision, expected_digest=expected_digest)
     found = _creatable(db, proj.project_id, task, expected_revision, expected_digest)
@@ -176,7 +201,7 @@ def task_start(db: Db, *, project: str, task: str, subject: str, mutation_id: st
         return created
     prior = _replay(db, proj.project_id, key, **replay)
     if prior is None:       # the insert met a key this snapshot cannot read: no serial order holds
-        raise UnavailableError("the idempotency key changed during the transaction", code="task_start_unavailable")
+        raise refusal("key_unreadable", task)
     return prior
 
 

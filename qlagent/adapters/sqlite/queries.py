@@ -14,6 +14,15 @@ from ..rows.queries import sql_in
 STORE_PROBE_PUT = ("INSERT INTO store_probe (id, written_at_us) VALUES (1, ?) "
                    "ON CONFLICT (id) DO UPDATE SET written_at_us = excluded.written_at_us")
 PROJECT_BY_NAME_OR_ID_FOR_SHARE = shared.PROJECT_BY_NAME_OR_ID
+# An API request's authentication (params: Project name, Project ID, token digest): one row, NULLs
+# where the Project, the live token or its subject's binding (the latest) is absent.
+ADMISSION = ("SELECT p.project_id, p.name, p.project_version, p.active, t.project_id AS token_project, t.subject, "
+             "b.role, b.binding_version, b.active AS binding_active FROM (SELECT 1) q "
+             "LEFT JOIN projects p ON p.name = ? OR p.project_id = ? "
+             "LEFT JOIN api_tokens t ON t.token_digest = ? AND t.revoked_at_us IS NULL "
+             "LEFT JOIN role_bindings b ON b.project_id = t.project_id AND b.subject = t.subject "
+             "AND b.binding_version = (SELECT max(m.binding_version) FROM role_bindings m "
+             "WHERE m.project_id = t.project_id AND m.subject = t.subject)")
 TOKENS_OF_PROJECT = ("SELECT token_id, subject, created_at_us, revoked_at_us FROM api_tokens WHERE project_id = ? "
                      "ORDER BY created_at_us")
 
