@@ -28,7 +28,7 @@ from qlagent.application.secrets import SecretService
 from qlagent.core.clock import now_us
 from qlagent.core.profiles import EDGE
 from qlagent.service import control
-from kit import REPO, clean_env, qlagent_argv
+from kit import REPO, Serve, clean_env, qlagent_argv, wait_until
 
 TERMINAL = ("succeeded", "failed", "timed_out", "cancelled", "lost")
 
@@ -175,7 +175,8 @@ def procs_with_env(key: str, value: str) -> list[psutil.Process]:
 
 
 class Agent:
-    """A real ``qlagent serve`` in a subprocess over its own state directory."""
+    """A real ``qlagent serve`` (a :class:`kit.Serve`) over its own state directory; ``proc`` is
+    the latest one's process."""
 
     def __init__(self, root: str, config: str = "", profile: str = "edge") -> None:
         self.root = root
@@ -184,7 +185,7 @@ class Agent:
         with open(self.config, "w") as f:
             f.write(f'profile = "{profile}"\ndrain_grace_s = 0\nkill_grace_s = 1\n' + config)
         self.proc: subprocess.Popen | None = None
-        self.logs: list[str] = []
+        self.serves: list[Serve] = []
         self.cli("init")
 
     def env(self, extra: dict | None = None) -> dict:
@@ -202,26 +203,15 @@ class Agent:
         path = write_toml(os.path.join(self.root, f"tasks-{time.monotonic_ns()}.toml"), list(tasks))
         self.cli("task", "add", "-f", path)
 
-    def serve(self, exit_after: float = 60, env: dict | None = None, prefix: tuple = ()) -> subprocess.Popen:
+    def serve(self, exit_after: float = 60, env: dict | None = None, prefix: tuple = (),
+              ready: str | None = "service.ready") -> subprocess.Popen:
         """Start ``qlagent serve --exit-after`` (under ``prefix``, e.g. ``ip netns exec NS``)
-        and return once its control socket is bound (migrations and recovery are done)."""
-        self.log_path = os.path.join(self.root, f"serve-{time.monotonic_ns()}.log")
-        self.logs.append(self.log_path)
-        log = open(self.log_path, "wb")
-        try:
-            os.unlink(os.path.join(self.state, "control.sock"))
-        except FileNotFoundError:
-            pass
-        self.proc = subprocess.Popen([*prefix, *qlagent_argv("--state-dir", self.state, "serve", "--exit-after",
-                                                             str(exit_after))],
-                                     stdout=log, stderr=subprocess.STDOUT, env=self.env(env), cwd=REPO)
-        log.close()
-        sock = os.path.join(self.state, "control.sock")
-        end = time.monotonic() + 15
-        while not os.path.exists(sock):   # bound after migrations and recovery: the service is ready
-            assert self.proc.poll() is None, open(self.log_path, "rb").read()
-            assert time.monotonic() < end, "serve did not become ready"
-            time.sleep(0.02)
+        and return once its journal has a ``ready`` line (``service.ready``: migrations and
+        recovery are done, the control socket is bound); ``ready=None`` returns at once."""
+        serve = Serve("--state-dir", self.state, serve_args=("--exit-after", str(exit_after)), env=self.env(env),
+                      ready=ready, timeout=15, prefix=prefix, cwd=REPO)
+        self.serves.append(serve)
+        self.proc = serve.proc
         return self.proc
 
     def start(self, name: str) -> str:
@@ -246,15 +236,16 @@ class Agent:
                              "WHERE a.run_id = ?", (run_id,)).fetchall()
 
     def wait(self, run_id: str, states=TERMINAL, timeout_s: float = 30.0) -> sqlite3.Row:
-        """Poll the store (another process owns the engine) until the Run is in ``states``."""
-        end = time.monotonic() + timeout_s
-        while True:
+        """Poll the store (another process owns the engine) until the Run is in ``states``;
+        fails at once, with the journal, if ``serve`` ended."""
+        def reached() -> sqlite3.Row | None:
             r = self.run(run_id)
             if r["state"] in states:
                 return r
-            assert self.proc is None or self.proc.poll() is None, open(self.log_path, "rb").read()[-4000:]
-            assert time.monotonic() < end, f"run {run_id} still {r['state']}"
-            time.sleep(0.05)
+            assert self.proc is None or self.proc.poll() is None, self.journal()[-4000:]
+            return None
+        return wait_until(reached, timeout_s, f"run {run_id} in {states}", step=0.05,
+                          detail=lambda: f"still {self.run(run_id)['state']}")
 
     def poke(self) -> None:
         control.poke(os.path.join(self.state, "control.sock"))
@@ -271,9 +262,5 @@ class Agent:
         self.proc.wait()
 
     def journal(self) -> bytes:
-        """Everything every ``serve`` of this Agent wrote (stdout and stderr)."""
-        out = b""
-        for p in self.logs:
-            with open(p, "rb") as f:
-                out += f.read()
-        return out
+        """Every journal line every ``serve`` of this Agent wrote."""
+        return "".join(s.journal() for s in self.serves).encode()

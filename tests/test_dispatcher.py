@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import threading
-import time
 
 import pytest
 from execkit import Bench, task
@@ -26,7 +25,7 @@ from qlagent.adapters.rows import definitions as defs
 from qlagent.adapters.rows import runs as runs_repo
 from qlagent.core.dispatch import DispatchResult
 from qlagent.core.profiles import EDGE, STANDALONE
-from kit import scratch_dir
+from kit import scratch_dir, wait_until
 
 STATUSES = {"activated", "no_candidate", "more", "unavailable", "launch_failed", "limited"}
 REASON = re.compile(r"^[a-z][a-z0-9_:]{0,40}$")
@@ -375,10 +374,7 @@ def test_recovery_ingests_a_receipt_of_an_attempt_left_starting(root):
     b.drive(lambda: b.run(rid).state == "running", dispatch=False)     # the shim has its spec
     aid = b.attempts(rid)[0].attempt_id
     receipt = os.path.join(b.runs_dir, aid, "receipt.json")
-    end = time.monotonic() + 10
-    while not os.path.exists(receipt):
-        assert time.monotonic() < end
-        time.sleep(0.02)
+    wait_until(lambda: os.path.exists(receipt), 10, receipt)
     b.engine.abandon_all()                         # this agent "dies" without ingesting
     b.store.write(lambda c: (c.execute("UPDATE runs SET state = 'starting' WHERE run_id = ?", (rid,)),
                              c.execute("UPDATE attempts SET state = 'starting', shim_pid = NULL "

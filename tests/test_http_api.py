@@ -26,7 +26,7 @@ from qlagent.adapters.sqlite.dialect import SQLITE
 from qlagent.http.routing import openapi_document
 
 from qlcli import ok
-from kit import Serve, free_port, scratch_dir
+from kit import Serve, free_port, scratch_dir, wait_until
 
 
 def documented_routes() -> set[tuple[str, str]]:
@@ -211,14 +211,12 @@ def start(agent: Agent, tok: str, task: str, body: bytes, base: str = BASE):
 
 def await_state(agent: Agent, tok: str, run_id: str, states: set[str], timeout: float = 30) -> dict:
     """Poll the Run until its state is in ``states`` (the agent offers no push channel)."""
-    end = time.monotonic() + timeout
-    while True:
+    def reached() -> dict | None:
         status, run = agent.json("GET", f"{BASE}/runs/{run_id}", tok)
         assert status == 200, run
-        if run["state"] in states or time.monotonic() > end:
-            assert run["state"] in states, run
-            return run
-        time.sleep(0.02)
+        return run if run["state"] in states else None
+    return wait_until(reached, timeout, f"run {run_id} in {sorted(states)}",
+                      detail=lambda: agent.json("GET", f"{BASE}/runs/{run_id}", tok)[1])
 
 
 # ---- Task Start --------------------------------------------------------------------------------
@@ -466,12 +464,10 @@ def _locked_start(agent: Agent, state: str, tok: str, task: str, body: bytes, wh
     ``while_locked(conn)`` inside that transaction, commit after ``hold_s`` and return the answer."""
     # No Run may be live: the engine's own writes would wait on this lock too (see the report:
     # a finishing Run whose write outlasts busy_timeout stops the agent).
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
+    def idle() -> bool:
         with db(state) as c:
-            if not c.execute("SELECT count(*) FROM runs WHERE state IN ('queued','starting','running')").fetchone()[0]:
-                break
-        time.sleep(0.02)
+            return not c.execute("SELECT count(*) FROM runs WHERE state IN ('queued','starting','running')").fetchone()[0]
+    wait_until(idle, 30, "no live Run")
     # Two answered requests = the loop went once around after the last Run ended, so the
     # scheduler pass that a Run end triggers has written already.
     for _ in range(2):
@@ -614,10 +610,7 @@ def test_cancel_queued_and_running_runs_stops_the_process_tree(env):
     h = head(agent, tok["op"], "sleeper")
     first = start(agent, tok["op"], "sleeper", start_body(h["revision"], h["contentDigest"]))[1]["runId"]
     await_state(agent, tok["op"], first, {"running"})
-    end = time.monotonic() + 10
-    while len(_tree_alive()) < 2 and time.monotonic() < end:
-        time.sleep(0.02)
-    assert len(_tree_alive()) == 2
+    wait_until(lambda: len(_tree_alive()) == 2, 10, "the run's two sleep processes")
     second = start(agent, tok["op"], "sleeper", start_body(h["revision"], h["contentDigest"]))[1]["runId"]
     assert agent.json("GET", f"{BASE}/runs/{second}", tok["op"])[1]["state"] == "queued"  # concurrency single
     assert agent.json("POST", f"{BASE}/runs/{second}/cancel", tok["viewer"])[0] == 403

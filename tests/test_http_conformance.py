@@ -22,7 +22,7 @@ from test_http_server import connect, raw, read_response, running
 
 from qlagent.core.profiles import EDGE
 from qlagent.http.wire import HttpLimits, byte_range
-from kit import scratch_dir
+from kit import scratch_dir, wait_until
 
 
 # The test server of test_http_server.py plus the two probe paths, as the agent's surface has.
@@ -155,10 +155,7 @@ def _hold_slots(port: int, n: int) -> list[socket.socket]:
 def test_probes_are_answered_while_stalled_peers_hold_every_slot(edge):
     srv, port = edge
     held = _hold_slots(port, 4)
-    deadline = time.monotonic() + 5
-    while srv.in_flight < 4 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert srv.in_flight == 4
+    wait_until(lambda: srv.in_flight == 4, 5, "four stalled requests in flight", step=0.005)
     assert status_of(port, b"GET /items/1 HTTP/1.1\r\nHost: x\r\n\r\n") == 503    # others wait
     assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200      # the probe does not
     with connect(port) as s:
@@ -171,23 +168,18 @@ def test_probes_are_answered_while_stalled_peers_hold_every_slot(edge):
         s.close()
     # The server frees a slot once it has finished with that connection, which may come a loop
     # pass after the 408 reached us (the CI run of a loaded machine saw 1 still held).
-    deadline = time.monotonic() + 5
-    while srv.in_flight and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert srv.in_flight == 0
+    wait_until(lambda: srv.in_flight == 0, 5, "every slot freed", step=0.005)
     assert status_of(port, b"GET /items/1 HTTP/1.1\r\nHost: x\r\n\r\n") == 200
 
 
-def _wait_full(srv, limits):
-    """Within 5 s: the server holds ``limits.max_connections`` connections and has read what
-    each one sent so far (until it has, a socket looks silent to it, and closing it with the
-    unread bytes would reset it)."""
-    deadline = time.monotonic() + 5
-    while srv.connections < limits.max_connections and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert srv.connections == limits.max_connections
-    while not all(c.started for c in list(srv._conns)) and time.monotonic() < deadline:
-        time.sleep(0.005)
+def _wait_full(srv, limits, sent: bool):
+    """Within 5 s each: the server holds ``limits.max_connections`` connections and, when each
+    peer ``sent`` bytes, has read them (until it has, a socket looks silent to it, and closing it
+    with the unread bytes would reset it)."""
+    wait_until(lambda: srv.connections == limits.max_connections, 5, "every connection accepted", step=0.005)
+    if sent:
+        wait_until(lambda: all(c.started for c in list(srv._conns)), 5, "every connection's bytes read",
+                   step=0.005)
 
 
 def test_probes_are_answered_while_silent_sockets_fill_every_connection():
@@ -195,7 +187,7 @@ def test_probes_are_answered_while_silent_sockets_fill_every_connection():
     with running(limits) as (srv, port):
         srv.probe_paths = frozenset({"/hello"})
         silent = [connect(port) for _ in range(limits.max_connections)]
-        _wait_full(srv, limits)
+        _wait_full(srv, limits, sent=False)
         t0 = time.monotonic()
         assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         assert time.monotonic() - t0 < 5                      # not after the 30 s first-byte timeout
@@ -217,7 +209,7 @@ def test_probes_are_answered_while_slow_peers_fill_every_connection():
             s = connect(port)
             s.sendall(b"GET /items/1 HTTP/1.1\r\nHost: x\r\n")
             slow.append(s)
-        _wait_full(srv, limits)
+        _wait_full(srv, limits, sent=True)
         t0 = time.monotonic()
         assert status_of(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n") == 200
         assert time.monotonic() - t0 < 5

@@ -24,6 +24,7 @@ from qlagent.core.errors import ValidationError
 from qlagent.core.models import RoleBinding
 from qlagent.core.tokens import new_token
 from httploop import LoopThread
+from kit import wait_until
 from qlagent.http.routing import Router
 from qlagent.http.server import HttpServer
 from qlagent.core.profiles import EDGE, STANDALONE
@@ -119,10 +120,7 @@ def assert_healthy(srv: HttpServer, port: int) -> None:
     r = c.getresponse()
     assert (r.status, json.loads(r.read())) == (200, {"hello": "world"})
     c.close()
-    deadline = time.monotonic() + 5
-    while srv.in_flight and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert srv.in_flight == 0
+    wait_until(lambda: srv.in_flight == 0, 5, "no request in flight", step=0.005)
 
 
 def error_body(resp: http.client.HTTPResponse) -> dict:
@@ -139,10 +137,7 @@ def test_fifth_concurrent_request_gets_503_with_retry_after_and_no_queue(edge):
         s = connect(port)
         s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345")
         held.append(s)
-    deadline = time.monotonic() + 5
-    while srv.in_flight < 4 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert srv.in_flight == 4
+    wait_until(lambda: srv.in_flight == 4, 5, "four requests in flight", step=0.005)
     busy = raw(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
     assert busy.status == 503
     assert busy.getheader("Retry-After") == "1"
@@ -335,18 +330,14 @@ def test_connection_limit_refuses_with_503():
         idle = [connect(port) for _ in range(3)]
         for s in idle:          # each has a request in flight (its body pending): none can be dropped
             s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
-        deadline = time.monotonic() + 5
-        while srv.in_flight < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: srv.in_flight >= 3, 5, "three requests in flight", step=0.005)
         time.sleep(0.1)
         r = raw(port, b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
         assert r.status == 503 and error_body(r)["code"] == "too_many_connections"
         assert r.getheader("Retry-After") == "1"
         for s in idle:
             s.close()
-        deadline = time.monotonic() + 5
-        while srv.connections and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: srv.connections == 0, 5, "every connection closed", step=0.005)
         assert_healthy(srv, port)
 
 
@@ -357,12 +348,9 @@ def test_connection_limit_evicts_the_oldest_connection_that_never_sent_a_request
         served.request("GET", "/hello")
         assert served.getresponse().read()  # now an idle keep-alive: evicted only after the silent ones
         old, young = connect(port), None
-        deadline = time.monotonic() + 5
-        while srv.connections < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: srv.connections >= 2, 5, "the old silent connection accepted", step=0.005)
         young = connect(port)
-        while srv.connections < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_until(lambda: srv.connections >= 3, 5, "the young silent connection accepted", step=0.005)
         assert raw(port, b"GET /hello HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").status == 200
         assert old.recv(10) == b""          # the oldest silent one made room ...
         served.request("GET", "/hello")     # ... not the served keep-alive, not the younger silent one
@@ -457,10 +445,8 @@ def test_file_range_sends_exact_bytes_without_rss_growing_by_the_file(tmp_path):
         with connect(port) as s:
             s.sendall(b"GET /file?offset=0&length=%d HTTP/1.1\r\nHost: x\r\n\r\n" % FILE_SIZE)
             s.recv(1000)
-        deadline = time.monotonic() + 5
-        while (srv.connections or len(os.listdir("/proc/self/fd")) > before_fds) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert srv.connections == 0 and len(os.listdir("/proc/self/fd")) <= before_fds
+        wait_until(lambda: srv.connections == 0 and len(os.listdir("/proc/self/fd")) <= before_fds, 5,
+                   "the connection closed and its file descriptors released")
         assert_healthy(srv, port)
 
 
@@ -676,10 +662,7 @@ def test_fuzzed_requests_get_clean_answers(fuzz_server, caplog, requests):
     assert all(st_ in (100, 200, 400, 404, 405, 408, 411, 413, 414, 431, 501, 505) for st_ in statuses), statuses
     assert b"Traceback" not in data
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
-    deadline = time.monotonic() + 5
-    while srv.in_flight and time.monotonic() < deadline:
-        time.sleep(0.002)
-    assert srv.in_flight == 0
+    wait_until(lambda: srv.in_flight == 0, 5, "no request in flight", step=0.002)
 
 
 def test_driven_by_a_foreign_selectors_loop_next_to_other_fds():

@@ -8,9 +8,10 @@ are covered without editing this file):
    docs/ARCHITECTURE.md: which qlagent layers a layer may import, and which drivers
    (sqlite3, psycopg, pyroute2, psutil, cryptography) only adapters may touch. A lazy import in a
    function is still an edge.
-2. **Import-time load.** Each module is imported alone in a FRESH interpreter: the pure core loads
-   no I/O module and nothing loads a heavy dependency (pyroute2, cryptography) just by being
-   imported — only the call that needs it does.
+2. **Import-time load.** Each module is imported alone in a FRESH interpreter (a child forked
+   from one interpreter that loaded only what the probe needs, so no start-up is paid per
+   module): the pure core loads no I/O module and nothing loads a heavy dependency (pyroute2,
+   cryptography) just by being imported — only the call that needs it does.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -217,21 +217,53 @@ def test_the_table_is_the_one_in_architecture_md():
 
 # ---- import-time load, in fresh interpreters ----------------------------------------------------
 
-PROBE = ("import importlib, json, sys; importlib.import_module(sys.argv[1]); "
-         "print(json.dumps(sorted(sys.modules)))")
+# ``python -c PROBE WIDTH MODULE…``: with nothing loaded but importlib, json, os and sys, fork a
+# child per module (WIDTH at a time) that imports it and writes {"modules": sorted sys.modules}
+# or {"error": traceback} to its pipe; print {module: that} as JSON.
+PROBE = r"""
+import importlib, json, os, sys
 
+def probe(module, w):
+    try:
+        importlib.import_module(module)
+        out = {"modules": sorted(sys.modules)}
+    except BaseException:
+        import traceback
+        out = {"error": traceback.format_exc()}
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
 
-def _probe(module: str):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP",)}
-    p = subprocess.run([sys.executable, "-c", PROBE, module], capture_output=True, text=True, env=env, timeout=60)
-    return p.returncode, p.stdout, p.stderr
+width, pending, live, found = int(sys.argv[1]), sys.argv[2:], [], {}
+while pending or live:
+    while pending and len(live) < width:
+        module = pending.pop(0)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            probe(module, w)
+        os.close(w)
+        live.append((module, pid, r))
+    module, pid, r = live.pop(0)
+    chunks = []
+    while data := os.read(r, 65536):
+        chunks.append(data)
+    os.close(r)
+    os.waitpid(pid, 0)
+    found[module] = json.loads(b"".join(chunks) or b'{"error": "the child wrote nothing"}')
+print(json.dumps(found))
+"""
 
 
 @pytest.fixture(scope="module")
-def loaded() -> dict[str, tuple[int, str, str]]:
-    """module → (returncode, json list of sys.modules, stderr), probed in parallel fresh interpreters."""
-    with ThreadPoolExecutor(max_workers=min(16, (os.cpu_count() or 2) * 2)) as pool:
-        return dict(zip(MODULES, pool.map(_probe, MODULES)))
+def loaded() -> dict[str, dict]:
+    """module → {"modules": its sys.modules after importing it alone} or {"error": traceback}."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP",)}
+    width = min(16, (os.cpu_count() or 2) * 2)
+    p = subprocess.run([sys.executable, "-c", PROBE, str(width), *MODULES], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
 
 
 def _hits(modules: list[str], prefixes) -> list[str]:
@@ -240,9 +272,8 @@ def _hits(modules: list[str], prefixes) -> list[str]:
 
 @pytest.mark.parametrize("module", list(MODULES))
 def test_import_alone_loads_nothing_it_must_not(loaded, module):
-    rc, out, err = loaded[module]
-    assert rc == 0, f"importing {module} alone failed:\n{err}"
-    mods = json.loads(out)
+    assert "error" not in loaded[module], f"importing {module} alone failed:\n{loaded[module]['error']}"
+    mods = loaded[module]["modules"]
     layer = layer_of(module)
     # A module's own enclosing packages load with it (``qlagent.worker`` for ``worker.policy.x``).
     others = [m for m in _hits(mods, set(ALLOWED) - {"qlagent"})

@@ -25,7 +25,7 @@ import pytest
 from execkit import REPO, Agent, file_bytes_under, procs_with_env, task
 
 from qlagent.core.profiles import EDGE, MiB
-from kit import qlagent_argv, scratch_dir
+from kit import qlagent_argv, scratch_dir, wait_until
 
 GRACE_S = 1
 
@@ -236,10 +236,7 @@ def test_f2_cancel_leaves_no_process_of_the_run(root):
         ids = [a.start("tree"), a.start("stubborn")]
         for r in ids:
             a.wait(r, ("running",))
-            end = time.monotonic() + 5
-            while len(procs_with_env("QL3_RUN_ID", r)) < 4:      # sh + three sleeps are up
-                assert time.monotonic() < end
-                time.sleep(0.02)
+            wait_until(lambda: len(procs_with_env("QL3_RUN_ID", r)) >= 4, 5, "sh and its three sleeps")
         for r in ids:
             a.cli("run", "cancel", r)
         runs = [a.wait(r) for r in ids]
@@ -263,10 +260,7 @@ def test_f2_shim_killed_leaves_no_process_of_the_run(root):
     try:
         r = a.start("tree")
         a.wait(r, ("running",))
-        end = time.monotonic() + 5
-        while len(procs_with_env("QL3_RUN_ID", r)) < 4:
-            assert time.monotonic() < end
-            time.sleep(0.02)
+        wait_until(lambda: len(procs_with_env("QL3_RUN_ID", r)) >= 4, 5, "sh and its three sleeps")
         with a.db() as c:
             shim = c.execute("SELECT shim_pid FROM attempts WHERE run_id = ?", (r,)).fetchone()[0]
         os.kill(shim, signal.SIGKILL)
@@ -285,15 +279,12 @@ def test_f3_timeout_holds_on_schedule_by_hand_and_inline(root):
     a.serve()
     try:
         hand = a.start("f3hand")
-        end = time.monotonic() + 5
-        while True:
+
+        def fired():
             with a.db() as c:
-                row = c.execute("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = 'f3cron' "
-                                "ORDER BY r.created_at_us LIMIT 1").fetchone()
-            if row:
-                break
-            assert time.monotonic() < end, "the every-second schedule did not fire"
-            time.sleep(0.05)
+                return c.execute("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = 'f3cron' "
+                                 "ORDER BY r.created_at_us LIMIT 1").fetchone()
+        row = wait_until(fired, 5, "a fire of the every-second schedule", step=0.05)
         cron = row[0]
         runs = {"cron": a.wait(cron), "hand": a.wait(hand)}
         a.cli("task", "disable", "f3cron")
@@ -331,18 +322,13 @@ def test_f5_agent_killed_mid_run_log_keeps_filling_and_receipt_gives_real_exit(r
     rid = a.start("chatty")
     a.wait(rid, ("running",))
     att = a.attempts(rid)[0]
-    end = time.monotonic() + 5
-    while os.path.getsize(att["artifact_path"]) == 0:
-        assert time.monotonic() < end
-        time.sleep(0.01)
+    wait_until(lambda: os.path.getsize(att["artifact_path"]) > 0, 5, "the first log bytes", step=0.01)
     a.kill()                                                   # SIGKILL the agent
     at_kill = os.path.getsize(att["artifact_path"])
     assert at_kill < 4194304
     shim = psutil.Process(att["shim_pid"])
-    end = time.monotonic() + 10
-    while shim.is_running() and shim.status() != psutil.STATUS_ZOMBIE:   # task ends on its own
-        assert time.monotonic() < end
-        time.sleep(0.05)
+    wait_until(lambda: not shim.is_running() or shim.status() == psutil.STATUS_ZOMBIE, 10,
+               "the shim's end (its task ends on its own)", step=0.05)
     assert os.path.getsize(att["artifact_path"]) == 4194304    # it kept filling, up to the quota
     assert a.run(rid)["state"] == "running"                    # nobody has told the store yet
     a.serve()
@@ -383,10 +369,7 @@ def test_f5_shim_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
     a.serve()
     rid = a.start("orphan")
     a.wait(rid, ("running",))
-    end = time.monotonic() + 5
-    while not procs_with_env("QL3_RUN_ID", rid):
-        assert time.monotonic() < end
-        time.sleep(0.02)
+    wait_until(lambda: procs_with_env("QL3_RUN_ID", rid), 5, "the task's process")
     a.kill()
     os.kill(a.attempts(rid)[0]["shim_pid"], signal.SIGKILL)
     assert procs_with_env("QL3_RUN_ID", rid)                   # the task is still there
@@ -396,10 +379,7 @@ def test_f5_shim_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
     finally:
         assert a.stop() == 0
     assert run["state"] == "lost"
-    end = time.monotonic() + 3
-    while procs_with_env("QL3_RUN_ID", rid):
-        assert time.monotonic() < end, "the orphaned task survived recovery"
-        time.sleep(0.05)
+    wait_until(lambda: not procs_with_env("QL3_RUN_ID", rid), 3, "recovery to stop the orphaned task", step=0.05)
 
 
 def test_a_task_left_behind_is_stopped_by_an_agent_started_on_a_wiped_state_dir(root):
@@ -412,26 +392,19 @@ def test_a_task_left_behind_is_stopped_by_an_agent_started_on_a_wiped_state_dir(
     rid = a.start("sleepy")
     a.wait(rid, ("running",))
     att = a.attempts(rid)[0]
-    end = time.monotonic() + 5
-    while len(procs_with_env("QL3_RUN_ID", rid)) < 2:          # the shell and its sleep
-        assert time.monotonic() < end
-        time.sleep(0.02)
+    wait_until(lambda: len(procs_with_env("QL3_RUN_ID", rid)) >= 2, 5, "the shell and its sleep")
     a.kill()
     os.kill(att["shim_pid"], signal.SIGKILL)
-    end = time.monotonic() + 5
-    while len(procs_with_env("QL3_RUN_ID", rid)) != 1:         # the leader went with its shim
-        assert time.monotonic() < end, [p.cmdline() for p in procs_with_env("QL3_RUN_ID", rid)]
-        time.sleep(0.02)
+    wait_until(lambda: len(procs_with_env("QL3_RUN_ID", rid)) == 1, 5, "the leader gone with its shim",
+               detail=lambda: [p.cmdline() for p in procs_with_env("QL3_RUN_ID", rid)])
     (left,) = procs_with_env("QL3_RUN_ID", rid)
     assert left.cmdline()[0].endswith("sleep")
     shutil.rmtree(a.state)
     a.cli("init")
     a.serve()
     try:
-        end = time.monotonic() + 5
-        while procs_with_env("QL3_RUN_ID", rid):
-            assert time.monotonic() < end, "the old task survived the new agent's start"
-            time.sleep(0.05)
+        wait_until(lambda: not procs_with_env("QL3_RUN_ID", rid), 5, "the new agent to stop the old task",
+                   step=0.05)
     finally:
         assert a.stop() == 0
     line = [ln for ln in a.journal().decode().splitlines() if "run.stray_stopped" in ln]
@@ -603,15 +576,10 @@ def test_pid_budget_holds_back_the_next_run(root):
     try:
         big = a.start("forky")
         a.wait(big, ("running",))
-        end = time.monotonic() + 5
-        while len(procs_with_env("QL3_RUN_ID", big)) < 63:
-            assert time.monotonic() < end
-            time.sleep(0.02)
+        wait_until(lambda: len(procs_with_env("QL3_RUN_ID", big)) >= 63, 5, "63 processes of the forky task")
         nxt = a.start("next")
-        end = time.monotonic() + 5
-        while b"dispatch.refused" not in a.journal():
-            assert time.monotonic() < end, a.journal()[-2000:]
-            time.sleep(0.02)
+        wait_until(lambda: b"dispatch.refused" in a.journal(), 5, "dispatch.refused in the journal",
+                   detail=lambda: a.journal()[-2000:])
         assert b"pids" in a.journal().split(b"dispatch.refused", 1)[1][:200]
         assert a.run(nxt)["state"] == "queued"
         a.cli("run", "cancel", big)
@@ -695,15 +663,11 @@ def test_wait_without_a_service_answers_cancel_and_interruption(root):
     for interrupt in (False, True):
         waiter = subprocess.Popen(qlagent_argv("--state-dir", a.state, "run", "start", "sl", "--wait"),
                                   env=a.env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        end = time.monotonic() + 10
-        while True:
+        def tree_up() -> str | None:
             runs = json.loads(a.cli("run", "ls", "--json").stdout)["items"]
-            live = [r for r in runs if r["state"] == "running"]
-            if live and len(procs_with_env("QL3_RUN_ID", live[0]["runId"])) >= 3:
-                break
-            assert time.monotonic() < end, runs
-            time.sleep(0.05)
-        rid = live[0]["runId"]
+            live = [r["runId"] for r in runs if r["state"] == "running"]
+            return live[0] if live and len(procs_with_env("QL3_RUN_ID", live[0])) >= 3 else None
+        rid = wait_until(tree_up, 10, "the waiter's Run running with its three processes", step=0.05)
         t0 = time.monotonic()
         if interrupt:
             waiter.send_signal(signal.SIGTERM)

@@ -23,7 +23,7 @@ from execkit import Agent, Bench, file_bytes_under, task
 
 from qlagent.core.limits import DEFAULT_PATH
 from qlagent.core.profiles import EDGE, MiB
-from kit import scratch_dir
+from kit import scratch_dir, wait_until
 
 SECRET = b"pl41ntext-S3CRET-7d1e0c"          # must never be found outside the task's own memory/log
 OTHER = b"second-S3CRET-value-91"
@@ -253,10 +253,8 @@ def test_symlinked_artifact_root_is_refused_without_spinning(root):
     a.serve()
     try:
         rid = a.start("t")
-        end = time.monotonic() + 5
-        while b"dispatch.refused" not in a.journal() and b"run.unavailable" not in a.journal():
-            assert time.monotonic() < end, a.journal()
-            time.sleep(0.02)
+        wait_until(lambda: b"dispatch.refused" in a.journal() or b"run.unavailable" in a.journal(), 5,
+                   "the Run refused or unavailable", detail=a.journal)
         cpu0 = psutil.Process(a.proc.pid).cpu_times()
         time.sleep(1.0)     # nothing to await: the point is that the service stays idle
         cpu1 = psutil.Process(a.proc.pid).cpu_times()

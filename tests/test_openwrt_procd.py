@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kit import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 GATE = REPO / "openwrt" / "gate" / "procd-gate"
@@ -85,17 +86,7 @@ class Router:
 
     def start(self) -> int:
         self.ok("/etc/init.d/qlagent start")
-        return wait(self.pid, 30, "procd never ran the agent")
-
-
-def wait(pred, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.3)
-    raise AssertionError(f"{what} (waited {timeout_s} s)")
+        return wait_until(self.pid, 30, "procd to run the agent", step=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +128,13 @@ def test_opkg_installs_the_ipk_names_the_depends_this_root_lacks_and_enables_the
 def test_start_running_restart_stop_enable_disable(router):
     pid = router.start()
     assert router.sh("/etc/init.d/qlagent running").returncode == 0
-    wait(lambda: f"daemon.info qlagent[{pid}]: service.ready profile=edge" in "\n".join(router.log()), 30,
-         "no service.ready line")
+    wait_until(lambda: f"daemon.info qlagent[{pid}]: service.ready profile=edge" in "\n".join(router.log()), 30,
+               "the service.ready line", step=0.3)
     router.ok("/etc/init.d/qlagent restart")
-    new = wait(lambda: (p := router.pid()) not in (None, pid) and p, 60, "restart did not replace the agent")
+    new = wait_until(lambda: (p := router.pid()) not in (None, pid) and p, 60, "a new agent after restart", step=0.3)
     assert new != pid
     router.ok("/etc/init.d/qlagent stop")
-    wait(lambda: router.instance() is None, 60, "stop left the instance")
+    wait_until(lambda: router.instance() is None, 60, "the instance gone after stop", step=0.3)
     assert router.sh("/etc/init.d/qlagent running").returncode != 0
     router.ok("/etc/init.d/qlagent disable")
     assert not list((router.root / "etc" / "rc.d").iterdir())
@@ -164,7 +155,8 @@ def test_a_good_uci_change_reaches_the_agent_as_sighup_through_the_trigger(route
     time.sleep(4)           # the uci CLI only writes /etc/config/qlagent: procd hears nothing
     assert reloads(router, pid) == before and router.instance()["term_timeout"] == 30
     router.ok("reload_config")          # the config.change event (LuCI's apply sends it too)
-    wait(lambda: reloads(router, pid) == before + 1, 30, "no config.reloaded after uci commit + reload_config")
+    wait_until(lambda: reloads(router, pid) == before + 1, 30, "config.reloaded after uci commit + reload_config",
+               step=0.3)
     inst = router.instance()
     assert inst["pid"] == pid and inst["term_timeout"] == 35
     assert "drain_grace_s = 25" in router.ok(f"cat {CONF}")
@@ -177,7 +169,7 @@ def test_a_bad_uci_change_is_refused_and_procd_keeps_the_running_instance(router
                f"(/etc/config/qlagent, section main); the running agent and {CONF} are kept")
     n = router.log().count(refusal)
     router.uci_commit("profile=huge")
-    wait(lambda: router.log().count(refusal) == n + 1, 30, "the refusal was not logged")
+    wait_until(lambda: router.log().count(refusal) == n + 1, 30, "the refusal logged", step=0.3)
     time.sleep(3)           # procd compared the instance: unchanged, so no signal, no restart
     assert router.pid() == pid and reloads(router, pid) == before
     assert router.ok(f"cat {CONF}") == conf
@@ -205,17 +197,17 @@ def runs(router) -> dict[str, tuple[str, str]]:
 def test_stop_with_live_runs_honours_the_drain_within_term_timeout(router):
     pid = router.pid() or router.start()
     router.uci_commit("drain_grace_s=5")
-    wait(lambda: (router.instance() or {}).get("term_timeout") == 15, 30, "term_timeout did not become 15")
+    wait_until(lambda: (router.instance() or {}).get("term_timeout") == 15, 30, "term_timeout 15", step=0.3)
     (router.root / "root").mkdir(exist_ok=True)
     (router.root / "root" / "gate-tasks.toml").write_text(TASKS)
     os.chmod(router.root / "root", 0o755)
     assert router.cli("task add -f /root/gate-tasks.toml").returncode == 0
     for t in ("short", "long"):
         assert router.cli(f"run start {t}").returncode == 0
-    wait(lambda: {s for s, _ in runs(router).values()} == {"running"}, 30, "the runs did not start")
+    wait_until(lambda: {s for s, _ in runs(router).values()} == {"running"}, 30, "every run running", step=0.3)
     t0 = time.monotonic()
     router.ok("/etc/init.d/qlagent stop")
-    wait(lambda: router.instance() is None, 30, "the agent did not stop")
+    wait_until(lambda: router.instance() is None, 30, "the agent stopped", step=0.3)
     elapsed = time.monotonic() - t0
     assert elapsed < 15, f"stop took {elapsed:.1f} s: procd's term_timeout (15 s) would SIGKILL"
     assert runs(router) == {"short": ("succeeded", "0"), "long": ("cancelled", "sig15")}
@@ -282,7 +274,7 @@ def as_worker(router, cp, ca_pem: str) -> str:
     shutil.copy(ca_pem, etc / "cp-ca.pem")
     os.chmod(etc / "cp-ca.pem", 0o644)
     router.ok("/etc/init.d/qlagent stop")
-    wait(lambda: router.instance() is None, 60, "the agent did not stop")
+    wait_until(lambda: router.instance() is None, 60, "the agent stopped", step=0.3)
     router.ok(f"uci set qlagent.main.control_url='{cp.url}'; uci set qlagent.main.worker_id='{wid}'; "
               "uci set qlagent.main.credential_file=/etc/qlagent/worker.cred; "
               "uci set qlagent.main.ca_file=/etc/qlagent/cp-ca.pem; uci commit qlagent")
@@ -316,7 +308,8 @@ def test_a_worker_at_1970_retries_in_process_and_joins_when_the_clock_is_set(rou
             assert cp.workers[wid]["session"] is None
         fake.write_text("+0\n")                          # NTP stepped the clock to now
         t0 = time.monotonic()
-        wait(lambda: cp.workers[wid]["session"] is not None, 60, "the Worker did not join after the clock step")
+        wait_until(lambda: cp.workers[wid]["session"] is not None, 60, "the Worker's Session after the clock step",
+                   step=0.3)
         print(f"joined {time.monotonic() - t0:.1f} s after the clock step")
         time.sleep(3)
         assert router.pid() == pid, "\n".join(router.log()[-4:] + router.procd_log()[-4:])  # no restart, no reboot
@@ -337,7 +330,8 @@ def test_a_worker_without_dns_retries_in_process_and_joins_when_names_resolve(ro
                    for ln in router.log() if f"qlagent[{pid}]" in ln)
         hosts.write_text(saved)                      # the name resolves now
         t0 = time.monotonic()
-        wait(lambda: cp.workers[wid]["session"] is not None, 120, "the Worker did not join once names resolved")
+        wait_until(lambda: cp.workers[wid]["session"] is not None, 120, "the Worker's Session once names resolved",
+                   step=0.3)
         print(f"joined {time.monotonic() - t0:.1f} s after names resolved")
         assert router.pid() == pid
     finally:

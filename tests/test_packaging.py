@@ -251,12 +251,15 @@ def test_apt_install_without_systemd_pulls_the_standalone_tools_not_systemd(deb,
     assert not {"systemd", "dbus", "libcryptsetup12", "libsystemd-shared"} & set(fresh["Inst"]), fresh["Inst"]
 
     # That root, installed, later gets systemd: apt replaces the standalone tools, qlagent stays.
+    # (One apt-cache for every archive package: each call loads the package lists anew.)
+    local = {"qlagent": deb, "qlagent-test-stub": tmp_path / "stub.deb"}
+    shown = subprocess.run(["apt-cache", "show", "--no-all-versions", *(n for n in fresh["Inst"] if n not in local)],
+                           check=True, capture_output=True, text=True).stdout
+    archive = {control_fields(r)["Package"]: r.strip() for r in shown.split("\n\n") if r.strip()}
     records = []
     for name in fresh["Inst"]:
-        local = {"qlagent": deb, "qlagent-test-stub": tmp_path / "stub.deb"}.get(name)
-        text = subprocess.run(["dpkg-deb", "-f", str(local)] if local else
-                              ["apt-cache", "show", "--no-all-versions", name],
-                              check=True, capture_output=True, text=True).stdout.strip()
+        text = (subprocess.run(["dpkg-deb", "-f", str(local[name])], check=True, capture_output=True,
+                               text=True).stdout.strip() if name in local else archive[name])
         records.append(text.replace("\n", "\nStatus: install ok installed\n", 1))
     installed = tmp_path / "installed"
     installed.write_text("\n\n".join(records) + "\n")

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from qlcli import ok
 from servehelp import add_tasks, runs_of
-from kit import clean_env, qlagent_argv, wait_until
+from kit import Serve, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None
                                 or shutil.which("nsenter") is None,
@@ -65,10 +65,9 @@ name = "longrun"
 shell = "/bin/sh"
 script = "sleep 3; echo done"
 ''')
-    u = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", *qlagent_argv("--state-dir", state, "serve")],
-                         env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    u = Serve("--state-dir", state, prefix=("unshare", "--pid", "--fork", "--mount-proc"))
     try:
-        agent = wait_until(lambda: (_children(u.pid) or [None])[0], 20)
+        (agent,) = _children(u.pid)                     # unshare's one child: the agent, PID 1 inside
         with open(f"/proc/{agent}/status") as f:
             assert [ln for ln in f if ln.startswith("NSpid:")][0].split()[-1] == "1"
         ok(state, "run", "start", "orphan")
@@ -78,15 +77,13 @@ script = "sleep 3; echo done"
         # Every orphan has ended by now (each slept ≤ 1 s); as PID 1 the agent must have reaped them.
         # Its one child left is the fork server, which outlives runs by design.
         wait_until(lambda: not _zombies(agent) and not [c for c in _children(agent) if not _is_fork_server(c)],
-                   15, 0.2)
+                   15, "the orphans reaped", step=0.2)
         run_id = ok(state, "run", "start", "longrun").stdout.decode().strip()
         wait_until(lambda: dict(runs_of(state, "longrun"))[run_id] == "running", 30)
         os.kill(agent, signal.SIGTERM)
         assert u.wait(60) == 0
-        err = u.stderr.read().decode()
+        err = u.journal()
         assert "service.draining" in err and "service.stopped" in err, err[-2000:]
         assert dict(runs_of(state, "longrun"))[run_id] == "succeeded"
     finally:
-        if u.poll() is None:
-            u.kill()
-            u.wait()
+        u.kill()

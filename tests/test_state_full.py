@@ -16,7 +16,7 @@ import time
 
 import pytest
 from execkit import Agent, task
-from kit import REPO, free_port, qlagent_argv, wait_until
+from kit import free_port, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: root only")
 
@@ -122,12 +122,7 @@ def test_an_agent_started_on_a_full_state_file_system_waits_for_space_instead_of
     assert p.returncode == 5 and p.stderr.count(b"\n") == 1 and b"file system is full" in p.stderr, p.stderr
     doctor = a.cli("doctor", check=False)
     assert doctor.returncode == 5 and b"FAIL  state free space" in doctor.stdout, (doctor.stdout, doctor.stderr)
-    log_path = os.path.join(root, "serve.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(qlagent_argv("--state-dir", a.state, "serve", "--exit-after", "60"), stdout=log,
-                                stderr=subprocess.STDOUT, env=a.env(), cwd=REPO)
-    a.proc, a.log_path = proc, log_path
-    a.logs.append(log_path)
+    proc = a.serve(ready=None)                   # no service.ready until the store opens
     try:
         time.sleep(4)
         journal = a.journal().decode()

@@ -24,7 +24,8 @@ KNOWN_NAMESPACES = {"RunState", "AttemptState", "WorkerState", "SessionState", "
                     "InboxState", "OutcomeKind",                     # the Worker inbox's rows and outcomes
                     "AckKind", "ClaimStatus",                        # core.cluster: ACK kinds, claim outcomes
                     "LeaseHold", "Owed",                             # a Worker Job's Lease and what it owes
-                    "StartPhase"}                                    # a fork-served shim start
+                    "StartPhase",                                    # a fork-served shim start
+                    "KillReason"}                                    # why a task was signalled
 # The same words where they are not a state (file, word).
 NOT_STATES = {
     # counts and counters: `qlagent status`'s JSON, the Worker's and the overview's figures
@@ -39,6 +40,8 @@ NOT_STATES = {
     ("worker/runtime.py", "open"), ("worker/recovery.py", "lost"),
     # the Worker's start error code for a cancelled start
     ("worker/spawn.py", "cancelled"),
+    # `run cancel`, the command; a Worker Job's flag (a cancel heard) in its __slots__
+    ("cli/run.py", "cancel"), ("worker/job.py", "cancel"),
     # a certificate's validity in an error message; a Project's or binding's `active` column
     ("adapters/control_client.py", "expired"), ("adapters/rows/policy.py", "active"),
     # a connection's flag in the HTTP loop's __slots__; a Run's `held` column; a fire's outcome
@@ -101,7 +104,7 @@ def literals(tree: ast.Module, skip: list[ast.ClassDef]) -> list[tuple[int, str]
 
 def test_every_state_namespace_is_found():
     assert KNOWN_NAMESPACES <= set(NAMESPACES), KNOWN_NAMESPACES - set(NAMESPACES)
-    assert {"queued", "barrier", "completion", "worker_unavailable", "lost_kept", "running_ack"} <= NAMES
+    assert {"queued", "barrier", "completion", "worker_unavailable", "lost_kept", "running_ack", "timeout"} <= NAMES
 
 
 def test_no_state_name_is_a_string_literal_outside_its_namespace():

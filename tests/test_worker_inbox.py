@@ -10,7 +10,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 import uuid
 
 import msgspec
@@ -26,6 +25,7 @@ from qlagent.core.inbox_states import (InboxState, COLLECT, REATTACH, REPORT_LOS
                                        InboxFull, InboxOffer, OfferConflict, pull_body, recovery_action,
                                        spec_bytes)
 from qlagent.core.profiles import EDGE
+from kit import wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECRET_VALUE = "pl41ntext-never-on-disk-7d1f"
@@ -452,10 +452,7 @@ def test_a_run_gone_without_a_receipt_is_reported_lost_not_spawned_again(tmp_pat
     w = _worker(state, offer_path, "spawn")
     assert w.stdout.readline() == "spawn\n"
     task = int(open(os.path.join(state, "runs", offer.attempt_id, "task.pid")).read())
-    deadline = time.monotonic() + 30
-    while not (spawns.exists() and spawns.read_text()):             # the task did start
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: spawns.exists() and spawns.read_text(), 30, "the task's start", step=0.01)
     w.kill()
     os.killpg(task, signal.SIGKILL)                  # the run died with the Worker (e.g. a reboot)
     w.wait()

@@ -39,6 +39,7 @@ from ..core.states import AttemptState
 from .rows import definitions as defs
 from .rows import execution as ex
 from .rows import policy, runs, secrets
+from .rows.dialect import Db
 
 T = TypeVar("T")
 DEFAULT_TIMEOUT_MS = 3_600_000      # timing() of a revision that is gone (recovery only)
@@ -55,7 +56,7 @@ class _Rollback(Exception):
 class RowBatch:
     """``core.ports.DefinitionBatch`` on the connection/cursor of one open write transaction."""
 
-    def __init__(self, store: RowStore, conn, now_us: int) -> None:
+    def __init__(self, store: RowStore, conn: Db, now_us: int) -> None:
         self._s, self._c, self._now = store, conn, now_us
 
     def get_head(self, project_id: str, name_or_id: str) -> TaskHead | None:

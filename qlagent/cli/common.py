@@ -14,6 +14,13 @@ import sys
 from ..core import errors as E
 from ..core.limits import MAX_TIMEOUT_S as MAX_WAIT_S     # --timeout/--exit-after: seconds
 
+# typing.TYPE_CHECKING without loading typing (`--help` loads none: tests/test_cli_imports.py);
+# type checkers take any TYPE_CHECKING as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:   # annotations only: core.settings loads msgspec, core.ports its records
+    from ..core.ports import Store
+    from ..core.settings import Settings
+
 
 def print_json(obj) -> None:
     """``obj`` as indented JSON on stdout (msgspec encodes it)."""
@@ -55,7 +62,7 @@ CREATING_COMMANDS = {("task", "add"), ("import", "qinglong"), ("secret", "set"),
 LOCAL_STORE_COMMANDS = frozenset({"task", "secret", "run", "token", "role", "import"})
 
 
-def refuse_on_worker(settings, command: str, sub: str | None) -> None:
+def refuse_on_worker(settings: Settings, command: str, sub: str | None) -> None:
     """ValidationError ``worker_mode`` (exit 2, field ``worker``) for a local-store command
     (``LOCAL_STORE_COMMANDS``) under a ``[worker]`` configuration: without it ``task add`` or
     ``run start`` would write to a store the Worker never reads (a Run queued for ever)."""
@@ -76,7 +83,8 @@ class Ctx:
 
     def __init__(self, args) -> None:
         self.args = args
-        self._store = None
+        self._store: Store | None = None
+        self.settings: Settings | None     # None for a command that reads no configuration
         # `worker join` makes the config the others read; `tls` makes files and reads none (on a
         # packaged control plane root runs it, whose trust rules refuse the service's state dir).
         if not getattr(args, "reads_config", True):
@@ -98,7 +106,7 @@ class Ctx:
         refuse_on_worker(self.settings, args.command, getattr(args, "sub", None))
 
     @property
-    def store(self):
+    def store(self) -> Store:
         if self._store is None:
             if (self.settings.config.cluster is None and not os.path.exists(self.settings.db_path)
                     and self.args.command != "init"):

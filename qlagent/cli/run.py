@@ -165,14 +165,14 @@ def _cluster_logs(ctx: Ctx, run_id: str, offset: int, remaining: int | None) -> 
 def cmd_run_cancel(ctx: Ctx) -> int:
     from ..application.cancel import request_cancel
     from ..application.runs import RunService
-    from ..core.states import RUN_TERMINAL
+    from ..core.states import RunState
     before = RunService(ctx.store).get(ctx.args.run)
-    if before.state in RUN_TERMINAL:
+    if before.state in RunState.TERMINAL:
         raise E.ConflictError(f"run {before.run_id} had already ended ({before.state}); nothing to cancel",
                               code="run_ended")
     run = request_cancel(ctx.store, before.run_id, "local:cli")
     ctx.poke_service()
-    print(f"{run.run_id} {run.state}" + (" (cancel requested)" if run.state not in RUN_TERMINAL else ""))
+    print(f"{run.run_id} {run.state}" + (" (cancel requested)" if run.state not in RunState.TERMINAL else ""))
     return 0
 
 

@@ -13,10 +13,9 @@ from ..core.cluster import Ack, AckKind, AckResult, LeaseFence
 from ..core.errors import ValidationError
 from ..core.leasefit import check_lease_ttl
 from ..core.ports import LeaseStore
-from ..core.states import AttemptState, outcome
+from ..core.states import AttemptState, KillReason, outcome
 from .registry import check_generation, check_token, check_uuid, credential_digest
 
-KILL_REASONS = ("timeout", "cancel", "shutdown")
 START_ERROR = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
 # Completion figures: (Ack attribute, wire name an error names; docs/worker-protocol.md "Errors").
 FIGURES = (("bytes_kept", "bytesKept"), ("bytes_dropped", "bytesDropped"), ("peak_rss_bytes", "peakRssBytes"),
@@ -56,8 +55,8 @@ def target_state(ack: Ack) -> str:
     _figure("exitCode", ack.exit_code, 255)
     if ack.signal is not None and not (isinstance(ack.signal, int) and 1 <= ack.signal <= 64):
         raise ValidationError("signal", "must be 1..64", limit=64)
-    if ack.kill_reason is not None and ack.kill_reason not in KILL_REASONS:
-        raise ValidationError("killReason", f"must be one of {list(KILL_REASONS)}")
+    if ack.kill_reason is not None and ack.kill_reason not in KillReason.ALL:
+        raise ValidationError("killReason", f"must be one of {list(KillReason.ALL)}")
     for attr, wire in FIGURES:
         _figure(wire, getattr(ack, attr))
     return outcome(ack.exit_code, ack.signal, None, ack.kill_reason)

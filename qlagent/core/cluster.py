@@ -270,8 +270,8 @@ class AckKind:
 class Ack(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):
     """A Worker fact about one leased Attempt (ADR-0109), fenced by Session, generation, lease
     generation and lease token. ``kind``: starting | running | start_failure | completion.
-    Completion carries the exit code or signal, why the Worker signalled the task (``kill_reason``
-    timeout/cancel/shutdown) and figures (bytes, µs)."""
+    Completion carries the exit code or signal, why the Worker signalled the task (``kill_reason``,
+    a ``core.states.KillReason``) and figures (bytes, µs)."""
 
     session_id: str
     generation: int

@@ -8,7 +8,8 @@ Attempt: claimed → starting → running → succeeded | failed | timed_out | c
 
 The cluster's own rows name their states here too (their transitions live in the PostgreSQL
 adapter): ``WorkerState``, ``SessionState``, ``LeaseState``. The Worker inbox's states are
-``core.inbox_states.InboxState``, what an ACK reports ``core.cluster.AckKind``.
+``core.inbox_states.InboxState``, what an ACK reports ``core.cluster.AckKind``. Why the agent or
+a Worker signalled a task is a ``KillReason``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class RunState:
     ALL = (QUEUED, STARTING, RUNNING, SUCCEEDED, FAILED, TIMED_OUT, CANCELLED, LOST)
     ALL_CLUSTER = (QUEUED, DISPATCHING, STARTING, RUNNING, SUCCEEDED, FAILED, TIMED_OUT, CANCELLED, LOST)
     LIVE = frozenset({QUEUED, STARTING, RUNNING})
+    LIVE_CLUSTER = LIVE | {DISPATCHING}
     ACTIVE = frozenset({STARTING, RUNNING})
     TERMINAL = frozenset(ALL) - LIVE
 
@@ -100,12 +102,23 @@ class LeaseState:
     ENDED = frozenset({EXPIRED, FENCED})
 
 
-RUN_LIVE = RunState.LIVE
-RUN_LIVE_CLUSTER = RunState.LIVE | {RunState.DISPATCHING}
+class KillReason:
+    """Why the agent or a Worker signalled a task's process tree (a Worker's ACK
+    ``killReason``): its deadline passed (``TIMEOUT``), a cancel was requested (``CANCEL``), the
+    agent is shutting down (``SHUTDOWN``). The Attempt then ends ``timed_out`` or ``cancelled``
+    whatever its exit status (``outcome``)."""
+
+    TIMEOUT = "timeout"
+    CANCEL = "cancel"
+    SHUTDOWN = "shutdown"
+
+    ALL = (TIMEOUT, CANCEL, SHUTDOWN)
+
+
+# The PostgreSQL adapter's names of RunState.LIVE_CLUSTER, RunState.ACTIVE and AttemptState.ACTIVE.
+RUN_LIVE_CLUSTER = RunState.LIVE_CLUSTER
 RUN_ACTIVE = RunState.ACTIVE
-RUN_TERMINAL = RunState.TERMINAL
 ATTEMPT_ACTIVE = AttemptState.ACTIVE
-ATTEMPT_TERMINAL = AttemptState.TERMINAL
 
 
 _R, _A = RunState, AttemptState
@@ -142,14 +155,14 @@ def check_attempt(src: str, dst: str) -> None:
 def outcome(exit_code: int | None, signal: int | None, start_error: str | None, kill_reason: str | None) -> str:
     """Terminal Attempt state from a completion receipt and why the agent signalled (if it did).
 
-    ``kill_reason`` is ``timeout``, ``cancel`` or ``shutdown``: a task the agent stopped ends
-    ``timed_out``/``cancelled`` whatever its exit status; otherwise exit 0 → succeeded.
+    ``kill_reason`` is a ``KillReason``: a task the agent stopped ends ``timed_out``/``cancelled``
+    whatever its exit status; otherwise exit 0 → succeeded.
     """
     if start_error is not None:
         return AttemptState.START_FAILED
-    if kill_reason == "timeout":
+    if kill_reason == KillReason.TIMEOUT:
         return AttemptState.TIMED_OUT
-    if kill_reason in ("cancel", "shutdown"):
+    if kill_reason in (KillReason.CANCEL, KillReason.SHUTDOWN):
         return AttemptState.CANCELLED
     return AttemptState.SUCCEEDED if exit_code == 0 and signal is None else AttemptState.FAILED
 

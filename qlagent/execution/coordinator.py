@@ -21,7 +21,7 @@ from ..core.dispatch import Finish, LaunchCommand
 from ..core.errors import StartError, UnavailableError
 from ..core.limits import SHIM_START_BOUND_US
 from ..core.receipt import bounded, start_code
-from ..core.states import AttemptState, RunState, outcome
+from ..core.states import AttemptState, KillReason, RunState, outcome
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import ExecutionStore, ProcessPort
@@ -232,7 +232,7 @@ class LocalExecutionCoordinator:
                 self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGKILL)
                 lr.kill_at_us = None
             elif lr.kill_reason is None and lr.deadline_us is not None and now >= lr.deadline_us:
-                self._stop(lr, "timeout", now)
+                self._stop(lr, KillReason.TIMEOUT, now)
             if lr.pidfd is None and not self._procs.alive(lr.shim_pid, lr.create_time):
                 self.on_exit(lr.attempt_id)
 
@@ -260,12 +260,12 @@ class LocalExecutionCoordinator:
         for aid in wanted:
             sa = self.starting.get(aid)
             if sa is not None and sa.stop is None:
-                sa.stop = ("cancel", None)
+                sa.stop = (KillReason.CANCEL, None)
                 n += 1
         for aid in wanted:
             lr = self.live.get(aid)
             if lr is not None and lr.kill_reason is None:
-                self._stop(lr, "cancel", now)
+                self._stop(lr, KillReason.CANCEL, now)
                 n += 1
         return n
 
@@ -329,7 +329,7 @@ class LocalExecutionCoordinator:
                              grace_ms * 1000, None)
                 self.live[la.attempt_id] = lr
                 if la.attempt_id in cancels:
-                    self._stop(lr, "cancel", self._now())
+                    self._stop(lr, KillReason.CANCEL, self._now())
                 counts["reattached"] += 1
             else:
                 self._procs.signal_run(la.attempt_id, None, signal.SIGKILL)

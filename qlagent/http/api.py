@@ -24,7 +24,7 @@ from qlagent.core import taskstart as ts
 from qlagent.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from qlagent.core.errors import FenceRejected, NotFoundError, QlError, UnavailableError, ValidationError
 from qlagent.core.models import Run
-from qlagent.core.states import RUN_TERMINAL, RunState
+from qlagent.core.states import RunState
 from qlagent.http.auth import AuthError, Principal, bearer_digest, judge
 from qlagent.http.routing import Router, openapi_document
 from qlagent.http.wire import FileRange, HttpError, Request, Response, byte_range, content_range, query_int
@@ -232,7 +232,7 @@ class Api:
         Run got the intent and the loop is stopping its process tree (CancelResult)."""
         principal, proj = self._principal(req, p["projectId"], "run.cancel")
         run = request_cancel(self.store, p["runId"], principal.subject, proj.project_id)
-        if run.state in RUN_TERMINAL:
+        if run.state in RunState.TERMINAL:
             return Response.json(200, {"runId": run.run_id, "state": run.state})
         self.on_change()
         return Response.json(202, {"runId": run.run_id, "state": run.state})

@@ -22,7 +22,7 @@ import time
 from .. import bootstrap
 from ..core.clock import now_us
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
-from ..core.states import RUN_LIVE, AttemptState, RunState
+from ..core.states import AttemptState, KillReason, RunState
 from . import control
 from .config import Settings, parse_listen, resolve, state_space_problem
 from .journal import Journal
@@ -291,7 +291,7 @@ class Service:
             if self.engine.live_count():
                 return False   # a Run this process launched (ours or one queued before it) is still live
             return self.draining or \
-                RunService(self.store).get(self.inline_run).state not in RUN_LIVE
+                RunService(self.store).get(self.inline_run).state not in RunState.LIVE
         return self.draining and self.engine.live_count() == 0
 
     def _close(self) -> None:
@@ -532,7 +532,7 @@ class Service:
             self.drain_deadline_us = None
             kill_grace = self.settings.config.kill_grace_s
             self.log("notice", "service.drain_expired", cancelling=self.engine.live_count())
-            self.engine.stop_all("shutdown", kill_grace)
+            self.engine.stop_all(KillReason.SHUTDOWN, kill_grace)
             self.kill_deadline_us = now + int((kill_grace + 2) * 1e6)
         elif self.kill_deadline_us is not None and now >= self.kill_deadline_us:
             # Everything got SIGKILL; a shim that still has not exited is not worth waiting for.

@@ -59,7 +59,7 @@ class Job:
         self.stop_at_us: int | None = None
         self.ttl_us = 0
         self.deadline_us: int | None = None       # the spec's timeout, Worker monotonic µs
-        self.kill_reason: str | None = None       # timeout | cancel | shutdown | None
+        self.kill_reason: str | None = None       # a core.states.KillReason once signalled
         self.kill_at_us: int | None = None        # SIGKILL due (after the grace)
         self.lease = LeaseHold.HELD
         self.owed = {Owed.LOG}

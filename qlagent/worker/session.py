@@ -14,6 +14,7 @@ from ..core.errors import ValidationError
 from ..core.leasefit import KILL_REAP_US          # after SIGKILL: reaping the tree (fencing's kill grace adds it)
 from .policy import backoff, fencing, heartbeat
 from ..core.inbox_states import InboxState
+from ..core.states import KillReason
 from .job import Job, LeaseHold, Owed
 
 
@@ -260,7 +261,7 @@ class SessionDuty:
                     j.cancel = True
                     self.log("info", "worker.cancel", attempt=aid)
                     if j.handle is not None:
-                        self._stop(j, "cancel")
+                        self._stop(j, KillReason.CANCEL)
 
     def _ttl(self, j: Job) -> int:
         return j.ttl_us or self.ttl_us

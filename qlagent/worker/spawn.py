@@ -11,6 +11,7 @@ from ..core.errors import StartError
 from ..core.limits import SHIM_START_BOUND_US
 from ..core.receipt import start_code
 from ..core.inbox_states import InboxState, OutcomeKind
+from ..core.states import KillReason
 from .job import Job, Owed
 from .stops import STOP_TAIL_US
 
@@ -80,7 +81,7 @@ class SpawnDuty:
         if j.fenced and j.kill_reason is None:
             self._stop(j, None)
         elif j.cancel:
-            self._stop(j, "cancel")
+            self._stop(j, KillReason.CANCEL)
         self._send_owed()
 
     def _start_error(self, j: Job, e: StartError) -> None:

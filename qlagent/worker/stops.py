@@ -6,6 +6,7 @@ import signal
 
 from .policy import fencing
 from ..core.inbox_states import InboxState, OutcomeKind
+from ..core.states import KillReason
 from .job import Job, LeaseHold
 
 
@@ -30,7 +31,7 @@ class StopDuty:
                     self.runs.signal(j.handle, signal.SIGKILL)
                     j.kill_at_us = None
                 if j.kill_reason is None and not j.fenced and j.deadline_us is not None and now >= j.deadline_us:
-                    self._stop(j, "shutdown" if self.stopping else "timeout")
+                    self._stop(j, KillReason.SHUTDOWN if self.stopping else KillReason.TIMEOUT)
             if j.fenced or j.gone or j.entry.state not in InboxState.LIVE:
                 continue
             if j.renewal is None and j.stop_at_us is not None:

@@ -20,7 +20,7 @@ from cpkit import make_ca
 from pgkit import token
 from qlagent.core.ids import new_id
 from test_cluster_e2e import sql, start_replica
-from kit import free_port, scratch_dir
+from kit import free_port, scratch_dir, wait_until
 
 WORKERS = "/api/v3/cluster/workers"
 TASKS = """
@@ -273,13 +273,12 @@ def test_a_run_only_workers_of_other_projects_could_take_is_reported_unplaceable
         cp.ok("--project", project, "task", "add", "-f", tasks)
     Worker(plane, "z9-alpha", "--label", "zone=z9", "--project", "alpha")
     delta, alpha = (cp.ok("--project", p, "run", "start", "zoned").strip() for p in ("delta", "alpha"))
-    deadline = time.monotonic() + 20                     # the replica's sweep pass (every 0.5 s) checks them
-    while time.monotonic() < deadline and "run.unplaceable" not in cp.ok("--project", "delta", "run", "show", delta):
-        time.sleep(0.2)
+    # the replica's sweep pass (every 0.5 s) checks them
+    wait_until(lambda: "run.unplaceable" in cp.ok("--project", "delta", "run", "show", delta), 20,
+               "the delta Run reported unplaceable", step=0.2)
     shown = json.loads(cp.ok("--project", "delta", "run", "show", delta, "--json"))
     assert [e["payload"]["reason"] for e in shown["events"] if e["type"] == "run.unplaceable"] \
         == ["no_enrolled_worker_matches"], shown
-    while time.monotonic() < deadline and sql(plane["url"], "SELECT placement_checked FROM runs WHERE run_id = %s",
-                                              (alpha,)) != [(True,)]:
-        time.sleep(0.2)
+    wait_until(lambda: sql(plane["url"], "SELECT placement_checked FROM runs WHERE run_id = %s", (alpha,)) == [(True,)],
+               20, "the alpha Run's placement checked", step=0.2)
     assert "run.unplaceable" not in cp.ok("--project", "alpha", "run", "show", alpha)   # its Worker can take it

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import create_database, db_url, drop_database
 from cpkit import make_ca
-from kit import Serve, free_port, qlagent_argv, run_cli, scratch_dir
+from kit import Serve, free_port, qlagent_argv, run_cli, scratch_dir, wait_until
 
 BASE = "/api/v3/projects/default"
 TASKS = """
@@ -164,11 +164,10 @@ def test_a_real_worker_runs_a_task_started_from_the_cli_and_its_log_is_read_from
     # The Worker ends the Run (completion ACK), then uploads the log's chunks: the completion
     # carries no log size, so wait for the bytes too before reading them back.
     output = b"hello-from-the-worker\nsecond line\n"
-    deadline = time.monotonic() + 20
-    while sql(plane["url"], "SELECT r.state, a.log_next_offset FROM runs r JOIN attempts a "
-                            "ON a.attempt_id = r.latest_attempt_id WHERE r.run_id = %s",
-              (run_id,)) != [("succeeded", len(output))] and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: sql(plane["url"], "SELECT r.state, a.log_next_offset FROM runs r JOIN attempts a "
+                                         "ON a.attempt_id = r.latest_attempt_id WHERE r.run_id = %s",
+                           (run_id,)) == [("succeeded", len(output))], 20, "the Run succeeded with its log uploaded",
+               step=0.1, detail=lambda: (worker.lines, plane["replica"].lines))
     shown = cp.ok("run", "show", run_id)
     assert "state     succeeded exit=0" in shown, (shown, worker.lines, plane["replica"].lines)
     assert next(ln for ln in shown.splitlines() if ln.startswith("attempt ")).endswith(" worker=edge-1"), shown
@@ -222,10 +221,7 @@ def test_a_drained_worker_waits_out_its_long_poll_instead_of_pulling_in_a_loop(p
     def pulls() -> int:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v3/worker", timeout=10) as r:
             return json.loads(r.read())["counts"]["pulls"]
-    deadline = time.monotonic() + 10
-    while pulls() == 0 and time.monotonic() < deadline:      # the Session opens, the first Pull goes
-        time.sleep(0.1)
-    first = pulls()
+    first = wait_until(pulls, 10, "the first Pull (the Session opens)", step=0.1)
     time.sleep(5)
     assert first >= 1 and pulls() - first == 0, (first, pulls())
     # Heartbeats go on meanwhile: the Session stays open.
@@ -255,12 +251,8 @@ def test_a_burst_of_task_starts_of_a_single_instance_task_all_run_one_at_a_time(
     with ThreadPoolExecutor(4) as ex:
         assert list(ex.map(start, range(24))) == [202] * 24
     new = "SELECT r.run_id, r.state FROM runs r WHERE NOT r.run_id = ANY(%s)"
-    deadline = time.monotonic() + 90
-    while any(st != "succeeded" for _, st in sql(plane["url"], new, (list(before),))) \
-            and time.monotonic() < deadline:
-        time.sleep(0.2)
-    states = [st for _, st in sql(plane["url"], new, (list(before),))]
-    assert states == ["succeeded"] * 24, states
+    states = lambda: [st for _, st in sql(plane["url"], new, (list(before),))]  # noqa: E731
+    wait_until(lambda: states() == ["succeeded"] * 24, 90, "the 24 Runs succeeded", step=0.2, detail=states)
     spans = sorted(sql(plane["url"], "SELECT a.started_at_us, a.ended_at_us FROM attempts a "
                                      "WHERE NOT a.run_id = ANY(%s)", (list(before),)))
     assert len(spans) == 24 and all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:])), spans
@@ -323,12 +315,10 @@ def test_a_task_sees_the_same_ql3_variables_on_a_worker_as_on_a_local_agent(plan
     worker, _ = start_worker(plane, "edge-env", plane["ca"])
     worker.wait_line("worker.ready")
     run_id = cp.ok("run", "start", "envdump").strip()
-    deadline = time.monotonic() + 30
     done = "SELECT r.state, a.log_next_offset > 0 FROM runs r JOIN attempts a ON a.attempt_id = r.latest_attempt_id " \
            "WHERE r.run_id = %s"
-    while sql(plane["url"], done, (run_id,)) != [("succeeded", True)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sql(plane["url"], done, (run_id,)) == [("succeeded", True)], "".join(worker.lines)
+    wait_until(lambda: sql(plane["url"], done, (run_id,)) == [("succeeded", True)], 30,
+               "the Run succeeded with log bytes", step=0.1, detail=lambda: "".join(worker.lines))
     on_worker = dict(ln.split("=", 1) for ln in cp.ok("run", "logs", run_id).splitlines())
     local = Node(plane["root"], "local-env", "")
     local.ok("init")

@@ -33,7 +33,7 @@ import pytest
 from conftest import create_database, db_url, drop_database, sql
 from qlagent.adapters.postgres.migrations import known_migrations
 from test_cluster_e2e import Node, Proc
-from kit import clean_env, free_port, run_cli, scratch_dir
+from kit import clean_env, free_port, run_cli, scratch_dir, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +65,15 @@ class Bouncer:
                     f"logfile = {self.dir}/pgbouncer.log\npidfile = {self.dir}/pgbouncer.pid\n")
         self.proc = subprocess.Popen(["runuser", "-u", "postgres", "--", "pgbouncer", ini],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while True:
+
+        def listening() -> bool:
+            assert self.proc.poll() is None, "pgbouncer ended: " + self.log()
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
+                return True
             except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("pgbouncer did not start: " + self.log())
-                time.sleep(0.1)
+                return False
+        wait_until(listening, 20, "pgbouncer listening", step=0.1, detail=self.log)
 
     def url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{self.dbname}"
@@ -181,10 +181,10 @@ def test_two_replicas_starting_together_behind_pgbouncer_migrate_once_and_serve_
             assert status == 202, (status, doc, "".join(replica.lines[-10:]))
             started.append(doc["runId"])
             time.sleep(0.3)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and sql(direct, "SELECT count(*) FROM runs WHERE state = 'succeeded'"
-                                                   )[0][0] < STARTS:
-            time.sleep(0.2)
+        wait_until(lambda: sql(direct, "SELECT count(*) FROM runs WHERE state = 'succeeded'")[0][0] >= STARTS, 60,
+                   f"{STARTS} Runs succeeded", step=0.2,
+                   detail=lambda: (dict(sql(direct, "SELECT state, count(*) FROM runs GROUP BY state")),
+                                   "".join(replica.lines[-20:]), "".join(worker.lines[-20:])))
         states = dict(sql(direct, "SELECT state, count(*) FROM runs GROUP BY state"))
         assert states == {"succeeded": STARTS}, (states, "".join(replica.lines[-20:]), "".join(worker.lines[-20:]))
         # Without LISTEN the re-check (every 0.5 s) still brings each Run to the Worker (4 slots)

@@ -27,7 +27,7 @@ from cpkit import BASE as WORKERS, RawHttp
 from qlagent.adapters.postgres.registry import PgWorkerRegistry
 from qlagent.cluster.registry import WorkerRegistry
 from test_cluster_serve import BASE, Env, Replica, body
-from kit import scratch_dir
+from kit import scratch_dir, wait_until
 
 RUNS = 10_000
 SESSIONS = 64
@@ -166,8 +166,8 @@ def test_64_sessions_claim_10000_runs_exactly_once_across_4_replicas_one_sigkill
     for t in threads:
         t.start()
     deadline = time.monotonic() + 240
-    while workers.claimed() < KILL_AFTER and time.monotonic() < deadline and not workers.unexpected:
-        time.sleep(0.005)
+    wait_until(lambda: workers.claimed() >= KILL_AFTER or workers.unexpected, 240, f"{KILL_AFTER} claims",
+               step=0.005)
     victim = replicas[0]
     victim.proc.kill()                        # SIGKILL with Pulls in flight on it
     assert victim.proc.wait(10) == -9

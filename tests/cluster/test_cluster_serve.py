@@ -24,7 +24,7 @@ import pytest
 
 from conftest import ADMIN_URL, create_database, db_url, drop_database
 from jsonshape import check_conventions, check_list
-from kit import Serve, clean_env, free_port, qlagent_argv, run_cli, scratch_dir
+from kit import Serve, clean_env, free_port, qlagent_argv, run_cli, scratch_dir, wait_until
 
 BASE = "/api/v3/projects/default"
 SCHEMA = "qinglong/task-start@v1"
@@ -204,12 +204,9 @@ def test_a_task_start_waiting_on_the_database_never_holds_the_probes_or_other_re
         t = threading.Thread(target=lambda: started.update(answer=a.request("POST", f"{BASE}/tasks/hello/runs",
                                                                             req, tok["alice"])))
         t.start()
-        deadline = time.monotonic() + 10
-        parked = ("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                  " AND pid <> pg_backend_pid()")
-        while not env.sql(parked) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert env.sql(parked), "never parked"
+        wait_until(lambda: env.sql("SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                   "AND datname = current_database() AND pid <> pg_backend_pid()"),
+                   10, "the Task Start parked behind the Task's row")
         assert _probe(a.port, "/healthz", 2)[0] == 200
         assert _probe(a.port, f"{BASE}/tasks/hello", 2, tok["alice"])[0] == 200
         assert "answer" not in started                # still parked behind the Task's row all along
@@ -578,19 +575,17 @@ def test_workers_need_a_cluster_table(tmp_path):
 
 
 def test_a_run_no_enrolled_worker_can_match_is_reported_not_left_waiting_silently(cp):
-    import time
     env, _, _ = cp
     env.ok("workers", "enroll", "lab-1", "--label", "site=lab")
     mars, lab = env.ok("run", "start", "on-mars").strip(), env.ok("run", "start", "in-lab").strip()
-    deadline = time.monotonic() + 20                     # the replicas' sweep pass (every 0.5 s) checks it
-    while time.monotonic() < deadline and "run.unplaceable" not in env.ok("run", "show", mars):
-        time.sleep(0.2)
+    # the replicas' sweep pass (every 0.5 s) checks it
+    wait_until(lambda: "run.unplaceable" in env.ok("run", "show", mars), 20, "the mars Run reported unplaceable",
+               step=0.2)
     shown = json.loads(env.ok("run", "show", mars, "--json"))
     (ev,) = [e for e in shown["events"] if e["type"] == "run.unplaceable"]
     assert ev["payload"]["required"] == {"site": "mars", "executor": "local_process"} and shown["state"] == "queued"
-    while time.monotonic() < deadline and env.sql("SELECT placement_checked FROM runs WHERE run_id = %s",
-                                                  (lab,)) != [(True,)]:
-        time.sleep(0.2)
+    wait_until(lambda: env.sql("SELECT placement_checked FROM runs WHERE run_id = %s", (lab,)) == [(True,)], 20,
+               "the lab Run's placement checked", step=0.2)
     assert "run.unplaceable" not in env.ok("run", "show", lab)         # lab-1 can take it
     env.ok("workers", "rm", "lab-1")
 
@@ -622,7 +617,6 @@ def test_doctor_checks_the_cluster_database(cp, tmp_path):
 
 
 def test_two_replica_processes_fire_each_instant_once_and_sighup_reloads(cp):
-    import time
     env, replicas, _ = cp
     path = os.path.join(env.root, "tick.toml")
     with open(path, "w") as f:        # every second (6 fields, seconds first); added after the replicas started
@@ -631,9 +625,7 @@ def test_two_replica_processes_fire_each_instant_once_and_sighup_reloads(cp):
     env.ok("task", "add", "-f", path)
     for r in replicas:
         r.proc.send_signal(signal.SIGHUP)              # re-read the heads now, not at the 10 s reload
-    deadline = time.monotonic() + 8
-    while time.monotonic() < deadline and len(_runs(env, "tick")) < 3:
-        time.sleep(0.2)
+    wait_until(lambda: len(_runs(env, "tick")) >= 3, 8, "three Runs of the every-second schedule", step=0.2)
     env.ok("task", "disable", "tick")
     per_instant = env.sql("SELECT r.scheduled_for_us, count(*) FROM runs r JOIN tasks t USING (task_id) "
                           "WHERE t.name = 'tick' GROUP BY 1")
@@ -644,18 +636,13 @@ def test_two_replica_processes_fire_each_instant_once_and_sighup_reloads(cp):
 def test_run_start_wait_on_the_cluster_watches_until_the_worker_ends_it(cp):
     """``--wait`` waits through ``dispatching`` (a Lease offered) and ends with the Worker's
     outcome; the replica never runs it itself."""
-    import time
     env, replicas, tokens = cp
     p = subprocess.Popen(qlagent_argv("--state-dir", env.state, "--config", env.config,
                                       "run", "start", "hello", "--wait", "--timeout", "30"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
-    deadline = time.monotonic() + 15
-    run_id = None
-    while run_id is None and time.monotonic() < deadline:
-        rows = env.sql("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = 'hello' "
-                       "AND r.state = 'queued' AND r.requested_by = 'local:cli' ORDER BY r.created_at_us DESC LIMIT 1")
-        run_id = rows[0][0] if rows else None
-        time.sleep(0.1)
+    ((run_id,),) = wait_until(lambda: env.sql(
+        "SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = 'hello' AND r.state = 'queued' "
+        "AND r.requested_by = 'local:cli' ORDER BY r.created_at_us DESC LIMIT 1"), 15, "the CLI's queued Run", step=0.1)
     env.sql("UPDATE runs SET state = 'dispatching' WHERE run_id = %s", (run_id,))   # what a claim does
     assert run_id in env.ok("run", "ls", "--state", "dispatching")               # the filter knows the state
     status, page = replicas[0].request("GET", f"{BASE}/runs?state=dispatching&limit=100", token=tokens["alice"])
@@ -725,11 +712,9 @@ def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_
         status, retry, doc = _probe(replica.port, f"{BASE}/tasks/hello", 8, tok)
         assert (status, retry) == (503, "1"), doc
         admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
-        for _ in range(40):            # a couple of seconds: the pool does not sit in a long back-off
-            if _probe(replica.port, "/readyz", 4)[0] == 200:
-                break
-            time.sleep(0.1)
-        assert _probe(replica.port, "/readyz", 4)[0] == 200
+        # a couple of seconds: the pool does not sit in a long back-off
+        wait_until(lambda: _probe(replica.port, "/readyz", 4)[0] == 200, 6, "/readyz 200 once access returned",
+                   step=0.1)
         replica.wait_line("store.available", 15)   # the loop's duties resume within their back-off cap (8 s)
         assert replica.stop() == 0
         journal = "".join(replica.lines)
@@ -745,7 +730,6 @@ def test_a_database_outage_never_silences_the_probes_and_is_journalled_once(tmp_
 def test_a_grace_the_lease_cannot_hold_is_refused_at_task_add_and_never_offered(tmp_path):
     # grace_s = 30 under lease_ttl_s = 30: were it offered, its Worker would stop it right after it
     # started (lease_lost action=kill) and the run would end lost with no hint.
-    import time
     name = create_database("ops_grace")
     env = Env(str(tmp_path), db_url(name), "sweep_interval_s = 0.5\n")       # lease_ttl_s = 30: grace ≤ 24.971 s
     env.ok("init")
@@ -777,9 +761,9 @@ def test_a_grace_the_lease_cannot_hold_is_refused_at_task_add_and_never_offered(
         out = json.loads(env.ok("workers", "enroll", "g-1", "--label", "pool=g", "--json"))
         replica = Replica(env)
         run = env.ok("run", "start", "slow-stop").strip()
-        deadline = time.monotonic() + 20                       # the replica's sweep pass (every 0.5 s) checks it
-        while time.monotonic() < deadline and "run.unplaceable" not in env.ok("run", "show", run):
-            time.sleep(0.2)
+        # the replica's sweep pass (every 0.5 s) checks it
+        wait_until(lambda: "run.unplaceable" in env.ok("run", "show", run), 20, "the Run reported unplaceable",
+                   step=0.2)
         shown = json.loads(env.ok("run", "show", run, "--json"))
         (ev,) = [e for e in shown["events"] if e["type"] == "run.unplaceable"]
         assert ev["payload"]["reason"] == "grace_exceeds_lease" and ev["payload"]["field"] == "grace_s"
@@ -815,9 +799,8 @@ def test_a_grace_the_lease_cannot_hold_is_refused_at_task_add_and_never_offered(
                                       "leaseToken": o["leaseToken"], "kind": "starting"})
         assert status == 200, acked
         env.ok("workers", "rm", "g-1")
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and json.loads(env.ok("run", "show", quick, "--json"))["state"] != "lost":
-            time.sleep(0.2)
+        wait_until(lambda: json.loads(env.ok("run", "show", quick, "--json"))["state"] == "lost", 20,
+                   "the removed Worker's Run lost", step=0.2)
         (line,) = [ln for ln in env.ok("run", "show", quick).splitlines() if ln.startswith("attempt")]
         assert " lost " in line and "kept=- dropped=-" in line and "None" not in line, line
     finally:

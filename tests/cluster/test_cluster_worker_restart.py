@@ -35,7 +35,8 @@ CASES = {
     "down_shorter": (LOOP.format(n=15), "kill", "running", "alive"),
 }
 # One Task per case, placed on that case's Worker only (its label), so a re-offered Attempt
-# never lands on the Worker of another case.
+# never lands on the Worker of another case; retried at once (backoff_s = 0) once the sweeper
+# ended the first Attempt lost.
 TASKS = "".join(f'''
 [[task]]
 name = "{case}"
@@ -43,11 +44,11 @@ shell = "/bin/sh"
 script = "{script}"
 grace_s = 1
 on_lease_loss = "{policy}"
-retry = {{max_attempts = 2}}
+retry = {{max_attempts = 2, backoff_s = 0}}
 placement = {{required = {{case = "{case}"}}}}
 ''' for case, (script, policy, _, _) in CASES.items())
 # Two runs on one Worker at the SIGKILL, each ending differently while it is down: one
-# outlives its Lease and is fenced by its shim, the other finishes.
+# outlives its Lease and is fenced by its shim, the other finishes (retried as the cases are).
 PAIR = {"pair_fenced": LOOP.format(n=15), "pair_finished": "echo short; sleep 3; echo done"}
 TASKS += "".join(f'''
 [[task]]
@@ -55,7 +56,7 @@ name = "{name}"
 shell = "/bin/sh"
 script = "{script}"
 grace_s = 1
-retry = {{max_attempts = 2}}
+retry = {{max_attempts = 2, backoff_s = 0}}
 concurrency = "parallel"
 placement = {{required = {{case = "pair"}}}}
 ''' for name, script in PAIR.items())

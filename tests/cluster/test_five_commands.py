@@ -14,11 +14,10 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 
-from kit import free_port, qlagent_argv, wait_until
+from kit import Serve, free_port, qlagent_argv
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 
@@ -35,17 +34,18 @@ def _section() -> tuple[list[str], list[list[str]]]:
 
 class Host:
     """A machine of the walkthrough: its /etc/qlagent and state directory, the environment
-    that points ``qlagent`` at them, and its service (``qlagent serve``) when started."""
+    that points ``qlagent`` at them, and its service (a :class:`kit.Serve`) when started, ready
+    once its journal has a ``ready`` line."""
 
-    def __init__(self, root: str, name: str) -> None:
+    def __init__(self, root: str, name: str, ready: str) -> None:
         self.etc = os.path.join(root, name, "etc")
         self.state = os.path.join(root, name, "state")
         os.makedirs(self.etc)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("QLAGENT_")}
         self.env.update(QLAGENT_CONFIG=os.path.join(self.etc, "qlagent.toml"), QLAGENT_STATE_DIR=self.state,
                         QLAGENT_LOG="stderr")
-        self.service = None
-        self.log = os.path.join(root, f"{name}.log")
+        self.service: Serve | None = None
+        self.ready = ready
 
     def run(self, line: str, subst: dict[str, str]) -> str:
         """Run one README line (``a && b`` as two); stdout of the last command."""
@@ -68,19 +68,11 @@ class Host:
 
     def restart(self) -> None:
         self.stop()
-        with open(self.log, "ab") as log:
-            self.service = subprocess.Popen(qlagent_argv("serve"),
-                                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
-                                            env=self.env)
-        def ready() -> bool:
-            assert self.service.poll() is None, open(self.log).read()
-            return re.search(r"(service|worker)\.ready", open(self.log, errors="replace").read()) is not None
-        wait_until(ready, 30, f"{self.log}: service.ready or worker.ready")
+        self.service = Serve(env=self.env, ready=self.ready)
 
     def stop(self) -> None:
         if self.service is not None and self.service.poll() is None:
-            self.service.send_signal(signal.SIGTERM)
-            assert self.service.wait(30) == 0, open(self.log).read()
+            assert self.service.stop(30) == 0, self.service.journal()
 
 
 def test_the_readme_walkthrough_runs_a_task_on_a_joined_worker_over_https(pg_url):
@@ -92,7 +84,7 @@ def test_the_readme_walkthrough_runs_a_task_on_a_joined_worker_over_https(pg_url
         ["qlagent", "workers", "enroll"], ["qlagent", "worker", "join"]]
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     root = tempfile.mkdtemp(prefix="qlagent-five-", dir=base)
-    cp, router = Host(root, "cp"), Host(root, "router")
+    cp, router = Host(root, "cp", "service.ready"), Host(root, "router", "worker.ready")
     port = str(free_port())
     subst = {"/etc/qlagent": cp.etc, "/var/lib/qlagent": cp.state, "cp.example.net": "localhost", "7380": port,
              "0.0.0.0": "127.0.0.1", "postgresql://qlagent@db.example.net/qlagent": pg_url}

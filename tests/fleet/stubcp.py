@@ -546,8 +546,9 @@ def write_credential(path: str, credential: str, mode: int = 0o600) -> str:
 
 def worker_config(path: str, *, state_dir: str, worker_id: str, url: str | list[str], credential_file: str,
                   ca_file: str | None, slots: int = 2, heartbeat_s: float = 1.0, pull_wait_s: int = 5,
-                  extra: str = "") -> str:
-    lines = [f'state_dir = "{state_dir}"', "", "[worker]", f'worker_id = "{worker_id}"', "control_url = " + json.dumps(url),
+                  extra: str = "", drain_grace_s: float | None = None) -> str:
+    lines = [f'state_dir = "{state_dir}"', *([f"drain_grace_s = {drain_grace_s}"] if drain_grace_s is not None else []),
+             "", "[worker]", f'worker_id = "{worker_id}"', "control_url = " + json.dumps(url),
              f'credential_file = "{credential_file}"', f"slots = {slots}", f"heartbeat_interval_s = {heartbeat_s}",
              f"pull_wait_s = {pull_wait_s}", 'labels = { site = "lab" }']
     if ca_file:

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qlagent.core.metrics import CONTENT_TYPE
 from kit import TcpProxy, free_port, promtool_check, wait_until
+from stubcp import now_us
 from test_worker_runtime import Worker, _http, _wait_http, completion, cp  # noqa: F401 (cp: fixture)
 
 
@@ -65,9 +66,11 @@ def test_worker_metrics_are_present_and_move_with_a_run(tmp_path, cp):
 def test_worker_metrics_count_a_self_fence_and_the_reconnect_after_a_link_cut(tmp_path, cp):
     """A cut past the Worker's fencing instant and the Session's TTL (6 s at the stub): the
     Worker stops its run itself, and once the link is back opens a new Session — both counted
-    on its status surface, which answers throughout (it is local)."""
+    on its status surface, which answers throughout (it is local). The stub offers the fenced
+    Attempt again once its Lease ran out: the stop ends that run at once (drain_grace_s = 0)."""
     port = free_port()
-    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"\nmetrics = true\n')
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"\nmetrics = true\n',
+               drain_grace_s=0)
     w.start()
     try:
         assert _wait_http(port, "/healthz")[0] == 200
@@ -78,7 +81,8 @@ def test_worker_metrics_count_a_self_fence_and_the_reconnect_after_a_link_cut(tm
         cp.partition(True)
         wait_until(lambda: scrape(port)["qlagent_worker_self_fences_total"] == 1, 20, "the run self-fenced",
                    detail=w.journal)
-        cp.wait(lambda: False, 7)       # the Session (6 s) runs out at the control plane meanwhile
+        # the Session (6 s) runs out at the control plane meanwhile
+        assert cp.wait(lambda: all(s["expires"] <= now_us() for s in cp.sessions.values()), 10)
         cp.partition(False)
         wait_until(lambda: scrape(port)["qlagent_worker_reconnects_total"] > before["qlagent_worker_reconnects_total"],
                    30, "a new Session", detail=w.journal)

@@ -31,13 +31,14 @@ class Worker:
     """One `qlagent serve` Worker process over a state directory (restartable)."""
 
     def __init__(self, tmp, cp: StubControlPlane, url: str, *, ca_file=None, cred_mode=0o600, slots=2,
-                 extra="") -> None:
+                 extra="", drain_grace_s: float | None = None) -> None:
         self.tmp, self.cp = tmp, cp
         self.state = str(tmp / "state")
         self.worker_id, cred = cp.enrol()
         self.cred = write_credential(str(tmp / "credential"), cred, cred_mode)
         self.cfg = worker_config(str(tmp / "qlagent.toml"), state_dir=self.state, worker_id=self.worker_id, url=url,
-                                 credential_file=self.cred, ca_file=ca_file or cp.ca_file, slots=slots, extra=extra)
+                                 credential_file=self.cred, ca_file=ca_file or cp.ca_file, slots=slots, extra=extra,
+                                 drain_grace_s=drain_grace_s)
         self.p: Serve | None = None
         self.serves: list[Serve] = []
 
@@ -435,6 +436,7 @@ def test_control_plane_unreachable_longer_than_the_lease(tmp_path, cp, worker, p
     else:
         assert not gone(pid)
         assert "action=keep" in worker.journal()
+        os.kill(pid, signal.SIGKILL)            # the kept run would hold the Worker's stop for its drain_grace_s
     cp.partition(False)
 
 
@@ -548,7 +550,13 @@ def test_unuploaded_logs_are_bounded_oldest_cut_first_with_a_recorded_fact(tmp_p
     try:
         assert cp.wait(lambda: all(completion(cp, x) is not None for x in ids), 60)
         cp.refuse_chunks = False
-        assert cp.wait(lambda: all(cp.log_ends.get(x) == n for x in ids[1:]), 90)   # the send back-off is capped at 30 s
+        # Refused chunks drove the send back-off up to its cap (a random draw under 60 s); a blip
+        # of the link ends it: the first answer after a lost heartbeat sends what waited at once.
+        blip = len(cp.requests)
+        cp.partition(True)
+        assert cp.wait(lambda: ("POST", "heartbeat", 0) in cp.requests[blip:], 10)
+        cp.partition(False)
+        assert cp.wait(lambda: all(cp.log_ends.get(x) == n for x in ids[1:]), 90)
         assert all(cp.log_of(x) == c * n for x, c in zip(ids[1:], (b"b", b"c")))
         # Before the third spawn 2 × 1.5 MB not uploaded + 1.5 MB needed (its quota) is over the
         # store: the oldest run's unuploaded tail is cut by exactly that, and said so.
@@ -842,16 +850,16 @@ def test_sighup_answers_the_notify_reload_handshake_and_sigterm_says_stopping(tm
     got: list[str] = []
 
     def expect(line_start: str, timeout_s: float = 15) -> None:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
+        def heard() -> bool:
             if any(x.startswith(line_start) for x in got):
-                got.clear()
-                return
-            try:
+                return True
+            try:                                # blocks up to the socket's 0.2 s
                 got.extend(sock.recv(65536).decode().split("\n"))
             except socket.timeout:
                 pass
-        raise AssertionError(f"no {line_start} in {got}")
+            return False
+        wait_until(heard, timeout_s, f"{line_start} on NOTIFY_SOCKET", step=0, detail=lambda: got)
+        got.clear()
 
     w = Worker(tmp_path, cp, cp.url)
     w.start(env=clean_env(NOTIFY_SOCKET=tmp_path / "notify.sock"))
@@ -1040,10 +1048,11 @@ def test_a_worker_restarted_during_a_cut_keeps_the_reattached_run_for_its_whole_
 def test_a_run_fenced_for_its_lease_keeps_its_log_until_cut_with_a_recorded_fact(tmp_path):
     """A cut past the Lease: the Worker stops the run before the Lease expires; its log, never
     uploaded, is not deleted silently: once the control plane says the Lease is gone, the cut
-    is journaled with the bytes the control plane holds and the bytes dropped."""
+    is journaled with the bytes the control plane holds and the bytes dropped. The stub offers
+    the Attempt again once its Lease ran out: the stop ends that run at once (drain_grace_s = 0)."""
     stub = StubControlPlane(str(tmp_path), lease_ttl_s=8, session_ttl_s=8)
     stub.url = stub.start()
-    w = Worker(tmp_path, stub, stub.url)
+    w = Worker(tmp_path, stub, stub.url, drain_grace_s=0)
     pidfile = tmp_path / "task.pid"
     try:
         aid = stub.add_run(shell="/bin/sh", script=f"echo $$ > {pidfile}; head -c 300000 /dev/zero | tr '\\0' x; "

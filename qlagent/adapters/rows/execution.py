@@ -127,7 +127,7 @@ def finish_attempt(db: Db, run_id: str, attempt_id: str, f: Finish, retry: Retry
     """
     a = db.one("ATTEMPT_STATE_FOR_UPDATE", (attempt_id,))
     run = db.one("RUN_STATE_FOR_UPDATE", (run_id,))
-    if a is None or a["state"] in states.ATTEMPT_TERMINAL:
+    if a is None or a["state"] in states.AttemptState.TERMINAL:
         return run["state"]
     states.check_attempt(a["state"], f.attempt_state)
     ended = f.ended_at_us or now_us
@@ -201,7 +201,7 @@ def request_cancel(db: Db, run_id: str, actor: str, now_us: int) -> str:
     if r["state"] == states.RunState.QUEUED:
         cancel_queued(db, run_id, r["event_sequence"], r["version"], actor, "cancel_requested", now_us)
         return states.RunState.CANCELLED
-    if r["state"] not in states.RUN_TERMINAL and r["cancel_requested_at_us"] is None:
+    if r["state"] not in states.RunState.TERMINAL and r["cancel_requested_at_us"] is None:
         db.run("RUN_CANCEL_REQUEST", (now_us, now_us, run_id))
         append_event(db, run_id, r["event_sequence"] + 1, "run.cancel_requested", actor, {}, now_us)
     return r["state"]

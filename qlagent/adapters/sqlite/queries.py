@@ -38,9 +38,9 @@ HEAD_LIVE_FOR_UPDATE = shared.HEAD_LIVE
 HEADS_LIVE = shared.TASK_HEADS + ("WHERE (? IS NULL OR t.project_id = ?) AND t.deleted_at_us IS NULL "
                                   "ORDER BY t.name, t.task_id")
 
-_RUN_LIVE = sql_in(states.RUN_LIVE, states.RunState.ALL)     # ('queued','starting','running'): runs_by_state
-_RUN_ACTIVE = sql_in(states.RUN_ACTIVE, states.RunState.ALL)
-_ATTEMPT_ACTIVE = sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)
+_RUN_LIVE = sql_in(states.RunState.LIVE, states.RunState.ALL)     # ('queued','starting','running'): runs_by_state
+_RUN_ACTIVE = sql_in(states.RunState.ACTIVE, states.RunState.ALL)
+_ATTEMPT_ACTIVE = sql_in(states.AttemptState.ACTIVE, states.AttemptState.ALL)
 
 RUN_LIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE task_id = ? AND state IN {_RUN_LIVE}"
 # A Task's single instance is taken while it has a starting or running Run (two equality seeks
