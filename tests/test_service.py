@@ -211,10 +211,10 @@ command = ["/bin/true"]
             ok(state, "run", "start", t)
         assert [s for _, s in runs_of(state, "b") + runs_of(state, "c")] == ["queued"] * 3
         out = ok(state, "task", "disable", "b").stdout
-        assert b"2 queued run(s) cancelled" in out
+        assert b"2 queued Runs cancelled" in out
         assert [s for _, s in runs_of(state, "b")] == ["cancelled"] * 2
         out = ok(state, "task", "rm", "c").stdout
-        assert b"1 queued run(s) cancelled" in out
+        assert b"1 queued Run cancelled" in out
         assert [s for _, s in runs_of(state, "c")] == ["cancelled"]
         assert _live(state, "blocker") == 1             # other Tasks' Runs untouched
     finally:

@@ -145,7 +145,7 @@ def cmd_task_enable(ctx: Ctx, enabled: bool) -> int:
     from ..application.definitions import DefinitionWriter
     h, n = DefinitionWriter(ctx.store).set_enabled(ctx.args.name, enabled)
     ctx.poke_service()
-    print(f"{h.name} {'enabled' if enabled else 'disabled'}" + (f"; {n} queued run(s) cancelled" if n else ""))
+    print(f"{h.name} {'enabled' if enabled else 'disabled'}" + (f"; {_runs(n, 'queued')} cancelled" if n else ""))
     return 0
 
 
@@ -153,8 +153,12 @@ def cmd_task_rm(ctx: Ctx) -> int:
     from ..application.definitions import DefinitionWriter
     h, n, live = DefinitionWriter(ctx.store).remove(ctx.args.name)
     ctx.poke_service()
-    print(f"{h.name} removed" + (f"; {n} queued run(s) cancelled" if n else "")
-          + (f"; {live} running run(s) asked to stop" if live else ""))
+    print(f"{h.name} removed" + (f"; {_runs(n, 'queued')} cancelled" if n else "")
+          + (f"; {_runs(live, 'running')} asked to stop" if live else ""))
+
+
+def _runs(n: int, which: str) -> str:
+    return f"{n} {which} Run" + ("" if n == 1 else "s")
     return 0
 
 
