@@ -311,7 +311,7 @@ class RowStore:
             return "created"
         return self.write(tx) if idempotency_key is None else self._write_creating_runs(tx)
 
-    def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
+    def _record_fire(self, c: Db, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
         """Hook: mark the (Task, instant) fired. One SQLite authority needs nothing beyond the
         Run's idempotency key; replicas on PostgreSQL record it (``PgStore``)."""
 
