@@ -271,7 +271,7 @@ command = ["/bin/true"]
     instant = 1_800_000_000 * 1_000_000            # a whole minute (UTC)
     now = [instant - 30_000_000]
     dbp = os.path.join(state, "qlagent.db")
-    a_store, b_store = SqliteStore(dbp, "default"), SqliteStore(dbp, "default")
+    a_store, b_store = (SqliteStore(dbp, "default", clock_us=lambda: now[0]) for _ in range(2))
     try:
         a = Scheduler(a_store, "UTC", lambda: now[0])
         b = Scheduler(b_store, "UTC", lambda: now[0])
@@ -444,7 +444,7 @@ command = ["/bin/true"]
     dbp = os.path.join(state, "qlagent.db")
 
     def fire_with_new_scheduler():
-        store = SqliteStore(dbp, "default")
+        store = SqliteStore(dbp, "default", clock_us=lambda: now[0])
         try:
             s = Scheduler(store, "UTC", lambda: now[0])
             s.reload()

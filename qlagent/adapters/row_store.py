@@ -269,12 +269,17 @@ class RowStore:
     def fire_schedule(self, *, project_id: str, task_id: str, idempotency_key: str | None, trigger: str,
                       scheduled_for_us: int | None, actor: str,
                       cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, missed: str | None = None) -> str:
-        """As ``core.ports.ScheduleStore``, in one write transaction: "moved" (the cursor is not
+        """As ``core.ports.ScheduleStore``, in one write transaction: "early" (the store's clock
+        has not reached ``scheduled_for_us``: nothing written), "moved" (the cursor is not
         ``cursor[0]`` any more: another writer fired), "cursor" (cursor only), "exists" (the
         idempotency key has its Run), "gone" (Task removed or disabled), "skipped" (a single-
         instance Task's Run is live) or "created"."""
         def tx(c):
             now = self._tx_now(c)
+            # The Run's creation time is the authority's (ADR-0376 §2), and the caller planned on
+            # its own reading of that clock, which may run ahead: the instant is decided here.
+            if scheduled_for_us is not None and now < scheduled_for_us:
+                return "early"
             if cursor is not None:
                 expected, new = cursor
                 if runs.schedule_cursor(c, task_id) != expected:
@@ -306,7 +311,7 @@ class RowStore:
             return "created"
         return self.write(tx) if idempotency_key is None else self._write_creating_runs(tx)
 
-    def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
+    def _record_fire(self, c: Db, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
         """Hook: mark the (Task, instant) fired. One SQLite authority needs nothing beyond the
         Run's idempotency key; replicas on PostgreSQL record it (``PgStore``)."""
 

@@ -8,6 +8,17 @@ anchors the database's time to this process's monotonic clock at each ``sync()``
 database clock, its round trip bounded) and extrapolates with the monotonic clock in between, so
 a step of the local wall clock changes nothing. ``offset_us`` (local wall clock − database; +60 s:
 this host's clock runs 60 s ahead) is what the replica reports about its own clock.
+
+Two readings of it. ``now_us`` is the best estimate (the reading placed at the middle of its
+round trip, error ≤ RTT/2 either way): what a Worker is told the server's time is.
+``reached_us`` is a time the database's clock has certainly reached: the reading was taken
+before the round trip ended, so it is placed at that end, and the time since is counted at the
+slowest rate within ``MAX_DRIFT_PPM``. A replica plans its schedule fires on ``reached_us``: a
+Run is stamped with the database's time (ADR-0376 §2: the Run's time is the server's; a
+cluster scheduler fires each (Task, instant) once, ADR-0014 and its cluster note ADR-0108, on
+the database's clock), so an instant planned on the estimate could be fired up to RTT/2 before
+the database reached it. The store refuses such a fire anyway (``ScheduleStore.fire_schedule``
+``early``); planning on ``reached_us`` keeps that refusal for a database clock that stepped back.
 """
 
 from __future__ import annotations
@@ -19,12 +30,14 @@ from .clock import now_us as wall_now_us
 
 MAX_RTT_US = 1_000_000          # a reading whose round trip took longer is not used (error ≤ RTT/2)
 SKEW_BOUND_US = 2_000_000       # a local clock further than this from the database's is reported
+MAX_DRIFT_PPM = 1_000           # the monotonic clock's rate against the database's, at most (as a Worker's fence)
 
 
 class DatabaseClock:
     """``DatabaseClock(read_db_us)``: ``read_db_us()`` returns the database's time (µs since the
     epoch; may raise, e.g. UnavailableError, which ``sync`` lets through). ``now_us()`` is the
-    database's time as of the last good ``sync`` plus the monotonic time since; before any, the
+    database's time as of the last good ``sync`` plus the monotonic time since; ``reached_us()``
+    a database time already reached (see the module docstring); before any sync, both are the
     local wall clock."""
 
     def __init__(self, read_db_us: Callable[[], int], wall_us: Callable[[], int] = wall_now_us,
@@ -33,6 +46,7 @@ class DatabaseClock:
         self._wall = wall_us
         self._mono = mono_ns
         self._anchor: tuple[int, int] | None = None     # (database µs, monotonic ns) of one instant
+        self._reached: tuple[int, int] | None = None    # (database µs, monotonic ns) it was certainly reached by
         self.offset_us: int | None = None                # local wall clock − database (µs), last good sync
 
     def sync(self) -> bool:
@@ -45,6 +59,7 @@ class DatabaseClock:
         if rtt > MAX_RTT_US:
             return False
         self._anchor = (db, (m0 + m1) // 2)
+        self._reached = (db, m1)
         self.offset_us = (w0 + w1) // 2 - db
         return True
 
@@ -54,6 +69,17 @@ class DatabaseClock:
             return self._wall()
         db, mono = self._anchor
         return db + (self._mono() - mono) // 1000
+
+    def reached_us(self) -> int:
+        """A time the database's clock has reached by now (µs since the epoch; never ahead of
+        it while the clock rates differ by at most ``MAX_DRIFT_PPM`` and the database's clock
+        does not step back), from the last sync; behind ``now_us()`` by up to RTT/2 plus
+        ``MAX_DRIFT_PPM`` of the time since."""
+        if self._reached is None:
+            return self._wall()
+        db, mono = self._reached
+        elapsed = (self._mono() - mono) // 1000
+        return db + elapsed - elapsed * MAX_DRIFT_PPM // 1_000_000
 
     @property
     def skewed(self) -> bool:

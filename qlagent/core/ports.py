@@ -206,8 +206,10 @@ class ScheduleStore(Protocol):
         when ``idempotency_key`` is not None, create the Run of that key from the Task's current
         head (``missed``: the coalesced instants, recorded on ``run.created``). Returns ``created``, ``exists`` (the key's Run is there), ``skipped`` (single-instance
         Task with a live Run; counted in ``skipped_fires``), ``gone`` (disabled or removed),
-        ``moved`` (the cursor is no longer ``expected``: nothing written) or ``cursor`` (no Run
-        asked, cursor written)."""
+        ``moved`` (the cursor is no longer ``expected``: nothing written), ``cursor`` (no Run
+        asked, cursor written) or ``early`` (the store's own clock, which stamps the Run, is
+        before ``scheduled_for_us``: nothing written; ADR-0376 §2, the Run's time is the
+        server's)."""
 
 
 class SecretStore(Protocol):

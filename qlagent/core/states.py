@@ -115,12 +115,6 @@ class KillReason:
     ALL = (TIMEOUT, CANCEL, SHUTDOWN)
 
 
-# The PostgreSQL adapter's names of RunState.LIVE_CLUSTER, RunState.ACTIVE and AttemptState.ACTIVE.
-RUN_LIVE_CLUSTER = RunState.LIVE_CLUSTER
-RUN_ACTIVE = RunState.ACTIVE
-ATTEMPT_ACTIVE = AttemptState.ACTIVE
-
-
 _R, _A = RunState, AttemptState
 _RUN = {
     _R.QUEUED: {_R.STARTING, _R.CANCELLED, _R.FAILED},

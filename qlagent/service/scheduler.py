@@ -7,7 +7,10 @@ run.queued) and the Task's schedule cursor in ONE transaction under the idempote
 Single-instance Tasks skip a fire while a Run of theirs is live and count it
 (``tasks.skipped_fires``, shown by ``task show``). ``@boot`` Tasks get one Run per service start.
 A Task's catch-up policy (``core.schedule.apply_catch_up``) may refuse a late instant: journal
-``schedule.missed``. Coalesced instants are counted in the journal and in the ``run.created``
+``schedule.missed``. The store refuses an instant its own clock has not reached (``early``: a
+Run is stamped with the authority's time, ADR-0376 §2, and ``clock_us`` is only this process's
+reading of it): nothing is written, the Task is due again at that instant, ``clock_ahead`` tells
+the caller to measure its clock again, and the journal gets ``schedule.early``. Coalesced instants are counted in the journal and in the ``run.created``
 event as ``missed`` (``"≥100"`` once capped).
 
 Bounded work per pass (issue 10 "Scheduler on PostgreSQL"): one ``fire_due`` pass makes at most
@@ -36,7 +39,8 @@ MAX_WRITES_PER_PASS = 64     # store writes (one transaction each) in one fire_d
 class Scheduler:
     """Over the store's DefinitionStore and ScheduleStore ports; ``next_wake_us`` is the next
     instant ``fire_due`` has work (µs), None when no clock schedule is pending; ``carried`` how
-    many Tasks the last pass left to the next one. ``max_writes`` (1..MAX_WRITES_PER_PASS,
+    many Tasks the last pass left to the next one; ``clock_ahead`` whether the last pass found
+    ``clock_us`` ahead of the store's clock (an ``early`` fire). ``max_writes`` (1..MAX_WRITES_PER_PASS,
     ValueError otherwise) bounds the writes of one pass (see the module docstring)."""
 
     def __init__(self, store: Store, system_tz: str, clock_us: Callable[[], int],
@@ -52,6 +56,7 @@ class Scheduler:
         self._resume = 0             # index in _tasks where the next pass starts (the carried ones)
         self.next_wake_us: int | None = None
         self.carried = 0
+        self.clock_ahead = False
 
     def reload(self) -> int:
         """Re-read enabled Task heads (after a poke or SIGHUP); returns how many are scheduled."""
@@ -67,7 +72,8 @@ class Scheduler:
         n = 0
         for head, scheds in self._tasks:
             if sch.has_boot(scheds):
-                n += self._fire(head, sch.boot_idempotency_key(head.task_id, service_started_us), "boot", None, None)
+                key = sch.boot_idempotency_key(head.task_id, service_started_us)
+                n += int(self._fire(head, key, "boot", None, None) == "created")
         return n
 
     def fire_due(self) -> int:
@@ -83,7 +89,7 @@ class Scheduler:
         cursors = self._store.schedule_cursors()
         start = self._resume % len(self._tasks) if self._tasks else 0
         order = self._tasks[start:] + self._tasks[:start]
-        self._resume, self.carried = start, 0
+        self._resume, self.carried, self.clock_ahead = start, 0, False
         for i, (head, scheds) in enumerate(order):
             if writes >= self._max_writes:
                 self._carry(start, i, len(order), writes)
@@ -93,7 +99,7 @@ class Scheduler:
                 continue
             tz = head.definition.timezone or self._tz
             cur = cursors.get(head.task_id)
-            outcome: int | None = 0          # nothing to write unless an instant is due
+            outcome = ""                     # nothing to write unless an instant is due
             while True:
                 plan = sch.plan_due(scheds, tz, cur.last_instant_us if cur else None,
                                     cur.observed_wall_us if cur else None, now)
@@ -106,18 +112,20 @@ class Scheduler:
                 key = None if plan.due_us is None else sch.idempotency_key(head.task_id, plan.due_us)
                 outcome = self._fire(head, key, "cron", plan.due_us, (cur, new), plan, now)
                 writes += 1
-                if outcome is not None:
-                    created += outcome
+                if outcome != "moved":
+                    created += int(outcome == "created")
                     break
                 if writes >= self._max_writes:
                     break
                 # Another loop moved the cursor since it was read: plan again from the stored one.
                 cur = self._store.schedule_cursors().get(head.task_id)
-            if outcome is None and writes >= self._max_writes:
+            if outcome == "moved" and writes >= self._max_writes:
                 self._carry(start, i, len(order), writes)  # its cursor moved on the last write: plan it again
                 wake.append(now)
                 break
-            if plan.wake_us is not None:
+            if outcome == "early":
+                wake.append(plan.due_us)     # the store's clock has not reached it: again at the instant
+            elif plan.wake_us is not None:
                 wake.append(plan.wake_us)
         self.next_wake_us = min(wake) if wake else None
         return created
@@ -130,14 +138,18 @@ class Scheduler:
 
     def _fire(self, head: TaskHead, key: str | None, trigger: str, instant: int | None,
               cursor: tuple[ScheduleCursor | None, ScheduleCursor] | None, plan: sch.Plan | None = None,
-              now: int | None = None) -> int | None:
-        """Write one fire (and cursor move); returns Runs created, or None if the cursor moved."""
+              now: int | None = None) -> str:
+        """Write one fire (and cursor move); returns the store's outcome (``ScheduleStore.fire_schedule``)."""
         missed = plan.missed_text if plan is not None and plan.missed and key is not None else None
         outcome = self._store.fire_schedule(project_id=head.project_id, task_id=head.task_id, idempotency_key=key,
                                             trigger=trigger, scheduled_for_us=instant, actor=ACTOR, cursor=cursor,
                                             missed=missed)
         if outcome == "moved":
-            return None
+            return outcome
+        if outcome == "early":
+            self.clock_ahead = True
+            self._log("notice", "schedule.early", task=head.name, instant_us=instant)
+            return outcome
         if plan is not None and plan.clock_back_us > 1_000_000:
             self._log("warning", "clock.stepped_back", task=head.name, seconds=plan.clock_back_us // 1_000_000)
         if plan is not None and plan.dropped_us is not None:
@@ -147,4 +159,4 @@ class Scheduler:
             self._log("notice", "schedule.coalesced", task=head.name, missed=missed)
         if outcome == "skipped":
             self._log("notice", "schedule.skipped", task=head.name, reason="single_instance")
-        return 1 if outcome == "created" else 0
+        return outcome

@@ -1,4 +1,9 @@
-"""Issue 21 §4: one time source for the cluster. Two real ``qlagent serve`` replicas on one
+"""Issue 21 §4: one time source for the cluster; a scheduled Run is never created before its
+instant by the database's clock (ADR-0376 §2: the Run's time is the server's, from the database).
+
+The replica's reading of the database clock can come back late (a slow return leg): a Scheduler
+planning on that reading must still leave the instant to the authority, which refuses a fire
+its own clock has not reached. Two real ``qlagent serve`` replicas on one
 PostgreSQL database fire a ``*/5 * * * * *`` Task; one runs under libfaketime ``FAKETIME="+60s"``
 (its wall clock 60 s ahead). No Run is created before its instant (database time), there is
 one Run per instant, the healthy replica logs no ``clock.stepped_back``, and the skewed one
@@ -22,13 +27,17 @@ import tempfile
 import time
 import urllib.request
 
+import msgspec
+import psycopg
 import pytest
 
 from conftest import create_database, db_url, drop_database, sql
 from test_cluster_e2e import Node, Proc
-from kit import clean_env, free_port, run_cli
-
-pytestmark = pytest.mark.slow
+from kit import clean_env, free_port, run_cli, wait_until
+from qlagent.adapters.postgres.store import PgStore
+from qlagent.core.dbclock import DatabaseClock
+from qlagent.core.definitions import TaskInput, prepare_task
+from qlagent.service.scheduler import Scheduler
 
 TASKS = """
 [[task]]
@@ -101,6 +110,72 @@ def env():
     drop_database(name)
 
 
+LATE_S = 0.6      # the database takes its clock reading this long after the request left
+LATE_READING = "SELECT pg_sleep(%s), ql_now_us()"   # the target list runs in order: hold, then read
+
+
+@pytest.fixture
+def late_clock():
+    """A PgStore on a database of this test alone with one Task firing every second, and a
+    ``DatabaseClock`` whose every reading is taken ``LATE_S`` into its round trip (a slow forward leg)."""
+    name = create_database("early")
+    store = PgStore(db_url(name), pool_size=2)
+    store.add_tasks(store.project.project_id, [prepare_task(msgspec.convert(
+        {"name": "tick", "shell": "/bin/sh", "script": "true", "schedule": "* * * * * *", "concurrency": "parallel"},
+        TaskInput))])
+    conn = psycopg.connect(db_url(name), autocommit=True)
+    clock = DatabaseClock(lambda: conn.execute(LATE_READING, (LATE_S,)).fetchone()[1])
+    try:
+        yield store, clock, db_url(name)
+    finally:
+        conn.close()
+        store.close()
+        drop_database(name)
+
+
+def _runs(url: str) -> list:
+    return sql(url, "SELECT scheduled_for_us, created_at_us FROM runs ORDER BY scheduled_for_us")
+
+
+def test_a_scheduler_planning_on_a_reading_taken_late_creates_no_run_before_its_instant(late_clock):
+    """The estimate (``now_us``) runs ``LATE_S / 2`` ahead of the database: the Scheduler finds
+    the instant due that early, the store refuses the fire (``early``, nothing written, the
+    Task due again at that instant), and the Run it creates once the database's clock is there
+    is stamped at or after its instant."""
+    store, clock, url = late_clock
+    assert clock.sync()
+    journal: list[tuple] = []
+    scheduler = Scheduler(store, "UTC", clock.now_us, lambda *e, **f: journal.append((e[1], f)))
+    scheduler.reload()
+    scheduler.fire_due()                   # first look: the cursor
+    instant = scheduler.next_wake_us
+    wait_until(lambda: clock.now_us() >= instant, what="the estimate at the instant")
+    assert (scheduler.fire_due(), scheduler.clock_ahead, scheduler.next_wake_us) == (0, True, instant)
+    assert ("schedule.early", {"task": "tick", "instant_us": instant}) in journal and _runs(url) == []
+    wait_until(lambda: scheduler.fire_due(), what="the instant's Run")
+    ((scheduled, created),) = _runs(url)
+    assert scheduled == instant <= created and not scheduler.clock_ahead
+
+
+def test_the_time_a_replica_plans_on_is_one_the_database_has_reached(late_clock):
+    """``reached_us`` (the control plane's planning clock) of the same late reading is never
+    ahead of the database's clock read after it, and the Scheduler planning on it fires the
+    instant without a refusal."""
+    store, clock, url = late_clock
+    assert clock.sync()
+    planned = clock.reached_us()
+    assert planned <= sql(url, "SELECT ql_now_us()")[0][0]
+    scheduler = Scheduler(store, "UTC", clock.reached_us)
+    scheduler.reload()
+    scheduler.fire_due()
+    instant = scheduler.next_wake_us
+    wait_until(lambda: scheduler.fire_due() or scheduler.clock_ahead, what="the instant fired or refused")
+    assert not scheduler.clock_ahead
+    ((scheduled, created),) = _runs(url)
+    assert scheduled == instant <= created
+
+
+@pytest.mark.slow
 def test_a_replica_whose_clock_is_60_s_ahead_fires_nothing_early_and_names_itself(env):
     url, root, skewed_env = env
     cfg = f'[cluster]\ndatabase = "{url}"\npool_size = 4\nsweep_interval_s = 1\n'

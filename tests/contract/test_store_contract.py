@@ -262,6 +262,22 @@ def test_schedule_fire_is_idempotent_per_instant_and_the_cursor_is_compare_and_s
     assert (run.trigger_type, run.scheduled_for_us, run.requested_by) == ("cron", 300_000_000, "scheduler")
 
 
+def test_a_fire_for_an_instant_the_stores_clock_has_not_reached_writes_nothing(store, clock):
+    """A Run is stamped with the store's time (ADR-0376 §2); a caller whose own clock runs ahead
+    asks too soon: ``early``, neither the Run nor the cursor written, until the store's clock is there."""
+    (head,) = add(store, prepared("t", schedule="* * * * * *"))
+    instant = clock.now + 1_000
+    cursor = (None, ScheduleCursor(last_instant_us=instant, observed_wall_us=instant))
+    args = dict(project_id=head.project_id, task_id=head.task_id, idempotency_key=schedule_key(head.task_id, instant),
+                trigger="cron", scheduled_for_us=instant, actor="scheduler", cursor=cursor)
+    assert store.fire_schedule(**args) == "early"
+    assert (store.list_runs(head.project_id)[0], store.schedule_cursors()) == ([], {})
+    clock.advance(1_000)
+    assert store.fire_schedule(**args) == "created"
+    (run,) = store.list_runs(head.project_id)[0]
+    assert run.scheduled_for_us == run.created_at_us == instant
+
+
 def test_a_single_instance_fire_is_skipped_and_counted_while_a_run_is_live(store):
     (head,) = add(store, prepared("t", schedule="*/5 * * * *"))
     assert _fire(store, head, 300_000_000) == "created"

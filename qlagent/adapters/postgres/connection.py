@@ -35,9 +35,14 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
 from ...core.errors import UnavailableError, ValidationError
+
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg import Connection
+    from psycopg_pool import ConnectionPool
 
 _SCHEMES = ("postgresql", "postgres")
 _SESSION_ATTRS = ("any", "read-write", "primary", "read-only", "standby", "prefer-standby")
@@ -122,7 +127,7 @@ def connect(url: str, *, autocommit: bool = False):
         raise UnavailableError(f"cluster database unreachable: {str(e).splitlines()[0]}") from None
 
 
-def open_pool(url: str, size: int = 4):
+def open_pool(url: str, size: int = 4) -> ConnectionPool:
     """A bounded pool of 1..``size`` connections (``size`` ≤ 64); loads psycopg_pool."""
     if not 1 <= size <= MAX_POOL:
         raise ValidationError("cluster.pool_size", f"{size} outside 1..{MAX_POOL}", limit=MAX_POOL)
@@ -138,7 +143,7 @@ def open_pool(url: str, size: int = 4):
     return pool
 
 
-def _configure(conn) -> None:
+def _configure(conn: Connection) -> None:
     """Every pooled session gets the server-side bounds (``SESSION_TIMEOUTS_MS``). Behind a
     transaction-mode pooler they stay on the server backend for the next client: the same values."""
     conn.execute("; ".join(f"SET {k} = {v}" for k, v in SESSION_TIMEOUTS_MS.items()))
@@ -158,7 +163,7 @@ class _Watchdog:
         self._thread: threading.Thread | None = None
         self._wake_at = _NEVER        # when the thread looks next (monotonic s)
 
-    def arm(self, conn, seconds: float) -> int:
+    def arm(self, conn: Connection, seconds: float) -> int:
         with self._cond:
             self._next += 1
             due = time.monotonic() + seconds
@@ -190,7 +195,7 @@ class _Watchdog:
                 self._cond.wait(wait)
 
 
-def _cut(conn) -> None:
+def _cut(conn: Connection) -> None:
     try:
         s = socket.socket(fileno=os.dup(conn.pgconn.socket))
     except Exception:       # already closed: nothing to cut
@@ -207,7 +212,7 @@ _WATCHDOG = _Watchdog()
 
 
 @contextmanager
-def deadline(conn, seconds: float = UNIT_DEADLINE_S):
+def deadline(conn: Connection, seconds: float = UNIT_DEADLINE_S):
     """Within the block, ``conn`` is cut (its calls raise OperationalError) once ``seconds`` have
     passed: no database wait on a request path outlives it."""
     token = _WATCHDOG.arm(conn, seconds)
@@ -217,7 +222,7 @@ def deadline(conn, seconds: float = UNIT_DEADLINE_S):
         _WATCHDOG.disarm(token)
 
 
-def transaction(pool, fn: Callable):
+def transaction(pool: ConnectionPool, fn: Callable):
     """Run ``fn(cursor)`` (a dict-row cursor) in one transaction and return its result.
 
     Serialization failures and deadlocks are retried up to 5 times (the whole unit of work, so
@@ -239,7 +244,7 @@ def transaction(pool, fn: Callable):
     raise UnavailableError("cluster database: transaction kept conflicting; retry later")
 
 
-def read(pool, fn: Callable):
+def read(pool: ConnectionPool, fn: Callable):
     """Run the read-only ``fn(cursor)`` (a dict-row cursor) without BEGIN/COMMIT and return its
     result. At READ COMMITTED every statement takes its own snapshot whether or not it is in a
     transaction block, so a read gains nothing from one but two round trips. ``fn`` must not
@@ -248,7 +253,7 @@ def read(pool, fn: Callable):
     return _outside_transaction(pool, fn)
 
 
-def statement(pool, fn: Callable):
+def statement(pool: ConnectionPool, fn: Callable):
     """Run ``fn(cursor)`` (a dict-row cursor), which executes ONE statement that may write (a
     database function's call), without BEGIN/COMMIT: outside a transaction block it is a
     transaction of its own, at READ COMMITTED, in one round trip. Serialization failures and
@@ -263,7 +268,7 @@ def statement(pool, fn: Callable):
     raise UnavailableError("cluster database: transaction kept conflicting; retry later")
 
 
-def _outside_transaction(pool, fn: Callable):
+def _outside_transaction(pool: ConnectionPool, fn: Callable):
     import psycopg
     from psycopg import errors
     from psycopg.rows import dict_row

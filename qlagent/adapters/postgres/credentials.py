@@ -4,16 +4,21 @@ credential fails its next request (``transitions.authenticate``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...core.errors import NotFoundError
 from .connection import transaction
 from .queries import WORKER_CREDENTIAL_SET
 from .transitions import now_us
 
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
+
 
 class PgCredentials:
     """``workers.credential_digest`` over a psycopg pool."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
 
     def replace(self, name: str, credential_digest: str) -> str:

@@ -16,6 +16,7 @@ the plan source's cache, then ``queries.LEASE_CLAIM``: 4 statements besides BEGI
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -32,6 +33,9 @@ from .queries import (DB_NOW, LEASE_ACTIVE_ATTEMPT_FOR_UPDATE, LEASE_CLAIM, LEAS
                       PULL_QUICK, PULL_SESSION, TASK_FOR_NO_KEY_UPDATE)
 from .runs import set_holds
 from .transitions import authenticate, finish_attempt, now_us, stale_session
+
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
 
 
 def _candidate(row: dict) -> ClusterCandidate:
@@ -103,7 +107,7 @@ class PgDispatchStore:
     """``core.cluster.PullStore`` over a psycopg pool; Pull units rebuild plans with ``plans``
     (a ``PgPlanSource``) through their own connection."""
 
-    def __init__(self, pool, plans: PgPlanSource | None = None) -> None:
+    def __init__(self, pool: ConnectionPool, plans: PgPlanSource | None = None) -> None:
         self._pool, self._plans = pool, plans
 
     def now_us(self) -> int:
@@ -226,7 +230,7 @@ class PgPlanSource:
     never changes another plan. The Task identity (project, Task, revision) comes from the
     revision's rows, the Run's and Attempt's from the candidate the authority returned."""
 
-    def __init__(self, pool, profile: Profile, revisions: int = PLAN_CACHE_REVISIONS) -> None:
+    def __init__(self, pool: ConnectionPool, profile: Profile, revisions: int = PLAN_CACHE_REVISIONS) -> None:
         self._pool, self._profile, self._max = pool, profile, revisions
         self._cache: dict[tuple[str, int], _Revision] = {}
         self._lock = threading.Lock()

@@ -4,16 +4,21 @@ carries), redeemed once by the Worker whose credential it holds."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...core.errors import ConflictError, NotFoundError
 from .connection import transaction
 from .queries import JOIN_TOKEN_FOR_UPDATE, JOIN_TOKEN_INSERT, JOIN_TOKEN_USE
 from .transitions import authenticate, now_us
 
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
+
 
 class PgJoinTokens:
     """``join_tokens`` rows over a psycopg pool."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
 
     def issue(self, token_id: str, worker_id: str, ttl_us: int) -> int:

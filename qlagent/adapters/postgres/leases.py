@@ -7,6 +7,8 @@ without changing anything; an ACK against a Lease that expired or was fenced is 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...core.cluster import Ack, AckResult, LeaseFence
 from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
@@ -17,11 +19,14 @@ from .dialect import POSTGRES
 from .queries import ACK, LEASES_EXPIRED_FOR_UPDATE, OCCUPYING, RUNS_RELEASE_HOLDS
 from .transitions import after_attempt, end_lease, fence_refusal, now_us
 
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
+
 
 class PgLeaseStore:
     """ACKs and the expired-Lease sweep over a psycopg pool."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
 
     def apply_ack(self, fence: LeaseFence, ack: Ack, target: str, lease_ttl_us: int) -> AckResult:

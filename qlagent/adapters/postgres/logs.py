@@ -3,6 +3,8 @@ at a quota with a write-once truncation fact, so any replica serves ``run logs``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...core.cluster import ChunkConflict, LeaseFence
 from ...core.errors import ConflictError
 from ...core.receipt import TruncationFact
@@ -12,11 +14,14 @@ from .queries import (ATTEMPT_LOG_NEXT_FOR_NO_KEY_UPDATE, ATTEMPT_LOG_NEXT_SET, 
                       LOG_CHUNK_INSERT, RUN_LOG_LATEST_ATTEMPT, TRUNCATION_FACT_EXISTS, TRUNCATION_FACT_INSERT)
 from .transitions import fenced_lease, now_us
 
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
+
 
 class PgLogStore:
     """Log chunks of Attempts over a psycopg pool."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
 
     def append(self, fence: LeaseFence, offset: int, data: bytes, quota_bytes: int) -> tuple[int, bool]:

@@ -12,12 +12,16 @@ migration this build does not know, or whose checksum/name differs, is refused
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from ...core.canonical import sha256_hex
 from ...core.errors import UnavailableError
 from ..migration_files import Migration, pending, read_migrations
 from .queries import (ADVISORY_XACT_LOCK, CAPABILITIES, MIGRATIONS_APPLIED, MIGRATIONS_TABLE_CREATE,
                       MIGRATION_LOCK_HOLDERS, MIGRATION_RECORD)
+
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg import Connection
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
 # First 8 bytes of sha256("qlagent:cluster:migrations") as a signed bigint: one fixed lock key.
@@ -31,7 +35,7 @@ def known_migrations() -> list[Migration]:
     return read_migrations(_DIR)
 
 
-def verify_history(conn, known: list[Migration]) -> list[Migration]:
+def verify_history(conn: Connection, known: list[Migration]) -> list[Migration]:
     """Check the recorded history against ``known``; return the migrations still to apply.
 
     Raises StoreIntegrityError naming the first unknown or altered migration.
@@ -41,7 +45,7 @@ def verify_history(conn, known: list[Migration]) -> list[Migration]:
     return pending([tuple(r) for r in applied], known)
 
 
-def migrate(conn) -> list[str]:
+def migrate(conn: Connection) -> list[str]:
     """Apply pending migrations, each in its own transaction under the migration lock; return
     the names applied.
 
@@ -77,7 +81,7 @@ def migrate(conn) -> list[str]:
         applied.append(f"{m.version:04d}_{m.name}")
 
 
-def _holder(conn) -> str:
+def _holder(conn: Connection) -> str:
     """Who holds ``MIGRATION_LOCK`` (pg_locks: key split in two 32-bit halves), for the message."""
     key = MIGRATION_LOCK & 0xFFFFFFFFFFFFFFFF
     rows = conn.execute(MIGRATION_LOCK_HOLDERS, (key >> 32, key & 0xFFFFFFFF)).fetchall()
@@ -87,7 +91,7 @@ def _holder(conn) -> str:
                      f"SELECT pg_terminate_backend({pid}) ends it)" for pid, app, addr, state in rows)
 
 
-def check_capabilities(conn) -> dict[str, int]:
+def check_capabilities(conn: Connection) -> dict[str, int]:
     """Readiness: the declared capabilities; UnavailableError if one this build needs is missing."""
     import psycopg
     try:

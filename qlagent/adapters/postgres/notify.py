@@ -28,10 +28,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ...core.errors import UnavailableError
 from .connection import connect
 from .queries import NOTIFY
+
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg import Connection
 
 CHANNEL = "qlagent_candidates"
 RECHECK_S = 0.5        # while LISTEN is down, a waiting Pull re-reads the queue this often (s)
@@ -83,7 +87,7 @@ class PgCandidateSignal:
             raise _NotDelivered()
         return conn
 
-    def _probe(self, conn) -> bool:
+    def _probe(self, conn: Connection) -> bool:
         """Whether a NOTIFY sent through ``notify_url`` reaches ``conn`` within ``PROBE_S``."""
         channel = f"qlagent_probe_{secrets.token_hex(8)}"
         conn.execute(f"LISTEN {channel}")
@@ -183,7 +187,7 @@ class PgCandidateSignal:
         _close_quietly(conn)
 
 
-def _close_quietly(conn) -> None:
+def _close_quietly(conn: Connection) -> None:
     if conn is not None:
         try:
             conn.close()

@@ -4,8 +4,13 @@ queue, and Workers whose Sessions keep replacing each other."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .connection import REPLICA_APPLICATION, read
 from .queries import OVERVIEW_CLIENTS, OVERVIEW_QUEUE, OVERVIEW_REPLICATION, OVERVIEW_SERVER, OVERVIEW_SESSION_CHURN
+
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
 
 # A Worker whose Sessions were replaced this often within the window: more than one process
 # says hello with one credential (each hello fences the other's Session).
@@ -13,7 +18,7 @@ CLASH_WINDOW_US = 600 * 1_000_000
 CLASH_REPLACED = 3
 
 
-def fleet_overview(pool) -> dict:
+def fleet_overview(pool: ConnectionPool) -> dict:
     """{``standby`` (bool: this server is in recovery), ``version``, ``standbys`` [{name, addr,
     state, replayLagS}], ``replicas`` [{name (``HOST/PID``), addr, connections}] (the sessions of
     control-plane replicas: ``connection.name_sessions``), ``clients`` [{addr, application,

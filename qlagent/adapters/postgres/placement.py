@@ -10,18 +10,22 @@ limit; the dispatcher never offers it (cluster.placement.LeaseFitPlans)."""
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from ...core.executors import EXECUTOR_LABEL
 from .connection import transaction
 from .queries import PLACEMENT_CHECKED, PLACEMENT_UNCHECKED_FOR_UPDATE, PLACEMENT_WORKER_FITS
 from .transitions import event, now_us
 
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
+
 
 class PgPlacementReport:
     """Over a psycopg pool; ``report(limit)`` checks up to ``limit`` Runs per call.
     ``max_grace_ms``: the longest grace the replica's Lease holds (core.leasefit.max_grace_ms)."""
 
-    def __init__(self, pool, max_grace_ms: int) -> None:
+    def __init__(self, pool: ConnectionPool, max_grace_ms: int) -> None:
         self._pool, self._max_grace_ms = pool, max_grace_ms
 
     def report(self, limit: int) -> tuple[int, int]:

@@ -55,15 +55,16 @@ HEAD_LIVE_FOR_UPDATE = shared.TASK_HEADS + ("WHERE t.project_id = %s AND (t.name
 HEADS_LIVE = shared.TASK_HEADS + ("WHERE (%s::text IS NULL OR t.project_id = %s) AND t.deleted_at_us IS NULL "
                                   "ORDER BY t.name COLLATE \"C\", t.task_id")
 
-# Runs not ended: the local live set plus the cluster's ``dispatching`` (a Lease is being offered).
-LIVE = tuple(s for s in states.RunState.ALL_CLUSTER if s in states.RUN_LIVE_CLUSTER)
-ACTIVE = tuple(s for s in states.RunState.ALL if s in states.RUN_ACTIVE)
+_R = states.RunState
 # Runs that occupy a single-instance Task: leased to a Worker (``dispatching``) or started.
-OCCUPYING = (states.RunState.DISPATCHING, *ACTIVE)
+OCCUPYING = tuple(s for s in _R.ALL_CLUSTER if s == _R.DISPATCHING or s in _R.ACTIVE)
+_RUN_OCCUPYING = sql_in(frozenset(OCCUPYING), OCCUPYING)
+_RUN_ACTIVE = sql_in(_R.ACTIVE, _R.ALL)
 
-RUN_LIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE task_id = %s AND state IN {sql_in(frozenset(LIVE), LIVE)}"
+# Runs not ended: the local live set plus the cluster's ``dispatching`` (a Lease is being offered).
+RUN_LIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE task_id = %s AND state IN {sql_in(_R.LIVE_CLUSTER, _R.ALL_CLUSTER)}"
 TASK_OCCUPIED = ("SELECT EXISTS (SELECT 1 FROM runs WHERE task_id = %s "
-                 f"AND state IN {sql_in(frozenset(OCCUPYING), OCCUPYING)}) AS live")
+                 f"AND state IN {_RUN_OCCUPYING}) AS live")
 # (held, task, not held). Rows another transaction has locked are skipped, never waited for: a
 # Pull holding its candidate page while it queues on the Task's row would otherwise deadlock
 # with the claim that holds the row (the Pull's own claim guard then holds what it locked), and
@@ -73,7 +74,7 @@ RUNS_HOLD = ("UPDATE runs SET held = %s WHERE run_id IN (SELECT run_id FROM runs
 RUNS_QUEUED_OF_TASK_FOR_UPDATE = ("SELECT run_id, event_sequence, version FROM runs WHERE task_id = %s "
                                   "AND state = 'queued' ORDER BY run_id FOR UPDATE")
 RUNS_ACTIVE_OF_TASK = ("SELECT run_id FROM runs WHERE task_id = %s "
-                       f"AND state IN {sql_in(frozenset(OCCUPYING), OCCUPYING)} ORDER BY run_id")
+                       f"AND state IN {_RUN_OCCUPYING} ORDER BY run_id")
 # A log retention deleted: an ended local Attempt of the Run kept bytes (a Worker's log is uploaded).
 ATTEMPT_LOG_PRUNED = ("SELECT 1 FROM attempts WHERE run_id = %s AND ended_at_us IS NOT NULL AND bytes_kept > 0 "
                       "AND worker_id IS NULL LIMIT 1")
@@ -83,9 +84,9 @@ SCHEDULE_CURSOR_FOR_UPDATE = ("SELECT last_instant_us, observed_wall_us FROM sch
 # The (Task, instant) of a cron fire: a second replica's fire of it conflicts on the primary key.
 SCHEDULE_FIRE_INSERT = "INSERT INTO schedule_fires VALUES (%s, %s, %s, %s)"
 
-RUNS_ACTIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE state IN {sql_in(frozenset(ACTIVE), ACTIVE)}"
+RUNS_ACTIVE_COUNT = f"SELECT count(*) AS n FROM runs WHERE state IN {_RUN_ACTIVE}"
 TASK_RUNS_ACTIVE_COUNT = ("SELECT count(*) AS n FROM runs WHERE task_id = %s "
-                          f"AND state IN {sql_in(frozenset(ACTIVE), ACTIVE)}")
+                          f"AND state IN {_RUN_ACTIVE}")
 ATTEMPT_STATE_FOR_UPDATE = "SELECT state, attempt_no FROM attempts WHERE attempt_id = %s FOR UPDATE"
 RUN_STATE_FOR_UPDATE = ("SELECT state, version, event_sequence, cancel_requested_at_us, task_id FROM runs "
                         "WHERE run_id = %s FOR UPDATE")
@@ -100,7 +101,7 @@ RUN_NEXT_EVENT = format_marks(shared.RUN_NEXT_EVENT) + " RETURNING event_sequenc
 LIVE_ATTEMPTS = ("SELECT r.run_id, a.attempt_id, r.task_id, r.task_revision, a.state, a.shim_pid, a.shim_start_time, "
                  "a.deadline_at_us, a.artifact_path, r.cancel_requested_at_us FROM attempts a JOIN runs r "
                  "ON r.run_id = a.run_id WHERE a.state IN "
-                 f"{sql_in(states.ATTEMPT_ACTIVE, states.AttemptState.ALL)} AND a.worker_id IS NULL "
+                 f"{sql_in(states.AttemptState.ACTIVE, states.AttemptState.ALL)} AND a.worker_id IS NULL "
                  "ORDER BY a.attempt_id")
 CLAIMED_ATTEMPT_IDS = ("SELECT attempt_id FROM attempts WHERE state = 'claimed' AND worker_id IS NULL "
                        "ORDER BY attempt_id")

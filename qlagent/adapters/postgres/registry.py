@@ -4,6 +4,8 @@ per-Worker generation and Lease adoption at hello, heartbeats, drain, removal an
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...core.cluster import Enrolment, SessionGrant, WorkerInfo
 from ...core.errors import ConflictError, NotFoundError
 from ...core.ids import new_id
@@ -15,6 +17,9 @@ from .queries import (LEASES_CANCEL_REQUESTED, LEASES_RENEW, PROJECTS_BY_NAMES, 
                       WORKER_SESSION_CLEAR, WORKER_SESSION_SET, WORKER_STATE_SET)
 from .transitions import adopt_leases, authenticate, fence_sessions, now_us, stale_session
 
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
+
 # Ended Sessions a hello keeps per Worker (the newest; any a Lease names is kept too), and how
 # many older ones one hello deletes: a Worker saying hello in a loop leaves a bounded table.
 SESSION_HISTORY = 8
@@ -24,7 +29,7 @@ PRUNE_PER_HELLO = 4
 class PgWorkerRegistry:
     """Worker and Session rows over a psycopg pool (policy: ``cluster.registry``)."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
 
     def enroll(self, name: str, labels: dict[str, str], executor_types: tuple[str, ...], slots: int,

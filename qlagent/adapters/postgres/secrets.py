@@ -4,15 +4,20 @@ the control plane's SecretBox key (which never enters the database). The Secret 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...core.errors import UnavailableError
 from .connection import read
 from .queries import SECRETS_FOR_OFFER
+
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg_pool import ConnectionPool
 
 
 class PgSecretResolver:
     """``core.cluster.SecretResolver``: ``box`` is the control plane's ``adapters.secretbox.SecretBox``."""
 
-    def __init__(self, pool, box) -> None:
+    def __init__(self, pool: ConnectionPool, box) -> None:
         self._pool, self._box = pool, box
 
     def resolve(self, project_id: str, names: list[str]) -> dict[str, bytes]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ...core.canonical import idempotency_key
 from ...core.dbclock import SKEW_BOUND_US, DatabaseClock
@@ -37,6 +37,10 @@ from .connection import autocommit, bounded_wait, deadline, open_pool, pool_wait
 from .dialect import POSTGRES
 from .execution import candidate_page
 from .queries import CLOCK_US, CREATING_RUNS_SETTINGS, IS_STANDBY, NOTIFY
+
+if TYPE_CHECKING:   # annotations only: psycopg loads where a connection is opened
+    from psycopg import Connection
+    from psycopg_pool import ConnectionPool
 
 T = TypeVar("T")
 WRITE_RETRIES = 8                  # whole-transaction re-runs after a serialization failure
@@ -63,7 +67,7 @@ class PgStore(RowStore):
     def __init__(self, url: str, project: str | None = "default", *, migrate: bool = True,
                  create_project: bool | str = True,
                  clock_us: Callable[[], int] | None = None, pool_size: int = 4,
-                 executor_type: str = "remote_worker", pool=None) -> None:
+                 executor_type: str = "remote_worker", pool: ConnectionPool | None = None) -> None:
         self._clock = clock_us
         self.executor_type = executor_type
         with autocommit(url) as conn:
@@ -106,7 +110,7 @@ class PgStore(RowStore):
             fn = self._with_pending_project(fn)
         isolation = psycopg.IsolationLevel.SERIALIZABLE if write else psycopg.IsolationLevel.REPEATABLE_READ
 
-        def once(conn):
+        def once(conn: Connection):
             if single or one_message:
                 from psycopg import ClientCursor
                 from psycopg.pq import TransactionStatus
@@ -250,7 +254,7 @@ class PgStore(RowStore):
                          write=True, busy_code="task_start_unavailable", one_message=True)
 
     # ---- ScheduleStore hooks (``RowStore.fire_schedule``) ----------------------------------------
-    def _record_fire(self, c, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
+    def _record_fire(self, c: Db, task_id: str, scheduled_for_us: int | None, run_id: str, now_us: int) -> None:
         """Across replicas the (Task, instant) row of ``schedule_fires`` and the Run's unique
         idempotency key make one Run per instant."""
         pg_runs.record_fire(c, task_id, scheduled_for_us, run_id, now_us)
@@ -268,7 +272,7 @@ class PgStore(RowStore):
 
 
 
-def _restore(conn, **settings) -> None:
+def _restore(conn: Connection, **settings) -> None:
     """Set the pooled ``conn``'s session ``settings`` (attributes of psycopg's Connection) back
     after a unit; a connection cut mid-unit (its setters would raise over the unit's own error)
     is closed instead, so the pool never hands it out with the unit's settings."""
@@ -295,7 +299,7 @@ def diagnose(url: str) -> list[tuple[str, bool, str]]:
         return [("database", False, str(e))]
 
 
-def _clock_check(conn) -> tuple[str, bool, str]:
+def _clock_check(conn: Connection) -> tuple[str, bool, str]:
     """This host's clock against the database's (issue 21 §4): not ok beyond ``SKEW_BOUND_US``."""
     clock = DatabaseClock(lambda: conn.execute(CLOCK_US).fetchone()[0])
     if not clock.sync():
@@ -307,7 +311,7 @@ def _clock_check(conn) -> tuple[str, bool, str]:
     return ("clock", True, f"{offset} from the database's (bound ±{SKEW_BOUND_US / 1e6:g} s)")
 
 
-def _diagnose(conn, dict_row) -> list[tuple[str, bool, str]]:
+def _diagnose(conn: Connection, dict_row) -> list[tuple[str, bool, str]]:
     from ...core.errors import QlError
     standby = conn.execute(IS_STANDBY).fetchone()[0]
     out = [("database", not standby, "a standby (read-only): the authority is the primary" if standby
