@@ -178,7 +178,7 @@ class StartPhase:
 
     COMPILING = "compiling"   # the shim is being compiled for a new fork server
     FORK = "fork"             # the request is out; the shim's ``pid <n>`` line is awaited
-    SPEC = "spec"             # the rest of the spec goes into the shim's stdin as the shim reads it
+    SPEC = "giving_spec"      # the rest of the spec goes into the shim's stdin as the shim reads it
     EXEC = "exec"             # the spec went to the shim; ``ok`` or ``err <reason>`` is awaited
     EXIT = "exit"             # the exec failed; the shim's exit (after its receipt) is awaited
     SERVER_EXIT = "server_exit"   # the fork server shut the status pipe unforked; its exit status is awaited
@@ -189,13 +189,13 @@ class ShimStart:
     whenever ``fd`` is readable (the caller's selector watches it; None: nothing to watch, call
     ``advance`` once in a while). Phases (:class:`StartPhase`): ``compiling`` (the shim is being
     compiled for a new fork server; ``fd`` is the compile's pidfd), ``fork`` (the request is
-    out; the forked shim's ``pid <n>`` line is awaited on the status pipe), ``spec`` (the spec
+    out; the forked shim's ``pid <n>`` line is awaited on the status pipe), ``giving_spec`` (the spec
     is larger than the pipe holds: ``fd`` is an epoll fd, readable when the shim's stdin pipe
     takes more), ``exec`` (the whole spec went to the shim; ``ok`` or ``err <reason>`` is
     awaited), ``exit`` (the exec failed; ``fd`` is the shim's pidfd, readable once it wrote its
     receipt and exited), ``server_exit`` (the fork server shut the status pipe without forking:
     ``fd`` is its pidfd, readable once its exit status, the start's reason, can be had).
-    ``pid``/``create_time``/``pidfd`` are set from ``spec`` on; ``bound_s`` (seconds) is the
+    ``pid``/``create_time``/``pidfd`` are set from ``giving_spec`` on; ``bound_s`` (seconds) is the
     start's bound; ``server`` is the fork server the request went to (None while compiling)."""
 
     __slots__ = ("fd", "phase", "pid", "create_time", "pidfd", "start_error", "bound_s", "request",
@@ -481,7 +481,7 @@ class ForkServer:
 
         The shim's PID comes first (the fork server's ``pid <n>`` line); only then does
         the spec (secrets included) go into its stdin pipe, as much as the pipe takes, the rest
-        each time it takes more (``spec``), so a shim whose agent died before knowing its PID
+        each time it takes more (``giving_spec``), so a shim whose agent died before knowing its PID
         reads no spec and runs nothing, and a shim slow to read holds nobody up. Raises
         ShimSpawnError (``st`` closed) when the fork server forked no shim or the shim was not
         compiled in time: its reason (``fork server: exited with status N before forking the
