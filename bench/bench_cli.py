@@ -95,9 +95,9 @@ def argparse_help_script() -> str:
 
 
 # What serve imports before READY=1 that is not qlagent's: the models' msgspec, the store's sqlite3
-# and thread, the loop's selectors and signals, and what adapters.processes loads at its import
-# (psutil, subprocess). Its time beside serve's says how much of the start is qlagent's own.
-SERVE_LIBRARIES = "msgspec, sqlite3, threading, queue, selectors, socket, signal, psutil, subprocess"
+# and thread, the loop's selectors and signals (psutil and subprocess wait for the first Run or a
+# stray found at the start). Its time beside serve's says how much of the start is qlagent's own.
+SERVE_LIBRARIES = "msgspec, sqlite3, threading, queue, selectors, socket, signal"
 
 # The bare scripts: the command's own work with the libraries it needs, nothing of qlagent.
 TABLE = '''

@@ -42,7 +42,7 @@ from bench_drainer import DATE_ARGV, new_run, private_dirty, throughput, via_pos
 
 from qlagent.adapters import processes  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from shimkit import spawn_shim  # noqa: E402  (the shim alone, by its own interpreter)
+from shimkit import compiled_shim, fork_served, spawn_shim  # noqa: E402  (the shim alone, by its own interpreter)
 
 MiB = 1024 * 1024
 PATH_ENV = {"PATH": "/usr/bin:/bin"}
@@ -101,12 +101,12 @@ def wait_receipt(spec, h):
 
 def forked(fs):
     """``run(spec)`` for bench_drainer.throughput: a start through ``fs``, then its receipt."""
-    return lambda spec: wait_receipt(spec, fs.spawn(spec, PYTHON))
+    return lambda spec: wait_receipt(spec, fork_served(fs, spec, PYTHON))
 
 
 def latency(base, rounds, arms):
     argv = DATE_ARGV
-    program = processes.compiled_shim(base, PYTHON)
+    program = compiled_shim(base, PYTHON)
 
     def exec_at(spawn):
         def go():
@@ -147,7 +147,7 @@ def latency(base, rounds, arms):
 
     paths = {"posix_spawn": via_posix_spawn}
     for label, fs in arms.items():
-        spawn = (lambda f: lambda s: f.spawn(s, PYTHON))(fs)
+        spawn = (lambda f: lambda s: fork_served(f, s, PYTHON))(fs)
         paths[f"{label}: fork server → shim → task exec"] = exec_at(spawn)
         paths[f"{label}: call until `ok`"] = until_running(spawn)
         paths[f"{label}: the loop's own work per start (begin + advances, no waiting)"] = loop_share(fs)
@@ -179,7 +179,7 @@ def shim_cost(pid, task):
 
 def overhead(base, arms):
     rows = []
-    spawns = [(f"{label}: fork-served shim", (lambda f: lambda s: f.spawn(s, PYTHON))(fs))
+    spawns = [(f"{label}: fork-served shim", (lambda f: lambda s: fork_served(f, s, PYTHON))(fs))
               for label, fs in arms.items()]
     for label, spawn in spawns + [("shim with its own interpreter (before the fork server)",
                                    lambda s: spawn_shim(s, PYTHON))]:
@@ -232,7 +232,7 @@ def main():
         with shim_of(tree):
             d = tempfile.mkdtemp(dir=base)
             arms[label] = fs = processes.ForkServer(d)
-            wait_receipt(spec := new_run(d, 4096, ["/bin/true"]), fs.spawn(spec, PYTHON))
+            wait_receipt(spec := new_run(d, 4096, ["/bin/true"]), fork_served(fs, spec, PYTHON))
     latency(base, args.rounds, arms)
     overhead(base, arms)
     if args.mib:

@@ -1,6 +1,8 @@
 """Helpers shared by the shim and process-tree tests and the shim benches: the router-task
-scripts, a minimal task environment, a shim spec on real files, and ``spawn_shim``: the shim
-program started alone by its own interpreter, without the agent's fork server."""
+scripts, a minimal task environment, a shim spec on real files, ``spawn_shim``: the shim
+program started alone by its own interpreter, without the agent's fork server, ``fork_served``:
+a start through a ``ForkServer`` waited for to its end, and ``compiled_shim``: the fork server's
+compiled program written before any start."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import uuid
 
 import psutil
 
-from qlagent.adapters.processes import (SHIM_PATH, SPEC_LIMIT_BYTES, START_STATUS_TIMEOUT_S, ShimHandle,
+from qlagent.adapters import processes
+from qlagent.adapters.processes import (SHIM_PATH, SPEC_LIMIT_BYTES, START_STATUS_TIMEOUT_S, ForkServer, ShimHandle,
                                         ShimSpawnError, errno_text)
 from qlagent.core.errors import ValidationError
 
@@ -69,7 +72,7 @@ def _read_status(popen: subprocess.Popen, timeout_s: float) -> str | None:
 
 def spawn_shim(spec: dict, python: str = sys.executable,
                   status_timeout_s: float = START_STATUS_TIMEOUT_S, program: str = SHIM_PATH) -> ShimHandle:
-    """Start ``python -I -S <program>`` (shim/main.py, or its compiled_shim) in a new session
+    """Start ``python -I -S <program>`` (shim/main.py, or its ``compiled_shim``) in a new session
     with an empty environment, cwd "/", stderr /dev/null, and send ``spec`` (the shim
     contract's JSON document, which may hold secret plaintext) through its stdin pipe, then
     close the pipe; then wait (at most
@@ -108,3 +111,38 @@ def spawn_shim(spec: dict, python: str = sys.executable,
     except (AttributeError, OSError):
         pidfd = None
     return ShimHandle(popen.pid, create_time, pidfd, popen, start_error)
+
+
+def fork_served(fs: ForkServer, spec: dict, python: str = sys.executable,
+                status_timeout_s: float | None = None) -> ShimHandle:
+    """``fs.begin`` and ``fs.advance`` until the start is over, waiting on the start's fd (at
+    most ``status_timeout_s`` seconds, None: START_STATUS_TIMEOUT_S, then ``advance`` with
+    ``expired``): the agent's loop reduced to one start. Returns and raises as those two do;
+    with a start_error it returns once the shim has exited or was killed."""
+    st = fs.begin(spec, python, status_timeout_s)
+    deadline = time.monotonic() + st.bound_s
+    while True:
+        left = deadline - time.monotonic()
+        h = fs.advance(st, expired=left <= 0)
+        if h is not None:
+            return h
+        select.select([st.fd] if st.fd is not None else [], [], [], min(max(left, 0), 0.05 if st.fd is None else left))
+
+
+def compiled_shim(cache_dir: str, python: str = sys.executable) -> str:
+    """The program a new ``ForkServer(cache_dir)`` of ``python`` runs, compiled now and waited
+    for (at most 30 s) instead of by the fork server's own compile: the path of the compiled
+    shim (processes._compiled_path), or SHIM_PATH when it cannot be had or a file there is not
+    ours alone (never run, never replaced)."""
+    path = processes._compiled_path(cache_dir, python)
+    ready = processes._ready_program(path)
+    if ready is not None:
+        return ready
+    tmp = f"{path}.tmp.{os.getpid()}"
+    popen = processes._start_compile(python, tmp)
+    try:
+        popen.wait(30)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait()
+    return path if processes._end_compile(popen, tmp, path) else SHIM_PATH

@@ -6,24 +6,29 @@ a real process killed with SIGKILL.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import py_compile
+import select
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
 import pytest
-from execkit import Bench, procs_with_env, task
-from kit import wait_until
-from shimkit import PATH_ENV, make_spec
+from execkit import Agent, Bench, procs_with_env, task
+from kit import free_port, wait_until
+from shimkit import PATH_ENV, compiled_shim, fork_served, make_spec
 
 from qlagent.adapters import processes
 from qlagent.application.cancel import request_cancel
 from qlagent.core.clock import now_us
 from qlagent.core.profiles import EDGE, STANDALONE
+from qlagent.core.states import AttemptState, RunState
 from qlagent.execution import coordinator
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +46,7 @@ def output_of(spec: dict) -> bytes:
 def test_runs_outlive_a_killed_fork_server_and_the_next_start_gets_a_new_one(tmp_path):
     fs = processes.ForkServer(str(tmp_path))
     specs = [make_spec(tmp_path, ["/bin/sh", "-c", "sleep 1; echo done $0", str(i)]) for i in range(3)]
-    handles = [fs.spawn(s, sys.executable) for s in specs]
+    handles = [fork_served(fs, s, sys.executable) for s in specs]
     assert all(h.start_error is None for h in handles)
     (server,) = fs.pids()
     os.kill(server, signal.SIGKILL)
@@ -52,7 +57,7 @@ def test_runs_outlive_a_killed_fork_server_and_the_next_start_gets_a_new_one(tmp
         assert output_of(s) == b"done %d\n" % i
         os.close(h.pidfd)
     nxt = make_spec(tmp_path, ["/bin/sh", "-c", "echo again"])
-    h = fs.spawn(nxt, sys.executable)
+    h = fork_served(fs, nxt, sys.executable)
     assert h.start_error is None and fs.pids() and server not in fs.pids()
     assert receipt_of(nxt).exit_code == 0 and output_of(nxt) == b"again\n"
     os.close(h.pidfd)
@@ -61,7 +66,7 @@ def test_runs_outlive_a_killed_fork_server_and_the_next_start_gets_a_new_one(tmp
 def test_a_shim_is_in_its_own_session_and_nobody_it_dies_with(tmp_path):
     fs = processes.ForkServer(str(tmp_path))
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "sleep 30"])
-    h = fs.spawn(spec, sys.executable)
+    h = fork_served(fs, spec, sys.executable)
     assert os.getsid(h.pid) == h.pid                  # leads its own session, as a directly started shim
     assert processes.process_matches(h.pid, h.create_time)
     task_pid = wait_until(lambda: processes.read_task_pid(spec["run_dir"]), 20)
@@ -73,7 +78,9 @@ def test_a_shim_is_in_its_own_session_and_nobody_it_dies_with(tmp_path):
 
 AGENT = textwrap.dedent("""
     import json, os, sys, time
+    sys.path.insert(0, "tests")
     from qlagent.adapters import processes
+    from shimkit import fork_served
     spec = json.loads(sys.stdin.read())
     fs = processes.ForkServer(sys.argv[1])
     if sys.argv[2] == "before-spec":
@@ -83,7 +90,7 @@ AGENT = textwrap.dedent("""
         fs._send(sys.executable, r, sw)
         print(os.read(sr, 64).decode().split()[1], list(fs.pids())[0], flush=True)
     else:
-        h = fs.spawn(spec, sys.executable)
+        h = fork_served(fs, spec, sys.executable)
         print(h.pid, list(fs.pids())[0], flush=True)
     time.sleep(60)
 """)
@@ -117,7 +124,7 @@ def test_fifty_concurrent_starts(tmp_path):
     go = tmp_path / "go"                              # every task waits for it: all 50 live at once
     specs = [make_spec(tmp_path, ["/bin/sh", "-c", 'while [ ! -e "$1" ]; do sleep 0.05; done; echo $0', str(i),
                                   str(go)]) for i in range(50)]
-    handles = [fs.spawn(s, sys.executable) for s in specs]
+    handles = [fork_served(fs, s, sys.executable) for s in specs]
     assert all(h.start_error is None for h in handles)
     assert sum(processes.process_matches(h.pid, h.create_time) for h in handles) == 50
     assert len({h.pid for h in handles}) == 50
@@ -134,7 +141,7 @@ def test_a_fork_server_that_cannot_start_fails_runs_with_its_reason_and_is_not_r
     monkeypatch.setattr(processes, "BACKOFF_MIN_S", 60.0)   # the second start surely falls in the back-off
     tries = tmp_path / "tries"
     broken = tmp_path / "python"
-    # Counts its starts as the fork server (compiled_shim's --compile run is not one).
+    # Counts its starts as the fork server (the shim's --compile run is not one).
     broken.write_text(f'#!/bin/sh\n[ "$4" = --compile ] || echo x >> {tries}\nexit 3\n')
     broken.chmod(0o755)
     b = Bench(str(tmp_path / "s"), profile=EDGE)
@@ -154,6 +161,94 @@ def test_a_fork_server_that_cannot_start_fails_runs_with_its_reason_and_is_not_r
     assert tries.read_text() == "x\n"                  # one start of the broken fork server, not two
     assert b.run(first).state == b.run(second).state == "failed"
     b.close()
+
+
+# A stand-in fork server: it shuts its socket (the request's pipes go with it, so the agent's
+# status pipe is at EOF), then lives on until the test lets it exit with status 3.
+LINGERING = """
+import os, time
+os.close(0)
+open({closed!r}, "w").close()
+while not os.path.exists({go!r}):
+    time.sleep(0.05)
+os._exit(3)
+"""
+
+
+def test_a_fork_server_that_shuts_its_pipe_and_lingers_holds_up_no_loop_and_the_run_names_its_exit_status(tmp_path):
+    """The fork server forks no shim and lingers before it exits: while it lives the agent's
+    loop goes on (HTTP answers, the Run waits ``starting``); once it exited the Run fails with
+    its exit status."""
+    port = free_port()
+    a = Agent(str(tmp_path), config=f'[http]\nlisten = "127.0.0.1:{port}"\n')
+    a.add(task("t", "echo ran\n"))
+    closed, go = tmp_path / "closed", tmp_path / "go"
+    source = tmp_path / "lingering.py"
+    source.write_text(LINGERING.format(closed=str(closed), go=str(go)))
+    runs = os.path.join(a.state, "runs")
+    os.makedirs(runs, mode=0o700, exist_ok=True)
+    # Planted as the compiled shim of this interpreter: the agent's fork server runs it.
+    program = processes._compiled_path(runs, sys.executable)
+    py_compile.compile(str(source), cfile=program, doraise=True)
+    os.chmod(program, 0o600)
+    a.serve()
+    try:
+        rid = a.start("t")
+        wait_until(closed.exists, 20, "the fork server to shut its socket")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().status == 200
+        conn.close()
+        assert a.run(rid)["state"] == RunState.STARTING       # its reason, the exit status, is still to come
+        go.touch()
+        assert a.wait(rid)["state"] == RunState.FAILED
+        (att,) = a.attempts(rid)
+        assert (att["state"], att["failure_reason"], att["start_error"]) == \
+            (AttemptState.START_FAILED, "shim_failed", "shim: fork server: exited with status 3 before forking the shim")
+    finally:
+        go.touch()
+        assert a.stop() == 0
+
+
+def test_a_spec_larger_than_the_pipe_goes_in_as_the_shim_reads_it_and_the_task_gets_its_environment_byte_exact(
+        tmp_path):
+    """Three environment values of ~96 KiB each (a spec of ~0.5 MiB, far over the pipe's 64 KiB):
+    the start takes what the pipe holds and returns, even while the shim reads nothing (it is
+    SIGSTOPped), and goes on as it reads; the task sees every byte of its environment."""
+    alphabet = "".join(chr(c) for c in range(1, 0x3000) if not 0xD800 <= c < 0xE000)
+    values = {f"BIG{i}": (alphabet * 4)[i * 7:][:34_000] for i in range(3)}
+    assert all(90_000 < len(f"{k}={v}".encode()) < 131_072 for k, v in values.items())   # under MAX_ARG_STRLEN
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", 'printf "%s\\0%s\\0%s" "$BIG0" "$BIG1" "$BIG2"'],
+                     env={**PATH_ENV, **values})
+    fs = processes.ForkServer(str(tmp_path))
+    compiled_shim(str(tmp_path))                      # compiled already: the request goes out at once
+    st = fs.begin(spec, sys.executable)
+    assert select.select([st.fd], [], [], 20)[0]      # the shim is forked: its pid line is there
+    (server,) = fs.pids()
+    (shim,) = psutil.Process(server).children()
+    shim.suspend()
+    wait_until(lambda: shim.status() == psutil.STATUS_STOPPED, 10, "the shim to stop")
+    rescue = threading.Timer(10, shim.resume)         # a start that waited for the shim would hang here
+    rescue.start()
+    try:
+        assert fs.advance(st) is None and st.phase == processes.StartPhase.SPEC
+        assert shim.status() == psutil.STATUS_STOPPED
+    finally:
+        rescue.cancel()
+        shim.resume()
+    h = fork_served_until_done(fs, st)
+    assert h.start_error is None and h.pid == shim.pid
+    assert receipt_of(spec).exit_code == 0
+    assert output_of(spec) == b"\0".join(values[f"BIG{i}"].encode() for i in range(3))
+    os.close(h.pidfd)
+
+
+def fork_served_until_done(fs, st):
+    while True:
+        h = fs.advance(st)
+        if h is not None:
+            return h
+        select.select([st.fd], [], [], 20)
 
 
 def test_fifty_runs_start_at_once_and_each_is_running_only_once_its_task_was_execd(tmp_path):
@@ -215,7 +310,7 @@ def test_an_agent_killed_between_the_shims_fork_and_the_exec_runs_nothing_and_th
     b.add(task("t", f"touch {marker}\n"))
     rid = b.start("t")
     os.makedirs(b.runs_dir, mode=0o700, exist_ok=True)
-    processes.compiled_shim(b.runs_dir, sys.executable)     # compiled already: the request goes out at once
+    compiled_shim(b.runs_dir, sys.executable)     # compiled already: the request goes out at once
     agent = subprocess.Popen([sys.executable, "-c", ENGINE_AGENT, b.root, os.path.join(REPO, "tests")],
                              stdout=subprocess.PIPE, cwd=REPO)
     shim = int(agent.stdout.readline())
@@ -347,7 +442,7 @@ def test_a_shim_that_has_not_started_its_task_at_the_bound_is_killed_and_the_sta
     spec = make_spec(tmp_path, ["/bin/sh", "-c", f"touch {marker}"])
     os.unlink(spec["artifact_path"])
     os.mkfifo(spec["artifact_path"], 0o600)
-    h = fs.spawn(spec, sys.executable, status_timeout_s=BOUND_S)
+    h = fork_served(fs, spec, sys.executable, status_timeout_s=BOUND_S)
     assert h.start_error == f"shim: the task was not started within {BOUND_S} s; the shim was killed"
     wait_until(lambda: not processes.process_matches(h.pid, h.create_time), 10, "the shim to be gone")
     assert not marker.exists()
@@ -360,22 +455,24 @@ def test_a_start_left_on_a_retired_fork_server_does_not_retire_its_successor(tmp
     serves the next Run; the second's bound then fails only that start: the new server stays,
     no back-off is charged, and the Run after it starts at once."""
     fs = processes.ForkServer(str(tmp_path))
-    first = fs.spawn(make_spec(tmp_path, ["/bin/true"]), sys.executable)
+    first = fork_served(fs, make_spec(tmp_path, ["/bin/true"]), sys.executable)
     (server,) = fs.pids()
     frozen = stopped(server)
     try:
+        early_end = time.monotonic() + 1
         early = fs.begin(make_spec(tmp_path, ["/bin/true"]), sys.executable, status_timeout_s=1)
+        late_end = time.monotonic() + BOUND_S + 2
         late = fs.begin(make_spec(tmp_path, ["/bin/true"]), sys.executable, status_timeout_s=BOUND_S + 2)
-        wait_until(lambda: time.monotonic() >= early.deadline, 10)
+        wait_until(lambda: time.monotonic() >= early_end, 10)
         with pytest.raises(processes.ShimSpawnError, match="no shim forked within 1 s"):
             fs.advance(early, expired=True)
         wait_until(lambda: time.monotonic() >= fs._retry_at, 10, "the back-off to pass")
-        assert fs.spawn(make_spec(tmp_path, ["/bin/true"]), sys.executable).start_error is None
+        assert fork_served(fs, make_spec(tmp_path, ["/bin/true"]), sys.executable).start_error is None
         successor = fs._popen.pid
-        wait_until(lambda: time.monotonic() >= late.deadline, 10)
+        wait_until(lambda: time.monotonic() >= late_end, 10)
         with pytest.raises(processes.ShimSpawnError, match="no shim forked within"):
             fs.advance(late, expired=True)
-        h = fs.spawn(make_spec(tmp_path, ["/bin/true"]), sys.executable)
+        h = fork_served(fs, make_spec(tmp_path, ["/bin/true"]), sys.executable)
         assert h.start_error is None and fs._popen.pid == successor
     finally:
         frozen.kill()
@@ -391,17 +488,18 @@ def test_a_compile_that_hangs_is_killed_at_the_bound_and_the_next_start_runs_the
     python.write_text(f'#!/bin/sh\n[ "$4" = --compile ] && exec sleep 600\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     fs = processes.ForkServer(str(tmp_path))
+    end = time.monotonic() + BOUND_S
     st = fs.begin(make_spec(tmp_path, ["/bin/true"]), str(python), status_timeout_s=BOUND_S)
     assert st.phase == processes.StartPhase.COMPILING
     (compile_pid,) = fs.pids()
-    wait_until(lambda: time.monotonic() >= st.deadline, 10)
+    wait_until(lambda: time.monotonic() >= end, 10)
     with pytest.raises(processes.ShimSpawnError, match=f"the shim was not compiled within {BOUND_S} s"):
         fs.advance(st, expired=True)
     wait_until(lambda: not psutil.pid_exists(compile_pid) or
                psutil.Process(compile_pid).status() == psutil.STATUS_ZOMBIE, 10, "the compile to be killed")
     wait_until(lambda: time.monotonic() >= fs._retry_at, 10, "the back-off to pass")
     spec = make_spec(tmp_path, ["/bin/sh", "-c", "echo from source"])
-    h = fs.spawn(spec, str(python))
+    h = fork_served(fs, spec, str(python))
     assert h.start_error is None and receipt_of(spec).exit_code == 0 and output_of(spec) == b"from source\n"
     assert psutil.Process(fs._popen.pid).cmdline()[-1] == processes.SHIM_PATH
     os.close(h.pidfd)

@@ -12,7 +12,7 @@ import pytest
 
 from qlagent.adapters import processes
 
-from shimkit import FIXTURES, make_spec, spawn_shim  # noqa: E402
+from shimkit import FIXTURES, fork_served, make_spec, spawn_shim  # noqa: E402
 from kit import wait_until  # noqa: E402
 
 
@@ -145,7 +145,7 @@ def test_signal_tree_without_task_pid_takes_the_shims_child(tmp_path):
 
 def test_a_start_with_a_missing_interpreter_fails_naming_it(tmp_path):
     with pytest.raises(processes.ShimSpawnError, match=r"no-python: cannot start the shim: ENOENT ") as err:
-        processes.ForkServer(str(tmp_path)).spawn({"attempt_id": "x"}, python=str(tmp_path / "no-python"))
+        fork_served(processes.ForkServer(str(tmp_path)), {"attempt_id": "x"}, python=str(tmp_path / "no-python"))
     assert err.value.code == "launch_failed" and err.value.exit_code == 5
 
 

@@ -17,7 +17,7 @@ from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
 from qlagent.core.receipt import Receipt, TruncationFact
 
-from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, make_spec, spawn_shim  # noqa: E402
+from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, fork_served, make_spec, spawn_shim  # noqa: E402
 from kit import wait_until  # noqa: E402
 
 
@@ -411,7 +411,7 @@ def test_start_error_is_bounded_whatever_the_path_length(tmp_path):
 def test_shim_that_dies_before_the_status_is_a_start_error_not_a_hang(tmp_path):
     spec = make_spec(tmp_path, ["/bin/true"])
     spec["quota_bytes"] = "not a number"        # bad spec: receipt with start_error, status err
-    handle = processes.ForkServer(str(tmp_path)).spawn(spec, sys.executable)
+    handle = fork_served(processes.ForkServer(str(tmp_path)), spec, sys.executable)
     assert handle.start_error == "bad spec: quota_bytes: must be an integer >= 0"
 
 

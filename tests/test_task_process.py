@@ -423,11 +423,19 @@ def test_the_shim_runs_precompiled_from_the_private_runs_root(root):
     st = os.lstat(program)
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
     assert b.wait_run(rid).state == "succeeded"
-    # A file at that name that is not ours alone is never run (nor replaced): the source is.
-    assert processes.compiled_shim(b.runs_dir, sys.executable) == program      # written once
-    os.chmod(program, 0o622)
-    assert processes.compiled_shim(b.runs_dir, sys.executable) == processes.SHIM_PATH
+    assert [n for n in os.listdir(b.runs_dir) if n.startswith(".shim-")] == [os.path.basename(program)]   # written once
     b.close()
+    # A file at that name that is not ours alone is never run (nor replaced): the source is.
+    os.chmod(program, 0o622)
+    again = Bench(os.path.join(root, "s"))                 # a new agent: a new fork server
+    rid = again.start("t")
+    assert again.engine.dispatcher.dispatch_once().status == "activated"
+    again.drive(lambda: again.run(rid).state == "running", dispatch=False)
+    (pid,) = again.engine.live_pids()
+    assert psutil.Process(pid).cmdline()[-1] == processes.SHIM_PATH
+    assert again.wait_run(rid).state == "succeeded"
+    assert os.lstat(program).st_mode & 0o777 == 0o622
+    again.close()
 
 
 def test_recovery_keeps_the_reason_of_a_start_failure_the_previous_agent_never_read(root):

@@ -70,8 +70,19 @@ class ShimHandle(msgspec.Struct):
 
 
 def _compiled_path(cache_dir: str, python: str) -> str | None:
-    """Where ``compiled_shim`` keeps the shim for ``python``, None when the sources or the
-    interpreter cannot be read (see there)."""
+    """Where the fork server's program for ``python`` is kept once compiled (``ForkServer._program``),
+    None when the sources or the interpreter cannot be read (then the shim runs from its source).
+
+    The shim precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc script
+    without compiling it, which saves the compiler's memory (USS 4.5 → 2.9 MiB per run) and its
+    time on every run (bench/results/shim.md). ``python`` itself writes it (``shim/main.py
+    --compile``, so its magic number is right and the agent's heap never holds the compiler's
+    garbage) into ``cache_dir`` (the agent's private runs root, 0700) as ``.shim-<key>.pyc``,
+    mode 0600: one file holding main.py and its siblings (main.py SIBLINGS), which it loads
+    into sys.modules itself. The key is the SHA-256 of every source in ``shim/`` and of the
+    interpreter file's identity (path, inode, mtime, size): a changed source or an upgraded
+    interpreter gets a new file and never runs stale bytecode. Cheap once written (a stat and a
+    read of the source per call)."""
     try:
         real = os.path.realpath(python)
         st = os.stat(real)
@@ -129,37 +140,6 @@ def _ready_program(path: str | None) -> str | None:
     return path if state == "ours" else SHIM_PATH
 
 
-def compiled_shim(cache_dir: str, python: str) -> str:
-    """The shim precompiled for ``python -I -S`` to run as is: an interpreter runs a .pyc
-    script without compiling it, which saves the compiler's memory (USS 4.5 → 2.9 MiB per run)
-    and its time on every run (bench/results/shim.md). ``python`` itself writes it (``shim/main.py
-    --compile``, so its magic number is right and the agent's heap never holds the compiler's
-    garbage) into ``cache_dir`` (the agent's private runs root, 0700) as ``.shim-<key>.pyc``,
-    mode 0600: one file holding main.py and its siblings (main.py SIBLINGS), which it
-    loads into sys.modules itself. The key is the SHA-256 of every source in ``shim/`` and of
-    the interpreter file's identity (path, inode, mtime, size): a changed source or an upgraded
-    interpreter gets a new file and never runs stale bytecode. Cheap once written (a stat and a
-    read of the source per call); writing it waits for that interpreter (at most 30 s): the
-    fork server does it without waiting (``ForkServer.begin``).
-    Returns SHIM_PATH when it cannot be used (not ours, cannot be written)."""
-    path = _compiled_path(cache_dir, python)
-    ready = _ready_program(path)
-    if ready is not None:
-        return ready
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        popen = _start_compile(python, tmp)
-    except OSError:
-        return SHIM_PATH
-    import subprocess
-    try:
-        popen.wait(30)
-    except subprocess.TimeoutExpired:
-        popen.kill()
-        popen.wait()
-    return path if _end_compile(popen, tmp, path) else SHIM_PATH
-
-
 # The fork server exits after this long without a request (shim/forkserver.py FORK_SERVER_IDLE_S);
 # the agent stops using it a margin earlier, so no request is ever sent to one that is leaving
 # (the margin covers a loop that stalls between its look at the clock and the request).
@@ -169,7 +149,6 @@ _RETIRE_MARGIN_S = 60.0
 # try after BACKOFF_MIN_S, each later one twice as late, at most BACKOFF_MAX_S (no restart storm).
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
-_PIPE_BUF_BYTES = 65536
 
 
 def _exited(pid: int, create_time: float, pidfd: int | None) -> bool:
@@ -193,29 +172,34 @@ def _kill(pid: int, create_time: float, pidfd: int | None) -> None:
 
 
 class StartPhase:
-    """The phases of one fork-served shim start (:class:`ShimStart`), in order; ``EXIT`` only
-    after a failed exec."""
+    """The phases of one fork-served shim start (:class:`ShimStart`), in order; ``SPEC`` only for
+    a spec larger than the pipe takes at once, ``EXIT`` only after a failed exec, ``SERVER_EXIT``
+    only when the fork server forked no shim."""
 
     COMPILING = "compiling"   # the shim is being compiled for a new fork server
     FORK = "fork"             # the request is out; the shim's ``pid <n>`` line is awaited
+    SPEC = "giving_spec"      # the rest of the spec goes into the shim's stdin as the shim reads it
     EXEC = "exec"             # the spec went to the shim; ``ok`` or ``err <reason>`` is awaited
     EXIT = "exit"             # the exec failed; the shim's exit (after its receipt) is awaited
+    SERVER_EXIT = "server_exit"   # the fork server shut the status pipe unforked; its exit status is awaited
 
 
 class ShimStart:
     """One shim start in flight (``ForkServer.begin``), driven by ``ForkServer.advance``
     whenever ``fd`` is readable (the caller's selector watches it; None: nothing to watch, call
-    ``advance`` once in a while). Phases (:class:`StartPhase`): ``compiling`` (the shim is being compiled for a new fork
-    server; ``fd`` is the compile's pidfd), ``fork`` (the request is out; the forked shim's
-    ``pid <n>`` line is awaited on the status pipe), ``exec`` (the spec went to the shim;
-    ``ok`` or ``err <reason>`` is awaited), ``exit`` (the exec failed; ``fd`` is the shim's
-    pidfd, readable once it wrote its receipt and exited). ``pid``/``create_time``/``pidfd``
-    are set from ``exec`` on; ``bound_s`` (seconds) is the start's bound, ``deadline``
-    (time.monotonic() seconds) its end, for callers that wait (``ForkServer.spawn``); ``server``
-    is the fork server the request went to (None while compiling)."""
+    ``advance`` once in a while). Phases (:class:`StartPhase`): ``compiling`` (the shim is being
+    compiled for a new fork server; ``fd`` is the compile's pidfd), ``fork`` (the request is
+    out; the forked shim's ``pid <n>`` line is awaited on the status pipe), ``giving_spec`` (the spec
+    is larger than the pipe holds: ``fd`` is an epoll fd, readable when the shim's stdin pipe
+    takes more), ``exec`` (the whole spec went to the shim; ``ok`` or ``err <reason>`` is
+    awaited), ``exit`` (the exec failed; ``fd`` is the shim's pidfd, readable once it wrote its
+    receipt and exited), ``server_exit`` (the fork server shut the status pipe without forking:
+    ``fd`` is its pidfd, readable once its exit status, the start's reason, can be had).
+    ``pid``/``create_time``/``pidfd`` are set from ``giving_spec`` on; ``bound_s`` (seconds) is the
+    start's bound; ``server`` is the fork server the request went to (None while compiling)."""
 
-    __slots__ = ("fd", "phase", "pid", "create_time", "pidfd", "start_error", "bound_s", "deadline", "request",
-                 "server", "_status_r", "_spec_w", "_payload", "_buf")
+    __slots__ = ("fd", "phase", "pid", "create_time", "pidfd", "start_error", "bound_s", "request",
+                 "server", "_status_r", "_spec_w", "_payload", "_buf", "_poll")
 
     def __init__(self, status_r: int, spec_w: int, payload: bytes, bound_s: float) -> None:
         self.fd: int | None = status_r
@@ -225,12 +209,13 @@ class ShimStart:
         self.pidfd: int | None = None
         self.start_error: str | None = None
         self.bound_s = bound_s
-        self.deadline = time.monotonic() + bound_s
         self.request: tuple[str, int, int] | None = None   # compiling: (python, spec_r, status_w) to send
         self.server: subprocess.Popen | None = None
         self._status_r, self._spec_w = status_r, spec_w
-        self._payload: bytes | None = payload     # the spec, held until the shim exists to read it
+        # The spec not yet written, held until the shim exists to read it.
+        self._payload: memoryview | None = memoryview(payload)
         self._buf = b""
+        self._poll: select.epoll | None = None     # spec: readable when the spec pipe takes more
 
     def _lines(self) -> tuple[list[str], bool]:
         """The complete lines that came in (without blocking) and whether the pipe is at EOF;
@@ -254,49 +239,58 @@ class ShimStart:
         return [line.decode("utf-8", "replace") for line in lines], eof
 
     def close(self) -> None:
-        """Release the pipes and the pidfd (a start given up: the shim carries on alone)."""
-        fds = [self._status_r, self._spec_w, self.pidfd, *(self.request[1:] if self.request else ())]
-        if self.phase == StartPhase.COMPILING and self.fd is not None:
-            fds.append(self.fd)                     # the compile's pidfd
+        """Release the pipes and the pidfds (a start given up: the shim carries on alone)."""
+        fds = [self.pidfd, *(self.request[1:] if self.request else ())]
+        if self.phase in (StartPhase.COMPILING, StartPhase.SERVER_EXIT) and self.fd is not None:
+            fds.append(self.fd)                     # the compile's or the fork server's pidfd
+        self._close_pipes()
         for fd in fds:
             if fd is not None and fd >= 0:
                 os.close(fd)
-        self._status_r = self._spec_w = -1
         self.pidfd = self.fd = self.request = None
-        self._payload = None
+
+    def _close_spec(self) -> None:
+        if self._spec_w >= 0:
+            os.close(self._spec_w)
+        if self._poll is not None:
+            self._poll.close()
+        self._spec_w, self._poll, self._payload = -1, None, None
 
     def _close_pipes(self) -> None:
-        for fd in (self._status_r, self._spec_w):
-            if fd >= 0:
-                os.close(fd)
-        self._status_r = self._spec_w = -1
-        self._payload = None
+        self._close_spec()
+        if self._status_r >= 0:
+            os.close(self._status_r)
+        self._status_r = -1
 
 
 class ForkServer:
     """The fork server (shim/forkserver.py ``serve_forks``, ARCHITECTURE.md "Fork server"): one
-    ``python -I -S <compiled_shim>`` that imported the shim once and forks a fresh shim per run,
-    so a start costs a fork, not an interpreter start. Started at the first ``spawn``, again
-    after it died or went idle (FORK_SERVER_IDLE_S); a shim it forks leads its own session and
-    no death signal ties it to the fork server or to this process, so it survives both (as a
-    shim does whose agent died) and is re-attached by PID + start time like any other. The fork
-    server ignores SIGCHLD: the kernel reaps its shims, and init does once it is gone.
+    ``python -I -S <program>`` (the shim compiled for that interpreter, ``_compiled_path``) that
+    imported the shim once and forks a fresh shim per run, so a start costs a fork, not an
+    interpreter start. Started at the first ``begin``, again after it died or went idle
+    (FORK_SERVER_IDLE_S); a shim it forks leads its own session and no death signal ties it to
+    the fork server or to this process, so it survives both (as a shim does whose agent died)
+    and is re-attached by PID + start time like any other. The fork server ignores SIGCHLD: the
+    kernel reaps its shims, and init does once it is gone.
 
     The request carries two pipes, never the spec: the spec (secret plaintext) goes from this
     process straight into the shim's stdin pipe."""
 
     def __init__(self, cache_dir: str) -> None:
-        self._cache_dir = cache_dir          # where compiled_shim keeps the bytecode
+        self._cache_dir = cache_dir          # where the compiled shim is kept (_compiled_path)
         self._python = ""                    # the interpreter of the running fork server
         self._popen: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
+        # The fork server started last, until a failure of it is charged (the back-off): a start
+        # that fails on it charges it even once it was retired or reaped, on an older one never.
+        self._newest: subprocess.Popen | None = None
         self._last_request = 0.0             # time.monotonic() of the last request sent
         self._leaving: list[subprocess.Popen] = []   # retired fork servers, a killed compile: not reaped yet
         self._failure: str | None = None
         self._retry_at = 0.0
         self._backoff_s = 0.0
         self._compiling: tuple[subprocess.Popen, str, str] | None = None   # (process, temp file, path)
-        self._uncompilable: set[str] = set()        # compiled_shim paths whose compile failed here
+        self._uncompilable: set[str] = set()        # _compiled_path paths whose compile failed here
 
     def pids(self) -> set[int]:
         """The processes this object has started and not reaped (its own children): fork
@@ -307,10 +301,10 @@ class ForkServer:
         return {p.pid for p in procs}
 
     def _program(self, python: str) -> str | None:
-        """What a new fork server of ``python`` runs: the ``compiled_shim`` file once it
-        exists, SHIM_PATH when it cannot be had; None while it is being compiled, by a process
-        of its own that nobody waits for (an interpreter start and a compile: 0.4 s here,
-        seconds on a router; once per shim source and interpreter)."""
+        """What a new fork server of ``python`` runs: the compiled shim (``_compiled_path``)
+        once it exists, SHIM_PATH when it cannot be had; None while it is being compiled, by a
+        process of its own that nobody waits for (an interpreter start and a compile: 0.4 s
+        here, seconds on a router; once per shim source and interpreter)."""
         if self._compiling is not None:
             popen, tmp, path = self._compiling
             if popen.poll() is None:
@@ -357,10 +351,12 @@ class ForkServer:
         self.reap()
 
     def _fail(self, reason: str, server: subprocess.Popen | None = None) -> ShimSpawnError:
-        """A start fails with ``reason``. When the failure is the running fork server's (or there
-        is none: ``server`` None) it is retired and the back-off grows; a start left on a fork
-        server retired already fails alone (its successor stays, nothing more is charged)."""
-        if server is None or server is self._popen:
+        """A start fails with ``reason``. The first failure of the newest fork server (or of
+        none: ``server`` None) retires it and grows the back-off; a start left on a fork server
+        already charged or succeeded fails alone (its successor stays, nothing more is
+        charged)."""
+        if server is None or server is self._newest:
+            self._newest = None
             self._retire()
             self._backoff_s = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, self._backoff_s * 2))
             self._failure = reason
@@ -397,53 +393,51 @@ class ForkServer:
             theirs.close()
         self._sock = mine
         self._python = python
+        self._newest = self._popen
         self._last_request = time.monotonic()
+
+    def _request(self, spec_r: int, status_w: int) -> None:
+        self._sock.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                     spec_r.to_bytes(4, sys.byteorder) + status_w.to_bytes(4, sys.byteorder))])
 
     def _send(self, python: str, spec_r: int, status_w: int) -> subprocess.Popen:
         """The request; a new fork server when this one is gone, about to leave or runs
-        another interpreter than ``python``. Returns the fork server it went to."""
+        another interpreter than ``python``. Returns the fork server it went to, or the new
+        one that took none (it died at once or shut its socket; retired here): the caller then
+        holds the only write end of the status pipe, which ``advance`` finds at EOF and so
+        takes the reason from that fork server's exit."""
         now = time.monotonic()
         if self._sock is not None and (now - self._last_request >= FORK_SERVER_IDLE_S - _RETIRE_MARGIN_S
                                        or self._python != python):
             self._retire()
-        for _ in range(2):
-            fresh = self._sock is None
-            if fresh:
-                self._start(python)
+        if self._sock is not None:
             try:
-                self._sock.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                             spec_r.to_bytes(4, sys.byteorder) + status_w.to_bytes(4, sys.byteorder))])
+                self._request(spec_r, status_w)
                 self._last_request = now
                 return self._popen
             except OSError:
-                if fresh:                 # one start per request: a server that cannot start is not retried
-                    raise self._fail(self._exit_reason(self._popen)) from None
                 self._retire()            # it died since the last request: one new one
-        raise self._fail("fork server: does not take requests")
-
-    @staticmethod
-    def _exit_reason(server: subprocess.Popen | None) -> str:
-        """Why ``server`` (just started, or asked) took no request / forked no shim."""
-        import subprocess
+        self._start(python)
+        server = self._popen
         try:
-            status = server.wait(1) if server is not None else None
-        except subprocess.TimeoutExpired:
-            status = None
-        if status is None:
-            return "fork server: forked no shim"
-        return f"fork server: exited with status {status} before forking the shim"
+            self._request(spec_r, status_w)
+            self._last_request = now
+        except OSError:
+            self._retire()                # one start per request: a server that cannot start is not retried
+        return server
 
     def begin(self, spec: dict, python: str, status_timeout_s: float | None = None) -> ShimStart:
         """Ask the fork server of ``python -I -S`` for one shim for ``spec`` (the shim
         contract's document) and return at once: the start goes on in ``advance`` each time
         the returned ShimStart's ``fd`` is readable, so nothing here waits for a child (only
-        the fork server's own exec when there is none yet, and once per shim source and
-        interpreter its bytecode: ``compiled_shim``). ``status_timeout_s`` (seconds; None:
+        the fork server's own exec when there is none yet; its bytecode is compiled by a
+        process nobody waits for, ``_program``). ``status_timeout_s`` (seconds; None:
         START_STATUS_TIMEOUT_S) is the ShimStart's ``bound_s``.
 
         Raises ValidationError (field spec) for a spec over SPEC_LIMIT_BYTES, before anything
-        starts; ShimSpawnError when the fork server cannot be started or takes no request (the
-        reason; until the back-off has passed every call fails at once with it)."""
+        starts; ShimSpawnError when the fork server cannot be started (the reason; until the
+        back-off has passed every call fails at once with it, the reason of the failure that
+        set it)."""
         payload = json.dumps(spec, separators=(",", ":")).encode("utf-8")
         if len(payload) > SPEC_LIMIT_BYTES:
             raise ValidationError("spec", f"{len(payload)} bytes of JSON, over the limit", limit=SPEC_LIMIT_BYTES)
@@ -454,12 +448,6 @@ class ForkServer:
         spec_r, spec_w = os.pipe()
         status_r, status_w = os.pipe()
         try:
-            if len(payload) > _PIPE_BUF_BYTES:
-                import fcntl
-                try:
-                    fcntl.fcntl(spec_w, fcntl.F_SETPIPE_SZ, len(payload))
-                except OSError:
-                    pass                     # then advance writes the rest once the shim reads
             queued = not self._takes_requests(python)
             server = None if queued else self._send(python, spec_r, status_w)
         except BaseException:
@@ -492,10 +480,15 @@ class ForkServer:
         with it: PR_SET_PDEATHSIG) and the handle says so; a compile still running is killed.
 
         The shim's PID comes first (the fork server's ``pid <n>`` line); only then does
-        the spec (secrets included) go into its stdin pipe, so a shim whose agent died before
-        knowing its PID reads no spec and runs nothing. Raises ShimSpawnError (``st`` closed)
-        when the fork server forked no shim or the shim was not compiled in time: its reason,
-        the back-off as in ``begin``."""
+        the spec (secrets included) go into its stdin pipe, as much as the pipe takes, the rest
+        each time it takes more (``giving_spec``), so a shim whose agent died before knowing its PID
+        reads no spec and runs nothing, and a shim slow to read holds nobody up. Raises
+        ShimSpawnError (``st`` closed) when the fork server forked no shim or the shim was not
+        compiled in time: its reason (``fork server: exited with status N before forking the
+        shim`` once its exit status is known, which is awaited on its pidfd, never waited for
+        here), the back-off as in ``begin``."""
+        if st.phase == StartPhase.SERVER_EXIT:
+            return self._server_gone(st, expired)
         if st.phase == StartPhase.COMPILING:
             if expired:
                 st.close()
@@ -519,18 +512,20 @@ class ForkServer:
         if st.phase == StartPhase.FORK:
             lines, eof = st._lines()
             if not lines:
-                if eof or expired:
+                if eof:
+                    return self._server_gone(st, expired)
+                if expired:
                     server = st.server
                     st.close()
-                    raise self._fail(self._exit_reason(server) if eof else
-                                     "fork server: no shim forked within %.0f s" % st.bound_s, server)
+                    raise self._fail("fork server: no shim forked within %.0f s" % st.bound_s, server)
                 return None
             first = lines.pop(0)
-            if not first.startswith("pid "):
+            if first.startswith("err "):
                 server = st.server
                 st.close()
-                raise self._fail(f"fork server: {first[4:]}" if first.startswith("err ") else
-                                 self._exit_reason(server), server)
+                raise self._fail(f"fork server: {first[4:]}", server)
+            if not first.startswith("pid "):
+                return self._server_gone(st, expired)
             self._failure, self._backoff_s = None, 0.0
             st.pid = int(first[4:])
             try:
@@ -542,9 +537,12 @@ class ForkServer:
                 st.create_time = psutil.Process(st.pid).create_time()
             except psutil.NoSuchProcess:
                 st.create_time = 0.0
-            self._give_spec(st)
-            st.phase = StartPhase.EXEC
+            st.phase = StartPhase.SPEC
             st._buf = "\n".join(lines).encode() + (b"\n" if lines else b"") + st._buf
+        if st.phase == StartPhase.SPEC:
+            if not self._give_spec(st) and not expired:
+                return None
+            st.phase, st.fd = StartPhase.EXEC, st._status_r
         if st.phase == StartPhase.EXEC:
             lines, eof = st._lines()
             if not (lines or eof or expired):
@@ -566,22 +564,50 @@ class ForkServer:
             return self._handle(st, st.start_error)
         return None
 
-    @staticmethod
-    def _give_spec(st: ShimStart) -> None:
-        """The spec into the forked shim's stdin: at once when it fits the pipe (begin sized
-        it), else the rest as the shim reads it (it reads nothing else first)."""
-        view = memoryview(st._payload)
-        try:
-            while view:
+    def _server_gone(self, st: ShimStart, expired: bool) -> None:
+        """The fork server forked no shim for ``st`` (its status pipe at EOF, or a line that is
+        neither ``pid`` nor ``err``): it has exited or is exiting, and its exit status is the
+        reason. Never waits for it: the failure is raised once ``Popen.poll`` (a WNOHANG reap)
+        has the status, else the start waits in ``server_exit`` on the fork server's pidfd (no
+        pidfd: looked at by the caller's next ``advance``) or, past the bound, fails
+        ``no shim forked``. Retired at once, so no further request goes to it."""
+        server = st.server
+        if st.phase != StartPhase.SERVER_EXIT:
+            st._close_pipes()
+            st.phase, st.fd = StartPhase.SERVER_EXIT, None
+            if server is self._popen:
+                self._retire()
+            if server.poll() is None:         # not reaped, so its PID is still its own
                 try:
-                    view = view[os.write(st._spec_w, view):]
-                except BlockingIOError:
-                    os.set_blocking(st._spec_w, True)
+                    st.fd = os.pidfd_open(server.pid)
+                except (AttributeError, OSError):
+                    pass
+        status = server.poll()
+        if status is None and not expired:
+            return None
+        st.close()
+        raise self._fail("fork server: no shim forked within %.0f s" % st.bound_s if status is None else
+                         f"fork server: exited with status {status} before forking the shim", server)
+
+    @staticmethod
+    def _give_spec(st: ShimStart) -> bool:
+        """Write into the forked shim's stdin what its pipe takes now, never waiting for the
+        shim to read (it reads nothing else first): True once the whole spec is in (the pipe
+        then closed) or the shim is gone (its status says so), else False with ``st.fd`` an
+        epoll fd that is readable when the pipe takes more."""
+        try:
+            while st._payload:
+                st._payload = st._payload[os.write(st._spec_w, st._payload):]
+        except BlockingIOError:
+            if st._poll is None:
+                st._poll = select.epoll(1)
+                st._poll.register(st._spec_w, select.EPOLLOUT)
+            st.fd = st._poll.fileno()
+            return False
         except BrokenPipeError:
-            pass                             # the shim is gone: its status says so
-        os.close(st._spec_w)
-        st._spec_w = -1
-        st._payload = None
+            pass
+        st._close_spec()
+        return True
 
     @staticmethod
     def _handle(st: ShimStart, start_error: str | None) -> ShimHandle:
@@ -589,19 +615,6 @@ class ForkServer:
         st.pidfd = None
         st.close()
         return h
-
-    def spawn(self, spec: dict, python: str, status_timeout_s: float | None = None) -> ShimHandle:
-        """``begin`` and ``advance`` until the start is over, waiting on the status pipe (at
-        most ``status_timeout_s`` seconds): for callers with no loop of their own (tests,
-        benches). Returns and raises as those two do; with a start_error it returns once the
-        shim has exited or was killed."""
-        st = self.begin(spec, python, status_timeout_s)
-        while True:
-            left = st.deadline - time.monotonic()
-            h = self.advance(st, expired=left <= 0)
-            if h is not None:
-                return h
-            select.select([st.fd] if st.fd is not None else [], [], [], min(max(left, 0), 0.05 if st.fd is None else left))
 
 
 def errno_text(exc: OSError) -> str:
@@ -626,7 +639,7 @@ def baseline_env(uid: int | None = None) -> dict[str, str]:
 
 
 class ShimProcesses:
-    """``core.ports.ProcessPort``: shims started by this agent (``spawn``) or re-attached after
+    """``core.ports.ProcessPort``: shims started by this agent (``begin``/``advance``) or re-attached after
     a restart, their run directories under the allocator's ``runs_root``, and the signalling of
     a run's process tree (``signal_tree`` with the processes seen by earlier steps)."""
 

@@ -12,7 +12,8 @@ Fork server: started with stdin a Unix stream socket, this program is the fork s
 runs exactly as above (the fork server writes its ``pid <n>`` on the status pipe first); see ARCHITECTURE.md "Fork server".
 
 Siblings: ``drainer``, ``leftovers``, ``oom`` and ``forkserver`` are imported by their plain names. The agent runs one
-file, ``processes.compiled_shim`` (``--compile``, ``_compile_self``), whose code puts the
+file, the shim compiled for its interpreter (``processes._compiled_path``, written by
+``--compile``: ``_compile_self``), whose code puts the
 compiled siblings into ``sys.modules`` before it runs this file's code: nothing is compiled and
 nothing is searched on sys.path. Run from source (``python3 -I -S shim/main.py``, tests and
 benches), -I keeps this file's directory off sys.path, so it is put first there; that directory
@@ -95,7 +96,7 @@ import posix
 import sys
 import time
 
-if "drainer" not in sys.modules:   # run from source, not from compiled_shim's file
+if "drainer" not in sys.modules:   # run from source, not from the compiled file
     import posixpath
     sys.path.insert(0, posixpath.dirname(posixpath.abspath(__file__)))
 import leftovers  # noqa: E402  (the three need the line above when run from source)
@@ -636,9 +637,9 @@ def run(w, cfg, wake_r, own_oom):
     return receipt
 
 
-# The shim's sibling modules, in the order compiled_shim's file loads them (none imports main).
+# The shim's sibling modules, in the order the compiled file loads them (none imports main).
 SIBLINGS = ("drainer", "leftovers", "oom", "forkserver")
-# The code of compiled_shim's file: the siblings into sys.modules, then main.py's code as
+# The code of the compiled file: the siblings into sys.modules, then main.py's code as
 # __main__. "PARTS" stands for a tuple of (name, code object) with main last.
 _LOADER = """
 import sys
