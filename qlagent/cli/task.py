@@ -145,7 +145,7 @@ def cmd_task_enable(ctx: Ctx, enabled: bool) -> int:
     from ..application.definitions import DefinitionWriter
     h, n = DefinitionWriter(ctx.store).set_enabled(ctx.args.name, enabled)
     ctx.poke_service()
-    print(f"{h.name} {'enabled' if enabled else 'disabled'}" + (f"; {_runs(n, 'queued')} cancelled" if n else ""))
+    print(f"{h.name} {'enabled' if enabled else 'disabled'}" + (f"; {n} queued {_runs(n)} cancelled" if n else ""))
     return 0
 
 
@@ -153,13 +153,13 @@ def cmd_task_rm(ctx: Ctx) -> int:
     from ..application.definitions import DefinitionWriter
     h, n, live = DefinitionWriter(ctx.store).remove(ctx.args.name)
     ctx.poke_service()
-    print(f"{h.name} removed" + (f"; {_runs(n, 'queued')} cancelled" if n else "")
-          + (f"; {_runs(live, 'running')} asked to stop" if live else ""))
-
-
-def _runs(n: int, which: str) -> str:
-    return f"{n} {which} Run" + ("" if n == 1 else "s")
+    print(f"{h.name} removed" + (f"; {n} queued {_runs(n)} cancelled" if n else "")
+          + (f"; {live} running {_runs(live)} asked to stop" if live else ""))
     return 0
+
+
+def _runs(n: int) -> str:
+    return "Run" if n == 1 else "Runs"
 
 
 def register(subparsers, name: str, help_: str) -> None:
