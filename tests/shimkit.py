@@ -70,8 +70,14 @@ def _read_status(popen: subprocess.Popen, timeout_s: float) -> str | None:
     return f"shim: exited with status {status} before starting the task"
 
 
+class SpawnedShim(ShimHandle):
+    """A shim started by ``spawn_shim``: this process's child, reaped through ``popen``."""
+
+    popen: subprocess.Popen | None = None
+
+
 def spawn_shim(spec: dict, python: str = sys.executable,
-                  status_timeout_s: float = START_STATUS_TIMEOUT_S, program: str = SHIM_PATH) -> ShimHandle:
+                  status_timeout_s: float = START_STATUS_TIMEOUT_S, program: str = SHIM_PATH) -> SpawnedShim:
     """Start ``python -I -S <program>`` (shim/main.py, or its ``compiled_shim``) in a new session
     with an empty environment, cwd "/", stderr /dev/null, and send ``spec`` (the shim
     contract's JSON document, which may hold secret plaintext) through its stdin pipe, then
@@ -110,7 +116,7 @@ def spawn_shim(spec: dict, python: str = sys.executable,
         pidfd = os.pidfd_open(popen.pid)
     except (AttributeError, OSError):
         pidfd = None
-    return ShimHandle(popen.pid, create_time, pidfd, popen, start_error)
+    return SpawnedShim(popen.pid, create_time, pidfd, start_error, popen=popen)
 
 
 def fork_served(fs: ForkServer, spec: dict, python: str = sys.executable,

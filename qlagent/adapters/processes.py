@@ -57,15 +57,13 @@ class ShimSpawnError(UnavailableError):
 class ShimHandle(msgspec.Struct):
     """A started shim: ``pid``, ``create_time`` (psutil, seconds since the epoch; with the PID
     it identifies the process across PID reuse), ``pidfd`` (an fd readable when the shim
-    exits, or None where os.pidfd_open is unavailable), the Popen used to reap it (None when
-    the ForkServer started it) and
+    exits, or None where os.pidfd_open is unavailable) and
     ``start_error``: None once the task was exec'd, else the shim's reason (or that it did not
     report within its start's bound and was killed)."""
 
     pid: int
     create_time: float
     pidfd: int | None
-    popen: subprocess.Popen | None     # None for a shim of the ForkServer: not this process's child
     start_error: str | None = None
 
 
@@ -611,7 +609,7 @@ class ForkServer:
 
     @staticmethod
     def _handle(st: ShimStart, start_error: str | None) -> ShimHandle:
-        h = ShimHandle(st.pid, st.create_time, st.pidfd, None, start_error)
+        h = ShimHandle(st.pid, st.create_time, st.pidfd, start_error)
         st.pidfd = None
         st.close()
         return h
