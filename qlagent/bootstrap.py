@@ -19,6 +19,7 @@ from .core.profiles import Profile
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from .adapters.postgres.store import PgStore
+    from .core.dispatch import Refusal
     from .core.ports import BudgetPort, CipherFactory, NetworkPort, PanelSource, SecretCipher, Store
     from .core.settings import ClusterConfig, Settings, WorkerConfig
 
@@ -123,6 +124,15 @@ def build_engine(settings: Settings, store: Store, *, max_concurrent: int, budge
                   cipher=cipher_factory(settings.key_file), profile=settings.profile,
                   max_concurrent=max_concurrent, budget=budget, clock_us=clock_us, baseline=baseline_env(),
                   log=log)
+
+
+def artifact_refusal(settings: Settings) -> Refusal | None:
+    """What the log Artifact's admission (ADR-0071 §4 step 6) answers for one full log now:
+    None when it fits, else the refusal with its figures (``run show`` of a queued Run). Reads
+    statvfs and the artifact root; creates nothing."""
+    from .adapters.artifacts import Artifacts, ArtifactAllocator
+    return Artifacts(ArtifactAllocator(settings.artifact_dir, settings.profile, runs_root=settings.runs_dir)) \
+        .admit(settings.profile.log_max_bytes)
 
 
 def panel_source() -> PanelSource:

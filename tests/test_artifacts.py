@@ -145,19 +145,68 @@ def small_fs(tmp_path):
 
 
 def test_edge_admission_on_a_real_small_filesystem(small_fs):
+    """The reserve fits the file system (core.profiles.fs_reserve): a quarter of 40 MiB, 10 MiB,
+    not the edge Profile's 32 MiB. A log is admitted with free bytes exactly reserve + quota,
+    refused one byte below."""
     alloc = ArtifactAllocator(str(small_fs / "artifacts"), EDGE)
     first = alloc.admit(EDGE.log_max_bytes)
-    assert first.ok and first.free_bytes == 40 * MiB  # 40 - 32 reserve >= 4
-    # Fill the filesystem until free - 32 MiB < 4 MiB (5 MiB + a bit used: 34.9 MiB free).
+    assert first.ok and first.free_bytes == 40 * MiB and first.reserve_bytes == 10 * MiB
     with open(small_fs / "filler", "wb") as f:
-        f.write(b"\0" * (5 * MiB + 4096))
-    adm = alloc.admit(EDGE.log_max_bytes)
-    assert not adm.ok and adm.reason == "low_space"
-    assert adm.free_bytes - EDGE.fs_reserve_bytes < EDGE.log_max_bytes
+        f.write(b"\0" * (26 * MiB + 4096))
+    free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+    room = free - 10 * MiB                                 # 4 MiB - 4 KiB: short of one full log
+    assert alloc.admit(room).ok
+    adm = alloc.admit(room + 1)
+    assert not adm.ok and adm.reason == "low_space" and adm.free_bytes == free
+    assert adm.refusal(EDGE.artifact_total_bytes).text() == \
+        f"low_space (free {free} bytes, needs {free + 1}) on {small_fs}"
     assert not (small_fs / "artifacts").exists()  # admission creates nothing
     with pytest.raises(ValidationError):
         alloc.allocate(new_id(), adm)
     assert not (small_fs / "artifacts").exists()
+
+
+def test_make_room_frees_the_oldest_logs_but_never_a_tasks_newest(small_fs):
+    """Short of space because of its own old logs, retention gives the room back (oldest first,
+    only as many as needed); the newest log of each Task and a live one stay, and when even all
+    the others would not make room, nothing is deleted."""
+    alloc = ArtifactAllocator(str(small_fs / "artifacts"), EDGE)
+    entries = []
+    for n, task_id in enumerate(["a", "a", "a", "b"]):
+        aid = new_id()
+        path = alloc.allocate(aid, alloc.admit(MiB))
+        with open(path, "wb") as f:
+            f.write(b"x" * (4 * MiB))
+        entries.append((aid, task_id, path, 1000 + n))
+    live = new_id()
+    live_path = alloc.allocate(live, alloc.admit(MiB))
+    entries.append((live, "a", live_path, None))
+    # 40 MiB: 10 reserve + 4 log = 14 needed; 16 MiB of logs, then a filler leaves 12 MiB free.
+    with open(small_fs / "filler", "wb") as f:
+        f.write(b"\0" * (12 * MiB))
+    assert alloc.admit(EDGE.log_max_bytes).reason == "low_space"
+    removed = alloc.make_room(EDGE.log_max_bytes, entries)
+    assert [(r.attempt_id, r.bytes, r.rule) for r in removed] == [(entries[0][0], 4 * MiB, "low_space")]
+    assert alloc.admit(EDGE.log_max_bytes).ok
+    assert all(os.path.exists(e[2]) for e in entries[1:])
+    with open(small_fs / "filler", "ab") as f:     # now only a's newest, b's and the live one are left to spare
+        f.write(b"\0" * (7 * MiB))
+    assert alloc.admit(EDGE.log_max_bytes).reason == "low_space"
+    assert alloc.make_room(EDGE.log_max_bytes, entries[1:]) == []    # a's second log alone is not enough
+    assert all(os.path.exists(e[2]) for e in entries[1:])
+
+
+def test_an_8_mib_file_system_still_takes_a_log(tmp_path):
+    """A router's overlay may be 8 MiB: the reserve is 2 MiB there, and one 4 MiB log fits."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        adm = ArtifactAllocator(str(mnt / "artifacts"), EDGE).admit(EDGE.log_max_bytes)
+        assert adm.ok and adm.reserve_bytes == 2 * MiB
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_run_dir_is_private_idempotent_and_refuses_symlinks(tmp_path):

@@ -22,7 +22,7 @@ import pytest
 from execkit import Agent, Bench, file_bytes_under, task
 
 from qlagent.core.limits import DEFAULT_PATH
-from qlagent.core.profiles import EDGE, MiB
+from qlagent.core.profiles import EDGE, MiB, fs_reserve
 from kit import scratch_dir, wait_until
 
 SECRET = b"pl41ntext-S3CRET-7d1e0c"          # must never be found outside the task's own memory/log
@@ -119,7 +119,7 @@ def test_missing_context_recipe_is_unavailable(root):
 
 @pytest.fixture
 def small_tmpfs(root):
-    """A real 40 MiB tmpfs (edge: 32 MiB reserve + one 4 MiB log fit in it, barely)."""
+    """A real 40 MiB tmpfs (edge: its reserve is a quarter of it, 10 MiB, + one 4 MiB log)."""
     mnt = os.path.join(root, "mnt")
     os.makedirs(mnt)
     p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m,mode=0700", "tmpfs", mnt], capture_output=True)
@@ -135,9 +135,9 @@ def test_low_space_is_unavailable_then_admitted_when_space_returns(root, small_t
     rid = b.start("t")
     filler = os.path.join(small_tmpfs, "filler")
     with open(filler, "wb") as f:
-        f.write(b"\0" * (5 * MiB))               # free 35 MiB: 35 - 32 reserve < one 4 MiB log
+        f.write(b"\0" * (27 * MiB))              # free 13 MiB: 13 - 10 reserve < one 4 MiB log
     vfs = os.statvfs(small_tmpfs)
-    assert vfs.f_bavail * vfs.f_frsize - EDGE.fs_reserve_bytes < EDGE.log_max_bytes
+    assert vfs.f_bavail * vfs.f_frsize - fs_reserve(EDGE, 40 * MiB) < EDGE.log_max_bytes
     unavailable_pass(b, "low_space")
     assert b.run(rid).state == "queued"           # capacity is transient: the Run waits
     assert os.listdir(small_tmpfs) == ["filler"]  # not even the artifact root was created

@@ -16,8 +16,9 @@ import stat
 
 import msgspec
 
+from qlagent.core.dispatch import Refusal
 from qlagent.core.errors import ConflictError, StartError, UnavailableError, ValidationError
-from qlagent.core.profiles import Profile
+from qlagent.core.profiles import Profile, fs_reserve
 
 _ATTEMPT_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
@@ -38,19 +39,33 @@ class ArtifactExistsError(ConflictError):
 class SpaceGrant(msgspec.Struct, frozen=True):
     """Result of ArtifactAllocator.admit: ``ok``; ``reason`` (a short stable code, None when ok:
     quota_too_large | low_space | artifact_quota_full); ``free_bytes`` (statvfs
-    f_bavail*f_frsize), ``used_bytes`` (sum of Artifact sizes under the root) and ``quota_bytes``
-    (the attempt's log quota)."""
+    f_bavail*f_frsize), ``used_bytes`` (sum of Artifact sizes under the root), ``quota_bytes``
+    (the attempt's log quota), ``reserve_bytes`` (what must stay free on that file system:
+    core.profiles.fs_reserve) and ``path`` (the directory measured)."""
 
     ok: bool
     reason: str | None
     free_bytes: int
     used_bytes: int
     quota_bytes: int
+    reserve_bytes: int = 0
+    path: str = ""
+
+    def refusal(self, total_bytes: int) -> Refusal | None:
+        """The figures of a refused grant (``total_bytes``: the Profile's total for logs)."""
+        if self.ok:
+            return None
+        if self.reason == "low_space":
+            return Refusal(self.reason, self.path, self.free_bytes, self.reserve_bytes + self.quota_bytes)
+        if self.reason == "artifact_quota_full":
+            return Refusal(self.reason, self.path, max(0, total_bytes - self.used_bytes), self.quota_bytes)
+        return Refusal(self.reason, self.path, None, self.quota_bytes)
 
 
 class Pruned(msgspec.Struct, frozen=True):
-    """One log removed by ArtifactAllocator.prune: its Attempt ID, path, size in bytes (0 when
-    it was already gone) and the rule that removed it: ``per_task`` or ``total_bytes``."""
+    """One log removed by ArtifactAllocator.prune or make_room: its Attempt ID, path, size in
+    bytes (0 when it was already gone) and the rule that removed it: ``per_task``,
+    ``total_bytes`` or (make_room) the refusal it lifted, ``low_space`` / ``artifact_quota_full``."""
 
     attempt_id: str
     path: str
@@ -92,14 +107,15 @@ def _open_private_dir(name: str, dir_fd: int | None, shown: str, path: str) -> i
 
 class ArtifactAllocator:
     """Allocates private log Artifacts under ``root`` within ``profile``'s log_max_bytes,
-    fs_reserve_bytes and artifact_total_bytes (core.profiles, ADR-0071 §5).
+    fs_reserve_bytes (scaled to the file system: core.profiles.fs_reserve) and
+    artifact_total_bytes (core.profiles, ADR-0071 §5).
     ``runs_root`` (default: ``<root>/../runs``) holds the shim's run directories."""
 
     def __init__(self, root: str, profile: Profile, runs_root: str | None = None):
         self.root = os.path.abspath(root)
         self.runs_root = os.path.abspath(runs_root or os.path.join(os.path.dirname(self.root), "runs"))
+        self.profile = profile
         self.log_bytes = profile.log_max_bytes
-        self.reserve_bytes = profile.fs_reserve_bytes
         self.total_bytes = profile.artifact_total_bytes
 
     def artifact_path(self, attempt_id: str) -> str:
@@ -124,7 +140,8 @@ class ArtifactAllocator:
 
     def admit(self, attempt_quota_bytes: int) -> SpaceGrant:
         """Capacity admission before anything is created (ADR-0071 §4 step 6, §5): statvfs free
-        bytes minus the profile reserve must cover one full log, and the Artifacts already under
+        bytes minus the reserve (core.profiles.fs_reserve of the file system's size) must cover
+        one full log — free bytes equal to reserve + quota are enough — and the Artifacts already under
         the root plus this log must stay within the total quota. Creates nothing; the root's
         filesystem is measured (its nearest existing ancestor before the first allocation).
         Raises ValidationError (field attempt_quota_bytes) for a non-positive quota."""
@@ -136,16 +153,17 @@ class ArtifactAllocator:
             probe = os.path.dirname(probe)
         vfs = os.statvfs(probe)
         free = vfs.f_bavail * vfs.f_frsize
+        reserve = fs_reserve(self.profile, vfs.f_blocks * vfs.f_frsize)
         used = self.used_bytes()
         if attempt_quota_bytes > self.log_bytes:
             reason = "quota_too_large"
-        elif free - self.reserve_bytes < attempt_quota_bytes:
+        elif free - reserve < attempt_quota_bytes:
             reason = "low_space"
         elif used + attempt_quota_bytes > self.total_bytes:
             reason = "artifact_quota_full"
         else:
             reason = None
-        return SpaceGrant(reason is None, reason, free, used, attempt_quota_bytes)
+        return SpaceGrant(reason is None, reason, free, used, attempt_quota_bytes, reserve, probe)
 
     def allocate(self, attempt_id: str, admission: SpaceGrant) -> str:
         """Create the Attempt's empty log file (0600, O_CREAT|O_EXCL|O_NOFOLLOW) after a granted
@@ -197,13 +215,7 @@ class ArtifactAllocator:
         """
         if keep_per_task < 0 or max_total_bytes < 0:
             raise ValidationError("keep_per_task/max_total_bytes", "must be >= 0")
-        ended = []
-        for attempt_id, task_id, path, ended_at in entries:
-            if os.path.abspath(path) != self.artifact_path(attempt_id):
-                raise ValidationError("entries.path", f"{path} is not the artifact of {attempt_id}")
-            if ended_at is not None:
-                ended.append((ended_at, attempt_id, task_id, path))
-        ended.sort(reverse=True)  # newest first
+        ended = self._ended(entries)
         per_task: dict[str, int] = {}
         doomed: list[tuple[tuple, str]] = []
         kept = []
@@ -219,15 +231,66 @@ class ArtifactAllocator:
             item, size = kept.pop()  # oldest of the survivors
             total -= size
             doomed.append((item, "total_bytes"))
-        removed = []
-        for (ended_at, attempt_id, _task, path), rule in sorted(doomed):
-            size = _size(path)
+        return _remove(doomed)
+
+    def make_room(self, attempt_quota_bytes: int, entries) -> list[Pruned]:
+        """Retention for room: when ``admit(attempt_quota_bytes)`` is refused ``low_space`` or
+        ``artifact_quota_full``, delete the oldest ended logs — never a live one, never the
+        newest log of a Task — until it would be granted: the blocks they hold (st_blocks)
+        cover the file system's shortfall and their sizes the total quota's. Deletes nothing
+        when even all of them would not (a log is not given up for nothing). ``entries`` as
+        for ``prune``; returns what was deleted, oldest first, with the refusal as its rule."""
+        grant = self.admit(attempt_quota_bytes)
+        if grant.reason not in ("low_space", "artifact_quota_full"):
+            return []
+        short_fs = grant.reserve_bytes + attempt_quota_bytes - grant.free_bytes
+        short_quota = grant.used_bytes + attempt_quota_bytes - self.total_bytes
+        newest: set[str] = set()
+        doomed: list[tuple[tuple, str]] = []
+        for item in self._ended(entries):
+            if item[2] not in newest:
+                newest.add(item[2])
+                continue
+            doomed.append((item, grant.reason))
+        doomed.reverse()                                 # oldest first
+        chosen, blocks, sizes = [], 0, 0
+        for entry in doomed:
+            if blocks >= short_fs and sizes >= short_quota:
+                break
             try:
-                os.unlink(path)
+                st = os.lstat(entry[0][3])
             except FileNotFoundError:
-                size = 0
-            removed.append(Pruned(attempt_id, path, size, rule))
-        return removed
+                continue
+            chosen.append(entry)
+            blocks += st.st_blocks * 512
+            sizes += st.st_size
+        if blocks < short_fs or sizes < short_quota:
+            return []
+        return _remove(chosen)
+
+    def _ended(self, entries) -> list[tuple]:
+        """(ended_at, attempt_id, task_id, path) of the ended entries, newest first; raises
+        ValidationError (entries.path) for a path that is not this allocator's for its Attempt."""
+        ended = []
+        for attempt_id, task_id, path, ended_at in entries:
+            if os.path.abspath(path) != self.artifact_path(attempt_id):
+                raise ValidationError("entries.path", f"{path} is not the artifact of {attempt_id}")
+            if ended_at is not None:
+                ended.append((ended_at, attempt_id, task_id, path))
+        ended.sort(reverse=True)
+        return ended
+
+
+def _remove(doomed: list[tuple[tuple, str]]) -> list[Pruned]:
+    removed = []
+    for (ended_at, attempt_id, _task, path), rule in sorted(doomed):
+        size = _size(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            size = 0
+        removed.append(Pruned(attempt_id, path, size, rule))
+    return removed
 
 
 def _what_is_there(path: str) -> str:
@@ -260,16 +323,19 @@ class Artifacts:
     def used_bytes(self) -> int:
         return self._a.used_bytes()
 
-    def admit(self, quota_bytes: int) -> str | None:
+    def admit(self, quota_bytes: int) -> Refusal | None:
         grant = self._a.admit(quota_bytes)
         self._grant = grant if grant.ok else None
-        return grant.reason
+        return grant.refusal(self._a.total_bytes)
 
     def allocate(self, attempt_id: str) -> str:
         try:
             return self._a.allocate(attempt_id, self._grant)
         except ArtifactExistsError as e:
             raise StartError(e.message, code="artifact_unusable") from None
+        except OSError as e:            # read-only, out of inodes, no permission
+            raise UnavailableError(_errno_name(e), code="artifact_unwritable",
+                                   field=self._a.artifact_path(attempt_id)) from None
 
     def discard(self, path: str) -> None:
         try:
@@ -284,3 +350,8 @@ class Artifacts:
         removed = self._a.prune(keep_per_task, max_total_bytes,
                                 [(e.attempt_id, e.task_id, e.artifact_path, e.ended_at_us) for e in entries])
         return [r.attempt_id for r in removed]
+
+    def make_room(self, quota_bytes: int, entries) -> tuple[list[str], int]:
+        removed = self._a.make_room(quota_bytes,
+                                    [(e.attempt_id, e.task_id, e.artifact_path, e.ended_at_us) for e in entries])
+        return [r.attempt_id for r in removed], sum(r.bytes for r in removed)

@@ -19,6 +19,7 @@ from ..dispatch.materializer import Materializer
 from ..execution.coordinator import LocalExecutionCoordinator
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
+    from ..core.dispatch import Refusal
     from ..core.ports import ArtifactPort, BudgetPort, CipherFactory, ProcessPort, Store
 
 
@@ -30,12 +31,13 @@ class Engine:
                  clock_us: Callable[[], int], baseline: dict[str, str] | None = None,
                  log=lambda *a, **k: None) -> None:
         self._store = store
+        self._log = log
         self._artifacts = artifacts
         self._procs = procs
         self._coordinator = LocalExecutionCoordinator(store, procs, clock_us, log)
         self.admission = Admission(store, max_concurrent, budget, None, self.live_pids, profile, self.live_reserves)
         self._materializer = Materializer(store, store, cipher, artifacts, self.admission, profile,
-                                          baseline=baseline, log=log)
+                                          baseline=baseline, log=log, make_room=self._make_room)
         self.dispatcher = LocalRunDispatcher(store, self._materializer, self._coordinator, self.admission,
                                              profile.dispatch_page)
 
@@ -98,6 +100,16 @@ class Engine:
         """Stop tracking live Runs at shutdown (their shims still write receipts, which the
         next start ingests)."""
         self._coordinator.abandon()
+
+    def _make_room(self, quota_bytes: int, refusal: Refusal) -> None:
+        """Before ``refusal`` (space or the logs' total quota) holds a Run: the agent's own oldest
+        ended logs go (ArtifactPort.make_room), journaled with what they gave back."""
+        removed, freed = self._artifacts.make_room(quota_bytes, self._store.retention_entries())
+        if removed:
+            self._store.forget_artifacts(removed)
+            self._log("notice", "retention.pruned", logs=len(removed), bytes=freed, reason=refusal.reason,
+                      free_bytes=refusal.free_bytes, needed_bytes=refusal.needed_bytes, path=refusal.path,
+                      attempts=",".join(removed))
 
     def prune(self, keep_per_task: int, max_total_bytes: int) -> int:
         """Retention: delete the oldest ended logs beyond the rule; returns how many."""

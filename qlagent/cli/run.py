@@ -84,6 +84,11 @@ def cmd_run_show(ctx: Ctx) -> int:
         problem = state_space_problem(ctx.settings.state_dir)
         if problem:
             print(f"waiting   no Run starts: {problem}")
+        else:
+            from ..bootstrap import artifact_refusal
+            refusal = artifact_refusal(ctx.settings)
+            if refusal is not None:
+                print(f"waiting   no Run starts: {refusal.text()}")
     print(f"trigger   {run.trigger_type} by {run.requested_by}; created {fmt_us(run.created_at_us)}")
     for a in attempts:
         figures = "" if a.ended_at_us is None else (

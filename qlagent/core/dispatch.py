@@ -97,13 +97,39 @@ class LaunchCommand(msgspec.Struct, frozen=True):
         return f"LaunchCommand(run={self.candidate.run_id}, attempt={self.candidate.attempt_id})"
 
 
+class Refusal(msgspec.Struct, frozen=True):
+    """Why no log Artifact may be allocated now (ADR-0071 §4 step 6–7), with the figures an
+    operator acts on. ``reason``: ``low_space`` (``free_bytes`` on the file system of ``path``
+    below ``needed_bytes``: the reserve plus one log), ``artifact_quota_full`` (``free_bytes``
+    left of the Profile's total for logs, below ``needed_bytes``: one log), ``quota_too_large``,
+    ``artifact_unwritable`` (``error``: the errno name and text). Bytes; no user data."""
+
+    reason: str
+    path: str
+    free_bytes: int | None = None
+    needed_bytes: int | None = None
+    error: str | None = None
+
+    def fields(self) -> dict[str, str | int]:
+        """The journal's ``key=value`` fields (reason, free_bytes, needed_bytes, path, error)."""
+        return {k: v for k, v in (("reason", self.reason), ("free_bytes", self.free_bytes),
+                                  ("needed_bytes", self.needed_bytes), ("path", self.path),
+                                  ("error", self.error)) if v is not None}
+
+    def text(self) -> str:
+        """One line: ``low_space (free N bytes, needs M) on PATH`` or ``REASON on PATH: ERROR``."""
+        figures = "" if self.free_bytes is None else f" (free {self.free_bytes} bytes, needs {self.needed_bytes})"
+        return f"{self.reason}{figures} on {self.path}" + (f": {self.error}" if self.error else "")
+
+
 class DispatchResult(msgspec.Struct, frozen=True):
     """Small, low-cardinality outcome of one dispatcher pass (ADR-0071 §3).
 
     ``status``: ``activated`` | ``no_candidate`` | ``more`` (this page was all skipped; another
     page exists) | ``unavailable`` | ``launch_failed`` | ``limited`` (a global admission limit).
     ``reason`` is a short code (``secret_missing``, ``low_space``, ``concurrency`` …), never text
-    that could carry user data. ``rows_read`` is the page size read (≤ page + 1).
+    that could carry user data. ``rows_read`` is the page size read (≤ page + 1). ``refusal``:
+    the figures of an ``unavailable`` pass that the log Artifact's admission refused.
     """
 
     status: str
@@ -111,3 +137,4 @@ class DispatchResult(msgspec.Struct, frozen=True):
     run_id: str | None = None
     rows_read: int = 0
     skipped: int = 0
+    refusal: Refusal | None = None

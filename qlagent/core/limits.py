@@ -50,4 +50,7 @@ PRIVATE_DIR_MODE = 0o700
 # Free bytes the state directory's file system must keep for a Run to start: the WAL frames of
 # the few transactions one Run writes (claim, running, finish; each a handful of 4 KiB pages).
 STATE_MIN_FREE_BYTES = 65_536
+# Inodes one Run takes on the artifact file system: its log (and shard directory), its run
+# directory with the FIFO, the spec, receipt and truncation fact, and the atomic writes' temps.
+RUN_INODES = 16
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -22,7 +22,7 @@ from collections.abc import Callable, Container, Iterable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from .definitions import PreparedTask
-from .dispatch import Candidate, Finish, LaunchCommand, LiveAttempt, Plan
+from .dispatch import Candidate, Finish, LaunchCommand, LiveAttempt, Plan, Refusal
 from .inbox_states import InboxEntry, InboxOffer, PendingPull
 from .models import (
     Admission,
@@ -344,14 +344,18 @@ class ArtifactPort(Protocol):
     def used_bytes(self) -> int:
         """Bytes of every log Artifact under the root (``GET /metrics``)."""
 
-    def admit(self, quota_bytes: int) -> str | None:
-        """None if one full log fits above the reserve and within the total quota, else a reason."""
+    def admit(self, quota_bytes: int) -> Refusal | None:
+        """None if one full log fits above the reserve and within the total quota, else the
+        refusal with its figures (core.dispatch.Refusal)."""
 
     def allocate(self, attempt_id: str) -> str:
         """Create the private log file. Raises errors.StartError (code artifact_unusable) when
         something is already at its path: the dispatcher is the only allocator of an Attempt's
         path and recovery removes its own leftovers, so this is never a race, and the Run
-        could never start."""
+        could never start. UnavailableError (code artifact_unwritable, ``field`` the log's path,
+        the message the errno name and text) when the file system takes no new file
+        (read-only, out of inodes or space, no permission); (code unsafe_directory) for a
+        symlinked or foreign directory."""
 
     def discard(self, path: str) -> None:
         """Remove a log file this pass created but could not use."""
@@ -361,6 +365,11 @@ class ArtifactPort(Protocol):
 
     def prune(self, keep_per_task: int, max_total_bytes: int, entries: list[RetentionEntry]) -> list[str]:
         """Delete the oldest logs beyond the rule; returns the Attempt IDs whose log went."""
+
+    def make_room(self, quota_bytes: int, entries: list[RetentionEntry]) -> tuple[list[str], int]:
+        """When ``admit(quota_bytes)`` is refused for space or the total quota, delete the oldest
+        ended logs (never a live one nor the newest of a Task) until it would be granted, or
+        none if that cannot be reached; returns (the Attempt IDs whose log went, bytes freed)."""
 
 
 class ProcessPort(Protocol):

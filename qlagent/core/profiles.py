@@ -59,6 +59,20 @@ def run_memory_reserve(p: Profile, memory_max: int | None) -> int:
     return run_memory_limit(p, memory_max) if memory_max is not None else run_memory_share(p) // p.max_concurrent_runs
 
 
+# ADR-0071 §5 names the free space each Profile keeps (edge 32 MiB, standalone 256 MiB) and is
+# silent on a file system smaller than that figure: a router's overlay may be 8 MiB, where it
+# would refuse every Run for good. The figure is kept as the cap; a file system keeps at most
+# this fraction of its size free for the rest of the system.
+FS_RESERVE_DIVISOR = 4
+
+
+def fs_reserve(p: Profile, fs_bytes: int) -> int:
+    """Free bytes that must remain on a file system of ``fs_bytes`` (statvfs ``f_blocks *
+    f_frsize``) when a log Artifact is allocated: the Profile's ``fs_reserve_bytes``, at most
+    ``fs_bytes // FS_RESERVE_DIVISOR`` (edge: 32 MiB from a 128 MiB file system up)."""
+    return min(p.fs_reserve_bytes, fs_bytes // FS_RESERVE_DIVISOR)
+
+
 def get_profile(name: str) -> Profile:
     """Return the Profile called ``name``.
 

@@ -51,7 +51,8 @@ class LocalRunDispatcher:
                 skipped += 1
                 continue
             if prepared.kind == "unavailable":
-                return DispatchResult("unavailable", prepared.reason, c.run_id, len(rows), skipped)
+                return DispatchResult("unavailable", prepared.reason, c.run_id, len(rows), skipped,
+                                      prepared.refusal)
             outcome, reason = self._coordinator.start(prepared.command)
             if outcome == "race_lost":
                 self._materializer.discard(prepared.command.artifact_path)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ..core import limits as L
-from ..core.dispatch import Candidate, LaunchCommand, Plan
+from ..core.dispatch import Candidate, LaunchCommand, Plan, Refusal
 from ..core.errors import QlError, StartError, UnavailableError
 from ..core.profiles import Profile, run_memory_limit, run_memory_reserve
 from .admission import Admission
@@ -29,6 +29,8 @@ from .secrets import resolve_secrets
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.ports import ArtifactPort, CipherFactory, DispatchStore, SecretStore
 
+# Refusals that the agent's own old logs may cause: retention gives room back before them.
+ROOM_REASONS = ("low_space", "artifact_quota_full")
 WAITING_REMEMBERED = 64      # Runs whose memory wait was journaled (oldest forgotten: at most a repeat)
 
 class Prepared(msgspec.Struct, frozen=True):
@@ -41,6 +43,7 @@ class Prepared(msgspec.Struct, frozen=True):
     kind: str
     reason: str | None = None
     command: LaunchCommand | None = None
+    refusal: Refusal | None = None       # the log Artifact's admission refused, with its figures
 
 
 def identity_env(c: Candidate, plan: Plan) -> dict[str, str]:
@@ -80,8 +83,10 @@ class Materializer:
 
     def __init__(self, store: DispatchStore, secrets: SecretStore, cipher: CipherFactory, artifacts: ArtifactPort,
                  admission: Admission, profile: Profile, baseline: dict[str, str] | None = None,
-                 log: Callable[..., None] = lambda *a, **k: None) -> None:
+                 log: Callable[..., None] = lambda *a, **k: None,
+                 make_room: Callable[[int, Refusal], None] = lambda quota, refusal: None) -> None:
         self._store = store
+        self._make_room = make_room
         self._secrets = secrets
         self._cipher = cipher
         self._artifacts = artifacts
@@ -129,8 +134,11 @@ class Materializer:
             return Prepared("unavailable", reason)
         quota = self._profile.log_max_bytes
         refused = self._artifacts.admit(quota)                          # 6
-        if refused:
-            return Prepared("unavailable", refused)
+        if refused is not None and refused.reason in ROOM_REASONS:
+            self._make_room(quota, refused)
+            refused = self._artifacts.admit(quota)
+        if refused is not None:
+            return Prepared("unavailable", refused.reason, refusal=refused)
         try:
             path = self._artifacts.allocate(c.attempt_id)               # 7
         except StartError as e:                                         # something already at the path
@@ -138,10 +146,8 @@ class Materializer:
             self._log("warning", "run.start_failed", run=c.run_id, attempt=c.attempt_id, reason=e.code,
                       error=e.message)
             return Prepared("unavailable", e.code)
-        except QlError as e:                                            # unsafe artifact directory
-            return Prepared("unavailable", e.code)
-        except OSError:                     # read-only, out of inodes, no permission: the Run waits
-            return Prepared("unavailable", "artifact_unwritable")
+        except QlError as e:   # unsafe directory; unwritable (read-only, out of inodes): the Run waits
+            return Prepared("unavailable", e.code, refusal=Refusal(e.code, e.field or "", error=e.message))
         ex = plan.execution
         return Prepared("ready", command=LaunchCommand(
             candidate=c, argv=tuple(ex.launch_argv()), env=env, cwd=ex.cwd or env.get("HOME") or "/",

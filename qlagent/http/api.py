@@ -64,13 +64,16 @@ class Api:
     loop after a new Run or a cancellation intent so it dispatches / stops the tree at once;
     ``ready()``: extra readiness (False while draining); ``store_problem()``: why the store
     takes no writes or no Run may start for lack of room (the state file system full), else None;
+    ``admission_problem()``: why queued Runs are held for their log Artifacts, else None;
     ``metrics()``: the Prometheus text of ``GET /metrics`` (None: metrics are off)."""
 
     def __init__(self, store: Store, on_change: Callable[[], None],
                  ready: Callable[[], bool] = lambda: True, log_chunks=None, clock=None,
                  store_problem: Callable[[], str | None] = lambda: None,
-                 metrics: Callable[[], bytes] | None = None) -> None:
+                 metrics: Callable[[], bytes] | None = None,
+                 admission_problem: Callable[[], str | None] = lambda: None) -> None:
         self.store = store
+        self.admission_problem = admission_problem
         self.metrics_text = metrics
         self.store_problem = store_problem
         self.runs = RunService(store)
@@ -244,11 +247,15 @@ class Api:
 
     def readyz(self, req: Request, p: dict[str, str]) -> Response:
         """GET /readyz: 200 ``ready`` when the store answers and takes writes, its capability is
-        present and the agent is not draining; else 503 ``not_ready`` with the failing check. On a
+        present, no queued Run is held for its log Artifact (``admission``: ``low_space (free N
+        bytes, needs M) on PATH``…) and the agent is not draining; else 503 ``not_ready`` with
+        the failing check. On a
         replica also ``clock``: ``{offsetS, boundS, skewed}``, this host's clock against the
         database's (informative: the replica plans in the database's time, so a skew does not fail it)."""
         problem = self.store_problem()
+        held = self.admission_problem()
         checks = {"store": "ok" if problem is None else problem[:200], "capability": "ok",
+                  "admission": "ok" if held is None else held[:200],
                   "service": "ok" if self.ready() else "draining"}
         try:
             self.store.capabilities()

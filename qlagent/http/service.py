@@ -134,7 +134,8 @@ class HttpSurface(LoopSurface):
 
     ``on_change()`` pokes the loop (a new Run to dispatch, a cancellation to carry out).
     ``store_problem()`` (a local agent's loop) says why the store takes no writes or no Run may
-    start for lack of room; ``/readyz`` answers 503 naming it.
+    start for lack of room; ``admission_problem()`` why queued Runs are held for their log
+    Artifacts (low_space with its figures…); ``/readyz`` answers 503 naming either.
     ``cluster`` (a control-plane replica: ``bootstrap.ClusterServices``) adds the Worker routes
     (:func:`mount_worker_routes`, ``threads`` database threads) and serves the logs from the
     uploaded chunks; the listener then also admits a log chunk's body and holds a Worker's
@@ -152,6 +153,7 @@ class HttpSurface(LoopSurface):
 
     def __init__(self, settings: Settings, store: Store, on_change: Callable[[], None], cluster=None,
                  threads: int = 4, store_problem: Callable[[], str | None] = lambda: None,
+                 admission_problem: Callable[[], str | None] = lambda: None,
                  journal: Callable[..., None] | None = None,
                  metrics: Callable[[], bytes] | None = None,
                  store_error: Callable[[str, str], None] = lambda route, code: None) -> None:
@@ -159,6 +161,7 @@ class HttpSurface(LoopSurface):
         self.api = Api(store, on_change, ready=lambda: not self.draining,
                        log_chunks=cluster.log_reader if cluster is not None else None,
                        clock=cluster.clock if cluster is not None else None, store_problem=store_problem,
+                       admission_problem=admission_problem,
                        metrics=metrics)
         self.router = build_router(self.api, store_error_hook(store_error) if cluster is not None else None)
         limits = limits_for(settings)

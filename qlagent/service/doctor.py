@@ -13,7 +13,8 @@ import stat
 
 from .. import bootstrap
 from ..core.errors import QlError
-from ..core.limits import PRIVATE_DIR_MODE, STATE_DIR_MODE, STATE_MIN_FREE_BYTES
+from ..core.limits import PRIVATE_DIR_MODE, RUN_INODES, STATE_DIR_MODE, STATE_MIN_FREE_BYTES
+from ..core.profiles import fs_reserve
 from ..core.settings import Settings
 from .config import state_space_problem
 from .trust import check as check_trust
@@ -65,9 +66,13 @@ def run_checks(s: Settings) -> list[dict]:
     try:
         v = os.statvfs(probe)
         free = v.f_bavail * v.f_frsize
-        need = s.profile.fs_reserve_bytes + s.profile.log_max_bytes
-        add("free space", free >= need, f"{free // MiB} MiB free on {probe}; the {s.profile.name} profile needs "
-                                         f"{need // MiB} MiB (reserve + one log)")
+        need = fs_reserve(s.profile, v.f_blocks * v.f_frsize) + s.profile.log_max_bytes
+        # f_files 0: the file system has no inode table to run out of (btrfs, some FUSE).
+        inodes_ok = v.f_files == 0 or v.f_favail >= RUN_INODES
+        add("free space", free >= need and inodes_ok,
+            f"{free} bytes free on {probe}; the {s.profile.name} profile needs {need} (reserve + one log); "
+            + (f"{v.f_favail} inodes free" if v.f_files else "no inode limit")
+            + ("" if inodes_ok else f", a Run needs {RUN_INODES}"))
     except OSError as e:
         add("free space", False, f"{probe}: {e.strerror}")
     # The database's own file system: full, the store takes no writes and no Run starts.

@@ -21,6 +21,7 @@ import time
 
 from .. import bootstrap
 from ..core.clock import now_us
+from ..core.dispatch import Refusal
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
 from ..core.states import AttemptState, KillReason, RunState
 from . import control
@@ -81,6 +82,7 @@ class Service:
         self._last_extend_us = 0
         self._refusal: str | None = None
         self._refused: dict[str, int] = {}      # reason → dispatch.refused lines (GET /metrics)
+        self._held: Refusal | None = None       # the log Artifact's refusal holding Runs now (/readyz)
         # Why the store takes no writes (its file system full, read-only, failing), while it lasts.
         self.store_down: str | None = None
         self.store_retry_us: int | None = None
@@ -173,6 +175,7 @@ class Service:
         from ..http.service import HttpSurface     # the optional surface: imported only when on
         self.http = HttpSurface(self.settings, self.store, on_change=self._poke_self,
                                 store_problem=self._store_problem, journal=self.log,
+                                admission_problem=self._admission_problem,
                                 metrics=self._metrics if cfg is not None and cfg.metrics else None)
         bound = None
         try:
@@ -192,6 +195,11 @@ class Service:
 
     def _store_problem(self) -> str | None:
         return self.store_down or state_space_problem(self.settings.state_dir)
+
+    def _admission_problem(self) -> str | None:
+        """Why queued Runs are held for the log Artifacts (space, quota, an unwritable
+        directory), with its figures, while it lasts; else None."""
+        return None if self._held is None else self._held.text()
 
     def _store_failed(self, e: UnavailableError) -> None:
         """A write failed because the store cannot take writes: a condition, not a crash. Runs
@@ -464,22 +472,24 @@ class Service:
             if r.status == "unavailable" or (r.status == "limited" and r.reason in ("pids", "memory")):
                 refused = r.reason
                 self.recheck_us = now + RECHECK_BLOCKED_US
-            self._note_refusal(refused)
+            self._note_refusal(refused, r.refusal)
             break
         else:
             # Passes left (more pages or more Runs): go on next iteration, after other events,
             # instead of sleeping until an unrelated wake-up while Runs wait behind the cursor.
             self.poked = True
 
-    def _note_refusal(self, reason: str | None) -> None:
+    def _note_refusal(self, reason: str | None, refusal: Refusal | None = None) -> None:
         """Log entering and leaving a capacity/budget refusal once each (STATUS shows it while
-        it lasts), not at every re-check: a router's log must not fill with the same line."""
+        it lasts), not at every re-check: a router's log must not fill with the same line. A
+        log Artifact's ``refusal`` carries its figures and path into the line and /readyz."""
+        self._held = refusal
         if reason == self._refusal:
             return
         if reason is None:
             self.log("notice", "dispatch.admitting", after=self._refusal)
         else:
-            self.log("warning", "dispatch.refused", reason=reason)
+            self.log("warning", "dispatch.refused", **(refusal.fields() if refusal else {"reason": reason}))
             self._refused[reason] = self._refused.get(reason, 0) + 1
         self._refusal = reason
 
