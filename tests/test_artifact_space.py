@@ -160,3 +160,40 @@ def test_a_run_starts_on_an_8_mib_state_file_system(root):
         assert a.cli("run", "logs", rid).stdout == b"hi\n"
     finally:
         a.stop()
+
+
+def test_out_of_inodes_names_the_path_and_the_errno_and_doctor_fails(root):
+    """An artifact file system with bytes to spare but no inode left: the Run is held with the
+    log's path and the errno text in the journal and ``run show`` keeps it queued; ``doctor``'s
+    free space line fails on the inodes; the Run starts once an inode returns."""
+    d, mount = root
+    arts = mount("artifacts", "16m,nr_inodes=64")
+    a = Agent(d, config=f'artifact_dir = "{arts}/logs"\n')
+    a.add(task("hi", "echo hi\n"))
+    os.mkdir(os.path.join(arts, "logs"), 0o700)
+    hog = os.path.join(arts, "hog")
+    os.mkdir(hog)
+    n = 0
+    while True:
+        try:
+            open(os.path.join(hog, str(n)), "wb").close()
+        except OSError:
+            break
+        n += 1
+    doctor = a.cli("doctor", check=False)
+    line = [x for x in doctor.stdout.decode().splitlines() if "free space" in x and "state" not in x][0]
+    assert doctor.returncode != 0 and line.startswith("FAIL") and "0 inodes free, a Run needs 16" in line, doctor.stdout
+    a.serve(exit_after=60)
+    try:
+        rid = a.start("hi")
+        j = wait_until(lambda: journal_has(a, "dispatch.refused"), 20, "the refusal",
+                       detail=lambda: a.journal().decode()[-3000:])
+        (refused,) = [x for x in j.splitlines() if "dispatch.refused" in x]
+        assert "reason=artifact_unwritable" in refused and f"path={arts}/logs/" in refused \
+            and 'error="ENOSPC (No space left on device)"' in refused, refused
+        assert a.run(rid)["state"] == "queued"
+        shutil.rmtree(hog)
+        a.poke()
+        assert a.wait(rid)["state"] == "succeeded"
+    finally:
+        a.stop()
