@@ -1,12 +1,14 @@
 """LocalExecutionCoordinator: the only owner of Attempt/Run transitions after dispatch.
 
 It starts a shim for a LaunchCommand (after winning the claimed → starting CAS),
-consumes completion receipts, enforces timeouts (SIGTERM to the task's process group and every
-escaped descendant, SIGKILL after the grace), carries out cancellation and the shutdown drain,
-and reconciles every starting/running Attempt on restart: receipt → ingest; shim alive
-(PID + start time) → re-attach; otherwise → ``lost``; then the agent's tasks of any other
-Attempt are killed (``ProcessPort.stop_strays``). It has no timer or thread: the service
-loop asks ``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
+consumes completion receipts, follows timeouts (the shim enforces a Run's timeout itself, so
+that it holds while no agent runs: ``ProcessPort.begin``; the agent only records it, and
+stops a shim's task itself — SIGTERM to the task's process group and every escaped
+descendant, SIGKILL after the grace — only for a shim that does not hold its deadline),
+carries out cancellation and the shutdown drain, and reconciles every starting/running Attempt
+on restart: receipt → ingest; shim alive (PID + start time) → re-attach; otherwise → ``lost``;
+then the agent's tasks of any other Attempt are killed (``ProcessPort.stop_strays``). It has no
+timer or thread: the service loop asks ``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ class TrackedAttempt:
 
     __slots__ = ("run_id", "attempt_id", "task_id", "revision", "shim_pid", "create_time", "pidfd",
                  "deadline_us", "grace_us", "kill_reason", "kill_at_us", "stopped_at_us", "retry",
-                 "memory_reserve")
+                 "memory_reserve", "shim_deadline")
 
     def __init__(self, run_id, attempt_id, task_id, revision, shim_pid, create_time, pidfd, deadline_us,
-                 grace_us, retry, memory_reserve=None) -> None:
+                 grace_us, retry, memory_reserve=None, shim_deadline=True) -> None:
         self.run_id, self.attempt_id, self.task_id, self.revision = run_id, attempt_id, task_id, revision
         self.shim_pid, self.create_time, self.pidfd = shim_pid, create_time, pidfd
         self.deadline_us, self.grace_us, self.retry = deadline_us, grace_us, retry
@@ -52,6 +54,7 @@ class TrackedAttempt:
         self.kill_reason: str | None = None
         self.kill_at_us: int | None = None
         self.stopped_at_us: int | None = None     # when kill_reason was set (store clock, µs)
+        self.shim_deadline = shim_deadline        # the shim stops the task at the timeout itself
 
 
 class StartingAttempt:
@@ -194,6 +197,8 @@ class LocalExecutionCoordinator:
     @staticmethod
     def _finish_from_receipt(r: Receipt, kill_reason: str | None) -> Finish:
         error = bounded(r.start_error) if r.start_error is not None else None
+        # The shim's own timeout stop counts as the agent's (it may have happened with no agent).
+        kill_reason = kill_reason or (KillReason.TIMEOUT if r.deadline_passed else None)
         st = outcome(r.exit_code, r.signal, error, kill_reason)
         # A kill of ours (timeout, cancel) names itself; the kernel's OOM kill is the shim's finding.
         reason = start_code(error) if error else kill_reason or ("oom_killed" if r.oom_killed else None)
@@ -232,7 +237,12 @@ class LocalExecutionCoordinator:
                 self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGKILL)
                 lr.kill_at_us = None
             elif lr.kill_reason is None and lr.deadline_us is not None and now >= lr.deadline_us:
-                self._stop(lr, KillReason.TIMEOUT, now)
+                if lr.shim_deadline:
+                    # The shim signalled at its own instant (≤ this one): recorded, not sent again.
+                    lr.kill_reason, lr.stopped_at_us = KillReason.TIMEOUT, now
+                    self._log("notice", "run.stopping", run=lr.run_id, reason=KillReason.TIMEOUT, by="shim")
+                else:
+                    self._stop(lr, KillReason.TIMEOUT, now)
             if lr.pidfd is None and not self._procs.alive(lr.shim_pid, lr.create_time):
                 self.on_exit(lr.attempt_id)
 
@@ -326,7 +336,7 @@ class LocalExecutionCoordinator:
                 _, grace_ms = self._store.timing(la.task_id, la.task_revision)
                 lr = TrackedAttempt(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.shim_pid,
                              la.shim_start_time, self._procs.watch(la.shim_pid), la.deadline_at_us,
-                             grace_ms * 1000, None)
+                             grace_ms * 1000, None, shim_deadline=self._procs.holds_deadline(la.attempt_id))
                 self.live[la.attempt_id] = lr
                 if la.attempt_id in cancels:
                     self._stop(lr, KillReason.CANCEL, self._now())
