@@ -380,6 +380,7 @@ def test_f5_shim_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
     finally:
         assert a.stop() == 0
     assert run["state"] == "lost"
+    assert f"run.lost run={rid} attempt={a.attempts(rid)[0]['attempt_id']} reason=agent_restart".encode() in a.journal()
     wait_until(lambda: not procs_with_env("QL3_RUN_ID", rid), 3, "recovery to stop the orphaned task", step=0.05)
 
 
@@ -619,6 +620,36 @@ def test_f3_the_shim_holds_the_timeout_while_no_agent_runs(root, engine):
     with open(terms) as f:
         assert f.read().split() == ["term"]                      # one SIGTERM, whoever watched
     none_left(rid)
+
+
+def test_a_start_that_never_reached_its_exec_runs_once_after_the_agent_restarts(root):
+    """"Never lose a run": the fork server is frozen (SIGSTOP), so the Attempt of ``run start``
+    stays ``starting`` with no shim; agent and fork server are SIGKILLed. The next agent sees no
+    trace of a shim in the run directory: the Attempt ends start_failed (agent_restart), the Run
+    is queued again with a journal line naming it, and its next Attempt runs the task once."""
+    a = Agent(root)
+    a.add(task("warm", "true\n"), task("once", f'echo "$QL3_ATTEMPT_ID" >> {root}/spawns\n'))
+    a.serve()
+    a.wait(a.start("warm"))                                      # the fork server exists from here on
+    (server,) = [p for p in psutil.Process(a.proc.pid).children()
+                 if any(".shim-" in arg for arg in p.cmdline())]
+    server.suspend()
+    rid = a.start("once")
+    wait_until(lambda: a.attempts(rid)[0]["state"] == "starting", 10, "the claim", step=0.05)
+    a.kill()
+    server.kill()
+    a.serve()
+    try:
+        run = a.wait(rid)
+    finally:
+        assert a.stop() == 0
+    first, second = a.attempts(rid)
+    assert (first["state"], first["failure_reason"]) == ("start_failed", "agent_restart")
+    assert (run["state"], second["state"]) == ("succeeded", "succeeded")
+    assert spawns(root) == [second["attempt_id"]]
+    journal = a.journal()
+    assert f"run.requeued run={rid} attempt={first['attempt_id']} reason=agent_restart".encode() in journal
+    assert b"requeued=1" in journal and b"run.lost" not in journal
 
 
 def test_pid_budget_holds_back_the_next_run(root):

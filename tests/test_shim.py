@@ -205,6 +205,9 @@ def test_shim_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
     assert receipt.exit_code == 7
     assert os.path.getsize(spec["artifact_path"]) == 1048576
     assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=1048576, bytes_kept=1048576)
+    # The FIFO goes right after the receipt (until then the run directory is never empty).
+    wait_until(lambda: not psutil.pid_exists(shim_pid) or psutil.Process(shim_pid).status() == psutil.STATUS_ZOMBIE,
+               20, "the shim's exit")
     assert_clean_end(spec)
 
 

@@ -700,6 +700,20 @@ class ShimProcesses:
     def holds_deadline(self, attempt_id: str) -> bool:
         return os.path.exists(os.path.join(self._run_dir(attempt_id), DEADLINE_FILE))
 
+    def fence_unstarted(self, attempt_id: str) -> bool:
+        # The agent creates the run directory empty; the shim's first write there, the FIFO,
+        # comes before the exec, and it is never empty again until the agent removes it
+        # (shim/main.py, output.fifo). rmdir succeeds only on an empty directory, and once it is
+        # gone a shim still on its way fails its mkfifo (ENOENT) before any exec: the kernel
+        # orders the two. No directory at all: begin never asked for a shim.
+        try:
+            os.rmdir(self._run_dir(attempt_id))
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False                 # ENOTEMPTY: a shim got that far
+        return True
+
     def abandon_start(self, attempt_id: str) -> None:
         st = self._starts.pop(attempt_id, None)
         if st is not None:

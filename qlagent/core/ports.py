@@ -377,6 +377,12 @@ class ProcessPort(Protocol):
         """Does the Attempt's shim stop its task at the Run's timeout itself (see ``begin``)?
         False for a shim an older agent started (the agent then stops it at the deadline)."""
 
+    def fence_unstarted(self, attempt_id: str) -> bool:
+        """Restart recovery of an Attempt left ``starting`` with no receipt: True when its task
+        provably never reached its exec and never will (no trace of a shim in its run directory,
+        which is then removed, so that a shim still on its way fails before the exec); False
+        when it may have run."""
+
     def start_fd(self, attempt_id: str) -> int | None:
         """The fd that becomes readable when the Attempt's start in flight has news for
         ``advance`` (the loop's selector watches it; it may change after each ``advance``);

@@ -73,8 +73,11 @@ ended by SIGKILL while the oom_kill count rose — of the Run's cgroup, else of 
 memory cgroup (v2 memory.events, v1 memory.oom_control) — ends with "oom_killed": true; with a
 ``cgroup`` peak_rss_bytes is its memory.peak (the whole tree) instead of the task's max RSS.
 
-Files in run_dir:
-  output.fifo    0600 FIFO (FIFO_BYTES) carrying the task's stdout+stderr; removed at the end.
+Files in run_dir (the agent creates it empty; the first thing in it is the shim's FIFO):
+  output.fifo    0600 FIFO (FIFO_BYTES) carrying the task's stdout+stderr; created before the exec
+                 and removed only once the receipt is written, so from before the exec until the
+                 agent removes the directory it is never empty: the agent's restart recovery
+                 tells by that a start that never reached the exec (ShimProcesses.fence_unstarted).
   deadline       with timeout_s: the Run's deadline (see "Deadline"), written before the exec.
   task.pid       the task PID (= its process group ID), written right after the spawn.
   truncated.json write-once truncation fact {"quota_bytes","bytes_kept"}, created when the first
@@ -760,17 +763,10 @@ def main():
         receipt["bytes_total"] = d.bytes_total
         receipt["bytes_kept"] = d.bytes_kept
         receipt["bytes_dropped"] = d.bytes_total - d.bytes_kept
-    # FIFO first: once the receipt exists the run directory is final.
-    try:
-        posix.unlink(w.fifo_path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        w.log_error("output.fifo not removed: %s" % exc)
     while True:
         try:
             w.write_file_atomic("receipt.json", receipt, False)
-            return 0
+            break
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or receipt["start_error"] is not None:
                 w.log_error("receipt not written: %s" % exc)
@@ -779,6 +775,14 @@ def main():
         # this process waits (one sleeping PID) until there is room for it. Not after a start
         # failure: the agent, which waits for this exit, already has the reason.
         time.sleep(RECEIPT_RETRY_S)
+    # The FIFO only now (module docstring, output.fifo): the run directory is never empty.
+    try:
+        posix.unlink(w.fifo_path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        w.log_error("output.fifo not removed: %s" % exc)
+    return 0
 
 
 def _serve_forks():
