@@ -301,13 +301,14 @@ ENGINE_AGENT = textwrap.dedent("""
 """)
 
 
-def test_an_agent_killed_between_the_shims_fork_and_the_exec_runs_nothing_and_the_next_one_ends_the_run(tmp_path):
+def test_an_agent_killed_between_the_shims_fork_and_the_exec_runs_nothing_and_the_next_one_runs_it_once(tmp_path):
     """The claim is committed and the shim forked, the agent is SIGKILLed before it took in the
     shim's PID (so before the spec went out): the shim execs nothing and leaves; the next
-    agent's recovery ends the Attempt lost (agent_restart) instead of leaving it starting."""
+    agent's recovery sees that the start never reached the exec, ends the Attempt start_failed
+    (agent_restart) and queues the Run again, whose next Attempt runs the task once."""
     marker = tmp_path / "ran"
     b = Bench(str(tmp_path / "s"))
-    b.add(task("t", f"touch {marker}\n"))
+    b.add(task("t", f"echo \"$QL3_ATTEMPT_ID\" >> {marker}\n"))
     rid = b.start("t")
     os.makedirs(b.runs_dir, mode=0o700, exist_ok=True)
     compiled_shim(b.runs_dir, sys.executable)     # compiled already: the request goes out at once
@@ -321,11 +322,64 @@ def test_an_agent_killed_between_the_shims_fork_and_the_exec_runs_nothing_and_th
                timeout=20, what="the shim to end")
     aid = b.attempts(rid)[0].attempt_id
     assert not marker.exists() and processes.read_receipt(os.path.join(b.runs_dir, aid)) is None
-    assert b.engine.recover()["lost"] == 1
+    counts = b.engine.recover()
+    assert (counts["requeued"], counts["lost"]) == (1, 0)
+    first = b.attempts(rid)[0]
+    assert (first.state, first.failure_reason) == ("start_failed", "agent_restart")
+    assert b.run(rid).state == "queued" and not marker.exists()
+    assert b.wait_run(rid).state == "succeeded"
+    (second,) = [a for a in b.attempts(rid) if a.attempt_id != aid]
+    assert marker.read_text().split() == [second.attempt_id]      # once, by the new Attempt
+    b.close()
+
+
+# An agent that stops (for ever) right after its shim got the whole spec: it never takes in the
+# shim's "ok", so the Attempt stays starting while the task runs.
+ENGINE_AGENT_PAST_SPEC = textwrap.dedent("""
+    import select, sys
+    sys.path.insert(0, sys.argv[2])
+    from execkit import Bench
+    from qlagent.adapters import processes
+    give = processes.ForkServer._give_spec
+
+    def given(st):
+        done = give(st)
+        if done:
+            print("spec", flush=True)
+            select.select([], [], [], 60)
+        return done
+
+    processes.ForkServer._give_spec = staticmethod(given)
+    Bench(sys.argv[1]).drive(lambda: False, 60)
+""")
+
+
+def test_an_agent_killed_after_the_spec_went_out_ends_the_run_lost_and_its_task_never_runs_twice(tmp_path):
+    """The shim got its spec and exec'd the task, but the agent was SIGKILLed before it took in
+    the shim's ``ok`` (the Attempt is still ``starting``): the task may have run, so the next
+    agent does not queue the Run again. The Attempt ends lost (agent_restart) with a ``run.lost``
+    journal line, its task is killed, and it ran once."""
+    marker = tmp_path / "ran"
+    b = Bench(str(tmp_path / "s"))
+    b.add(task("t", f'echo "$QL3_ATTEMPT_ID" >> {marker}\nsleep 60\n', timeout_s=120))
+    rid = b.start("t")
+    os.makedirs(b.runs_dir, mode=0o700, exist_ok=True)
+    compiled_shim(b.runs_dir, sys.executable)
+    agent = subprocess.Popen([sys.executable, "-c", ENGINE_AGENT_PAST_SPEC, b.root, os.path.join(REPO, "tests")],
+                             stdout=subprocess.PIPE, cwd=REPO)
+    assert agent.stdout.readline() == b"spec\n"
+    wait_until(lambda: marker.exists() and marker.read_text().strip(), 20, "the task's exec")
+    aid = b.attempts(rid)[0].attempt_id
+    assert b.attempts(rid)[0].state == "starting"
+    agent.kill()
+    agent.wait()
+    counts = b.engine.recover()
+    assert (counts["requeued"], counts["lost"]) == (0, 1)
     (att,) = b.attempts(rid)
-    assert (att.state, att.failure_reason) == ("lost", "agent_restart")
-    assert b.run(rid).state == "lost"
-    assert not marker.exists()
+    assert (att.state, att.failure_reason, b.run(rid).state) == ("lost", "agent_restart", "lost")
+    assert (("warning", "run.lost"), {"run": rid, "attempt": aid, "reason": "agent_restart"}) in b.log_lines
+    wait_until(lambda: not procs_with_env("QL3_ATTEMPT_ID", aid), 10, "recovery to stop the task")
+    assert marker.read_text().split() == [aid]
     b.close()
 
 

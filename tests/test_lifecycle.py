@@ -24,6 +24,7 @@ import psutil
 import pytest
 from execkit import REPO, Agent, file_bytes_under, procs_with_env, task
 
+from qlagent.adapters import processes
 from qlagent.core.profiles import EDGE, MiB
 from kit import qlagent_argv, scratch_dir, wait_until
 
@@ -299,7 +300,7 @@ def test_f3_timeout_holds_on_schedule_by_hand_and_inline(root):
         assert run["state"] == "timed_out", path
         (att,) = a.attempts(run["run_id"])
         assert 2.0 <= secs(att) <= 2 + GRACE_S + 1.5, (path, secs(att))
-        assert att["exit_signal"] == signal.SIGKILL
+        assert att["exit_signal"] == signal.SIGKILL, (path, dict(att))
         none_left(run["run_id"])
     assert runs["cron"]["trigger_type"] == "cron" and runs["hand"]["trigger_type"] != "cron"
 
@@ -379,6 +380,7 @@ def test_f5_shim_gone_without_receipt_ends_lost_and_kills_the_orphan(root):
     finally:
         assert a.stop() == 0
     assert run["state"] == "lost"
+    assert f"run.lost run={rid} attempt={a.attempts(rid)[0]['attempt_id']} reason=agent_restart".encode() in a.journal()
     wait_until(lambda: not procs_with_env("QL3_RUN_ID", rid), 3, "recovery to stop the orphaned task", step=0.05)
 
 
@@ -564,6 +566,90 @@ def test_deadline_and_cancel_survive_an_agent_restart(root):
     assert runs[cancel]["state"] == "cancelled"
     for r in (late, cancel):
         none_left(r)
+
+
+def first_run_of(a: Agent, name: str) -> str | None:
+    with a.db() as c:
+        row = c.execute("SELECT r.run_id FROM runs r JOIN tasks t USING (task_id) WHERE t.name = ? "
+                        "ORDER BY r.created_at_us LIMIT 1", (name,)).fetchone()
+    return row[0] if row else None
+
+
+@pytest.mark.parametrize("engine", ["serve", "inline", "kept"])
+def test_f3_the_shim_holds_the_timeout_while_no_agent_runs(root, engine):
+    """F3 across F5: the agent (a ``serve``, or the inline engine of ``run start --wait``) is
+    SIGKILLed a moment into a 3 s-timeout run that outlives SIGTERM; with no agent at all, its
+    task gets one SIGTERM at the timeout and SIGKILL after the 2 s grace, and the receipt says
+    the shim stopped it for its deadline; the next agent ends the Run ``timed_out`` from that
+    receipt. ``kept``: the agent runs throughout and still sends no second SIGTERM."""
+    terms = os.path.join(root, "terms")
+    a = Agent(root)
+    # sleep dies of the group's SIGTERM; the shell notes it, survives, sleeps on until SIGKILL.
+    a.add(task("hang", command=["/bin/sh", "-c", f"trap 'echo term >> {terms}' TERM; "
+                                                "while :; do sleep 0.2; done"], timeout_s=3, grace_s=2))
+    inline = None
+    if engine == "inline":
+        inline = subprocess.Popen(qlagent_argv("--state-dir", a.state, "run", "start", "hang", "--wait"),
+                                  stdout=subprocess.DEVNULL, env=a.env(), cwd=REPO)
+        rid = wait_until(lambda: first_run_of(a, "hang"), 10, "the inline engine's Run")
+    else:
+        a.serve()
+        rid = a.start("hang")
+    a.wait(rid, ("running",))
+    (att,) = a.attempts(rid)
+    if engine == "inline":
+        inline.kill()
+        inline.wait()
+    elif engine == "serve":
+        a.kill()
+    if engine != "kept":
+        run_dir = os.path.join(a.state, "runs", att["attempt_id"])
+        receipt = wait_until(lambda: processes.read_receipt(run_dir), 15, "the shim's receipt with no agent")
+        assert not procs_with_env("QL3_RUN_ID", rid)            # nothing of it runs, no agent came
+        assert receipt.deadline_passed and receipt.signal == signal.SIGKILL
+        assert 3.0 <= (receipt.ended_at_us - receipt.started_at_us) / 1e6 <= 3 + 2 + 1.5
+        assert a.run(rid)["state"] == "running"                  # nobody has told the store yet
+        a.serve()
+    try:
+        run = a.wait(rid)
+    finally:
+        assert a.stop() == 0
+    (att,) = a.attempts(rid)
+    assert (run["state"], att["failure_reason"], att["exit_signal"]) == ("timed_out", "timeout", signal.SIGKILL)
+    assert 3.0 <= secs(att) <= 3 + 2 + 1.5
+    with open(terms) as f:
+        assert f.read().split() == ["term"]                      # one SIGTERM, whoever watched
+    none_left(rid)
+
+
+def test_a_start_that_never_reached_its_exec_runs_once_after_the_agent_restarts(root):
+    """"Never lose a run": the fork server is frozen (SIGSTOP), so the Attempt of ``run start``
+    stays ``starting`` with no shim; agent and fork server are SIGKILLed. The next agent sees no
+    trace of a shim in the run directory: the Attempt ends start_failed (agent_restart), the Run
+    is queued again with a journal line naming it, and its next Attempt runs the task once."""
+    a = Agent(root)
+    a.add(task("warm", "true\n"), task("once", f'echo "$QL3_ATTEMPT_ID" >> {root}/spawns\n'))
+    a.serve()
+    a.wait(a.start("warm"))                                      # the fork server exists from here on
+    (server,) = [p for p in psutil.Process(a.proc.pid).children()
+                 if any(".shim-" in arg for arg in p.cmdline())]
+    server.suspend()
+    rid = a.start("once")
+    wait_until(lambda: a.attempts(rid)[0]["state"] == "starting", 10, "the claim", step=0.05)
+    a.kill()
+    server.kill()
+    a.serve()
+    try:
+        run = a.wait(rid)
+    finally:
+        assert a.stop() == 0
+    first, second = a.attempts(rid)
+    assert (first["state"], first["failure_reason"]) == ("start_failed", "agent_restart")
+    assert (run["state"], second["state"]) == ("succeeded", "succeeded")
+    assert spawns(root) == [second["attempt_id"]]
+    journal = a.journal()
+    assert f"run.requeued run={rid} attempt={first['attempt_id']} reason=agent_restart".encode() in journal
+    assert b"requeued=1" in journal and b"run.lost" not in journal
 
 
 def test_pid_budget_holds_back_the_next_run(root):

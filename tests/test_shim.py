@@ -15,6 +15,7 @@ import pytest
 
 from qlagent.adapters import processes
 from qlagent.core.errors import ValidationError
+from qlagent.core.limits import MAX_TIMEOUT_S
 from qlagent.core.receipt import Receipt, TruncationFact
 
 from shimkit import EDGE_LOG, FIXTURES, PATH_ENV, REPO, fork_served, make_spec, spawn_shim  # noqa: E402
@@ -204,6 +205,9 @@ def test_shim_outlives_its_spawner_and_reports_the_real_exit_status(tmp_path):
     assert receipt.exit_code == 7
     assert os.path.getsize(spec["artifact_path"]) == 1048576
     assert processes.read_truncation(spec["run_dir"]) == TruncationFact(quota_bytes=1048576, bytes_kept=1048576)
+    # The FIFO goes right after the receipt (until then the run directory is never empty).
+    wait_until(lambda: not psutil.pid_exists(shim_pid) or psutil.Process(shim_pid).status() == psutil.STATUS_ZOMBIE,
+               20, "the shim's exit")
     assert_clean_end(spec)
 
 
@@ -467,6 +471,46 @@ def test_an_unreadable_lease_file_fails_closed(tmp_path):
     assert handle.popen.wait(20) == 0
     receipt = processes.read_receipt(spec["run_dir"])
     assert receipt.lease_lost is True and receipt.signal == signal.SIGTERM
+
+
+# --- the Run's deadline (spec timeout_s: ShimProcesses.begin) --------------------------------
+
+def test_a_deadline_stops_the_whole_tree_kept_orphans_too_with_one_sigterm_and_the_receipt_says_so(tmp_path):
+    terms, pids = tmp_path / "terms", tmp_path / "pids"
+    # The shell notes each SIGTERM and goes on (SIGKILL after grace_s ends it); its background
+    # child is in a session of its own and would be kept as an orphan without the deadline.
+    script = f"setsid sleep 60 & echo $! > {pids}; trap 'echo term >> {terms}' TERM; while :; do sleep 0.1; done"
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", script])
+    spec.update(keep_orphans=True, grace_s=0.5, timeout_s=1)
+    handle = spawn_shim(spec)
+    orphan = wait_until(lambda: pids.exists() and pids.read_text().strip() and int(pids.read_text()), 20, "pids")
+    with open(os.path.join(spec["run_dir"], "deadline")) as f:
+        assert int(f.read()) > _mono_us()                      # the instant, still to come
+    assert handle.popen.wait(20) == 0
+    receipt = processes.read_receipt(spec["run_dir"])
+    assert receipt.deadline_passed is True and receipt.lease_lost is False and receipt.signal == signal.SIGKILL
+    assert 1.0 <= (receipt.ended_at_us - receipt.started_at_us) / 1e6
+    assert terms.read_text().split() == ["term"]
+    assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
+    assert_clean_end(spec)
+
+
+def test_a_task_that_ends_before_its_deadline_keeps_its_own_outcome(tmp_path):
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", "exit 3"])
+    spec["timeout_s"] = 30
+    receipt = run_to_end(spec)
+    assert (receipt.exit_code, receipt.deadline_passed) == (3, False)
+
+
+@pytest.mark.parametrize("value", [0, -1, MAX_TIMEOUT_S + 1, "5", True])
+def test_a_timeout_out_of_range_is_a_bad_spec_and_nothing_runs(tmp_path, value):
+    """The shim's bound is the task definition's (core.limits), which it cannot import."""
+    marker = tmp_path / "ran"
+    spec = make_spec(tmp_path, ["/bin/sh", "-c", f"touch {marker}"])
+    spec["timeout_s"] = value
+    receipt = run_to_end(spec)
+    assert receipt.start_error == f"bad spec: timeout_s: must be null or a number of seconds in (0, {MAX_TIMEOUT_S}]"
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("splicing", [True, False], ids=["splice", "copy"])

@@ -46,6 +46,8 @@ START_STATUS_TIMEOUT_S = SHIM_START_BOUND_US / 1e6
 _STATUS_LIMIT_BYTES = 1024
 # The shim refuses a larger spec (shim/main.py SPEC_LIMIT_BYTES).
 SPEC_LIMIT_BYTES = 1 << 20
+# In the run directory: the Run's deadline, written by a shim that holds it (shim/main.py "Deadline").
+DEADLINE_FILE = "deadline"
 
 
 class ShimSpawnError(UnavailableError):
@@ -666,7 +668,7 @@ class ShimProcesses:
         spec = {"attempt_id": attempt_id, "argv": list(cmd.argv), "env": env, "cwd": cmd.cwd,
                 "run_dir": run_dir, "artifact_path": cmd.artifact_path, "quota_bytes": cmd.quota_bytes,
                 "linger_s": self._linger_s, "umask": cmd.umask, "grace_s": cmd.grace_ms / 1000,
-                "keep_orphans": cmd.keep_orphans,
+                "keep_orphans": cmd.keep_orphans, "timeout_s": cmd.timeout_ms / 1000,
                 "cgroup": self._cgroups.create(attempt_id, cmd.memory_max) if self._cgroups else None}
         try:
             self._starts[attempt_id] = self._forks.begin(spec, self._python)
@@ -694,6 +696,23 @@ class ShimProcesses:
         self._handles[h.pid] = h
         self._started[attempt_id] = h.create_time
         return h.pid, h.create_time
+
+    def holds_deadline(self, attempt_id: str) -> bool:
+        return os.path.exists(os.path.join(self._run_dir(attempt_id), DEADLINE_FILE))
+
+    def fence_unstarted(self, attempt_id: str) -> bool:
+        # The agent creates the run directory empty; the shim's first write there, the FIFO,
+        # comes before the exec, and it is never empty again until the agent removes it
+        # (shim/main.py, output.fifo). rmdir succeeds only on an empty directory, and once it is
+        # gone a shim still on its way fails its mkfifo (ENOENT) before any exec: the kernel
+        # orders the two. No directory at all: begin never asked for a shim.
+        try:
+            os.rmdir(self._run_dir(attempt_id))
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False                 # ENOTEMPTY: a shim got that far
+        return True
 
     def abandon_start(self, attempt_id: str) -> None:
         st = self._starts.pop(attempt_id, None)

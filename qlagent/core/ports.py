@@ -377,8 +377,20 @@ class ProcessPort(Protocol):
 
     def begin(self, cmd: LaunchCommand) -> None:
         """Start the shim of ``cmd``'s Attempt in its own session without waiting for it: the
-        start goes on in ``advance``. Raises errors.StartError with the reason when nothing
-        could be started (the run directory remains)."""
+        start goes on in ``advance``. The shim holds the Run's timeout (``cmd.timeout_ms`` from
+        the task's exec, on the monotonic clock, whether an agent watches or not: SIGTERM, SIGKILL
+        after ``cmd.grace_ms``, its receipt's ``deadline_passed``). Raises errors.StartError with
+        the reason when nothing could be started (the run directory remains)."""
+
+    def holds_deadline(self, attempt_id: str) -> bool:
+        """Does the Attempt's shim stop its task at the Run's timeout itself (see ``begin``)?
+        False for a shim an older agent started (the agent then stops it at the deadline)."""
+
+    def fence_unstarted(self, attempt_id: str) -> bool:
+        """Restart recovery of an Attempt left ``starting`` with no receipt: True when its task
+        provably never reached its exec and never will (no trace of a shim in its run directory,
+        which is then removed, so that a shim still on its way fails before the exec); False
+        when it may have run."""
 
     def start_fd(self, attempt_id: str) -> int | None:
         """The fd that becomes readable when the Attempt's start in flight has news for

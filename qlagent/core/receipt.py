@@ -36,6 +36,7 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     cpu_time_us: int | None
     orphans_stopped: int | None = None    # absent from a receipt an older shim wrote
     lease_lost: bool = False              # the shim stopped the run: its Worker did not renew the Lease
+    deadline_passed: bool = False         # the shim stopped the run: the Run's timeout (deadline file) was up
     oom_killed: bool = False              # SIGKILLed while its memory cgroup's oom_kill count rose
 
 

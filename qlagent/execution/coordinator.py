@@ -1,12 +1,22 @@
 """LocalExecutionCoordinator: the only owner of Attempt/Run transitions after dispatch.
 
 It starts a shim for a LaunchCommand (after winning the claimed → starting CAS),
-consumes completion receipts, enforces timeouts (SIGTERM to the task's process group and every
-escaped descendant, SIGKILL after the grace), carries out cancellation and the shutdown drain,
-and reconciles every starting/running Attempt on restart: receipt → ingest; shim alive
-(PID + start time) → re-attach; otherwise → ``lost``; then the agent's tasks of any other
-Attempt are killed (``ProcessPort.stop_strays``). It has no timer or thread: the service
-loop asks ``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
+consumes completion receipts, follows timeouts (the shim enforces a Run's timeout itself, so
+that it holds while no agent runs: ``ProcessPort.begin``; the agent only records it, and
+stops a shim's task itself — SIGTERM to the task's process group and every escaped
+descendant, SIGKILL after the grace — only for a shim that does not hold its deadline),
+carries out cancellation and the shutdown drain, and reconciles every starting/running Attempt
+on restart: receipt → ingest; shim alive (PID + start time) → re-attach; a start that provably
+never reached its task's exec (``ProcessPort.fence_unstarted``) → ended ``start_failed``
+(reason ``agent_restart``) and the Run queued again for a new Attempt; otherwise → ``lost``,
+with a ``run.lost`` journal line; then the agent's tasks of any other Attempt are killed
+(``ProcessPort.stop_strays``). It has no timer or thread: the service loop asks
+``next_wakeup_us()`` and calls ``tick()`` / ``on_exit()``.
+
+Re-queueing only a start that never reached the exec follows ADR-0014's recovery rule ("恢复只覆盖
+Attempt 尚为 claimed 的窗口 … 已 ACK starting 后不再重发 ExecutionSpec": a crash is recovered by
+sending the start again only while nothing can have come of it; an Attempt that may have run is
+never started again by recovery), with the exec, not the ``starting`` record, as the line here.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from typing import TYPE_CHECKING
 from ..core.dispatch import Finish, LaunchCommand
 from ..core.errors import StartError, UnavailableError
 from ..core.limits import SHIM_START_BOUND_US
+from ..core.models import RetryPolicy
 from ..core.receipt import bounded, start_code
 from ..core.states import AttemptState, KillReason, RunState, outcome
 
@@ -28,6 +39,10 @@ if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
     from ..core.receipt import Receipt
 
 POLL_WITHOUT_PIDFD_US = 1_000_000     # only where the kernel has no pidfd_open (< 5.3)
+# A start that never reached its task's exec is no try of the task: its Run is queued again
+# whatever the Task's retry policy, at once (the Attempt after it follows the policy again).
+_REQUEUE = RetryPolicy(max_attempts=2**31 - 1, backoff_ms=0)
+_NOT_STARTED = "agent: stopped before the shim reached the task's exec; the Run is queued again"
 
 
 def _mono_us() -> int:
@@ -41,10 +56,10 @@ class TrackedAttempt:
 
     __slots__ = ("run_id", "attempt_id", "task_id", "revision", "shim_pid", "create_time", "pidfd",
                  "deadline_us", "grace_us", "kill_reason", "kill_at_us", "stopped_at_us", "retry",
-                 "memory_reserve")
+                 "memory_reserve", "shim_deadline")
 
     def __init__(self, run_id, attempt_id, task_id, revision, shim_pid, create_time, pidfd, deadline_us,
-                 grace_us, retry, memory_reserve=None) -> None:
+                 grace_us, retry, memory_reserve=None, shim_deadline=True) -> None:
         self.run_id, self.attempt_id, self.task_id, self.revision = run_id, attempt_id, task_id, revision
         self.shim_pid, self.create_time, self.pidfd = shim_pid, create_time, pidfd
         self.deadline_us, self.grace_us, self.retry = deadline_us, grace_us, retry
@@ -52,6 +67,7 @@ class TrackedAttempt:
         self.kill_reason: str | None = None
         self.kill_at_us: int | None = None
         self.stopped_at_us: int | None = None     # when kill_reason was set (store clock, µs)
+        self.shim_deadline = shim_deadline        # the shim stops the task at the timeout itself
 
 
 class StartingAttempt:
@@ -194,6 +210,8 @@ class LocalExecutionCoordinator:
     @staticmethod
     def _finish_from_receipt(r: Receipt, kill_reason: str | None) -> Finish:
         error = bounded(r.start_error) if r.start_error is not None else None
+        # The shim's own timeout stop counts as the agent's (it may have happened with no agent).
+        kill_reason = kill_reason or (KillReason.TIMEOUT if r.deadline_passed else None)
         st = outcome(r.exit_code, r.signal, error, kill_reason)
         # A kill of ours (timeout, cancel) names itself; the kernel's OOM kill is the shim's finding.
         reason = start_code(error) if error else kill_reason or ("oom_killed" if r.oom_killed else None)
@@ -232,7 +250,12 @@ class LocalExecutionCoordinator:
                 self._procs.signal_run(lr.attempt_id, lr.shim_pid, signal.SIGKILL)
                 lr.kill_at_us = None
             elif lr.kill_reason is None and lr.deadline_us is not None and now >= lr.deadline_us:
-                self._stop(lr, KillReason.TIMEOUT, now)
+                if lr.shim_deadline:
+                    # The shim signalled at its own instant (≤ this one): recorded, not sent again.
+                    lr.kill_reason, lr.stopped_at_us = KillReason.TIMEOUT, now
+                    self._log("notice", "run.stopping", run=lr.run_id, reason=KillReason.TIMEOUT, by="shim")
+                else:
+                    self._stop(lr, KillReason.TIMEOUT, now)
             if lr.pidfd is None and not self._procs.alive(lr.shim_pid, lr.create_time):
                 self.on_exit(lr.attempt_id)
 
@@ -303,10 +326,11 @@ class LocalExecutionCoordinator:
     def recover(self) -> dict[str, int]:
         """Reconcile every starting/running Attempt left by a previous agent (see module doc).
 
-        Returns counts ``{"ingested", "reattached", "lost", "strays"}`` (strays: processes of
-        Attempts nobody accounts for, killed: ``ProcessPort.stop_strays``).
+        Returns counts ``{"ingested", "reattached", "requeued", "lost", "strays"}`` (requeued: starts
+        that never reached the exec, their Runs queued again; strays: processes of Attempts nobody
+        accounts for, killed: ``ProcessPort.stop_strays``).
         """
-        counts = {"ingested": 0, "reattached": 0, AttemptState.LOST: 0}
+        counts = {"ingested": 0, "reattached": 0, "requeued": 0, AttemptState.LOST: 0}
         cancels = self._store.cancel_requested()
         for la in self._store.live_attempts():
             if la.attempt_id in self.live or la.attempt_id in self.starting:
@@ -326,16 +350,30 @@ class LocalExecutionCoordinator:
                 _, grace_ms = self._store.timing(la.task_id, la.task_revision)
                 lr = TrackedAttempt(la.run_id, la.attempt_id, la.task_id, la.task_revision, la.shim_pid,
                              la.shim_start_time, self._procs.watch(la.shim_pid), la.deadline_at_us,
-                             grace_ms * 1000, None)
+                             grace_ms * 1000, None, shim_deadline=self._procs.holds_deadline(la.attempt_id))
                 self.live[la.attempt_id] = lr
                 if la.attempt_id in cancels:
                     self._stop(lr, KillReason.CANCEL, self._now())
                 counts["reattached"] += 1
+            elif la.state == AttemptState.STARTING and self._procs.fence_unstarted(la.attempt_id):
+                if la.cancel_requested:
+                    f, retry = Finish(AttemptState.CANCELLED, failure_reason=KillReason.CANCEL), None
+                else:
+                    f = Finish(AttemptState.START_FAILED, failure_reason="agent_restart", start_error=_NOT_STARTED)
+                    retry = _REQUEUE
+                state = self._store.finish(la.run_id, la.attempt_id, f, None, retry)
+                self._procs.cleanup(la.attempt_id)
+                requeued = state == RunState.QUEUED
+                self._log("warning", "run.requeued" if requeued else f"run.{state}", run=la.run_id,
+                          attempt=la.attempt_id, reason=f.failure_reason)
+                counts["requeued"] += requeued
             else:
                 self._procs.signal_run(la.attempt_id, None, signal.SIGKILL)
-                self._store.finish(la.run_id, la.attempt_id, Finish(AttemptState.LOST, failure_reason="agent_restart"), None,
-                                   self._store.retry_policy(la.task_id, la.task_revision))
+                state = self._store.finish(la.run_id, la.attempt_id,
+                                           Finish(AttemptState.LOST, failure_reason="agent_restart"), None,
+                                           self._store.retry_policy(la.task_id, la.task_revision))
                 self._procs.cleanup(la.attempt_id)
+                self._log("warning", f"run.{state}", run=la.run_id, attempt=la.attempt_id, reason="agent_restart")
                 counts[AttemptState.LOST] += 1
         # A task no live Attempt accounts for (the state directory was wiped, or its shim died
         # while no agent watched) would run beside the Run's next Attempt: stopped now.

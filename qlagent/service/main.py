@@ -257,7 +257,8 @@ class Service:
         if self._exit_after_s is not None:
             self.exit_at_us = started + int(self._exit_after_s * 1e6)
         self.log("info", "service.ready", profile=self.settings.profile.name, state_dir=self.settings.state_dir,
-                 recovered=counts.get("reattached"), ingested=counts.get("ingested"), lost=counts.get(AttemptState.LOST),
+                 recovered=counts.get("reattached"), ingested=counts.get("ingested"),
+                 requeued=counts.get("requeued"), lost=counts.get(AttemptState.LOST),
                  strays=counts.get("strays"))
         # Its STATUS leaves the budget figures to the first iteration's, a moment later: without
         # a cgroup of the service they are a walk of every process on the host.

@@ -151,9 +151,17 @@ def stop(pgid, attempt_id, grace_s, drain):
 
 
 def signal_run(pgid, attempt_id, sig):
-    """``sig`` to the task's process group and to every leftover of the run (``find``)."""
-    for pid in find(pgid, _marker(attempt_id)) | {pgid}:
+    """``sig`` to the task's process group, then to every other leftover of the run (``find``):
+    each process gets it once."""
+    # The group at once: signalled one by one, a shell could see its child die of the signal
+    # and exit on its own (status 128+n) before its own signal came, under load.
+    try:
+        posix.killpg(pgid, sig)
+    except OSError:
+        pass
+    for pid in find(pgid, _marker(attempt_id)):
         try:
-            posix.kill(pid, sig)
+            if posix.getpgid(pid) != pgid:
+                posix.kill(pid, sig)
         except OSError:
             pass

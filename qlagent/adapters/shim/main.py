@@ -26,8 +26,9 @@ Artifact), linger_s (seconds ≥ 0 the drainer keeps reading after the main task
 umask (int 0..0o777 or null: null gives the task the umask this process inherited, i.e. the
 service's), grace_s (seconds ≥ 0 between SIGTERM and SIGKILL when stopping what the main task
 left behind), keep_orphans (bool: leave them running), lease_file (absolute path or null, fleet
-Worker runs under on_lease_loss = "kill" only: see "Lease self-fencing"), cgroup (absolute path
-or null: the Run's own cgroup, adapters/runcgroup.py, which the task joins before its exec).
+Worker runs under on_lease_loss = "kill" only: see "Lease self-fencing"), timeout_s (seconds in
+(0, MAX_TIMEOUT_S] or null: the Run's timeout, see "Deadline"), cgroup (absolute path or null:
+the Run's own cgroup, adapters/runcgroup.py, which the task joins before its exec).
 
 Start status (stdout, a pipe to the agent): ONE line once the outcome of the exec is known,
 ``ok`` or ``err <start_error>``; then stdout is pointed at /dev/null. The agent records the
@@ -54,6 +55,15 @@ process group and everything of the run (as for leftovers, keep_orphans or not) 
 SIGKILL after grace_s, and the receipt says "lease_lost": true. One wake-up per renewal period
 and no thread: the shim stays as small as before.
 
+Deadline (the Run's timeout, F3, held while no agent watches): with timeout_s, the instant
+timeout_s after the exec (CLOCK_MONOTONIC, like the lease's) is kept in this process and written,
+just before the exec, to run_dir/deadline (one decimal integer, µs: it tells an agent that
+re-attaches that this shim holds the timeout, processes.ShimProcesses.holds_deadline). At that
+instant, agent or not, the task's process group and everything of the run (keep_orphans or not)
+gets SIGTERM, SIGKILL after grace_s, and the receipt says "deadline_passed": true. The agent
+signals nothing itself for such a run and ends it ``timed_out`` from the receipt. A Lease lost
+while the run is being stopped for its timeout (or the reverse) sends nothing more: one SIGTERM.
+
 Out of memory (issue 22 §3): with a ``cgroup`` the task tree runs there, under the Run's own
 memory.max (whole tree killed together: memory.oom.group), and this process stays beside the
 agent. Either way the task is exec'd with oom_score_adj oom.TASK_OOM_SCORE_ADJ and this process runs
@@ -63,8 +73,12 @@ ended by SIGKILL while the oom_kill count rose — of the Run's cgroup, else of 
 memory cgroup (v2 memory.events, v1 memory.oom_control) — ends with "oom_killed": true; with a
 ``cgroup`` peak_rss_bytes is its memory.peak (the whole tree) instead of the task's max RSS.
 
-Files in run_dir:
-  output.fifo    0600 FIFO (FIFO_BYTES) carrying the task's stdout+stderr; removed at the end.
+Files in run_dir (the agent creates it empty; the first thing in it is the shim's FIFO):
+  output.fifo    0600 FIFO (FIFO_BYTES) carrying the task's stdout+stderr; created before the exec
+                 and removed only once the receipt is written, so from before the exec until the
+                 agent removes the directory it is never empty: the agent's restart recovery
+                 tells by that a start that never reached the exec (ShimProcesses.fence_unstarted).
+  deadline       with timeout_s: the Run's deadline (see "Deadline"), written before the exec.
   task.pid       the task PID (= its process group ID), written right after the spawn.
   truncated.json write-once truncation fact {"quota_bytes","bytes_kept"}, created when the first
                  byte beyond the quota arrives (hard link of a fsynced temp file, so it is
@@ -72,7 +86,7 @@ Files in run_dir:
   receipt.json   atomic completion receipt (temp, fsync, rename, dir fsync):
                  {"attempt_id","exit_code","signal","start_error","started_at_us","ended_at_us",
                   "bytes_total","bytes_kept","bytes_dropped","peak_rss_bytes","cpu_time_us",
-                  "orphans_stopped","lease_lost","oom_killed"}. start_error: at most START_ERROR_LIMIT characters, paths
+                  "orphans_stopped","lease_lost","deadline_passed","oom_killed"}. start_error: at most START_ERROR_LIMIT characters, paths
                  and errno names only (never the environment).
   shim.err       the shim's own errors (never sent to the agent through a pipe).
 
@@ -106,6 +120,7 @@ from drainer import Drainer  # noqa: E402
 SPEC_LIMIT_BYTES = 1 << 20
 MAX_LINGER_S = 3600.0
 MAX_GRACE_S = 300.0
+MAX_TIMEOUT_S = 7 * 24 * 3600    # core.limits.MAX_TIMEOUT_S (the shim imports nothing of qlagent)
 START_ERROR_LIMIT = 512
 _PATH_SHOWN = 200
 PR_SET_PDEATHSIG = 1
@@ -251,11 +266,15 @@ def _validate(spec):
     lease_file = spec.get("lease_file")
     if lease_file is not None:
         lease_file = _str_field(spec, "lease_file", absolute=True)
+    timeout = spec.get("timeout_s")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                or not 0 < timeout <= MAX_TIMEOUT_S):
+        raise SpecError("timeout_s: must be null or a number of seconds in (0, %d]" % MAX_TIMEOUT_S)
     cgroup = spec.get("cgroup")
     if cgroup is not None:
         cgroup = _str_field(spec, "cgroup", absolute=True)
     return {
-        "lease_file": lease_file, "cgroup": cgroup,
+        "lease_file": lease_file, "timeout_s": timeout, "cgroup": cgroup,
         "argv": argv, "env": env, "quota_bytes": quota, "linger_s": float(linger),
         "grace_s": float(grace), "umask": _inherited_umask if umask is None else umask,
         "keep_orphans": keep,
@@ -482,7 +501,7 @@ def new_receipt(attempt_id, start_error=None):
     return {"attempt_id": attempt_id, "exit_code": None, "signal": None, "start_error": start_error,
             "started_at_us": now, "ended_at_us": now if start_error is not None else None,
             "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None,
-            "orphans_stopped": None, "lease_lost": False, "oom_killed": False}
+            "orphans_stopped": None, "lease_lost": False, "deadline_passed": False, "oom_killed": False}
 
 
 def _prepare():
@@ -539,6 +558,19 @@ def run(w, cfg, wake_r, own_oom):
         receipt["ended_at_us"] = _now_us()
         return receipt
 
+    timeout_at = None
+    if cfg["timeout_s"] is not None:
+        timeout_at = _mono_us() + int(cfg["timeout_s"] * 1e6)
+        try:
+            # Not fsynced: the monotonic instant means nothing after a reboot, nor does this process.
+            fd = posix.open(_join(w.run_dir, "deadline"),
+                            posix.O_WRONLY | posix.O_CREAT | posix.O_EXCL | posix.O_NOFOLLOW | posix.O_CLOEXEC, 0o600)
+            try:
+                posix.write(fd, b"%d" % timeout_at)
+            finally:
+                posix.close(fd)
+        except OSError as exc:
+            w.log_error("deadline not written (the timeout holds all the same): %s" % exc)
     oom_before = oom.kills(cfg["cgroup"], own_oom)
     receipt["started_at_us"] = _now_us()
     try:
@@ -568,6 +600,7 @@ def run(w, cfg, wake_r, own_oom):
     # An unreadable file reads as instant 0: fail closed, the run is stopped at the first look.
     lease_at = (_lease_deadline(cfg["lease_file"]) or 0) if cfg["lease_file"] else None
     kill_at = None
+    stopping = False      # the lease or the timeout began stopping the run: SIGTERM sent once
 
     while not d.eof or status is None:
         if status is None:
@@ -585,8 +618,9 @@ def run(w, cfg, wake_r, own_oom):
                 receipt["ended_at_us"] = _now_us()
                 receipt["peak_rss_bytes"] = rusage.ru_maxrss * 1024
                 receipt["cpu_time_us"] = int((rusage.ru_utime + rusage.ru_stime) * 1e6)
-                if receipt["lease_lost"]:
-                    # Nothing of a run past its Lease may go on: what is left gets the rest of the grace.
+                if stopping:
+                    # Nothing of a run past its Lease or its timeout may go on: what is left gets
+                    # the rest of the grace.
                     left_s = max(0.0, (kill_at - _mono_us()) / 1e6) if kill_at is not None else 0.0
                     receipt["orphans_stopped"] = leftovers.stop(pid, w.attempt_id, left_s, d.drain)
                 elif not cfg["keep_orphans"]:
@@ -605,11 +639,16 @@ def run(w, cfg, wake_r, own_oom):
                     w.log_error("lease not renewed by the Worker: the run is stopped")
                     receipt["lease_lost"] = True
                     lease_at = None
-                    kill_at = now + int(cfg["grace_s"] * 1e6)
-                    leftovers.signal_run(pid, w.attempt_id, _signal.SIGTERM)
+            if timeout_at is not None and now >= timeout_at:
+                receipt["deadline_passed"] = True
+                timeout_at = None
+            if not stopping and (receipt["lease_lost"] or receipt["deadline_passed"]):
+                stopping = True
+                kill_at = now + int(cfg["grace_s"] * 1e6)
+                leftovers.signal_run(pid, w.attempt_id, _signal.SIGTERM)
         timeout_ms = None
         if status is None:
-            for at in (lease_at, kill_at):
+            for at in (lease_at, kill_at, timeout_at):
                 if at is not None:
                     wait_ms = max(0, (at - _mono_us()) // 1000 + 1)
                     timeout_ms = wait_ms if timeout_ms is None else min(timeout_ms, wait_ms)
@@ -724,17 +763,10 @@ def main():
         receipt["bytes_total"] = d.bytes_total
         receipt["bytes_kept"] = d.bytes_kept
         receipt["bytes_dropped"] = d.bytes_total - d.bytes_kept
-    # FIFO first: once the receipt exists the run directory is final.
-    try:
-        posix.unlink(w.fifo_path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        w.log_error("output.fifo not removed: %s" % exc)
     while True:
         try:
             w.write_file_atomic("receipt.json", receipt, False)
-            return 0
+            break
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or receipt["start_error"] is not None:
                 w.log_error("receipt not written: %s" % exc)
@@ -743,6 +775,14 @@ def main():
         # this process waits (one sleeping PID) until there is room for it. Not after a start
         # failure: the agent, which waits for this exit, already has the reason.
         time.sleep(RECEIPT_RETRY_S)
+    # The FIFO only now (module docstring, output.fifo): the run directory is never empty.
+    try:
+        posix.unlink(w.fifo_path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        w.log_error("output.fifo not removed: %s" % exc)
+    return 0
 
 
 def _serve_forks():
