@@ -76,7 +76,8 @@ def test_chatty_on_edge_stops_exactly_at_quota_with_one_truncation_fact(tmp_path
     facts = [n for n in os.listdir(spec["run_dir"]) if n.startswith("truncated")]
     assert facts == ["truncated.json"]
     with open(os.path.join(spec["run_dir"], "truncated.json"), "rb") as f:
-        assert set(json.loads(f.read())) == {"quota_bytes", "bytes_kept"}  # counts, no content
+        fact = json.loads(f.read())     # counts and the reason, no content
+        assert set(fact) == {"quota_bytes", "bytes_kept", "reason"} and fact["reason"] == "quota"
     out = log_bytes(spec)
     assert out.startswith(b"line 0 0123456789abcdefghijklmnopqrstuvwxyz\n")
     assert b"progress 0\n" in out  # stderr shares the artifact
@@ -377,7 +378,12 @@ def test_full_filesystem_keeps_draining_and_the_exit_status_unchanged(tmp_path):
         assert receipt.exit_code == 4  # ENOSPC on the log never reaches the task
         assert receipt.bytes_total == 3000000
         assert 0 < receipt.bytes_kept == os.path.getsize(spec["artifact_path"]) <= 1048576
-        assert processes.read_truncation(spec["run_dir"]) is None  # not a quota truncation
+        assert receipt.write_error == "ENOSPC (No space left on device)"
+        assert receipt.bytes_dropped == 3000000 - receipt.bytes_kept
+        # The run directory is elsewhere: the fact is written, naming the write error, not the quota.
+        assert processes.read_truncation(spec["run_dir"]) == TruncationFact(
+            quota_bytes=spec["quota_bytes"], bytes_kept=receipt.bytes_kept,
+            reason="write_error: ENOSPC (No space left on device)")
         with open(os.path.join(spec["run_dir"], "shim.err")) as f:
             assert "artifact write failed" in f.read()
     finally:
@@ -560,4 +566,4 @@ def test_the_drainer_keeps_exactly_the_room_left_by_splice_and_by_copy(tmp_path,
         os.close(x)
     assert art.read_bytes() == b"old" + payload[:100_000]
     assert (d.bytes_total, d.bytes_kept, d.truncated) == (256_000, 100_000, True)
-    assert facts == [("truncated.json", {"quota_bytes": 100_003, "bytes_kept": 100_000})]
+    assert facts == [("truncated.json", {"quota_bytes": 100_003, "bytes_kept": 100_000, "reason": "quota"})]

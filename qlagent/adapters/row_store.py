@@ -378,7 +378,7 @@ class RowStore:
             if truncation is not None:
                 fact = truncation if truncation.bytes_dropped is not None else TruncationFact(
                     quota_bytes=truncation.quota_bytes, bytes_kept=truncation.bytes_kept,
-                    bytes_dropped=f.bytes_dropped)
+                    bytes_dropped=f.bytes_dropped, reason=truncation.reason)
                 ex.record_truncation(conn, attempt_id, fact, now)
             return ex.finish_attempt(conn, run_id, attempt_id, f, retry, now, self.executor_type)
         return self.write(tx)

@@ -46,6 +46,7 @@ def attempt(a: Attempt) -> dict:
     return {"attemptId": a.attempt_id, "attemptNo": a.attempt_no, "state": a.state,
             "executorType": a.executor_type, "exitCode": a.exit_code, "signal": a.exit_signal,
             "bytesKept": a.bytes_kept, "bytesDropped": a.bytes_dropped, "truncated": a.truncated,
+            "truncationReason": a.truncation_reason,
             "peakRssBytes": a.peak_rss_bytes, "cpuTimeUs": a.cpu_time_us,
             "failureReason": a.failure_reason, "startError": a.start_error, "orphansStopped": a.orphans_stopped,
             "workerId": a.worker_id, "workerName": a.worker_name,

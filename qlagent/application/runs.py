@@ -66,7 +66,8 @@ def log_page_json(run_id: str, path: str | None, fact: TruncationFact | None, of
     "truncated", "truncation"}``: ``length`` bytes read at ``offset`` of a ``size``-byte log;
     ``encoding`` is ``"utf-8"`` when those bytes are valid UTF-8 (``data`` is then the text)
     and ``"base64"`` otherwise (``data`` is RFC 4648 base64 of the exact bytes); ``truncation``
-    is the truncation fact (``quotaBytes``, ``bytesKept``, ``bytesDropped``) or null.
+    is the truncation fact (``quotaBytes``, ``bytesKept``, ``bytesDropped``, ``reason``: ``quota``
+    or ``write_error: ENOSPC (No space left on device)``) or null.
     """
     chunk, size = read_log_range(path, offset, limit)
     return log_page(run_id, chunk, size, offset, fact)

@@ -73,6 +73,8 @@ def cmd_run_show(ctx: Ctx) -> int:
         print_json(_run_json(run, attempts, events))
         return 0
     from msgspec.json import encode
+
+    from ..core.receipt import QUOTA
     print(f"run       {run.run_id}")
     print(f"task      {run.task_name} ({run.task_snapshot_ref})")
     print(f"state     {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
@@ -100,6 +102,8 @@ def cmd_run_show(ctx: Ctx) -> int:
               + (f" worker={a.worker_name or a.worker_id}" if a.worker_id else ""))
         if a.start_error:
             print(f"          could not start: {a.start_error}")
+        if a.truncation_reason not in (None, QUOTA):      # the quota's is TRUNCATED alone
+            print(f"          log truncated: {a.truncation_reason}")
     for e in events:
         print(f"event     {e.sequence:>3} {fmt_us(e.created_at_us)} {e.type} {encode(e.payload).decode()}")
     return 0
@@ -123,9 +127,18 @@ def cmd_run_logs(ctx: Ctx) -> int:
         return 0
     _copy_log(lambda at, n: read_log_range(path, at, n)[0], offset, remaining)
     if fact:      # stdout stays the log's bytes; the truncation fact goes to stderr, always
-        print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {fact.bytes_dropped} bytes dropped",
-              file=sys.stderr)
+        print(_truncation_note(fact), file=sys.stderr)
     return 0
+
+
+def _truncation_note(fact) -> str:
+    """The ``run logs`` line of a truncation fact (core.receipt.TruncationFact): the quota it
+    stopped at, or where a failed write cut the log and why."""
+    from ..core.receipt import QUOTA
+    if fact.reason == QUOTA:
+        return f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {or_dash(fact.bytes_dropped)} bytes dropped"
+    return (f"qlagent: note: log truncated at {fact.bytes_kept} bytes, {fact.reason}; "
+            f"{or_dash(fact.bytes_dropped)} bytes dropped")
 
 
 def _copy_log(read, offset: int, remaining: int | None) -> None:
@@ -162,8 +175,7 @@ def _cluster_logs(ctx: Ctx, run_id: str, offset: int, remaining: int | None) -> 
     _copy_log(read, offset, remaining)
     fact = facts[-1] if facts else None
     if fact:
-        print(f"qlagent: note: log truncated at {fact.quota_bytes} bytes; {or_dash(fact.bytes_dropped)} bytes "
-              "dropped", file=sys.stderr)
+        print(_truncation_note(fact), file=sys.stderr)
     return 0
 
 

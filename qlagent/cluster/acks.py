@@ -13,10 +13,13 @@ from ..core.cluster import Ack, AckKind, AckResult, LeaseFence
 from ..core.errors import ValidationError
 from ..core.leasefit import check_lease_ttl
 from ..core.ports import LeaseStore
+from ..core.receipt import MAX_REASON, QUOTA, WRITE_ERROR
 from ..core.states import AttemptState, KillReason, outcome
 from .registry import check_generation, check_token, check_uuid, credential_digest
 
 START_ERROR = re.compile(r"^[a-z][a-z0-9_]{0,63}\Z")
+# A completion's truncation reason (core.receipt): the quota or an errno of the failed log write.
+TRUNCATION_REASON = re.compile(rf"^({QUOTA}|{WRITE_ERROR}: [\x20-\x7e]{{1,{MAX_REASON - len(WRITE_ERROR) - 2}}})\Z")
 # Completion figures: (Ack attribute, wire name an error names; docs/worker-protocol.md "Errors").
 FIGURES = (("bytes_kept", "bytesKept"), ("bytes_dropped", "bytesDropped"), ("peak_rss_bytes", "peakRssBytes"),
            ("cpu_time_us", "cpuTimeUs"))
@@ -59,6 +62,10 @@ def target_state(ack: Ack) -> str:
         raise ValidationError("killReason", f"must be one of {list(KillReason.ALL)}")
     for attr, wire in FIGURES:
         _figure(wire, getattr(ack, attr))
+    if ack.truncation_reason is not None and not (isinstance(ack.truncation_reason, str)
+                                                   and TRUNCATION_REASON.match(ack.truncation_reason)):
+        raise ValidationError("truncationReason", f"must be {QUOTA!r} or '{WRITE_ERROR}: ' and printable ASCII, "
+                              f"at most {MAX_REASON} characters", limit=MAX_REASON)
     return outcome(ack.exit_code, ack.signal, None, ack.kill_reason)
 
 

@@ -271,7 +271,9 @@ class Ack(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=Tru
     """A Worker fact about one leased Attempt (ADR-0109), fenced by Session, generation, lease
     generation and lease token. ``kind``: starting | running | start_failure | completion.
     Completion carries the exit code or signal, why the Worker signalled the task (``kill_reason``,
-    a ``core.states.KillReason``) and figures (bytes, µs)."""
+    a ``core.states.KillReason``), figures (bytes, µs) and, when the log lost bytes for another
+    reason than its quota, ``truncation_reason`` (``write_error: ENOSPC (No space left on
+    device)``, core.receipt.TruncationFact; absent: the quota)."""
 
     session_id: str
     generation: int
@@ -287,6 +289,7 @@ class Ack(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=Tru
     bytes_dropped: int | None = None
     peak_rss_bytes: int | None = None
     cpu_time_us: int | None = None
+    truncation_reason: str | None = None
 
     def __repr__(self) -> str:
         return f"Ack({self.kind}, attempt={self.attempt_id}, lease={self.lease_generation})"

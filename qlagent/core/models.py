@@ -198,6 +198,7 @@ class Attempt(Base):
     ended_at_us: int | None
     start_error: str | None = None       # why the task could not start: paths and errno names
     orphans_stopped: int | None = None   # processes left by the main one, stopped at its exit
+    truncation_reason: str | None = None  # the truncation fact's reason (core.receipt), None: not truncated
     worker_id: str | None = None         # the Worker that leased it (cluster); None on a local agent
     worker_name: str | None = None       # that Worker's name; None once it is removed
 

@@ -38,6 +38,9 @@ class Receipt(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     lease_lost: bool = False              # the shim stopped the run: its Worker did not renew the Lease
     deadline_passed: bool = False         # the shim stopped the run: the Run's timeout (deadline file) was up
     oom_killed: bool = False              # SIGKILLed while its memory cgroup's oom_kill count rose
+    quota_bytes: int | None = None        # the log quota the shim was given (bytes)
+    write_error: str | None = None        # the first failed log write: errno name and text, e.g.
+                                          # "ENOSPC (No space left on device)"; bytes after it dropped
 
 
 def start_code(start_error: str) -> str:
@@ -50,19 +53,49 @@ def bounded(text: str) -> str:
     return text if len(text) <= L.MAX_START_ERROR else text[:L.MAX_START_ERROR - 3] + "..."
 
 
+# Why a log lost bytes (``TruncationFact.reason``): the quota, or a failed write of the Artifact,
+# "write_error: <errno name> (<text>)" — an errno and its text, never a path or user output.
+QUOTA = "quota"
+WRITE_ERROR = "write_error"
+MAX_REASON = 160                        # characters of a reason (the stores' CHECK)
+
+
 class TruncationFact(msgspec.Struct, frozen=True, rename="camel"):
-    """The log quota was hit (``truncated.json``, write-once, at the moment it happened):
-    ``quota_bytes`` the quota, ``bytes_kept`` what the Artifact holds, ``bytes_dropped`` what was
-    discarded (None until the receipt tells the final figure). Bytes throughout."""
+    """The log lost bytes (``truncated.json``, write-once, at the moment it happened, or the
+    receipt's figures when that file could not be written): ``quota_bytes`` the quota,
+    ``bytes_kept`` what the Artifact holds, ``bytes_dropped`` what was discarded (None until
+    the receipt tells the final figure), ``reason`` why: ``QUOTA`` or ``write_error: ENOSPC
+    (No space left on device)`` (``write_error_reason``). Bytes throughout."""
 
     quota_bytes: int
     bytes_kept: int
     bytes_dropped: int | None = None
+    reason: str = QUOTA
+
+
+def write_error_reason(error: str) -> str:
+    """The truncation reason of a failed Artifact write, ``error`` its errno name and text;
+    cut to MAX_REASON characters."""
+    text = f"{WRITE_ERROR}: {error}"
+    return text if len(text) <= MAX_REASON else text[:MAX_REASON - 3] + "..."
+
+
+def truncation_of(receipt: Receipt | None, fact: TruncationFact | None) -> TruncationFact | None:
+    """The truncation fact of an ended run: the shim's ``truncated.json`` (``fact``) when it
+    was written, else — the file system it would sit on was full — the receipt's own figures
+    when it dropped bytes (its ``write_error`` as the reason, else the quota; the quota is the
+    bytes kept when an older receipt does not name it). None: nothing was dropped."""
+    if fact is not None or receipt is None or receipt.bytes_dropped <= 0:
+        return fact
+    return TruncationFact(quota_bytes=receipt.bytes_kept if receipt.quota_bytes is None else receipt.quota_bytes,
+                          bytes_kept=receipt.bytes_kept, bytes_dropped=receipt.bytes_dropped,
+                          reason=QUOTA if receipt.write_error is None else write_error_reason(receipt.write_error))
 
 
 class _ShimTruncation(msgspec.Struct, frozen=True):
     quota_bytes: int
     bytes_kept: int
+    reason: str = QUOTA                 # absent from a fact an older shim wrote
 
 
 @functools.cache
@@ -87,13 +120,17 @@ def decode_receipt(raw: bytes) -> Receipt:
 
 
 def decode_truncation(raw: bytes) -> TruncationFact:
-    """Decode the shim's ``truncated.json`` (``{"quota_bytes","bytes_kept"}``, integers ≥ 0);
-    raises RunFileError naming ``truncated.json.<field>``."""
+    """Decode the shim's ``truncated.json`` (``{"quota_bytes","bytes_kept","reason"}``: integers
+    ≥ 0, ``QUOTA`` or ``write_error: …`` of at most MAX_REASON characters); raises RunFileError
+    naming ``truncated.json.<field>``."""
     t = _decode(raw, _decoder(_ShimTruncation), "truncated.json")
     for name in ("quota_bytes", "bytes_kept"):
         if getattr(t, name) < 0:
             raise RunFileError(f"truncated.json.{name}", "must be an integer >= 0")
-    return TruncationFact(quota_bytes=t.quota_bytes, bytes_kept=t.bytes_kept)
+    if t.reason != QUOTA and not (t.reason.startswith(WRITE_ERROR + ": ") and len(t.reason) <= MAX_REASON):
+        raise RunFileError("truncated.json.reason", f"must be {QUOTA!r} or '{WRITE_ERROR}: ...' "
+                           f"(at most {MAX_REASON} characters)")
+    return TruncationFact(quota_bytes=t.quota_bytes, bytes_kept=t.bytes_kept, reason=t.reason)
 
 
 def _decode(raw: bytes, dec: msgspec.json.Decoder, name: str):

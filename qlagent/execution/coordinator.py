@@ -31,7 +31,7 @@ from ..core.dispatch import Finish, LaunchCommand
 from ..core.errors import StartError, UnavailableError
 from ..core.limits import SHIM_START_BOUND_US
 from ..core.models import RetryPolicy
-from ..core.receipt import bounded, start_code
+from ..core.receipt import bounded, start_code, truncation_of
 from ..core.states import AttemptState, KillReason, RunState, outcome
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
@@ -186,7 +186,7 @@ class LocalExecutionCoordinator:
             f = self._finish_from_receipt(receipt, None if ended_first else lr.kill_reason)
         try:
             retry = lr.retry or self._store.retry_policy(lr.task_id, lr.revision)
-            state = self._store.finish(lr.run_id, attempt_id, f, trunc, retry)
+            state = self._store.finish(lr.run_id, attempt_id, f, truncation_of(receipt, trunc), retry)
         except UnavailableError:
             # The store takes no writes (its file system is full): the receipt stays in the run
             # directory and tick() offers it again every POLL_WITHOUT_PIDFD_US until it does.
@@ -339,7 +339,7 @@ class LocalExecutionCoordinator:
             alive = la.shim_pid is not None and self._procs.alive(la.shim_pid, la.shim_start_time or 0.0)
             if receipt is not None and not alive:
                 f = self._finish_from_receipt(receipt, None)
-                self._store.finish(la.run_id, la.attempt_id, f, trunc,
+                self._store.finish(la.run_id, la.attempt_id, f, truncation_of(receipt, trunc),
                                    self._store.retry_policy(la.task_id, la.task_revision))
                 if f.start_error:
                     self._log("warning", "run.start_failed", run=la.run_id, attempt=la.attempt_id,

@@ -54,6 +54,7 @@ def _log_answer(size: int, fact, offset: int, length: int, partial: bool) -> tup
         dropped = fact.bytes_dropped
         headers.append(("X-Qlagent-Truncation", f"quota={fact.quota_bytes} kept={fact.bytes_kept} "
                         f"dropped={'unknown' if dropped is None else dropped}"))
+        headers.append(("X-Qlagent-Truncation-Reason", fact.reason))
     if partial:
         headers.append(("Content-Range", content_range(offset, length, size)))
     return (206 if partial else 200), headers
@@ -191,7 +192,9 @@ class Api:
         """GET .../runs/{runId}/log?offset=&limit= (or ``Range``): raw bytes of the latest
         Attempt's log Artifact, at most 1 MiB, streamed from the file (FileRange). Headers:
         ``X-Qlagent-Log-Size`` (bytes in the file), ``X-Qlagent-Log-Truncated`` (true/false) and,
-        when truncated, ``X-Qlagent-Truncation`` ``quota=N kept=N dropped=N|unknown`` (bytes)."""
+        when truncated, ``X-Qlagent-Truncation`` ``quota=N kept=N dropped=N|unknown`` (bytes) and
+        ``X-Qlagent-Truncation-Reason`` (``quota`` or ``write_error: ENOSPC (No space left on
+        device)``: core.receipt.TruncationFact)."""
         _, proj = self._principal(req, p["projectId"], "log.read")
         run = self._run(proj.project_id, p["runId"])
         if self.log_chunks is not None:

@@ -169,5 +169,5 @@ class SendDuty:
 
 _ACK_FIELDS = (("exit_code", "exitCode"), ("signal", "signal"), ("kill_reason", "killReason"),
                ("bytes_kept", "bytesKept"), ("bytes_dropped", "bytesDropped"), ("peak_rss_bytes", "peakRssBytes"),
-               ("cpu_time_us", "cpuTimeUs"))
+               ("cpu_time_us", "cpuTimeUs"), ("truncation_reason", "truncationReason"))
 

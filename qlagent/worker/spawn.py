@@ -9,7 +9,7 @@ import msgspec
 from ..core.cluster import ExecutionSpec
 from ..core.errors import StartError
 from ..core.limits import SHIM_START_BOUND_US
-from ..core.receipt import start_code
+from ..core.receipt import QUOTA, start_code, truncation_of
 from ..core.inbox_states import InboxState, OutcomeKind
 from ..core.states import KillReason
 from .job import Job, Owed
@@ -119,6 +119,7 @@ class SpawnDuty:
     def _complete(self, j: Job) -> None:
         """The shim ended: its receipt becomes the row's outcome (kept until acknowledged)."""
         receipt, trunc = self.runs.collect(j.attempt_id)
+        trunc = truncation_of(receipt, trunc)
         if receipt is None:
             self.runs.kill_orphans(j.attempt_id)
         if receipt is not None and receipt.lease_lost and not j.fenced:
@@ -142,7 +143,9 @@ class SpawnDuty:
             out = {"kind": OutcomeKind.COMPLETION, "exitCode": receipt.exit_code, "signal": receipt.signal,
                    "killReason": j.kill_reason, "bytesKept": receipt.bytes_kept,
                    "bytesDropped": receipt.bytes_dropped, "peakRssBytes": receipt.peak_rss_bytes,
-                   "cpuTimeUs": receipt.cpu_time_us, "truncated": trunc is not None}
+                   "cpuTimeUs": receipt.cpu_time_us, "truncated": trunc is not None,
+                   # Sent only when not the quota: the control plane's default.
+                   "truncationReason": trunc.reason if trunc is not None and trunc.reason != QUOTA else None}
             out = {k: v for k, v in out.items() if v is not None}
             j.entry = self.inbox.advance(j.offer_id, InboxState.COMPLETED, out)
             if j.gone:

@@ -220,21 +220,31 @@ def test_acks_are_fenced_ordered_and_idempotent(kit):
 
 
 def test_a_completion_that_dropped_bytes_records_the_truncation_fact(kit):
-    """The Worker uploads only the kept bytes, so the quota's cut is known from the completion
-    ACK alone (issue 10 §7: completion carries the truncation fact)."""
-    w = kit.worker("edge-1", slots=2)
+    """The Worker uploads only the kept bytes, so the cut is known from the completion ACK alone
+    (issue 10 §7: completion carries the truncation fact): the quota's, or a failed log write's
+    with its ``truncationReason``, which ``run logs`` on any replica reads back."""
+    w = kit.worker("edge-1", slots=3)
     task = kit.task()
-    kit.queue(task)
-    kit.queue(task)
-    cut, whole = kit.claim(w, 2)
-    for offer in (cut, whole):
+    for _ in range(3):
+        kit.queue(task)
+    cut, full, whole = kit.claim(w, 3)
+    for offer in (cut, full, whole):
         kit.ack(w, offer, "starting")
+    reason = "write_error: ENOSPC (No space left on device)"
+    with pytest.raises(ValidationError) as e:
+        kit.ack(w, full, "completion", exit_code=0, bytes_kept=901_120, bytes_dropped=5_000,
+                truncation_reason="write_error: /var/log/secret\n")
+    assert e.value.field == "truncationReason"
     kit.ack(w, cut, "completion", exit_code=0, bytes_kept=4_194_304, bytes_dropped=5_000)
+    kit.ack(w, full, "completion", exit_code=0, bytes_kept=901_120, bytes_dropped=3_098_925, truncation_reason=reason)
     kit.ack(w, whole, "completion", exit_code=0, bytes_kept=12, bytes_dropped=0)
-    assert kit.sql("SELECT attempt_id, quota_bytes, bytes_kept, bytes_dropped FROM truncation_facts") == [
-        (cut.attempt_id, 4_194_304, 4_194_304, 5_000)]
+    assert sorted(kit.sql("SELECT attempt_id, quota_bytes, bytes_kept, bytes_dropped, reason FROM truncation_facts")) \
+        == sorted([(cut.attempt_id, 4_194_304, 4_194_304, 5_000, "quota"),
+                   (full.attempt_id, 901_120, 901_120, 3_098_925, reason)])
     kit.ack(w, cut, "completion", exit_code=0, bytes_kept=4_194_304, bytes_dropped=5_000)     # a replay
-    assert kit.one("SELECT count(*) FROM truncation_facts") == 1
+    assert kit.one("SELECT count(*) FROM truncation_facts") == 2
+    _, _, fact = kit.logs.read_range(full.run_id, 0, 16)
+    assert (fact.bytes_kept, fact.bytes_dropped, fact.reason) == (901_120, 3_098_925, reason)
 
 
 def test_stale_generation_ack_is_refused_with_a_distinct_reason(kit):

@@ -187,8 +187,27 @@ def test_claim_is_compare_and_set_and_finish_is_idempotent(store, clock):
     assert (run.state, run.exit_code, run.ended_at_us) == ("succeeded", 0, clock.now)
     (attempt,) = store.list_attempts(run_id)
     assert (attempt.state, attempt.truncated, attempt.bytes_dropped) == ("succeeded", True, 5)
-    assert store.latest_artifact(run_id) == ("/var/log/x.log", TruncationFact(10, 10, 5))
+    assert attempt.truncation_reason == "quota"
+    assert store.latest_artifact(run_id) == ("/var/log/x.log", TruncationFact(10, 10, 5, "quota"))
     assert store.active_count() == 0 and store.live_attempts() == []
+
+
+def test_a_log_cut_by_a_failed_write_keeps_its_reason_and_the_first_fact(store, clock):
+    """A full file system cut the log (core.receipt.truncation_of): the fact names the write
+    error wherever it is read back, and a later fact cannot replace it (write-once)."""
+    (head,) = add(store, prepared("t"))
+    run_id = start(store, head).run_id
+    (c,) = store.candidate_page(4, None)
+    store.claim_starting(c, "/var/log/x.log")
+    store.mark_running(c, 4242, 1.5, clock.now + 10_000_000)
+    reason = "write_error: ENOSPC (No space left on device)"
+    fact = TruncationFact(quota_bytes=4194304, bytes_kept=901120, reason=reason)
+    done = Finish(AttemptState.SUCCEEDED, exit_code=0, bytes_kept=901120, bytes_dropped=3098925, ended_at_us=clock.now)
+    store.finish(run_id, c.attempt_id, done, fact, None)
+    store.finish(run_id, c.attempt_id, done, TruncationFact(4194304, 4194304, 1), None)
+    (attempt,) = store.list_attempts(run_id)
+    assert (attempt.truncated, attempt.truncation_reason, attempt.bytes_dropped) == (True, reason, 3098925)
+    assert store.latest_artifact(run_id) == ("/var/log/x.log", TruncationFact(4194304, 901120, 3098925, reason))
 
 
 def test_events_have_a_gapless_sequence_per_run(store):

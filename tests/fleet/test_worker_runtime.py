@@ -117,7 +117,7 @@ def test_pull_run_acks_and_complete_log_chunks_chatty_truncated_at_quota(tmp_pat
     assert cp.acks_of(chatty) == cp.acks_of(small) == ["starting", "running", "completion"]
     c = completion(cp, chatty)
     assert (c.exit_code, c.bytes_kept, c.bytes_dropped) == (0, QUOTA, 5_000_000 + len(SECRET) + 1 - QUOTA)
-    assert completion(cp, small).exit_code == 0
+    assert completion(cp, small).exit_code == 0 and c.truncation_reason is None     # the quota: the default
     # Every kept byte reaches the control plane, in order; then the local Artifact is pruned.
     assert cp.wait(lambda: len(cp.logs.get(chatty, b"")) == QUOTA and cp.logs.get(small) == b"hello fleet\n", 30)
     expected = (b"chatty-line-0123456789\n" * (QUOTA // 23 + 1))[:QUOTA]
@@ -1215,3 +1215,42 @@ def test_the_worker_loop_answers_while_a_shim_start_is_held_up(tmp_path, cp):
     finally:
         if w.p.poll() is None:
             w.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: root only")
+def test_a_log_cut_by_a_full_file_system_is_acked_with_its_reason(tmp_path, cp):
+    """The Worker's state file system (its run directories and logs) fills to 0 bytes while a task
+    writes 41 lines of 100 kB, far below the quota: the completion ACK names the write error, so
+    the control plane records the truncation fact with it (a quota cut sends no reason)."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(state)], check=True)
+    go, done = str(tmp_path / "go"), str(tmp_path / "done")
+    os.mkfifo(go, 0o600)
+    line = "head -c 100000 /dev/zero | tr '\\0' x; echo\n"
+    aid = cp.add_run(shell="/bin/sh", script=line + f"read _ < {go}\ni=0\nwhile [ $i -lt 40 ]; do\n  {line}"
+                     f"  i=$((i+1))\ndone\n: > {done}\n")
+    w = Worker(tmp_path, cp, cp.url, slots=1)
+    filler = str(state / "filler")
+    try:
+        w.start()
+        log = os.path.join(w.state, "worker-runs", aid, "output.log")
+        wait_until(lambda: os.path.exists(log) and os.path.getsize(log) == 100_001, 30, "the first line")
+        with open(filler, "ab", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        with open(go, "w") as f:
+            f.write("go\n")
+        wait_until(lambda: os.path.exists(done), 30, "the task's last line")
+        os.unlink(filler)
+        assert cp.wait(lambda: completion(cp, aid) is not None, 30)
+        c = completion(cp, aid)
+        assert c.exit_code == 0 and c.bytes_kept + c.bytes_dropped == 41 * 100_001 and c.bytes_dropped > 0
+        assert c.truncation_reason == "write_error: ENOSPC (No space left on device)"
+        assert "Traceback" not in w.journal()
+    finally:
+        w.stop()
+        subprocess.run(["umount", "-l", str(state)], check=False)

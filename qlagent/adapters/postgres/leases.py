@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ...core.cluster import Ack, AckResult, LeaseFence
 from ...core.errors import ConflictError
-from ...core.receipt import TruncationFact
+from ...core.receipt import QUOTA, TruncationFact
 from ...core.states import AttemptState, LeaseState
 from .connection import statement, transaction
 from ..rows.execution import record_truncation
@@ -51,12 +51,14 @@ class PgLeaseStore:
                 return _answer(row, fence, ack)
             now = row["now_us"]
             if ack.bytes_dropped:
-                # The quota cut the log on the Worker: the shim keeps exactly the quota once it
-                # drops (core.receipt), so the completion's figures are the truncation fact. The
-                # Worker uploads only the kept bytes, so no chunk would ever record it.
+                # The quota (or a failed write: ``truncation_reason``) cut the log on the Worker:
+                # the shim keeps exactly the quota once it drops (core.receipt), so the
+                # completion's figures are the truncation fact. The Worker uploads only the kept
+                # bytes, so no chunk would ever record it.
                 kept = ack.bytes_kept or 0
-                record_truncation(POSTGRES.db(cur), fence.attempt_id, TruncationFact(quota_bytes=kept, bytes_kept=kept,
-                                                                         bytes_dropped=ack.bytes_dropped), now)
+                record_truncation(POSTGRES.db(cur), fence.attempt_id, TruncationFact(
+                    quota_bytes=kept, bytes_kept=kept, bytes_dropped=ack.bytes_dropped,
+                    reason=ack.truncation_reason or QUOTA), now)
             run_state = after_attempt(cur, row, row["run_id"], fence.attempt_id, target, actor, now, reason,
                                       ack.exit_code, ack.signal)
             return AckResult(target, run_state)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ...core.cluster import ChunkConflict, LeaseFence
 from ...core.errors import ConflictError
-from ...core.receipt import TruncationFact
+from ...core.receipt import QUOTA, TruncationFact
 from ...core.states import LeaseState
 from .connection import transaction
 from .queries import (ATTEMPT_LOG_NEXT_FOR_NO_KEY_UPDATE, ATTEMPT_LOG_NEXT_SET, LOG_CHUNKS_RANGE, LOG_CHUNK_AT,
@@ -54,7 +54,7 @@ class PgLogStore:
             if keep:
                 cur.execute(LOG_CHUNK_INSERT, (fence.attempt_id, offset, data[:keep]))
             if keep < len(data) and not truncated:
-                cur.execute(TRUNCATION_FACT_INSERT, (fence.attempt_id, quota_bytes, quota_bytes, now_us(cur)))
+                cur.execute(TRUNCATION_FACT_INSERT, (fence.attempt_id, quota_bytes, quota_bytes, QUOTA, now_us(cur)))
                 truncated = True
             cur.execute(ATTEMPT_LOG_NEXT_SET, (offset + len(data), fence.attempt_id))
             return offset + len(data), truncated
@@ -80,6 +80,6 @@ class PgLogStore:
             out = b"".join(bytes(r["data"]) for r in rows)
             start = offset - rows[0]["offset_bytes"] if rows else 0
             fact = None if a["quota_bytes"] is None else TruncationFact(a["quota_bytes"], a["bytes_kept"],
-                                                                         a["bytes_dropped"])
+                                                                         a["bytes_dropped"], a["reason"])
             return out[start:start + limit], a["size"], fact
         return transaction(self._pool, tx)

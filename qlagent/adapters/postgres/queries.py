@@ -117,7 +117,8 @@ CANDIDATES = _CANDIDATE + f"ORDER BY {_KEY} LIMIT %(lim)s"
 # ... strictly after the keyset (%(p)s negated priority, %(c)s, %(ac)s, %(aid)s).
 CANDIDATES_AFTER = _CANDIDATE + f"AND ({_KEY}) > (%(p)s, %(c)s, %(ac)s, %(aid)s) ORDER BY {_KEY} LIMIT %(lim)s"
 # The Worker that leased each Attempt, by name (None once removed).
-ATTEMPTS_OF_RUN = ("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated, w.name AS worker_name FROM attempts a "
+ATTEMPTS_OF_RUN = ("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated, f.reason AS truncation_reason, w.name AS worker_name "
+                   "FROM attempts a "
                    "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id "
                    "LEFT JOIN workers w ON w.worker_id = a.worker_id WHERE a.run_id = %s ORDER BY a.attempt_no")
 
@@ -315,14 +316,14 @@ TRUNCATION_FACT_EXISTS = "SELECT 1 FROM truncation_facts WHERE attempt_id = %s"
 LOG_CHUNK_AT = "SELECT data FROM log_chunks WHERE attempt_id = %s AND offset_bytes = %s"
 LOG_CHUNK_INSERT = "INSERT INTO log_chunks(attempt_id, offset_bytes, data) VALUES (%s, %s, %s)"
 TRUNCATION_FACT_INSERT = (
-    "INSERT INTO truncation_facts(attempt_id, quota_bytes, bytes_kept, recorded_at_us)"
-    " VALUES (%s, %s, %s, %s)")
+    "INSERT INTO truncation_facts(attempt_id, quota_bytes, bytes_kept, reason, recorded_at_us)"
+    " VALUES (%s, %s, %s, %s, %s)")
 ATTEMPT_LOG_NEXT_SET = "UPDATE attempts SET log_next_offset = %s WHERE attempt_id = %s"
 LOG_CHUNKS_RANGE = (
     "SELECT offset_bytes, data FROM log_chunks WHERE attempt_id = %s"
     " AND offset_bytes + length(data) > %s AND offset_bytes < %s ORDER BY offset_bytes")
 RUN_LOG_LATEST_ATTEMPT = (
-    "SELECT a.attempt_id, f.quota_bytes, f.bytes_kept, f.bytes_dropped,"
+    "SELECT a.attempt_id, f.quota_bytes, f.bytes_kept, f.bytes_dropped, f.reason,"
     " (SELECT coalesce(max(c.offset_bytes + length(c.data)), 0) FROM log_chunks c"
     "  WHERE c.attempt_id = a.attempt_id) AS size FROM attempts a"
     " LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id"

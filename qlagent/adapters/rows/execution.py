@@ -169,9 +169,10 @@ def finish_attempt(db: Db, run_id: str, attempt_id: str, f: Finish, retry: Retry
 
 
 def record_truncation(db: Db, attempt_id: str, fact: TruncationFact, now_us: int) -> None:
-    """Write the truncation fact once; a second write keeps the first (write-once) and only
-    fills in ``bytes_dropped`` if it was unknown."""
-    db.run("TRUNCATION_PUT", (attempt_id, fact.quota_bytes, fact.bytes_kept, fact.bytes_dropped, now_us))
+    """Write the truncation fact once (its reason with it); a second write keeps the first
+    (write-once) and only fills in ``bytes_dropped`` if it was unknown."""
+    db.run("TRUNCATION_PUT", (attempt_id, fact.quota_bytes, fact.bytes_kept, fact.bytes_dropped, fact.reason,
+                              now_us))
 
 
 def live_attempts(db: Db) -> list[LiveAttempt]:

@@ -112,7 +112,7 @@ RUNS_PAGE_TASK_STATE = _runs_page(task=True, state=True)
 RUNS_PAGE_TASK_STATE_BEFORE = _runs_page(task=True, state=True, before=True)
 EVENTS_OF_RUN = ("SELECT run_id, sequence, event_id, type, actor, payload_json, created_at_us FROM run_events "
                  "WHERE run_id = ? ORDER BY sequence")
-ATTEMPT_LATEST_LOG = ("SELECT a.artifact_path, f.quota_bytes, f.bytes_kept, f.bytes_dropped FROM attempts a "
+ATTEMPT_LATEST_LOG = ("SELECT a.artifact_path, f.quota_bytes, f.bytes_kept, f.bytes_dropped, f.reason FROM attempts a "
                       "LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id WHERE a.run_id = ? "
                       "AND a.artifact_path IS NOT NULL ORDER BY a.attempt_no DESC LIMIT 1")
 RUNS_QUEUED_COUNT = "SELECT count(*) AS n FROM runs WHERE state = 'queued'"
@@ -157,8 +157,8 @@ ATTEMPT_END = ("UPDATE attempts SET state = ?, exit_code = ?, exit_signal = ?, b
                "orphans_stopped = ?, version = version + 1 WHERE attempt_id = ?")
 ATTEMPT_RETRY_INSERT = ("INSERT INTO attempts(attempt_id, run_id, attempt_no, state, executor_type, not_before_us, "
                         "created_at_us) VALUES (?, ?, ?, 'claimed', ?, ?, ?)")
-TRUNCATION_PUT = ("INSERT INTO truncation_facts(attempt_id, quota_bytes, bytes_kept, bytes_dropped, recorded_at_us) "
-                  "VALUES (?, ?, ?, ?, ?) ON CONFLICT (attempt_id) DO UPDATE SET bytes_dropped = "
+TRUNCATION_PUT = ("INSERT INTO truncation_facts(attempt_id, quota_bytes, bytes_kept, bytes_dropped, reason, "
+                  "recorded_at_us) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (attempt_id) DO UPDATE SET bytes_dropped = "
                   "coalesce(truncation_facts.bytes_dropped, excluded.bytes_dropped)")
 ATTEMPT_REVISION = ("SELECT r.task_id, r.task_revision FROM attempts a JOIN runs r ON r.run_id = a.run_id "
                     "WHERE a.attempt_id = ?")

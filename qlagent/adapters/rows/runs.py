@@ -293,6 +293,7 @@ def list_attempts(db: Db, run_id: str) -> list[Attempt]:
     return [Attempt(attempt_id=r["attempt_id"], run_id=r["run_id"], attempt_no=r["attempt_no"], state=r["state"],
                     executor_type=r["executor_type"], exit_code=r["exit_code"], exit_signal=r["exit_signal"],
                     bytes_kept=r["bytes_kept"], bytes_dropped=r["bytes_dropped"], truncated=bool(r["truncated"]),
+                    truncation_reason=r["truncation_reason"],
                     peak_rss_bytes=r["peak_rss_bytes"], cpu_time_us=r["cpu_time_us"],
                     failure_reason=r["failure_reason"], created_at_us=r["created_at_us"],
                     started_at_us=r["started_at_us"], ended_at_us=r["ended_at_us"], start_error=r["start_error"],
@@ -312,7 +313,8 @@ def latest_artifact(db: Db, run_id: str) -> tuple[str | None, TruncationFact | N
             raise NotFoundError("the log of this run was pruned by retention", code="log_not_found")
         return None, None
     fact = None if row["quota_bytes"] is None else TruncationFact(
-        quota_bytes=row["quota_bytes"], bytes_kept=row["bytes_kept"], bytes_dropped=row["bytes_dropped"])
+        quota_bytes=row["quota_bytes"], bytes_kept=row["bytes_kept"], bytes_dropped=row["bytes_dropped"],
+        reason=row["reason"])
     return row["artifact_path"], fact
 
 

@@ -39,7 +39,7 @@ class Drainer:
         self.bytes_total = 0
         self.bytes_kept = 0
         self.truncated = False
-        self.write_failed = False
+        self.write_error = None      # "ENOSPC (No space left on device)": the first failed write
         self.eof = False
         self.rfd = -1
         self.wake_r = -1
@@ -132,16 +132,21 @@ class Drainer:
         self.bytes_total += total
         self.bytes_kept += kept
         self.room = max(0, self.room - kept)
-        if not self.truncated and not self.write_failed and self.bytes_total > self.bytes_kept:
+        if not self.truncated and self.bytes_total > self.bytes_kept:
             self.truncated = True
+            reason = "quota" if self.write_error is None else "write_error: " + self.write_error
             try:
-                self.shim.write_file_atomic("truncated.json",
-                                            {"quota_bytes": self.quota, "bytes_kept": self.bytes_kept}, True)
+                self.shim.write_file_atomic("truncated.json", {"quota_bytes": self.quota, "bytes_kept": self.bytes_kept,
+                                                               "reason": reason}, True)
             except OSError as exc:
+                # Likely the same full file system: the receipt's write_error and byte counts
+                # still tell the agent, which records the fact from them.
                 self.shim.log_error("truncation fact not written: %s" % exc)
 
     def _write_failed(self, exc):
         # Flash full or similar: stop writing, keep draining so the task is unaffected.
         self.shim.log_error("artifact write failed: %s" % exc)
         self.room = 0
-        self.write_failed = True
+        if self.write_error is None:
+            self.write_error = "%s (%s)" % (errno.errorcode.get(exc.errno, "errno %s" % exc.errno),
+                                            posix.strerror(exc.errno) if exc.errno else exc)

@@ -80,14 +80,19 @@ Files in run_dir (the agent creates it empty; the first thing in it is the shim'
                  tells by that a start that never reached the exec (ShimProcesses.fence_unstarted).
   deadline       with timeout_s: the Run's deadline (see "Deadline"), written before the exec.
   task.pid       the task PID (= its process group ID), written right after the spawn.
-  truncated.json write-once truncation fact {"quota_bytes","bytes_kept"}, created when the first
-                 byte beyond the quota arrives (hard link of a fsynced temp file, so it is
-                 exclusive like O_EXCL and never seen half-written). Byte counts only.
+  truncated.json write-once truncation fact {"quota_bytes","bytes_kept","reason"}, created when the
+                 first byte beyond the quota arrives or is dropped after a failed write of the
+                 Artifact (hard link of a fsynced temp file, so it is exclusive like O_EXCL and
+                 never seen half-written). reason: "quota" or "write_error: ENOSPC (No space left
+                 on device)". Byte counts and an errno only.
   receipt.json   atomic completion receipt (temp, fsync, rename, dir fsync):
                  {"attempt_id","exit_code","signal","start_error","started_at_us","ended_at_us",
                   "bytes_total","bytes_kept","bytes_dropped","peak_rss_bytes","cpu_time_us",
-                  "orphans_stopped","lease_lost","deadline_passed","oom_killed"}. start_error: at most START_ERROR_LIMIT characters, paths
-                 and errno names only (never the environment).
+                  "orphans_stopped","lease_lost","deadline_passed","oom_killed","quota_bytes","write_error"}.
+                 start_error: at most START_ERROR_LIMIT characters, paths and errno names only (never
+                 the environment); write_error: the first failed write of the Artifact, "ENOSPC (No
+                 space left on device)", or null (the agent records the truncation fact from it when
+                 truncated.json could not be written).
   shim.err       the shim's own errors (never sent to the agent through a pipe).
 
 Exit status: 0 once a receipt is written, 2 when the spec is unusable and no receipt can be written,
@@ -501,7 +506,8 @@ def new_receipt(attempt_id, start_error=None):
     return {"attempt_id": attempt_id, "exit_code": None, "signal": None, "start_error": start_error,
             "started_at_us": now, "ended_at_us": now if start_error is not None else None,
             "bytes_total": 0, "bytes_kept": 0, "bytes_dropped": 0, "peak_rss_bytes": None, "cpu_time_us": None,
-            "orphans_stopped": None, "lease_lost": False, "deadline_passed": False, "oom_killed": False}
+            "orphans_stopped": None, "lease_lost": False, "deadline_passed": False, "oom_killed": False,
+            "quota_bytes": None, "write_error": None}
 
 
 def _prepare():
@@ -763,6 +769,8 @@ def main():
         receipt["bytes_total"] = d.bytes_total
         receipt["bytes_kept"] = d.bytes_kept
         receipt["bytes_dropped"] = d.bytes_total - d.bytes_kept
+        receipt["quota_bytes"] = d.quota
+        receipt["write_error"] = d.write_error
     while True:
         try:
             w.write_file_atomic("receipt.json", receipt, False)

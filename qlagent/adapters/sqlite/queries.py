@@ -89,6 +89,7 @@ CANDIDATES_AFTER = (
     "r.latest_attempt_id LIMIT ?) UNION ALL SELECT * FROM (" + _CANDIDATE + "AND r.priority < ? " + _ORDER + ") "
     "ORDER BY priority DESC, created_at_us, latest_attempt_created_at_us, latest_attempt_id LIMIT ?")
 # A local Attempt has no Worker.
-ATTEMPTS_OF_RUN = ("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated, NULL AS worker_id, NULL AS worker_name "
+ATTEMPTS_OF_RUN = ("SELECT a.*, (f.attempt_id IS NOT NULL) AS truncated, f.reason AS truncation_reason, NULL AS worker_id, "
+                   "NULL AS worker_name "
                    "FROM attempts a LEFT JOIN truncation_facts f ON f.attempt_id = a.attempt_id WHERE a.run_id = ? "
                    "ORDER BY a.attempt_no")
