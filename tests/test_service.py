@@ -161,6 +161,29 @@ command = ["/bin/true"]
     assert re.search(r"config.reload_failed .*max_concurent_runs", err)
 
 
+def test_sighup_names_every_changed_key_that_needs_a_restart(state, workdir):
+    """A reload applies what it can (drain_grace_s) and journals once, naming every changed key
+    that waits for a restart, while the running listener keeps serving without /metrics."""
+    http = '[http]\nlisten = "127.0.0.1:0"\n'
+    cfg = _config(workdir, QUICK_STOP + http)
+    p = start_serve(state, env=clean_env(QLAGENT_CONFIG=cfg))
+    try:
+        p.wait_line("service.ready")
+        _config(workdir, "drain_grace_s = 1\nkill_grace_s = 1\n" + http)
+        p.send_signal(signal.SIGHUP)
+        p.wait_line("config.reloaded")
+        _config(workdir, 'profile = "standalone"\n' + QUICK_STOP + '[http]\nlisten = "127.0.0.1:1"\nmetrics = true\n')
+        p.send_signal(signal.SIGHUP)
+        line = p.wait_line("config.reload_needs_restart")
+        assert re.search(r"changed=\"?profile,http\.listen,http\.metrics\"?( |$)", line), line
+        _config(workdir, QUICK_STOP + http)       # back to what runs: nothing waits any more
+        p.send_signal(signal.SIGHUP)
+        wait_until(lambda: p.journal().count("config.reloaded") == 2, 10, "the second config.reloaded")
+    finally:
+        assert p.stop() == 0
+    assert p.journal().count("config.reload_needs_restart") == 1, p.journal()
+
+
 # ---- CLI and the running service (§1, §2) ------------------------------------------------------
 
 def test_cli_run_starts_at_once_and_cli_works_without_service(state, workdir):

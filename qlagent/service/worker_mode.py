@@ -16,11 +16,9 @@ import errno
 import os
 import signal
 
-import msgspec
-
 from .. import bootstrap
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
-from .config import Config, Settings, parse_listen, resolve
+from .config import Settings, parse_listen, restart_keys, resolve
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
@@ -95,15 +93,14 @@ def _reload_config(settings: Settings, log) -> None:
     """SIGHUP on a Worker: read the configuration again and journal the outcome —
     ``config.reload_failed`` (err, the reason; ``ExecReload``'s ``config check`` fails the
     reload job too), ``config.reloaded`` when nothing changed, or ``config.reload_needs_restart``
-    (warning) naming the changed top-level keys and the Profile: none applies live (the Worker's
+    (warning) naming the changed keys (``service.config.restart_keys``): none applies live (the Worker's
     identity, control plane, slots and budget), ``systemctl restart qlagent`` does."""
     try:
         new = resolve(settings.config_path, state_dir=settings.state_dir, profile=settings.profile.name)
     except QlError as e:
         log("err", "config.reload_failed", error=str(e))
         return
-    changed = [f.name for f in msgspec.structs.fields(Config)
-               if getattr(new.config, f.name) != getattr(settings.config, f.name)]
+    changed = restart_keys(settings, new)
     if changed:
         log("warning", "config.reload_needs_restart", file=settings.config_path, changed=",".join(changed))
     else:
