@@ -12,7 +12,9 @@ import os
 import sys
 
 from ..core import errors as E
+from ..core.limits import MAX_TASK_NAME
 from ..core.limits import MAX_TIMEOUT_S as MAX_WAIT_S     # --timeout/--exit-after: seconds
+from ..core.text import escape_controls
 
 # typing.TYPE_CHECKING without loading typing (`--help` loads none: tests/test_cli_imports.py);
 # type checkers take any TYPE_CHECKING as true.
@@ -42,8 +44,17 @@ def or_dash(v) -> str:
     return "-" if v is None else str(v)
 
 
+def say(text: str, file=None) -> None:
+    """Print one line of text output (to ``file``, default stdout) with every control character
+    in it escaped (core.text.escape_controls): a value holding a newline or ESC cannot forge a
+    line or drive the reader's terminal. Every text renderer's line goes through here or ``table``."""
+    print(escape_controls(text), file=file)
+
+
 def table(rows: list[list[str]], header: list[str]) -> None:
-    """Print ``rows`` under ``header`` in left-aligned columns two blanks apart."""
+    """Print ``rows`` under ``header`` in left-aligned columns two blanks apart, each cell's
+    control characters escaped (``say``)."""
+    rows = [[escape_controls(str(x)) for x in r] for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for r in [header, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
@@ -165,6 +176,17 @@ def ascii_int(text: str) -> int:
         import argparse
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}: ASCII decimal digits only")
     return int(text)
+
+
+def task_ref(text: str) -> str:
+    """argparse type for a Task's name or ID: at most ``MAX_TASK_NAME`` characters (an ID is 36),
+    else ArgumentTypeError (exit 2) naming the limit: a longer one names no Task, and is no
+    "not found" (exit 4)."""
+    if len(text) > MAX_TASK_NAME:
+        import argparse
+        raise argparse.ArgumentTypeError(f"{len(text)} characters, longer than a task name "
+                                         f"(limit {MAX_TASK_NAME})")
+    return text
 
 
 def ascii_seconds(text: str) -> float:

@@ -20,6 +20,7 @@ from .executors import EXECUTOR_LABEL, WORKER_EXECUTORS
 from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, PlacementSpec, RetryPolicy,
                      TaskDefinition)
 from .profiles import AGENT_MEMORY_SHARE, PROFILES, MiB, Profile, run_memory_share
+from .text import check_text
 
 POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*\Z")
@@ -400,6 +401,7 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
         raise ValidationError(f"{p}priority", f"{t.priority} outside -1000..1000", limit="-1000..1000")
     if len(t.description) > 1024:
         raise ValidationError(f"{p}description", "longer than 1024 characters", limit=1024)
+    check_text(f"{p}description", t.description)
     if t.catch_up not in CATCH_UP:
         raise ValidationError(f"{p}catch_up", f"{t.catch_up!r} is not one of {', '.join(CATCH_UP)}")
     within_ms = None
