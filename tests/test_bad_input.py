@@ -252,3 +252,18 @@ def test_a_secret_name_with_a_trailing_newline_is_refused(store):
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and "name" in err and "Traceback" not in err, err
     assert "tok" not in cli(state, "secret", "ls").stdout.decode()
+
+
+def test_too_many_secrets_are_named_as_secrets(store):
+    refs = ", ".join(f'S{i} = "s{i}"' for i in range(300))
+    doc = refused(store, add(store, task(f'command = ["/bin/true"]\nenv = {{ A = "1" }}\nsecrets = {{ {refs} }}')),
+                  "task[0].secrets", "300 secrets", "256")
+    assert doc["field"] == "task[0].secrets" and doc["limit"] == 256
+
+
+@pytest.mark.parametrize("written, shown", [("99999999999999999999999", "99999999999999999999999"),
+                                             ("1e308", "1e+308"), ("-5", "-5"), ("9" * 400, "9" * 64 + "… (400 digits)")])
+def test_an_out_of_range_duration_is_quoted_as_written_in_a_short_line(store, written, shown):
+    doc = refused(store, add(store, task(f'command = ["/bin/true"]\ntimeout_s = {written}')),
+                  "task[0].timeout_s", f"{shown} is outside 1..", "seconds")
+    assert len(doc["message"]) < 160, doc["message"]
