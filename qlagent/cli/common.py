@@ -12,7 +12,6 @@ import os
 import sys
 
 from ..core import errors as E
-from ..core.limits import MAX_TASK_NAME
 from ..core.limits import MAX_TIMEOUT_S as MAX_WAIT_S     # --timeout/--exit-after: seconds
 from ..core.text import escape_controls
 
@@ -179,13 +178,17 @@ def ascii_int(text: str) -> int:
 
 
 def task_ref(text: str) -> str:
-    """argparse type for a Task's name or ID: at most ``MAX_TASK_NAME`` characters (an ID is 36),
-    else ArgumentTypeError (exit 2) naming the limit: a longer one names no Task, and is no
-    "not found" (exit 4)."""
-    if len(text) > MAX_TASK_NAME:
+    """argparse type for a Task's name or ID (core.names): ArgumentTypeError (exit 2) naming the
+    rule for one that can name no Task, which is bad input, not "not found" (exit 4)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text         # argv bytes that are not UTF-8: main._refuse_undecodable's refusal
+    from ..core.names import task_ref_problem
+    problem = task_ref_problem(text)
+    if problem is not None:
         import argparse
-        raise argparse.ArgumentTypeError(f"{len(text)} characters, longer than a task name "
-                                         f"(limit {MAX_TASK_NAME})")
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 

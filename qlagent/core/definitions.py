@@ -20,10 +20,10 @@ from .executors import EXECUTOR_LABEL, WORKER_EXECUTORS
 from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, PlacementSpec, RetryPolicy,
                      TaskDefinition)
 from .profiles import AGENT_MEMORY_SHARE, PROFILES, MiB, Profile, run_memory_share
+from .names import TASK_NAME
 from .text import QUOTE_CHARS, check_text
 
 POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
-TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*\Z")
 UMASK = re.compile(r"^[0-7]{3,4}\Z")
 MEMORY_MAX = re.compile(r"^([0-9]{1,12})([KMG]?)\Z")
 SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
