@@ -184,6 +184,19 @@ def test_sighup_names_every_changed_key_that_needs_a_restart(state, workdir):
     assert p.journal().count("config.reload_needs_restart") == 1, p.journal()
 
 
+def test_signals_the_agent_does_not_use_do_not_end_it(state, workdir):
+    p = start_serve(state, env=clean_env(QLAGENT_CONFIG=_config(workdir, QUICK_STOP)))
+    try:
+        p.wait_line("service.ready")
+        for sig in (signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE):
+            p.send_signal(sig)
+        p.send_signal(signal.SIGHUP)          # handled after them: the loop went on
+        p.wait_line("config.reloaded")
+        assert p.poll() is None
+    finally:
+        assert p.stop() == 0
+
+
 # ---- CLI and the running service (§1, §2) ------------------------------------------------------
 
 def test_cli_run_starts_at_once_and_cli_works_without_service(state, workdir):

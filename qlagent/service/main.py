@@ -30,7 +30,7 @@ from .config import Settings, parse_listen, resolve, restart_keys, state_space_p
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
-from .signals import SignalWakeup
+from .signals import UNUSED_SIGNALS, SignalWakeup
 
 MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each activates ≤ 1 Run)
 # Refusals that leave the Run queued (the next pass would meet the same candidate): stop
@@ -155,7 +155,7 @@ class Service:
             time.sleep(STORE_RETRY_US / 1e6)
 
     def _install_signals(self) -> None:
-        sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+        sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNUSED_SIGNALS]     # _handle_signals drops the last
         if os.getpid() == 1:
             # PID 1 of a PID namespace (a container): orphans are re-parented here and stay
             # zombies until this process reaps them; SIGCHLD wakes the loop to do it.

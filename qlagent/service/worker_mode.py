@@ -23,7 +23,7 @@ from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
 from .preflight import preflight
-from .signals import SignalWakeup
+from .signals import UNUSED_SIGNALS, SignalWakeup
 
 
 def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: float | None = None) -> int:
@@ -50,7 +50,8 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)
         rt.reload_config = lambda: _reload_config(settings, log)
-        rt.wakeup = SignalWakeup(rt.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP), rt.on_signal, ("signal", None))
+        rt.wakeup = SignalWakeup(rt.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNUSED_SIGNALS), rt.on_signal,
+                                 ("signal", None))
         log("info", "worker.ready", worker=w.worker_id, control=",".join(rt.client.urls), slots=w.slots, **counts)
         rt.notify.ready(f"worker slots={w.slots}")
         return rt.run(exit_after_s)
