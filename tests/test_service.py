@@ -12,6 +12,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 
 from qlcli import cli, js, ok, rows
 from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve
@@ -193,6 +195,23 @@ def test_signals_the_agent_does_not_use_do_not_end_it(state, workdir):
         p.send_signal(signal.SIGHUP)          # handled after them: the loop went on
         p.wait_line("config.reloaded")
         assert p.poll() is None
+    finally:
+        assert p.stop() == 0
+
+
+def test_doctor_sees_a_serve_started_by_hand(state, workdir):
+    from qlagent.adapters.budget import installed_service_cgroup
+    if installed_service_cgroup() is not None:
+        pytest.skip("a packaged qlagent service cgroup exists on this host")
+    def budget() -> str:
+        return next(c["detail"] for c in json.loads(cli(state, "doctor", "--json").stdout)["checks"]
+                    if c["name"] == "budget")
+    assert "service not running" in budget()
+    p = start_serve(state, env=clean_env(QLAGENT_CONFIG=_config(workdir, QUICK_STOP)))
+    try:
+        p.wait_line("service.ready")
+        line = budget()
+        assert "service not running" not in line and "started by hand" in line, line
     finally:
         assert p.stop() == 0
 
