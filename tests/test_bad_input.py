@@ -267,3 +267,17 @@ def test_an_out_of_range_duration_is_quoted_as_written_in_a_short_line(store, wr
     doc = refused(store, add(store, task(f'command = ["/bin/true"]\ntimeout_s = {written}')),
                   "task[0].timeout_s", f"{shown} is outside 1..", "seconds")
     assert len(doc["message"]) < 160, doc["message"]
+
+
+@pytest.mark.parametrize("profile, most", [("edge", 15), ("standalone", 63)])
+def test_max_concurrent_runs_must_fit_the_profiles_pid_budget(store, profile, most):
+    state, d = store
+    cfg = os.path.join(d, "runs.toml")
+    for n, code in ((most, 0), (most + 1, 2), (64, 2)):
+        with open(cfg, "w") as f:
+            f.write(f'profile = "{profile}"\nmax_concurrent_runs = {n}\n')
+        p = cli(state, "--config", cfg, "config", "check")
+        err = p.stderr.decode()
+        assert p.returncode == code, (n, err)
+        if code:
+            assert err.count("\n") == 1 and "max_concurrent_runs" in err and f"1..{most}" in err, err

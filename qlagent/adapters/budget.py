@@ -24,9 +24,8 @@ from __future__ import annotations
 import os
 import time
 
-from ..core.profiles import MiB, Profile
+from ..core.profiles import PIDS_PER_RUN, MiB, Profile
 
-PIDS_PER_RUN = 4           # shim + task + a little headroom for what the task forks
 MEMORY_HIGH_WATER = 0.85   # refuse activations above this share of the memory budget
 CGROUP_ROOT = "/sys/fs/cgroup"
 _FIND = object()           # BudgetMeter's default: find the service cgroup from /proc/self/cgroup

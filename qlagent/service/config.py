@@ -17,7 +17,7 @@ import msgspec
 from ..core import limits as L
 from ..core.definitions import check_project_name
 from ..core.errors import ValidationError, from_msgspec
-from ..core.profiles import Profile, get_profile
+from ..core.profiles import AGENT_PIDS, PIDS_PER_RUN, Profile, get_profile, max_runs_in_pids
 from ..core.settings import ClusterConfig, Config, Settings, WorkerConfig
 from .trust import TrustedPath, require_trusted, trusted_paths
 
@@ -101,7 +101,13 @@ def parse_listen(value: str, field: str = "http.listen") -> tuple[str, int]:
 
 
 def validate(cfg: Config) -> None:
-    get_profile(cfg.profile)
+    profile = get_profile(cfg.profile)
+    most = max_runs_in_pids(profile)
+    if cfg.max_concurrent_runs is not None and cfg.max_concurrent_runs > most:
+        raise ValidationError("max_concurrent_runs",
+                              f"{cfg.max_concurrent_runs} Runs do not fit the {profile.name} Profile's {profile.pids} "
+                              f"PIDs ({PIDS_PER_RUN} a Run beside the agent's {AGENT_PIDS}): at most {most}",
+                              limit=f"1..{most}")
     check_project_name(cfg.project)
     if cfg.http is not None and cfg.http.listen:
         parse_listen(cfg.http.listen)
