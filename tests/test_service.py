@@ -439,10 +439,46 @@ command = ["/bin/sleep", "5"]
         assert 1 in seen_live
         shown = js(state, "task", "show", "f4")
         assert shown["skippedFires"] >= 4
+        # one journal line for them all: the next may come a minute after it (suppressed=N)
+        assert p.journal().count("schedule.skipped") == 1, p.journal()
         # one Run finished (after 5 s), the next started; nothing else
         assert 1 <= len(runs_of(state, "f4")) <= 2
     finally:
         assert p.stop() == 0
+
+
+def test_skipped_fires_are_journaled_once_a_minute_per_task_with_the_count_left_out(state, workdir):
+    """A per-second single-instance Task behind a live Run: the first skip is journaled, the
+    next 59 are not, the one a minute after the first line carries suppressed=59."""
+    import io
+    from qlagent.adapters.sqlite.store import SqliteStore
+    from qlagent.service.journal import Journal
+    from qlagent.service.scheduler import Scheduler
+    add_tasks(state, workdir, '''
+[[task]]
+name = "persec"
+schedule = "* * * * * *"
+concurrency = "single"
+command = ["/bin/sleep", "600"]
+''')
+    t = 1_800_000_000 * 1_000_000
+    now = [t]
+    journal = io.StringIO()
+    store = SqliteStore(os.path.join(state, "qlagent.db"), "default", clock_us=lambda: now[0])
+    try:
+        s = Scheduler(store, "UTC", lambda: now[0], Journal(journal))
+        s.reload()
+        # The first pass records the cursor, the instant 1 s later queues the Run, and each
+        # second from 2 to 62 is a skip behind it.
+        for second in range(0, 63):
+            now[0] = t + second * 1_000_000 + 1000
+            s.fire_due()
+    finally:
+        store.close()
+    lines = [ln for ln in journal.getvalue().splitlines() if "schedule.skipped" in ln]
+    assert len(lines) == 2, lines
+    assert "suppressed" not in lines[0] and "suppressed=59" in lines[1], lines
+    assert js(state, "task", "show", "persec")["skippedFires"] == 61
 
 
 def test_run_show_says_why_a_run_waits_behind_the_live_one(state, workdir):
