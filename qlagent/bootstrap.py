@@ -93,10 +93,11 @@ def budget_meter(profile: Profile) -> BudgetPort:
     return BudgetMeter(profile)
 
 
-def budget_check(profile: Profile) -> tuple[bool, str]:
-    """(ok, detail) of ``doctor``'s budget line: the running service's cgroup figures."""
+def budget_check(profile: Profile, running: bool) -> tuple[bool, str]:
+    """(ok, detail) of ``doctor``'s budget line: the running service's cgroup figures
+    (``running``: a service holds the state directory)."""
     from .adapters.budget import budget_check as check
-    return check(profile)
+    return check(profile, running)
 
 
 def network_gate() -> NetworkPort:

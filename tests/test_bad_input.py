@@ -252,3 +252,32 @@ def test_a_secret_name_with_a_trailing_newline_is_refused(store):
     err = p.stderr.decode()
     assert p.returncode == 2 and err.count("\n") == 1 and "name" in err and "Traceback" not in err, err
     assert "tok" not in cli(state, "secret", "ls").stdout.decode()
+
+
+def test_too_many_secrets_are_named_as_secrets(store):
+    refs = ", ".join(f'S{i} = "s{i}"' for i in range(300))
+    doc = refused(store, add(store, task(f'command = ["/bin/true"]\nenv = {{ A = "1" }}\nsecrets = {{ {refs} }}')),
+                  "task[0].secrets", "300 secrets", "256")
+    assert doc["field"] == "task[0].secrets" and doc["limit"] == 256
+
+
+@pytest.mark.parametrize("written, shown", [("99999999999999999999999", "99999999999999999999999"),
+                                             ("1e308", "1e+308"), ("-5", "-5"), ("9" * 400, "9" * 64 + "… (400 digits)")])
+def test_an_out_of_range_duration_is_quoted_as_written_in_a_short_line(store, written, shown):
+    doc = refused(store, add(store, task(f'command = ["/bin/true"]\ntimeout_s = {written}')),
+                  "task[0].timeout_s", f"{shown} is outside 1..", "seconds")
+    assert len(doc["message"]) < 160, doc["message"]
+
+
+@pytest.mark.parametrize("profile, most", [("edge", 15), ("standalone", 63)])
+def test_max_concurrent_runs_must_fit_the_profiles_pid_budget(store, profile, most):
+    state, d = store
+    cfg = os.path.join(d, "runs.toml")
+    for n, code in ((most, 0), (most + 1, 2), (64, 2)):
+        with open(cfg, "w") as f:
+            f.write(f'profile = "{profile}"\nmax_concurrent_runs = {n}\n')
+        p = cli(state, "--config", cfg, "config", "check")
+        err = p.stderr.decode()
+        assert p.returncode == code, (n, err)
+        if code:
+            assert err.count("\n") == 1 and "max_concurrent_runs" in err and f"1..{most}" in err, err

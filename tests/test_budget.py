@@ -326,12 +326,12 @@ def test_doctor_budget_line_reads_the_running_services_v1_cgroup(budget_cgroup, 
             f.write("64")
         with open(f"{mem}/system.slice/qlagent.service/memory.limit_in_bytes", "w") as f:
             f.write(str(128 * MiB))
-        ok_, detail = budget_check(EDGE, str(tmp_path))
+        ok_, detail = budget_check(EDGE, True, str(tmp_path))
         assert ok_ and detail == (f"cgroup v1 {tmp_path}/memory/system.slice/qlagent.service: memory 0 MiB (peak 0, "
                                   "anon 0) of 128, pids 0 of 64, 0 OOM kills"), detail
         with open(f"{pids}/system.slice/qlagent.service/pids.max", "w") as f:
             f.write("max")
-        ok_, detail = budget_check(EDGE, str(tmp_path))
+        ok_, detail = budget_check(EDGE, True, str(tmp_path))
         assert not ok_ and detail.endswith("; the kernel enforces no pids limit within the edge profile")
     finally:
         for d in (mem, pids):
@@ -343,7 +343,7 @@ def test_doctor_budget_line_on_v2(tmp_path):
     from qlagent.adapters.budget import budget_check
     from qlagent.core.profiles import EDGE
     svc, _ = _v2_tree(tmp_path, "", V2_FILES)
-    ok_, detail = budget_check(EDGE, str(tmp_path))
+    ok_, detail = budget_check(EDGE, True, str(tmp_path))
     assert not ok_ and detail == (f"cgroup v2 {svc}: memory 66 MiB (peak 85, anon 48) of 64, pids 7 of max, "
                                   "2 OOM kills; the kernel enforces no pids limit within the edge profile")
 

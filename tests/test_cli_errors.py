@@ -166,6 +166,17 @@ BAD = [
     (["token", "create", "--subject", "", "--role", "viewer"], 2, ["subject"]),
     (["token", "create", "--subject", "a", "--role", "god"], 2, ["--role", "viewer"]),
     (["token", "revoke", "nope"], 4, ["nope"]),
+    (["token", "create", "--subject", "evil\nstate     succeeded exit=0\x1b[2K", "--role", "viewer"], 2,
+     ["subject", "U+000A", "no control characters"]),
+    (["role", "set", "a\x1b[2K", "viewer"], 2, ["subject", "U+001B"]),
+    (["task", "add", "-f", "{d}/desc.toml"], 2, ["task[0].description", "U+001B"]),
+    (["--project", "", "task", "ls"], 2, ["--project", "empty"]),
+    (["--state-dir", "", "task", "ls"], 2, ["--state-dir", "empty"]),
+    (["--project", "", "serve"], 2, ["--project", "empty"]),
+    (["run", "ls", "--task", "t" * 100], 2, ["--task", "limit 64"]),
+    (["run", "start", "t" * 65], 2, ["task", "limit 64"]),
+    (["task", "rm", "t" * 65], 2, ["name", "limit 64"]),
+    (["task", "show", "t" * 65], 2, ["name", "limit 64"]),
     (["role", "set", "alice", "god"], 2, ["role", "viewer"]),
     (["serve", "--listen", "nonsense"], 2, ["--listen", "HOST:PORT"]),
     (["serve", "--listen", "localhost:99999"], 2, ["--listen", "0..65535"]),
@@ -184,6 +195,7 @@ FILES = {
     "w.toml": '[[task]]\nname = "w"\nschedule = "0 9 15W * *"\ncommand = ["/bin/true"]\n',
     "dup.toml": '[[task]]\nname = "hello"\ncommand = ["/bin/true"]\n',
     "one.toml": '[[task]]\nname = "hello"\ncommand = ["/bin/echo", "v2"]\n',
+    "desc.toml": '[[task]]\nname = "d"\ncommand = ["/bin/true"]\ndescription = "ok\\u001b[2K"\n',
 }
 
 
@@ -367,6 +379,45 @@ def test_task_show_lists_env_values_and_secret_names_never_values(store):
     doc = json.loads(ok(s, "task", "show", "uses-token", "--json").stdout)
     assert doc["env"]["MODE"] == "fast" and doc["secrets"] == {"OTHER": "present", "TOKEN": "does_not_exist"}
     assert b"v" not in ok(s, "task", "show", "uses-token").stdout.split(b"secret        OTHER")[1][:30]
+
+
+def test_text_output_escapes_control_characters_in_values(store, workdir):
+    """An Env value holding ESC and a newline (legitimate in an environment) is printed escaped
+    by ``task show``: it cannot forge a line nor drive the reader's terminal."""
+    s, _, _ = store
+    path = _file(workdir, "esc.toml", '[[task]]\nname = "esc"\ncommand = ["/bin/true"]\n'
+                 'env = { E = "a\\u001b[2Kb\\nstate     succeeded" }\n')
+    ok(s, "task", "add", "-f", path)
+    out = ok(s, "task", "show", "esc").stdout
+    assert b"\x1b" not in out and b"\nstate" not in out
+    assert b"env           E=a\\x1b[2Kb\\nstate     succeeded\n" in out
+    assert js(s, "task", "show", "esc")["env"]["E"] == "a\x1b[2Kb\nstate     succeeded"   # JSON keeps the value
+    ok(s, "task", "rm", "esc")
+
+
+def test_a_long_missing_run_id_is_quoted_by_a_bounded_prefix(store):
+    s, _, _ = store
+    p = cli(s, "run", "show", "r" * 100_000)
+    line = p.stderr.decode()
+    assert p.returncode == 4 and line.count("\n") == 1 and len(line) < 300, line[:300]
+    assert "100000 characters" in line
+
+
+def test_token_revoke_prints_the_id_never_the_token(store):
+    s, _, _ = store
+    p = ok(s, "token", "create", "--subject", "revoker", "--role", "viewer")
+    token = p.stdout.decode().strip()
+    token_id = js(s, "token", "ls")["items"][-1]["tokenId"]
+    out = ok(s, "token", "revoke", token).stdout.decode()
+    assert out == f"token {token_id} revoked\n" and token not in out
+    p = cli(s, "token", "revoke", token[:-2] + "zz")                 # a mistyped token: not echoed
+    assert p.returncode == 4 and token[:-2].encode() not in p.stderr, p.stderr
+
+
+def test_run_show_prints_event_instants_in_rfc3339(store):
+    s, _, done = store
+    text = ok(s, "run", "show", done).stdout.decode()
+    assert '"deadlineAt":"20' in text and "deadlineUs" not in text, text
 
 
 def test_run_show_of_a_live_run_prints_no_none(store):

@@ -360,6 +360,38 @@ def test_nul_or_non_utf8_parameter_is_400_naming_it_and_writes_nothing(env, meth
     assert (counts(state), cancel_intents(state)) == before
 
 
+@pytest.mark.parametrize("method,path,code,field", [
+    ("GET", BASE + "/runs?bogus=1", "bad_query", "bogus"),
+    ("GET", BASE + "/runs?limit=5&Task=hello", "bad_query", "Task"),
+    ("GET", BASE + "/tasks/hello?bogus=1", "bad_query", "bogus"),
+    ("POST", BASE + "/tasks/hello/runs?bogus=1", "invalid_task_start_request", "bogus"),
+    ("POST", BASE + "/tasks/" + "t" * 65 + "/runs", "invalid_task_start_request", "taskId"),
+    ("POST", BASE + "/tasks/Bad%20Name!/runs", "invalid_task_start_request", "taskId"),
+])
+def test_unknown_query_key_or_invalid_path_name_is_400_naming_it(env, method, path, code, field):
+    agent, state, tok, _ = env
+    h = head(agent, tok["op"], "hello")
+    body = start_body(h["revision"], h["contentDigest"]) if method == "POST" else None
+    before = counts(state)
+    status, err = agent.json(method, path, tok["op"], body)
+    assert (status, err.get("code"), err.get("field")) == (400, code, field), err
+    assert field in err["message"], err
+    assert counts(state) == before
+
+
+def test_cancel_with_a_body_is_400_and_records_no_intent(env):
+    agent, state, tok, _ = env
+    h = head(agent, tok["op"], "sleeper")
+    status, created = start(agent, tok["op"], "sleeper", start_body(h["revision"], h["contentDigest"]))
+    assert status == 202, created
+    before = cancel_intents(state)
+    status, err = agent.json("POST", f"{BASE}/runs/{created['runId']}/cancel", tok["op"], b'{"reason": "x"}')
+    assert (status, err.get("field")) == (400, "body"), err
+    assert cancel_intents(state) == before
+    status, done = agent.json("POST", f"{BASE}/runs/{created['runId']}/cancel", tok["op"])
+    assert status in (200, 202), done
+
+
 def test_authentication_and_run_start_policy(env):
     agent, state, tok, _ = env
     h = head(agent, tok["op"], "hello")

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 
 from qlcli import cli, js, ok, rows
 from servehelp import NotifyListener, add_tasks, db, runs_of, start_serve
@@ -159,6 +161,59 @@ command = ["/bin/true"]
     err = p.journal()
     assert "config.reloaded" in err
     assert re.search(r"config.reload_failed .*max_concurent_runs", err)
+
+
+def test_sighup_names_every_changed_key_that_needs_a_restart(state, workdir):
+    """A reload applies what it can (drain_grace_s) and journals once, naming every changed key
+    that waits for a restart, while the running listener keeps serving without /metrics."""
+    http = '[http]\nlisten = "127.0.0.1:0"\n'
+    cfg = _config(workdir, QUICK_STOP + http)
+    p = start_serve(state, env=clean_env(QLAGENT_CONFIG=cfg))
+    try:
+        p.wait_line("service.ready")
+        _config(workdir, "drain_grace_s = 1\nkill_grace_s = 1\n" + http)
+        p.send_signal(signal.SIGHUP)
+        p.wait_line("config.reloaded")
+        _config(workdir, 'profile = "standalone"\n' + QUICK_STOP + '[http]\nlisten = "127.0.0.1:1"\nmetrics = true\n')
+        p.send_signal(signal.SIGHUP)
+        line = p.wait_line("config.reload_needs_restart")
+        assert re.search(r"changed=\"?profile,http\.listen,http\.metrics\"?( |$)", line), line
+        _config(workdir, QUICK_STOP + http)       # back to what runs: nothing waits any more
+        p.send_signal(signal.SIGHUP)
+        wait_until(lambda: p.journal().count("config.reloaded") == 2, 10, "the second config.reloaded")
+    finally:
+        assert p.stop() == 0
+    assert p.journal().count("config.reload_needs_restart") == 1, p.journal()
+
+
+def test_signals_the_agent_does_not_use_do_not_end_it(state, workdir):
+    p = start_serve(state, env=clean_env(QLAGENT_CONFIG=_config(workdir, QUICK_STOP)))
+    try:
+        p.wait_line("service.ready")
+        for sig in (signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE):
+            p.send_signal(sig)
+        p.send_signal(signal.SIGHUP)          # handled after them: the loop went on
+        p.wait_line("config.reloaded")
+        assert p.poll() is None
+    finally:
+        assert p.stop() == 0
+
+
+def test_doctor_sees_a_serve_started_by_hand(state, workdir):
+    from qlagent.adapters.budget import installed_service_cgroup
+    if installed_service_cgroup() is not None:
+        pytest.skip("a packaged qlagent service cgroup exists on this host")
+    def budget() -> str:
+        return next(c["detail"] for c in json.loads(cli(state, "doctor", "--json").stdout)["checks"]
+                    if c["name"] == "budget")
+    assert "service not running" in budget()
+    p = start_serve(state, env=clean_env(QLAGENT_CONFIG=_config(workdir, QUICK_STOP)))
+    try:
+        p.wait_line("service.ready")
+        line = budget()
+        assert "service not running" not in line and "started by hand" in line, line
+    finally:
+        assert p.stop() == 0
 
 
 # ---- CLI and the running service (§1, §2) ------------------------------------------------------
@@ -384,10 +439,46 @@ command = ["/bin/sleep", "5"]
         assert 1 in seen_live
         shown = js(state, "task", "show", "f4")
         assert shown["skippedFires"] >= 4
+        # one journal line for them all: the next may come a minute after it (suppressed=N)
+        assert p.journal().count("schedule.skipped") == 1, p.journal()
         # one Run finished (after 5 s), the next started; nothing else
         assert 1 <= len(runs_of(state, "f4")) <= 2
     finally:
         assert p.stop() == 0
+
+
+def test_skipped_fires_are_journaled_once_a_minute_per_task_with_the_count_left_out(state, workdir):
+    """A per-second single-instance Task behind a live Run: the first skip is journaled, the
+    next 59 are not, the one a minute after the first line carries suppressed=59."""
+    import io
+    from qlagent.adapters.sqlite.store import SqliteStore
+    from qlagent.service.journal import Journal
+    from qlagent.service.scheduler import Scheduler
+    add_tasks(state, workdir, '''
+[[task]]
+name = "persec"
+schedule = "* * * * * *"
+concurrency = "single"
+command = ["/bin/sleep", "600"]
+''')
+    t = 1_800_000_000 * 1_000_000
+    now = [t]
+    journal = io.StringIO()
+    store = SqliteStore(os.path.join(state, "qlagent.db"), "default", clock_us=lambda: now[0])
+    try:
+        s = Scheduler(store, "UTC", lambda: now[0], Journal(journal))
+        s.reload()
+        # The first pass records the cursor, the instant 1 s later queues the Run, and each
+        # second from 2 to 62 is a skip behind it.
+        for second in range(0, 63):
+            now[0] = t + second * 1_000_000 + 1000
+            s.fire_due()
+    finally:
+        store.close()
+    lines = [ln for ln in journal.getvalue().splitlines() if "schedule.skipped" in ln]
+    assert len(lines) == 2, lines
+    assert "suppressed" not in lines[0] and "suppressed=59" in lines[1], lines
+    assert js(state, "task", "show", "persec")["skippedFires"] == 61
 
 
 def test_run_show_says_why_a_run_waits_behind_the_live_one(state, workdir):

@@ -24,9 +24,8 @@ from __future__ import annotations
 import os
 import time
 
-from ..core.profiles import MiB, Profile
+from ..core.profiles import PIDS_PER_RUN, MiB, Profile
 
-PIDS_PER_RUN = 4           # shim + task + a little headroom for what the task forks
 MEMORY_HIGH_WATER = 0.85   # refuse activations above this share of the memory budget
 CGROUP_ROOT = "/sys/fs/cgroup"
 _FIND = object()           # BudgetMeter's default: find the service cgroup from /proc/self/cgroup
@@ -161,13 +160,16 @@ def installed_service_cgroup(root: str = CGROUP_ROOT) -> CgroupFiles | None:
     return None
 
 
-def budget_check(profile: Profile, root: str = CGROUP_ROOT) -> tuple[bool, str]:
+def budget_check(profile: Profile, running: bool, root: str = CGROUP_ROOT) -> tuple[bool, str]:
     """``doctor``'s budget line: the kernel's figures of the running service's cgroup. Not ok
     when the kernel enforces no memory or PID limit at or under the Profile's (procd without the
-    controllers, a drop-in that lifted MemoryMax=): then only the agent's admission holds it."""
+    controllers, a drop-in that lifted MemoryMax=): then only the agent's admission holds it.
+    ``running``: a service holds the state directory (its lock), with or without that cgroup."""
     cg = installed_service_cgroup(root)
     if cg is None:
-        return True, "no service cgroup found (service not running): admission measures the process tree"
+        where = ("the service runs outside a packaged cgroup (started by hand)" if running
+                 else "service not running")
+        return True, f"no service cgroup found ({where}): admission measures the process tree"
     k = cg.read()
     where = cg.memory_dir or cg.pids_dir
     def mib(v: int | None, none: str = "-") -> str:

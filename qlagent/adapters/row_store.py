@@ -155,6 +155,8 @@ class RowStore:
         return self.write(lambda c: policy.bind_role(c, project_id, subject, role, self._tx_now(c)))
 
     def grant_token(self, project: str, subject: str, role: str, digest: str) -> str:
+        policy.check_subject(subject)
+
         def tx(c):
             now = self._tx_now(c)
             proj = policy.ensure_project(c, project, now)
@@ -164,11 +166,12 @@ class RowStore:
             return policy.add_token(c, proj.project_id, subject, digest, now)
         return self.write(tx)
 
-    def revoke_token(self, *, token_id: str, digest: str | None = None) -> None:
+    def revoke_token(self, *, token_id: str, digest: str | None = None) -> str:
         def tx(c):
             found = policy.token_id_of(c, digest) if digest is not None else None
             policy.revoke_token(c, found or token_id, self._tx_now(c))
-        self.write(tx)
+            return found or token_id
+        return self.write(tx)
 
     def list_tokens(self, project_id: str) -> list[TokenInfo]:
         return self.read(lambda c: policy.list_tokens(c, project_id))

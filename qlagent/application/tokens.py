@@ -19,9 +19,10 @@ def create_token(store: PolicyStore, project: str, subject: str, role: str) -> t
     return token, store.grant_token(project, subject, role, token_digest(token))
 
 
-def revoke_token(store: PolicyStore, token_or_id: str) -> None:
-    """Revoke by token ID or by the token itself (its digest is looked up). NotFoundError."""
-    store.revoke_token(token_id=token_or_id, digest=token_digest(token_or_id))
+def revoke_token(store: PolicyStore, token_or_id: str) -> str:
+    """Revoke by token ID or by the token itself (its digest is looked up); returns the token
+    ID, which is what may be shown. NotFoundError."""
+    return store.revoke_token(token_id=token_or_id, digest=token_digest(token_or_id))
 
 
 def list_tokens(store: Store) -> list[TokenInfo]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import Ctx, command, fmt_us, group, print_json, table
+from .common import Ctx, command, fmt_us, group, print_json, say, table
 
 
 def cmd_token_create(ctx: Ctx) -> int:
@@ -13,7 +13,7 @@ def cmd_token_create(ctx: Ctx) -> int:
     token, token_id = create_token(ctx.store, ctx.args.project or ctx.settings.config.project, ctx.args.subject,
                                    ctx.args.role)
     print(token)                    # alone on stdout: `TOKEN=$(qlagent token create …)`
-    print(f"token id {token_id} (for `qlagent token revoke`); the token is not shown again", file=sys.stderr)
+    say(f"token id {token_id} (for `qlagent token revoke`); the token is not shown again", file=sys.stderr)
     return 0
 
 
@@ -31,15 +31,14 @@ def cmd_token_ls(ctx: Ctx) -> int:
 
 def cmd_token_revoke(ctx: Ctx) -> int:
     from ..application.tokens import revoke_token
-    revoke_token(ctx.store, ctx.args.token_id)
-    print(f"token {ctx.args.token_id} revoked")
+    say(f"token {revoke_token(ctx.store, ctx.args.token_id)} revoked")    # its ID, never the token
     return 0
 
 
 def cmd_role_set(ctx: Ctx) -> int:
     from ..application.tokens import set_role
     v = set_role(ctx.store, ctx.args.subject, None if ctx.args.role == "none" else ctx.args.role)
-    print(f"{ctx.args.subject}: {ctx.args.role} (bindingVersion {v})")
+    say(f"{ctx.args.subject}: {ctx.args.role} (bindingVersion {v})")
     return 0
 
 

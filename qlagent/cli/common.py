@@ -13,6 +13,7 @@ import sys
 
 from ..core import errors as E
 from ..core.limits import MAX_TIMEOUT_S as MAX_WAIT_S     # --timeout/--exit-after: seconds
+from ..core.text import escape_controls
 
 # typing.TYPE_CHECKING without loading typing (`--help` loads none: tests/test_cli_imports.py);
 # type checkers take any TYPE_CHECKING as true.
@@ -42,8 +43,17 @@ def or_dash(v) -> str:
     return "-" if v is None else str(v)
 
 
+def say(text: str, file=None) -> None:
+    """Print one line of text output (to ``file``, default stdout) with every control character
+    in it escaped (core.text.escape_controls): a value holding a newline or ESC cannot forge a
+    line or drive the reader's terminal. Every text renderer's line goes through here or ``table``."""
+    print(escape_controls(text), file=file)
+
+
 def table(rows: list[list[str]], header: list[str]) -> None:
-    """Print ``rows`` under ``header`` in left-aligned columns two blanks apart."""
+    """Print ``rows`` under ``header`` in left-aligned columns two blanks apart, each cell's
+    control characters escaped (``say``)."""
+    rows = [[escape_controls(str(x)) for x in r] for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for r in [header, *rows]:
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
@@ -165,6 +175,21 @@ def ascii_int(text: str) -> int:
         import argparse
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}: ASCII decimal digits only")
     return int(text)
+
+
+def task_ref(text: str) -> str:
+    """argparse type for a Task's name or ID (core.names): ArgumentTypeError (exit 2) naming the
+    rule for one that can name no Task, which is bad input, not "not found" (exit 4)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text         # argv bytes that are not UTF-8: main._refuse_undecodable's refusal
+    from ..core.names import task_ref_problem
+    problem = task_ref_problem(text)
+    if problem is not None:
+        import argparse
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def ascii_seconds(text: str) -> float:

@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qlagent {__version__}")
         return 0
     from ..core import errors as E
+    from ..core.text import escape_controls
     from .common import Ctx, UsageError
     parser = None
     try:
@@ -199,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     ctx = None
     try:
         _refuse_undecodable(args, parser)      # before the config is read or a store opened
+        for k in ("state_dir", "config", "project"):
+            # An empty value would read as "not given" and act on the default instead.
+            if getattr(args, k) == "":
+                raise E.ValidationError("--" + k.replace("_", "-"), "is empty; give a value or leave the option out",
+                                        limit="non-empty")
         ctx = Ctx(args)
         return args.handler(ctx)
     except E.QlError as e:
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e)
         if e.limit is not None and str(e.limit) not in msg:     # every refusal names its limit
             msg += f" (limit {e.limit})"
-        print(f"qlagent: error: {msg}", file=sys.stderr)
+        print(f"qlagent: error: {escape_controls(msg)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

@@ -7,7 +7,8 @@ import sys
 
 from ..core import errors as E
 from ..core.states import RunState
-from .common import Ctx, MAX_WAIT_S, ascii_int, ascii_seconds, command, fmt_us, group, or_dash, print_json, table
+from .common import (Ctx, MAX_WAIT_S, ascii_int, ascii_seconds, command, fmt_us, group, or_dash, print_json, say,
+                     table, task_ref)
 
 
 def _run_json(run, attempts=None, events=None) -> dict:
@@ -42,8 +43,8 @@ def cmd_run_start(ctx: Ctx) -> int:
     if ctx.args.json:
         print_json(_run_json(run))
     else:
-        print(f"{run.run_id} {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
-              + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
+        say(f"{run.run_id} {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
+            + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
     return 0 if run.state == RunState.SUCCEEDED else E.EXIT_RUN_FAILED
 
 
@@ -60,7 +61,7 @@ def cmd_run_ls(ctx: Ctx) -> int:
             for r in runs],
            ["RUN", "TASK", "STATE", "TRIGGER", "CREATED", "EXIT"])
     if nxt:
-        print(f"(more: --cursor {nxt})")
+        say(f"(more: --cursor {nxt})")
     return 0
 
 
@@ -75,37 +76,39 @@ def cmd_run_show(ctx: Ctx) -> int:
     from msgspec.json import encode
 
     from ..core.receipt import QUOTA
-    print(f"run       {run.run_id}")
-    print(f"task      {run.task_name} ({run.task_snapshot_ref})")
-    print(f"state     {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
-          + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
+    say(f"run       {run.run_id}")
+    say(f"task      {run.task_name} ({run.task_snapshot_ref})")
+    say(f"state     {run.state}" + (f" exit={run.exit_code}" if run.exit_code is not None else "")
+        + (f" signal={run.exit_signal}" if run.exit_signal is not None else ""))
     if run.held and run.state == RunState.QUEUED:
-        print('waiting   for the live Run of this Task to end (concurrency = "single")')
+        say('waiting   for the live Run of this Task to end (concurrency = "single")')
     if run.state == RunState.QUEUED and ctx.settings.config.cluster is None:
         from ..service.config import state_space_problem
         problem = state_space_problem(ctx.settings.state_dir)
         if problem:
-            print(f"waiting   no Run starts: {problem}")
+            say(f"waiting   no Run starts: {problem}")
         else:
             from ..bootstrap import artifact_refusal
             refusal = artifact_refusal(ctx.settings)
             if refusal is not None:
-                print(f"waiting   no Run starts: {refusal.text()}")
-    print(f"trigger   {run.trigger_type} by {run.requested_by}; created {fmt_us(run.created_at_us)}")
+                say(f"waiting   no Run starts: {refusal.text()}")
+    say(f"trigger   {run.trigger_type} by {run.requested_by}; created {fmt_us(run.created_at_us)}")
     for a in attempts:
         figures = "" if a.ended_at_us is None else (
             f" kept={or_dash(a.bytes_kept)} dropped={or_dash(a.bytes_dropped)}{' TRUNCATED' if a.truncated else ''}"
             f" peak_rss={or_dash(a.peak_rss_bytes)} cpu_us={or_dash(a.cpu_time_us)}"
             + (f" orphans_stopped={a.orphans_stopped}" if a.orphans_stopped else ""))
-        print(f"attempt   #{a.attempt_no} {a.state}{figures or ' (figures when it ends)'}"
-              + (f" reason={a.failure_reason}" if a.failure_reason else "")
-              + (f" worker={a.worker_name or a.worker_id}" if a.worker_id else ""))
+        say(f"attempt   #{a.attempt_no} {a.state}{figures or ' (figures when it ends)'}"
+            + (f" reason={a.failure_reason}" if a.failure_reason else "")
+            + (f" worker={a.worker_name or a.worker_id}" if a.worker_id else ""))
         if a.start_error:
-            print(f"          could not start: {a.start_error}")
+            say(f"          could not start: {a.start_error}")
         if a.truncation_reason not in (None, QUOTA):      # the quota's is TRUNCATED alone
-            print(f"          log truncated: {a.truncation_reason}")
+            say(f"          log truncated: {a.truncation_reason}")
+    from ..application.presenter import event
     for e in events:
-        print(f"event     {e.sequence:>3} {fmt_us(e.created_at_us)} {e.type} {encode(e.payload).decode()}")
+        # The payload as JSON shows it: instants in RFC 3339 (deadlineAt), not µs.
+        say(f"event     {e.sequence:>3} {fmt_us(e.created_at_us)} {e.type} {encode(event(e)['payload']).decode()}")
     return 0
 
 
@@ -127,7 +130,7 @@ def cmd_run_logs(ctx: Ctx) -> int:
         return 0
     _copy_log(lambda at, n: read_log_range(path, at, n)[0], offset, remaining)
     if fact:      # stdout stays the log's bytes; the truncation fact goes to stderr, always
-        print(_truncation_note(fact), file=sys.stderr)
+        say(_truncation_note(fact), file=sys.stderr)
     return 0
 
 
@@ -175,7 +178,7 @@ def _cluster_logs(ctx: Ctx, run_id: str, offset: int, remaining: int | None) -> 
     _copy_log(read, offset, remaining)
     fact = facts[-1] if facts else None
     if fact:
-        print(_truncation_note(fact), file=sys.stderr)
+        say(_truncation_note(fact), file=sys.stderr)
     return 0
 
 
@@ -189,7 +192,7 @@ def cmd_run_cancel(ctx: Ctx) -> int:
                               code="run_ended")
     run = request_cancel(ctx.store, before.run_id, "local:cli")
     ctx.poke_service()
-    print(f"{run.run_id} {run.state}" + (" (cancel requested)" if run.state not in RunState.TERMINAL else ""))
+    say(f"{run.run_id} {run.state}" + (" (cancel requested)" if run.state not in RunState.TERMINAL else ""))
     return 0
 
 
@@ -197,11 +200,11 @@ def register(subparsers, name: str, help_: str) -> None:
     """Add ``run start|ls|show|logs|cancel``."""
     run = group(subparsers, name, help_)
     st = command(run, "start", cmd_run_start, "start a task now (Task Start semantics)")
-    st.add_argument("task")
+    st.add_argument("task", type=task_ref)
     st.add_argument("--wait", action="store_true", help="wait for the end; exit 6 unless it succeeded")
     st.add_argument("--timeout", type=ascii_seconds, default=None, help="--wait at most this many seconds")
     ls = command(run, "ls", cmd_run_ls, "list runs, newest first")
-    ls.add_argument("--task")
+    ls.add_argument("--task", type=task_ref)
     ls.add_argument("--state")
     ls.add_argument("--limit", type=ascii_int, default=50)
     ls.add_argument("--cursor")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..core import errors as E
-from .common import Ctx, command, fmt_us, group, print_json, table
+from .common import Ctx, command, fmt_us, group, print_json, say, table
 
 
 def cmd_secret_set(ctx: Ctx) -> int:
@@ -34,7 +34,7 @@ def cmd_secret_set(ctx: Ctx) -> int:
     if b"\x00" in value:
         raise E.ValidationError("value", "contains a NUL byte", limit="no NUL")
     SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).set(name, value)
-    print(f"secret {name} stored ({len(value)} bytes, encrypted)")
+    say(f"secret {name} stored ({len(value)} bytes, encrypted)")
     return 0
 
 
@@ -55,10 +55,10 @@ def cmd_secret_rm(ctx: Ctx) -> int:
     from ..bootstrap import cipher_factory
     users = SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).remove(ctx.args.name,
                                                                                    force=ctx.args.force)
-    print(f"secret {ctx.args.name} removed")
+    say(f"secret {ctx.args.name} removed")
     if users:
-        print(f"qlagent: warning: task(s) {', '.join(users)} still use secret {ctx.args.name!r}; their runs fail "
-              f"secret_missing:{ctx.args.name}", file=sys.stderr)
+        say(f"qlagent: warning: task(s) {', '.join(users)} still use secret {ctx.args.name!r}; their runs fail "
+            f"secret_missing:{ctx.args.name}", file=sys.stderr)
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from ..core import errors as E
-from .common import Ctx, ascii_int, command, fmt_us, group, load_toml, print_json, table
+from .common import Ctx, ascii_int, command, fmt_us, group, load_toml, print_json, say, table, task_ref
 
 
 def _next_fires(head, count: int) -> list[int]:
@@ -33,7 +33,7 @@ def cmd_task_add(ctx: Ctx) -> int:
         print_json(presenter.page([_head_json(ctx, h) for h in heads]))
     else:
         for h in heads:
-            print(f"added {h.name} revision {h.revision} {h.content_digest}")
+            say(f"added {h.name} revision {h.revision} {h.content_digest}")
     _warn_missing_secrets(ctx, {h.name for h in heads})
     return 0
 
@@ -64,8 +64,8 @@ def _warn_missing_secrets(ctx: Ctx, names: set[str]) -> None:
     from ..bootstrap import cipher_factory
     for task, secret in SecretService(ctx.store, cipher_factory(ctx.settings.key_file)).missing():
         if task in names:
-            print(f"qlagent: warning: task {task} uses secret {secret!r}, which is not set; its runs fail "
-                  f"secret_missing:{secret} until `qlagent secret set {secret}`", file=sys.stderr)
+            say(f"qlagent: warning: task {task} uses secret {secret!r}, which is not set; its runs fail "
+                f"secret_missing:{secret} until `qlagent secret set {secret}`", file=sys.stderr)
 
 
 def cmd_task_edit(ctx: Ctx) -> int:
@@ -83,7 +83,7 @@ def cmd_task_edit(ctx: Ctx) -> int:
     if ctx.args.json:
         print_json(_head_json(ctx, h))
     else:
-        print(f"{h.name} now at revision {h.revision} {h.content_digest}")
+        say(f"{h.name} now at revision {h.revision} {h.content_digest}")
     _warn_missing_secrets(ctx, {h.name})
     return 0
 
@@ -115,29 +115,29 @@ def cmd_task_show(ctx: Ctx) -> int:
         return 0
     df = h.definition
     ex = df.execution
-    print(f"name          {h.name}  ({h.task_id})")
-    print(f"revision      {h.revision}")
-    print(f"digest        {h.content_digest}")
-    print(f"enabled       {'yes' if h.enabled else 'no'}")
-    print(f"schedules     {' | '.join(df.schedules)}  (timezone {df.timezone or 'system'})")
-    print(f"next fires    {', '.join(fmt_us(u) for u in _next_fires(h, 3)) or '-'}")
-    print(f"command       {' '.join(ex.argv) if ex.kind == 'local_process' else ex.shell + ' -c <script>'}")
-    print(f"process       cwd {ex.cwd or '$HOME'}; umask {ex.umask or 'of the service'}; leftovers "
-          f"{'kept (keep_orphans)' if ex.keep_orphans else 'stopped at exit'}")
+    say(f"name          {h.name}  ({h.task_id})")
+    say(f"revision      {h.revision}")
+    say(f"digest        {h.content_digest}")
+    say(f"enabled       {'yes' if h.enabled else 'no'}")
+    say(f"schedules     {' | '.join(df.schedules)}  (timezone {df.timezone or 'system'})")
+    say(f"next fires    {', '.join(fmt_us(u) for u in _next_fires(h, 3)) or '-'}")
+    say(f"command       {' '.join(ex.argv) if ex.kind == 'local_process' else ex.shell + ' -c <script>'}")
+    say(f"process       cwd {ex.cwd or '$HOME'}; umask {ex.umask or 'of the service'}; leftovers "
+        f"{'kept (keep_orphans)' if ex.keep_orphans else 'stopped at exit'}")
     if ex.on_lease_loss is not None:
-        print(f"lease loss    {ex.on_lease_loss} (on a fleet Worker that cannot renew the Run Lease)")
-    print(f"timeout       {df.timeout_ms / 1000:g} s (grace {df.grace_ms / 1000:g} s); concurrency {df.concurrency}; "
-          f"retry {df.retry.max_attempts}x")
-    print(f"network       {df.network.require}{':' + df.network.interface if df.network.interface else ''}")
-    print(f"recipe        {df.recipe_ref}")
+        say(f"lease loss    {ex.on_lease_loss} (on a fleet Worker that cannot renew the Run Lease)")
+    say(f"timeout       {df.timeout_ms / 1000:g} s (grace {df.grace_ms / 1000:g} s); concurrency {df.concurrency}; "
+        f"retry {df.retry.max_attempts}x")
+    say(f"network       {df.network.require}{':' + df.network.interface if df.network.interface else ''}")
+    say(f"recipe        {df.recipe_ref}")
     for k, v in recipe.public.items():
-        print(f"env           {k}={v}")
+        say(f"env           {k}={v}")
     for k, v in recipe.secret_refs.items():
-        print(f"secret        {k} <- secret {v}")
+        say(f"secret        {k} <- secret {v}")
     if df.catch_up != "latest" or df.catch_up_within_ms is not None:
-        print(f"catch up      {df.catch_up}" + (f" within {df.catch_up_within_ms / 1000:g} s"
-                                                 if df.catch_up_within_ms is not None else ""))
-    print(f"skipped fires {skipped}")
+        say(f"catch up      {df.catch_up}" + (f" within {df.catch_up_within_ms / 1000:g} s"
+                                               if df.catch_up_within_ms is not None else ""))
+    say(f"skipped fires {skipped}")
     return 0
 
 
@@ -145,7 +145,7 @@ def cmd_task_enable(ctx: Ctx, enabled: bool) -> int:
     from ..application.definitions import DefinitionWriter
     h, n = DefinitionWriter(ctx.store).set_enabled(ctx.args.name, enabled)
     ctx.poke_service()
-    print(f"{h.name} {'enabled' if enabled else 'disabled'}" + (f"; {n} queued {_runs(n)} cancelled" if n else ""))
+    say(f"{h.name} {'enabled' if enabled else 'disabled'}" + (f"; {n} queued {_runs(n)} cancelled" if n else ""))
     return 0
 
 
@@ -153,8 +153,8 @@ def cmd_task_rm(ctx: Ctx) -> int:
     from ..application.definitions import DefinitionWriter
     h, n, live = DefinitionWriter(ctx.store).remove(ctx.args.name)
     ctx.poke_service()
-    print(f"{h.name} removed" + (f"; {n} queued {_runs(n)} cancelled" if n else "")
-          + (f"; {live} running {_runs(live)} asked to stop" if live else ""))
+    say(f"{h.name} removed" + (f"; {n} queued {_runs(n)} cancelled" if n else "")
+        + (f"; {live} running {_runs(live)} asked to stop" if live else ""))
     return 0
 
 
@@ -167,12 +167,13 @@ def register(subparsers, name: str, help_: str) -> None:
     task = group(subparsers, name, help_)
     command(task, "add", cmd_task_add, "add every [[task]] of a TOML file").add_argument("-f", "--file", required=True)
     command(task, "ls", cmd_task_ls, "list tasks")
-    command(task, "show", cmd_task_show, "show a task's head, digest and next fire times").add_argument("name")
+    sh = command(task, "show", cmd_task_show, "show a task's head, digest and next fire times")
+    sh.add_argument("name", type=task_ref)
     e = command(task, "edit", cmd_task_edit, "fenced edit: appends revision+1")
-    e.add_argument("name")
+    e.add_argument("name", type=task_ref)
     e.add_argument("-f", "--file", required=True)
     e.add_argument("--expect-revision", type=ascii_int, required=True, help="the head revision you read")
     e.add_argument("--expect-digest", required=True, help="the head contentDigest you read")
     for nm, fn in (("enable", lambda c: cmd_task_enable(c, True)), ("disable", lambda c: cmd_task_enable(c, False)),
                    ("rm", cmd_task_rm)):
-        command(task, nm, fn, f"{nm} a task").add_argument("name")
+        command(task, nm, fn, f"{nm} a task").add_argument("name", type=task_ref)

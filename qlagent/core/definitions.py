@@ -20,9 +20,10 @@ from .executors import EXECUTOR_LABEL, WORKER_EXECUTORS
 from .models import (ContextRecipe, ExecutionSpec, NetworkRequirement, PlacementSpec, RetryPolicy,
                      TaskDefinition)
 from .profiles import AGENT_MEMORY_SHARE, PROFILES, MiB, Profile, run_memory_share
+from .names import TASK_NAME
+from .text import QUOTE_CHARS, check_text
 
 POSIX_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
-TASK_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*\Z")
 UMASK = re.compile(r"^[0-7]{3,4}\Z")
 MEMORY_MAX = re.compile(r"^([0-9]{1,12})([KMG]?)\Z")
 SECRET_NAME = re.compile(r"^[A-Za-z0-9_.-]+\Z")
@@ -36,7 +37,7 @@ ON_LEASE_LOSS = ("kill", "keep")
 
 class RetryInput(msgspec.Struct, forbid_unknown_fields=True):
     max_attempts: int = 1
-    backoff_s: float = 10
+    backoff_s: int | float = 10      # int | float: an integer's value as written, for a refusal
 
 
 DEFAULT_GRACE_S = 5         # a task file's grace_s when it names none (s)
@@ -56,8 +57,8 @@ class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     keep_orphans: bool = False
     on_lease_loss: str | None = None
     memory_max: int | str | None = None
-    timeout_s: float = 3600
-    grace_s: float = DEFAULT_GRACE_S
+    timeout_s: int | float = 3600    # (int | float: see RetryInput.backoff_s)
+    grace_s: int | float = DEFAULT_GRACE_S
     concurrency: str = "single"
     retry: RetryInput = msgspec.field(default_factory=RetryInput)
     labels: dict[str, str] = msgspec.field(default_factory=dict)
@@ -68,7 +69,7 @@ class TaskInput(msgspec.Struct, forbid_unknown_fields=True):
     priority: int = 0
     description: str = ""
     catch_up: str = "latest"
-    catch_up_within_s: float | None = None
+    catch_up_within_s: int | float | None = None
     placement: PlacementInput | None = None
     executor: str | None = None
 
@@ -105,8 +106,14 @@ def _no_nul(field: str, value: str) -> None:
 
 
 def _num(v) -> str:
-    """A number as the user wrote it: ``-5``, not ``-5.0`` (TOML integers arrive as floats)."""
-    return str(int(v)) if isinstance(v, (int, float)) and float(v).is_integer() else repr(v)
+    """A number as the user wrote it: ``-5``, not ``-5.0``; an integer's own digits (never its
+    float's, ``99999999999999991611392``), ``1e+308`` not its 309 digits; at most
+    ``QUOTE_CHARS`` characters then ``… (N digits)``, so a refusal stays one short line."""
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e16:
+        text = str(int(v))
+    else:
+        text = str(v) if isinstance(v, int) else repr(v)
+    return text if len(text) <= QUOTE_CHARS else f"{text[:QUOTE_CHARS]}… ({len(text)} digits)"
 
 
 def _ms(field: str, seconds: float, lo: float, hi: float) -> int:
@@ -171,7 +178,10 @@ def prepare_recipe(prefix: str, env: dict[str, str], secrets: dict[str, str]) ->
     MAX_SECRET_VALUE would cap a Task at 15 Secrets (a 2.x panel's cron sees all its Envs).
     """
     if len(env) + len(secrets) > L.MAX_ENV_ENTRIES:
-        raise ValidationError(f"{prefix}env", f"{len(env) + len(secrets)} entries", limit=L.MAX_ENV_ENTRIES)
+        # Named for the table that holds most of them: the one to shorten.
+        field = f"{prefix}secrets" if len(secrets) > len(env) else f"{prefix}env"
+        raise ValidationError(field, f"{len(env)} env + {len(secrets)} secrets entries; together at most "
+                              f"{L.MAX_ENV_ENTRIES}", limit=L.MAX_ENV_ENTRIES)
     total = 0
     public: dict[str, str] = {}
     for key, value in env.items():
@@ -400,6 +410,7 @@ def prepare_task(t: TaskInput, index: int | None = None) -> PreparedTask:
         raise ValidationError(f"{p}priority", f"{t.priority} outside -1000..1000", limit="-1000..1000")
     if len(t.description) > 1024:
         raise ValidationError(f"{p}description", "longer than 1024 characters", limit=1024)
+    check_text(f"{p}description", t.description)
     if t.catch_up not in CATCH_UP:
         raise ValidationError(f"{p}catch_up", f"{t.catch_up!r} is not one of {', '.join(CATCH_UP)}")
     within_ms = None

@@ -82,9 +82,10 @@ class PolicyStore(TokenPort, Protocol):
         """In one transaction: ensure Project ``project`` (name), bind ``role`` unless it is the
         subject's current one, store the token digest. Returns the token ID."""
 
-    def revoke_token(self, *, token_id: str, digest: str | None = None) -> None:
+    def revoke_token(self, *, token_id: str, digest: str | None = None) -> str:
         """Revoke the token with ``digest`` if one has it, else the one with ``token_id``
-        (idempotent). NotFoundError(``token_not_found``) if neither exists."""
+        (idempotent); returns the revoked token's ID. NotFoundError(``token_not_found``) if
+        neither exists."""
 
     def list_tokens(self, project_id: str) -> list[TokenInfo]:
         """Tokens of the Project, oldest first."""

@@ -73,6 +73,19 @@ def fs_reserve(p: Profile, fs_bytes: int) -> int:
     return min(p.fs_reserve_bytes, fs_bytes // FS_RESERVE_DIVISOR)
 
 
+# PIDs (tasks of the service's cgroup) admission counts for one more Run: shim + task + a little
+# headroom for what the task forks; and what the agent itself holds (its process and threads,
+# the fork server).
+PIDS_PER_RUN = 4
+AGENT_PIDS = 4
+
+
+def max_runs_in_pids(p: Profile) -> int:
+    """The most live Runs the Profile's PID budget holds beside the agent: the ceiling of
+    ``max_concurrent_runs`` (edge 15, standalone 63)."""
+    return (p.pids - AGENT_PIDS) // PIDS_PER_RUN
+
+
 def get_profile(name: str) -> Profile:
     """Return the Profile called ``name``.
 

@@ -24,6 +24,7 @@ from qlagent.core import taskstart as ts
 from qlagent.core.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from qlagent.core.errors import FenceRejected, NotFoundError, QlError, UnavailableError, ValidationError
 from qlagent.core.models import Run
+from qlagent.core.names import task_ref_problem
 from qlagent.core.states import RunState
 from qlagent.http.auth import AuthError, Principal, bearer_digest, judge
 from qlagent.http.routing import Router, openapi_document
@@ -235,8 +236,12 @@ class Api:
     def cancel(self, req: Request, p: dict[str, str]) -> Response:
         """POST .../runs/{runId}/cancel (idempotent, run.cancel): 200 when the Run is terminal
         now (a queued Run is cancelled at once; an ended Run is left as it is), 202 when a live
-        Run got the intent and the loop is stopping its process tree (CancelResult)."""
+        Run got the intent and the loop is stopping its process tree (CancelResult); 400
+        ``bad_request`` (field ``body``) for a request with a body, which the API takes none of."""
         principal, proj = self._principal(req, p["projectId"], "run.cancel")
+        if req.body:
+            raise HttpError(400, "bad_request", f"body: this request takes no body ({len(req.body)} bytes sent)",
+                            field="body")
         run = request_cancel(self.store, p["runId"], principal.subject, proj.project_id)
         if run.state in RunState.TERMINAL:
             return Response.json(200, {"runId": run.run_id, "state": run.state})
@@ -293,15 +298,17 @@ def build_router(api: Api, on_error: Callable[[str, QlError], None] | None = Non
     """The Router serving exactly the documented routes (see ``routing.documented_routes``);
     ``on_error`` as :class:`Router`'s."""
     r = Router(on_error)
+    task = {"taskId": task_ref_problem}
     # Task Start answers every malformed request with its own code (ADR-0376 §3).
     r.add("POST", PREFIX + "/tasks/{taskId}/runs", api.task_start,
-          bad_param=lambda where, field, message: ts.TaskStartError.invalid(field, message))
-    r.add("GET", PREFIX + "/tasks/{taskId}", api.get_task)
-    r.add("GET", PREFIX + "/runs", api.list_runs)
-    r.add("GET", PREFIX + "/runs/{runId}", api.get_run)
-    r.add("GET", PREFIX + "/runs/{runId}/events", api.list_events)
-    r.add("GET", PREFIX + "/runs/{runId}/log", api.read_log)
-    r.add("POST", PREFIX + "/runs/{runId}/cancel", api.cancel)
+          bad_param=lambda where, field, message: ts.TaskStartError.invalid(field, message), query=(),
+          path_checks=task)
+    r.add("GET", PREFIX + "/tasks/{taskId}", api.get_task, query=(), path_checks=task)
+    r.add("GET", PREFIX + "/runs", api.list_runs, query=("task", "state", "limit", "cursor"))
+    r.add("GET", PREFIX + "/runs/{runId}", api.get_run, query=())
+    r.add("GET", PREFIX + "/runs/{runId}/events", api.list_events, query=("cursor", "limit"))
+    r.add("GET", PREFIX + "/runs/{runId}/log", api.read_log, query=("offset", "limit"))
+    r.add("POST", PREFIX + "/runs/{runId}/cancel", api.cancel, query=())
     r.add("GET", "/healthz", api.healthz)
     r.add("GET", "/readyz", api.readyz)
     r.add("GET", "/api/v3/openapi.json", api.openapi)

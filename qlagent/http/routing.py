@@ -40,10 +40,21 @@ def bad_parameter(where: str, field: str, message: str) -> Exception:
     return HttpError(400, "bad_request" if where == "path" else "bad_query", message, field=field)
 
 
-def _check_params(raw: dict[str, str], query: dict[str, str], bad: BadParamFn) -> dict[str, str]:
-    """The percent-decoded path parameters; raises ``bad(...)`` for one that is not UTF-8 or
-    holds NUL, or for a query key or value holding NUL. Checked here, once for every route, so
-    the SQLite agent and a PostgreSQL replica refuse alike before any store call."""
+class _Spec:
+    """What a route takes besides its template: ``query`` the query keys (None: any, the route
+    checks them itself), ``path_checks`` parameter name → ``fn(value) -> problem | None``."""
+    __slots__ = ("bad", "query", "path_checks")
+
+    def __init__(self, bad: BadParamFn, query: frozenset[str] | None, path_checks: dict) -> None:
+        self.bad, self.query, self.path_checks = bad, query, path_checks
+
+
+def _check_params(raw: dict[str, str], query: dict[str, str], spec: _Spec) -> dict[str, str]:
+    """The percent-decoded path parameters; raises ``spec.bad(...)`` for one that is not UTF-8,
+    holds NUL or fails the route's check of it, for a query key or value holding NUL, or for a
+    query key the route does not take. Checked here, once for every route, so the SQLite agent
+    and a PostgreSQL replica refuse alike before any store call (and before a body is read)."""
+    bad = spec.bad
     params: dict[str, str] = {}
     for name, value in raw.items():
         try:
@@ -52,11 +63,19 @@ def _check_params(raw: dict[str, str], query: dict[str, str], bad: BadParamFn) -
             raise bad("path", name, f"path parameter {name} is not UTF-8") from None
         if "\0" in params[name]:
             raise bad("path", name, f"path parameter {name} contains NUL (%00)")
+        check = spec.path_checks.get(name)
+        problem = check(params[name]) if check is not None else None
+        if problem is not None:
+            raise bad("path", name, f"path parameter {name} {problem}")
     for key, value in query.items():
         if "\0" in key:
             raise bad("query", "query", "a query parameter name contains NUL (%00)")
         if "\0" in value:
             raise bad("query", key, f"query parameter {key} contains NUL (%00)")
+        if spec.query is not None and key not in spec.query:
+            shown = key[:64]
+            takes = ", ".join(sorted(spec.query)) or "none"
+            raise bad("query", shown, f"unknown query parameter {shown!r} (this route takes: {takes})")
     return params
 
 
@@ -66,7 +85,7 @@ class _Route:
     def __init__(self, template: str) -> None:
         self.template = template
         self.parts = _split_template(template)
-        self.methods: dict[str, tuple[RouteFn, BadParamFn]] = {}
+        self.methods: dict[str, tuple[RouteFn, _Spec]] = {}
 
     def match(self, segments: list[str]) -> dict[str, str] | None:
         if len(segments) != len(self.parts):
@@ -108,11 +127,14 @@ class Router:
         self._routes: list[_Route] = []
         self._on_error = on_error
 
-    def add(self, method: str, template: str, fn: RouteFn, bad_param: BadParamFn = bad_parameter) -> None:
+    def add(self, method: str, template: str, fn: RouteFn, bad_param: BadParamFn = bad_parameter, *,
+            query: tuple[str, ...] | None = None, path_checks: dict | None = None) -> None:
         """Register ``fn`` for ``method`` on ``template``; ``bad_param`` builds the route's
         refusal of a malformed parameter (default :func:`bad_parameter`; a route with its own
-        invalid-request code gives its own). Raises ValueError for a malformed template or a
-        duplicate (method, template)."""
+        invalid-request code gives its own); ``query``: the only query keys it takes (None: the
+        route checks them); ``path_checks``: parameter name → ``fn(value)`` returning why the
+        value is refused (a phrase after the parameter's name) or None. Raises ValueError for a
+        malformed template or a duplicate (method, template)."""
         method = method.upper()
         route = next((r for r in self._routes if r.template == template), None)
         if route is None:
@@ -123,7 +145,8 @@ class Router:
             self._routes.append(route)
         if method in route.methods:
             raise ValueError(f"{method} {template} is already registered")
-        route.methods[method] = (fn, bad_param)
+        route.methods[method] = (fn, _Spec(bad_param, None if query is None else frozenset(query),
+                                           path_checks or {}))
 
     def routes(self) -> list[tuple[str, str]]:
         """Every registered (method, template), in registration order."""
@@ -143,9 +166,9 @@ class Router:
                 return json_error(405, "method_not_allowed",
                                   f"{request.method} is not allowed on {route.template}",
                                   [("Allow", ", ".join(allow))])
-            fn, bad_param = entry
+            fn, spec = entry
             try:
-                return fn(request, _check_params(raw, request.query, bad_param))
+                return fn(request, _check_params(raw, request.query, spec))
             except QlError as err:
                 if self._on_error is not None:
                     self._on_error(fn.__name__, err)

@@ -17,7 +17,7 @@ import msgspec
 from ..core import limits as L
 from ..core.definitions import check_project_name
 from ..core.errors import ValidationError, from_msgspec
-from ..core.profiles import Profile, get_profile
+from ..core.profiles import AGENT_PIDS, PIDS_PER_RUN, Profile, get_profile, max_runs_in_pids
 from ..core.settings import ClusterConfig, Config, Settings, WorkerConfig
 from .trust import TrustedPath, require_trusted, trusted_paths
 
@@ -101,7 +101,13 @@ def parse_listen(value: str, field: str = "http.listen") -> tuple[str, int]:
 
 
 def validate(cfg: Config) -> None:
-    get_profile(cfg.profile)
+    profile = get_profile(cfg.profile)
+    most = max_runs_in_pids(profile)
+    if cfg.max_concurrent_runs is not None and cfg.max_concurrent_runs > most:
+        raise ValidationError("max_concurrent_runs",
+                              f"{cfg.max_concurrent_runs} Runs do not fit the {profile.name} Profile's {profile.pids} "
+                              f"PIDs ({PIDS_PER_RUN} a Run beside the agent's {AGENT_PIDS}): at most {most}",
+                              limit=f"1..{most}")
     check_project_name(cfg.project)
     if cfg.http is not None and cfg.http.listen:
         parse_listen(cfg.http.listen)
@@ -169,6 +175,35 @@ def validate_worker(w: WorkerConfig, profile: Profile) -> None:
     if w.log_store_bytes is not None and not lo <= w.log_store_bytes <= hi:
         raise ValidationError("worker.log_store_bytes", f"outside {lo}..{hi} bytes (at least worker.slots × the "
                               f"{profile.name} Profile's {profile.log_max_bytes}-byte log quota)", limit=f"{lo}..{hi}")
+
+
+def restart_keys(old: Settings, new: Settings, live: frozenset[str] = frozenset()) -> list[str]:
+    """The configuration keys that differ between ``old`` (running) and ``new`` (re-read) and
+    take effect on a restart only, in the file's order: a table's keys as ``table.key``
+    (``http.listen``, ``worker.slots``), ``profile`` and ``state_dir`` as resolved (a flag or
+    the environment wins over the file). ``live``: the keys, so spelt, the caller applies at once.
+    The one rule of a reload's ``config.reload_needs_restart changed=…`` line."""
+    out = []
+    for f in msgspec.structs.fields(Config):
+        a, b = getattr(old.config, f.name), getattr(new.config, f.name)
+        if f.name == "profile":
+            a, b = old.profile.name, new.profile.name
+        elif f.name == "state_dir":
+            a, b = old.state_dir, new.state_dir
+        if a == b:
+            continue
+        if isinstance(a, msgspec.Struct) and isinstance(b, msgspec.Struct):
+            keys = [f"{f.name}.{g.name}" for g in msgspec.structs.fields(a) if getattr(a, g.name) != getattr(b, g.name)]
+        elif isinstance(a, msgspec.Struct) or isinstance(b, msgspec.Struct):
+            # a table added or removed: each key it sets that is not its default
+            t = a if isinstance(a, msgspec.Struct) else b
+            keys = [f"{f.name}.{g.name}" for g in msgspec.structs.fields(t)
+                    if g.required or getattr(t, g.name) != (g.default if g.default_factory is msgspec.NODEFAULT
+                                                             else g.default_factory())] or [f.name]
+        else:
+            keys = [f.name]
+        out += [k for k in keys if k not in live]
+    return out
 
 
 def resolve(config_path: str | None = None, *, state_dir: str | None = None, profile: str | None = None,

@@ -49,7 +49,7 @@ from .journal import Journal
 from .notify import Notifier
 from .preflight import preflight
 from .scheduler import Scheduler
-from .signals import SignalWakeup
+from .signals import UNUSED_SIGNALS, SignalWakeup
 
 RELOAD_INTERVAL_US = 10_000_000    # re-read Task heads this often (s × 1e6): peers change them silently
 MAX_SWEEPS_PER_WAKE = 4            # sweeper passes after one wake-up while a pass reports a full batch
@@ -279,8 +279,14 @@ class ControlPlane:
             errors])
 
     def _install_signals(self) -> None:
-        self._wakeup = SignalWakeup(self.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
-                                    lambda n: setattr(self, "_hup" if n == signal.SIGHUP else "_stop", True), "signal")
+        self._wakeup = SignalWakeup(self.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNUSED_SIGNALS),
+                                    self._on_signal, "signal")
+
+    def _on_signal(self, n: int) -> None:
+        if n == signal.SIGHUP:
+            self._hup = True
+        elif n in (signal.SIGTERM, signal.SIGINT):
+            self._stop = True
 
     def _start_http(self, threads: int, tls) -> None:
         cfg = self.settings.config.http

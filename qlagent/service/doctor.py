@@ -16,6 +16,7 @@ from ..core.errors import QlError
 from ..core.limits import PRIVATE_DIR_MODE, RUN_INODES, STATE_DIR_MODE, STATE_MIN_FREE_BYTES
 from ..core.profiles import fs_reserve
 from ..core.settings import Settings
+from . import lock
 from .config import state_space_problem
 from .trust import check as check_trust
 from .trust import trusted_paths, worker_paths
@@ -84,7 +85,7 @@ def run_checks(s: Settings) -> list[dict]:
             add(name, *_dir_mode(path, most))
         except FileNotFoundError:
             add(name, name == "artifact dir", f"{path} not created yet")
-    add("budget", *bootstrap.budget_check(s.profile))
+    add("budget", *bootstrap.budget_check(s.profile, lock.held(s.state_dir)))
     add("network", *bootstrap.network_check())
     return out
 

@@ -25,3 +25,19 @@ class ServiceLock:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def held(state_dir: str) -> bool:
+    """True while a service holds ``state_dir/service.lock`` (started by systemd, procd or by
+    hand); creates and writes nothing (``doctor``): a missing lock file is held by nobody."""
+    try:
+        fd = os.open(os.path.join(state_dir, "service.lock"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

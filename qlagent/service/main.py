@@ -19,17 +19,19 @@ import selectors
 import signal
 import time
 
+import msgspec
+
 from .. import bootstrap
 from ..core.clock import now_us
 from ..core.dispatch import Refusal
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
 from ..core.states import AttemptState, KillReason, RunState
 from . import control
-from .config import Settings, parse_listen, resolve, state_space_problem
+from .config import Settings, parse_listen, resolve, restart_keys, state_space_problem
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
-from .signals import SignalWakeup
+from .signals import UNUSED_SIGNALS, SignalWakeup
 
 MAX_PASSES_PER_WAKE = 64           # dispatcher passes after one wake-up (each activates ≤ 1 Run)
 # Refusals that leave the Run queued (the next pass would meet the same candidate): stop
@@ -40,6 +42,10 @@ STORE_RETRY_US = 1_000_000         # while the store takes no writes: one probe 
 STORE_LOG_EVERY_US = 60_000_000    # ... and one journal line a minute while it lasts
 STATE_FULL = "state_full"          # the admission refusals while the state file system is (nearly) full
 STORE_UNAVAILABLE = "store_unavailable"   # ... and while the store takes no writes
+# The keys a SIGHUP applies at once (service.config.restart_keys' spelling); any other changed
+# key is journaled by config.reload_needs_restart until a restart.
+LIVE_KEYS = frozenset({"drain_grace_s", "kill_grace_s", "max_concurrent_runs",
+                       "retention.keep_per_task", "retention.max_total_bytes"})
 
 
 def service_running(state_dir: str) -> bool:
@@ -55,8 +61,13 @@ def service_running(state_dir: str) -> bool:
 
 class Service:
     def __init__(self, settings: Settings, *, listen: str | None = None, exit_after_s: float | None = None,
-                 inline_run: str | None = None, inline_timeout_s: float | None = None, clock_us=now_us) -> None:
+                 inline_run: str | None = None, inline_timeout_s: float | None = None, clock_us=now_us,
+                 overrides: dict | None = None) -> None:
         self.settings = settings
+        self._started_with = settings
+        # The command line's state_dir and profile (None: not given), which a reload resolves
+        # the file with again, as a restart would.
+        self._overrides = overrides or {"state_dir": settings.state_dir, "profile": settings.profile.name}
         self.log = Journal(min_priority="info" if inline_run is None else "warning")
         self.notify = Notifier() if inline_run is None else _NoNotify()
         self.inline_run = inline_run
@@ -146,7 +157,7 @@ class Service:
             time.sleep(STORE_RETRY_US / 1e6)
 
     def _install_signals(self) -> None:
-        sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+        sigs = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNUSED_SIGNALS]     # _handle_signals drops the last
         if os.getpid() == 1:
             # PID 1 of a PID namespace (a container): orphans are re-parented here and stay
             # zombies until this process reaps them; SIGCHLD wakes the loop to do it.
@@ -439,11 +450,19 @@ class Service:
         self.reload_requested = False
         self.notify.reloading()
         try:
-            new = resolve(self.settings.config_path, state_dir=self.settings.state_dir,
-                          profile=self.settings.profile.name)
-            self.settings = new
-            self.engine.admission.max_concurrent = new.config.max_concurrent_runs or new.profile.max_concurrent_runs
-            self.log("info", "config.reloaded", file=new.config_path)
+            new = resolve(self.settings.config_path, **self._overrides)
+            # Against the settings started with: a key changed by an earlier reload still waits.
+            restart = [k for k in restart_keys(self._started_with, new, LIVE_KEYS)
+                       if not (k == "http.listen" and self._listen)]     # --listen wins over the file
+            # What needs a restart keeps its running value until then: the Profile (the budget,
+            # the quotas) and the paths, store and listeners opened with the old settings.
+            self.settings = msgspec.structs.replace(self.settings, config=new.config)
+            self.engine.admission.max_concurrent = (new.config.max_concurrent_runs
+                                                    or self.settings.profile.max_concurrent_runs)
+            if restart:
+                self.log("warning", "config.reload_needs_restart", file=new.config_path, changed=",".join(restart))
+            else:
+                self.log("info", "config.reloaded", file=new.config_path)
         except QlError as e:
             self.log("err", "config.reload_failed", error=str(e))
         n = self.scheduler.reload() if self.scheduler is not None else 0
@@ -620,5 +639,5 @@ def serve(settings: Settings, args) -> int:
     if settings.config.cluster is not None:
         from .controlplane import serve_cluster
         return serve_cluster(settings, args)
-    return Service(settings, listen=getattr(args, "listen", None),
-                   exit_after_s=getattr(args, "exit_after", None)).run()
+    return Service(settings, listen=getattr(args, "listen", None), exit_after_s=getattr(args, "exit_after", None),
+                   overrides={"state_dir": args.state_dir, "profile": args.profile}).run()

@@ -34,6 +34,9 @@ if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
 
 ACTOR = "scheduler"
 MAX_WRITES_PER_PASS = 64     # store writes (one transaction each) in one fire_due pass
+# A per-second schedule behind a long Run skips a fire every second: one schedule.skipped line
+# per Task in this long (µs), the next one carrying ``suppressed=N``, the lines left out.
+SKIP_LOG_EVERY_US = 60_000_000
 
 
 class Scheduler:
@@ -57,12 +60,15 @@ class Scheduler:
         self.next_wake_us: int | None = None
         self.carried = 0
         self.clock_ahead = False
+        self._skip_log: dict[str, tuple[int, int]] = {}    # task_id → (last line's µs, lines left out since)
 
     def reload(self) -> int:
         """Re-read enabled Task heads (after a poke or SIGHUP); returns how many are scheduled."""
         heads = self._store.list_heads(None)
         self._tasks = [(h, tuple(sch.parse_schedule(s) for s in h.definition.schedules))
                        for h in heads if h.enabled]
+        ids = {h.task_id for h, _ in self._tasks}
+        self._skip_log = {k: v for k, v in self._skip_log.items() if k in ids}
         self._resume = 0
         self.next_wake_us = None
         return len(self._tasks)
@@ -158,5 +164,16 @@ class Scheduler:
         if missed:
             self._log("notice", "schedule.coalesced", task=head.name, missed=missed)
         if outcome == "skipped":
-            self._log("notice", "schedule.skipped", task=head.name, reason="single_instance")
+            self._note_skipped(head)
         return outcome
+
+    def _note_skipped(self, head: TaskHead) -> None:
+        """Journal ``schedule.skipped`` at most once per ``SKIP_LOG_EVERY_US`` per Task (the
+        count of every skip is the store's, ``tasks.skipped_fires``)."""
+        now = self._now()
+        last, left_out = self._skip_log.get(head.task_id, (None, 0))
+        if last is not None and now - last < SKIP_LOG_EVERY_US:
+            self._skip_log[head.task_id] = (last, left_out + 1)
+            return
+        self._skip_log[head.task_id] = (now, 0)
+        self._log("notice", "schedule.skipped", task=head.name, reason="single_instance", suppressed=left_out or None)

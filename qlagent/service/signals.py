@@ -11,6 +11,12 @@ import socket
 from collections.abc import Callable, Iterable
 
 
+# Signals no qlagent service acts on whose default action ends the process (a stray `kill -USR1`,
+# a script's alarm): each loop catches them with its others and drops them. A handler, not
+# SIG_IGN, which the Runs' processes would inherit across exec. (SIGPIPE: Python ignores it.)
+UNUSED_SIGNALS = (signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class SignalWakeup:
     """Each signal of ``signals`` calls ``on_signal(signum)`` from its handler (it should only
     record the signal: the handler runs between two bytecodes of the loop) and wakes ``sel``'s

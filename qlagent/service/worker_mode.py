@@ -16,16 +16,14 @@ import errno
 import os
 import signal
 
-import msgspec
-
 from .. import bootstrap
 from ..core.errors import EXIT_UNAVAILABLE, QlError, UnavailableError
-from .config import Config, Settings, parse_listen, resolve
+from .config import Settings, parse_listen, restart_keys, resolve
 from .journal import Journal
 from .lock import ServiceLock
 from .notify import Notifier
 from .preflight import preflight
-from .signals import SignalWakeup
+from .signals import UNUSED_SIGNALS, SignalWakeup
 
 
 def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: float | None = None) -> int:
@@ -52,7 +50,8 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)
         rt.reload_config = lambda: _reload_config(settings, log)
-        rt.wakeup = SignalWakeup(rt.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP), rt.on_signal, ("signal", None))
+        rt.wakeup = SignalWakeup(rt.sel, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, *UNUSED_SIGNALS), rt.on_signal,
+                                 ("signal", None))
         log("info", "worker.ready", worker=w.worker_id, control=",".join(rt.client.urls), slots=w.slots, **counts)
         rt.notify.ready(f"worker slots={w.slots}")
         return rt.run(exit_after_s)
@@ -95,15 +94,14 @@ def _reload_config(settings: Settings, log) -> None:
     """SIGHUP on a Worker: read the configuration again and journal the outcome —
     ``config.reload_failed`` (err, the reason; ``ExecReload``'s ``config check`` fails the
     reload job too), ``config.reloaded`` when nothing changed, or ``config.reload_needs_restart``
-    (warning) naming the changed top-level keys and the Profile: none applies live (the Worker's
+    (warning) naming the changed keys (``service.config.restart_keys``): none applies live (the Worker's
     identity, control plane, slots and budget), ``systemctl restart qlagent`` does."""
     try:
         new = resolve(settings.config_path, state_dir=settings.state_dir, profile=settings.profile.name)
     except QlError as e:
         log("err", "config.reload_failed", error=str(e))
         return
-    changed = [f.name for f in msgspec.structs.fields(Config)
-               if getattr(new.config, f.name) != getattr(settings.config, f.name)]
+    changed = restart_keys(settings, new)
     if changed:
         log("warning", "config.reload_needs_restart", file=settings.config_path, changed=",".join(changed))
     else:

@@ -176,8 +176,8 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
 
     # ---- the loop ---------------------------------------------------------------------------------
     def on_signal(self, signum: int) -> None:
-        """A signal's handler (SIGTERM, SIGINT, SIGHUP; ``wakeup`` wakes the loop with key
-        ``("signal", None)``): only recorded, handled by the loop. The arrival time counts: a
+        """A signal's handler (SIGTERM, SIGINT, SIGHUP, and the unused ones the loop drops;
+        ``wakeup`` wakes the loop with key ``("signal", None)``): only recorded, handled by the loop. The arrival time counts: a
         request blocked on a dead link may hold the loop for its whole timeout before the signal
         is handled, and the stop must still fit the unit's TimeoutStopSec measured from the
         signal."""

@@ -12,6 +12,7 @@ from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
 from ...core.limits import REVISION_MAX
 from ...core.models import ContextRecipe, TaskDefinition, TaskHead
+from ...core.text import quote_bounded
 from .dialect import Db
 
 _dec = msgspec.json.Decoder(TaskDefinition)
@@ -124,7 +125,7 @@ def get_head(db: Db, project_id: str, name_or_id: str, *, lock: bool = False) ->
     the transaction ends, ADR-0376 §2 step 4); NotFoundError ``task_not_found``."""
     row = db.one("HEAD_LIVE_FOR_UPDATE" if lock else "HEAD_LIVE", (project_id, name_or_id, name_or_id))
     if row is None:
-        raise NotFoundError(f"task {name_or_id!r} does not exist", code="task_not_found")
+        raise NotFoundError(f"task {quote_bounded(name_or_id)} does not exist", code="task_not_found")
     return _head(row)
 
 

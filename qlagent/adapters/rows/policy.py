@@ -6,6 +6,8 @@ from __future__ import annotations
 from ...core.definitions import check_project_name
 from ...core.errors import ConflictError, NotFoundError, ValidationError
 from ...core.ids import new_id
+from ...core.text import check_text, quote_bounded
+from ...core.tokens import TOKEN_PREFIX
 from ...core.models import LOCAL_SUBJECT, ROLES, Admission, Project, RoleBinding, TokenInfo
 from .dialect import Db
 
@@ -64,13 +66,19 @@ def latest_binding(db: Db, project_id: str, subject: str) -> RoleBinding | None:
                        binding_version=row["binding_version"])
 
 
+def check_subject(subject: str) -> None:
+    """ValidationError ``subject`` unless 1..128 characters without a control character."""
+    if not subject or len(subject) > 128:
+        raise ValidationError("subject", "must be 1..128 characters", limit=128)
+    check_text("subject", subject)
+
+
 def bind_role(db: Db, project_id: str, subject: str, role: str | None, now_us: int) -> int:
     """Append bindingVersion+1 for ``subject`` (``role=None`` revokes, keeping the last role);
     returns it. ValidationError for an unknown role or a subject outside 1..128 characters."""
     if role is not None and role not in ROLES:
         raise ValidationError("role", f"{role!r} is not one of {list(ROLES)}")
-    if not subject or len(subject) > 128:
-        raise ValidationError("subject", "must be 1..128 characters", limit=128)
+    check_subject(subject)
     prev = db.one("BINDING_LATEST", (project_id, subject))
     version = (prev["binding_version"] if prev else 0) + 1
     db.run("BINDING_INSERT", (new_id(), project_id, subject, role or (prev["role"] if prev else "viewer"), version,
@@ -93,7 +101,9 @@ def add_token(db: Db, project_id: str, subject: str, digest: str, now_us: int) -
 def revoke_token(db: Db, token_id: str, now_us: int) -> None:
     """Revoke a token by ID (idempotent); NotFoundError ``token_not_found``."""
     if db.run("TOKEN_REVOKE", (now_us, token_id)).rowcount == 0:
-        raise NotFoundError(f"token {token_id} does not exist", code="token_not_found")
+        # A mistyped token is still most of a credential: never echoed.
+        what = "the token given" if token_id.startswith(TOKEN_PREFIX) else f"token {quote_bounded(token_id)}"
+        raise NotFoundError(f"{what} does not exist", code="token_not_found")
 
 
 def lookup_token(db: Db, digest: str) -> tuple[str, str] | None:

@@ -16,6 +16,7 @@ from ...core.ids import new_id
 from ...core.models import START_ROLES, Attempt, CreatedRun, Run, RunEvent, ScheduleCursor, TaskHead
 from ...core.receipt import TruncationFact
 from ...core.states import RunState
+from ...core.text import quote_bounded
 from . import definitions as defs
 from . import policy
 from .dialect import Db
@@ -102,7 +103,7 @@ def refusal(outcome: str, task: str, head_revision: int | None = None, head_dige
     digest), ``task_disabled``, ``task_not_executable``, ``mutation_conflict`` → FenceRejected of
     that reason; ``execution_corrupt``/``key_unreadable`` → UnavailableError(task_start_unavailable)."""
     if outcome == "task_not_found":
-        return NotFoundError(f"task {task!r} does not exist", code="task_not_found")
+        return NotFoundError(f"task {quote_bounded(task)} does not exist", code="task_not_found")
     if outcome == "definition_changed":
         return FenceRejected(outcome, f"task is at revision {head_revision} with digest {head_digest}")
     if outcome in _UNAVAILABLE:
@@ -245,7 +246,8 @@ def get_run(db: Db, run_id: str, project_id: str | None = None) -> Run:
     else:
         rows = []
     if len(rows) != 1:
-        raise NotFoundError(f"run {run_id!r} does not exist" if not rows else f"run prefix {run_id!r} is ambiguous",
+        shown = quote_bounded(run_id)
+        raise NotFoundError(f"run {shown} does not exist" if not rows else f"run prefix {shown} is ambiguous",
                             code="run_not_found")
     return _run(rows[0])
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from ...core.errors import ConflictError, NotFoundError
+from ...core.text import quote_bounded
 from .dialect import Db
 
 
@@ -50,7 +51,7 @@ def delete_secret(db: Db, project_id: str, name: str, *, force: bool = False) ->
                             "or pass --force to remove it anyway (their runs then fail secret_missing)",
                             code="secret_in_use", field="name")
     if db.run("SECRET_DELETE", (project_id, name)).rowcount == 0:
-        raise NotFoundError(f"secret {name!r} does not exist", code="secret_not_found")
+        raise NotFoundError(f"secret {quote_bounded(name)} does not exist", code="secret_not_found")
     return users
 
 
