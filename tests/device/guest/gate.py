@@ -6,7 +6,9 @@ qlagent …`, the HTTP API on 127.0.0.1, the journal, the cgroup files) and writ
 to /mnt/ctl/result-<mode>.json (one JSON object; `checks` maps a check's name to
 {"ok": bool, "detail": …}; `figures` are measurements, never asserted here).
 
-Modes (argv[1]): seed, hog, pid1, flash, powercut. The host side is tests/device/vmkit.py.
+Modes (argv[1]): seed, hog, pid1, flash, powercut; and bench, which is no gate: the issue 24
+benches' figures in this guest (bench/bench_guest.py, on the control disk), nothing checked. The
+host side is tests/device/vmkit.py.
 """
 
 from __future__ import annotations
@@ -793,6 +795,19 @@ def mode_powercut() -> None:
         ql("run", "start", "chatty", check_rc=False)
 
 
+# ---------------------------------------------------------------- bench
+def mode_bench() -> None:
+    """bench/bench_guest.py's figures into figures["bench"], with the agent stopped so that the
+    benches have the guest's CPUs to themselves; its arguments from bench-args.json."""
+    sh("systemctl", "stop", UNIT, check_rc=True)
+    sys.path.insert(0, f"{CTL}/bench")
+    import bench_guest
+    with open(f"{CTL}/bench-args.json") as f:
+        args = json.load(f)
+    say(f"bench: {args}")
+    figures["bench"] = bench_guest.in_guest(**args)
+
+
 def write_result(mode: str, extra: dict | None = None) -> None:
     out = {"mode": mode, "guest": GUEST, "checks": checks, "figures": figures, "elapsed_s": round(time.monotonic() - T0, 1)}
     out.update(extra or {})
@@ -822,7 +837,7 @@ def main() -> int:
         t = time.monotonic()
         try:
             {"seed": mode_seed, "hog": mode_hog, "pid1": mode_pid1, "flash": mode_flash,
-             "powercut": mode_powercut}[mode]()
+             "powercut": mode_powercut, "bench": mode_bench}[mode]()
         except Exception as e:  # noqa: BLE001
             import traceback
             check(f"{mode}.completed", False, traceback.format_exc()[-1500:])
