@@ -264,24 +264,23 @@ def clean_env(**extra) -> dict:
     return {**env, **extra}
 
 
-def timed(argv: list[str], env: dict, rss_file: str, out: str | None = None) -> tuple[float, int]:
+def timed(argv: list[str], env: dict, rss_file: str, out: str | None = None) -> tuple[float, int | None]:
     """(wall seconds, peak RSS KiB) of one child; its stdout to ``out`` (a file) or nowhere.
-    Under GNU time where the box has it (its fork in every arm alike); else (the router guest,
-    no `time` package) the child's own ``ru_maxrss`` from wait4, no wrapper."""
+    The RSS under GNU time (its fork in every arm alike); a box without it (the router guest has
+    no `time` package) gives the time alone and None: wait4's ``ru_maxrss`` would carry this
+    process's own high-water mark, which the child's first exec records from the mm it leaves."""
     with open(out or os.devnull, "wb") as f:
         t0 = time.perf_counter()
         if os.path.exists(TIME):
             rc = subprocess.run([TIME, "-f", "%M", "-o", rss_file, *argv], env=env, cwd="/", stdout=f,
                                 stderr=subprocess.DEVNULL).returncode
         else:
-            p = subprocess.Popen(argv, env=env, cwd="/", stdout=f, stderr=subprocess.DEVNULL)
-            _, status, usage = os.wait4(p.pid, 0)
-            p.returncode = rc = os.waitstatus_to_exitcode(status)
+            rc = subprocess.run(argv, env=env, cwd="/", stdout=f, stderr=subprocess.DEVNULL).returncode
         wall = time.perf_counter() - t0
     if rc != 0:
         raise SystemExit(f"{' '.join(argv)} exited {rc}")
     if not os.path.exists(TIME):
-        return wall, usage.ru_maxrss
+        return wall, None
     with open(rss_file) as f:
         return wall, int(f.read().split()[-1])
 
@@ -416,7 +415,7 @@ def report(form: Form, trees: list[str], res: dict) -> dict:
     the shared machine's other load left it alone), each as a ratio to "pass" by the same
     statistic; own work and overhead likewise. Prints the table; returns its figures:
     {"pass_ms": [med, least], "<label>": {"<arm>": {"ms": [med, least], "x_pass": [med, least],
-    "overhead": [med, least] (qlagent arms), "rss_kib": median}}}."""
+    "overhead": [med, least] (qlagent arms), "rss_kib": median peak RSS (None: not measured, see timed)}}}."""
     times, rss = res["times"], res["rss"]
     stats = {"med": {k: statistics.median(v) for k, v in times.items()}, "min": {k: min(v) for k, v in times.items()}}
     figures: dict = {"pass_ms": [stats[st][("-", PASS)] * 1e3 for st in ("med", "min")]}
@@ -435,9 +434,12 @@ def report(form: Form, trees: list[str], res: dict) -> dict:
     def ms(key) -> str:
         return f"{stats['med'][key] * 1e3:7.1f} / {stats['min'][key] * 1e3:6.1f}"
 
+    def rss_kib(key) -> int | None:
+        return None if None in rss[key] else round(statistics.median(rss[key]))
+
     def record(label, arm, key, own_key=None) -> None:
         fig = {"ms": [stats[st][key] * 1e3 for st in ("med", "min")], "x_pass": x_pass(key),
-               "rss_kib": statistics.median(rss[key])}
+               "rss_kib": rss_kib(key)}
         if own_key is not None:
             fig["overhead"] = x_pass(key, own_key)
         figures.setdefault(label, {})[arm] = fig
@@ -455,12 +457,12 @@ def report(form: Form, trees: list[str], res: dict) -> dict:
         own = " / ".join(f"{(stats[st][bare] - stats[st][('-', PASS)]) * 1e3:6.1f}" for st in ("med", "min"))
         record(label, "bare", bare)
         print(f"{label:<22} {'bare':<9} {ms(bare):>16} {ratios(bare):>15} {own:>15} {'':>15} "
-              f"{statistics.median(rss[bare]):>8.0f}")
+              f"{rss_kib(bare) or '—':>8}")
         for tree in trees:
             key = (tree, label if label != HELP_ARGPARSE else "--help")
             record(label, tree, key, bare)
             print(f"{'':<22} {tree:<9} {ms(key):>16} {ratios(key):>15} {'':>15} {ratios(key, bare):>15} "
-                  f"{statistics.median(rss[key]):>8.0f}")
+                  f"{rss_kib(key) or '—':>8}")
     if ("-", SERVE_LIBS) in times:
         print(f"`import {form.serve_libraries}`: {ratios(('-', SERVE_LIBS))}")
     for tree in trees:
@@ -468,7 +470,7 @@ def report(form: Form, trees: list[str], res: dict) -> dict:
         if key in times:
             record("serve → READY", tree, key)
             print(f"{'serve → READY':<22} {tree:<9} {ms(key):>16} {ratios(key):>15} {'':>15} {'':>15} "
-                  f"{statistics.median(rss[key]):>8.0f}")
+                  f"{rss_kib(key) or '—':>8}")
     return figures
 
 

@@ -115,7 +115,7 @@ def headline(b: dict) -> list[str]:
               and "argparse" not in label]
     s = cli["serve → READY"]["installed"]
     lines.append(f"serve → READY (edge, 50 cron Tasks) {s['ms'][0]:.0f} / {s['ms'][1]:.0f} ms = "
-                 f"{s['x_pass'][0]:.2f} / {s['x_pass'][1]:.2f}× pass, VmRSS {s['rss_kib']:.0f} KiB")
+                 f"{s['x_pass'][0]:.2f} / {s['x_pass'][1]:.2f}× pass, VmRSS at READY {s['rss_kib']} KiB")
     d = b["drainer_s"]
     if d:
         cat = d["cat through a FIFO to a file (baseline)"]
@@ -163,6 +163,9 @@ def main() -> int:
         print(f"\n## {out['date']}, host load {host_load[0]:.1f} → {host_load[1]:.1f}, boot {rec['boot_s']} s, "
               f"whole {rec['total_s']} s; guest {g.get('machine')} {g.get('uname')}, {g.get('cgroup')}, "
               f"MemTotal {g.get('memtotal_kib')} KiB, {g.get('nproc')} CPUs")
+        settled = res["figures"].get("bench.settled", {})
+        print(f"- the guest settled for {settled.get('waited_s')} s first (idle {settled.get('idle_share')}, "
+              f"load {settled.get('load')})")
         for line in headline(b):
             print(f"- {line}")
         return 0

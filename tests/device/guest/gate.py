@@ -796,10 +796,32 @@ def mode_powercut() -> None:
 
 
 # ---------------------------------------------------------------- bench
+def idle_share(seconds: float = 5.0) -> float:
+    """The share of the guest's CPU time (all CPUs, /proc/stat) spent idle over ``seconds``."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)
+    i0, t0 = sample()
+    time.sleep(seconds)
+    i1, t1 = sample()
+    return (i1 - i0) / max(1, t1 - t0)
+
+
 def mode_bench() -> None:
-    """bench/bench_guest.py's figures into figures["bench"], with the agent stopped so that the
-    benches have the guest's CPUs to themselves; its arguments from bench-args.json."""
+    """bench/bench_guest.py's figures into figures["bench"], with the agent stopped and the boot's
+    tail settled (a 5 s window ≥ 90 % idle, at most 240 s) so that the benches have the guest's
+    CPUs to themselves; its arguments from bench-args.json."""
     sh("systemctl", "stop", UNIT, check_rc=True)
+    t, last = time.monotonic(), [0.0]
+
+    def quiet() -> bool:
+        last[0] = idle_share()
+        return last[0] >= 0.9
+
+    wait_for(quiet, 240, 0)
+    figures["bench.settled"] = {"waited_s": round(time.monotonic() - t, 1), "idle_share": round(last[0], 3),
+                                "load": os.getloadavg()[0]}
     sys.path.insert(0, f"{CTL}/bench")
     import bench_guest
     with open(f"{CTL}/bench-args.json") as f:
