@@ -231,21 +231,56 @@ class DebianForm(Form):
         self.trixie.close()
 
 
+class InstalledForm(Form):
+    """The package as this box installed it (the router guest: apt install of build-deb's .deb):
+    ``/usr/bin/qlagent`` reading ``/etc/qlagent/qlagent.toml``, which this rewrites with its
+    ``state_dir`` pointed at the bench's store, as DebianForm does in its rootfs — so only on a box
+    whose agent is stopped and whose configuration may go (the guest's throwaway overlay). One
+    tree: what is installed, whatever ``tree`` says."""
+
+    PYTHON, QLAGENT, CONFIG = "/usr/bin/python3", "/usr/bin/qlagent", "/etc/qlagent/qlagent.toml"
+    PACKAGES = "/usr/lib/python3/dist-packages"
+
+    def __init__(self, tmp: str) -> None:
+        super().__init__("installed", [self.PYTHON], "", os.path.join(tmp, "installed"))
+        self.packages = self.PACKAGES
+        self.libraries = "argparse, msgspec, sqlite3, tomllib"     # tomllib: the package's config file
+        self.serve_libraries = SERVE_LIBRARIES + ", tomllib"
+        with open(self.CONFIG) as f:
+            conf = f.read().replace('"/var/lib/qlagent', f'"{self.state}')
+        with open(self.CONFIG, "w") as f:
+            f.write(conf)
+
+    def qlagent(self, tree, *args, state=None):
+        return [self.QLAGENT, *(["--state-dir", state] if state else []), *args], clean_env()
+
+    def python_argv(self, tree, *args):
+        return [*self.python, *args], clean_env()
+
+
 def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("QLAGENT_", "NOTIFY_SOCKET", "WATCHDOG_", "PYTHON"))}
     return {**env, **extra}
 
 
-def timed(argv: list[str], env: dict, rss_file: str, out: str | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS KiB) of one child; its stdout to ``out`` (a file) or nowhere."""
+def timed(argv: list[str], env: dict, rss_file: str, out: str | None = None) -> tuple[float, int | None]:
+    """(wall seconds, peak RSS KiB) of one child; its stdout to ``out`` (a file) or nowhere.
+    The RSS under GNU time (its fork in every arm alike); a box without it (the router guest has
+    no `time` package) gives the time alone and None: wait4's ``ru_maxrss`` would carry this
+    process's own high-water mark, which the child's first exec records from the mm it leaves."""
     with open(out or os.devnull, "wb") as f:
         t0 = time.perf_counter()
-        p = subprocess.run([TIME, "-f", "%M", "-o", rss_file, *argv], env=env, cwd="/", stdout=f,
-                           stderr=subprocess.DEVNULL)
+        if os.path.exists(TIME):
+            rc = subprocess.run([TIME, "-f", "%M", "-o", rss_file, *argv], env=env, cwd="/", stdout=f,
+                                stderr=subprocess.DEVNULL).returncode
+        else:
+            rc = subprocess.run(argv, env=env, cwd="/", stdout=f, stderr=subprocess.DEVNULL).returncode
         wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)} exited {p.returncode}")
+    if rc != 0:
+        raise SystemExit(f"{' '.join(argv)} exited {rc}")
+    if not os.path.exists(TIME):
+        return wall, None
     with open(rss_file) as f:
         return wall, int(f.read().split()[-1])
 
@@ -375,48 +410,68 @@ def measure(form: Form, trees: list[str], n: int, serve: bool) -> dict:
     return {"times": times, "rss": rss}
 
 
-def report(form: Form, trees: list[str], res: dict) -> None:
+def report(form: Form, trees: list[str], res: dict) -> dict:
     """Per arm the median and the least of the N times (the least is what the work costs when
     the shared machine's other load left it alone), each as a ratio to "pass" by the same
-    statistic; own work and overhead likewise."""
+    statistic; own work and overhead likewise. Prints the table; returns its figures:
+    {"pass_ms": [med, least], "<label>": {"<arm>": {"ms": [med, least], "x_pass": [med, least],
+    "overhead": [med, least] (qlagent arms), "rss_kib": median peak RSS (None: not measured, see timed)}}}."""
     times, rss = res["times"], res["rss"]
     stats = {"med": {k: statistics.median(v) for k, v in times.items()}, "min": {k: min(v) for k, v in times.items()}}
+    figures: dict = {"pass_ms": [stats[st][("-", PASS)] * 1e3 for st in ("med", "min")]}
 
-    def ratios(key, own_key=None) -> str:
+    def x_pass(key, own_key=None) -> list[float]:
         out = []
         for st in ("med", "min"):
             t, ref = stats[st][key], stats[st][("-", PASS)]
-            if own_key is None:
-                out.append(f"{t / ref:5.2f}×")
-            else:
-                own = stats[st][own_key] - ref
-                out.append(f"{(t - own) / ref:5.2f}×")
-        return " / ".join(out)
+            own = 0.0 if own_key is None else stats[st][own_key] - ref
+            out.append((t - own) / ref)
+        return out
+
+    def ratios(key, own_key=None) -> str:
+        return " / ".join(f"{r:5.2f}×" for r in x_pass(key, own_key))
 
     def ms(key) -> str:
         return f"{stats['med'][key] * 1e3:7.1f} / {stats['min'][key] * 1e3:6.1f}"
 
+    def rss_kib(key) -> int | None:
+        return None if None in rss[key] else round(statistics.median(rss[key]))
+
+    def record(label, arm, key, own_key=None) -> None:
+        fig = {"ms": [stats[st][key] * 1e3 for st in ("med", "min")], "x_pass": x_pass(key),
+               "rss_kib": rss_kib(key)}
+        if own_key is not None:
+            fig["overhead"] = x_pass(key, own_key)
+        figures.setdefault(label, {})[arm] = fig
+
     v = times[("-", PASS)]
+    for key in [("-", SITE), ("-", LIBS), ("-", SERVE_LIBS)]:
+        if key in times:
+            record(key[1], "-", key)
     print(f"\n== {form.name}: pass {ms(('-', PASS))} ms (median / least; range {min(v) * 1e3:.1f}–"
           f"{max(v) * 1e3:.1f}); site {ratios(('-', SITE))}; `import {form.libraries}` {ratios(('-', LIBS))}")
-    print(f"{'command':<22} {'arm':<6} {'ms med / least':>16} {'× pass':>15} {'own work ms':>15} {'overhead':>15} "
+    print(f"{'command':<22} {'arm':<9} {'ms med / least':>16} {'× pass':>15} {'own work ms':>15} {'overhead':>15} "
           f"{'RSS KiB':>8}")
     for label in [*COMMANDS, HELP_ARGPARSE]:
         bare = ("bare", label)
         own = " / ".join(f"{(stats[st][bare] - stats[st][('-', PASS)]) * 1e3:6.1f}" for st in ("med", "min"))
-        print(f"{label:<22} {'bare':<6} {ms(bare):>16} {ratios(bare):>15} {own:>15} {'':>15} "
-              f"{statistics.median(rss[bare]):>8.0f}")
+        record(label, "bare", bare)
+        print(f"{label:<22} {'bare':<9} {ms(bare):>16} {ratios(bare):>15} {own:>15} {'':>15} "
+              f"{rss_kib(bare) or '—':>8}")
         for tree in trees:
             key = (tree, label if label != HELP_ARGPARSE else "--help")
-            print(f"{'':<22} {tree:<6} {ms(key):>16} {ratios(key):>15} {'':>15} {ratios(key, bare):>15} "
-                  f"{statistics.median(rss[key]):>8.0f}")
+            record(label, tree, key, bare)
+            print(f"{'':<22} {tree:<9} {ms(key):>16} {ratios(key):>15} {'':>15} {ratios(key, bare):>15} "
+                  f"{rss_kib(key) or '—':>8}")
     if ("-", SERVE_LIBS) in times:
         print(f"`import {form.serve_libraries}`: {ratios(('-', SERVE_LIBS))}")
     for tree in trees:
         key = (tree, "serve → READY")
         if key in times:
-            print(f"{'serve → READY':<22} {tree:<6} {ms(key):>16} {ratios(key):>15} {'':>15} {'':>15} "
-                  f"{statistics.median(rss[key]):>8.0f}")
+            record("serve → READY", tree, key)
+            print(f"{'serve → READY':<22} {tree:<9} {ms(key):>16} {ratios(key):>15} {'':>15} {'':>15} "
+                  f"{rss_kib(key) or '—':>8}")
+    return figures
 
 
 def main() -> None:

@@ -86,7 +86,7 @@ def throughput(base, mib, repeats=3, shims=None):
     span (the writer ends when its last byte is in the FIFO, at most 64 KiB before the drainer),
     the figure to set beside ``cat``; "cat + fsync" is cat with the durability the shim adds.
     ``shims``: [(label, run)], ``run(spec)`` starts a shim and returns its receipt once written
-    (default: one interpreter per run)."""
+    (default: one interpreter per run). Prints the table; returns {path: median seconds}."""
     shims = shims or [("python shim", run_python_shim)]
     n = mib * MiB
     src = ["/usr/bin/head", "-c", str(n), "/dev/zero"]
@@ -137,6 +137,7 @@ def throughput(base, mib, repeats=3, shims=None):
     print("|---|---:|---:|---:|---:|")
     for label, s_ in med.items():
         print(f"| {label} | {s_:.3f} | {mib / s_:.0f} | {s_ / base_s:.2f}x | {base_s / s_:.2f}x |")
+    return med
 
 
 def sample_overhead(base, runner_cmd, label, argv=("/usr/bin/yes", "0123456789abcdef")):

@@ -105,6 +105,8 @@ def forked(fs):
 
 
 def latency(base, rounds, arms):
+    """Prints the dispatch → task exec table; returns {"median_ms": {path: ms}, "p90_ms": {path: ms}},
+    the paths keyed as printed ("posix_spawn" the baseline)."""
     argv = DATE_ARGV
     program = compiled_shim(base, PYTHON)
 
@@ -168,6 +170,7 @@ def latency(base, rounds, arms):
     print(f"| bare os.posix_spawn of `date +%s%N` (baseline) | {b:.2f} | {p90['posix_spawn']:.2f} | 1.00x |")
     for name in list(paths)[1:]:
         print(f"| {name} | {med[name]:.2f} | {p90[name]:.2f} | {med[name] / b:.1f}x |")
+    return {"median_ms": med, "p90_ms": p90}
 
 
 def shim_cost(pid, task):
@@ -178,6 +181,8 @@ def shim_cost(pid, task):
 
 
 def overhead(base, arms):
+    """Prints the per-run and idle table; returns its rows: (process, extra PIDs, USS bytes,
+    Private_Dirty bytes), medians of 5 runs, the fork servers' idle rows last."""
     rows = []
     spawns = [(f"{label}: fork-served shim", (lambda f: lambda s: fork_served(f, s, PYTHON))(fs))
               for label, fs in arms.items()]
@@ -208,6 +213,17 @@ def overhead(base, arms):
     print("|---|---:|---:|---:|")
     for label, n, u, d in rows:
         print(f"| {label} | {n} | {u / MiB:.2f} | {d / MiB:.2f} |")
+    return rows
+
+
+def fork_server(base, tree=None):
+    """A ForkServer (its cache under ``base``) starting the shim of checkout ``tree`` (None: the
+    imported qlagent's), started and warmed by one Run of /bin/true."""
+    with shim_of(tree):
+        d = tempfile.mkdtemp(dir=base)
+        fs = processes.ForkServer(d)
+        wait_receipt(spec := new_run(d, 4096, ["/bin/true"]), fork_served(fs, spec, PYTHON))
+    return fs
 
 
 def main():
@@ -227,12 +243,8 @@ def main():
           f"{os.getloadavg()[0]:.1f}" + (f", cgroup {cg} at {args.cpu_quota} % of one CPU" if cg else ""))
     arms = {}
     for label, tree in (("this tree", None), (args.against, args.against)):
-        if label is None:
-            continue
-        with shim_of(tree):
-            d = tempfile.mkdtemp(dir=base)
-            arms[label] = fs = processes.ForkServer(d)
-            wait_receipt(spec := new_run(d, 4096, ["/bin/true"]), fork_served(fs, spec, PYTHON))
+        if label is not None:
+            arms[label] = fork_server(base, tree)
     latency(base, args.rounds, arms)
     overhead(base, arms)
     if args.mib:

@@ -17,6 +17,8 @@ Command line (the long forms, results into bench/results/vm-gates.md):
   python3 tests/device/vmkit.py image                    build/refresh the image, print its dir
   python3 tests/device/vmkit.py powercut --cuts 30       the long power-cut series
   python3 tests/device/vmkit.py boot MODE…               one boot running the modes (seed, hog, pid1, flash)
+The benches' figures in the guest (no gate): python3 bench/bench_guest.py, which boots the
+`bench` mode with the bench modules on the control disk (`make_ctl`'s files may name subdirectories).
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Vm:
         shutil.copy(REPO / "examples" / "router-tasks.toml", d / "router-tasks.toml")
         (d / "modes").write_text(" ".join(modes) + "\n")
         for name, data in (files or {}).items():
+            (d / name).parent.mkdir(parents=True, exist_ok=True)
             (d / name).write_bytes(data)
         self.ctl.unlink(missing_ok=True)
         subprocess.run(["mke2fs", "-q", "-t", "ext4", "-L", "qlctl", "-d", str(d), str(self.ctl), f"{size_mib}M"],

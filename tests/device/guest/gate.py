@@ -6,7 +6,9 @@ qlagent …`, the HTTP API on 127.0.0.1, the journal, the cgroup files) and writ
 to /mnt/ctl/result-<mode>.json (one JSON object; `checks` maps a check's name to
 {"ok": bool, "detail": …}; `figures` are measurements, never asserted here).
 
-Modes (argv[1]): seed, hog, pid1, flash, powercut. The host side is tests/device/vmkit.py.
+Modes (argv[1]): seed, hog, pid1, flash, powercut; and bench, which is no gate: the issue 24
+benches' figures in this guest (bench/bench_guest.py, on the control disk), nothing checked. The
+host side is tests/device/vmkit.py.
 """
 
 from __future__ import annotations
@@ -793,6 +795,41 @@ def mode_powercut() -> None:
         ql("run", "start", "chatty", check_rc=False)
 
 
+# ---------------------------------------------------------------- bench
+def idle_share(seconds: float = 5.0) -> float:
+    """The share of the guest's CPU time (all CPUs, /proc/stat) spent idle over ``seconds``."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)
+    i0, t0 = sample()
+    time.sleep(seconds)
+    i1, t1 = sample()
+    return (i1 - i0) / max(1, t1 - t0)
+
+
+def mode_bench() -> None:
+    """bench/bench_guest.py's figures into figures["bench"], with the agent stopped and the boot's
+    tail settled (a 5 s window ≥ 90 % idle, at most 240 s) so that the benches have the guest's
+    CPUs to themselves; its arguments from bench-args.json."""
+    sh("systemctl", "stop", UNIT, check_rc=True)
+    t, last = time.monotonic(), [0.0]
+
+    def quiet() -> bool:
+        last[0] = idle_share()
+        return last[0] >= 0.9
+
+    wait_for(quiet, 240, 0)
+    figures["bench.settled"] = {"waited_s": round(time.monotonic() - t, 1), "idle_share": round(last[0], 3),
+                                "load": os.getloadavg()[0]}
+    sys.path.insert(0, f"{CTL}/bench")
+    import bench_guest
+    with open(f"{CTL}/bench-args.json") as f:
+        args = json.load(f)
+    say(f"bench: {args}")
+    figures["bench"] = bench_guest.in_guest(**args)
+
+
 def write_result(mode: str, extra: dict | None = None) -> None:
     out = {"mode": mode, "guest": GUEST, "checks": checks, "figures": figures, "elapsed_s": round(time.monotonic() - T0, 1)}
     out.update(extra or {})
@@ -822,7 +859,7 @@ def main() -> int:
         t = time.monotonic()
         try:
             {"seed": mode_seed, "hog": mode_hog, "pid1": mode_pid1, "flash": mode_flash,
-             "powercut": mode_powercut}[mode]()
+             "powercut": mode_powercut, "bench": mode_bench}[mode]()
         except Exception as e:  # noqa: BLE001
             import traceback
             check(f"{mode}.completed", False, traceback.format_exc()[-1500:])
