@@ -87,7 +87,7 @@ def shim_of(tree):
 def wait_receipt(spec, h):
     """The receipt once the shim has exited (it writes it first): a wait on its pidfd, not a
     polling loop, which would spend the CPU quota of a ``--cpu-quota`` run beside the paths."""
-    if h.popen is not None:
+    if getattr(h, "popen", None) is not None:     # spawn_shim's SpawnedShim: this process's child
         h.popen.wait()
     elif h.pidfd is not None:
         select.select([h.pidfd], [], [])
