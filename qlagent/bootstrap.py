@@ -463,7 +463,7 @@ class ClusterServices:
     (``report(limit)``: queued Runs no enrolled Worker can match get ``run.unplaceable``), ``log_reader``
     (PgLogStore: ``read_range`` serves ``GET …/runs/{id}/log``), ``budgets`` (DispatcherBudgets),
     ``now_us()`` (the database clock, µs: one query each), ``clock`` (``core.dbclock.
-    DatabaseClock`` over it, synced by the replica's loop: the loop plans in it and the Worker
+    DatabaseClock`` over it, synced by the replica's duty thread: the duties plan in it and the Worker
     routes stamp ``X-Qlagent-Server-Now-Us`` from it), the
     ``[cluster]`` table as ``config``, ``stop_waiting()`` (SIGTERM: long-polling Pulls answer at
     once) and ``close()`` for the LISTEN connection (supervised: ``log`` hears when it is lost and
@@ -514,8 +514,8 @@ class ClusterServices:
 
 def check_replica_pool(cluster: ClusterConfig) -> int:
     """The Worker routes' database threads of a replica (``[cluster] threads``, default
-    ``pool_size`` − 2 capped at 4). One connection serves the loop thread (HTTP API routes,
-    scheduler, sweeper) and one the long-polls re-reading after a wake-up (they hold none while
+    ``pool_size`` − 2 capped at 4). One connection serves the loop duties (scheduler,
+    sweeper, Task-head reload) and ``/readyz`` (which wait at most 1 s and 2 s for it), one the long-polls re-reading after a wake-up (they hold none while
     waiting), so ``pool_size`` ≥ threads + 2; ValidationError naming ``cluster.pool_size``
     otherwise (issue 10 §6)."""
     from .core.errors import ValidationError

@@ -35,7 +35,8 @@ WORKER_PATHS = "/api/v3/cluster/workers/"
 # a flood must not fill it and drop a probe's or a Worker's SYN (a 1 s, then 3 s retransmit).
 CLUSTER_BACKLOG = 1024
 WORKER_IDLE_S = 65.0          # keep-alive idle bound on a control plane (s): above the longest heartbeat interval
-PROBE_PATHS = frozenset({"/healthz", "/readyz"})   # answered without an in-flight slot (README "HTTP API")
+READY_PATH = "/readyz"
+PROBE_PATHS = frozenset({"/healthz", READY_PATH})   # answered without an in-flight slot (README "HTTP API")
 AUDIT_LINES = 20              # refusal audit lines per AUDIT_WINDOW_S; beyond, counted and said once
 AUDIT_WINDOW_S = 60.0
 
@@ -222,7 +223,8 @@ def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int,
     (WorkerRoutes, the server handler, the server's ``error_response``).
 
     The handler stamps ``X-Qlagent-Server-Now-Us`` (the database clock) on every answer, runs
-    the API routes (all but the probes) on the same database threads, and keeps their body
+    the API routes (all but the probes) on the same database threads, ``/readyz`` on its own
+    thread (``WorkerRoutes.probe``: ``/healthz`` stays on the loop, answered at once), and keeps their body
     bound at ``api_body_bytes`` (413) although the server admits a log chunk
     (``core.cluster.MAX_CHUNK_BYTES``). The server's own refusals carry both error shapes: the
     Worker protocol's ``error``/``field`` and the API's ``code``."""
@@ -236,6 +238,8 @@ def mount_worker_routes(router, cluster, threads: int, api_body_bytes: int,
     inner = routes.handler(router)
 
     def handle(req: Request) -> Response | Deferred:
+        if req.path == READY_PATH:     # reads the database: never on the loop, which answers /healthz
+            return routes.probe(lambda: inner(req))
         if req.path.startswith(WORKER_PATHS) or req.path in PROBE_PATHS:
             return inner(req)
         if len(req.body) > api_body_bytes:

@@ -19,7 +19,7 @@ Errors are ``{"error", "field", "message"}`` with the documented status; a crede
 database does not know for this ``workerId`` is 401, one issued to another Worker is 403
 ``worker_mismatch`` (the services authenticate before any write, so nothing is written).
 Every answer carries ``X-Qlagent-Server-Now-Us``: the database clock (µs since the epoch),
-the replica's ``core.dbclock.DatabaseClock`` (read from PostgreSQL by the replica's loop and
+the replica's ``core.dbclock.DatabaseClock`` (read from PostgreSQL by the replica's duty thread and
 carried forward on the monotonic clock between reads). Control plane only: nothing here is
 imported on a router.
 """
@@ -61,6 +61,9 @@ _MSGSPEC_PATH = re.compile(r" - at `\$\.?([^`]{0,128})`")
 # A Worker process long-polls on one connection; a restarted one may overlap the Pull its
 # previous process left parked. More than that is a misbehaving (or compromised) Worker.
 MAX_LONG_POLLS_PER_WORKER = 2
+# Readiness checks (each at most ~4 s on a dead database) queued on their one thread; a probe
+# beyond them is answered 503 at once rather than left to grow the queue.
+MAX_PROBES_QUEUED = 4
 # Store codes answered under the protocol's name (docs/worker-protocol.md "Errors").
 _CONFLICT_CODES = {"lease_expired": "lease_ended"}
 
@@ -165,6 +168,10 @@ class WorkerRoutes:
         self._poll_slots = threading.BoundedSemaphore(limits.max_long_polls)
         self._polls_lock = threading.Lock()
         self._polls_by_worker: dict[str, int] = {}     # only Workers holding a slot: ≤ max_long_polls keys
+        # Readiness reads the database: its own thread, so neither the loop (which answers
+        # /healthz) nor route threads held by a frozen database delay it.
+        self._probes = ThreadPoolExecutor(1, thread_name_prefix="qlagent-cp-probe")
+        self._probe_slots = threading.BoundedSemaphore(MAX_PROBES_QUEUED)
 
     def register(self, router: Router) -> None:
         def bad(where: str, field: str, message: str) -> WorkerError:      # the protocol's 400 shape
@@ -200,6 +207,7 @@ class WorkerRoutes:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._polls.shutdown(wait=True, cancel_futures=True)
+        self._probes.shutdown(wait=True, cancel_futures=True)
 
     # -- routes (loop thread: no database) ----------------------------------------------------
     def _describe(self, req: Request, params: dict[str, str]) -> Deferred:
@@ -387,6 +395,29 @@ class WorkerRoutes:
             self._pool.submit(run)
         except RuntimeError:          # pools shut down: the replica is stopping
             raise HttpError(503, "unavailable", "the control plane is stopping", [("Retry-After", "1")]) from None
+        return d
+
+    def probe(self, work: Callable[[], Response]) -> Deferred:
+        """Run ``work`` (a probe that reads the database: ``GET /readyz``) on the probe thread,
+        at most ``MAX_PROBES_QUEUED`` at once; the answer comes within ``answer_timeout_s``.
+        Raises HttpError 503 ``not_ready`` beyond that many, or once the pools are shut down."""
+        if not self._probe_slots.acquire(blocking=False):
+            raise HttpError(503, "not_ready", f"{MAX_PROBES_QUEUED} readiness checks already waiting",
+                            [("Retry-After", "1")])
+        d = Deferred(self._limits.answer_timeout_s)
+
+        def run() -> None:
+            try:
+                d.resolve(work())
+            except BaseException as e:  # noqa: BLE001 - every outcome must reach the client
+                d.resolve(e)
+            finally:
+                self._probe_slots.release()
+        try:
+            self._probes.submit(run)
+        except RuntimeError:          # pools shut down: the replica is stopping
+            self._probe_slots.release()
+            raise HttpError(503, "not_ready", "the control plane is stopping", [("Retry-After", "1")]) from None
         return d
 
     def _refusal(self, err: BaseException, worker_id: str, credential: str, route: str) -> HttpError:

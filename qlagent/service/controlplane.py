@@ -18,10 +18,15 @@ on PostgreSQL, the Worker routes (``http.service.mount_worker_routes``), HTTPS w
 SIGTERM/SIGINT: stop accepting, answer every long-polling Pull at once (idle), finish requests in
 progress, exit 0. SIGHUP: re-read the Task heads at once.
 
-Database outage: the probes and the routes stay answered because the loop's own database duties
-(scheduler, sweeper, placement report, Task-head reload) wait at most ``DUTY_WAIT_S`` for a
-pooled connection and, after a failure, pause for a back-off doubling from ``BACKOFF_MIN_US`` to
-``BACKOFF_MAX_US`` instead of retrying every wake-up. The journal gets one
+Two threads. The loop thread answers HTTP (the probes at once; every route that needs the
+database hands it to the route threads) and signals, and never talks to PostgreSQL itself. The
+duty thread runs the loop duties that do: the scheduler, the sweeper and placement report, the
+Task-head reload and the database clock read with it. A frozen or unreachable database thus
+holds at most the duty thread, never ``/healthz``.
+
+Database outage: the duties wait at most ``DUTY_WAIT_S`` for a pooled connection (the route
+threads may hold the others) and, after a failure, pause for a back-off doubling from
+``BACKOFF_MIN_US`` to ``BACKOFF_MAX_US`` instead of retrying every wake-up. The journal gets one
 ``store.unavailable`` line when an outage starts and one ``store.available`` when a duty succeeds
 again; psycopg_pool's own log lines are silenced in favour of these.
 """
@@ -53,7 +58,7 @@ from .signals import UNUSED_SIGNALS, SignalWakeup
 
 RELOAD_INTERVAL_US = 10_000_000    # re-read Task heads this often (s × 1e6): peers change them silently
 MAX_SWEEPS_PER_WAKE = 4            # sweeper passes after one wake-up while a pass reports a full batch
-DUTY_WAIT_S = 1.0                  # a loop duty waits this long for a pooled connection: HTTP shares the loop
+DUTY_WAIT_S = 1.0                  # a loop duty waits this long for a pooled connection, then pauses
 BACKOFF_MIN_US = 500_000           # first pause of the loop's duties after a database failure (µs)
 BACKOFF_MAX_US = 8_000_000         # the pause doubles up to this (µs)
 SKEW_LOG_INTERVAL_S = 300          # a clock still skewed is journalled again after this (s)
@@ -80,8 +85,12 @@ class ControlPlane:
         self._now = now_us                 # the loop's clock: the database's once measured (_check_clock)
         self._skew_logged_at = None        # monotonic s of the last clock.skewed line, None: clock agrees
         self._name = f"{socket.gethostname()}/{os.getpid()}"
+        self._duty_thread: threading.Thread | None = None
+        self._poke = threading.Event()     # wakes the duty thread: SIGHUP, stopping
+        self._duty_error: BaseException | None = None
+        self._duty_wake, self._duty_done = socket.socketpair()   # the duty thread failed: wakes the loop
         # Since start, for GET /metrics: sweeper passes, what they expired, database failures
-        # by (loop duty or route, code) — counted by the loop and the route threads.
+        # by (loop duty or route, code) — counted by the duty thread and the route threads.
         self._sweeps = self._leases_expired = self._sessions_expired = 0
         self._store_errors: dict[tuple[str, str], int] = {}
         self._store_errors_lock = threading.Lock()
@@ -113,61 +122,99 @@ class ControlPlane:
         self._now = self.clock.reached_us
         self.scheduler = Scheduler(self.store, system_timezone(), self._now, self.log)
         self._install_signals()
+        self.sel.register(self._duty_wake, selectors.EVENT_READ, "duties")
         self._start_http(threads, tls)
-        started = self._now()
-        exit_at = None if self._exit_after_s is None else started + int(self._exit_after_s * 1e6)
-        next_sweep = next_reload = started     # the first iteration loads the Task heads and sweeps
+        exit_at = None if self._exit_after_s is None else self._now() + int(self._exit_after_s * 1e6)
+        self._duty_thread = threading.Thread(target=self._duties, name="qlagent-loop-duties", daemon=True)
+        self._duty_thread.start()
         self.log("info", "service.ready", role="control-plane", profile=self.settings.profile.name)
         self.notify.ready("control plane ready")
         while not self._stop:
             now = self._now()
-            due = self.scheduler.next_wake_us
-            if self._hup:                  # SIGHUP: re-read the Task heads now
-                self._hup, next_reload = False, now
-            if now >= next_reload and not self._backing_off():
-                if self._guarded("task_reload", self._reload) is not None:
-                    due = now              # a Task may have been added: plan from the new heads
-                next_reload = now + RELOAD_INTERVAL_US
-            if due is not None and now >= due and not self._backing_off():
-                self._guarded("scheduler", self._fire_due)
-            if now >= next_sweep and not self._backing_off():
-                for _ in range(MAX_SWEEPS_PER_WAKE):
-                    result = self._guarded("sweeper", self.services.sweeper.sweep_once)
-                    if result is not None:
-                        self._sweeps += 1
-                        self._leases_expired += result.leases_expired
-                        self._sessions_expired += result.sessions_expired
-                    if result is not None and result.holds_released:
-                        self.log("info", "runs.holds_released", count=result.holds_released)
-                    if result is None or not result.truncated:
-                        break
-                for _ in range(MAX_SWEEPS_PER_WAKE if not self._backing_off() else 0):
-                    checked = self._guarded("placement_report",
-                                            lambda: self.services.placement_report.report(self.cluster.sweep_batch))
-                    if checked is None or checked[0] < self.cluster.sweep_batch:
-                        break
-                next_sweep = now + int(self.cluster.sweep_interval_s * 1e6)
             if exit_at is not None and now >= exit_at:
                 break
-            duties = [t for t in (self.scheduler.next_wake_us, next_sweep, next_reload) if t is not None]
-            if duties and self._backing_off():
-                duties = [max(min(duties), self._resume_at)]
-            wake = [t for t in (*duties, exit_at,
-                                self.http.next_timeout_us(now) if self.http else None,
+            wake = [t for t in (exit_at, self.http.next_timeout_us(now) if self.http else None,
                                 self.notify.next_ping_us(now)) if t is not None]
-            for key, mask in self.sel.select(max(0.0, (min(wake) - self._now()) / 1e6)):
+            timeout = None if not wake else max(0.0, (min(wake) - self._now()) / 1e6)
+            for key, mask in self.sel.select(timeout):
                 if self.http is not None and self.http.owns(key):
                     self.http.handle_event(key, mask)
                 elif key.data == "signal":
                     self._wakeup.drain()
+                    self._poke.set()
+                elif key.data == "duties":         # the duty thread ended: it failed
+                    raise self._duty_error
             if self.http is not None:
                 self.http.tick(self._now())
             self.notify.ping_if_due(self._now())
+        self._stop = True
+        self._poke.set()
         self.notify.stopping()
         self.services.stop_waiting()
         self._drain_http()
+        self._end_duties()
         self.log("info", "service.stopped", role="control-plane")
         return 0
+
+    def _duties(self) -> None:
+        """The duty thread: scheduler, Task-head reload (with the clock read), sweeper and
+        placement report, each when due and not backing off, then asleep until the next one is
+        due or ``_poke`` (a signal) wakes it; returns once ``_stop`` is set. A failure other
+        than the database's unavailability (``_guarded``) is kept in ``_duty_error`` and the
+        loop thread woken to raise it."""
+        try:
+            next_sweep = next_reload = self._now()  # the first pass loads the Task heads and sweeps
+            while True:
+                self._poke.clear()             # before the check: a later set() ends the wait below
+                if self._stop:
+                    return
+                now = self._now()
+                due = self.scheduler.next_wake_us
+                if self._hup:                  # SIGHUP: re-read the Task heads now
+                    self._hup, next_reload = False, now
+                if now >= next_reload and self._may_run():
+                    if self._guarded("task_reload", self._reload) is not None:
+                        due = now              # a Task may have been added: plan from the new heads
+                    next_reload = now + RELOAD_INTERVAL_US
+                if due is not None and now >= due and self._may_run():
+                    self._guarded("scheduler", self._fire_due)
+                if now >= next_sweep and self._may_run():
+                    self._sweep()
+                    next_sweep = now + int(self.cluster.sweep_interval_s * 1e6)
+                duties = [t for t in (self.scheduler.next_wake_us, next_sweep, next_reload) if t is not None]
+                if self._backing_off():
+                    duties = [max(min(duties), self._resume_at)]
+                self._poke.wait(max(0.0, (min(duties) - self._now()) / 1e6))
+        except BaseException as e:  # noqa: BLE001 - the loop thread raises it: the replica stops as before
+            self._duty_error = e
+            self._duty_done.send(b"x")
+
+    def _sweep(self) -> None:
+        """Lease sweeper passes while each reports a full batch (at most ``MAX_SWEEPS_PER_WAKE``),
+        then as many placement report batches."""
+        for _ in range(MAX_SWEEPS_PER_WAKE):
+            result = self._guarded("sweeper", self.services.sweeper.sweep_once)
+            if result is not None:
+                self._sweeps += 1
+                self._leases_expired += result.leases_expired
+                self._sessions_expired += result.sessions_expired
+            if result is not None and result.holds_released:
+                self.log("info", "runs.holds_released", count=result.holds_released)
+            if result is None or not result.truncated or not self._may_run():
+                break
+        for _ in range(MAX_SWEEPS_PER_WAKE):
+            if not self._may_run():
+                break
+            checked = self._guarded("placement_report",
+                                    lambda: self.services.placement_report.report(self.cluster.sweep_batch))
+            if checked is None or checked[0] < self.cluster.sweep_batch:
+                break
+
+    def _end_duties(self) -> None:
+        """Wait for the duty thread to finish its pass (one unit of work: the store's bound, 10 s
+        on a frozen database), so the store closes under no query."""
+        if self._duty_thread is not None:
+            self._duty_thread.join()
 
     def _fire_due(self) -> int:
         """One scheduler pass; a fire the database refused as early (its clock is behind this
@@ -201,8 +248,12 @@ class ControlPlane:
             self._skew_logged_at = None
 
     def _backing_off(self) -> bool:
-        """True while the loop's database duties pause after a failure (only HTTP and signals)."""
+        """True while the loop's database duties pause after a failure."""
         return self._now() < self._resume_at
+
+    def _may_run(self) -> bool:
+        """True when a duty may start now: not stopping, not backing off."""
+        return not self._stop and not self._backing_off()
 
     def _store_error(self, source: str, code: str) -> None:
         """Count one database failure of a loop duty or a request (``source``) by error code."""
@@ -327,12 +378,17 @@ class ControlPlane:
             self.http.tick(self._now())
 
     def _close(self) -> None:
+        self._stop = True
+        self._poke.set()
+        self._end_duties()
         if self.http is not None:
             self.http.close()
         if self.services is not None:
             self.services.close()
         if self.store is not None:
             self.store.close()
+        self._duty_wake.close()
+        self._duty_done.close()
         signal.set_wakeup_fd(-1)
 
 

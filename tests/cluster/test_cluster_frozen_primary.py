@@ -40,6 +40,8 @@ BOUND_S = 15.0
 FREEZE_S = 25.0
 CLIENTS = 4
 AFTER = 8
+PROBE_EVERY_S = 1.0
+FROZEN_PROBES = 15      # beyond the 10 s a loop duty's query may hang before the replica cuts it
 
 
 @pytest.fixture
@@ -136,6 +138,73 @@ def test_task_starts_while_the_primary_is_frozen_are_answered_503_within_the_bou
         assert during and all(a[2] == 503 and a[3] == "task_start_unavailable" and a[4] for a in during), during
         after = [a for a in answers if a[0] >= thawed_at + 5]
         assert after and all(a[2] == 202 for a in after), after
+        assert replica.proc.poll() is None
+    finally:
+        if replica is not None:
+            replica.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _get(port: int, path: str, timeout: float) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_healthz_answers_every_probe_while_the_primary_is_frozen_and_readyz_names_the_database(pair):
+    """Liveness never waits on the database: the replica sweeps every 0.5 s, so its loop duties
+    keep asking the frozen primary, yet every ``/healthz`` probe (one a second) is answered
+    200 before the next is due; ``/readyz`` says 503 with the database in its store check; after
+    SIGCONT Task Starts are 202 again."""
+    root = scratch_dir("qlagent-frozen-probe-")
+    replica = None
+    try:
+        port = free_port()
+        cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pair.url()}"\npool_size = 6\n'
+                                          'sweep_interval_s = 0.5\n', TASKS, port)
+        replica.wait_line("service.ready")
+        token = cp.ok("token", "create", "--subject", "alice", "--role", "operator").strip()
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{port}/api/v3/projects/default/tasks/quick",
+                headers={"Authorization": f"Bearer {token}"}), timeout=30) as r:
+            head = json.loads(r.read())
+        assert _start(port, token, head)[0] == 202
+        probes: list[tuple[float, object]] = []     # (sent, HTTP status, or the error when none came)
+        stop = threading.Event()
+
+        def prober() -> None:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:        # unanswered once the next probe is due
+                    status: object = _get(port, "/healthz", PROBE_EVERY_S)[0]
+                except OSError as e:
+                    status = repr(e)
+                probes.append((sent, status))
+                stop.wait(max(0.0, sent + PROBE_EVERY_S - time.monotonic()))
+
+        def readyz_failed():
+            status, body = _get(port, "/readyz", 30)
+            return status == 503 and "database" in body["checks"]["store"] and body
+
+        thread = threading.Thread(target=prober)
+        frozen_at = time.monotonic()
+        _signal_primary(pair, signal.SIGSTOP)
+        try:
+            thread.start()
+            ready = wait_until(readyz_failed, 30, "/readyz 503 naming the database", step=0.5)
+            wait_until(lambda: sum(p[0] >= frozen_at for p in probes) >= FROZEN_PROBES, 60,
+                       f"{FROZEN_PROBES} /healthz probes sent while the primary is frozen", step=0.1)
+        finally:
+            stop.set()
+            thread.join(30)
+            _signal_primary(pair, signal.SIGCONT)
+        print(f"{len(probes)} /healthz probes during the freeze; /readyz: {ready}")
+        assert ready["status"] == "not_ready"
+        assert all(status == 200 for _, status in probes), probes
+        wait_until(lambda: _start(port, token, head)[0] == 202, 60, "a Task Start answered 202 after the thaw",
+                   step=0.5)
         assert replica.proc.poll() is None
     finally:
         if replica is not None:
