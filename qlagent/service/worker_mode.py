@@ -48,6 +48,9 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         return EXIT_UNAVAILABLE
     rt = None
     try:
+        # A cadence the control plane's Session TTL cannot take is bad config: said before the
+        # Worker reports ready or opens a Session (which would fence what it holds).
+        bootstrap.check_worker_cadence(settings)
         rt = bootstrap.build_worker(settings, log, Notifier())
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)
