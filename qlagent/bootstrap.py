@@ -292,16 +292,16 @@ def build_worker(settings: Settings, log, notify):
 DOCTOR_TIMEOUT_S = 5.0
 
 
-def check_worker_cadence(settings: Settings) -> None:
+def check_worker_cadence(settings: Settings, timeout_s: float) -> None:
     """Before a Worker opens its first Session: ask the control plane (read only, the first
-    replica, ``DOCTOR_TIMEOUT_S``) its Session TTL and check ``heartbeat_interval_s`` against it
-    (``check_session_fit``: ValidationError naming ``worker.heartbeat_interval_s``, exit 2). No
-    answer, a refusal or a replica that does not say: nothing raised (the first hello's Session
-    TTL is checked then)."""
+    replica, waiting at most ``timeout_s`` s) its Session TTL and check ``heartbeat_interval_s``
+    against it (``check_session_fit``: ValidationError naming ``worker.heartbeat_interval_s``,
+    exit 2). No answer, a refusal or a replica that does not say: nothing raised (the first
+    hello's Session TTL is checked then)."""
     from .adapters.control_client import ControlClient
     from .core.control import ControlError
     w = settings.config.worker
-    client = ControlClient(w.control_url, w.worker_id, w.credential_file, w.ca_file, timeout_s=DOCTOR_TIMEOUT_S)
+    client = ControlClient(w.control_url, w.worker_id, w.credential_file, w.ca_file, timeout_s=timeout_s)
     try:
         info = client.describe()
     except ControlError:
