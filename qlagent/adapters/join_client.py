@@ -1,5 +1,6 @@
-"""``qlagent worker join`` on the router (issue 26): redeem a join token at the control plane,
-trusting only the CA the token carries, before anything is written. Standard library only
+"""``qlagent worker join`` on the router (issue 26): read the Worker's enrolment (``describe``,
+the token left unused) and redeem the join token at the control plane, trusting only the CA the
+token carries, before anything is written. Standard library only
 (``ssl``, ``http.client``): a router never loads ``cryptography``."""
 
 from __future__ import annotations
