@@ -293,6 +293,26 @@ def build_worker(settings: Settings, log, notify):
 DOCTOR_TIMEOUT_S = 5.0
 
 
+def check_worker_cadence(settings: Settings, timeout_s: float) -> None:
+    """Before a Worker opens its first Session: ask the control plane (read only, the first
+    replica, waiting at most ``timeout_s`` s) its Session TTL and check ``heartbeat_interval_s``
+    against it (``check_session_fit``: ValidationError naming ``worker.heartbeat_interval_s``,
+    exit 2). No answer, a refusal or a replica that does not say: nothing raised (the first
+    hello's Session TTL is checked then)."""
+    from .adapters.control_client import ControlClient
+    from .core.control import ControlError
+    w = settings.config.worker
+    client = ControlClient(w.control_url, w.worker_id, w.credential_file, w.ca_file, timeout_s=timeout_s)
+    try:
+        info = client.describe()
+    except ControlError:
+        return
+    finally:
+        client.close()
+    if info.session_ttl_s is not None:
+        check_session_fit(w.heartbeat_interval_s, info.session_ttl_s)
+
+
 def worker_checks(settings: Settings) -> list[tuple[str, bool, str]]:
     """``qlagent doctor``'s checks of ``[worker]``: (name, ok, detail) each. The credential file
     and the CA file by the rules ``build_worker``'s control client applies; then for each
@@ -363,6 +383,13 @@ def worker_checks(settings: Settings) -> list[tuple[str, bool, str]]:
         out.append(("worker", True, f"{url}: known as {info.name}, state {info.state}, generation "
                                     f"{info.generation}; enrolled labels {labels}, executors "
                                     f"{','.join(info.executor_types)}, slots {info.slots}"))
+        if info.session_ttl_s is not None:
+            try:
+                check_session_fit(w.heartbeat_interval_s, info.session_ttl_s)
+                out.append(("heartbeat", True, f"{url}: worker.heartbeat_interval_s {w.heartbeat_interval_s:g} s "
+                                               f"renews its {info.session_ttl_s} s Session/Lease in time"))
+            except QlError as e:
+                out.append(("heartbeat", False, f"{url}: {e}"))
     p = settings.profile
     out.append(("inbox", *inbox_diagnose(os.path.join(settings.state_dir, FILENAME), p.inbox_rows, p.inbox_bytes)))
     cap = w.log_store_bytes or p.artifact_total_bytes
@@ -423,6 +450,45 @@ def is_worker_credential(text: str) -> bool:
     """Has ``text`` the shape of a Worker credential (``adapters.control_client.CREDENTIAL``)?"""
     from .adapters.control_client import CREDENTIAL
     return CREDENTIAL.fullmatch(text) is not None
+
+
+def describe_joining_worker(token, ca_pem: str | None, timeout_s: float):
+    """The ``core.cluster.WorkerInfo`` (enrolment, the replica's Session TTL) of a
+    ``core.jointoken.JoinToken``'s Worker from the first of its URLs that answers, the token
+    left unused; None from a control plane older than the route. The refusals of
+    ``adapters.join_client.redeem``; the last URL's ``ControlUnreachable`` when none answers."""
+    from .adapters.join_client import describe
+    from .core.control import ControlUnreachable
+    err = None
+    for url in token.urls:
+        try:
+            return describe(url, ca_pem, token.worker_id, token.credential, timeout_s)
+        except ControlUnreachable as e:
+            err = e
+    raise err
+
+
+def check_within_enrolment(info, labels: dict[str, str], executors: list[str], slots: int) -> None:
+    """The check a replica makes of a Worker's hello (``cluster.registry.narrow``) made on the
+    ``[worker]`` values before they are written: ValidationError naming the ``worker.*`` key
+    (``worker.labels.KEY``, ``worker.executors``, ``worker.slots``) wider than the enrolment
+    ``info`` (a ``core.cluster.WorkerInfo``)."""
+    from .cluster.registry import narrow
+    from .core.cluster import Enrolment, Hello, hello_config_field
+    from .core.errors import ValidationError
+    enrolment = Enrolment(info.worker_id, info.name, info.labels, tuple(info.executor_types), info.slots, info.state)
+    try:
+        narrow(enrolment, Hello(labels=dict(labels), executor_types=tuple(executors), slots=slots))
+    except ValidationError as e:
+        why = e.args[0].split(": ", 1)[-1]
+        raise ValidationError(hello_config_field(e.field) or e.field, why, limit=e.limit) from None
+
+
+def check_session_fit(heartbeat_interval_s: float, session_ttl_s: float) -> None:
+    """``worker.session.check_session_fit``: ValidationError naming
+    ``worker.heartbeat_interval_s`` when it cannot renew a ``session_ttl_s`` Session in time."""
+    from .worker.session import check_session_fit as fit
+    fit(heartbeat_interval_s, session_ttl_s)
 
 
 def redeem_join_token(token, ca_pem: str | None, timeout_s: float) -> str:

@@ -105,8 +105,13 @@ def test_limits_themselves_are_accepted(workdir):
     (["cert", "create", "--server", "--name", ""], 2, "--name"),
     (["cert", "create", "--server", "--name", "a,,b"], 2, "--name"),
     (["cert", "create", "--server", "--name", "-a.example"], 2, "--name"),
-    (["cert", "create", "--server", "--name", "a" * 64], 2, "--name"),
-    (["cert", "create", "--server", "--name", NAME253 + "b"], 2, "--name"),
+    (["cert", "create", "--server", "--name", "a" * 64], 2, "at most 63"),
+    (["cert", "create", "--server", "--name", f"{'a' * 64}.example"], 2, "at most 63"),
+    (["cert", "create", "--server", "--name", NAME253 + "b"], 2, "at most 253"),
+    (["cert", "create", "--server", "--name", "256.1.1.1"], 2, "is not an IP address"),
+    (["cert", "create", "--server", "--name", "01.2.3.4"], 2, "is not an IP address"),
+    (["cert", "create", "--server", "--name", "1.2.3"], 2, "is not an IP address"),
+    (["cert", "create", "--server", "--name", "bücher.example"], 2, "'xn--bcher-kva.example'"),
     (["cert", "create", "--server", "--name", "*.*.example"], 2, "--name"),
     (["cert", "create", "--server", "--name", "fe80::1%eth0"], 2, "--name"),
     (["cert", "create", "--server", "--name", ",".join(f"h{i}" for i in range(33))], 2, "--name"),
@@ -140,9 +145,11 @@ def test_force_replaces_and_a_server_certificate_never_outlives_its_ca(workdir):
     assert open(os.path.join(d, "qlagent-ca.pem")).read() != first
     ca_end = json.loads(ok(workdir, "tls", "ca", "create", "--dir", d, "--days", "10", "--force",
                            "--json").stdout)["notAfter"]
-    srv = json.loads(ok(workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", d,
-                        "--days", "365", "--json").stdout)
-    assert srv["notAfter"] == ca_end
+    p = ok(workdir, "tls", "cert", "create", "--server", "--name", "localhost", "--dir", d, "--days", "365", "--json")
+    assert json.loads(p.stdout)["notAfter"] == ca_end
+    # Said, not silent: one line on stderr naming --days and the CA's end.
+    err = p.stderr.decode()
+    assert err.count("\n") == 1 and "--days 365 cut to the CA's end" in err and ca_end in err, err
 
 
 def _write_config(path: str, text: str) -> str:

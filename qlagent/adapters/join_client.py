@@ -1,5 +1,6 @@
-"""``qlagent worker join`` on the router (issue 26): redeem a join token at the control plane,
-trusting only the CA the token carries, before anything is written. Standard library only
+"""``qlagent worker join`` on the router (issue 26): read the Worker's enrolment (``describe``,
+the token left unused) and redeem the join token at the control plane, trusting only the CA the
+token carries, before anything is written. Standard library only
 (``ssl``, ``http.client``): a router never loads ``cryptography``."""
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ import http.client
 import json
 import ssl
 
+import msgspec
+
+from ..core.cluster import WorkerInfo
 from ..core.control import ControlError, ControlTlsError
 from ..core.control_url import parse_control_url
 from ..core.errors import ConflictError, NotFoundError, ValidationError
@@ -31,15 +35,11 @@ def ca_pem(ca_der_b64: str) -> str:
     return ssl.DER_cert_to_PEM_cert(der)
 
 
-def redeem(url: str, ca: str | None, worker_id: str, credential: str, token_id: str, timeout_s: float) -> str:
-    """``POST {url}/api/v3/cluster/workers/{worker_id}/join`` with the credential, over TLS
-    trusting only ``ca`` (PEM; None for an http:// loopback URL); the Worker's name.
-
-    Raises ControlTlsError (exit 2) when the replica's certificate is not signed by ``ca`` or
-    names another host; ControlUnreachable (exit 5) without an answer; NotFoundError for a
-    Worker the control plane does not know with this credential (removed, credential rotated)
-    or an unknown token; ConflictError ``join_token_used`` / ``join_token_expired``;
-    ControlError for another answer."""
+def _ask(url: str, ca: str | None, method: str, path: str, credential: str, body: bytes,
+         timeout_s: float) -> tuple[int, dict]:
+    """One request to the replica at ``url`` as the Worker whose ``credential`` the token
+    carries, over TLS trusting only ``ca``: (status, JSON body or {}). The no-answer errors of
+    ``redeem``."""
     scheme, host, port = parse_control_url(url)
     ctx = None
     if scheme == "https":
@@ -49,10 +49,11 @@ def redeem(url: str, ca: str | None, worker_id: str, credential: str, token_id: 
         conn = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=ctx)
     else:
         conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    headers = {"Authorization": f"Worker {credential}", "Connection": "close"}
+    if body:
+        headers["Content-Type"] = "application/json"
     try:
-        conn.request("POST", f"/api/v3/cluster/workers/{worker_id}/join", body=json.dumps({"tokenId": token_id}),
-                     headers={"Authorization": f"Worker {credential}", "Content-Type": "application/json",
-                              "Connection": "close"})
+        conn.request(method, path, body=body or None, headers=headers)
         resp = conn.getresponse()
         raw = resp.read(MAX_ANSWER_BYTES)
     except BaseException as e:
@@ -65,17 +66,53 @@ def redeem(url: str, ca: str | None, worker_id: str, credential: str, token_id: 
     finally:
         conn.close()
     try:
-        body = json.loads(raw) if raw else {}
+        answer = json.loads(raw) if raw else {}
     except ValueError:
-        body = {}
-    if resp.status == 200:
+        answer = {}
+    return resp.status, answer if isinstance(answer, dict) else {}
+
+
+def _not_known(url: str, worker_id: str) -> NotFoundError:
+    return NotFoundError(f"TOKEN: {url}: the control plane knows no live Worker {worker_id} with this token's credential "
+                         "(removed, or its credential rotated since)", code="worker_not_found", field="TOKEN")
+
+
+def describe(url: str, ca: str | None, worker_id: str, credential: str, timeout_s: float) -> WorkerInfo | None:
+    """``GET {url}/api/v3/cluster/workers/{worker_id}`` with the token's credential (read only:
+    the token stays unused): the Worker's enrolment and the replica's Session TTL; None from a
+    control plane older than the route (404). The refusals and no-answer errors of ``redeem``."""
+    status, body = _ask(url, ca, "GET", f"/api/v3/cluster/workers/{worker_id}", credential, b"", timeout_s)
+    if status in (401, 403):
+        raise _not_known(url, worker_id)
+    if status == 404:
+        return None
+    if status != 200:
+        raise ControlError(f"{url}: answered {status} {body.get('error', '')} {body.get('message', '')}".rstrip(),
+                           status=status)
+    try:
+        return msgspec.convert(body, type=WorkerInfo)
+    except msgspec.ValidationError:
+        raise ControlError(f"{url}: the answer is not a Worker description", code="bad_answer", status=status) from None
+
+
+def redeem(url: str, ca: str | None, worker_id: str, credential: str, token_id: str, timeout_s: float) -> str:
+    """``POST {url}/api/v3/cluster/workers/{worker_id}/join`` with the credential, over TLS
+    trusting only ``ca`` (PEM; None for an http:// loopback URL); the Worker's name.
+
+    Raises ControlTlsError (exit 2) when the replica's certificate is not signed by ``ca`` or
+    names another host; ControlUnreachable (exit 5) without an answer; NotFoundError for a
+    Worker the control plane does not know with this credential (removed, credential rotated)
+    or an unknown token; ConflictError ``join_token_used`` / ``join_token_expired``;
+    ControlError for another answer."""
+    status, body = _ask(url, ca, "POST", f"/api/v3/cluster/workers/{worker_id}/join", credential,
+                        json.dumps({"tokenId": token_id}).encode(), timeout_s)
+    if status == 200:
         return str(body.get("name", ""))
     code, message = body.get("error", ""), body.get("message", "")
-    if resp.status in (401, 403):
-        raise NotFoundError(f"TOKEN: {url}: the control plane knows no live Worker {worker_id} with this token's credential "
-                            "(removed, or its credential rotated since)", code="worker_not_found", field="TOKEN")
-    if resp.status == 404 and code == "join_token_not_found":
+    if status in (401, 403):
+        raise _not_known(url, worker_id)
+    if status == 404 and code == "join_token_not_found":
         raise NotFoundError(f"TOKEN: {url}: {message}", code=code, field="TOKEN")
-    if resp.status == 409:
+    if status == 409:
         raise ConflictError(f"TOKEN: {url}: {message}", code=code or "conflict", field="TOKEN")
-    raise ControlError(f"{url}: answered {resp.status} {code} {message}".rstrip(), status=resp.status)
+    raise ControlError(f"{url}: answered {status} {code} {message}".rstrip(), status=status)

@@ -27,8 +27,9 @@ MAX_CA_DAYS = 3650          # ten years
 MAX_CERT_DAYS = 825         # what browsers and most TLS stacks still accept for a server certificate
 MAX_NAMES = 32
 MAX_COMMON_NAME = 64        # X.509's upper bound for a commonName (RFC 5280, ub-common-name)
-_DNS = re.compile(r"(?=.{1,253}$)(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*",
-                  re.IGNORECASE)
+MAX_DNS_NAME = 253          # RFC 1035 §2.3.4, in its dotted text form
+MAX_DNS_LABEL = 63
+_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", re.IGNORECASE)
 
 
 def check_days(days: int, most: int) -> int:
@@ -49,19 +50,49 @@ def check_common_name(name: str) -> str:
     return name
 
 
+def check_dns_name(name: str) -> str:
+    """``name`` when it is a DNS name a certificate can carry: ASCII letters, digits and hyphens
+    in dot-separated labels (1..63 characters, no hyphen at either end), 1..253 characters, one
+    leading ``*.`` allowed, its last label not all digits (that is an IP address, RFC 3696 §2).
+    ValidationError naming ``--name`` with the limit broken (an internationalized name: with its
+    ``xn--`` form to give instead)."""
+    if not name.isascii():
+        try:
+            ace = name.encode("idna").decode("ascii")
+        except UnicodeError:
+            ace = None
+        hint = f"give its xn-- form {ace!r}" if ace else "give its xn-- (IDNA) form"
+        raise ValidationError("--name", f"{name!r}: a certificate carries a DNS name in ASCII: {hint}")
+    if len(name) > MAX_DNS_NAME:
+        raise ValidationError("--name", f"{name[:20]!r}…: {len(name)} characters; a DNS name has at most "
+                                        f"{MAX_DNS_NAME}", limit=MAX_DNS_NAME)
+    labels = name.split(".")
+    if labels[0] == "*" and len(labels) > 1:
+        labels = labels[1:]
+    for label in labels:
+        if len(label) > MAX_DNS_LABEL:
+            raise ValidationError("--name", f"{name!r}: the label {label[:20]!r}… has {len(label)} characters; a "
+                                            f"DNS label has at most {MAX_DNS_LABEL}", limit=MAX_DNS_LABEL)
+        if not _LABEL.fullmatch(label):
+            raise ValidationError("--name", f"{name!r} is neither an IP address nor a DNS name (labels of letters, "
+                                            "digits and inner hyphens, separated by dots)")
+    if labels[-1].isdigit():
+        raise ValidationError("--name", f"{name!r} is not an IP address (four numbers 0..255 without leading "
+                                        "zeros) and a DNS name's last label cannot be all digits")
+    return name
+
+
 def parse_names(text: str) -> list[str]:
     """``HOST[,HOST…]`` → the subjectAltNames as ``DNS:name`` / ``IP:address`` (1..32, no
-    repeats; a DNS name of letters, digits and hyphens, one leading ``*.`` allowed). Raises
-    ValidationError naming ``--name`` and the entry."""
+    repeats; a DNS name by ``check_dns_name``). Raises ValidationError naming ``--name`` and the
+    entry."""
     out: list[str] = []
     for raw in text.split(","):
         name = raw.strip()
         try:
             address = ipaddress.ip_address(name)
         except ValueError:
-            if not _DNS.fullmatch(name):
-                raise ValidationError("--name", f"{name!r} is neither an IP address nor a DNS name") from None
-            entry = f"DNS:{name.lower()}"
+            entry = f"DNS:{check_dns_name(name).lower()}"
         else:
             if getattr(address, "scope_id", None):
                 # An IP subjectAltName is the bare 16 bytes: a certificate cannot carry the scope.

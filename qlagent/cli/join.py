@@ -5,12 +5,18 @@ control plane; ``qlagent worker join TOKEN`` on the router redeems it and writes
 file, then runs ``qlagent doctor`` as that user and says how to restart the service.
 
 ``worker join`` writes nothing unless every check before the write passes: the token decodes
-and has not expired by this host's clock, the configuration it would write validates, no file
-is there already (``--force`` replaces them), and the control plane — over TLS trusting only
-the token's CA — accepts the token (``adapters.join_client.redeem``). On OpenWrt (``uci`` and
+and has not expired by this host's clock, no file is there already (``--force`` replaces them:
+of a present ``[worker]`` only what the token carries — Worker ID, URLs, credential and CA
+files — and the labels of ``--label``; every other key is kept), what the Worker would claim
+is within its enrolment and its heartbeat fits the replica's Session TTL (asked read only with
+the token's credential; the enrolled ``slots`` are written when none are set), the
+configuration it would write validates, and the control plane — over TLS trusting only the
+token's CA — accepts the token (``adapters.join_client.redeem``). On OpenWrt (``uci`` and
 ``/etc/openwrt_release``, or ``--uci``) the options go to UCI ``qlagent.main`` instead of a TOML
 file, checked when the init script converts them at the restart.
-Refusals: exit 2 ``TOKEN`` (truncated, damaged, wrong CA), ``--user``, ``--config``; exit 3
+Refusals: exit 2 ``TOKEN`` (truncated, damaged, wrong CA), ``--user``, ``--config``, ``--label``
+(not granted), ``worker.slots`` / ``worker.executors`` (wider than the enrolment),
+``worker.heartbeat_interval_s`` (too slow for the Session TTL); exit 3
 ``file_exists``, ``join_token_used``, ``join_token_expired``; exit 4 ``worker_not_found`` (a
 removed Worker) or ``join_token_not_found``; exit 5 no control plane answered."""
 
@@ -176,17 +182,69 @@ def _toml_str(v: str) -> str:
     return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _worker_table(token, credential_file: str, ca_file: str | None, labels: dict[str, str]) -> str:
-    urls = token.urls[0] if len(token.urls) == 1 else token.urls
-    lines = ["[worker]", f"worker_id = {_toml_str(token.worker_id)}",
-             "control_url = " + (_toml_str(urls) if isinstance(urls, str)
-                                 else "[" + ", ".join(_toml_str(u) for u in urls) + "]"),
-             f"credential_file = {_toml_str(credential_file)}"]
-    if ca_file is not None:
-        lines.append(f"ca_file = {_toml_str(ca_file)}")
-    if labels:
-        lines.append("labels = { " + ", ".join(f"{_toml_str(k)} = {_toml_str(v)}" for k, v in labels.items()) + " }")
-    return "\n".join(lines) + "\n"
+def _toml_value(v) -> str:
+    if isinstance(v, str):
+        return _toml_str(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_toml_str(k)} = {_toml_value(x)}" for k, x in v.items()) + " }" if v else "{}"
+    raise E.ValidationError("--config", f"a [worker] value of type {type(v).__name__} cannot be kept")
+
+
+# What a join token decides; every other [worker] key of the present configuration is kept.
+_TOKEN_KEYS = ("worker_id", "control_url", "credential_file", "ca_file")
+
+
+def _worker_table(values: dict) -> str:
+    """The ``[worker]`` table of ``values`` (key → a value tomllib reads), in their order."""
+    return "\n".join(["[worker]", *(f"{k} = {_toml_value(v)}" for k, v in values.items())]) + "\n"
+
+
+def _present_worker(path: str) -> dict:
+    """The ``[worker]`` table of the config file at ``path`` ({} without one or without the
+    file). ValidationError naming ``--config`` when the file is not TOML."""
+    import tomllib
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as e:
+        raise E.ValidationError("--config", f"{path}: not valid TOML ({e})") from None
+    w = doc.get("worker")
+    return dict(w) if isinstance(w, dict) else {}
+
+
+def _uci_present() -> dict:
+    """The Worker options of UCI ``qlagent.main`` that join checks and keeps (``slots``,
+    ``heartbeat_interval_s``, ``label`` and ``executor`` lists), as ``[worker]`` keys; an
+    option not set is absent. ValidationError naming the UCI option when its value is not one."""
+    import shlex
+    import subprocess
+    out: dict = {}
+    for opt in ("slots", "heartbeat_interval_s", "label", "executor"):
+        p = subprocess.run(["uci", "-q", "show", f"qlagent.main.{opt}"], capture_output=True, timeout=30)
+        if p.returncode != 0:
+            continue
+        raw = p.stdout.decode(errors="replace").strip().partition("=")[2]
+        values = shlex.split(raw)
+        try:
+            if opt == "slots":
+                out["slots"] = int(values[0])
+            elif opt == "heartbeat_interval_s":
+                out["heartbeat_interval_s"] = float(values[0])
+            elif opt == "label":
+                out["labels"] = dict(v.split("=", 1) for v in values)
+            else:
+                out["executors"] = values
+        except (ValueError, IndexError):
+            raise E.ValidationError(f"qlagent.main.{opt}", f"{raw!r} is not a value of this option") from None
+    return out
 
 
 _TABLE = re.compile(r"^\s*\[\s*(worker|cluster)(\.[^\]]*)?\s*\]", re.MULTILINE)
@@ -204,18 +262,25 @@ def _without_role(text: str) -> str:
     return "".join(out)
 
 
-def _config_text(path: str, state_dir: str | None, table: str, force: bool) -> str:
-    """The new config file's text: the present file's settings (profile, state_dir, [http] …)
-    without a role, then ``table``. ConflictError ``file_exists`` when the present file has a
+def _present_text(path: str, force: bool) -> str:
+    """The config file's text ("" without one). ConflictError ``file_exists`` when it has a
     ``[worker]`` or ``[cluster]`` table and not ``force``."""
     try:
         with open(path) as f:
             old = f.read()
     except FileNotFoundError:
-        old = ""
+        return ""
     if _TABLE.search(old) and not force:
         raise E.ConflictError(f"{path} already has a [worker] or [cluster] table; --force replaces it",
                               field="--config", code="file_exists")
+    return old
+
+
+def _config_text(path: str, state_dir: str | None, table: str, force: bool) -> str:
+    """The new config file's text: the present file's settings (profile, state_dir, [http] …)
+    without a role, then ``table``. ConflictError ``file_exists`` when the present file has a
+    ``[worker]`` or ``[cluster]`` table and not ``force``."""
+    old = _present_text(path, force)
     head = _without_role(old).rstrip("\n")
     if state_dir is not None:
         head = re.sub(r"(?m)^\s*state_dir\s*=.*\n?", "", head).rstrip("\n")
@@ -310,8 +375,24 @@ def cmd_worker_join(ctx) -> int:
         if os.path.lexists(p) and not a.force:
             raise E.ConflictError(f"{p} exists; --force replaces it", field="--dir", code="file_exists")
     from .workers import _labels
-    labels = _labels(a.label or [])
-    table = _worker_table(token, cred_file, ca_file if ca is not None else None, labels)
+    if not uci:
+        _present_text(config, a.force)
+    present = _uci_present() if uci else _present_worker(config)
+    values: dict = {"worker_id": token.worker_id,
+                    "control_url": token.urls[0] if len(token.urls) == 1 else list(token.urls),
+                    "credential_file": cred_file}
+    if ca is not None:
+        values["ca_file"] = ca_file
+    values.update((k, v) for k, v in present.items() if k not in _TOKEN_KEYS)
+    if a.label:
+        values["labels"] = _labels(a.label)
+    # Read only (the token stays unused): what the enrolment grants and how long a Session lives.
+    info = bootstrap.describe_joining_worker(token, ca, JOIN_TIMEOUT_S)
+    if info is not None:
+        # Written when the configuration names no slots: the Worker would run 1 run at a time.
+        values.setdefault("slots", info.slots)
+        _check_against(a, info, values)
+    table = _worker_table(values)
     text = None
     if not uci:
         text = _config_text(config, a.target_state_dir, table, a.force)
@@ -334,8 +415,10 @@ def cmd_worker_join(ctx) -> int:
                                                       ("credential_file", cred_file)]
         if ca is not None:
             options.append(("ca_file", ca_file))
-        if labels:
-            options.append(("label", [f"{k}={v}" for k, v in labels.items()]))
+        if a.label:
+            options.append(("label", [f"{k}={v}" for k, v in values["labels"].items()]))
+        if "slots" in values and "slots" not in present:
+            options.append(("slots", str(values["slots"])))
         _uci_set(options)
         where, restart = "UCI qlagent.main", "/etc/init.d/qlagent restart"
     else:
@@ -369,6 +452,34 @@ def cmd_worker_join(ctx) -> int:
             print(f"{'ok  ' if c['ok'] else 'FAIL'}  {c['name']:<14} {c['detail']}")
         print(f"next        {restart}")
     return E.EXIT_UNAVAILABLE if bad else 0
+
+
+def _check_against(a, info, values: dict) -> None:
+    """The ``[worker]`` ``values`` about to be written, judged as the control plane will judge
+    the Worker's hello (``bootstrap.check_within_enrolment``) and its heartbeat cadence against
+    the replica's Session TTL (``bootstrap.check_session_fit``): a ValidationError naming the
+    label (``--label`` when given here) or the key, so nothing is written that ``serve`` refuses."""
+    from .. import bootstrap
+    from ..core.settings import WorkerConfig
+    defaults = WorkerConfig(worker_id="", control_url="", credential_file="")
+    labels = values.get("labels", {})
+    try:
+        bootstrap.check_within_enrolment(info, labels if isinstance(labels, dict) else {},
+                                         values.get("executors", defaults.executors),
+                                         values.get("slots", defaults.slots))
+    except E.ValidationError as e:
+        granted = ", ".join(f"{k}={v}" for k, v in sorted(info.labels.items())) or "none"
+        if e.field.startswith("worker.labels.") and a.label:
+            key = e.field.removeprefix("worker.labels.")
+            raise E.ValidationError("--label", f"{key}={labels[key]} is not granted by the enrolment of {info.name} "
+                                               f"(its labels: {granted}); `qlagent workers enroll` decides what a "
+                                               "Worker may claim") from None
+        raise E.ValidationError(e.field, f"{e.message.partition(': ')[2]} (enrolment of {info.name}: labels "
+                                         f"{granted}, executors {','.join(info.executor_types)}, slots {info.slots})",
+                                limit=e.limit) from None
+    interval = values.get("heartbeat_interval_s", defaults.heartbeat_interval_s)
+    if info.session_ttl_s is not None and isinstance(interval, (int, float)):
+        bootstrap.check_session_fit(interval, info.session_ttl_s)
 
 
 def _doctor(config: str, uid: int, gid: int) -> list[dict]:

@@ -17,6 +17,8 @@ exit 2 naming ``--days``, ``--common-name``, ``--name``, ``--server``, ``--ca``,
 from __future__ import annotations
 
 import os
+import sys
+import time
 
 from ..core import errors as E
 
@@ -53,7 +55,12 @@ def cmd_cert_create(ctx) -> int:
     from ..bootstrap import make_server_certificate
     from .join import service_user
     uid, gid, user = service_user(a.user)
+    asked = int(time.time()) + a.days * 86_400
     cert, key, names, end = make_server_certificate(a.dir, a.name, a.ca, a.ca_key, a.days, a.force, (uid, gid))
+    if end < asked - 3600:      # not a second's drift: the CA ends first
+        from .common import fmt_us as _fmt_us
+        print(f"qlagent: --days {a.days} cut to the CA's end ({_fmt_us(end * 1_000_000)}, {(end - time.time()) / 86_400:.1f} "
+              "days): a certificate cannot outlive its CA", file=sys.stderr)
     return _report(ctx, cert, key, names, end, "server", user)
 
 

@@ -251,8 +251,10 @@ class WorkerRegistry:
     def describe(self, worker_id: str, credential: str) -> WorkerInfo:
         """What the control plane knows of this Worker (name, state, generation, enrolment), for
         ``qlagent doctor`` on the Worker: read only, so asking never fences the running Worker's
-        Session (a hello would). WorkerAuthError unless the credential is this live Worker's."""
-        return self._store.describe(check_uuid("workerId", worker_id), credential_digest(credential))
+        Session (a hello would), with this replica's Session TTL. WorkerAuthError unless the
+        credential is this live Worker's."""
+        info = self._store.describe(check_uuid("workerId", worker_id), credential_digest(credential))
+        return msgspec.structs.replace(info, session_ttl_s=self._t.session_ttl_s)
 
     def credential_owner(self, credential: str) -> str | None:
         """The live Worker ID this credential was issued to, else None (tells a credential used

@@ -380,6 +380,9 @@ class WorkerInfo(msgspec.Struct, frozen=True, rename="camel"):
     labels: dict[str, str]
     executor_types: tuple[str, ...]
     slots: int
+    # The replica's Session TTL (s): a Worker checks its heartbeat cadence against it before
+    # it opens a Session. None from a replica older than the field.
+    session_ttl_s: int | None = None
 
 
 class CandidateSignal(Protocol):
@@ -405,6 +408,18 @@ class AdoptClaim(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fie
         return f"AdoptClaim(attempt={self.attempt_id}, lease={self.lease_generation})"
 
     __str__ = __repr__
+
+
+_HELLO_CONFIG = {"labels": "worker.labels", "executorTypes": "worker.executors", "slots": "worker.slots"}
+
+
+def hello_config_field(wire_field: str | None) -> str | None:
+    """The ``[worker]`` key a refused hello field comes from (``hello.labels.site`` →
+    ``worker.labels.site``), or None for any other field."""
+    parts = (wire_field or "").split(".")
+    if len(parts) < 2 or parts[0] != "hello" or parts[1] not in _HELLO_CONFIG:
+        return None
+    return ".".join([_HELLO_CONFIG[parts[1]], *parts[2:]])
 
 
 class Hello(msgspec.Struct, frozen=True, rename="camel", forbid_unknown_fields=True, kw_only=True):

@@ -107,9 +107,11 @@ class TaskStartError(QlError):
         return cls(409, FENCE_REJECTED, message or f"task start rejected: {reason}", reason=reason)
 
     @classmethod
-    def unavailable(cls, message: str = "task start is unavailable; retry later") -> TaskStartError:
-        """503 ``task_start_unavailable``: store, clock or execution revision cannot be trusted."""
-        return cls(503, UNAVAILABLE, message)
+    def unavailable(cls, cause: QlError | None = None) -> TaskStartError:
+        """503 ``task_start_unavailable``: store, clock or execution revision cannot be trusted;
+        the message names ``cause`` (its code and line, as the read routes answer it) when given."""
+        why = f" ({cause.code}: {cause})" if cause is not None else ""
+        return cls(503, UNAVAILABLE, f"task start is unavailable{why}; retry later")
 
 
 def _check_values(doc: dict[str, object]) -> None:

@@ -116,7 +116,7 @@ class Api:
                 raise ts.TaskStartError.not_found() from None
             raise
         except UnavailableError as e:    # the store did not answer the principal's reads in time
-            raise ts.TaskStartError.unavailable() from e
+            raise ts.TaskStartError.unavailable(e) from e
         body = ts.decode_task_start(req.body)   # read only after authentication (ADR-0376 §4)
         try:
             created = self.runs.start(
@@ -129,7 +129,7 @@ class Api:
         except NotFoundError:
             raise ts.TaskStartError.not_found() from None
         except UnavailableError as e:
-            raise ts.TaskStartError.unavailable() from e
+            raise ts.TaskStartError.unavailable(e) from e
         result = ts.TaskStartResult.build(
             outcome="existing" if created.existing else "accepted", run_id=created.run_id,
             attempt_id=created.attempt_id, event_ids=tuple(created.event_ids),

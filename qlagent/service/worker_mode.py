@@ -46,7 +46,13 @@ def serve_worker(settings: Settings, listen: str | None = None, exit_after_s: fl
         return EXIT_UNAVAILABLE
     rt = None
     try:
-        rt = bootstrap.build_worker(settings, log, Notifier())
+        notify = Notifier()
+        # A cadence the control plane's Session TTL cannot take is bad config: said before the
+        # Worker reports ready or opens a Session (which would fence what it holds). A silent
+        # link must not hold the start-up past a quarter of the systemd watchdog interval.
+        bootstrap.check_worker_cadence(settings, min(bootstrap.DOCTOR_TIMEOUT_S, notify.watchdog_us / 4e6)
+                                       if notify.watchdog_us else bootstrap.DOCTOR_TIMEOUT_S)
+        rt = bootstrap.build_worker(settings, log, notify)
         counts = rt.recover()
         _start_status_surface(settings, rt, listen, log)
         rt.reload_config = lambda: _reload_config(settings, log)

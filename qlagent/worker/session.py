@@ -7,7 +7,8 @@ from typing import TypeVar
 
 import msgspec
 
-from ..core.cluster import MAX_ADOPT, MAX_HELD, AdoptClaim, HeartbeatRequest, HeldLease, SessionGrant
+from ..core.cluster import (MAX_ADOPT, MAX_HELD, AdoptClaim, HeartbeatRequest, HeldLease, SessionGrant,
+                            hello_config_field)
 from ..core.control import (ControlAuthError, ControlError, ControlTlsError, ControlUnreachable, RequestRefused,
                             SessionGone)
 from ..core.errors import ValidationError
@@ -22,16 +23,20 @@ T = TypeVar("T")
 REPLACED_RESET_US = 60_000_000          # a Session kept this long ends the back-off of session_replaced
 NOT_READY_LOG_US = 60_000_000           # while stuck (no Session, refused credential), say why this often
 
-_HELLO_CONFIG = {"labels": "worker.labels", "executorTypes": "worker.executors", "slots": "worker.slots"}
-
-
-def _config_field(wire_field: str | None) -> str | None:
-    """The ``[worker]`` key a refused hello field comes from (``hello.labels.site`` →
-    ``worker.labels.site``), or None for any other field."""
-    parts = (wire_field or "").split(".")
-    if len(parts) < 2 or parts[0] != "hello" or parts[1] not in _HELLO_CONFIG:
-        return None
-    return ".".join([_HELLO_CONFIG[parts[1]], *parts[2:]])
+def check_session_fit(interval_s: float, session_ttl_s: float) -> None:
+    """``heartbeat.check_cadence`` of a Worker's ``heartbeat_interval_s`` (s) against the
+    control plane's Session TTL (s; the Session and Lease TTLs are one table, and a run with no
+    grace has the smallest fencing margin), so every run is renewed before its fencing starts.
+    ValidationError naming ``worker.heartbeat_interval_s`` with both values and the largest
+    interval that fits."""
+    ttl_us = int(session_ttl_s * 1e6)
+    try:
+        heartbeat.check_cadence(interval_s, session_ttl_s, fencing.margin_us(ttl_us, KILL_REAP_US) / 1e6)
+    except ValidationError as e:
+        raise ValidationError("worker.heartbeat_interval_s",
+                              f"{interval_s:g} s cannot renew the control plane's {session_ttl_s:g} s Session/Lease "
+                              f"(session_ttl_s) in time (at most {max(e.limit, 0):.3f} s: "
+                              f"{e.args[0].split(': ', 1)[-1]})", limit=e.limit) from None
 
 
 class SessionDuty:
@@ -114,7 +119,7 @@ class SessionDuty:
                     raise
             else:
                 self.tls_refusals = 0
-            field = _config_field(e.field) if isinstance(e, RequestRefused) else None
+            field = hello_config_field(e.field) if isinstance(e, RequestRefused) else None
             if field is not None and not self.connected_once:
                 # [worker] labels/executors/slots wider than the enrolment: the same hello would be
                 # refused for ever, so it is bad config (one line naming the key, exit 2).
@@ -179,18 +184,12 @@ class SessionDuty:
             self.log("info", "worker.lease_adopted", attempt=j.attempt_id, generation=grant.generation)
 
     def _check_cadence(self, ttl_us: int) -> None:
-        """At start-up, the first Session's TTL (the control plane's Session and Lease TTLs are
-        one table; the Lease's is learnt only with an offer) must fit ``MIN_BEATS_PER_TTL``
-        heartbeats after the fencing margin of a run with no grace, or every run would be
-        stopped before its first renewal: one line naming the key, exit 2 (worker.heartbeat
-        ``check_cadence``). A Task's own grace is the control plane's to check (core.leasefit)."""
-        try:
-            heartbeat.check_cadence(self.heartbeat_s, ttl_us / 1e6, fencing.margin_us(ttl_us, KILL_REAP_US) / 1e6)
-        except ValidationError as e:
-            raise ValidationError("worker.heartbeat_interval_s",
-                                  f"{self.heartbeat_s:g} s cannot renew a {ttl_us / 1e6:.1f} s Session/Lease in time "
-                                  f"(at most {max(e.limit, 0):.3f} s: {e.args[0].split(': ', 1)[-1]})",
-                                  limit=e.limit) from None
+        """At start-up, the first Session's TTL (the Lease's is learnt only with an offer) must
+        fit the heartbeat cadence (``check_session_fit``), or every run would be
+        stopped before its first renewal: one line naming the key, exit 2. ``serve`` asks the
+        same before it opens a Session; this catches a control plane that did not say. A Task's
+        own grace is the control plane's to check (core.leasefit)."""
+        check_session_fit(self.heartbeat_s, ttl_us / 1e6)
 
     def _beat_delay_us(self) -> int:
         return int(heartbeat.heartbeat_delay_s(self.heartbeat_s, self.rand()) * 1e6)

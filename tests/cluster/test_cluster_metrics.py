@@ -198,6 +198,8 @@ def test_store_errors_count_the_duties_and_requests_failed_while_the_database_wa
                 assert (st, answer["error"]) == (503, "cluster_unavailable"), answer
                 st, answer = r.request("POST", f"{BASE}/tasks/hello/runs", start, tok)
                 assert (st, answer["code"]) == (503, "task_start_unavailable"), answer
+                # The cause, as the read routes name it: not a bare "retry later".
+                assert "store_unavailable: cluster database unavailable" in answer["message"], answer
             finally:
                 admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
 

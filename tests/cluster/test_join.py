@@ -77,7 +77,7 @@ def _refused(p: subprocess.CompletedProcess, code: int, *words: str) -> None:
 
 def test_join_writes_config_credential_and_ca_that_doctor_accepts(cp):
     env, replica, tls = cp
-    token = _enroll(env, "r1", port=replica.port)
+    token = _enroll(env, "r1", "--label", "site=lab", "--label", "rack=2", port=replica.port)
     router = _router(env, "ok")
     p = _join(router, token, "--label", "site=lab", "--json")
     assert p.returncode == 0, (p.stdout, p.stderr)
@@ -248,17 +248,30 @@ def test_bad_join_token_options_enroll_nothing(cp, args, field):
     assert "nope" not in env.ok("workers", "ls")
 
 
+def _worker_config(config: str) -> dict:
+    ok = _cli("config", "check", "--config", config, "--json")
+    assert ok.returncode == 0, ok.stderr
+    return json.loads(ok.stdout)["config"]["worker"]
+
+
 def test_rotate_credential_keeps_the_worker_id_and_refuses_the_old_one_at_once(cp):
     env, replica, _ = cp
     url = f"https://localhost:{replica.port}"
-    first = json.loads(env.ok("workers", "enroll", "rot", "--label", "site=lab", "--join-token", "--url", url,
-                              "--json"))
+    first = json.loads(env.ok("workers", "enroll", "rot", "--label", "site=lab", "--slots", "3", "--join-token",
+                              "--url", url, "--json"))
     listed = {w["name"]: w for w in json.loads(env.ok("workers", "ls", "--json"))["items"]}
     assert listed["rot"]["labels"] == {"site": "lab"}
     assert "site=lab" in next(ln for ln in env.ok("workers", "ls").splitlines() if ln.startswith("rot "))
     router = _router(env, "rot")
-    assert _join(router, first["joinToken"]).returncode == 0
+    assert _join(router, first["joinToken"], "--label", "site=lab").returncode == 0
     config = os.path.join(router, "qlagent.toml")
+    # The enrolled slots are written: the Worker runs 3 at once, not 1.
+    assert _worker_config(config)["slots"] == 3
+    # The operator's own [worker] keys, and a table of their own after it.
+    with open(config) as f:
+        text = f.read().replace("slots = 3", "slots = 2\nheartbeat_interval_s = 2\npull_wait_s = 7")
+    with open(config, "w") as f:
+        f.write(text + '\n[http]\nmetrics = true\n')
     rotated = json.loads(env.ok("workers", "rotate-credential", "rot", "--join-token", "--url", url, "--json"))
     assert rotated["workerId"] == first["workerId"]
     # The router's credential (the old one) is refused now.
@@ -269,6 +282,11 @@ def test_rotate_credential_keeps_the_worker_id_and_refuses_the_old_one_at_once(c
     assert json.loads(p.stdout)["workerId"] == first["workerId"]
     doctor = json.loads(_cli("doctor", "--config", config, "--json").stdout)["checks"]
     assert [c["ok"] for c in doctor if c["name"] == "worker"] == [True]
+    # --force replaced what the token carries and kept every other key.
+    worker = _worker_config(config)
+    assert (worker["slots"], worker["heartbeat_interval_s"], worker["pull_wait_s"]) == (2, 2.0, 7)
+    assert worker["labels"] == {"site": "lab"} and worker["worker_id"] == first["workerId"]
+    assert "metrics = true" in open(config).read()
     plain = json.loads(env.ok("workers", "rotate-credential", "rot", "--json"))
     assert plain["workerId"] == first["workerId"] and plain["credential"].startswith("qlw_")
     _refused(env.cli("workers", "rotate-credential", "nobody"), 4, "nobody")
@@ -358,7 +376,9 @@ def test_join_on_openwrt_writes_uci_options(cp):
     uci = os.path.join(env.root, "uci")
     os.mkdir(uci)
     router = _router(env, "openwrt")
-    token = _enroll(env, "owrt", port=replica.port)
+    token = _enroll(env, "owrt", "--label", "site=roof", "--slots", "2", port=replica.port)
+    with open(os.path.join(uci, "heartbeat_interval_s"), "w") as f:
+        f.write("2.5")             # the operator's own option: kept
     p = run_cli("worker", "join", token, "--uci", "--dir", router, "--label", "site=roof",
                 env={"UCI_DIR": uci, "PATH": standin + os.pathsep + os.environ["PATH"]}, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -372,4 +392,44 @@ def test_join_on_openwrt_writes_uci_options(cp):
     assert opt("credential_file") == os.path.join(router, "worker.cred")
     assert opt("ca_file") == os.path.join(router, "cp-ca.pem") and opt("label") == ["site=roof"]
     assert len(opt("worker_id")) == 36 and os.path.exists(os.path.join(uci, ".committed"))
+    assert opt("slots") == "2" and opt("heartbeat_interval_s") == "2.5"
     assert sorted(os.listdir(router)) == ["cp-ca.pem", "worker.cred"]
+
+
+def test_join_refuses_what_the_control_plane_would_refuse_at_the_hello_and_writes_nothing(cp):
+    """A label the enrolment does not grant, slots above the enrolled ones, a heartbeat too slow
+    for the replica's Session TTL (30 s): refused by join (one line, exit 2), as ``serve`` would
+    refuse it; the heartbeat also by ``doctor`` and by ``serve`` before ``worker.ready``."""
+    env, replica, _ = cp
+    router = _router(env, "narrow")
+    token = _enroll(env, "narrow", "--slots", "2", port=replica.port)
+    _refused(_join(router, token, "--label", "site=x"), 2, "--label", "site=x", "not granted by the enrolment",
+             "labels: none")
+    assert os.listdir(router) == []
+    config = os.path.join(router, "qlagent.toml")
+    for extra, words in (("slots = 3", ("worker.slots", "3 exceeds the enrolled 2")),
+                         ("heartbeat_interval_s = 10", ("worker.heartbeat_interval_s", "10 s", "30 s"))):
+        text = f'[worker]\nworker_id = "{decode_token(token).worker_id}"\ncontrol_url = "https://localhost:1"\n' \
+               f'credential_file = "/nonexistent"\n{extra}\n'
+        with open(config, "w") as f:
+            f.write(text)
+        _refused(_join(router, token, "--force"), 2, *words)
+        assert sorted(os.listdir(router)) == ["qlagent.toml"] and open(config).read() == text
+    # The token is still unused: it joins with what the enrolment grants.
+    os.unlink(config)
+    assert _join(router, token).returncode == 0
+    # The cadence made too slow afterwards: doctor names both values, serve refuses it before
+    # it says ready or opens a Session.
+    with open(config) as f:
+        text = f.read()
+    with open(config, "w") as f:
+        f.write(text.replace("slots = 2", "slots = 2\nheartbeat_interval_s = 10"))
+    checks = json.loads(_cli("doctor", "--config", config, "--json").stdout)["checks"]
+    beat = [c for c in checks if c["name"] == "heartbeat"]
+    assert [c["ok"] for c in beat] == [False] and "10 s" in beat[0]["detail"] and "30 s" in beat[0]["detail"]
+    generation = "SELECT generation FROM workers WHERE name = 'narrow' AND state <> 'removed'"
+    before = env.sql(generation)
+    p = run_cli("serve", "--config", config, timeout=120)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and "worker.heartbeat_interval_s" in err and "worker.ready" not in err, err
+    assert env.sql(generation) == before
