@@ -9,7 +9,10 @@ live in ``tests/conftest.py``.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import inspect
+import json
 import os
 import signal
 import socket
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import shutil
 import weakref
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +35,50 @@ SCRATCH_ROOT = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 def scratch_dir(prefix: str) -> str:
     """A fresh directory named ``PREFIX…`` under ``SCRATCH_ROOT``. The caller removes it."""
     return tempfile.mkdtemp(prefix=prefix, dir=SCRATCH_ROOT)
+
+
+@contextlib.contextmanager
+def small_file_systems(prefix: str):
+    """A scratch directory and ``mount(name, size)``, which mounts a tmpfs of ``size`` (mount's
+    syntax: "1m", "8m") at ``name`` below it, mode 0700, and returns its path: a small flash for
+    the test. Every mount is undone and the directory removed at the end. Root only."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    mounts = []
+
+    def mount(name: str, size: str) -> str:
+        path = os.path.join(d, name)
+        os.mkdir(path, 0o700)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path],
+                       check=True)
+        mounts.append(path)
+        return path
+    try:
+        yield d, mount
+    finally:
+        for path in mounts:
+            subprocess.run(["umount", "-l", path], check=False)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def fill(path: str) -> None:
+    """Write ``path`` until its file system is full (ENOSPC)."""
+    with open(path, "ab", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def readyz(port: int) -> tuple[int, dict]:
+    """GET /readyz on loopback ``port``: (status, JSON body)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        c.request("GET", "/readyz")
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        c.close()
 
 
 class WaitTimeout(AssertionError, TimeoutError):

@@ -5,16 +5,12 @@ held, and a Run held for space says so with its figures in the journal, ``run sh
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
-import subprocess
-import tempfile
 
 import pytest
 from execkit import Agent, task
-from kit import free_port, wait_until
+from kit import free_port, readyz, small_file_systems, wait_until
 
 MiB = 1_048_576
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: root only")
@@ -24,19 +20,8 @@ BIG = "head -c 5000000 /dev/zero | tr '\\0' x\n"       # 5 MB: the 4 MiB log quo
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-space-")
-    mounts = []
-
-    def mount(name: str, size: str) -> str:
-        path = os.path.join(d, name)
-        os.mkdir(path, 0o700)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", path], check=True)
-        mounts.append(path)
-        return path
-    yield d, mount
-    for path in mounts:
-        subprocess.run(["umount", "-l", path], check=False)
-    shutil.rmtree(d, ignore_errors=True)
+    with small_file_systems("qlagent-space-") as fs:
+        yield fs
 
 
 def free(path: str) -> int:
@@ -47,16 +32,6 @@ def free(path: str) -> int:
 def grow(path: str, nbytes: int) -> None:
     with open(path, "ab") as f:
         f.write(b"\0" * nbytes)
-
-
-def readyz(port: int) -> tuple[int, dict]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        c.request("GET", "/readyz")
-        r = c.getresponse()
-        return r.status, json.loads(r.read())
-    finally:
-        c.close()
 
 
 def journal_has(a: Agent, text: str) -> str:

@@ -10,13 +10,10 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
-import subprocess
-import tempfile
 
 import pytest
 from execkit import Agent, task
-from kit import free_port, wait_until
+from kit import fill, free_port, small_file_systems, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: root only")
 
@@ -26,23 +23,9 @@ REASON = "write_error: ENOSPC (No space left on device)"
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-logfull-")
-    state = os.path.join(d, "state")
-    os.mkdir(state, 0o700)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", state], check=True)
-    yield d
-    subprocess.run(["umount", "-l", state], check=False)
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def fill(path: str) -> None:
-    """Write ``path`` until the file system is full (ENOSPC)."""
-    with open(path, "ab", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError:
-            pass
+    with small_file_systems("qlagent-logfull-") as (d, mount):
+        mount("state", "8m")
+        yield d
 
 
 def get(port: int, path: str, token: str) -> tuple[int, dict, bytes]:

@@ -6,49 +6,20 @@ the CLI in one line, and carry on by itself once the file is removed. Root only 
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 
 import pytest
 from execkit import Agent, task
-from kit import free_port, wait_until
+from kit import fill, free_port, readyz, small_file_systems, wait_until
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs: root only")
 
 @pytest.fixture
 def root():
-    d = tempfile.mkdtemp(prefix="qlagent-full-")
-    state = os.path.join(d, "state")
-    os.mkdir(state, 0o700)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", state], check=True)
-    yield d
-    subprocess.run(["umount", "-l", state], check=False)
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def fill(path: str) -> None:
-    """Write ``path`` until the file system is full (ENOSPC)."""
-    with open(path, "ab", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError:
-            pass
-
-
-def readyz(port: int) -> tuple[int, dict]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        c.request("GET", "/readyz")
-        r = c.getresponse()
-        return r.status, json.loads(r.read())
-    finally:
-        c.close()
+    with small_file_systems("qlagent-full-") as (d, mount):
+        mount("state", "1m")
+        yield d
 
 
 def count(a: Agent, state: str) -> int:

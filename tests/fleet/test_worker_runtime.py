@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from stubcp import StubControlPlane, make_ca, worker_config, write_credential
-from kit import Serve, clean_env, free_port, run_cli, wait_until
+from kit import Serve, clean_env, fill, free_port, run_cli, wait_until
 
 QUOTA = 4_194_304
 SECRET = "s3cr3t-value-never-at-rest-9f2c"
@@ -1236,12 +1236,7 @@ def test_a_log_cut_by_a_full_file_system_is_acked_with_its_reason(tmp_path, cp):
         w.start()
         log = os.path.join(w.state, "worker-runs", aid, "output.log")
         wait_until(lambda: os.path.exists(log) and os.path.getsize(log) == 100_001, 30, "the first line")
-        with open(filler, "ab", buffering=0) as f:
-            try:
-                while True:
-                    f.write(b"\0" * 4096)
-            except OSError:
-                pass
+        fill(filler)
         with open(go, "w") as f:
             f.write("go\n")
         wait_until(lambda: os.path.exists(done), 30, "the task's last line")
