@@ -384,18 +384,7 @@ class WorkerRoutes:
         """Run ``work`` (an API route with its own error answers) on the database threads; the
         answer comes within ``answer_timeout_s`` (else the server's 503). Raises HttpError 503
         ``unavailable`` once the pools are shut down."""
-        d = Deferred(self._limits.answer_timeout_s)
-
-        def run() -> None:
-            try:
-                d.resolve(work())
-            except BaseException as e:  # noqa: BLE001 - every outcome must reach the client
-                d.resolve(e)
-        try:
-            self._pool.submit(run)
-        except RuntimeError:          # pools shut down: the replica is stopping
-            raise HttpError(503, "unavailable", "the control plane is stopping", [("Retry-After", "1")]) from None
-        return d
+        return self._plain(self._pool, work, "unavailable")
 
     def probe(self, work: Callable[[], Response]) -> Deferred:
         """Run ``work`` (a probe that reads the database: ``GET /readyz``) on the probe thread,
@@ -404,6 +393,12 @@ class WorkerRoutes:
         if not self._probe_slots.acquire(blocking=False):
             raise HttpError(503, "not_ready", f"{MAX_PROBES_QUEUED} readiness checks already waiting",
                             [("Retry-After", "1")])
+        return self._plain(self._probes, work, "not_ready", self._probe_slots.release)
+
+    def _plain(self, pool: ThreadPoolExecutor, work: Callable[[], Response], code: str,
+               done: Callable[[], None] = lambda: None) -> Deferred:
+        """``work`` on ``pool``, its answer or error as it is (no Worker refusal mapping);
+        ``done`` once it ran or could not be queued."""
         d = Deferred(self._limits.answer_timeout_s)
 
         def run() -> None:
@@ -412,12 +407,12 @@ class WorkerRoutes:
             except BaseException as e:  # noqa: BLE001 - every outcome must reach the client
                 d.resolve(e)
             finally:
-                self._probe_slots.release()
+                done()
         try:
-            self._probes.submit(run)
+            pool.submit(run)
         except RuntimeError:          # pools shut down: the replica is stopping
-            self._probe_slots.release()
-            raise HttpError(503, "not_ready", "the control plane is stopping", [("Retry-After", "1")]) from None
+            done()
+            raise HttpError(503, code, "the control plane is stopping", [("Retry-After", "1")]) from None
         return d
 
     def _refusal(self, err: BaseException, worker_id: str, credential: str, route: str) -> HttpError:
