@@ -76,6 +76,23 @@ def _signal_primary(pair: PgPair, sig: int) -> None:
             pass
 
 
+def _ready_replica(root: str, pair, port: int, extra: str = ""):
+    """A replica on ``pair``'s primary listening on ``port``, READY: (cp, replica, an operator
+    token, the head of Task ``quick``)."""
+    cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pair.url()}"\npool_size = 6\n' + extra,
+                                TASKS, port)
+    try:
+        replica.wait_line("service.ready")
+        token = cp.ok("token", "create", "--subject", "alice", "--role", "operator").strip()
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{port}/api/v3/projects/default/tasks/quick",
+                headers={"Authorization": f"Bearer {token}"}), timeout=30) as r:
+            return cp, replica, token, json.loads(r.read())
+    except BaseException:
+        replica.stop()
+        raise
+
+
 def _start(port: int, token: str, head: dict) -> tuple[int, str | None, str | None]:
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/api/v3/projects/default/tasks/quick/runs", method="POST",
@@ -96,13 +113,7 @@ def test_task_starts_while_the_primary_is_frozen_are_answered_503_within_the_bou
     replica = None
     try:
         port = free_port()
-        cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pair.url()}"\npool_size = 6\n', TASKS, port)
-        replica.wait_line("service.ready")
-        token = cp.ok("token", "create", "--subject", "alice", "--role", "operator").strip()
-        with urllib.request.urlopen(urllib.request.Request(
-                f"http://127.0.0.1:{port}/api/v3/projects/default/tasks/quick",
-                headers={"Authorization": f"Bearer {token}"}), timeout=30) as r:
-            head = json.loads(r.read())
+        cp, replica, token, head = _ready_replica(root, pair, port)
         answers: list[tuple[float, float, int, str | None, str | None]] = []
         stop = threading.Event()
 
@@ -162,14 +173,7 @@ def test_healthz_answers_every_probe_while_the_primary_is_frozen_and_readyz_name
     replica = None
     try:
         port = free_port()
-        cp, replica = start_replica(root, f'[cluster]\ndatabase = "{pair.url()}"\npool_size = 6\n'
-                                          'sweep_interval_s = 0.5\n', TASKS, port)
-        replica.wait_line("service.ready")
-        token = cp.ok("token", "create", "--subject", "alice", "--role", "operator").strip()
-        with urllib.request.urlopen(urllib.request.Request(
-                f"http://127.0.0.1:{port}/api/v3/projects/default/tasks/quick",
-                headers={"Authorization": f"Bearer {token}"}), timeout=30) as r:
-            head = json.loads(r.read())
+        cp, replica, token, head = _ready_replica(root, pair, port, "sweep_interval_s = 0.5\n")
         assert _start(port, token, head)[0] == 202
         probes: list[tuple[float, object]] = []     # (sent, HTTP status, or the error when none came)
         stop = threading.Event()
