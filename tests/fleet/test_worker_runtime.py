@@ -20,8 +20,8 @@ import time
 import psutil
 import pytest
 
-from stubcp import StubControlPlane, make_ca, worker_config, write_credential
-from kit import Serve, clean_env, free_port, run_cli, wait_until
+from stubcp import StubControlPlane, make_ca, now_us, worker_config, write_credential
+from kit import Serve, SilentLink, clean_env, free_port, run_cli, wait_until
 
 QUOTA = 4_194_304
 SECRET = "s3cr3t-value-never-at-rest-9f2c"
@@ -1212,6 +1212,106 @@ def test_the_worker_loop_answers_while_a_shim_start_is_held_up(tmp_path, cp):
         assert cp.acks_of(held) == ["starting", "running", "completion"]
         assert cp.wait(lambda: cp.log_of(held) == b"went on\n", 20)
         assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def _probe(port: int, path: str) -> tuple[int, dict]:
+    """GET ``path`` on the Worker's status surface, given 2 s to answer (raises OSError past it)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        c.close()
+
+
+def _two_replicas(tmp_path, cp, **kw) -> tuple[Worker, SilentLink, SilentLink, int]:
+    """A Worker with a status surface and two replicas in its control_url, two links to the one
+    stub: the first (which it talks to) can be silenced, the second stays healthy."""
+    stub_port = int(cp.url.rsplit(":", 1)[1])
+    r1, r2 = SilentLink(stub_port), SilentLink(stub_port)
+    port = free_port()
+    w = Worker(tmp_path, cp, [f"https://localhost:{r1.port}", f"https://localhost:{r2.port}"],
+               extra=f'\n[http]\nlisten = "127.0.0.1:{port}"', **kw)
+    return w, r1, r2, port
+
+
+def test_a_replica_that_stops_answering_holds_neither_the_status_surface_nor_new_runs(tmp_path, cp):
+    """The replica the Worker talks to stops answering (connections accepted, nothing answered:
+    a SIGSTOPped replica). Its /healthz answers every probe meanwhile, and a Run queued then
+    is pulled through the other replica and starts."""
+    w, r1, r2, port = _two_replicas(tmp_path, cp)
+    first = cp.add_run(shell="/bin/sh", script="exec sleep 60")
+    w.start()
+    try:
+        assert cp.wait(lambda: "running" in cp.acks_of(first), 30), w.journal()
+        r1.cut.set()
+        second = cp.add_run(shell="/bin/sh", script="exec sleep 60")
+        answered = []
+
+        def probed() -> bool:
+            try:
+                answered.append(_probe(port, "/healthz"))
+            except OSError as e:
+                raise AssertionError(f"probe {len(answered) + 1}: /healthz gave no answer ({e})\n{w.journal()}")
+            return len(answered) >= 8 and "running" in cp.acks_of(second)
+        wait_until(probed, 60, "8 answered probes and the second Run running", step=1.0, detail=w.journal)
+        assert all(a == (200, {"status": "ok"}) for a in answered)
+        assert f"localhost:{r1.port}" in w.journal() and "worker.lease_lost" not in w.journal()
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+        r1.close()
+        r2.close()
+
+
+def test_a_replica_silent_for_longer_than_the_lease_loses_none_of_the_runs(tmp_path, cp):
+    """Short TTLs (6 s at the stub, heartbeat 1 s): the replica the Worker talks to goes silent
+    for good. Each heartbeat it leaves unanswered is sent to the other replica in time, so both
+    runs' Leases are renewed through it long past their TTL and neither run is stopped."""
+    w, r1, r2, port = _two_replicas(tmp_path, cp)
+    runs = [cp.add_run(shell="/bin/sh", script="exec sleep 120") for _ in range(2)]
+    w.start()
+    try:
+        assert cp.wait(lambda: all("running" in cp.acks_of(a) for a in runs), 30), w.journal()
+        r1.cut.set()
+        past = now_us() + 3 * cp.lease_ttl_us          # three Leases' worth after the cut
+        assert cp.wait(lambda: all(cp.lease(a)["expires"] > past for a in runs), 60), w.journal()
+        assert [cp.state(a) for a in runs] == ["running", "running"]
+        assert "worker.lease_lost" not in w.journal() and "worker.session_gone" not in w.journal()
+        assert _probe(port, "/api/v3/worker")[1]["liveRuns"] == 2
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+        r1.close()
+        r2.close()
+
+
+def test_a_rotated_credential_backs_off_says_so_once_a_minute_and_is_not_ready(tmp_path, cp):
+    """The Worker's credential is rotated at the control plane while it works: every request
+    is refused 401. The Worker gives its Session up, retries with a growing back-off, and
+    journals the refusal once (then at most once a minute with the count left out); /readyz
+    says why and that it has no Session."""
+    port = free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    w.start()
+    try:
+        _wait_http(port, "/healthz")
+        wait_until(lambda: _http(port, "/readyz")[0] == 200, 20, "a Session open", detail=w.journal)
+        cp.rotate_credential(w.worker_id)
+        assert cp.wait(lambda: sum(r[2] == 401 for r in cp.requests) >= 5, 60), w.journal()
+        status, body = _http(port, "/readyz")
+        assert status == 503 and body["checks"]["session"] != "ok", body
+        assert body["checks"]["control"].startswith("worker_unauthenticated: 401"), body
+        refused = [ln for ln in w.journal().splitlines() if "worker_unauthenticated" in ln]
+        failed = [ln for ln in refused if "_failed" in ln]
+        assert len(failed) == 1 and len(refused) <= 2, w.journal()
+        assert w.p.poll() is None and w.stop() == 0
     finally:
         if w.p.poll() is None:
             w.kill()
