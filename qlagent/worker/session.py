@@ -255,8 +255,8 @@ class SessionDuty:
             return
         except ControlAuthError as e:
             # The credential is refused (rotated, Worker removed): nothing renews this Session
-            # any more. It is given up, and hellos back off (capped) until one is accepted.
-            self._fail(e, "heartbeat", 0.0)
+            # any more. It is given up, and hellos back off (capped) until one is accepted; they
+            # journal the refusal.
             self._block(e)
             self._lose_session(e.code)
             return
