@@ -227,6 +227,26 @@ class TcpProxy:
         self.listener.close()
 
 
+class PausingLink(TcpProxy):
+    """A TCP proxy to the replica that ``flowing.clear()`` pauses as a SIGSTOPped replica does:
+    connections are still accepted and what is sent is kept, but nothing goes through either
+    way until ``flowing.set()``, which delivers everything held in order."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.flowing = threading.Event()
+        self.flowing.set()
+        super().__init__(upstream_port)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._shut(src, dst)
+
+
 class SilentLink(TcpProxy):
     """A TCP proxy to the replica that ``cut`` turns into a black hole: connections are
     accepted and kept open, nothing is forwarded either way and nothing is closed, so every

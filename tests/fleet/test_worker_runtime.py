@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from stubcp import StubControlPlane, make_ca, now_us, worker_config, write_credential
-from kit import Serve, SilentLink, clean_env, free_port, run_cli, wait_until
+from kit import PausingLink, Serve, SilentLink, clean_env, free_port, run_cli, wait_until
 
 QUOTA = 4_194_304
 SECRET = "s3cr3t-value-never-at-rest-9f2c"
@@ -1315,3 +1315,33 @@ def test_a_rotated_credential_backs_off_says_so_once_a_minute_and_is_not_ready(t
     finally:
         if w.p.poll() is None:
             w.kill()
+
+
+def test_a_run_that_ends_while_a_call_waits_on_a_paused_replica_reports_its_end_not_a_loss(tmp_path, cp):
+    """The only replica pauses (SIGSTOP-like: nothing answered, nothing lost) while a run is
+    about to exit 0. The heartbeat waits until the run's fencing instant; the run exited before
+    it, so the Worker ends it as a completion, not a loss, and once the replica answers again
+    (its Lease still valid) the completion and the whole log are accepted."""
+    link = PausingLink(int(cp.url.rsplit(":", 1)[1]))
+    w = Worker(tmp_path, cp, f"https://localhost:{link.port}")
+    go = tmp_path / "go"
+    os.mkfifo(go)
+    aid = cp.add_run(shell="/bin/sh", script=f"read go < {go}; echo done")
+    w.start()
+    try:
+        assert cp.wait(lambda: "running" in cp.acks_of(aid), 30), w.journal()
+        link.flowing.clear()
+        with open(go, "w") as f:
+            f.write("now\n")            # the run exits 0 while every call waits
+        wait_until(lambda: "worker.run_ended" in w.journal() or "worker.lease_lost" in w.journal(), 30,
+                   "the run's end or loss", detail=w.journal)
+        link.flowing.set()
+        assert "worker.lease_lost" not in w.journal(), w.journal()
+        assert cp.wait(lambda: completion(cp, aid) is not None and cp.logs.get(aid) == b"done\n", 30), w.journal()
+        assert completion(cp, aid).exit_code == 0
+        assert w.stop() == 0
+    finally:
+        link.flowing.set()
+        if w.p.poll() is None:
+            w.kill()
+        link.close()
