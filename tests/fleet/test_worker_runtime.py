@@ -1239,10 +1239,13 @@ def _two_replicas(tmp_path, cp, **kw) -> tuple[Worker, SilentLink, SilentLink, i
     return w, r1, r2, port
 
 
-def test_a_replica_that_stops_answering_holds_neither_the_status_surface_nor_new_runs(tmp_path, cp):
+def test_a_replica_that_stops_answering_holds_neither_the_status_surface_nor_new_runs(tmp_path):
     """The replica the Worker talks to stops answering (connections accepted, nothing answered:
-    a SIGSTOPped replica). Its /healthz answers every probe meanwhile, and a Run queued then
-    is pulled through the other replica and starts."""
+    a SIGSTOPped replica). The control plane's default TTLs (30 s) let each call wait the
+    client's whole timeout (10 s) there; the Worker's /healthz answers every probe meanwhile,
+    and a Run queued then is pulled through the other replica and starts, the first one kept."""
+    cp = StubControlPlane(str(tmp_path), lease_ttl_s=30, session_ttl_s=30)
+    cp.url = cp.start()
     w, r1, r2, port = _two_replicas(tmp_path, cp)
     first = cp.add_run(shell="/bin/sh", script="exec sleep 60")
     w.start()
@@ -1257,16 +1260,18 @@ def test_a_replica_that_stops_answering_holds_neither_the_status_surface_nor_new
                 answered.append(_probe(port, "/healthz"))
             except OSError as e:
                 raise AssertionError(f"probe {len(answered) + 1}: /healthz gave no answer ({e})\n{w.journal()}")
-            return len(answered) >= 8 and "running" in cp.acks_of(second)
-        wait_until(probed, 60, "8 answered probes and the second Run running", step=1.0, detail=w.journal)
+            return len(answered) >= 15 and "running" in cp.acks_of(second)
+        wait_until(probed, 90, "15 answered probes and the second Run running", step=1.0, detail=w.journal)
         assert all(a == (200, {"status": "ok"}) for a in answered)
-        assert f"localhost:{r1.port}" in w.journal() and "worker.lease_lost" not in w.journal()
+        assert f"localhost:{r1.port}: timed out" in w.journal() and "worker.lease_lost" not in w.journal()
+        assert cp.state(first) == "running"
         assert w.stop() == 0
     finally:
         if w.p.poll() is None:
             w.kill()
         r1.close()
         r2.close()
+        cp.stop()
 
 
 def test_a_replica_silent_for_longer_than_the_lease_loses_none_of_the_runs(tmp_path, cp):
