@@ -273,3 +273,57 @@ class TcpProxy:
 
     def close(self) -> None:
         self.listener.close()
+
+
+class PausingLink(TcpProxy):
+    """A TCP proxy to the replica that ``flowing.clear()`` pauses as a SIGSTOPped replica does:
+    connections are still accepted and what is sent is kept, but nothing goes through either
+    way until ``flowing.set()``, which delivers everything held in order."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.flowing = threading.Event()
+        self.flowing.set()
+        super().__init__(upstream_port)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        self._shut(src, dst)
+
+
+class SilentLink(TcpProxy):
+    """A TCP proxy to the replica that ``cut`` turns into a black hole: connections are
+    accepted and kept open, nothing is forwarded either way and nothing is closed, so every
+    call of the Worker waits its whole timeout (a link whose packets vanish, a SIGSTOPped
+    replica whose kernel still completes connections)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.cut = threading.Event()
+        self.held: list[socket.socket] = []
+        super().__init__(upstream_port)
+
+    def _admit(self, conn: socket.socket) -> bool:
+        if self.cut.is_set():
+            self.held.append(conn)
+            return False
+        return True
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
+        try:
+            while (data := src.recv(65536)) and not self.cut.is_set():
+                dst.sendall(data)
+        except OSError:
+            pass
+        if self.cut.is_set():
+            self.held += [src, dst]
+            return
+        self._shut(src, dst)
+
+    def close(self) -> None:
+        super().close()
+        for s in self.held:
+            s.close()

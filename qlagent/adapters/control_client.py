@@ -7,14 +7,17 @@ from ``credential_file``, which must be a regular file owned by the agent's user
 (``qlw_`` + 43 URL-safe characters); it is sent as ``Authorization: Worker <credential>`` and
 never appears in a log line, error or ``repr``.
 
-Two persistent connections: ``rpc`` (hello, heartbeat, ACKs, log chunks; blocking, bounded by
+Two persistent connections: ``rpc`` (hello, heartbeat, ACKs, log chunks; each call bounded by
 the timeout the caller passes) and ``poll`` (the long-polling Pull, sent by ``start_pull`` and then awaited by the
 Worker's selectors loop on the socket it returns). ``control_url`` may name several replicas of
 one control plane: both connections use one at a time, and a request that gets no answer at all
 (refused, reset, timed out, TLS refused) moves them to the next, in order and round again; the
 Worker's loop paces the retries (its backoff), and every Worker request is idempotent, so the
 retry on another replica is safe. A Pull refused ``long_polls_full`` (that replica has no
-long-poll slot for this Worker) moves them too. Every answer's ``X-Qlagent-Server-Now-Us``
+long-poll slot for this Worker) moves them too. Their sockets are ``adapters.yielding_socket``'s: a call that waits (connect, TLS handshake,
+send, answer) hands the wait to ``idle`` (the Worker's loop serves its status surface meanwhile),
+so a replica that stops answering holds a call for its timeout, never the process's other duties
+that need no answer. Every answer's ``X-Qlagent-Server-Now-Us``
 (database clock, µs) is returned with it for lease anchoring (``qlagent.worker.policy.fencing``).
 
 Errors: the documented codes become the typed errors of ``core.control`` carrying
@@ -44,6 +47,7 @@ from ..core.cluster import (Ack, AckResult, ChunkAnswer, Heartbeat, HeartbeatReq
                             WorkerInfo)
 from ..core.control_url import parse_control_url
 from ..core.errors import ValidationError
+from .yielding_socket import Idle, YieldingSSLSocket, dial, handshake
 
 CREDENTIAL = re.compile(r"qlw_[A-Za-z0-9_-]{43}")
 MAX_CREDENTIAL_FILE_BYTES = 256
@@ -150,7 +154,8 @@ def tls_context(ca_file: str) -> ssl.SSLContext:
 class ControlClient:
     """One Worker's client; ``worker_id`` is the enrolled Worker's UUID; ``control_url`` one URL
     or a list (module docstring: the next one after a request without an answer). Not
-    thread-safe (the Worker's loop owns it). Construction reads and checks the URLs, the
+    thread-safe (the Worker's loop owns it). ``idle(fd, write, timeout_s)``, when set, is called
+    whenever a call must wait on its socket (``adapters.yielding_socket``). Construction reads and checks the URLs, the
     credential and the CA (raises ValidationError naming the field); nothing is connected until
     the first request."""
 
@@ -167,6 +172,9 @@ class ControlClient:
         if https and not ca_file:
             raise ValidationError("worker.ca_file", "required with an https:// control_url")
         self._ctx = tls_context(ca_file) if https else None
+        if self._ctx is not None:
+            self._ctx.sslsocket_class = YieldingSSLSocket
+        self.idle: Idle | None = None
         self._auth = f"Worker {read_credential(credential_file)}"
         self._base = f"{API}/{worker_id}"
         self.timeout_s = timeout_s
@@ -269,17 +277,20 @@ class ControlClient:
                 raise self._transport_error(e, conn.endpoint) from None
 
     # -- the long-polling Pull on its own connection ---------------------------------------------
-    def start_pull(self, body: bytes, wait_s: int) -> int:
+    def start_pull(self, body: bytes, wait_s: int, timeout_s: float | None = None) -> int:
         """Send a Pull (``body``: the kept request's exact bytes) waiting up to ``wait_s`` (s) on
         the poll connection and return the socket's fileno to wait on; ``finish_pull`` reads the
-        answer. Raises ControlError."""
+        answer. Connecting and sending take at most ``timeout_s`` (s; default the client's).
+        Raises ControlError."""
+        t = max(0.05, timeout_s if timeout_s is not None else self.timeout_s)
         if self._poll is None:
-            self._poll = self._connect(self.timeout_s)
+            self._poll = self._connect(t)
         conn = self._poll
         try:
             if conn.sock is not None:
-                conn.sock.settimeout(self.timeout_s)
+                conn.sock.settimeout(t)
             else:
+                conn.timeout = t
                 self._open(conn)
                 self._drain_tickets(conn.sock)
             self._send(conn, "POST", _pull_path(wait_s), body, "application/json", None)
@@ -331,9 +342,13 @@ class ControlClient:
         finally:
             sock.settimeout(DEFAULT_TIMEOUT_S)
 
-    def abort_poll(self) -> None:
-        """Drop the poll connection (a lost answer: the Pull is retried byte-identically)."""
+    def abort_poll(self, unanswered: bool = False) -> None:
+        """Drop the poll connection (a lost answer: the Pull is retried byte-identically); with
+        ``unanswered``, move on from its replica like a request without an answer
+        (``_transport_error``)."""
         if self._poll is not None:
+            if unanswered and self._poll.endpoint == self._at:
+                self._at = (self._at + 1) % self.replicas
             self._poll.close()
             self._poll = None
 
@@ -347,11 +362,17 @@ class ControlClient:
             self._open(conn)
         conn.request(method, self._base + path, body=body, headers=h)
 
-    @staticmethod
-    def _open(conn) -> None:
-        conn.connect()
-        # Small request/answer exchanges: Nagle + delayed ACK would add ~40 ms to each.
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _open(self, conn) -> None:
+        """Connect ``conn`` (TCP, then TLS for https) within its ``timeout``; waits go to ``idle``."""
+        scheme, host, port = self._endpoints[conn.endpoint]
+        sock = dial(host, port, conn.timeout, self.idle)
+        if scheme == "https":
+            try:
+                sock = handshake(self._ctx, sock, host)
+            except BaseException:
+                sock.close()
+                raise
+        conn.sock = sock
 
     def _answer(self, resp: http.client.HTTPResponse) -> Answer:
         data = resp.read(MAX_ANSWER_BYTES + 1)

@@ -7,6 +7,7 @@ uses (its client, its local runs), so the Worker's loop
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -122,11 +123,14 @@ class ControlPort(Protocol):
     """The Worker's client (``adapters.control_client.ControlClient``). Every method raises a
     ControlError of this module when there is no success answer. ``replicas``: how many
     control-plane URLs it tries in turn (a request without an answer moves it to the next);
-    ``urls``: those URLs (``scheme://host:port``), in that order."""
+    ``urls``: those URLs (``scheme://host:port``), in that order. ``idle(fd, write, timeout_s)``,
+    when set, is called instead of blocking whenever a call waits on its socket (the caller's
+    loop goes on meanwhile; it returns once ``fd`` is ready or ``timeout_s`` s passed)."""
 
     timeout_s: float
     replicas: int
     urls: tuple[str, ...]
+    idle: Callable[[int, bool, float], None] | None
 
     def hello(self, hello: Hello, timeout_s: float | None = None) -> tuple[SessionGrant, int | None]:
         """Open a Session. Like every call below: answered within ``timeout_s`` (s), returned with
@@ -147,9 +151,9 @@ class ControlPort(Protocol):
                      timeout_s: float | None = None) -> tuple[ChunkAnswer, int | None]:
         """``data`` at ``offset`` (bytes) of the Attempt's log under its Lease fence."""
 
-    def start_pull(self, body: bytes, wait_s: int) -> int:
-        """Send the long-poll Pull (``body``: the kept request's bytes, ``wait_s`` s); returns
-        the fd to wait on."""
+    def start_pull(self, body: bytes, wait_s: int, timeout_s: float | None = None) -> int:
+        """Send the long-poll Pull (``body``: the kept request's bytes, ``wait_s`` s; connecting
+        and sending within ``timeout_s`` s); returns the fd to wait on."""
 
     def poll_pending(self) -> bool:
         """Decrypted answer bytes already buffered (the fd would not wake)."""
@@ -160,8 +164,10 @@ class ControlPort(Protocol):
     def clock_plausible(self) -> bool:
         """Is the wall clock at or after the package's build date (a clock before it is not set)?"""
 
-    def abort_poll(self) -> None:
-        """Drop the Pull's connection (its answer is lost; the request is retried)."""
+    def abort_poll(self, unanswered: bool = False) -> None:
+        """Drop the Pull's connection (its answer is lost; the request is retried); with
+        ``unanswered`` (its replica stopped answering), the next connections go to the next
+        replica."""
 
     def close(self) -> None:
         """Close every connection."""

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from qlagent.core.errors import QlError, UnavailableError, ValidationError
+from qlagent.core.linelimit import LineLimit
 from qlagent.http.api import Api, build_router
 from qlagent.http.server import Deferred, HttpServer, LoopSurface
 from qlagent.http.wire import HttpError, HttpLimits, Request, Response
@@ -78,24 +79,19 @@ class RefusalAudit:
 
     def __init__(self, journal: Callable[..., None], clock: Callable[[], float] = time.monotonic) -> None:
         self._journal, self._clock = journal, clock
-        self._window, self._lines, self._suppressed = clock(), 0, 0
+        self._limit = LineLimit(AUDIT_LINES, AUDIT_WINDOW_S, clock())
 
     def __call__(self, req: Request, resp: Response) -> None:
         if resp.status not in (401, 403):
             return
-        now = self._clock()
-        if now - self._window >= AUDIT_WINDOW_S:
-            self._window, self._lines = now, 0
-        if self._lines >= AUDIT_LINES:
-            self._suppressed += 1
+        suppressed = self._limit.admit(self._clock())
+        if suppressed is None:
             return
-        self._lines += 1
         try:
             doc = msgspec.json.decode(resp.body)
             reason = doc.get("error") or doc.get("code") if isinstance(doc, dict) else None
         except msgspec.DecodeError:
             reason = None
-        suppressed, self._suppressed = self._suppressed, 0
         self._journal("warning", "http.refused", peer=req.peer, method=req.method, route=req.path[:200],
                       status=resp.status, reason=str(reason)[:64] if reason else None,
                       suppressed=suppressed or None)

@@ -39,7 +39,7 @@ class PullDuty:
         pending = self.inbox.begin_pull(sid, gen, str(uuid.uuid4()), _secrets.token_urlsafe(32))
         try:
             self.pull_sent_us = self.now()
-            fd = self.client.start_pull(pending.body, self.pull_wait_s)
+            fd = self.client.start_pull(pending.body, self.pull_wait_s, self._limit_s(self.pull_sent_us))
         except ControlError as e:
             self._pull_error(e, pending.pull_id)
             return
@@ -47,14 +47,20 @@ class PullDuty:
         self.counts["pulls"] += 1
         self.sel.register(fd, selectors.EVENT_READ, ("pull", None))
 
-    def _drop_pull(self) -> None:
+    def _drop_pull(self, moved: bool = False) -> None:
+        """Forget the Pull in flight (its request stays kept and is sent again, byte for byte);
+        ``moved``: its replica gave no answer, the next one is asked."""
         pull_id, fd = self.pull
         self.pull = None
         try:
             self.sel.unregister(fd)
         except (KeyError, ValueError):
             pass
-        self.client.abort_poll()
+        self.client.abort_poll(unanswered=moved)
+
+    def _pull_deadline_us(self) -> int:
+        """When the Pull in flight is given up (µs): its long poll plus a call's bound."""
+        return self.pull_sent_us + int((self.pull_wait_s + self._call_bound_s(self.pull_sent_us)) * 1e6)
 
     def _finish_pull(self) -> None:
         if self.pull is None:
@@ -123,7 +129,7 @@ class PullDuty:
         job = Job(entry, self._within_profile(o.spec), dict(o.secrets))
         if server_now_us is not None:
             job.ttl_us = max(0, o.lease_expires_at_us - server_now_us)
-            self.ttl_us = self.ttl_us or job.ttl_us
+            self.ttl_us = max(self.ttl_us, job.ttl_us)
             job.renewal = fencing.Renewal(sent_local_us=self.pull_sent_us, server_now_us=server_now_us,
                                           expires_at_us=o.lease_expires_at_us)
         self.jobs[o.offer_id] = job

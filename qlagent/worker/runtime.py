@@ -56,6 +56,7 @@ the request's own duration.
 from __future__ import annotations
 
 import random
+import select
 import selectors
 import signal
 import time
@@ -63,14 +64,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.cluster import Hello
-from ..core.control import ControlPort, WorkerRunsPort
+from ..core.control import ControlPort, ControlUnreachable, WorkerRunsPort
 from ..core.inbox_states import InboxState
+from ..core.linelimit import LineLimit
 from .job import Job, LeaseHold
 from .logs import LogDuty
 from .pull import DEFAULT_PULL_WAIT_S, PullDuty
 from .recovery import RecoveryDuty
 from .sends import SendDuty
-from .session import SessionDuty
+from .session import NOT_READY_LOG_US, SessionDuty
 from .spawn import SpawnDuty
 from .stops import STOP_TAIL_US, StopDuty
 
@@ -106,6 +108,7 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
         self.log, self.rand, self.now = log, rand, mono_us
         self.notify = notify                            # service.notify.Notifier (watchdog) or None
         self.sel = selectors.DefaultSelector()
+        client.idle = self._idle
         self.log_store_bytes, self.log_max_bytes = log_store_bytes, log_max_bytes
         self.session: tuple[str, int] | None = None
         # Consecutive failures per duty (connect, heartbeat, send, pull): each backs off on its own,
@@ -122,6 +125,9 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
         # heartbeat is answered.
         self.blocked: tuple[str, str] | None = None
         self.next_blocked_log_us = 0
+        # Refused credentials repeat with every retry: their lines are said once a minute.
+        self.auth_lines = LineLimit(1, NOT_READY_LOG_US, mono_us())
+        self.session_until_us: int | None = None        # when the Session runs out unrenewed (local µs, early)
         self.clock_wait = False                         # a hello failed on a clock that is not set
         self.next_connect_us = 0
         self.next_beat_us = 0
@@ -163,6 +169,8 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
         live = sum(1 for j in self.jobs.values() if j.entry.state in InboxState.LIVE)
         rows, used = self.inbox.usage()
         sid_gen = self.session
+        if self.session_until_us is not None and self.now() >= self.session_until_us:
+            sid_gen = None              # no renewal came in time: the control plane has ended it
         return {"workerId": self.worker_id, "control": list(self.client.urls),
                 "session": None if sid_gen is None else {"sessionId": sid_gen[0], "generation": sid_gen[1]},
                 "draining": self.stopping, "slots": self.slots, "freeSlots": max(0, self.slots - live),
@@ -175,6 +183,39 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
                 "blocked": None if self.blocked is None else {"code": self.blocked[0], "error": self.blocked[1]}}
 
     # ---- the loop ---------------------------------------------------------------------------------
+    def _idle(self, fd: int, write: bool, timeout_s: float) -> None:
+        """The control client's wait on ``fd`` (``core.control.ControlPort.idle``): returns once
+        it is ready (``write``: writable) or ``timeout_s`` (s) passed, serving the status surface
+        meanwhile, so a replica that stops answering never silences /healthz, /readyz or /metrics.
+        Signals are only recorded (handled once the call is over). The other keys (exits, shim
+        starts, the Pull) are set aside for the wait: their handlers send to the control plane,
+        which is busy; they are handled when the call, bounded by ``_limit_s``, is over."""
+        if self.surface is None:
+            select.select([], [fd], [], timeout_s) if write else select.select([fd], [], [], timeout_s)
+            return
+        aside = [k for k in self.sel.get_map().values() if not self.surface.owns(k) and k.data != ("signal", None)]
+        for k in aside:
+            self.sel.unregister(k.fileobj)
+        self.sel.register(fd, selectors.EVENT_WRITE if write else selectors.EVENT_READ, ("call", None))
+        end = self.now() + int(timeout_s * 1e6)
+        try:
+            while (left_us := end - self.now()) > 0:
+                http_s = self.surface.next_timeout_s()
+                events = self.sel.select(left_us / 1e6 if http_s is None else min(left_us / 1e6, http_s))
+                if any(key.data == ("call", None) for key, _ in events):
+                    return
+                for key, mask in events:
+                    if self.surface.owns(key):
+                        self.surface.handle_event(key, mask)
+                    else:
+                        self.wakeup.drain()
+                if self.notify is not None:
+                    self.notify.ping_if_due(self.now())
+        finally:
+            self.sel.unregister(fd)
+            for k in aside:
+                self.sel.register(k.fileobj, k.events, k.data)
+
     def on_signal(self, signum: int) -> None:
         """A signal's handler (SIGTERM, SIGINT, SIGHUP, and the unused ones the loop drops;
         ``wakeup`` wakes the loop with key ``("signal", None)``): only recorded, handled by the loop. The arrival time counts: a
@@ -247,6 +288,11 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
             self._handle_signals()
         if self.pull is not None and self.client.poll_pending():
             self._finish_pull()
+        if self.pull is not None and self.now() >= self._pull_deadline_us():
+            # No answer within the long poll and a call's bound: that replica stopped
+            # answering; the kept request goes to the next one.
+            self._drop_pull(moved=True)
+            self._fail(ControlUnreachable("the Pull got no answer"), "pull")
         self._maybe_pull()
 
     def _finished(self) -> bool:
@@ -268,6 +314,8 @@ class WorkerRuntime(RecoveryDuty, SessionDuty, StopDuty, PullDuty, SendDuty, Spa
             times.append(self.next_send_us)
         if self.pull is None and self._can_pull():
             times.append(self.next_pull_us)
+        if self.pull is not None:
+            times.append(self._pull_deadline_us())
         for j in self.jobs.values():
             if j.shim_start is not None:
                 times.append(j.start_deadline_us if j.start_fd is not None else now + NO_PIDFD_LOOK_US)

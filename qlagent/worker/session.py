@@ -22,6 +22,7 @@ from .job import Job, LeaseHold, Owed
 T = TypeVar("T")
 REPLACED_RESET_US = 60_000_000          # a Session kept this long ends the back-off of session_replaced
 NOT_READY_LOG_US = 60_000_000           # while stuck (no Session, refused credential), say why this often
+MIN_CALL_S = 0.5                        # a call's bound never goes below this (a slow but live link)
 
 def check_session_fit(interval_s: float, session_ttl_s: float) -> None:
     """``heartbeat.check_cadence`` of a Worker's ``heartbeat_interval_s`` (s) against the
@@ -46,13 +47,25 @@ class SessionDuty:
     def _fail(self, e: ControlError, what: str, delay: float | None = None) -> None:
         self.failures[what] += 1
         self.unreachable = isinstance(e, ControlUnreachable)
+        if self.unreachable and what != "pull" and self.pull is not None:
+            # The client moved on from a replica that gave no answer; the Pull likely waits on
+            # it too: its kept request is sent again to the next one.
+            self._drop_pull()
         if delay is None:
             delay = backoff.reconnect_delay_s(self.failures[what], self.rand())
             if e.retry_after_s:
                 delay = max(delay, min(e.retry_after_s, backoff.DEFAULT_CAP_S))
             setattr(self, f"next_{what}_us", self.now() + int(delay * 1e6))
         level = "err" if isinstance(e, (ControlTlsError, ControlAuthError)) else "warning"
-        self.log(level, f"worker.{what}_failed", code=e.code, error=str(e), retry_s=round(delay, 3))
+        suppressed = None
+        if isinstance(e, ControlAuthError):
+            # Every retry is refused the same way until the credential is replaced: one line a
+            # minute, naming how many were left out.
+            suppressed = self.auth_lines.admit(self.now())
+            if suppressed is None:
+                return
+        self.log(level, f"worker.{what}_failed", code=e.code, error=str(e), retry_s=round(delay, 3),
+                 suppressed=suppressed or None)
 
     def _rpc(self, call: Callable[[float], tuple[T, int | None]]) -> tuple[T, int | None, int]:
         """One request; its timeout never runs past the next fencing instant (a blocked call
@@ -72,9 +85,23 @@ class SessionDuty:
             self.next_send_us = self.next_pull_us = 0
         return answer, server_now_us, sent
 
+    def _call_bound_s(self, sent: int) -> float:
+        """How long one call sent at ``sent`` (µs) waits for an answer (s): the client's timeout,
+        cut to an equal share per replica of the time left before the first of the Session's
+        expiry (by its last renewal) and the fencing instants of the runs — a heartbeat one
+        replica leaves unanswered gives up in time for each other one to renew there first —
+        but at least ``MIN_CALL_S``."""
+        ends = [self._stop_at(j) for j in self.jobs.values()
+                if j.handle is not None and not j.fenced and j.kill_reason is None]
+        ends = [t for t in (*ends, self.session_until_us) if t is not None]
+        if not ends:
+            return self.client.timeout_s
+        share_s = (min(ends) - sent) / 1e6 / self.client.replicas
+        return min(self.client.timeout_s, max(MIN_CALL_S, share_s))
+
     def _limit_s(self, sent: int) -> float:
         """How long a request sent at ``sent`` (µs) is waited for (s; ``_rpc``)."""
-        limit = self.client.timeout_s
+        limit = self._call_bound_s(sent)
         if self.stop_deadline_us is not None:
             limit = min(limit, (self.stop_deadline_us - sent) / 1e6)      # a stop fits the unit's timeout
         if self.notify is not None and self.notify.watchdog_us:
@@ -93,6 +120,7 @@ class SessionDuty:
             grant, server_now_us, sent = self._rpc(lambda t: self.client.hello(hello, t))
             if not self.connected_once and server_now_us is not None:
                 self._check_cadence(grant.expires_at_us - server_now_us)
+            self._session_renewed(grant.expires_at_us, server_now_us, sent)
             self.session = (grant.session_id, grant.generation)
             self.counts["sessions"] += 1
             self.session_opened_us = self.now()
@@ -224,20 +252,35 @@ class SessionDuty:
             self.log("warning", "worker.session_gone", code=e.code)
             self._lose_session(e.code)
             return
+        except ControlAuthError as e:
+            # The credential is refused (rotated, Worker removed): nothing renews this Session
+            # any more. It is given up, and hellos back off (capped) until one is accepted; they
+            # journal the refusal.
+            self._block(e)
+            self._lose_session(e.code)
+            return
         except ControlError as e:
             # No answer is not a lost Session: keep it (its Leases stay ours while they are
             # valid; fencing decides when they are not) and beat again at the usual cadence,
-            # never later, or the Session would expire while the link is only slow.
+            # never later, or the Session would expire while the link is only slow. A replica
+            # that gave no answer is followed at once by the next one (the client moved on):
+            # one round over them, then the cadence.
+            unanswered = isinstance(e, ControlUnreachable)
             delay_us = self._beat_delay_us()
+            if unanswered and (self.failures["heartbeat"] + 1) % self.client.replicas:
+                delay_us = 0
             self.next_beat_us = self.now() + delay_us
             self._fail(e, "heartbeat", delay_us / 1e6)
-            if isinstance(e, ControlAuthError):
+            if unanswered and self.failures["heartbeat"] >= self.client.replicas:
+                # No replica answers: not ready, and the last round trip no longer says anything.
+                self.heartbeat_rtt_us = None
                 self._block(e)
             return
         except msgspec.DecodeError:
             return
         self.heartbeat_rtt_us = self.now() - sent
         self.next_beat_us = self.now() + self._beat_delay_us()
+        self._session_renewed(hb.expires_at_us, server_now_us, sent)
         self.failures["heartbeat"] = 0
         self._unblocked()
         if self.replaced and self.now() - self.session_opened_us >= REPLACED_RESET_US:
@@ -262,11 +305,23 @@ class SessionDuty:
                     if j.handle is not None:
                         self._stop(j, KillReason.CANCEL)
 
+    def _session_renewed(self, expires_at_us: int, server_now_us: int | None, sent: int) -> None:
+        """A grant or heartbeat answer (sent at ``sent``, local µs) gave the Session this expiry
+        (database µs): when it runs out unless renewed again (local µs, anchored at the send
+        time: early, never late). No database clock: nothing is known."""
+        if server_now_us is None:
+            self.session_until_us = None
+            return
+        self.session_until_us = sent + max(0, expires_at_us - server_now_us)
+
     def _ttl(self, j: Job) -> int:
-        return j.ttl_us or self.ttl_us
+        # An offer rebuilt for a retried Pull shows only what is left of its Lease: the longest
+        # span seen is the TTL (none is longer).
+        return max(j.ttl_us, self.ttl_us)
 
     def _lose_session(self, code: str) -> None:
         self.session = None
+        self.session_until_us = None
         if self.pull is not None:
             self._drop_pull()
         if code == "stale_generation":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import selectors
 
 import msgspec
@@ -108,13 +109,24 @@ class SpawnDuty:
             self.sel.register(j.handle.pidfd, selectors.EVENT_READ, ("pidfd", j.offer_id))
 
     def _on_exit(self, j: Job) -> None:
+        self._reap(j)
+        self._send_owed()
+
+    def _reap(self, j: Job) -> None:
+        """The shim ended: its pidfd unwatched, its outcome kept (``_complete``); nothing sent."""
         h = j.handle
         if h.pidfd is not None:
             self.sel.unregister(h.pidfd)
         self.runs.finished(h)
         j.handle = None
         self._complete(j)
-        self._send_owed()
+
+    def _exited(self, j: Job) -> bool:
+        """Has ``j``'s shim ended (its pidfd readable, else its process gone)? Never waits."""
+        h = j.handle
+        if h.pidfd is not None:
+            return bool(select.select([h.pidfd], [], [], 0)[0])
+        return not self.runs.alive(h)
 
     def _complete(self, j: Job) -> None:
         """The shim ended: its receipt becomes the row's outcome (kept until acknowledged)."""

@@ -52,6 +52,11 @@ class StopDuty:
                 d = fencing.decide(now, j.renewal, j.spec.on_lease_loss, j.kill_grace_us)
             if d.action == fencing.RUN:
                 continue
+            if j.handle is not None and self._exited(j):
+                # It ended before its fence while a call held the loop: an end, not a loss. Its
+                # completion is owed, and accepted while its Lease (named by heartbeats) holds.
+                self._reap(j)
+                continue
             if j.handle is None:
                 # Not spawned yet and the Lease is (about to be) lost: never start it.
                 self.log("warning", "worker.lease_lost", attempt=j.attempt_id, action="not_started")

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from test_cluster_e2e import Node, Proc, enroll, sql, start_replica
-from kit import TcpProxy, free_port, scratch_dir, wait_until
+from kit import SilentLink, TcpProxy, free_port, scratch_dir, wait_until
 
 TTL_S = 10
 LOOP = "i=0; while [ $i -lt {n} ]; do echo tick $i; i=$((i+1)); sleep 1; done"
@@ -275,39 +275,6 @@ def test_a_heartbeat_the_worker_gave_up_on_does_not_extend_the_lease_of_the_run_
     finally:
         worker.stop()
         proxy.close()
-
-
-class SilentLink(TcpProxy):
-    """A TCP proxy to the replica that ``cut`` turns into a black hole: connections are
-    accepted and kept open, nothing is forwarded either way and nothing is closed, so every
-    call of the Worker waits its whole timeout (a link whose packets vanish)."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.cut = threading.Event()
-        self.held: list[socket.socket] = []
-        super().__init__(upstream_port)
-
-    def _admit(self, conn: socket.socket) -> bool:
-        if self.cut.is_set():
-            self.held.append(conn)
-            return False
-        return True
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
-        try:
-            while (data := src.recv(65536)) and not self.cut.is_set():
-                dst.sendall(data)
-        except OSError:
-            pass
-        if self.cut.is_set():
-            self.held += [src, dst]
-            return
-        self._shut(src, dst)
-
-    def close(self) -> None:
-        super().close()
-        for s in self.held:
-            s.close()
 
 
 def test_a_sigterm_while_a_call_waits_on_a_dead_link_still_fits_the_units_stop_timeout(plane):

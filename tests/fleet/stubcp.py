@@ -14,6 +14,7 @@ flag, ``X-Qlagent-Server-Now-Us`` on every answer, the documented error codes. I
 scheduler: the test queues Runs with ``add_run``.
 
 Test handles: ``partition(True)`` (every request is dropped unanswered and nothing is written),
+``rotate_credential(worker)`` (the Worker's credential refused from then on),
 ``drop_next_pull_answer()`` (the claim commits, the answer is lost), ``drop_ack_answers`` (every ACK is applied,
 its answer lost), ``refuse_chunks`` (503), ``cancel(attempt)``, ``pull_bodies`` (raw request
 bodies), ``heartbeats`` (decoded requests), ``chunk_times``, ``acks``, ``logs``, ``lease()``, ``hellos``,
@@ -196,6 +197,13 @@ class StubControlPlane:
     def cancel(self, attempt_id: str) -> None:
         with self.lock:
             self.attempts[attempt_id]["cancel"] = True
+
+    def rotate_credential(self, worker_id: str) -> str:
+        """A new credential for ``worker_id``: the one it holds is refused (401) from now on."""
+        cred = "qlw_" + secrets.token_urlsafe(32)
+        with self.lock:
+            self.workers[worker_id]["digest"] = hashlib.sha256(cred.encode()).hexdigest()
+        return cred
 
     def expire_lease(self, attempt_id: str) -> None:
         """The Lease runs out now (as if its Worker had been down longer than the TTL)."""

@@ -83,6 +83,13 @@ def test_worker_metrics_count_a_self_fence_and_the_reconnect_after_a_link_cut(tm
                    detail=w.journal)
         # the Session (6 s) runs out at the control plane meanwhile
         assert cp.wait(lambda: all(s["expires"] <= now_us() for s in cp.sessions.values()), 10)
+        # ... and the Worker says so: no Session, no round trip to show, not ready for want of an answer
+        cut = wait_until(lambda: (m := scrape(port))["qlagent_worker_session_open"] == 0 and m, 10,
+                         "the Session counted as lost", detail=w.journal)
+        assert "qlagent_worker_heartbeat_rtt_seconds" not in cut
+        status, body = _http(port, "/readyz")
+        assert status == 503 and body["checks"]["session"] != "ok", body
+        assert body["checks"]["control"].startswith("control_unreachable: "), body
         cp.partition(False)
         wait_until(lambda: scrape(port)["qlagent_worker_reconnects_total"] > before["qlagent_worker_reconnects_total"],
                    30, "a new Session", detail=w.journal)

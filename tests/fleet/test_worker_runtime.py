@@ -20,8 +20,8 @@ import time
 import psutil
 import pytest
 
-from stubcp import StubControlPlane, make_ca, worker_config, write_credential
-from kit import Serve, clean_env, fill, free_port, run_cli, wait_until
+from stubcp import StubControlPlane, make_ca, now_us, worker_config, write_credential
+from kit import PausingLink, Serve, SilentLink, clean_env, fill, free_port, run_cli, wait_until
 
 QUOTA = 4_194_304
 SECRET = "s3cr3t-value-never-at-rest-9f2c"
@@ -1249,3 +1249,138 @@ def test_a_log_cut_by_a_full_file_system_is_acked_with_its_reason(tmp_path, cp):
     finally:
         w.stop()
         subprocess.run(["umount", "-l", str(state)], check=False)
+
+
+def _probe(port: int, path: str) -> tuple[int, dict]:
+    """GET ``path`` on the Worker's status surface, given 2 s to answer (raises OSError past it)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, json.loads(r.read() or b"null")
+    finally:
+        c.close()
+
+
+def _two_replicas(tmp_path, cp, **kw) -> tuple[Worker, SilentLink, SilentLink, int]:
+    """A Worker with a status surface and two replicas in its control_url, two links to the one
+    stub: the first (which it talks to) can be silenced, the second stays healthy."""
+    stub_port = int(cp.url.rsplit(":", 1)[1])
+    r1, r2 = SilentLink(stub_port), SilentLink(stub_port)
+    port = free_port()
+    w = Worker(tmp_path, cp, [f"https://localhost:{r1.port}", f"https://localhost:{r2.port}"],
+               extra=f'\n[http]\nlisten = "127.0.0.1:{port}"', **kw)
+    return w, r1, r2, port
+
+
+def test_a_replica_that_stops_answering_holds_neither_the_status_surface_nor_new_runs(tmp_path):
+    """The replica the Worker talks to stops answering (connections accepted, nothing answered:
+    a SIGSTOPped replica). The control plane's default TTLs (30 s) let each call wait the
+    client's whole timeout (10 s) there; the Worker's /healthz answers every probe meanwhile,
+    and a Run queued then is pulled through the other replica and starts, the first one kept."""
+    cp = StubControlPlane(str(tmp_path), lease_ttl_s=30, session_ttl_s=30)
+    cp.url = cp.start()
+    w, r1, r2, port = _two_replicas(tmp_path, cp)
+    first = cp.add_run(shell="/bin/sh", script="exec sleep 60")
+    w.start()
+    try:
+        assert cp.wait(lambda: "running" in cp.acks_of(first), 30), w.journal()
+        r1.cut.set()
+        second = cp.add_run(shell="/bin/sh", script="exec sleep 60")
+        answered = []
+
+        def probed() -> bool:
+            try:
+                answered.append(_probe(port, "/healthz"))
+            except OSError as e:
+                raise AssertionError(f"probe {len(answered) + 1}: /healthz gave no answer ({e})\n{w.journal()}")
+            return len(answered) >= 15 and "running" in cp.acks_of(second)
+        wait_until(probed, 90, "15 answered probes and the second Run running", step=1.0, detail=w.journal)
+        assert all(a == (200, {"status": "ok"}) for a in answered)
+        assert f"localhost:{r1.port}: timed out" in w.journal() and "worker.lease_lost" not in w.journal()
+        assert cp.state(first) == "running"
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+        r1.close()
+        r2.close()
+        cp.stop()
+
+
+def test_a_replica_silent_for_longer_than_the_lease_loses_none_of_the_runs(tmp_path, cp):
+    """Short TTLs (6 s at the stub, heartbeat 1 s): the replica the Worker talks to goes silent
+    for good. Each heartbeat it leaves unanswered is sent to the other replica in time, so both
+    runs' Leases are renewed through it long past their TTL and neither run is stopped."""
+    w, r1, r2, port = _two_replicas(tmp_path, cp)
+    runs = [cp.add_run(shell="/bin/sh", script="exec sleep 120") for _ in range(2)]
+    w.start()
+    try:
+        assert cp.wait(lambda: all("running" in cp.acks_of(a) for a in runs), 30), w.journal()
+        r1.cut.set()
+        past = now_us() + 3 * cp.lease_ttl_us          # three Leases' worth after the cut
+        assert cp.wait(lambda: all(cp.lease(a)["expires"] > past for a in runs), 60), w.journal()
+        assert [cp.state(a) for a in runs] == ["running", "running"]
+        assert "worker.lease_lost" not in w.journal() and "worker.session_gone" not in w.journal()
+        assert _probe(port, "/api/v3/worker")[1]["liveRuns"] == 2
+        assert w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+        r1.close()
+        r2.close()
+
+
+def test_a_rotated_credential_backs_off_says_so_once_a_minute_and_is_not_ready(tmp_path, cp):
+    """The Worker's credential is rotated at the control plane while it works: every request
+    is refused 401. The Worker gives its Session up, retries with a growing back-off, and
+    journals the refusal once (then at most once a minute with the count left out); /readyz
+    says why and that it has no Session."""
+    port = free_port()
+    w = Worker(tmp_path, cp, cp.url, extra=f'\n[http]\nlisten = "127.0.0.1:{port}"')
+    w.start()
+    try:
+        _wait_http(port, "/healthz")
+        wait_until(lambda: _http(port, "/readyz")[0] == 200, 20, "a Session open", detail=w.journal)
+        cp.rotate_credential(w.worker_id)
+        assert cp.wait(lambda: sum(r[2] == 401 for r in cp.requests) >= 5, 60), w.journal()
+        status, body = _http(port, "/readyz")
+        assert status == 503 and body["checks"]["session"] != "ok", body
+        assert body["checks"]["control"].startswith("worker_unauthenticated: 401"), body
+        refused = [ln for ln in w.journal().splitlines() if "worker_unauthenticated" in ln]
+        failed = [ln for ln in refused if "_failed" in ln]
+        assert len(failed) == 1 and len(refused) <= 2, w.journal()
+        assert w.p.poll() is None and w.stop() == 0
+    finally:
+        if w.p.poll() is None:
+            w.kill()
+
+
+def test_a_run_that_ends_while_a_call_waits_on_a_paused_replica_reports_its_end_not_a_loss(tmp_path, cp):
+    """The only replica pauses (SIGSTOP-like: nothing answered, nothing lost) while a run is
+    about to exit 0. The heartbeat waits until the run's fencing instant; the run exited before
+    it, so the Worker ends it as a completion, not a loss, and once the replica answers again
+    (its Lease still valid) the completion and the whole log are accepted."""
+    link = PausingLink(int(cp.url.rsplit(":", 1)[1]))
+    w = Worker(tmp_path, cp, f"https://localhost:{link.port}")
+    go = tmp_path / "go"
+    os.mkfifo(go)
+    aid = cp.add_run(shell="/bin/sh", script=f"read go < {go}; echo done")
+    w.start()
+    try:
+        assert cp.wait(lambda: "running" in cp.acks_of(aid), 30), w.journal()
+        link.flowing.clear()
+        with open(go, "w") as f:
+            f.write("now\n")            # the run exits 0 while every call waits
+        wait_until(lambda: "worker.run_ended" in w.journal() or "worker.lease_lost" in w.journal(), 30,
+                   "the run's end or loss", detail=w.journal)
+        link.flowing.set()
+        assert "worker.lease_lost" not in w.journal(), w.journal()
+        assert cp.wait(lambda: completion(cp, aid) is not None and cp.logs.get(aid) == b"done\n", 30), w.journal()
+        assert completion(cp, aid).exit_code == 0
+        assert w.stop() == 0
+    finally:
+        link.flowing.set()
+        if w.p.poll() is None:
+            w.kill()
+        link.close()
