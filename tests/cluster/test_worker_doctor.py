@@ -58,8 +58,8 @@ def test_doctor_next_to_a_running_worker_is_all_ok_and_leaves_its_session_alone(
     rc, checks, text = doctor(node)
     assert rc == 0, text
     assert all(c["ok"] for cs in checks.values() for c in cs), text
-    assert set(checks) == {"trust", "state dir", "credential", "ca file", "control", "worker", "inbox", "log store",
-                           "certificate", "free space"}, text
+    assert set(checks) == {"trust", "state dir", "credential", "ca file", "control", "worker", "heartbeat", "inbox",
+                           "log store", "certificate", "free space"}, text
     url = f"https://127.0.0.1:{plane['port']}"
     assert checks["control"][0]["detail"].startswith(f"{url}: TLS ok, GET /healthz 200 in "), text
     assert checks["worker"][0]["detail"].startswith(f"{url}: known as doc-run, state active, generation "
@@ -127,7 +127,8 @@ def test_the_describe_route_answers_its_own_worker_only_and_writes_nothing(plane
     status, headers, body = https(plane, ROUTE.format(id_d), "", auth)
     assert status == 200 and int(headers["x-qlagent-server-now-us"]) > 0, body
     assert json.loads(body) == {"workerId": id_d, "name": "doc-d", "state": "active", "generation": 0,
-                                "labels": {"zone": "a"}, "executorTypes": ["local_process"], "slots": 3}
+                                "labels": {"zone": "a"}, "executorTypes": ["local_process"], "slots": 3,
+                                "sessionTtlS": 30}
     status, _, body = https(plane, ROUTE.format(id_d), "", {"Authorization": f"Worker {open(cred_e).read().strip()}"})
     assert (status, json.loads(body)["error"]) == (403, "worker_mismatch"), body
     token = plane["cp"].ok("token", "create", "--subject", "doc-api", "--role", "viewer").strip()
