@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core import schedule as sch
+from ..core.linelimit import LineLimit
 from ..core.models import ScheduleCursor, TaskHead
 
 if TYPE_CHECKING:   # ports are annotations only: no Protocol class at run time
@@ -60,7 +61,7 @@ class Scheduler:
         self.next_wake_us: int | None = None
         self.carried = 0
         self.clock_ahead = False
-        self._skip_log: dict[str, tuple[int, int]] = {}    # task_id → (last line's µs, lines left out since)
+        self._skip_log: dict[str, LineLimit] = {}    # task_id → its schedule.skipped line's limit
 
     def reload(self) -> int:
         """Re-read enabled Task heads (after a poke or SIGHUP); returns how many are scheduled."""
@@ -171,9 +172,10 @@ class Scheduler:
         """Journal ``schedule.skipped`` at most once per ``SKIP_LOG_EVERY_US`` per Task (the
         count of every skip is the store's, ``tasks.skipped_fires``)."""
         now = self._now()
-        last, left_out = self._skip_log.get(head.task_id, (None, 0))
-        if last is not None and now - last < SKIP_LOG_EVERY_US:
-            self._skip_log[head.task_id] = (last, left_out + 1)
-            return
-        self._skip_log[head.task_id] = (now, 0)
-        self._log("notice", "schedule.skipped", task=head.name, reason="single_instance", suppressed=left_out or None)
+        limit = self._skip_log.get(head.task_id)
+        if limit is None:
+            limit = self._skip_log[head.task_id] = LineLimit(1, SKIP_LOG_EVERY_US, now)
+        left_out = limit.admit(now)
+        if left_out is not None:
+            self._log("notice", "schedule.skipped", task=head.name, reason="single_instance",
+                      suppressed=left_out or None)
