@@ -608,9 +608,12 @@ def mode_flash() -> None:
     r = qljson("run", "start", "heartbeat")["runId"]
     okr = wait_for(lambda: qljson("run", "show", r)["state"] in TERMINAL, 60)
     check("flash.runs_with_space", okr and qljson("run", "show", r)["state"] == "succeeded", None)
-    # Fill from outside (root, like another process on the router) to just below the reserve.
+    # Fill from outside (root, like another process on the router) to just below the reserve:
+    # the edge Profile's 32 MiB, at most a quarter of the file system (README, "small flash").
     fill = "/overlay/upper/fill"
-    reserve = 32 * MiB
+    v = os.statvfs(STATE)
+    reserve = min(32 * MiB, v.f_blocks * v.f_frsize // 4)
+    figures["flash.reserve"] = reserve
     free = df(STATE)
     want = max(0, free - (reserve - 4 * MiB))
     sh("fallocate", "-l", str(want), fill, check_rc=True)
