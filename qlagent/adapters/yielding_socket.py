@@ -14,7 +14,6 @@ every operation after it: one bound for a whole request), then raises ``TimeoutE
 from __future__ import annotations
 
 import errno
-import math
 import os
 import select
 import socket
@@ -31,7 +30,7 @@ class _Waits:
 
     def settimeout(self, t: float | None) -> None:
         super().settimeout(0.0)
-        self._deadline = None if t == 0.0 else (math.inf if t is None else time.monotonic() + t)
+        self._deadline = None if t == 0.0 else (float("inf") if t is None else time.monotonic() + t)
 
     def setblocking(self, flag: bool) -> None:
         self.settimeout(None if flag else 0.0)
